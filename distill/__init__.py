@@ -1,0 +1,1 @@
+"""distill package."""

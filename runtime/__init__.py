@@ -1,0 +1,25 @@
+"""runtime: the engine. Llama-family model, weight loading, catalogue, static KV cache, attention."""
+
+from runtime.cache import KVCache
+from runtime.config import ModelConfig
+from runtime.errors import (CacheMemoryError, CatalogueError, CheckpointError, ContextLengthError,
+                            SpecdecError, UnsupportedModelError)
+from runtime.loading import load_model, load_tokenizer
+from runtime.model import Transformer
+
+__all__ = ["KVCache", "ModelConfig", "Transformer", "load_model", "load_tokenizer", "fetch",
+           "CATALOGUE", "HFAdapter", "SpecdecError", "CheckpointError", "CatalogueError",
+           "ContextLengthError", "CacheMemoryError", "UnsupportedModelError"]
+
+
+def __getattr__(name: str):
+    # catalogue and adapter import lazily: `import runtime` stays cheap
+    if name in ("fetch", "CATALOGUE"):
+        from runtime import catalogue
+
+        return getattr(catalogue, name)
+    if name == "HFAdapter":
+        from runtime.hf_adapter import HFAdapter
+
+        return HFAdapter
+    raise AttributeError(f"module 'runtime' has no attribute {name!r}")

@@ -1,0 +1,55 @@
+"""The attention backend function: one entry point, PyTorch SDPA or the Triton flash kernels.
+
+Every backend computes softmax(q k^T / sqrt(D) + mask) v over the first S slots of the static
+cache, with grouped-query attention (H_q a multiple of H_kv) and no repeated K/V in memory.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+BACKENDS = ("sdpa", "triton")
+
+
+def default_backend(device: torch.device | str) -> str:
+    """`triton` on CUDA when Triton imports, else `sdpa`."""
+    if torch.device(device).type == "cuda":
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return "sdpa"
+        return "triton"
+    return "sdpa"
+
+
+def causal_mask(prefix_lens: torch.Tensor, num_new: int, num_keys: int,
+                window: int | None = None) -> torch.Tensor:
+    """Boolean (B, T, S) mask: query t of row b sees slots [0, prefix_lens[b] + t] (within window)."""
+    device = prefix_lens.device
+    query_slot = prefix_lens[:, None] + torch.arange(num_new, device=device)  # (B, T)
+    key_slot = torch.arange(num_keys, device=device)  # (S,)
+    mask = key_slot[None, None, :] <= query_slot[:, :, None]  # (B, T, S)
+    if window is not None:
+        mask &= key_slot[None, None, :] > query_slot[:, :, None] - window
+    return mask
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+           prefix_lens: torch.Tensor, backend: str = "sdpa",
+           window: int | None = None) -> torch.Tensor:
+    """Attention of q (B, Hq, T, D) over k, v (B, Hkv, S, D) -> (B, Hq, T, D).
+
+    mask: boolean (B, T, S), True = may attend; None means causal on top of each row's
+    `prefix_lens` (B,) cached slots (and the sliding `window`, if any).
+    """
+    if backend == "sdpa":
+        if mask is None:
+            mask = causal_mask(prefix_lens, q.shape[2], k.shape[2], window)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None],
+                                              enable_gqa=q.shape[1] != k.shape[1])
+    if backend == "triton":
+        from runtime.kernels import flash_attention
+
+        return flash_attention(q, k, v, mask=mask, prefix_lens=prefix_lens, window=window)
+    raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")

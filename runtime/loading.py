@@ -1,0 +1,183 @@
+"""load_model / load_tokenizer: catalogue names, local HF checkpoint dirs, .gguf files and hub ids."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from runtime.config import ModelConfig
+from runtime.errors import CheckpointError
+from runtime.model import Transformer
+
+# Hugging Face parameter names (per layer) -> ours; fused entries list their parts in order.
+_LAYER_MAP = {
+    "attn_norm.weight": ["input_layernorm.weight"],
+    "attn.wqkv.weight": ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"],
+    "attn.wqkv.bias": ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"],
+    "attn.wo.weight": ["self_attn.o_proj.weight"],
+    "mlp_norm.weight": ["post_attention_layernorm.weight"],
+    "mlp.w13.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
+    "mlp.w2.weight": ["mlp.down_proj.weight"],
+}
+_TOP_MAP = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+            "lm_head.weight": "lm_head.weight"}
+
+
+def resolve(name_or_path: str | Path) -> Path:
+    """A local HF checkpoint directory for a catalogue name, a directory, a .gguf file or a hub id."""
+    from runtime import catalogue
+
+    text = str(name_or_path)
+    if text in catalogue.CATALOGUE:
+        return catalogue.fetch(text)
+    path = Path(text).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        from runtime.gguf import gguf_to_checkpoint
+
+        return gguf_to_checkpoint(path)
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise CheckpointError(f"{path} is a file; pass a checkpoint directory, a .gguf file or a "
+                              "catalogue name")
+    looks_like_hub_id = text.count("/") == 1 and not text.startswith((".", "/", "~"))
+    if looks_like_hub_id:
+        return _from_hub(text)
+    raise CheckpointError(f"{text!r} does not exist. Pass a local checkpoint directory, a .gguf "
+                          f"file, a hub id, or a catalogue name: {', '.join(catalogue.CATALOGUE)}")
+
+
+def _from_hub(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model",
+                                                                "*.txt", "*.tiktoken"]))
+    except Exception as err:  # the hub client raises many unrelated types (network, auth, 404)
+        raise CheckpointError(f"{repo_id!r} is not a local path and could not be downloaded from the "
+                              f"Hugging Face hub ({type(err).__name__}: {err}); check the name, or "
+                              "use a catalogue name (specdec fetch --list)") from err
+
+
+def read_hf_config(ckpt: Path) -> Any:
+    """The `transformers` config of a checkpoint directory."""
+    from transformers import AutoConfig
+
+    if not (ckpt / "config.json").is_file():
+        raise CheckpointError(f"{ckpt} has no config.json; it is not a Hugging Face checkpoint directory")
+    return AutoConfig.from_pretrained(ckpt)
+
+
+def read_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint dir: model.safetensors, a sharded index, or weights-only .bin."""
+    index = ckpt / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [ckpt / s for s in shards]
+    else:
+        files = sorted(ckpt.glob("*.safetensors"))
+    if files:
+        state: dict[str, torch.Tensor] = {}
+        for f in files:
+            if not f.is_file():
+                raise CheckpointError(f"{index} lists shard {f.name}, which is missing from {ckpt}")
+            try:
+                state.update(load_file(f))
+            except (SafetensorError, OSError) as err:
+                raise CheckpointError(f"{f} is corrupt or truncated ({err}); delete it and fetch or "
+                                      "convert the checkpoint again") from err
+        return state
+    bins = sorted(ckpt.glob("pytorch_model*.bin"))
+    if bins:
+        state = {}
+        for f in bins:
+            try:
+                state.update(torch.load(f, map_location="cpu", weights_only=True))
+            except Exception as err:  # torch.load raises RuntimeError/UnpicklingError/EOFError
+                raise CheckpointError(f"{f} cannot be read as a weights-only PyTorch file ({err})") from err
+        return state
+    raise CheckpointError(f"{ckpt} holds no weights (no *.safetensors, no pytorch_model*.bin)")
+
+
+def to_runtime_state(hf_state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Rename and fuse Hugging Face tensors into the Transformer's parameter names."""
+    out: dict[str, torch.Tensor] = {}
+    for ours, theirs in _TOP_MAP.items():
+        if theirs in hf_state:
+            out[ours] = hf_state[theirs]
+    if "lm_head.weight" not in out:
+        out["lm_head.weight"] = out.get("embed.weight")
+    for i in range(cfg.num_layers):
+        for ours, parts in _LAYER_MAP.items():
+            names = [f"model.layers.{i}.{p}" for p in parts]
+            present = [n for n in names if n in hf_state]
+            if not present:
+                continue
+            if len(present) != len(names):
+                missing = sorted(set(names) - set(present))
+                raise CheckpointError(f"checkpoint is missing {', '.join(missing)}")
+            tensors = [hf_state[n] for n in names]
+            out[f"layers.{i}.{ours}"] = tensors[0] if len(tensors) == 1 else torch.cat(tensors, 0)
+    return out
+
+
+def from_hf_state(hf_state: dict[str, torch.Tensor], hf_config: Any, dtype: torch.dtype = torch.float32,
+                  device: torch.device | str = "cpu", attention: str | None = None) -> Transformer:
+    """Build a Transformer on `meta` and assign the given Hugging Face tensors to it."""
+    cfg = ModelConfig.from_hf(hf_config)
+    with torch.device("meta"):
+        model = Transformer(cfg, attention=attention)
+    state = to_runtime_state(hf_state, cfg)
+    expected = set(model.state_dict())
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+        expected.discard("lm_head.weight")
+    missing = sorted(expected - set(state))
+    if missing:
+        raise CheckpointError(f"checkpoint lacks {len(missing)} tensors the model needs, e.g. "
+                              f"{', '.join(missing[:4])}")
+    for name, tensor in state.items():
+        if not torch.isfinite(tensor).all():
+            raise CheckpointError(f"tensor {name} holds NaN or inf values; the checkpoint is corrupt")
+    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
+    model.load_state_dict(state, assign=True, strict=False)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed.weight
+    return model.eval().requires_grad_(False)
+
+
+def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.bfloat16,
+               device: torch.device | str = "cpu", attention: str | None = None) -> torch.nn.Module:
+    """Load a model for generation.
+
+    name_or_path: a catalogue name (`runtime.CATALOGUE`), a local Hugging Face checkpoint
+    directory (single or sharded safetensors, or a directory written by `quant.save_compressed`),
+    a .gguf file, or a hub id when the hub is reachable. attention: "sdpa" | "triton" | None
+    (None = triton on CUDA when available, sdpa otherwise).
+    """
+    if attention is not None and attention not in ("sdpa", "triton"):
+        raise ValueError(f"attention must be 'sdpa' or 'triton', got {attention!r}")
+    ckpt = resolve(name_or_path)
+    hf_config = read_hf_config(ckpt)
+    if (ckpt / "compression.json").is_file():
+        from runtime.compressed import load_compressed
+
+        return load_compressed(ckpt, hf_config, dtype=dtype, device=device, attention=attention)
+    ModelConfig.from_hf(hf_config)  # fail on an unsupported family before reading the weights
+    return from_hf_state(read_state_dict(ckpt), hf_config, dtype=dtype, device=device, attention=attention)
+
+
+def load_tokenizer(name_or_path: str | Path):
+    """The Hugging Face tokenizer stored with a checkpoint (catalogue name, dir, .gguf or hub id)."""
+    from transformers import AutoTokenizer
+
+    ckpt = resolve(name_or_path)
+    try:
+        return AutoTokenizer.from_pretrained(ckpt)
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"no usable tokenizer in {ckpt} ({err})") from err

@@ -1,0 +1,172 @@
+"""Transformer: one Llama-family decoder (Llama 2/3, Qwen2/2.5, Mistral, SmolLM) over a static KV cache.
+
+Layout follows gpt-fast: q/k/v and gate/up projections are fused into one linear each
+(`attn.wqkv`, `mlp.w13`), which halves the kernel launches of a decode step. The model is
+built on the `meta` device and its weights are assigned from safetensors by `runtime.loading`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.attention import attend, default_backend
+from runtime.cache import KVCache
+from runtime.config import ModelConfig
+from runtime.rope import Rope, apply_rope
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in float32 as Hugging Face Llama does."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention that reads and writes one layer of the static cache."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.wqkv = nn.Linear(cfg.hidden_size, cfg.qkv_size, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: "StepContext") -> torch.Tensor:
+        B, T, _ = x.shape
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # (B, Hq, T, D)
+        k = k.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if ctx.cache is None:
+            keys, values = k, v
+        else:
+            ctx.cache.write(self.layer, k, v, ctx.slots)
+            keys = ctx.cache.k[self.layer][:, :, :ctx.num_keys]  # (B, Hkv, S, D)
+            values = ctx.cache.v[self.layer][:, :, :ctx.num_keys]
+        out = attend(q, keys, values, ctx.mask, ctx.prefix_lens, ctx.backend, ctx.window)
+        return self.wo(out.transpose(1, 2).reshape(B, T, q_size))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward with fused gate/up projection."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.w13 = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.w2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w13(x).split(self.intermediate_size, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    """Pre-norm decoder layer: x + attn(norm(x)), then + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg, layer)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: "StepContext") -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, ctx)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class StepContext:
+    """What every layer of one forward pass shares: cache, write slots, mask, backend."""
+
+    def __init__(self, cache: KVCache | None, slots: torch.Tensor | None, num_keys: int,
+                 mask: torch.Tensor | None, prefix_lens: torch.Tensor, backend: str,
+                 window: int | None) -> None:
+        self.cache, self.slots, self.num_keys = cache, slots, num_keys
+        self.mask, self.prefix_lens, self.backend, self.window = mask, prefix_lens, backend, window
+
+
+class Transformer(nn.Module):
+    """Decoder-only Llama-family model: forward(tokens, positions, cache, mask) -> logits."""
+
+    def __init__(self, cfg: ModelConfig, attention: str | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.attention = attention
+        self._rope: Rope | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    def rope(self) -> Rope:
+        """The cos/sin tables, built on the model's device on first use."""
+        if self._rope is None or self._rope.cos.device != self.device:
+            self._rope = Rope(self.config.hf_config, self.config.head_dim,
+                              self.config.max_position_embeddings, self.device)
+        return self._rope
+
+    def new_cache(self, batch_size: int, max_seq_len: int) -> KVCache:
+        """A static cache for `batch_size` rows of up to `max_seq_len` tokens (checked for memory)."""
+        cfg = self.config
+        return KVCache(cfg.num_layers, batch_size, cfg.num_kv_heads, max_seq_len, cfg.head_dim,
+                       dtype=self.dtype, device=self.device)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | None,
+                mask: torch.Tensor | None = None, return_hidden: bool = False,
+                logits_idx: torch.Tensor | None = None):
+        """Score `tokens` (B, T) at `positions` (B, T).
+
+        With a cache, the new keys/values go to slots cache.lengths[b] + t and the lengths
+        advance by T. `mask` (B, T, S) bool, True = may attend, over the first S cache slots
+        (the new tokens included); None = causal. `logits_idx` (B, N) picks the positions to
+        score (the LM head is the largest matmul of a long prefill). Returns logits (B, T|N, V),
+        and the final hidden states (B, T, C) too when `return_hidden`.
+        """
+        B, T = tokens.shape
+        if cache is None:
+            prefix = torch.zeros(B, dtype=torch.long, device=tokens.device)
+            slots, num_keys = None, T
+        else:
+            cache.check_room(T)
+            prefix = cache.lengths.clone()
+            slots = cache.slots(T)  # (B, T)
+            num_keys = mask.shape[-1] if mask is not None else int(prefix.max()) + T
+        backend = self.attention or default_backend(tokens.device)
+        ctx = StepContext(cache, slots, num_keys, mask, prefix, backend, self.config.sliding_window)
+        cos, sin = self.rope()(positions, self.dtype)
+        x = self.embed(tokens)  # (B, T, C)
+        for layer in self.layers:
+            x = layer(x, cos, sin, ctx)
+        if cache is not None:
+            cache.lengths += T
+        h = self.norm(x)
+        if logits_idx is not None:
+            h_sel = h.gather(1, logits_idx[:, :, None].expand(-1, -1, h.shape[-1]))  # (B, N, C)
+            logits = self.lm_head(h_sel)
+        else:
+            logits = self.lm_head(h)
+        return (logits, h) if return_hidden else logits
