@@ -1,1 +1,6 @@
-"""specdec package."""
+"""specdec: speculative decoding on the runtime engine. `generate`, drafters, verification, stats."""
+
+from specdec.generate import GenerateOutput, generate
+from specdec.stats import AcceptanceStats
+
+__all__ = ["generate", "GenerateOutput", "AcceptanceStats"]

@@ -1,0 +1,118 @@
+"""Batch bookkeeping shared by every decoding loop: prompts in, per-row outputs, stopping, prefill."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from runtime.errors import ContextLengthError
+
+
+def normalize_prompts(input_ids: torch.Tensor | list[torch.Tensor]) -> tuple[list[torch.Tensor], bool]:
+    """Rows as 1-D LongTensors, and whether the input was a (B, T) tensor."""
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.dim() == 1:
+            input_ids = input_ids[None]
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be a LongTensor [B, T] or a list of 1-D LongTensors, "
+                             f"got a tensor of shape {tuple(input_ids.shape)}")
+        rows, as_tensor = list(input_ids), True
+    else:
+        rows, as_tensor = [torch.as_tensor(r) for r in input_ids], False
+        if not rows:
+            raise ValueError("input_ids is an empty list: pass at least one prompt")
+    for i, r in enumerate(rows):
+        if r.dim() != 1:
+            raise ValueError(f"prompt {i} must be 1-D, got shape {tuple(r.shape)}")
+        if r.numel() == 0:
+            raise ValueError(f"prompt {i} is empty: every row needs at least one token (e.g. a BOS "
+                             "token or a chat template)")
+        if r.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"prompt {i} must hold integer token ids, got {r.dtype}")
+    return [r.long().cpu() for r in rows], as_tensor
+
+
+def check_lengths(rows: list[torch.Tensor], max_new_tokens: int, max_positions: int, vocab_size: int,
+                  slack: int = 0) -> int:
+    """Validate prompts against the model; returns the cache length needed per row."""
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    longest = max(r.numel() for r in rows)
+    need = longest + max_new_tokens
+    if need > max_positions:
+        raise ContextLengthError(
+            f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) = {need} exceeds the "
+            f"model's {max_positions} positions; shorten the prompt or lower max_new_tokens")
+    for i, r in enumerate(rows):
+        lo, hi = int(r.min()), int(r.max())
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(f"prompt {i} holds token id {hi if hi >= vocab_size else lo}, outside the "
+                             f"model's vocabulary [0, {vocab_size})")
+    return min(need + slack, max_positions + slack)
+
+
+@dataclass
+class RowState:
+    """Generated tokens and stopping state of each row."""
+
+    prompts: list[torch.Tensor]
+    max_new_tokens: int
+    eos: frozenset[int]
+    new: list[list[int]] = field(init=False)
+    done: list[bool] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.new = [[] for _ in self.prompts]
+        self.done = [self.max_new_tokens == 0 for _ in self.prompts]
+
+    def emit(self, row: int, tokens: list[int]) -> int:
+        """Append tokens to a row up to eos / max_new_tokens; returns how many were kept."""
+        kept = 0
+        for t in tokens:
+            if self.done[row]:
+                break
+            self.new[row].append(t)
+            kept += 1
+            if t in self.eos or len(self.new[row]) >= self.max_new_tokens:
+                self.done[row] = True
+        return kept
+
+    @property
+    def all_done(self) -> bool:
+        return all(self.done)
+
+    def active(self) -> list[int]:
+        return [b for b, d in enumerate(self.done) if not d]
+
+    def sequences(self) -> list[torch.Tensor]:
+        return [torch.cat([p, torch.tensor(n, dtype=torch.long)]) for p, n in zip(self.prompts, self.new)]
+
+
+def eos_set(eos_token_id: int | list[int] | None) -> frozenset[int]:
+    if eos_token_id is None:
+        return frozenset()
+    if isinstance(eos_token_id, int):
+        return frozenset([eos_token_id])
+    return frozenset(int(e) for e in eos_token_id)
+
+
+def prefill(model, rows: list[torch.Tensor], cache, return_hidden: bool = False):
+    """Run the prompts (right-padded) through `model` into `cache`; rows keep their true lengths.
+
+    Returns the logits of each row's last prompt token (B, V) (and its hidden state (B, C)).
+    """
+    device = model.device
+    lens = torch.tensor([r.numel() for r in rows], device=device)  # (B,)
+    T = int(lens.max())
+    tokens = torch.zeros(len(rows), T, dtype=torch.long, device=device)  # (B, T)
+    for b, r in enumerate(rows):
+        tokens[b, :r.numel()] = r.to(device)
+    positions = torch.arange(T, device=device)[None].expand(len(rows), -1)  # (B, T)
+    out = model(tokens, positions, cache, return_hidden=return_hidden, logits_idx=(lens - 1)[:, None])
+    cache.rollback(lens)  # drop the padding slots: causal masking kept them out of real rows
+    if return_hidden:
+        logits, hidden = out
+        last_hidden = hidden[torch.arange(len(rows), device=device), lens - 1]  # (B, C)
+        return logits[:, 0], last_hidden
+    return out[:, 0]
