@@ -1,0 +1,102 @@
+"""HFAdapter: drive any transformers PreTrainedModel through the runtime's model protocol.
+
+The slower path for architectures the runtime does not implement. Each row keeps its own
+`DynamicCache` and rows run one after another, so rows of different lengths, rollback (crop)
+and tree compaction stay simple and exact. Masks are passed to transformers as 4-D masks.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from transformers import DynamicCache
+
+
+class HFCache:
+    """Per-row DynamicCaches behind the KVCache interface (lengths, rollback, compact)."""
+
+    def __init__(self, batch_size: int, max_seq_len: int, device: torch.device) -> None:
+        self.rows = [DynamicCache() for _ in range(batch_size)]
+        self.max_seq_len = max_seq_len
+        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.rows)
+
+    def rollback(self, lengths: torch.Tensor) -> None:
+        for b, cache in enumerate(self.rows):
+            drop = int(self.lengths[b]) - int(lengths[b])
+            if drop < 0:
+                raise ValueError("rollback can only shorten rows")
+            if drop:
+                cache.crop(-drop)
+        self.lengths.copy_(lengths)
+
+    def compact(self, keep: torch.Tensor, start: torch.Tensor, count: torch.Tensor) -> None:
+        for b, cache in enumerate(self.rows):
+            s, n = int(start[b]), int(count[b])
+            idx = torch.cat([torch.arange(s, device=keep.device), keep[b, :n]])
+            for layer in cache.layers:
+                layer.keys = layer.keys[:, :, idx]
+                layer.values = layer.values[:, :, idx]
+        self.lengths.copy_(start + count)
+
+
+class HFAdapter(torch.nn.Module):
+    """A transformers causal LM with the runtime signature model(tokens, positions, cache, mask)."""
+
+    def __init__(self, model) -> None:
+        super().__init__()
+        self.hf = model.eval()
+        cfg = model.config
+        self.config = SimpleNamespace(
+            vocab_size=model.get_output_embeddings().weight.shape[0],
+            hidden_size=cfg.hidden_size,
+            max_position_embeddings=getattr(cfg, "max_position_embeddings", 1 << 20),
+            model_type=cfg.model_type,
+            hf_config=cfg,
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return self.hf.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.hf.dtype
+
+    @property
+    def lm_head(self) -> torch.nn.Module:
+        return self.hf.get_output_embeddings()
+
+    def new_cache(self, batch_size: int, max_seq_len: int) -> HFCache:
+        return HFCache(batch_size, max_seq_len, self.device)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: HFCache,
+                mask: torch.Tensor | None = None, return_hidden: bool = False,
+                logits_idx: torch.Tensor | None = None):
+        """Same contract as runtime.Transformer.forward (rows run one at a time)."""
+        B, T = tokens.shape
+        logits_rows, hidden_rows = [], []
+        for b in range(B):
+            start = int(cache.lengths[b])
+            kwargs = {}
+            if mask is not None:
+                row_mask = mask[b, :, :start + T]  # (T, start + T)
+                neg = torch.finfo(self.dtype).min
+                kwargs["attention_mask"] = torch.zeros(row_mask.shape, dtype=self.dtype,
+                                                       device=self.device).masked_fill(~row_mask, neg)[None, None]
+            out = self.hf(input_ids=tokens[b:b + 1], position_ids=positions[b:b + 1],
+                          past_key_values=cache.rows[b], use_cache=True,
+                          output_hidden_states=return_hidden, **kwargs)
+            logits = out.logits  # (1, T, V)
+            if logits_idx is not None:
+                logits = logits[:, logits_idx[b]]
+            logits_rows.append(logits)
+            if return_hidden:
+                hidden_rows.append(out.hidden_states[-1])
+        cache.lengths += T
+        logits = torch.cat(logits_rows)
+        return (logits, torch.cat(hidden_rows)) if return_hidden else logits
