@@ -69,8 +69,9 @@ def flash_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
         prefix_lens = torch.zeros(B, dtype=torch.long, device=q.device)
     vis = visible_mask(prefix_lens, T, S, mask, window, tree_bits)  # (B, T, S)
     G = Hq // Hkv
-    kk = k.double().repeat_interleave(G, dim=1)  # (B, Hq, S, D)
-    vv = v.double().repeat_interleave(G, dim=1)
+    live = (torch.arange(S, device=q.device)[None, :] < prefix_lens[:, None] + T)[:, None, :, None]  # (B, 1, S, 1)
+    kk = torch.where(live, k.double(), 0.0).repeat_interleave(G, dim=1)  # (B, Hq, S, D), garbage -> 0
+    vv = torch.where(live, v.double(), 0.0).repeat_interleave(G, dim=1)
     scores = q.double() @ kk.transpose(-1, -2) / math.sqrt(D)  # (B, Hq, T, S)
     scores = scores.masked_fill(~vis[:, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows with no visible key -> 0
