@@ -1,0 +1,444 @@
+"""`specdec eval`: acceptance-rate and speed evaluation of several decoding methods in one run.
+
+Every prompt is decoded by every method, methods alternating per prompt (prompt 1: all methods,
+prompt 2: all methods, ...) so that machine drift hits all of them alike, after warm-up
+generations. Methods (`--methods`, comma-separated):
+
+    plain            specdec.generate(target, ids)                      (this runtime, no draft)
+    draft:X          draft = runtime.load_model(X)                      (X: catalogue name / dir)
+    ngram            draft = "ngram"                                    (prompt lookup)
+    hybrid:X         draft = ["ngram", runtime.load_model(X)]
+    medusa:PATH      draft = distill.load_medusa(PATH, target)
+    hf               transformers generate() on the same checkpoint and dtype
+    hf-assisted:X    transformers assisted generation, assistant_model = X
+    hf-pld           transformers prompt lookup (prompt_lookup_num_tokens)
+
+Every method counts the new tokens after the prompt, up to and including eos, and is timed
+around the whole call (prefill included); tokens/s per prompt = new tokens / wall seconds.
+
+Output directory (`--out`): `run.json` (the settings), `generations.jsonl` (one line per prompt x
+method, appended and flushed line by line), then `report.json`, `report.md`, `acceptance.png`,
+`speedup.png` rebuilt from the jsonl (see specdec.report). Re-running with the same `--out` and
+settings resumes: (prompt, method) pairs already in the jsonl are skipped. Different settings
+fail unless `--overwrite`. A generations line holds: id, category, method, turns (user texts),
+outputs (answer texts, one per turn), output_ids (token ids per turn), new_tokens, wall_s,
+tokens_per_second, stats (AcceptanceStats.to_dict(), null for transformers methods).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import shlex
+import sys
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from specdec.baselines import HF_MODES, HFGenerator, load_hf_model, new_tokens
+from specdec.prompts import DATASETS, Prompt, encode, load_prompts
+from specdec.stats import AcceptanceStats
+
+METHOD_KINDS = ("plain", "draft", "ngram", "hybrid", "medusa", "hf", "hf-assisted", "hf-pld")
+_NEEDS_ARG = ("draft", "hybrid", "medusa", "hf-assisted")
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+GENERATIONS, RUN_FILE = "generations.jsonl", "run.json"
+_OUTPUTS = (GENERATIONS, RUN_FILE, "report.json", "report.md", "acceptance.png", "speedup.png")
+# settings that change what a generation line holds: a resumed run must share them
+_RESUME_KEYS = ("target", "prompts", "dataset", "raw", "all_turns", "dtype", "device", "max_new_tokens",
+                "num_draft_tokens", "temperature", "top_p", "top_k", "seed", "hf_pld_tokens")
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One decoding method of a run: `name` as given (e.g. "draft:X"), its kind and argument."""
+
+    name: str
+    kind: str
+    arg: str | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> "MethodSpec":
+        kind, _, arg = text.strip().partition(":")
+        if kind not in METHOD_KINDS:
+            raise ValueError(f"unknown method {text!r}; choose from plain, draft:NAME_OR_PATH, ngram, "
+                             "hybrid:NAME_OR_PATH, medusa:PATH, hf, hf-assisted:NAME_OR_PATH, hf-pld")
+        if kind in _NEEDS_ARG and not arg:
+            raise ValueError(f"method {kind!r} needs a model: write {kind}:NAME_OR_PATH")
+        if kind not in _NEEDS_ARG and arg:
+            raise ValueError(f"method {kind!r} takes no argument, got {text!r}")
+        return cls(text.strip(), kind, arg or None)
+
+
+def parse_methods(text: str | list[str] | tuple[str, ...]) -> list[MethodSpec]:
+    """Methods from "plain,ngram,hf" (or a list); names unique, at most one per transformers kind."""
+    items = text.split(",") if isinstance(text, str) else list(text)
+    specs = [MethodSpec.parse(t) for t in items if t.strip()]
+    if not specs:
+        raise ValueError("no methods given; e.g. --methods plain,ngram,hf")
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"methods repeat: {names}")
+    hf_kinds = [s.kind for s in specs if s.kind in HF_MODES]
+    if len(set(hf_kinds)) != len(hf_kinds):
+        raise ValueError("at most one method of each transformers kind (hf, hf-assisted, hf-pld): "
+                         "they name the speedup_vs_<baseline> columns")
+    return specs
+
+
+def _draft_tokens(value: int | str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        k = int(value)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"num_draft_tokens must be an integer >= 1 or 'auto', got {value!r}") from err
+    if k < 1:
+        raise ValueError(f"num_draft_tokens must be >= 1 or 'auto', got {k}")
+    return k
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Settings of one evaluation run (the CLI's defaults are these)."""
+
+    out: str
+    methods: str = "plain,ngram,hf"
+    target: str = "qwen2.5-coder-1.5b-instruct"
+    prompts: str | None = None
+    dataset: str | None = None
+    limit: int | None = None
+    raw: bool = False
+    all_turns: bool = False
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    max_new_tokens: int = 128
+    num_draft_tokens: int | str = 5
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    warmup: int = 1
+    hf_pld_tokens: int = 10
+    overwrite: bool = False
+
+    def __post_init__(self) -> None:
+        parse_methods(self.methods)
+        if (self.prompts is None) == (self.dataset is None):
+            raise ValueError("pass exactly one prompt source: --prompts FILE.jsonl or --dataset "
+                             f"({', '.join(DATASETS)})")
+        if self.dataset is not None and self.dataset not in DATASETS:
+            raise ValueError(f"unknown dataset {self.dataset!r}; choose one of {', '.join(DATASETS)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"limit must be >= 1, got {self.limit}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        object.__setattr__(self, "num_draft_tokens", _draft_tokens(self.num_draft_tokens))
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ValueError(f"need temperature >= 0, 0 < top_p <= 1, top_k >= 0; got "
+                             f"{self.temperature}, {self.top_p}, {self.top_k}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+        if self.hf_pld_tokens < 1:
+            raise ValueError(f"hf_pld_tokens must be >= 1, got {self.hf_pld_tokens}")
+
+    @property
+    def method_specs(self) -> list[MethodSpec]:
+        return parse_methods(self.methods)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+class SettingsMismatchError(ValueError):
+    """--out holds a run made with different settings."""
+
+
+def run_settings(cfg: EvalConfig, eos: list[int], prompt_format: str) -> dict:
+    """The settings that a resumed run must share, plus what they imply (eos ids, prompt format)."""
+    settings = {k: getattr(cfg, k) for k in _RESUME_KEYS}
+    settings["prompts"] = str(Path(cfg.prompts).resolve()) if cfg.prompts else None
+    settings.update(eos_token_id=eos, prompt_format=prompt_format)
+    return settings
+
+
+def settings_hash(settings: dict) -> str:
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def prepare_out_dir(out: Path, settings: dict, overwrite: bool) -> None:
+    """Create `out`, or check that the run it holds used `settings` (or clear it with overwrite)."""
+    out.mkdir(parents=True, exist_ok=True)
+    run_file = out / RUN_FILE
+    if overwrite:
+        for name in _OUTPUTS:
+            (out / name).unlink(missing_ok=True)
+    if run_file.is_file():
+        old = json.loads(run_file.read_text())["settings"]
+        if old != settings:
+            diff = [f"{k}: {old.get(k)!r} -> {settings.get(k)!r}" for k in sorted(set(old) | set(settings))
+                    if old.get(k) != settings.get(k)]
+            raise SettingsMismatchError(f"{out} holds a run with different settings ({'; '.join(diff)}); "
+                                        "use a new --out, or --overwrite to discard that run")
+    elif (out / GENERATIONS).is_file():
+        raise SettingsMismatchError(f"{out / GENERATIONS} exists without {RUN_FILE}, so its settings "
+                                    "are unknown; use a new --out, or --overwrite to discard it")
+    _atomic_write(run_file, json.dumps({"settings": settings, "settings_hash": settings_hash(settings)},
+                                       indent=2) + "\n")
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def read_generations(path: Path, digest: str | None = None) -> list[dict]:
+    """Complete lines of a generations.jsonl (of one settings hash when given).
+
+    A run killed while writing leaves a partial last line; it is dropped from the file here, so
+    that appending continues on a fresh line.
+    """
+    if not path.is_file():
+        return []
+    text = path.read_text(encoding="utf-8")
+    if text and not text.endswith("\n"):
+        text = text[:text.rfind("\n") + 1]
+        _atomic_write(path, text)
+    records = [json.loads(line) for line in text.splitlines() if line.strip()]
+    return [r for r in records if digest is None or r.get("settings_hash") == digest]
+
+
+def seed_for(seed: int, prompt_id: str, turn: int) -> int:
+    """Per-(prompt, turn) seed, independent of method order and of resuming."""
+    return (seed * 1_000_003 + zlib.crc32(prompt_id.encode()) * 64 + turn) % (2**63 - 1)
+
+
+class Runner:
+    """Loads each model once and decodes one prompt with one method."""
+
+    def __init__(self, cfg: EvalConfig, tokenizer, eos: list[int]) -> None:
+        import runtime
+
+        self.cfg, self.tokenizer, self.eos = cfg, tokenizer, eos
+        self._runtime = runtime
+        self._models: dict[tuple[str, str], object] = {}
+
+    def _cached(self, key: tuple[str, str], load):
+        if key not in self._models:
+            self._models[key] = load()
+        return self._models[key]
+
+    @property
+    def target(self):
+        return self._cached(("runtime", self.cfg.target), lambda: self._runtime.load_model(
+            self.cfg.target, dtype=self.cfg.torch_dtype, device=self.cfg.device))
+
+    def _runtime_model(self, name: str):
+        return self._cached(("runtime", name), lambda: self._runtime.load_model(
+            name, dtype=self.cfg.torch_dtype, device=self.cfg.device))
+
+    def _hf_model(self, name: str):
+        pad = self.tokenizer.pad_token_id
+        if pad is None and self.eos:
+            pad = self.eos[0]
+        return self._cached(("hf", name), lambda: load_hf_model(
+            name, self.cfg.torch_dtype, self.cfg.device, eos_token_id=self.eos or None, pad_token_id=pad))
+
+    def draft_for(self, spec: MethodSpec):
+        """The `draft=` argument of specdec.generate for a specdec method."""
+        if spec.kind == "plain":
+            return None
+        if spec.kind == "ngram":
+            return "ngram"
+        if spec.kind == "draft":
+            return self._runtime_model(spec.arg)
+        if spec.kind == "hybrid":
+            return ["ngram", self._runtime_model(spec.arg)]
+        if spec.kind == "medusa":
+            from distill import load_medusa
+
+            return self._cached(("medusa", spec.arg), lambda: load_medusa(spec.arg, self.target))
+        raise ValueError(f"{spec.name} is not a specdec method")
+
+    def hf_generator(self, spec: MethodSpec) -> HFGenerator:
+        assistant = self._hf_model(spec.arg) if spec.kind == "hf-assisted" else None
+        return self._cached(("hfgen", spec.name), lambda: HFGenerator(
+            self._hf_model(self.cfg.target), spec.kind, assistant, self.cfg.hf_pld_tokens))
+
+    def decode(self, spec: MethodSpec, ids: list[int], seed: int) -> tuple[list[int], dict | None, float]:
+        """(new tokens, stats dict or None, wall seconds) for one prompt."""
+        cfg = self.cfg
+        if spec.kind in HF_MODES:
+            gen = self.hf_generator(spec)
+            if cfg.temperature > 0:
+                torch.manual_seed(seed)  # transformers samples from the global generator
+            start = time.perf_counter()
+            new = gen.generate(ids, cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k)
+            return new, None, time.perf_counter() - start
+        import specdec
+
+        target, draft = self.target, self.draft_for(spec)
+        generator = torch.Generator(device=cfg.device).manual_seed(seed)
+        start = time.perf_counter()
+        out = specdec.generate(target, [torch.tensor(ids)], draft=draft, max_new_tokens=cfg.max_new_tokens,
+                               temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                               num_draft_tokens=cfg.num_draft_tokens, eos_token_id=self.eos or None,
+                               generator=generator)
+        wall = time.perf_counter() - start
+        return new_tokens(out.sequences[0][len(ids):].tolist(), frozenset(self.eos)), out.stats.to_dict(), wall
+
+    def run_prompt(self, spec: MethodSpec, prompt: Prompt) -> dict:
+        """Decode every turn of a prompt (later turns follow the method's own answers)."""
+        answers, output_ids, tokens, wall, stats = [], [], 0, 0.0, None
+        for turn in range(len(prompt.turns)):
+            ids = encode(self.tokenizer, list(prompt.turns[:turn + 1]), answers, self.cfg.raw)
+            new, st, secs = self.decode(spec, ids, seed_for(self.cfg.seed, prompt.id, turn))
+            answers.append(self.tokenizer.decode(new, skip_special_tokens=True))
+            output_ids.append(new)
+            tokens, wall = tokens + len(new), wall + secs
+            if st is not None:
+                stats = AcceptanceStats.from_dict(st) if stats is None else stats.merge(AcceptanceStats.from_dict(st))
+        return {"id": prompt.id, "category": prompt.category, "method": spec.name, "turns": list(prompt.turns),
+                "outputs": answers, "output_ids": output_ids, "new_tokens": tokens, "wall_s": wall,
+                "tokens_per_second": tokens / wall if wall > 0 else 0.0,
+                "stats": stats.to_dict() if stats is not None else None}
+
+
+def eos_ids(target: str, tokenizer) -> list[int]:
+    """eos ids: the checkpoint's generation_config.json (e.g. <|im_end|> for chat) plus the tokenizer's."""
+    from transformers import GenerationConfig
+
+    from runtime.loading import resolve
+
+    ids = set()
+    if (resolve(target) / "generation_config.json").is_file():
+        eos = GenerationConfig.from_pretrained(resolve(target)).eos_token_id
+        ids.update([eos] if isinstance(eos, int) else eos or [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return sorted(ids)
+
+
+def versions() -> dict:
+    """Software and machine the run used."""
+    import importlib.metadata
+    import platform
+
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__,
+            "specdec": importlib.metadata.version("specdec"), "python": platform.python_version(),
+            "platform": platform.platform(), "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads()}
+
+
+def run_eval(cfg: EvalConfig, command: str | None = None, progress: bool = True) -> dict:
+    """Run (or resume) an evaluation; writes the files in `cfg.out` and returns the report dict."""
+    import runtime
+    from specdec.report import build_report, write_report
+
+    specs = cfg.method_specs
+    prompts = load_prompts(cfg.prompts, cfg.dataset, cfg.limit, cfg.all_turns)
+    tokenizer = runtime.load_tokenizer(cfg.target)
+    eos = eos_ids(cfg.target, tokenizer)
+    settings = run_settings(cfg, eos, "raw" if cfg.raw else "chat")
+    if not cfg.raw:
+        encode(tokenizer, [prompts[0].turns[0]], [], raw=False)  # fails early without a chat template
+    out = Path(cfg.out)
+    prepare_out_dir(out, settings, cfg.overwrite)
+    digest = settings_hash(settings)
+    path = out / GENERATIONS
+    done = {(r["id"], r["method"]) for r in read_generations(path, digest)}
+    todo = [(p, s) for p in prompts for s in specs if (p.id, s.name) not in done]
+    runner = Runner(cfg, tokenizer, eos)
+    pending = {s.name for _, s in todo}
+    for spec in specs:  # warm-up: untimed, unrecorded generations on the first prompt
+        if spec.name in pending:
+            for _ in range(cfg.warmup):
+                runner.decode(spec, encode(tokenizer, [prompts[0].turns[0]], [], cfg.raw), cfg.seed)
+    with path.open("a", encoding="utf-8") as fh, \
+            tqdm(total=len(todo), desc="eval", unit="gen", disable=not progress) as bar:
+        for prompt, spec in todo:  # prompt-major: all methods on prompt 1, then prompt 2, ...
+            bar.set_postfix_str(f"{prompt.id} {spec.name}")
+            rec = runner.run_prompt(spec, prompt)
+            rec["settings_hash"] = digest
+            fh.write(json.dumps(rec) + "\n")
+            fh.flush()
+            bar.update()
+    records = read_generations(path, digest)
+    report = build_report(records, settings, [s.name for s in specs], [p.id for p in prompts],
+                          command=command if command is not None else shlex.join(sys.argv),
+                          versions=versions())
+    write_report(out, report)
+    return report
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    """Add the `eval` subcommand to an argparse subparsers object."""
+    d = {f.name: f.default for f in dataclasses.fields(EvalConfig)}
+    p = subparsers.add_parser(
+        "eval", help="compare decoding methods: acceptance (tau) and speed on a prompt set",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="output directory (re-running with it resumes)")
+    p.add_argument("--methods", default=d["methods"],
+                   help="comma-separated methods: plain, draft:X, ngram, hybrid:X, medusa:PATH, hf, "
+                        "hf-assisted:X, hf-pld (default: %(default)s)")
+    p.add_argument("--target", default=d["target"], help="target model: catalogue name, checkpoint dir, "
+                   ".gguf or hub id (default: %(default)s)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompts", default=d["prompts"], help="jsonl prompt file: {\"prompt\"} or "
+                     "MT-bench style {\"question_id\", \"category\", \"turns\"} lines")
+    src.add_argument("--dataset", default=d["dataset"], choices=DATASETS, help="a built-in prompt set")
+    p.add_argument("--limit", type=int, default=d["limit"], help="use the first N prompts (default: all)")
+    p.add_argument("--raw", action="store_true", help="feed prompts as plain completions instead of "
+                   "applying the chat template")
+    p.add_argument("--all-turns", action="store_true", help="MT-bench files: answer every turn, each "
+                   "after the method's own previous answers (default: first turn only)")
+    p.add_argument("--dtype", default=d["dtype"], choices=list(DTYPES), help="(default: %(default)s)")
+    p.add_argument("--device", default=d["device"], help="cpu or cuda (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=d["max_new_tokens"], help="(default: %(default)s)")
+    p.add_argument("--num-draft-tokens", default=d["num_draft_tokens"],
+                   help="draft tokens per step k, an integer or 'auto' (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=d["temperature"], help="0 = greedy (default: "
+                   "%(default)s)")
+    p.add_argument("--top-p", type=float, default=d["top_p"], help="(default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=d["top_k"], help="0 = off (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=d["seed"], help="seed of the per-prompt generators "
+                   "(default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=d["warmup"], help="untimed warm-up generations per "
+                   "method before timing (default: %(default)s)")
+    p.add_argument("--hf-pld-tokens", type=int, default=d["hf_pld_tokens"],
+                   help="prompt_lookup_num_tokens of the hf-pld baseline (default: %(default)s)")
+    p.add_argument("--overwrite", action="store_true", help="discard a run already in --out")
+    p.set_defaults(func=main)
+    return p
+
+
+def main(args: argparse.Namespace) -> int:
+    """Entry point of `specdec eval`: runs, prints the Markdown report, returns the exit code."""
+    from specdec.report import render_markdown
+
+    names = {f.name for f in dataclasses.fields(EvalConfig)}
+    cfg = EvalConfig(**{k: v for k, v in vars(args).items() if k in names})
+    report = run_eval(cfg)
+    print(render_markdown(report))
+    print(f"wrote {cfg.out}/report.json, report.md, acceptance.png, speedup.png, {GENERATIONS}")
+    return 0
+
+
+if __name__ == "__main__":
+    _parser = argparse.ArgumentParser(prog="python -m specdec.evaluate")
+    register(_parser.add_subparsers(dest="command", required=True))
+    _args = _parser.parse_args(["eval", *sys.argv[1:]])
+    sys.exit(_args.func(_args))

