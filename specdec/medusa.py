@@ -1,0 +1,269 @@
+"""Medusa heads (Cai et al. 2024) and the tree decoding loop that drafts with them.
+
+`MedusaHeads` holds K heads on the target's last hidden state (after the final norm). Head i is
+`num_layers` zero-initialised residual blocks x + SiLU(W x) followed by an LM head: by default the
+base model's own (frozen) `lm_head`, shared by every head, or a separate trainable one per head.
+The base LM head at position t predicts token t+1; head i at position t predicts token t+2+i.
+
+`medusa_decode` (called by `specdec.generate(target, ids, draft=heads)`) runs, per step and for
+the whole batch at once: the heads' top-k guesses from the hidden state of the last accepted
+token, arranged by the heads' sparse tree (`specdec.tree`); one target forward over the tree with
+a tree attention mask; verification (greedy, typical or lossless); in-place KV compaction of each
+row's accepted path. Offline training, saving and loading live in `distill.medusa`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdec.rows import RowState, check_lengths, prefill
+from specdec.sampling import check_finite, select_next
+from specdec.stats import AcceptanceStats
+from specdec.tree import (Path, Tree, build_tree, tree_mask, tree_positions, tree_tokens,
+                          verify_greedy, verify_lossless, verify_typical)
+
+ACCEPTANCE = ("auto", "lossless", "typical")
+
+# Per-head top-k accuracy measured on held-out self-distilled chat data for smollm2-135m-instruct
+# heads trained by recipes/medusa_smollm2.py (see docs/medusa.md): row i = head i, column r =
+# P(rank-r guess is the true token). DEFAULT_TREE is built from it.
+DEFAULT_HEAD_ACCURACY = (
+    (0.52, 0.12, 0.05, 0.03, 0.02, 0.015, 0.012, 0.01),
+    (0.30, 0.10, 0.05, 0.035, 0.025, 0.02, 0.015, 0.012),
+    (0.21, 0.08, 0.045, 0.03, 0.022, 0.018, 0.014, 0.011),
+    (0.16, 0.07, 0.04, 0.028, 0.02, 0.016, 0.013, 0.01),
+)
+DEFAULT_TREE_NODES = 40
+
+
+def default_tree(num_heads: int, num_nodes: int = DEFAULT_TREE_NODES) -> tuple[Path, ...]:
+    """The shipped tree for `num_heads` heads (built from DEFAULT_HEAD_ACCURACY)."""
+    acc = [list(DEFAULT_HEAD_ACCURACY[min(i, len(DEFAULT_HEAD_ACCURACY) - 1)]) for i in range(num_heads)]
+    return build_tree(acc, num_nodes)
+
+
+@dataclass(frozen=True)
+class MedusaConfig:
+    """Shape of a set of Medusa heads, and the candidate tree they draft with."""
+
+    hidden_size: int
+    vocab_size: int
+    num_heads: int = 4
+    num_layers: int = 1
+    shared_lm_head: bool = True
+    tree: tuple[Path, ...] | None = None
+    head_accuracy: tuple[tuple[float, ...], ...] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "vocab_size", "num_heads", "num_layers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"MedusaConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.tree is not None:
+            tree = Tree(tuple(tuple(p) for p in self.tree))
+            if tree.max_depth > self.num_heads:
+                raise ValueError(f"the tree is {tree.max_depth} deep but there are only "
+                                 f"{self.num_heads} heads; use a tree of depth <= num_heads")
+            object.__setattr__(self, "tree", tree.paths)
+        if self.head_accuracy is not None:
+            object.__setattr__(self, "head_accuracy",
+                               tuple(tuple(float(a) for a in row) for row in self.head_accuracy))
+
+    def to_dict(self) -> dict:
+        return {"hidden_size": self.hidden_size, "vocab_size": self.vocab_size,
+                "num_heads": self.num_heads, "num_layers": self.num_layers,
+                "shared_lm_head": self.shared_lm_head,
+                "tree": [list(p) for p in self.tree] if self.tree is not None else None,
+                "head_accuracy": [list(r) for r in self.head_accuracy] if self.head_accuracy else None}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "MedusaConfig":
+        tree = d.get("tree")
+        acc = d.get("head_accuracy")
+        return cls(hidden_size=int(d["hidden_size"]), vocab_size=int(d["vocab_size"]),
+                   num_heads=int(d["num_heads"]), num_layers=int(d["num_layers"]),
+                   shared_lm_head=bool(d["shared_lm_head"]),
+                   tree=tuple(tuple(p) for p in tree) if tree is not None else None,
+                   head_accuracy=tuple(tuple(r) for r in acc) if acc else None)
+
+
+class ResBlock(nn.Module):
+    """x + SiLU(W x + b), with W and b zero-initialised: the block starts as the identity."""
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.silu(self.linear(x))
+
+
+class MedusaHeads(nn.Module):
+    """K Medusa heads over a base model's last hidden state; a tree drafter for specdec.generate.
+
+    Decoding options (attributes): `tree` (a specdec.tree.Tree), `acceptance` ("auto" = lossless
+    rejection sampling when temperature > 0, "lossless", or "typical"), `typical_epsilon`,
+    `typical_delta`. At temperature 0 verification is always greedy.
+    """
+
+    is_tree_drafter = True
+
+    def __init__(self, config: MedusaConfig, lm_head: nn.Linear | None = None) -> None:
+        super().__init__()
+        self.config = config
+        C, V = config.hidden_size, config.vocab_size
+        self.blocks = nn.ModuleList(nn.Sequential(*[ResBlock(C) for _ in range(config.num_layers)])
+                                    for _ in range(config.num_heads))
+        self.lm_heads = None
+        if not config.shared_lm_head:
+            self.lm_heads = nn.ModuleList(nn.Linear(C, V, bias=False) for _ in range(config.num_heads))
+            if lm_head is not None:
+                for head in self.lm_heads:
+                    head.weight.data.copy_(lm_head.weight.data)
+        self._base: list[nn.Linear] = []  # a list: the base LM head is not a parameter of the heads
+        if lm_head is not None:
+            self.bind(lm_head)
+        self.tree = Tree(config.tree if config.tree is not None else default_tree(config.num_heads))
+        self.acceptance = "auto"
+        self.typical_epsilon = 0.09
+        self.typical_delta = 0.3
+
+    def bind(self, lm_head: nn.Linear) -> None:
+        """Use `lm_head` (the base model's, frozen) as the shared LM head."""
+        if tuple(lm_head.weight.shape) != (self.config.vocab_size, self.config.hidden_size):
+            raise ValueError(f"the LM head is {tuple(lm_head.weight.shape)}, the heads need "
+                             f"({self.config.vocab_size}, {self.config.hidden_size})")
+        self._base = [lm_head]
+
+    def set_tree(self, paths) -> None:
+        """Draft with the sparse tree `paths` (list of top-k rank tuples)."""
+        tree = Tree(tuple(tuple(p) for p in paths))
+        if tree.max_depth > self.config.num_heads:
+            raise ValueError(f"the tree is {tree.max_depth} deep but there are only "
+                             f"{self.config.num_heads} heads")
+        self.tree = tree
+
+    @property
+    def num_heads(self) -> int:
+        return self.config.num_heads
+
+    def features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden states (..., C) -> each head's residual-block output (K, ..., C)."""
+        x = hidden.to(self.blocks[0][0].linear.weight.dtype)
+        return torch.stack([blk(x) for blk in self.blocks])
+
+    def head_logits(self, feats: torch.Tensor) -> torch.Tensor:
+        """Residual-block outputs (K, ..., C) -> logits (K, ..., V)."""
+        if self.lm_heads is not None:
+            return torch.stack([head(f) for head, f in zip(self.lm_heads, feats)])
+        if not self._base:
+            raise RuntimeError("these Medusa heads share the base model's LM head but are not bound "
+                               "to a model; call heads.bind(model.lm_head) or distill.load_medusa")
+        w = self._base[0].weight
+        return feats.to(w.dtype) @ w.T
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden states (..., C) -> logits of every head (K, ..., V)."""
+        return self.head_logits(self.features(hidden))
+
+    @torch.no_grad()
+    def guesses(self, hidden: torch.Tensor, topk: tuple[int, ...]) -> list[torch.Tensor]:
+        """Top-k tokens (B, topk[i]) of heads i < len(topk) from hidden (B, C), best first."""
+        feats = self.features(hidden)[:len(topk)]  # (D, B, C)
+        logits = self.head_logits(feats)  # (D, B, V)
+        k = max(topk)
+        idx = logits.topk(k, dim=-1).indices  # (D, B, k)
+        return [idx[i, :, :topk[i]] for i in range(len(topk))]
+
+
+def _check_fit(target, heads: MedusaHeads) -> None:
+    cfg, hc = target.config, heads.config
+    if (hc.hidden_size, hc.vocab_size) != (cfg.hidden_size, cfg.vocab_size):
+        raise ValueError(f"Medusa heads for hidden size {hc.hidden_size} / vocabulary {hc.vocab_size} "
+                         f"cannot draft for a model with {cfg.hidden_size} / {cfg.vocab_size}; load "
+                         "heads trained for this model (distill.load_medusa checks this)")
+    if heads.acceptance not in ACCEPTANCE:
+        raise ValueError(f"heads.acceptance must be one of {ACCEPTANCE}, got {heads.acceptance!r}")
+
+
+def _verify(heads: MedusaHeads, tree: Tree, tokens: torch.Tensor, logits: torch.Tensor, anc,
+            temperature: float, top_k: int, top_p: float, generator):
+    if temperature == 0:
+        return verify_greedy(tree, tokens, logits, anc)
+    if heads.acceptance == "typical":
+        return verify_typical(tree, tokens, logits, temperature, top_k, top_p, heads.typical_epsilon,
+                              heads.typical_delta, generator)
+    return verify_lossless(tree, tokens, logits, temperature, top_k, top_p, generator)
+
+
+@torch.inference_mode()
+def medusa_decode(target, heads: MedusaHeads, state: RowState, temperature: float, top_k: int,
+                  top_p: float, generator: torch.Generator | None) -> AcceptanceStats:
+    """Tree decoding with Medusa heads for every row of `state`; returns the run's statistics.
+
+    Each step scores the tree (root = the token chosen last step, then the heads' guesses) in
+    one target forward for the whole batch, accepts each row's longest verified path plus one
+    bonus token, and compacts that path's keys/values in place.
+    """
+    _check_fit(target, heads)
+    cfg, tree = target.config, heads.tree
+    n = tree.num_nodes
+    stats = AcceptanceStats(num_calls=1)
+    max_len = check_lengths(state.prompts, state.max_new_tokens, cfg.max_position_embeddings,
+                            cfg.vocab_size, slack=n)
+    if state.all_done:
+        return stats
+    start = time.perf_counter()
+    device, B = target.device, len(state.prompts)
+    cache = target.new_cache(B, max_len)
+    logits, hidden = prefill(target, state.prompts, cache, return_hidden=True)  # (B, V), (B, C)
+    root = select_next(logits, temperature, top_k, top_p, generator).to(device)  # (B,)
+    for b in state.active():
+        stats.target_forwards += 1
+        stats.generated_tokens += state.emit(b, [int(root[b])])
+    stats.ttft_s = time.perf_counter() - start
+    anc = tree.ancestors(device)  # (N, N)
+    rows = torch.arange(B, device=device)
+    while not state.all_done:
+        active = state.active()
+        t0 = time.perf_counter()
+        tokens = tree_tokens(tree, root, heads.guesses(hidden, tree.topk))  # (B, N)
+        t1 = time.perf_counter()
+        lengths = cache.lengths.clone()  # (B,)
+        mask = tree_mask(tree, lengths, int(lengths.max()) + n, anc, cfg.sliding_window)  # (B, N, S)
+        positions = tree_positions(tree, lengths, cfg.max_position_embeddings - 1)  # (B, N)
+        logits, hid = target(tokens, positions, cache, mask=mask, return_hidden=True)  # (B, N, V)
+        check_finite(logits)
+        sel = torch.tensor(active, device=device)
+        verdicts = _verify(heads, tree, tokens[sel], logits[sel], anc, temperature, top_k, top_p,
+                           generator)
+        keep = torch.zeros(B, tree.max_depth + 1, dtype=torch.long)  # (B, 1 + D) slots to keep
+        count = torch.zeros(B, dtype=torch.long)
+        last = torch.zeros(B, dtype=torch.long)
+        new_root = root.clone()
+        for b, v in zip(active, verdicts):
+            path = [0] + v.nodes
+            keep[b, :len(path)] = int(lengths[b]) + torch.tensor(path)
+            count[b] = len(path)
+            last[b] = path[-1]
+            new_root[b] = v.bonus
+            stats.target_forwards += 1
+            stats.drafted_tokens += tree.max_depth
+            stats.accepted_tokens += len(v.nodes)
+            stats.record_positions(v.attempted, v.accepted)
+            stats.generated_tokens += state.emit(b, v.tokens + [v.bonus])
+        cache.compact(keep.to(device), lengths, count.to(device))
+        hidden = hid[rows, last.to(device)]  # (B, C): the last accepted token's hidden state
+        root = new_root
+        stats.draft_s += t1 - t0
+        stats.verify_s += time.perf_counter() - t1
+    stats.wall_s = time.perf_counter() - start
+    per_row = max(len(x) for x in state.new)
+    stats.tpot_s = (stats.wall_s - stats.ttft_s) / (per_row - 1) if per_row > 1 else 0.0
+    return stats
