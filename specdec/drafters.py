@@ -87,7 +87,9 @@ class ModelDrafter:
         self.cost_per_token = 0.0  # measured seconds per drafted token (EMA)
 
     def start(self, prompts: list[torch.Tensor], max_len: int) -> None:
-        self.cache = self.model.new_cache(len(prompts), max_len)
+        # twice the target's length: a row catching up after n-gram steps feeds a long chunk, and
+        # the other rows of that batched call are right-padded to it (a draft's cache is small)
+        self.cache = self.model.new_cache(len(prompts), 2 * max_len)
         self.fed = [p[:0] for p in prompts]
 
     def sync(self, seqs: list[torch.Tensor]) -> None:
