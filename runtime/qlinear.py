@@ -1,4 +1,4 @@
-"""Quantized and sparse linear layers used online: INT8, INT4 (group-wise), NF4, LLM.int8, 2:4.
+"""Quantized and sparse linear layers used online: INT8, INT4 (group-wise), NF4, LLM.int8, 2:4 (+INT4).
 
 Each module keeps its packed storage as buffers, has the forward of `nn.Linear`
 (x (..., in) -> (..., out)), and offers `dequantize(dtype)` (the dense reference it must
@@ -283,6 +283,60 @@ class Sparse24Linear(QuantizedLinear):
         return y if self.bias is None else y + self._bias(x)
 
 
+class Sparse24Int4Linear(Sparse24Linear):
+    """2:4 sparse weights whose kept values are INT4 codes (two per byte) on a per-group grid.
+
+    Kept value j of a row came from inputs 4 * (j // 2) .. + 3, so it belongs to input group
+    (4 * (j // 2)) // G = j // (G / 2): value = (code - 8) * scales[n, g] + zeros[n, g].
+    Storage: codes (N, K/4) uint8, indices (N, K/8) uint8, scales / zeros (N, K/G).
+    """
+
+    FORMAT = "sparse24_int4"
+
+    def __init__(self, codes: torch.Tensor, indices: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 group_size: int, bias: torch.Tensor | None = None) -> None:
+        out_features, quarter = codes.shape
+        in_features = 4 * quarter
+        if codes.dtype != torch.uint8 or group_size % 4 or in_features % group_size:
+            raise ValueError(f"Sparse24Int4Linear needs uint8 (out, in/4) codes and a group size that is a "
+                             f"multiple of 4 dividing in={in_features}, got {codes.dtype} and {group_size}")
+        groups = (out_features, in_features // group_size)
+        if scales.shape != groups or zeros.shape != groups:
+            raise ValueError(f"Sparse24Int4Linear scales/zeros must be {groups}")
+        values = torch.empty(out_features, in_features // 2, dtype=scales.dtype, device=codes.device)
+        super().__init__(values, indices, bias)
+        del self.values
+        self.group_size = group_size
+        self.register_buffer("codes", codes)  # (N, K/4) uint8
+        self.register_buffer("scales", scales)  # (N, K/G)
+        self.register_buffer("zeros", zeros)  # (N, K/G)
+
+    def kept_values(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """(N, K/2) dequantized kept values."""
+        q = unpack_int4(self.codes).to(torch.float32)  # (N, K/2)
+        g = torch.arange(q.shape[1], device=q.device) // (self.group_size // 2)
+        s, z = self.scales.to(torch.float32)[:, g], self.zeros.to(torch.float32)[:, g]
+        return ((q - 8) * s + z).to(dtype)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        N, K = self.out_features, self.in_features
+        idx = unpack_24_indices(self.indices)  # (N, K/4, 2)
+        dense = torch.zeros(N, K // 4, 4, dtype=dtype, device=self.codes.device)
+        dense.scatter_(-1, idx, self.kept_values(dtype).view(N, K // 4, 2))
+        return dense.view(N, K)
+
+    def storage(self) -> dict[str, torch.Tensor]:
+        return {"codes": self.codes, "indices": self.indices, "scales": self.scales, "zeros": self.zeros}
+
+    def meta(self) -> dict[str, Any]:
+        return {**super().meta(), "group_size": self.group_size}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> "Sparse24Int4Linear":
+        return cls(tensors["codes"], tensors["indices"], tensors["scales"], tensors["zeros"],
+                   int(meta["group_size"]), tensors.get("bias"))
+
+
 class NF4Linear(QuantizedLinear):
     """bitsandbytes 4-bit NormalFloat weights (blocks of `blocksize`, optional double quantization)."""
 
@@ -384,11 +438,14 @@ class Int8MixedLinear(QuantizedLinear):
         state = bnb.MatmulLtState()
         state.CB, state.SCB, state.threshold = self.qweight, self.scales, self.threshold
         state.has_fp16_weights, state.is_training = False, False
-        return bnb.matmul(x, self.qweight, state=state, bias=self._bias(x))
+        # bitsandbytes computes LLM.int8 in float16 (it would cast, with a warning per call)
+        bias = None if self.bias is None else self.bias.to(torch.float16)
+        return bnb.matmul(x.to(torch.float16), self.qweight, state=state, bias=bias).to(x.dtype)
 
 
 FORMATS: dict[str, type[QuantizedLinear]] = {
-    cls.FORMAT: cls for cls in (Int8Linear, Int4Linear, Sparse24Linear, NF4Linear, Int8MixedLinear)}
+    cls.FORMAT: cls for cls in (Int8Linear, Int4Linear, Sparse24Linear, Sparse24Int4Linear, NF4Linear,
+                                 Int8MixedLinear)}
 
 
 def from_tensors(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> QuantizedLinear:

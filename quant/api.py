@@ -1,0 +1,190 @@
+"""quantize_ / sparsify_: replace a model's nn.Linear modules in place with runtime.qlinear modules.
+
+One verb per kind of compression, configured by a frozen config (quant.config). Round-to-
+nearest formats work module by module; GPTQ, SparseGPT and Wanda calibrate layer by layer
+(quant.layerwise). Each call appends its config to `model.compression_recipe`, which
+`save_compressed` writes to compression.json.
+"""
+
+from __future__ import annotations
+
+from fnmatch import fnmatchcase
+
+import torch
+from torch import nn
+
+from quant.config import NF4, Config, Int4WeightOnly, Int8Mixed, Int8WeightOnly, SemiStructured24, config_to_dict
+from quant.gptq import solve
+from quant.grids import check_group_size, int4_module, int4_rtn, int8_rtn, mask_24
+from quant.layerwise import compress_layerwise
+from runtime.qlinear import (Int8MixedLinear, NF4Linear, Sparse24Int4Linear, Sparse24Linear, pack_24_indices,
+                             pack_int4)
+
+
+def select_linears(model: nn.Module, cfg: Config) -> dict[str, nn.Linear]:
+    """The plain nn.Linear modules `cfg` applies to, by fully-qualified name (model order)."""
+    out = {}
+    for name, mod in model.named_modules():
+        if type(mod) is not nn.Linear:
+            continue
+        if name == "lm_head" and not cfg.include_lm_head:
+            continue
+        if not any(fnmatchcase(name, p) for p in cfg.modules) or any(fnmatchcase(name, p) for p in cfg.exclude):
+            continue
+        out[name] = mod
+    if not out:
+        raise ValueError(f"{type(cfg).__name__} matches no uncompressed nn.Linear (modules={cfg.modules}, "
+                         f"exclude={cfg.exclude}); check the patterns against model.named_modules()")
+    return out
+
+
+def _check_weights(targets: dict[str, nn.Linear]) -> None:
+    for name, mod in targets.items():
+        for pname, p in (("weight", mod.weight), ("bias", mod.bias)):
+            if p is not None and not torch.isfinite(p).all():
+                raise ValueError(f"{name}.{pname} holds NaN or inf values; compressing it would spread them. "
+                                 "Reload the checkpoint (it may be corrupt) or exclude the module")
+
+
+def _bias(mod: nn.Linear) -> torch.Tensor | None:
+    return None if mod.bias is None else mod.bias.detach().clone()
+
+
+def _record(model: nn.Module, cfg: Config) -> None:
+    recipe = list(getattr(model, "compression_recipe", []))
+    recipe.append(config_to_dict(cfg))
+    model.compression_recipe = recipe
+
+
+def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, module)
+
+
+def _need_calibration(cfg: Config, calibration: torch.Tensor | None, what: str) -> torch.Tensor:
+    if calibration is None:
+        raise ValueError(f"{what} needs calibration windows: pass calibration=quant.calibration_batches(tok, ...)")
+    return calibration
+
+
+def _check_bitsandbytes(cfg: Config, device: torch.device, dtype: torch.dtype) -> None:
+    """Run the bitsandbytes op once on a tiny weight of this device and dtype; fail early with a clear error."""
+    try:
+        import bitsandbytes.functional as bnbf
+    except ImportError as err:
+        raise RuntimeError(f"{type(cfg).__name__} needs bitsandbytes: pip install bitsandbytes") from err
+    probe = torch.ones(64, 128, dtype=dtype, device=device)
+    try:
+        if isinstance(cfg, NF4):
+            bnbf.quantize_4bit(probe, blocksize=cfg.blocksize, quant_type="nf4", compress_statistics=cfg.double_quant)
+        else:
+            bnbf.int8_vectorwise_quant(probe.to(torch.float16))
+    except (RuntimeError, NotImplementedError, ValueError, TypeError, AssertionError) as err:
+        raise RuntimeError(f"bitsandbytes cannot run {cfg} on {device} with {dtype} weights ({type(err).__name__}: "
+                           f"{err}); use Int4WeightOnly / Int8WeightOnly (PyTorch kernels) on this device") from err
+
+
+@torch.no_grad()
+def quantize_(model: nn.Module, config: Config, calibration: torch.Tensor | None = None,
+              progress: bool = True) -> nn.Module:
+    """Quantize the selected linears of `model` in place (and return it).
+
+    config: Int8WeightOnly, Int4WeightOnly (method "rtn" or "gptq"), NF4 or Int8Mixed.
+    calibration: LongTensor (N, T) windows (quant.calibration_batches), needed by GPTQ.
+    """
+    if isinstance(config, SemiStructured24):
+        raise ValueError("SemiStructured24 is a sparsity config: use quant.sparsify_(model, config, ...)")
+    if not isinstance(config, (Int8WeightOnly, Int4WeightOnly, NF4, Int8Mixed)):
+        raise ValueError(f"quantize_ takes Int8WeightOnly, Int4WeightOnly, NF4 or Int8Mixed, got {config!r}")
+    targets = select_linears(model, config)
+    _check_weights(targets)
+    if isinstance(config, Int4WeightOnly):
+        for name, mod in targets.items():
+            check_group_size(name, mod.in_features, config.group_size)
+    if isinstance(config, (NF4, Int8Mixed)):
+        first = next(iter(targets.values())).weight
+        _check_bitsandbytes(config, first.device, first.dtype)
+    if isinstance(config, Int4WeightOnly) and config.method == "gptq":
+        batches = _need_calibration(config, calibration, "Int4WeightOnly(method='gptq')")
+
+        def gptq(name: str, mod: nn.Linear, stats) -> nn.Module:
+            res = solve(mod.weight, stats.H, damp=config.damp, block_size=config.block_size,
+                        group_size=config.group_size, act_order=config.act_order)
+            return int4_module(res.codes, res.scales, res.zeros, config.group_size, _bias(mod))
+
+        compress_layerwise(model, batches, targets, "hessian", gptq, "gptq", progress=progress)
+    else:
+        for name, mod in targets.items():
+            _set_module(model, name, _round_to_nearest(mod, config))
+    _record(model, config)
+    return model
+
+
+def _round_to_nearest(mod: nn.Linear, cfg: Config) -> nn.Module:
+    w, b = mod.weight.detach(), _bias(mod)
+    if isinstance(cfg, Int8WeightOnly):
+        return int8_rtn(w, b)
+    if isinstance(cfg, Int4WeightOnly):
+        return int4_rtn(w, cfg.group_size, b)
+    if isinstance(cfg, NF4):
+        return NF4Linear.quantize(w, b, cfg.blocksize, cfg.double_quant)
+    return Int8MixedLinear.quantize(w, b, cfg.threshold)
+
+
+def _sparse_module(weight: torch.Tensor, drop: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> Sparse24Linear:
+    """Sparse24Linear from a weight and its prune mask (exactly 2 dropped per group of 4)."""
+    N, K = weight.shape
+    keep_idx = torch.nonzero(~drop.view(N, K // 4, 4), as_tuple=True)[2].view(N, K // 4, 2)
+    values = weight.view(N, K // 4, 4).gather(-1, keep_idx).reshape(N, K // 2).to(dtype)
+    return Sparse24Linear(values, pack_24_indices(keep_idx), bias)
+
+
+@torch.no_grad()
+def sparsify_(model: nn.Module, config: SemiStructured24, calibration: torch.Tensor | None = None,
+              progress: bool = True) -> nn.Module:
+    """Prune the selected linears of `model` to 2:4 in place (and return it).
+
+    method "magnitude" needs no calibration; "wanda" and "sparsegpt" need calibration windows.
+    With `int4_group_size`, SparseGPT also quantizes the kept weights to INT4 (Sparse24Int4Linear).
+    """
+    if not isinstance(config, SemiStructured24):
+        raise ValueError(f"sparsify_ takes a SemiStructured24 config, got {config!r}; quantize with quant.quantize_")
+    targets = select_linears(model, config)
+    _check_weights(targets)
+    for name, mod in targets.items():
+        if mod.in_features % 8:
+            raise ValueError(f"2:4 sparsity needs input widths divisible by 8; {name} has {mod.in_features}")
+        if config.int4_group_size is not None:
+            check_group_size(name, mod.in_features, config.int4_group_size)
+    if config.method == "magnitude":
+        for name, mod in targets.items():
+            w = mod.weight.detach()
+            _set_module(model, name, _sparse_module(w, mask_24(w.abs().float()), _bias(mod), w.dtype))
+    elif config.method == "wanda":
+        batches = _need_calibration(config, calibration, "SemiStructured24(method='wanda')")
+
+        def wanda(name: str, mod: nn.Linear, stats) -> nn.Module:
+            w = mod.weight.detach()
+            scores = w.abs().float() * stats.norms[None, :]
+            return _sparse_module(w, mask_24(scores), _bias(mod), w.dtype)
+
+        compress_layerwise(model, batches, targets, "norms", wanda, "wanda", progress=progress)
+    else:
+        batches = _need_calibration(config, calibration, "SemiStructured24(method='sparsegpt')")
+
+        def sparsegpt(name: str, mod: nn.Linear, stats) -> nn.Module:
+            w = mod.weight.detach()
+            res = solve(w, stats.H, damp=config.damp, block_size=config.block_size,
+                        group_size=config.int4_group_size, sparse24=True)
+            if config.int4_group_size is None:
+                return _sparse_module(res.weight, res.drop, _bias(mod), w.dtype)
+            N, K = w.shape
+            keep_idx = torch.nonzero(~res.drop.view(N, K // 4, 4), as_tuple=True)[2].view(N, K // 4, 2)
+            kept = res.codes.view(N, K // 4, 4).gather(-1, keep_idx).reshape(N, K // 2)
+            return Sparse24Int4Linear(pack_int4(kept.to(torch.int32)), pack_24_indices(keep_idx),
+                                      res.scales.to(torch.bfloat16).contiguous(),
+                                      res.zeros.to(torch.bfloat16).contiguous(), config.int4_group_size, _bias(mod))
+
+        compress_layerwise(model, batches, targets, "hessian", sparsegpt, "sparsegpt", progress=progress)
+    _record(model, config)
+    return model

@@ -1,0 +1,147 @@
+"""save_compressed / export_dense: compressed checkpoints (packed safetensors + compression.json) and
+plain Hugging Face exports, written atomically (a temporary directory renamed into place).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from runtime.compressed import FORMAT_VERSION
+from runtime.qlinear import QuantizedLinear
+
+
+def compressed_modules(model: nn.Module) -> dict[str, QuantizedLinear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+
+
+def _is_tied(model: nn.Module) -> bool:
+    head, embed = getattr(model, "lm_head", None), getattr(model, "embed", None)
+    return isinstance(head, nn.Linear) and embed is not None and head.weight is embed.weight
+
+
+def model_nbytes(model: nn.Module) -> int:
+    """Bytes of all parameters and buffers, a tensor shared by two modules counted once."""
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
+
+
+def dir_nbytes(path: str | Path) -> int:
+    """Bytes of the weight files (*.safetensors) in a checkpoint directory."""
+    return sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
+
+
+def _atomic_dir(out_dir: Path, write) -> Path:
+    out_dir = Path(out_dir).expanduser()
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        write(tmp)
+        if out_dir.exists():
+            old = out_dir.with_name(f".{out_dir.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            out_dir.rename(old)
+            tmp.rename(out_dir)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def _write_common(tmp: Path, hf_config: Any, tokenizer: Any) -> None:
+    hf_config.to_json_file(str(tmp / "config.json"))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(tmp))
+
+
+def save_compressed(model: nn.Module, out_dir: str | Path, tokenizer: Any = None) -> Path:
+    """Write `model` (compressed by quantize_ / sparsify_) to `out_dir`; `runtime.load_model(out_dir)` restores it.
+
+    Files: model.safetensors (packed tensors `<module>.<name>`, dense tensors by runtime name),
+    compression.json (format version, the recipe, per-module formats), config.json and the
+    tokenizer when given.
+    """
+    qmods = compressed_modules(model)
+    if not qmods:
+        raise ValueError("the model has no compressed linears; run quant.quantize_ or quant.sparsify_ first, "
+                         "or save a dense model with export_dense")
+    tensors: dict[str, torch.Tensor] = {}
+    for name, mod in qmods.items():
+        for key, t in mod.to_tensors().items():
+            tensors[f"{name}.{key}"] = t
+    prefixes = tuple(n + "." for n in qmods)
+    for key, t in model.state_dict().items():
+        if key.startswith(prefixes) or (key == "lm_head.weight" and _is_tied(model)):
+            continue
+        tensors[key] = t
+    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
+    meta = {"format_version": FORMAT_VERSION, "recipe": list(getattr(model, "compression_recipe", [])),
+            "dtype": str(model.dtype).removeprefix("torch."),
+            "modules": {name: mod.meta() for name, mod in qmods.items()}}
+
+    def write(tmp: Path) -> None:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "compression.json").write_text(json.dumps(meta, indent=1))
+        _write_common(tmp, model.config.hf_config, tokenizer)
+
+    return _atomic_dir(Path(out_dir), write)
+
+
+def dense_hf_state(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Hugging Face-named dense tensors (q/k/v and gate/up split again; compressed linears dequantized)."""
+    cfg = model.config
+    dtype = dtype or model.dtype
+
+    def weight(mod: nn.Module) -> torch.Tensor:
+        w = mod.dequantize(dtype) if isinstance(mod, QuantizedLinear) else mod.weight.to(dtype)
+        return w.detach().cpu()
+
+    q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    out = {"model.embed_tokens.weight": model.embed.weight.to(dtype).cpu(),
+           "model.norm.weight": model.norm.weight.to(dtype).cpu()}
+    if not _is_tied(model):
+        out["lm_head.weight"] = weight(model.lm_head)
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        out[p + "input_layernorm.weight"] = layer.attn_norm.weight.to(dtype).cpu()
+        out[p + "post_attention_layernorm.weight"] = layer.mlp_norm.weight.to(dtype).cpu()
+        for part, t in zip("qkv", weight(layer.attn.wqkv).split([q_size, kv_size, kv_size], 0)):
+            out[p + f"self_attn.{part}_proj.weight"] = t
+        if layer.attn.wqkv.bias is not None:
+            for part, t in zip("qkv", layer.attn.wqkv.bias.to(dtype).cpu().split([q_size, kv_size, kv_size], 0)):
+                out[p + f"self_attn.{part}_proj.bias"] = t
+        out[p + "self_attn.o_proj.weight"] = weight(layer.attn.wo)
+        gate, up = weight(layer.mlp.w13).split(cfg.intermediate_size, 0)
+        out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = gate, up
+        out[p + "mlp.down_proj.weight"] = weight(layer.mlp.w2)
+    return {k: v.contiguous().clone() for k, v in out.items()}
+
+
+def export_dense(model: nn.Module, out_dir: str | Path, tokenizer: Any = None,
+                 dtype: torch.dtype | None = None) -> Path:
+    """Write a plain Hugging Face checkpoint (dequantized weights) that `transformers` loads."""
+    state = dense_hf_state(model, dtype)
+    hf_config = copy.deepcopy(model.config.hf_config)
+    if "lm_head.weight" in state:
+        hf_config.tie_word_embeddings = False
+    hf_config.torch_dtype = str(dtype or model.dtype).removeprefix("torch.")
+
+    def write(tmp: Path) -> None:
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        _write_common(tmp, hf_config, tokenizer)
+
+    return _atomic_dir(Path(out_dir), write)

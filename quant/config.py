@@ -1,0 +1,160 @@
+"""Compression configs: frozen dataclasses validated on construction, plus recipe (de)serialisation.
+
+Every config selects the `nn.Linear` modules it compresses by fully-qualified name
+(`fnmatch` patterns over names such as `layers.3.mlp.w13`): `modules` to include, `exclude`
+to drop. Embeddings are never touched; `lm_head` only with `include_lm_head=True` (it is a
+large share of a small model's bytes; a tied head is untied, the embedding stays dense).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+GROUP_SIZES = (32, 64, 128, 256)
+NF4_BLOCKSIZES = (64, 128, 256, 512, 1024, 2048, 4096)
+
+
+@dataclass(frozen=True)
+class ModuleFilter:
+    """Which linears a config applies to (names relative to the model, fnmatch patterns)."""
+
+    modules: tuple[str, ...] = ("*",)
+    exclude: tuple[str, ...] = ()
+    include_lm_head: bool = False
+
+    def __post_init__(self) -> None:
+        for field in ("modules", "exclude"):
+            value = getattr(self, field)
+            if isinstance(value, str) or not all(isinstance(p, str) for p in value):
+                raise ValueError(f"{type(self).__name__}.{field} must be a tuple of fnmatch patterns "
+                                 f"(e.g. ('layers.*.mlp.*',)), got {value!r}")
+            object.__setattr__(self, field, tuple(value))
+        if not self.modules:
+            raise ValueError(f"{type(self).__name__}.modules is empty: nothing would be compressed")
+
+
+@dataclass(frozen=True)
+class Int8WeightOnly(ModuleFilter):
+    """Per-output-channel symmetric INT8 weights (round to nearest), activations unchanged."""
+
+
+@dataclass(frozen=True)
+class Int4WeightOnly(ModuleFilter):
+    """Group-wise asymmetric INT4 weights. method "rtn" (round to nearest) or "gptq" (needs calibration)."""
+
+    group_size: int = 128
+    method: str = "rtn"
+    act_order: bool = False
+    damp: float = 0.01
+    block_size: int = 128
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.group_size not in GROUP_SIZES:
+            raise ValueError(f"Int4WeightOnly.group_size must be one of {GROUP_SIZES}, got {self.group_size}")
+        if self.method not in ("rtn", "gptq"):
+            raise ValueError(f"Int4WeightOnly.method must be 'rtn' or 'gptq', got {self.method!r}")
+        if self.act_order and self.method != "gptq":
+            raise ValueError("Int4WeightOnly.act_order only applies to method='gptq'")
+        _check_damp(self)
+        if self.block_size < 1 or self.block_size % 4:
+            raise ValueError(f"Int4WeightOnly.block_size must be a positive multiple of 4, got {self.block_size}")
+
+
+@dataclass(frozen=True)
+class NF4(ModuleFilter):
+    """bitsandbytes 4-bit NormalFloat, blocks of `blocksize`, optional double quantization of the scales."""
+
+    blocksize: int = 64
+    double_quant: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.blocksize not in NF4_BLOCKSIZES:
+            raise ValueError(f"NF4.blocksize must be one of {NF4_BLOCKSIZES}, got {self.blocksize}")
+
+
+@dataclass(frozen=True)
+class Int8Mixed(ModuleFilter):
+    """LLM.int8 through bitsandbytes: INT8 weights, input columns with |x| >= threshold kept in 16-bit."""
+
+    threshold: float = 6.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.threshold > 0:
+            raise ValueError(f"Int8Mixed.threshold must be > 0, got {self.threshold}")
+
+
+@dataclass(frozen=True)
+class SemiStructured24(ModuleFilter):
+    """2:4 sparsity (2 of every 4 inputs zero per output row).
+
+    method: "magnitude" (|W|), "wanda" (|W| * ||X||, needs calibration), "sparsegpt" (needs
+    calibration; error feedback). int4_group_size: also quantize the kept weights to INT4 in
+    the same pass (prune, then quantize the survivors with error feedback; sparsegpt only).
+    """
+
+    method: str = "sparsegpt"
+    damp: float = 0.01
+    block_size: int = 128
+    int4_group_size: int | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.method not in ("magnitude", "wanda", "sparsegpt"):
+            raise ValueError(f"SemiStructured24.method must be 'magnitude', 'wanda' or 'sparsegpt', "
+                             f"got {self.method!r}")
+        _check_damp(self)
+        if self.block_size < 4 or self.block_size % 4:
+            raise ValueError(f"SemiStructured24.block_size must be a positive multiple of 4, got {self.block_size}")
+        if self.int4_group_size is not None:
+            if self.method != "sparsegpt":
+                raise ValueError("SemiStructured24.int4_group_size needs method='sparsegpt' (quantizing the "
+                                 "survivors uses its error feedback)")
+            if self.int4_group_size not in GROUP_SIZES:
+                raise ValueError(f"SemiStructured24.int4_group_size must be one of {GROUP_SIZES}, "
+                                 f"got {self.int4_group_size}")
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.method != "magnitude"
+
+
+def _check_damp(cfg: Any) -> None:
+    if not 0 < cfg.damp < 1:
+        raise ValueError(f"{type(cfg).__name__}.damp must be in (0, 1), got {cfg.damp}")
+
+
+CONFIGS = {cls.__name__: cls for cls in (Int8WeightOnly, Int4WeightOnly, NF4, Int8Mixed, SemiStructured24)}
+Config = Int8WeightOnly | Int4WeightOnly | NF4 | Int8Mixed | SemiStructured24
+
+
+def config_to_dict(cfg: Config) -> dict[str, Any]:
+    """{"type": class name, **fields}: the JSON / YAML form of a config."""
+    out = {"type": type(cfg).__name__}
+    for key, value in dataclasses.asdict(cfg).items():
+        out[key] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    """Inverse of `config_to_dict`; unknown types or fields raise ValueError."""
+    if not isinstance(data, dict) or "type" not in data:
+        raise ValueError(f"a recipe entry must be a mapping with a 'type' key (one of {', '.join(CONFIGS)}), "
+                         f"got {data!r}")
+    kind = data["type"]
+    if kind not in CONFIGS:
+        raise ValueError(f"unknown config type {kind!r}; use one of {', '.join(CONFIGS)}")
+    cls = CONFIGS[kind]
+    names = {f.name for f in dataclasses.fields(cls)}
+    fields = {k: v for k, v in data.items() if k != "type"}
+    unknown = sorted(set(fields) - names)
+    if unknown:
+        raise ValueError(f"{kind} has no field(s) {', '.join(unknown)}; valid: {', '.join(sorted(names))}")
+    for key in ("modules", "exclude"):
+        if key in fields and isinstance(fields[key], list):
+            fields[key] = tuple(fields[key])
+    return cls(**fields)

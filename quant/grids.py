@@ -1,0 +1,74 @@
+"""Quantization grids and round-to-nearest: INT8 per channel, INT4 per group, 2:4 masks.
+
+Scales and zeros are rounded to bfloat16 when they are chosen, so the grid used while
+quantizing (RTN or GPTQ) is exactly the grid the stored checkpoint and the kernels use.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from runtime.qlinear import Int4Linear, Int8Linear, pack_int4
+
+GRID_DTYPE = torch.bfloat16
+
+
+def int8_rtn(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
+    """Symmetric per-output-channel INT8: scale = absmax / 127, codes in [-127, 127]."""
+    w = weight.to(torch.float32)
+    scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-8).to(GRID_DTYPE)  # (N,)
+    q = torch.round(w / scales.to(torch.float32)[:, None]).clamp(-127, 127).to(torch.int8)
+    return Int8Linear(q, scales, bias)
+
+
+def int4_grid(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric min-max grid of each row of `w` (N, G): scale and zero (N,) in GRID_DTYPE precision.
+
+    Dequantization is (q - 8) * scale + zero for codes q in [0, 15], so zero = min + 8 * scale.
+    """
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+    scale = ((hi - lo) / 15).clamp(min=1e-6).to(GRID_DTYPE)
+    zero = (lo + 8 * scale.to(torch.float32)).to(GRID_DTYPE)
+    return scale.to(torch.float32), zero.to(torch.float32)
+
+
+def int4_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """Round `w` (N, ...) to the grid (scale, zero broadcast): codes in [0, 15] as float32."""
+    return torch.round((w - zero) / scale + 8).clamp(0, 15)
+
+
+def int4_dequant(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    return (codes - 8) * scale + zero
+
+
+def int4_module(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                bias: torch.Tensor | None) -> Int4Linear:
+    """Build the Int4Linear from (N, K) codes and (N, K/G) float32 scales / zeros."""
+    return Int4Linear(pack_int4(codes.to(torch.int32)), scales.to(GRID_DTYPE).contiguous(),
+                      zeros.to(GRID_DTYPE).contiguous(), group_size, bias)
+
+
+def check_group_size(name: str, in_features: int, group_size: int) -> None:
+    if in_features % group_size:
+        raise ValueError(f"group_size {group_size} does not divide the input width {in_features} of {name}; "
+                         f"choose a group size that divides it, or exclude {name} with exclude=(...)")
+
+
+def int4_rtn(weight: torch.Tensor, group_size: int, bias: torch.Tensor | None = None) -> Int4Linear:
+    """Round-to-nearest INT4 with one min-max grid per group of `group_size` inputs."""
+    N, K = weight.shape
+    w = weight.to(torch.float32).view(N, K // group_size, group_size)  # (N, K/G, G)
+    scale, zero = int4_grid(w)  # (N, K/G)
+    codes = int4_codes(w, scale[..., None], zero[..., None]).view(N, K)
+    return int4_module(codes, scale, zero, group_size, bias)
+
+
+def mask_24(scores: torch.Tensor) -> torch.Tensor:
+    """Prune mask (True = drop) of the 2 lowest scores in every group of 4 columns. scores: (N, K)."""
+    N, K = scores.shape
+    if K % 4:
+        raise ValueError(f"2:4 sparsity needs the input width divisible by 4, got {K}")
+    groups = scores.view(N, K // 4, 4)
+    drop = groups.argsort(dim=-1, stable=True)[..., :2]  # (N, K/4, 2)
+    mask = torch.zeros_like(groups, dtype=torch.bool).scatter_(-1, drop, True)
+    return mask.view(N, K)

@@ -1,0 +1,138 @@
+"""runtime.qlinear: every format against its dequantized reference (SQNR), packing, tensor round trips."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from runtime.qlinear import (PACKED_MAX_ROWS, Int4Linear, Int8Linear, Int8MixedLinear, NF4Linear, Sparse24Int4Linear,
+                             Sparse24Linear, from_tensors, pack_24_indices, pack_int4, unpack_24_indices, unpack_int4)
+
+
+def sqnr_db(ref, got):
+    ref, got = ref.double(), got.double()
+    return float(10 * torch.log10(ref.pow(2).sum() / (ref - got).pow(2).sum().clamp(min=1e-30)))
+
+
+def _gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def _int8(N=96, K=128, bias=True):
+    g = _gen(1)
+    q = torch.randint(-127, 128, (N, K), generator=g).to(torch.int8)
+    s = (torch.rand(N, generator=g) * 0.01 + 1e-3).to(torch.bfloat16)
+    return Int8Linear(q, s, torch.randn(N, generator=g) if bias else None)
+
+
+def _int4(N=96, K=128, G=32, bias=True):
+    g = _gen(2)
+    codes = torch.randint(0, 16, (N, K), generator=g)
+    s = (torch.rand(N, K // G, generator=g) * 0.01 + 1e-3).to(torch.bfloat16)
+    z = (torch.randn(N, K // G, generator=g) * 0.01).to(torch.bfloat16)
+    return Int4Linear(pack_int4(codes), s, z, G, torch.randn(N, generator=g) if bias else None)
+
+
+def _sparse(N=96, K=128):
+    g = _gen(3)
+    w = torch.randn(N, K, generator=g)
+    drop = torch.rand(N, K // 4, 4, generator=g).argsort(-1)[..., :2]
+    w = w.view(N, K // 4, 4).scatter(-1, drop, 0.0).view(N, K)
+    return Sparse24Linear.from_dense(w, torch.randn(N, generator=g)), w
+
+
+def _sparse_int4(N=96, K=128, G=32):
+    g = _gen(4)
+    idx = torch.sort(torch.rand(N, K // 4, 4, generator=g).argsort(-1)[..., :2], -1).values
+    codes = torch.randint(0, 16, (N, K // 2), generator=g)
+    s = (torch.rand(N, K // G, generator=g) * 0.01 + 1e-3).to(torch.bfloat16)
+    z = (torch.randn(N, K // G, generator=g) * 0.01).to(torch.bfloat16)
+    return Sparse24Int4Linear(pack_int4(codes), pack_24_indices(idx), s, z, G)
+
+
+def _bnb(kind, N=96, K=128):
+    w = torch.randn(N, K, generator=_gen(5)) * 0.05
+    if kind == "nf4":
+        return NF4Linear.quantize(w, None, 64, True)
+    return Int8MixedLinear.quantize(w, None, 6.0)
+
+
+MODULES = {"int8": _int8, "int4": _int4, "int4_n_not_16": lambda: _int4(N=40), "sparse24": lambda: _sparse()[0],
+           "sparse24_int4": _sparse_int4}
+
+
+def test_int4_and_24_index_packing_round_trip():
+    codes = torch.randint(0, 16, (7, 32), generator=_gen())
+    assert pack_int4(codes).shape == (7, 16) and pack_int4(codes).dtype == torch.uint8
+    assert torch.equal(unpack_int4(pack_int4(codes)), codes.to(torch.int32))
+    idx = torch.sort(torch.rand(5, 8, 4, generator=_gen()).argsort(-1)[..., :2], -1).values
+    assert pack_24_indices(idx).shape == (5, 4)
+    assert torch.equal(unpack_24_indices(pack_24_indices(idx)), idx)
+
+
+@pytest.mark.parametrize("name", list(MODULES))
+@pytest.mark.parametrize("dtype,min_db", [(torch.float32, 80.0), (torch.bfloat16, 35.0)])
+@pytest.mark.parametrize("rows", [1, PACKED_MAX_ROWS + 3])
+def test_forward_matches_dequantized_reference(name, dtype, min_db, rows):
+    mod = MODULES[name]()
+    x = torch.randn(1, rows, mod.in_features, generator=_gen(9)).to(dtype)  # (1, rows, K)
+    ref = F.linear(x.double(), mod.dequantize(torch.float64), None if mod.bias is None else mod.bias.double())
+    y = mod(x)
+    assert y.shape == (1, rows, mod.out_features) and y.dtype == dtype
+    assert sqnr_db(ref, y) >= min_db
+
+
+@pytest.mark.parametrize("kind,dtype,min_db", [("nf4", torch.float32, 80.0), ("nf4", torch.bfloat16, 35.0),
+                                               ("int8_mixed", torch.float32, 30.0),
+                                               ("int8_mixed", torch.bfloat16, 30.0)])
+def test_bitsandbytes_formats_match_dequantized_reference(kind, dtype, min_db):
+    w = (torch.randn(96, 128, generator=_gen(5)) * 0.05).to(dtype)  # NF4 computes in the weight's dtype
+    mod = NF4Linear.quantize(w, None, 64, True) if kind == "nf4" else Int8MixedLinear.quantize(w, None, 6.0)
+    x = torch.randn(3, 128, generator=_gen(8)).to(dtype)
+    ref = x.double() @ mod.dequantize(torch.float64).T
+    assert sqnr_db(ref, mod(x)) >= min_db
+
+
+def test_int4_dequantize_follows_the_kernel_convention():
+    codes = torch.tensor([[0, 8, 15, 3]])
+    mod = Int4Linear(pack_int4(codes), torch.tensor([[0.5]]), torch.tensor([[1.0]]), 4)
+    assert torch.equal(mod.dequantize(), torch.tensor([[-3.0, 1.0, 4.5, -1.5]]))
+
+
+@pytest.mark.parametrize("name", list(MODULES) + ["nf4", "int8_mixed"])
+def test_to_tensors_from_tensors_is_bit_exact(name):
+    mod = _bnb(name) if name in ("nf4", "int8_mixed") else MODULES[name]()
+    back = from_tensors(mod.meta(), mod.to_tensors())
+    assert type(back) is type(mod) and back.meta() == mod.meta()
+    a, b = mod.to_tensors(), back.to_tensors()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    x = torch.randn(2, mod.in_features, generator=_gen())
+    assert torch.equal(mod(x), back(x))
+
+
+def test_sparse24_from_dense_keeps_exact_values_and_pattern():
+    mod, w = _sparse()
+    assert torch.equal(mod.dequantize(), w)
+    assert mod.nbytes() < w.numel() * 4 * 0.6
+
+
+def test_bad_construction_is_rejected():
+    with pytest.raises(ValueError, match="2 nonzeros"):
+        Sparse24Linear.from_dense(torch.ones(4, 8))
+    with pytest.raises(ValueError, match="divisible by 8"):
+        Sparse24Linear.from_dense(torch.zeros(4, 12))
+    with pytest.raises(ValueError, match="int8"):
+        Int8Linear(torch.zeros(4, 8), torch.ones(4))
+    with pytest.raises(ValueError, match="scales/zeros"):
+        Int4Linear(torch.zeros(4, 16, dtype=torch.uint8), torch.ones(4, 2), torch.ones(4, 1), 16)
+    with pytest.raises(ValueError, match="unknown quantized-linear format"):
+        from_tensors({"format": "int3"}, {})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["int8", "int4", "sparse24"])
+def test_cuda_paths_match_dequantized_reference(name):
+    mod = (_int4(N=128, K=256, G=32) if name == "int4" else
+           _sparse(N=128, K=128)[0] if name == "sparse24" else _int8()).cuda()
+    x = torch.randn(3, mod.in_features, device="cuda", dtype=torch.bfloat16)
+    ref = F.linear(x.double(), mod.dequantize(torch.float64), mod.bias.double() if mod.bias is not None else None)
+    assert sqnr_db(ref, mod(x)) >= 35.0
