@@ -20,7 +20,6 @@ import argparse
 import dataclasses
 import json
 import os
-import shlex
 import statistics
 import sys
 import time
@@ -32,6 +31,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from specdec.baselines import HFGenerator, load_hf_model
+from specdec.evaluate import command_line, versions
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -108,12 +108,6 @@ def stream_bandwidth(mib: int = 1024, repeats: int = 20, device: str = "cpu") ->
     return x.numel() * 4 / secs
 
 
-def _versions() -> dict:
-    from specdec.evaluate import versions
-
-    return versions()
-
-
 def run_bench(cfg: BenchConfig, command: str | None = None, progress: bool = True) -> dict:
     """Run the benchmark; returns the result dict (written to cfg.json when set)."""
     import runtime
@@ -153,13 +147,14 @@ def run_bench(cfg: BenchConfig, command: str | None = None, progress: bool = Tru
           "stream": stream_bandwidth(cfg.stream_mib, cfg.repeats, cfg.device)}
     ceiling = {k: v / bytes_per_token for k, v in bw.items()}
     result = {
-        "command": command if command is not None else shlex.join(sys.argv),
-        "versions": _versions(),
+        "command": command if command is not None else command_line("bench", cfg),
+        "versions": versions(),
         "settings": dataclasses.asdict(cfg),
         "weight_bytes_per_token": bytes_per_token,
         "bandwidth_bytes_per_s": bw,
         "ceiling_tokens_per_second": ceiling,
         "runtimes": {name: {"tokens_per_second": statistics.median(v), "per_prompt_tokens_per_second": v,
+                            "new_tokens": sum(len(o) for o in outputs[name]),
                             **{f"fraction_of_{k}_ceiling": statistics.median(v) / c for k, c in ceiling.items()}}
                      for name, v in tps.items()},
         "outputs_match": sum(a == b for a, b in zip(outputs["specdec"], outputs["transformers"])) / len(prompts),

