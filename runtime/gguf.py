@@ -1,0 +1,168 @@
+"""GGUF files -> Hugging Face checkpoint directories (bf16 safetensors + tokenizer), converted once.
+
+`transformers` + `gguf` dequantize the file (`from_pretrained(dir, gguf_file=name)`); the model
+that loader returns carries a GGUF quantizer and refuses to serialize, so the weights move into a
+plain model rebuilt from the same config, which is saved with `save_pretrained`. The tokenizer
+comes from the GGUF metadata. Tensor types are checked with `gguf.GGUFReader` before any work.
+
+`convert_gguf(path, out_dir)` writes one directory; `gguf_to_checkpoint(path)` caches the result
+under `$SPECDEC_HOME/gguf/<stem>-<key>` (key: hash of path, size and mtime), built atomically.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import hashlib
+import json
+from collections import Counter
+from importlib.metadata import version
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from runtime.errors import CheckpointError
+
+# Written last into every converted directory: its presence marks the directory as complete.
+SOURCE_FILE = "specdec_source.json"
+
+
+@functools.cache
+def supported_tensor_types() -> tuple[str, ...]:
+    """Names of the ggml tensor types the installed `gguf` package can dequantize."""
+    import gguf
+    from gguf.quants import dequantize
+
+    names = []
+    for qtype in gguf.GGMLQuantizationType:
+        _, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+        try:
+            dequantize(np.zeros(block_bytes, dtype=np.uint8), qtype)  # one all-zero block
+        except NotImplementedError:
+            continue
+        names.append(qtype.name)
+    return tuple(names)
+
+
+def scan_tensor_types(gguf_path: Path) -> Counter:
+    """Count the tensor types of a GGUF file; raise CheckpointError for one that cannot be dequantized."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(gguf_path)
+    except (ValueError, OSError, IndexError, KeyError) as err:
+        raise CheckpointError(f"{gguf_path} is not a readable GGUF file ({type(err).__name__}: {err}); "
+                              "it may be truncated or corrupt: download it again") from err
+    supported = supported_tensor_types()
+    counts: Counter = Counter()
+    for tensor in reader.tensors:
+        kind = tensor.tensor_type.name
+        if kind not in supported:
+            raise CheckpointError(
+                f"{gguf_path}: tensor {tensor.name!r} is stored as ggml type {kind}, which the installed "
+                f"gguf {version('gguf')} cannot dequantize. "
+                f"Supported types: {', '.join(supported)}. Re-quantize the model to one of these "
+                "(e.g. Q8_0 or Q4_K with llama.cpp's llama-quantize) or pass a safetensors checkpoint.")
+        counts[kind] += 1
+    return counts
+
+
+def _load_dense(gguf_path: Path, dtype: torch.dtype):
+    """The GGUF's model dequantized by transformers, rebuilt as a plain (serializable) model."""
+    from transformers import AutoModelForCausalLM, GgufConfig
+
+    try:
+        loaded, info = AutoModelForCausalLM.from_pretrained(
+            str(gguf_path.parent), gguf_file=gguf_path.name, dtype=dtype, output_loading_info=True,
+            quantization_config=GgufConfig(gguf_file=gguf_path.name, dequantize=True))
+    except (ValueError, OSError, KeyError, RuntimeError) as err:
+        raise CheckpointError(f"transformers could not load {gguf_path} ({type(err).__name__}: {err}); "
+                              "check that the file is a complete GGUF of a supported architecture") from err
+    config = loaded.config
+    missing = [k for k in info["missing_keys"] if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing:
+        raise CheckpointError(f"{gguf_path} lacks {len(missing)} tensors the {config.model_type} model "
+                              f"needs, e.g. {', '.join(sorted(missing)[:4])}; the file is incomplete")
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the weights are dense now; the rebuilt model is plain
+    state = loaded.state_dict()
+    del loaded
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.load_state_dict(state, assign=True, strict=True)
+    del state
+    model.tie_weights()
+    head, embed = model.get_output_embeddings().weight, model.get_input_embeddings().weight
+    if config.tie_word_embeddings != (head.data_ptr() == embed.data_ptr()):
+        raise CheckpointError(f"{gguf_path}: the output head is {'not ' if config.tie_word_embeddings else ''}"
+                              "tied to the embeddings, against tie_word_embeddings="
+                              f"{config.tie_word_embeddings}; the conversion would change the model")
+    return model.eval()
+
+
+def _save_tokenizer(gguf_path: Path, out_dir: Path) -> str | None:
+    """Save the tokenizer stored in the GGUF metadata; returns its class name, or None if it has none."""
+    import gguf
+    from transformers import AutoTokenizer
+
+    if "tokenizer.ggml.model" not in gguf.GGUFReader(gguf_path).fields:
+        return None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except (ValueError, OSError, KeyError) as err:
+        raise CheckpointError(f"the tokenizer in {gguf_path} could not be rebuilt ({type(err).__name__}: "
+                              f"{err})") from err
+    tokenizer.save_pretrained(out_dir)
+    return type(tokenizer).__name__
+
+
+def convert_gguf(gguf_path: Path | str, out_dir: Path | str, dtype: torch.dtype = torch.bfloat16,
+                 progress: bool = True, source: dict | None = None) -> Path:
+    """Convert a GGUF file into a Hugging Face checkpoint directory `out_dir` and return it.
+
+    `out_dir` must be new or empty. It receives config.json, model.safetensors in `dtype`,
+    generation_config.json, the tokenizer files (when the GGUF holds a tokenizer) and, written
+    last, specdec_source.json (provenance; `source` entries are added to it). Not atomic by
+    itself: `gguf_to_checkpoint` and `runtime.fetch` build into a staging directory and rename.
+    """
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    if not gguf_path.is_file():
+        raise CheckpointError(f"{gguf_path} does not exist or is not a file")
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise CheckpointError(f"{out_dir} is not empty; convert into a new directory")
+    counts = scan_tensor_types(gguf_path)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    steps = tqdm(total=3, desc=f"convert {gguf_path.name}", unit="step", disable=not progress)
+    with steps:
+        steps.set_postfix_str("dequantize")
+        model = _load_dense(gguf_path, dtype)
+        steps.update()
+        steps.set_postfix_str("save weights")
+        model.save_pretrained(out_dir)
+        model_type = model.config.model_type
+        del model
+        gc.collect()
+        steps.update()
+        steps.set_postfix_str("tokenizer")
+        tokenizer = _save_tokenizer(gguf_path, out_dir)
+        steps.update()
+    record = {"gguf": gguf_path.name, "tensor_types": dict(counts), "dtype": str(dtype).removeprefix("torch."),
+              "model_type": model_type, "tokenizer": tokenizer, **(source or {})}
+    (out_dir / SOURCE_FILE).write_text(json.dumps(record, indent=2) + "\n")
+    return out_dir
+
+
+def gguf_to_checkpoint(path: Path | str, progress: bool = True) -> Path:
+    """The cached bf16 checkpoint directory of a .gguf file, converting it on first use."""
+    from runtime.catalogue import build_once, cache_home
+
+    path = Path(path).expanduser().resolve()
+    if not path.is_file():
+        raise CheckpointError(f"{path} does not exist or is not a file")
+    stat = path.stat()
+    key = hashlib.sha256(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    dest = cache_home() / "gguf" / f"{path.stem}-{key}"
+    source = {"source_path": str(path), "source_size": stat.st_size, "source_mtime_ns": stat.st_mtime_ns}
+    return build_once(dest, lambda staging: convert_gguf(path, staging, progress=progress, source=source))
