@@ -1,0 +1,133 @@
+"""`specdec medusa ...` subcommands: data (self-distillation), train (cache + train), tree.
+
+`register(subparsers)` adds them to the `specdec` CLI; each parser sets `func(args) -> int`.
+Defaults are the library functions' defaults (TrainConfig, generate_selfdistill).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+def _deadline(minutes: float | None) -> float | None:
+    return time.monotonic() + 60 * minutes if minutes else None
+
+
+def cmd_data(args: argparse.Namespace) -> int:
+    import runtime
+    from distill.selfdistill import generate_selfdistill, sharegpt_prompts
+
+    model = runtime.load_model(args.model, dtype=_DTYPES[args.dtype])
+    tok = runtime.load_tokenizer(args.model)
+    prompts = sharegpt_prompts(tok, split="calibration", limit=args.num_prompts,
+                               max_prompt_tokens=args.max_prompt_tokens)
+    n = generate_selfdistill(model, tok, args.out, prompts, max_new_tokens=args.max_new_tokens,
+                             batch_size=args.batch_size, temperature=args.temperature, seed=args.seed,
+                             deadline=_deadline(args.max_minutes))
+    print(f"{n} records in {args.out}")
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    import runtime
+    from distill.medusa import attach_medusa
+    from distill.selfdistill import read_records
+    from distill.train_medusa import TrainConfig, cache_hidden_states, train_medusa
+
+    deadline = _deadline(args.max_minutes)
+    model = runtime.load_model(args.model, dtype=_DTYPES[args.dtype])
+    records = read_records(args.data)
+    if not records:
+        raise SystemExit(f"no records in {args.data}; run `specdec medusa data` first")
+    cache_dir = Path(args.hidden_cache or Path(args.out) / "hidden_cache")
+    cache_hidden_states(model, records, cache_dir, args.num_heads, deadline=deadline)
+    heads = attach_medusa(model, num_heads=args.num_heads, num_layers=args.num_layers,
+                          shared_lm_head=not args.separate_lm_heads)
+    cfg = TrainConfig(epochs=args.epochs, lr=args.lr, batch_size=args.batch_size,
+                      tree_nodes=args.tree_nodes, seed=args.seed)
+    metrics = train_medusa(heads, cache_dir, args.out, cfg, deadline=deadline)
+    print(json.dumps({k: metrics[k] for k in ("steps", "top1_accuracy", "expected_accepted_per_step")}))
+    return 0
+
+
+def cmd_tree(args: argparse.Namespace) -> int:
+    import runtime
+    from distill.medusa import load_medusa, save_medusa
+    from distill.train_medusa import head_accuracy, load_cached
+    from specdec.medusa import MedusaConfig
+    from specdec.tree import build_tree, expected_length
+
+    model = runtime.load_model(args.model, dtype=_DTYPES[args.dtype])
+    heads = load_medusa(args.heads, model, dtype=torch.float32)
+    if args.data_dir:
+        hidden, targets = load_cached(args.data_dir, "heldout", heads.num_heads)
+        table = head_accuracy(heads, hidden, targets)
+    elif heads.config.head_accuracy:
+        table = [list(r) for r in heads.config.head_accuracy]
+    else:
+        raise SystemExit(f"{args.heads} stores no measured accuracy; pass --data-dir with cached "
+                         "held-out hidden states")
+    paths = build_tree(table, args.num_nodes)
+    heads.config = MedusaConfig(**{**heads.config.__dict__, "tree": paths,
+                                   "head_accuracy": tuple(tuple(r) for r in table)})
+    heads.set_tree(paths)
+    save_medusa(heads, args.heads)
+    print(f"tree of {len(paths)} nodes, expected accepted per step "
+          f"{expected_length(paths, table):.3f}: {[list(p) for p in paths]}")
+    return 0
+
+
+def register(subparsers) -> None:
+    """Add `medusa data|train|tree` to the `specdec` CLI."""
+    from distill.train_medusa import TrainConfig
+
+    tc = TrainConfig()
+    medusa = subparsers.add_parser("medusa", help="Medusa heads: self-distillation data, training, trees")
+    sub = medusa.add_subparsers(dest="medusa_command", required=True)
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--model", required=True, help="catalogue name or checkpoint directory")
+        p.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES))
+
+    d = sub.add_parser("data", help="the model's own answers to ShareGPT prompts (jsonl, resumable)")
+    common(d)
+    d.add_argument("--out", required=True, help="jsonl file to append to")
+    d.add_argument("--num-prompts", type=int, default=1000)
+    d.add_argument("--max-prompt-tokens", type=int, default=384)
+    d.add_argument("--max-new-tokens", type=int, default=256)
+    d.add_argument("--batch-size", type=int, default=16)
+    d.add_argument("--temperature", type=float, default=0.0)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--max-minutes", type=float, default=None)
+    d.set_defaults(func=cmd_data)
+
+    t = sub.add_parser("train", help="cache hidden states, train heads (Medusa-1), pick their tree")
+    common(t)
+    t.add_argument("--data", required=True, help="self-distillation jsonl (specdec medusa data)")
+    t.add_argument("--out", required=True, help="directory for the heads (distill.load_medusa)")
+    t.add_argument("--hidden-cache", default=None, help="default: OUT/hidden_cache")
+    t.add_argument("--num-heads", type=int, default=4)
+    t.add_argument("--num-layers", type=int, default=1)
+    t.add_argument("--separate-lm-heads", action="store_true",
+                   help="a trainable LM head per Medusa head instead of the shared frozen one")
+    t.add_argument("--epochs", type=int, default=tc.epochs)
+    t.add_argument("--lr", type=float, default=tc.lr)
+    t.add_argument("--batch-size", type=int, default=tc.batch_size)
+    t.add_argument("--tree-nodes", type=int, default=tc.tree_nodes)
+    t.add_argument("--seed", type=int, default=tc.seed)
+    t.add_argument("--max-minutes", type=float, default=None)
+    t.set_defaults(func=cmd_train)
+
+    r = sub.add_parser("tree", help="rebuild the heads' candidate tree from measured accuracy")
+    common(r)
+    r.add_argument("--heads", required=True, help="heads directory (rewritten in place)")
+    r.add_argument("--num-nodes", type=int, default=tc.tree_nodes)
+    r.add_argument("--data-dir", default=None, help="hidden-state cache to measure accuracy on")
+    r.set_defaults(func=cmd_tree)

@@ -1,0 +1,326 @@
+"""Medusa-1 training: heads on a frozen backbone, from last hidden states cached on disk.
+
+1. `cache_hidden_states` runs the frozen model once over the self-distillation records and
+   stores, for every answer position t, the final-norm hidden state (bf16 by default) and the
+   targets of the K heads (token t+2+i for head i; -100 past the end) in safetensors shards,
+   split into train and held-out records (every `heldout_every`-th record). Resumable: shards
+   are written atomically and a manifest records how many records are done.
+2. `train_medusa` trains the heads for many epochs on those shards (cheap: no backbone pass):
+   loss = sum_i 0.8^i CE(head i), AdamW with warmup + cosine decay, `accelerate` for device
+   placement and mixed precision, tqdm, atomic checkpoints every `checkpoint_every` steps and
+   resume from them, a loss-curve PNG, and per-head top-k accuracy on the held-out shards. The
+   measured accuracy picks the heads' candidate tree (`specdec.tree.build_tree`), stored with
+   them by `distill.save_medusa`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from distill.medusa import save_medusa
+from specdec.medusa import MedusaConfig, MedusaHeads
+from specdec.tree import build_tree, expected_length
+
+IGNORE = -100
+MANIFEST = "manifest.json"
+
+
+def _atomic(path: Path, write) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _write_json(path: Path, obj) -> None:
+    def write(tmp: str) -> None:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=1)
+
+    _atomic(path, write)
+
+
+def head_targets(seq: torch.Tensor, start: int, num_heads: int) -> torch.Tensor:
+    """Targets (T, K) for positions start .. len-2 of `seq`: head i at t predicts seq[t+2+i]."""
+    L = seq.numel()
+    t = torch.arange(start, L - 1)[:, None] + 2 + torch.arange(num_heads)[None]  # (T, K)
+    return torch.where(t < L, seq[t.clamp(max=L - 1)], torch.full_like(t, IGNORE))
+
+
+@torch.inference_mode()
+def cache_hidden_states(model, records: list[dict], out_dir: str | Path, num_heads: int,
+                        heldout_every: int = 20, batch_tokens: int = 4096, shard_positions: int = 32768,
+                        dtype: torch.dtype = torch.bfloat16, deadline: float | None = None) -> Path:
+    """Store last hidden states and head targets of the answers in `records` under `out_dir`.
+
+    records: {"prompt_ids", "output_ids"} dicts (distill.selfdistill). Positions are the last
+    prompt token and every answer token but the last. Returns `out_dir`.
+    """
+    out_dir = Path(out_dir)
+    for split in ("train", "heldout"):
+        (out_dir / split).mkdir(parents=True, exist_ok=True)
+    man_path = out_dir / MANIFEST
+    manifest = json.loads(man_path.read_text()) if man_path.is_file() else {
+        "num_heads": num_heads, "hidden_size": model.config.hidden_size, "records_done": 0,
+        "shards": {"train": [], "heldout": []}}
+    if manifest["num_heads"] < num_heads or manifest["hidden_size"] != model.config.hidden_size:
+        raise ValueError(f"{out_dir} caches hidden states for {manifest['num_heads']} heads / hidden "
+                         f"size {manifest['hidden_size']}; use another directory for this model")
+    buf = {"train": ([], []), "heldout": ([], [])}
+    todo = records[manifest["records_done"]:]
+    bar = tqdm(total=len(todo), desc="caching hidden states", unit="record")
+
+    def flush(split: str, force: bool) -> None:
+        hs, ts = buf[split]
+        if not hs or (not force and sum(h.shape[0] for h in hs) < shard_positions):
+            return
+        name = f"shard_{len(manifest['shards'][split]):05d}.safetensors"
+        tensors = {"hidden": torch.cat(hs).contiguous(), "targets": torch.cat(ts).contiguous()}
+        _atomic(out_dir / split / name, lambda tmp: save_file(tensors, tmp))
+        manifest["shards"][split].append(name)
+        hs.clear()
+        ts.clear()
+
+    i = 0
+    while i < len(todo):
+        if deadline is not None and time.monotonic() > deadline:
+            break
+        batch = [todo[i]]
+        longest = len(todo[i]["prompt_ids"]) + len(todo[i]["output_ids"])
+        while i + len(batch) < len(todo):
+            nxt = todo[i + len(batch)]
+            n = len(nxt["prompt_ids"]) + len(nxt["output_ids"])
+            if max(longest, n) * (len(batch) + 1) > batch_tokens:
+                break
+            batch.append(nxt)
+            longest = max(longest, n)
+        seqs = [torch.tensor(r["prompt_ids"] + r["output_ids"], dtype=torch.long) for r in batch]
+        tokens = torch.zeros(len(seqs), longest, dtype=torch.long)  # (B, T), right-padded
+        for b, s in enumerate(seqs):
+            tokens[b, :s.numel()] = s
+        positions = torch.arange(longest)[None].expand(len(seqs), -1)
+        _, hidden = model(tokens.to(model.device), positions.to(model.device), None, return_hidden=True,
+                          logits_idx=torch.zeros(len(seqs), 1, dtype=torch.long, device=model.device))
+        for b, (r, s) in enumerate(zip(batch, seqs)):
+            start = len(r["prompt_ids"]) - 1
+            if s.numel() - 1 <= start:
+                continue
+            split = "heldout" if (manifest["records_done"] + i + b) % heldout_every == 0 else "train"
+            buf[split][0].append(hidden[b, start:s.numel() - 1].to("cpu", dtype))  # (T, C)
+            buf[split][1].append(head_targets(s, start, num_heads))  # (T, K)
+        i += len(batch)
+        bar.update(len(batch))
+        if any(sum(h.shape[0] for h in buf[sp][0]) >= shard_positions for sp in buf):
+            for sp in buf:
+                flush(sp, force=True)
+            manifest["records_done"] += i
+            todo, i = todo[i:], 0
+            _write_json(man_path, manifest)
+    for sp in buf:
+        flush(sp, force=True)
+    manifest["records_done"] += i
+    _write_json(man_path, manifest)
+    bar.close()
+    return out_dir
+
+
+def load_cached(data_dir: str | Path, split: str, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """All shards of one split: hidden (N, C) and targets (N, num_heads)."""
+    data_dir = Path(data_dir)
+    manifest = json.loads((data_dir / MANIFEST).read_text())
+    if manifest["num_heads"] < num_heads:
+        raise ValueError(f"{data_dir} holds targets for {manifest['num_heads']} heads, {num_heads} "
+                         "were asked for; rebuild the cache with more heads")
+    shards = [load_file(str(data_dir / split / n)) for n in manifest["shards"][split]]
+    if not shards:
+        raise ValueError(f"{data_dir} has no {split} positions; generate more self-distillation data")
+    return (torch.cat([s["hidden"] for s in shards]),
+            torch.cat([s["targets"][:, :num_heads] for s in shards]))
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Medusa-1 training hyper-parameters."""
+
+    epochs: int = 4
+    lr: float = 1e-3
+    batch_size: int = 256
+    weight_decay: float = 0.0
+    decay: float = 0.8
+    warmup_steps: int = 40
+    checkpoint_every: int = 200
+    topk: int = 10
+    tree_nodes: int = 40
+    mixed_precision: str = "bf16"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("epochs", "batch_size", "topk", "tree_nodes", "checkpoint_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.lr <= 0 or not 0 < self.decay <= 1:
+            raise ValueError(f"lr must be > 0 and decay in (0, 1], got {self.lr}, {self.decay}")
+        if self.mixed_precision not in ("no", "bf16", "fp16"):
+            raise ValueError(f"mixed_precision must be 'no', 'bf16' or 'fp16', got {self.mixed_precision!r}")
+
+
+def medusa_loss(logits: torch.Tensor, targets: torch.Tensor, decay: float) -> tuple[torch.Tensor, list[float]]:
+    """sum_i decay^i CE(logits[i], targets[:, i]) for logits (K, N, V), targets (N, K)."""
+    total, per_head = logits.new_zeros((), dtype=torch.float32), []
+    for i in range(logits.shape[0]):
+        ce = F.cross_entropy(logits[i].float(), targets[:, i], ignore_index=IGNORE)
+        ce = torch.nan_to_num(ce)  # a batch where head i has no target
+        total = total + decay ** i * ce
+        per_head.append(float(ce.detach()))
+    return total, per_head
+
+
+@torch.no_grad()
+def head_accuracy(heads: MedusaHeads, hidden: torch.Tensor, targets: torch.Tensor, topk: int = 10,
+                  batch_size: int = 512) -> list[list[float]]:
+    """acc[i][r] = P(head i's rank-r guess equals its target) over the positions with a target."""
+    K = heads.num_heads
+    hits = torch.zeros(K, topk)
+    counts = torch.zeros(K)
+    device = next(heads.parameters()).device
+    for lo in range(0, hidden.shape[0], batch_size):
+        h = hidden[lo:lo + batch_size].to(device)
+        t = targets[lo:lo + batch_size].to(device)  # (n, K)
+        idx = heads(h).topk(topk, dim=-1).indices  # (K, n, topk)
+        for i in range(K):
+            valid = t[:, i] != IGNORE
+            hits[i] += (idx[i][valid] == t[valid, i, None]).float().sum(0).cpu()
+            counts[i] += valid.sum().cpu()
+    return (hits / counts.clamp(min=1)[:, None]).tolist()
+
+
+def _plot(losses: list[float], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(losses, lw=0.6, alpha=0.4, label="batch")
+    w = max(1, len(losses) // 50)
+    if len(losses) >= w:
+        smooth = torch.tensor(losses).unfold(0, w, 1).mean(-1).tolist()
+        ax.plot(range(w - 1, len(losses)), smooth, lw=1.5, label=f"mean of {w}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("sum_i 0.8^i CE_i")
+    ax.set_title("Medusa head training")
+    ax.legend()
+    fig.tight_layout()
+    _atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110))
+    plt.close(fig)
+
+
+def _lr_at(step: int, total: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    frac = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
+    return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
+
+
+def _save_checkpoint(ckpt: Path, heads: MedusaHeads, opt, step: int, losses: list[float]) -> None:
+    ckpt.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().cpu().contiguous() for k, v in heads.state_dict().items()}
+    _atomic(ckpt / "heads.safetensors", lambda tmp: save_file(state, tmp))
+    _atomic(ckpt / "optimizer.pt", lambda tmp: torch.save(opt.state_dict(), tmp))
+    _write_json(ckpt / "trainer.json", {"step": step, "losses": losses})
+
+
+def train_medusa(heads: MedusaHeads, data_dir: str | Path, out_dir: str | Path,
+                 config: TrainConfig = TrainConfig(), deadline: float | None = None,
+                 resume: bool = True) -> dict:
+    """Train `heads` (from distill.attach_medusa) on the hidden states cached in `data_dir`.
+
+    Writes to `out_dir`: the heads (distill.save_medusa; their tree built from the held-out
+    accuracy), `checkpoint/` (resumed from when `resume`), `loss.png` and `metrics.json`.
+    deadline: a time.monotonic() value at which training stops early (evaluation still runs).
+    Returns the metrics: per-head top-1 / top-k accuracy, the accuracy table, the tree, losses.
+    """
+    from accelerate import Accelerator
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    K = heads.num_heads
+    hidden, targets = load_cached(data_dir, "train", K)
+    hidden_ho, targets_ho = load_cached(data_dir, "heldout", K)
+    device = next(heads.parameters()).device
+    acc = Accelerator(cpu=device.type == "cpu", mixed_precision=config.mixed_precision)
+    heads.requires_grad_(True)
+    params = [p for p in heads.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+    ckpt = out_dir / "checkpoint"
+    step, losses = 0, []
+    if resume and (ckpt / "trainer.json").is_file():
+        heads.load_state_dict(load_file(str(ckpt / "heads.safetensors")))
+        opt.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True))
+        meta = json.loads((ckpt / "trainer.json").read_text())
+        step, losses = meta["step"], meta["losses"]
+    model_h, opt = acc.prepare(heads, opt)
+    per_epoch = math.ceil(hidden.shape[0] / config.batch_size)
+    total = per_epoch * config.epochs
+    bar = tqdm(total=total, initial=step, desc="training Medusa heads", unit="step")
+    model_h.train()
+    while step < total:
+        if deadline is not None and time.monotonic() > deadline:
+            break
+        epoch, b = divmod(step, per_epoch)
+        order = torch.randperm(hidden.shape[0], generator=torch.Generator().manual_seed(config.seed + epoch))
+        idx = order[b * config.batch_size:(b + 1) * config.batch_size]
+        h = hidden[idx].to(acc.device, torch.float32)
+        t = targets[idx].to(acc.device)
+        for g in opt.param_groups:
+            g["lr"] = _lr_at(step, total, config)
+        with acc.autocast():
+            logits = model_h(h)  # (K, n, V)
+        loss, _ = medusa_loss(logits, t, config.decay)
+        opt.zero_grad(set_to_none=True)
+        acc.backward(loss)
+        opt.step()
+        step += 1
+        losses.append(float(loss))
+        bar.update(1)
+        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        if step % config.checkpoint_every == 0:
+            _save_checkpoint(ckpt, heads, opt, step, losses)
+    bar.close()
+    _save_checkpoint(ckpt, heads, opt, step, losses)
+    heads = acc.unwrap_model(model_h).eval().requires_grad_(False)
+    table = head_accuracy(heads, hidden_ho, targets_ho, config.topk)
+    paths = build_tree(table, config.tree_nodes)
+    heads.config = MedusaConfig(**{**heads.config.__dict__, "tree": paths,
+                                   "head_accuracy": tuple(tuple(r) for r in table)})
+    heads.set_tree(paths)
+    save_medusa(heads, out_dir)
+    if losses:
+        _plot(losses, out_dir / "loss.png")
+    metrics = {
+        "steps": step, "planned_steps": total, "train_positions": int(hidden.shape[0]),
+        "heldout_positions": int(hidden_ho.shape[0]),
+        "top1_accuracy": [r[0] for r in table],
+        f"top{config.topk}_accuracy": [sum(r) for r in table],
+        "accuracy_by_rank": table, "tree": [list(p) for p in paths],
+        "expected_accepted_per_step": expected_length(paths, table),
+        "final_loss": sum(losses[-50:]) / len(losses[-50:]) if losses else None,
+        "config": asdict(config),
+    }
+    _write_json(out_dir / "metrics.json", metrics)
+    return metrics

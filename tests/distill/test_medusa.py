@@ -1,0 +1,80 @@
+"""attach / save / load of Medusa heads, and the load checks."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+import distill
+import specdec
+from runtime.errors import CheckpointError
+from runtime.loading import from_hf_state
+
+
+def other_model(hidden=64, vocab=128):
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=96, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return from_hf_state(AutoModelForCausalLM.from_config(cfg).state_dict(), cfg)
+
+
+def trained_like(heads, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    for p in heads.parameters():
+        p.data = torch.randn(p.shape, generator=g) * 0.2
+    return heads
+
+
+def test_attach_gives_float32_trainable_blocks_and_a_frozen_shared_head(tiny_model):
+    heads = distill.attach_medusa(tiny_model, num_heads=3, num_layers=2)
+    assert heads.num_heads == 3 and len(heads.blocks[0]) == 2
+    assert all(p.dtype == torch.float32 and p.requires_grad for p in heads.parameters())
+    assert "lm_head.weight" not in heads.state_dict() and not tiny_model.lm_head.weight.requires_grad
+    assert heads.tree.max_depth <= 3
+
+
+def test_save_load_round_trip_keeps_weights_tree_and_outputs(tiny_model, tmp_path):
+    heads = trained_like(distill.attach_medusa(tiny_model, num_heads=2, tree=[(0, 0), (1,), (0, 1)]))
+    distill.save_medusa(heads, tmp_path / "h")
+    assert sorted(p.name for p in (tmp_path / "h").iterdir()) == ["medusa.safetensors", "medusa_config.json"]
+    loaded = distill.load_medusa(tmp_path / "h", tiny_model)
+    assert loaded.tree == heads.tree and loaded.config.shared_lm_head
+    h = torch.randn(4, 64)
+    torch.testing.assert_close(loaded(h), heads(h).detach())
+    ids = [torch.tensor([3, 1, 4, 1, 5]), torch.tensor([9, 2, 6])]
+    out = specdec.generate(tiny_model, ids, draft=loaded, max_new_tokens=12)
+    plain = specdec.generate(tiny_model, ids, max_new_tokens=12)
+    assert all(torch.equal(a, b) for a, b in zip(out.sequences, plain.sequences))
+
+
+def test_separate_lm_heads_round_trip(tiny_model, tmp_path):
+    heads = trained_like(distill.attach_medusa(tiny_model, num_heads=2, shared_lm_head=False))
+    distill.save_medusa(heads, tmp_path)
+    loaded = distill.load_medusa(tmp_path, tiny_model)
+    assert loaded.lm_heads is not None
+    torch.testing.assert_close(loaded.lm_heads[1].weight, heads.lm_heads[1].weight.detach())
+    with pytest.raises(CheckpointError, match="shared_lm_head=False"):
+        distill.load_medusa(tmp_path, tiny_model, shared_lm_head=True)
+
+
+def test_load_refuses_heads_of_another_model(tiny_model, tmp_path):
+    distill.save_medusa(distill.attach_medusa(tiny_model, num_heads=2), tmp_path)
+    with pytest.raises(CheckpointError, match="hidden size 64"):
+        distill.load_medusa(tmp_path, other_model(hidden=32))
+    with pytest.raises(CheckpointError, match="vocabulary of 128"):
+        distill.load_medusa(tmp_path, other_model(vocab=100))
+    with pytest.raises(CheckpointError, match="not a Medusa heads directory"):
+        distill.load_medusa(tmp_path / "missing", tiny_model)
+
+
+def test_load_refuses_weights_that_disagree_with_the_config(tiny_model, tmp_path):
+    distill.save_medusa(distill.attach_medusa(tiny_model, num_heads=2), tmp_path)
+    cfg = json.loads((tmp_path / "medusa_config.json").read_text())
+    cfg["num_heads"] = 3
+    (tmp_path / "medusa_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="different saves"):
+        distill.load_medusa(tmp_path, tiny_model)
+    cfg["format"] = "other"
+    (tmp_path / "medusa_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="not a specdec Medusa config"):
+        distill.load_medusa(tmp_path, tiny_model)
