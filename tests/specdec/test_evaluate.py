@@ -14,6 +14,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTra
 
 import runtime
 import specdec
+from distill import attach_medusa, save_medusa
 from specdec import evaluate
 from specdec.prompts import encode
 from specdec.evaluate import EvalConfig, MethodSpec, Runner, SettingsMismatchError, parse_methods, run_eval
@@ -75,6 +76,7 @@ def workdir(tmp_path_factory) -> Path:
     eos_id = next(t for i, t in enumerate(out) if i >= 3 and t not in out[:i] and t > 3)
     tiny_checkpoint(root / "ckpt", eos_id=eos_id)
     _write_jsonl(root / "prompts.jsonl", PROMPTS)
+    save_medusa(attach_medusa(runtime.load_model(root / "ckpt", dtype=torch.float32), num_heads=2), root / "heads")
     return root
 
 
@@ -92,7 +94,9 @@ def _base_args(workdir: Path, out: Path, *extra: str) -> list[str]:
 @pytest.fixture(scope="module")
 def run_dir(workdir: Path) -> Path:
     out = workdir / "run"
-    args = _cli(_base_args(workdir, out, "--methods", "plain,hf", "--limit", "3"))
+    ck = workdir / "ckpt"  # draft = target: every drafted token is accepted
+    methods = f"plain,ngram,draft:{ck},hybrid:{ck},medusa:{workdir / 'heads'},hf,hf-assisted:{ck},hf-pld"
+    args = _cli(_base_args(workdir, out, "--methods", methods, "--limit", "3"))
     assert args.func(args) == 0
     return out
 
@@ -139,23 +143,35 @@ def test_end_to_end_files_and_report(run_dir: Path):
     for png in ("acceptance.png", "speedup.png"):
         assert (run_dir / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     lines = [json.loads(x) for x in (run_dir / "generations.jsonl").read_text().splitlines()]
-    assert [(r["id"], r["method"]) for r in lines] == [(p, m) for p in ("p0", "p1", "p2") for m in ("plain", "hf")]
+    methods = list(json.loads((run_dir / "report.json").read_text())["methods"])
+    assert len(methods) == 8
+    assert [(r["id"], r["method"]) for r in lines] == [(p, m) for p in ("p0", "p1", "p2") for m in methods]
     report = json.loads((run_dir / "report.json").read_text())
     assert "bonus" in report["tau_convention"] and "bonus" in (run_dir / "report.md").read_text()
     assert set(report["versions"]) >= {"torch", "transformers", "specdec", "python", "platform", "cpu_count"}
     s = report["settings"]
     assert (s["dtype"], s["max_new_tokens"], s["k"], s["temperature"], s["num_prompts"]) == ("float32", 12, 5, 0.0, 3)
-    assert "--methods plain,hf" in report["command"]
-    plain, hf = report["methods"]["plain"], report["methods"]["hf"]
-    assert set(plain) == {"overall", "categories"} and set(plain["categories"]) == {"code", "chat"}
-    for group in [plain["overall"], hf["overall"], *plain["categories"].values()]:
-        assert {"tau", "acceptance_rate", "per_position_acceptance", "tokens_per_second", "speedup_vs_plain",
-                "speedup_vs_hf", "matches_plain", "stats"} <= set(group)
+    assert report["command"].startswith("specdec eval --out") and "--methods plain,ngram,draft:" in report["command"]
+    by_kind = {m.partition(":")[0]: report["methods"][m] for m in methods}
+    plain, hf = by_kind["plain"], by_kind["hf"]
+    for m in by_kind.values():
+        assert set(m) == {"overall", "categories"} and set(m["categories"]) == {"code", "chat"}
+        for group in [m["overall"], *m["categories"].values()]:
+            assert {"tau", "acceptance_rate", "per_position_acceptance", "tokens_per_second", "speedup_vs_plain",
+                    "speedup_vs_hf", "speedup_vs_hf-assisted", "speedup_vs_hf-pld", "matches_plain",
+                    "stats"} <= set(group)
+        # float32 greedy: every method (ours lossless, transformers' too) equals plain decoding on every
+        # prompt; for transformers this also checks the checkpoint's repetition_penalty does not leak in
+        assert m["overall"]["matches_plain"] == 1.0
     assert plain["overall"]["tau"] == 1.0 and plain["overall"]["acceptance_rate"] is None
-    assert hf["overall"]["tau"] is None and hf["overall"]["stats"] is None
-    # float32 greedy: transformers generate() equals this runtime's plain decoding on every prompt
-    # (the checkpoint's repetition_penalty must not leak into the baseline)
-    assert hf["overall"]["matches_plain"] == 1.0
+    for kind in ("hf", "hf-assisted", "hf-pld"):
+        assert by_kind[kind]["overall"]["tau"] is None and by_kind[kind]["overall"]["stats"] is None
+    draft = by_kind["draft"]["overall"]
+    assert draft["acceptance_rate"] == 1.0 and set(draft["per_position_acceptance"]) == {1.0}
+    assert draft["tau"] > 2.0 and len(draft["per_position_acceptance"]) == 5
+    for kind in ("ngram", "hybrid", "medusa"):
+        o = by_kind[kind]["overall"]
+        assert o["tau"] >= 1.0 and o["stats"]["drafted_tokens"] > 0 and o["per_position_acceptance"]
     ratio = plain["overall"]["tokens_per_second"] / hf["overall"]["tokens_per_second"]
     assert plain["overall"]["speedup_vs_hf"] == pytest.approx(ratio)
     assert hf["overall"]["speedup_vs_plain"] == pytest.approx(1 / ratio)
