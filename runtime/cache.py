@@ -63,8 +63,14 @@ class KVCache:
         """Slots the next `num_new` tokens of each row go to: (B, T)."""
         return self.lengths[:, None] + torch.arange(num_new, device=self.lengths.device)
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        """Store k, v of shape (B, H, T, D) for `layer` at `slots` (B, T)."""
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+              uniform: bool = False) -> None:
+        """Store k, v of shape (B, H, T, D) for `layer` at `slots` (B, T); `uniform` says that
+        every row writes to the same slots (one index_copy_ instead of a scatter)."""
+        if uniform:
+            self.k[layer].index_copy_(2, slots[0], k)
+            self.v[layer].index_copy_(2, slots[0], v)
+            return
         rows = torch.arange(k.shape[0], device=slots.device)[:, None]  # (B, 1)
         self.k[layer][rows, :, slots] = k.transpose(1, 2)  # (B, T, H, D) into (B, H, S, D)
         self.v[layer][rows, :, slots] = v.transpose(1, 2)

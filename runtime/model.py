@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.attention import attend, default_backend
+from runtime.attention import attend, causal_mask, default_backend
 from runtime.cache import KVCache
 from runtime.config import ModelConfig
 from runtime.rope import Rope, apply_rope
@@ -53,7 +53,7 @@ class Attention(nn.Module):
         if ctx.cache is None:
             keys, values = k, v
         else:
-            ctx.cache.write(self.layer, k, v, ctx.slots)
+            ctx.cache.write(self.layer, k, v, ctx.slots, ctx.uniform)
             keys = ctx.cache.k[self.layer][:, :, :ctx.num_keys]  # (B, Hkv, S, D)
             values = ctx.cache.v[self.layer][:, :, :ctx.num_keys]
         out = attend(q, keys, values, ctx.mask, ctx.prefix_lens, ctx.backend, ctx.window)
@@ -94,9 +94,10 @@ class StepContext:
 
     def __init__(self, cache: KVCache | None, slots: torch.Tensor | None, num_keys: int,
                  mask: torch.Tensor | None, prefix_lens: torch.Tensor, backend: str,
-                 window: int | None) -> None:
+                 window: int | None, uniform: bool = False) -> None:
         self.cache, self.slots, self.num_keys = cache, slots, num_keys
         self.mask, self.prefix_lens, self.backend, self.window = mask, prefix_lens, backend, window
+        self.uniform = uniform  # every row writes to the same slots
 
 
 class Transformer(nn.Module):
@@ -156,7 +157,14 @@ class Transformer(nn.Module):
             slots = cache.slots(T)  # (B, T)
             num_keys = mask.shape[-1] if mask is not None else int(prefix.max()) + T
         backend = self.attention or default_backend(tokens.device)
-        ctx = StepContext(cache, slots, num_keys, mask, prefix, backend, self.config.sliding_window)
+        window = self.config.sliding_window
+        uniform = B == 1 or bool((prefix == prefix[0]).all())
+        if mask is None and backend == "sdpa":
+            if T == 1 and uniform and (window is None or num_keys <= window):
+                pass  # one query per row that sees every slot: no mask, SDPA's fastest path
+            else:
+                mask = causal_mask(prefix, T, num_keys, window)  # once per forward, not per layer
+        ctx = StepContext(cache, slots, num_keys, mask, prefix, backend, window, uniform)
         cos, sin = self.rope()(positions, self.dtype)
         x = self.embed(tokens)  # (B, T, C)
         for layer in self.layers:
