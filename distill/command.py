@@ -51,7 +51,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     heads = attach_medusa(model, num_heads=args.num_heads, num_layers=args.num_layers,
                           shared_lm_head=not args.separate_lm_heads)
     cfg = TrainConfig(epochs=args.epochs, lr=args.lr, batch_size=args.batch_size,
-                      tree_nodes=args.tree_nodes, seed=args.seed)
+                      tree_nodes=args.tree_nodes, vocab=args.vocab, seed=args.seed)
     metrics = train_medusa(heads, cache_dir, args.out, cfg, deadline=deadline)
     print(json.dumps({k: metrics[k] for k in ("steps", "top1_accuracy", "expected_accepted_per_step")}))
     return 0
@@ -121,6 +121,8 @@ def register(subparsers) -> None:
     t.add_argument("--lr", type=float, default=tc.lr)
     t.add_argument("--batch-size", type=int, default=tc.batch_size)
     t.add_argument("--tree-nodes", type=int, default=tc.tree_nodes)
+    t.add_argument("--vocab", default=tc.vocab, choices=["full", "data"],
+                   help="softmax over the whole vocabulary, or only the tokens the answers use (faster)")
     t.add_argument("--seed", type=int, default=tc.seed)
     t.add_argument("--max-minutes", type=float, default=None)
     t.set_defaults(func=cmd_train)

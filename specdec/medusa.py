@@ -158,14 +158,16 @@ class MedusaHeads(nn.Module):
         x = hidden.to(self.blocks[0][0].linear.weight.dtype)
         return torch.stack([blk(x) for blk in self.blocks])
 
-    def head_logits(self, feats: torch.Tensor) -> torch.Tensor:
-        """Residual-block outputs (K, ..., C) -> logits (K, ..., V)."""
+    def head_logits(self, feats: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor:
+        """Residual-block outputs (K, ..., C) -> logits (K, ..., V), or (K, ..., len(vocab)) for
+        the token ids `vocab` only (training restricted to the tokens its data holds)."""
         if self.lm_heads is not None:
-            return torch.stack([head(f) for head, f in zip(self.lm_heads, feats)])
+            ws = [head.weight if vocab is None else head.weight[vocab] for head in self.lm_heads]
+            return torch.stack([f.to(w.dtype) @ w.T for w, f in zip(ws, feats)])
         if not self._base:
             raise RuntimeError("these Medusa heads share the base model's LM head but are not bound "
                                "to a model; call heads.bind(model.lm_head) or distill.load_medusa")
-        w = self._base[0].weight
+        w = self._base[0].weight if vocab is None else self._base[0].weight[vocab]  # (V, C)
         return feats.to(w.dtype) @ w.T
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

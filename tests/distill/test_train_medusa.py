@@ -88,3 +88,14 @@ def test_training_learns_checkpoints_and_resumes(tiny_model, records, tmp_path):
     out = specdec.generate(tiny_model, rows, draft=loaded, max_new_tokens=20)
     plain = specdec.generate(tiny_model, rows, max_new_tokens=20)
     assert all(torch.equal(a, b) for a, b in zip(out.sequences, plain.sequences))
+
+
+def test_training_over_the_data_vocabulary_learns_full_vocabulary_accuracy(tiny_model, records, tmp_path):
+    half = [{**r, "output_ids": [x % 64 for x in r["output_ids"]]} for r in records]  # 64 tokens used
+    data = cache_hidden_states(tiny_model, half, tmp_path / "cache", num_heads=1, dtype=torch.float32)
+    heads = distill.attach_medusa(tiny_model, num_heads=1)
+    cfg = TrainConfig(epochs=3, lr=1e-2, batch_size=128, warmup_steps=5, topk=3, tree_nodes=3,
+                      mixed_precision="no", vocab="data")
+    metrics = distill.train_medusa(heads, data, tmp_path / "heads", cfg)
+    assert metrics["train_vocab"] == 64
+    assert metrics["top1_accuracy"][0] > 0.3  # measured over the full vocabulary

@@ -1,0 +1,152 @@
+"""Recipe: Medusa heads for smollm2-135m-instruct, trained on this CPU, then evaluated.
+
+    python recipes/medusa_smollm2.py --out runs/medusa_smollm2 --max-minutes 20
+
+Steps, all inside the --max-minutes budget (each step resumes if the run is restarted):
+1. self-distillation data: the model's greedy answers to ShareGPT calibration prompts
+   (OUT/selfdistill.jsonl) until `data_frac` of the budget;
+2. last hidden states cached once (OUT/hidden_cache), then Medusa-1 training of 4 heads until
+   `train_frac` of the budget; the heads' tree is built from held-out accuracy (OUT holds them:
+   `distill.load_medusa(OUT, model)`);
+3. evaluation on held-out ShareGPT prompts: tau and equality with plain greedy decoding for a
+   batch of prompts (OUT/tau.json), and tokens/s against plain decoding per prompt with
+   `specdec eval` (OUT/eval/report.json).
+`pipeline()` is shared with recipes/medusa_qwen_coder_1_5b.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import distill
+import runtime
+import specdec
+from distill.selfdistill import generate_selfdistill, read_records, sharegpt_prompts, stop_token_ids
+from distill.train_medusa import TrainConfig, cache_hidden_states
+from specdec.evaluate import EvalConfig, run_eval
+from specdec.prompts import encode, load_prompts
+
+
+def tau_on_prompts(model, heads, rows: list[torch.Tensor], max_new_tokens: int, eos: list[int]) -> dict:
+    """Greedy Medusa vs plain decoding on `rows` as one batch: tau, per-depth acceptance, equality."""
+    plain = specdec.generate(model, rows, max_new_tokens=max_new_tokens, eos_token_id=eos)
+    med = specdec.generate(model, rows, draft=heads, max_new_tokens=max_new_tokens, eos_token_id=eos)
+    same = [torch.equal(a, b) for a, b in zip(med.sequences, plain.sequences)]
+    return {"prompts": len(rows), "max_new_tokens": max_new_tokens,
+            "tau": med.stats.mean_accepted_tokens,
+            "per_position_acceptance": med.stats.per_position_acceptance,
+            "matches_plain": sum(same) / len(same),
+            "batch_tokens_per_second": {"plain": plain.stats.tokens_per_second,
+                                        "medusa": med.stats.tokens_per_second},
+            "stats": med.stats.to_dict()}
+
+
+def pipeline(args: argparse.Namespace, model_name: str, eval_dataset: str, raw_eval: bool) -> dict:
+    """Data -> hidden-state cache -> training -> evaluation, bounded by args.max_minutes."""
+    start = time.monotonic()
+    budget = 60 * args.max_minutes
+
+    def at(frac: float) -> float:
+        return start + frac * budget
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
+    model = runtime.load_model(model_name, dtype=dtype)
+    tok = runtime.load_tokenizer(model_name)
+    eos = stop_token_ids(tok)
+
+    prompts = sharegpt_prompts(tok, split="calibration", limit=args.num_prompts,
+                               max_prompt_tokens=args.max_prompt_tokens)
+    n = generate_selfdistill(model, tok, out / "selfdistill.jsonl", prompts,
+                             max_new_tokens=args.answer_tokens, batch_size=args.batch_size,
+                             deadline=at(args.data_frac))
+    records = read_records(out / "selfdistill.jsonl")
+    print(f"[data] {n} answers, {sum(len(r['output_ids']) for r in records)} tokens, "
+          f"{(time.monotonic() - start) / 60:.1f} min", flush=True)
+
+    cache_dir = out / "hidden_cache"
+    cache_hidden_states(model, records, cache_dir, args.num_heads, deadline=at(args.train_frac))
+    heads = distill.attach_medusa(model, num_heads=args.num_heads)
+    cfg = TrainConfig(epochs=args.epochs, lr=args.lr, batch_size=args.train_batch, vocab=args.vocab,
+                      tree_nodes=args.tree_nodes, warmup_steps=20, checkpoint_every=100)
+    metrics = distill.train_medusa(heads, cache_dir, out, cfg, deadline=at(args.train_frac))
+    train_min = (time.monotonic() - start) / 60
+    print(f"[train] {metrics['steps']}/{metrics['planned_steps']} steps, top-1 accuracy "
+          f"{[round(a, 3) for a in metrics['top1_accuracy']]}, {train_min:.1f} min", flush=True)
+
+    heads = distill.load_medusa(out, model)
+    eval_prompts = load_prompts(dataset=eval_dataset, limit=args.eval_prompts)
+    rows = [torch.tensor(encode(tok, [p.turns[0]], [], raw_eval)) for p in eval_prompts]
+    tau = tau_on_prompts(model, heads, rows, args.eval_tokens, eos)
+    tau.update({"train_minutes": train_min, "dataset": eval_dataset})
+    (out / "tau.json").write_text(json.dumps(tau, indent=1))
+    print(f"[tau] {tau['tau']:.3f} on {len(rows)} {eval_dataset} prompts, matches plain "
+          f"{tau['matches_plain']:.2f}", flush=True)
+
+    speed = None
+    if args.speed_prompts:
+        cfg_eval = EvalConfig(out=str(out / "eval"), methods=f"plain,medusa:{out}", target=model_name,
+                              dataset=eval_dataset, limit=args.speed_prompts, raw=raw_eval,
+                              dtype=args.dtype, max_new_tokens=args.eval_tokens, overwrite=True)
+        report = run_eval(cfg_eval, command=shlex.join([sys.executable] + sys.argv))
+        speed = report
+        for name, m in report["methods"].items():
+            o = m["overall"]
+            print(f"[speed] {name}: tau {o['tau']:.3f}, {o['tokens_per_second']:.2f} tokens/s, "
+                  f"speedup vs plain {o['speedup_vs_plain']:.2f}, matches plain {o['matches_plain']}",
+                  flush=True)
+    summary = {"command": shlex.join(["python"] + sys.argv), "minutes": (time.monotonic() - start) / 60,
+               "train_minutes": train_min, "tau": tau["tau"], "matches_plain": tau["matches_plain"],
+               "top1_accuracy": metrics["top1_accuracy"], "records": len(records),
+               "train_positions": metrics["train_positions"],
+               "speed": {name: {k: m["overall"][k] for k in ("tau", "tokens_per_second", "speedup_vs_plain",
+                                                             "matches_plain")}
+                         for name, m in speed["methods"].items()} if speed is not None else None}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(json.dumps(summary, indent=1))
+    return summary
+
+
+def parser(defaults: dict) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=defaults["out"], help="directory for data, cache, heads, reports")
+    p.add_argument("--max-minutes", type=float, default=defaults["max_minutes"])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    p.add_argument("--num-prompts", type=int, default=4000, help="ShareGPT prompts at most")
+    p.add_argument("--max-prompt-tokens", type=int, default=256)
+    p.add_argument("--answer-tokens", type=int, default=defaults["answer_tokens"])
+    p.add_argument("--batch-size", type=int, default=defaults["batch_size"], help="generation rows")
+    p.add_argument("--num-heads", type=int, default=4)
+    p.add_argument("--epochs", type=int, default=defaults["epochs"])
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--train-batch", type=int, default=512)
+    p.add_argument("--vocab", default="data", choices=["full", "data"])
+    p.add_argument("--tree-nodes", type=int, default=defaults["tree_nodes"])
+    p.add_argument("--data-frac", type=float, default=defaults["data_frac"],
+                   help="fraction of the budget for self-distillation data")
+    p.add_argument("--train-frac", type=float, default=defaults["train_frac"],
+                   help="fraction of the budget by which training ends (evaluation uses the rest)")
+    p.add_argument("--eval-prompts", type=int, default=defaults["eval_prompts"])
+    p.add_argument("--eval-tokens", type=int, default=defaults["eval_tokens"])
+    p.add_argument("--speed-prompts", type=int, default=defaults["speed_prompts"],
+                   help="prompts timed one at a time by specdec eval (0 = skip)")
+    return p
+
+
+DEFAULTS = {"out": "runs/medusa_smollm2", "max_minutes": 20.0, "answer_tokens": 192, "batch_size": 32,
+            "epochs": 8, "tree_nodes": 40, "data_frac": 0.4, "train_frac": 0.75, "eval_prompts": 16,
+            "eval_tokens": 96, "speed_prompts": 3}
+
+if __name__ == "__main__":
+    pipeline(parser(DEFAULTS).parse_args(), "smollm2-135m-instruct", "sharegpt", raw_eval=False)
