@@ -27,6 +27,7 @@ range is cut into chunks whose partial results `flash_decoding.flash_merge` comb
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -266,6 +267,12 @@ def _flash_attn_kernel(
 
 # ---- launcher ---------------------------------------------------------------------------
 
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (1 for the interpreter: no automatic split)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
 def interpreted() -> bool:
     """Whether the kernels were built for the Triton interpreter (TRITON_INTERPRET=1 at import)."""
     return not isinstance(_flash_attn_kernel, triton.runtime.jit.JITFunction)
@@ -321,8 +328,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     cfg = config or default_config(D, T * G, device)
     m_tiles = triton.cdiv(T * G, cfg.block_m)
     if num_splits is None:
-        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-        num_splits = choose_num_splits(m_tiles * B * Hkv, S, cfg.block_n, sms)
+        num_splits = choose_num_splits(m_tiles * B * Hkv, S, cfg.block_n, _num_sms(device))
     assert 1 <= num_splits <= MAX_SPLITS, f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}"
     chunk = triton.cdiv(triton.cdiv(S, num_splits), cfg.block_n) * cfg.block_n
     num_splits = triton.cdiv(S, chunk)  # no empty trailing chunk
