@@ -67,7 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="new tokens per verification block, <= 64 (default: 1,4,16,64)")
     p.add_argument("--cache-lens", type=ints, default=[1024, 4096, 16384, 32768],
                    help="cached slots before a verification block (default: 1024,4096,16384,32768)")
-    p.add_argument("--decode-len", type=int, default=32768, help="cache length of the decode part (default: %(default)s)")
+    p.add_argument("--decode-len", type=int, default=32768,
+                   help="cache length of the decode part (default: %(default)s)")
     p.add_argument("--decode-batches", type=ints, default=[1, 4], help="rows in the decode part (default: 1,4)")
     p.add_argument("--models", default="0.5b,1.5b",
                    help="e2e model configs: 0.5b, 1.5b (real Qwen2.5-Coder shapes), tiny (default: %(default)s)")
