@@ -7,7 +7,9 @@ from quant.checkpoint import dir_nbytes, export_dense, model_nbytes, save_compre
 from quant.config import (NF4, Int4WeightOnly, Int8Mixed, Int8WeightOnly, SemiStructured24, config_from_dict,
                           config_to_dict)
 from quant.perplexity import perplexity
+from quant.recipe import Recipe, apply_recipe, load_recipe
 
 __all__ = ["quantize_", "sparsify_", "select_linears", "calibration_batches", "eval_batches", "pack_windows",
            "save_compressed", "export_dense", "model_nbytes", "dir_nbytes", "Int8WeightOnly", "Int4WeightOnly",
-           "NF4", "Int8Mixed", "SemiStructured24", "config_from_dict", "config_to_dict", "perplexity"]
+           "NF4", "Int8Mixed", "SemiStructured24", "config_from_dict", "config_to_dict", "perplexity",
+           "Recipe", "load_recipe", "apply_recipe"]

@@ -1,0 +1,77 @@
+"""`specdec compress`: apply a YAML recipe to a model, save the compressed checkpoint, print a summary table.
+
+    specdec compress --model qwen2.5-coder-0.5b-instruct --recipe recipes/quant_int4_gptq.yaml --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add the `compress` subcommand; its handler is set with set_defaults(func=run)."""
+    p = subparsers.add_parser("compress", help="quantize / sparsify a model with a YAML recipe",
+                              description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True, help="catalogue name, checkpoint dir, .gguf file or hub id")
+    p.add_argument("--recipe", required=True, type=Path, help="YAML recipe (a list of configs, or steps + calibration)")
+    p.add_argument("--out", required=True, type=Path, help="output directory (written atomically)")
+    p.add_argument("--export-dense", action="store_true",
+                   help="also write a plain Hugging Face checkpoint (dequantized) to OUT-dense")
+    p.add_argument("--calib-samples", type=int, default=None, help="override the recipe's calibration n_samples")
+    p.add_argument("--seq-len", type=int, default=None, help="override the recipe's calibration seq_len")
+    p.add_argument("--eval-samples", type=int, default=8,
+                   help="held-out ShareGPT windows scored before and after (0 = skip perplexity)")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    p.add_argument("--device", default="cpu")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """Handler of `specdec compress`; returns the exit code."""
+    import quant
+    import runtime
+    from quant.recipe import apply_recipe, load_recipe
+
+    recipe = load_recipe(args.recipe)
+    calib_args = dict(recipe.calibration)
+    if args.calib_samples is not None:
+        calib_args["n_samples"] = args.calib_samples
+    if args.seq_len is not None:
+        calib_args["seq_len"] = args.seq_len
+    if args.eval_samples < 0:
+        raise ValueError(f"--eval-samples must be >= 0, got {args.eval_samples}")
+    tok = runtime.load_tokenizer(args.model)
+    model = runtime.load_model(args.model, dtype=DTYPES[args.dtype], device=args.device)
+    evals = (quant.eval_batches(tok, "sharegpt", n_samples=args.eval_samples, seq_len=calib_args["seq_len"])
+             if args.eval_samples else None)
+    ppl_before = quant.perplexity(model, evals, progress=True) if evals is not None else None
+    bytes_before = quant.model_nbytes(model)
+    t0 = time.perf_counter()
+    calibration = quant.calibration_batches(tok, **calib_args) if recipe.needs_calibration else None
+    apply_recipe(model, recipe, calibration)
+    took = time.perf_counter() - t0
+    out = quant.save_compressed(model, args.out, tokenizer=tok)
+    ppl_after = quant.perplexity(model, evals, progress=True) if evals is not None else None
+    rows = [("perplexity (held-out ShareGPT)", _fmt(ppl_before), _fmt(ppl_after)),
+            ("weights in memory (MiB)", f"{bytes_before / 2**20:.1f}", f"{quant.model_nbytes(model) / 2**20:.1f}"),
+            ("weights on disk (MiB)", "", f"{quant.dir_nbytes(out) / 2**20:.1f}"),
+            ("time (s)", "", f"{took:.1f}")]
+    print(f"\n| {args.model} | before | after |\n|---|---|---|")
+    for name, before, after in rows:
+        print(f"| {name} | {before} | {after} |")
+    print(f"\ncompressed checkpoint: {out}")
+    if args.export_dense:
+        dense = quant.export_dense(model, Path(f"{args.out}-dense"), tokenizer=tok)
+        print(f"dense export: {dense}")
+    return 0
+
+
+def _fmt(value: float | None) -> str:
+    return "" if value is None else f"{value:.3f}"

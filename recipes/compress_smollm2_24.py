@@ -1,0 +1,47 @@
+"""Recipe (c): 2:4 SparseGPT of smollm2-135m-instruct (magnitude and Wanda alongside for comparison).
+
+    python recipes/compress_smollm2_24.py --n-calib 32 --n-eval 16
+
+SmolLM2's width 576 is not a multiple of 128, so `--int4` (2:4 then INT4 of the survivors) uses groups of 64.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+import quant
+import runtime
+from quant_common import compressed_home, compress_and_save, eval_windows, report
+
+MODEL = "smollm2-135m-instruct"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=compressed_home())
+    ap.add_argument("--n-calib", type=int, default=32)
+    ap.add_argument("--n-eval", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--methods", default="magnitude,wanda,sparsegpt")
+    ap.add_argument("--int4", action="store_true", help="also SparseGPT 2:4 + INT4 g64 of the kept weights")
+    args = ap.parse_args()
+    tok = runtime.load_tokenizer(MODEL)
+    evals = eval_windows(tok, args.n_eval, args.seq_len)
+    calib = quant.calibration_batches(tok, "sharegpt", n_samples=args.n_calib, seq_len=args.seq_len)
+    rows = [report("dense-bf16", runtime.load_model(MODEL, dtype=torch.bfloat16), evals, None, 0.0)]
+    configs = [(f"smollm2-135m-24-{m}", quant.SemiStructured24(method=m)) for m in args.methods.split(",")]
+    if args.int4:
+        configs.append(("smollm2-135m-24-sparsegpt-int4", quant.SemiStructured24(method="sparsegpt",
+                                                                                 int4_group_size=64)))
+    for name, cfg in configs:
+        rows.append(compress_and_save(MODEL, [cfg], calib if cfg.needs_calibration else None, args.out / name,
+                                      tok, evals))
+    (args.out / "smollm2-135m-24.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

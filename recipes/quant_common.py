@@ -1,0 +1,60 @@
+"""Shared steps of the quant_* / compress_* recipes: compress, save, report perplexity and size, run `specdec eval`.
+
+Default output root: $SPECDEC_HOME/compressed (default ~/.cache/specdec/compressed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import quant
+import runtime
+
+
+def compressed_home() -> Path:
+    return Path(os.environ.get("SPECDEC_HOME", "~/.cache/specdec")).expanduser() / "compressed"
+
+
+def eval_windows(tok, n_eval: int, seq_len: int) -> dict[str, torch.Tensor]:
+    """Held-out ShareGPT and stdlib perplexity windows (never overlapping the calibration slice)."""
+    return {src: quant.eval_batches(tok, src, n_samples=n_eval, seq_len=seq_len) for src in ("sharegpt", "stdlib")}
+
+
+def report(name: str, model, evals: dict[str, torch.Tensor], ckpt: Path | None, seconds: float) -> dict:
+    """Perplexity on both sets and sizes (memory, disk) of one model; printed as one JSON line."""
+    row = {"name": name, "compress_s": round(seconds, 1), "mib_in_memory": round(quant.model_nbytes(model) / 2**20, 1)}
+    if ckpt is not None:
+        row["mib_on_disk"] = round(quant.dir_nbytes(ckpt) / 2**20, 1)
+        row["path"] = str(ckpt)
+    for src, windows in evals.items():
+        row[f"ppl_{src}"] = round(quant.perplexity(model, windows, progress=True), 4)
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def compress_and_save(model_name: str, steps: list, calibration: torch.Tensor | None, out: Path, tok,
+                      evals: dict[str, torch.Tensor]) -> dict:
+    """Load `model_name` in bf16, apply the configs in order, save to `out`, report."""
+    model = runtime.load_model(model_name, dtype=torch.bfloat16)
+    t0 = time.perf_counter()
+    quant.apply_recipe(model, quant.Recipe(tuple(steps)), calibration)
+    took = time.perf_counter() - t0
+    quant.save_compressed(model, out, tokenizer=tok)
+    return report(out.name, model, evals, out, took)
+
+
+def specdec_eval(target: str, methods: list[str], out: Path, limit: int, max_new_tokens: int) -> int:
+    """Run `specdec eval` in a subprocess (tau and tokens/s of each draft on HumanEval prompts)."""
+    cmd = [sys.executable, "-m", "specdec.cli", "eval", "--target", target, "--methods", ",".join(methods),
+           "--dataset", "humaneval", "--limit", str(limit), "--max-new-tokens", str(max_new_tokens),
+           "--out", str(out)]
+    print("+", shlex.join(cmd), flush=True)
+    return subprocess.run(cmd).returncode

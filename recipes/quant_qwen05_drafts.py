@@ -1,0 +1,57 @@
+"""Recipe (a): INT8 and INT4-GPTQ drafts of qwen2.5-coder-0.5b-instruct, then `specdec eval` against the 1.5B.
+
+    python recipes/quant_qwen05_drafts.py --n-calib 64 --n-eval 16 --eval-limit 20
+
+1. calibration windows from the ShareGPT calibration slice; perplexity windows from the held-out
+   slice and Python stdlib sources;
+2. dense bf16 perplexity and size;
+3. INT8 weight-only (per channel) -> OUT/qwen2.5-coder-0.5b-int8, perplexity and size;
+4. INT4 GPTQ g128 -> OUT/qwen2.5-coder-0.5b-int4-gptq, perplexity and size;
+5. (separate step, `--skip-eval` to leave out) `specdec eval` with the 1.5B target:
+   draft:<bf16 0.5B> vs draft:<INT8> vs draft:<INT4>: tau and tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+import quant
+import runtime
+from quant_common import compressed_home, compress_and_save, eval_windows, report, specdec_eval
+
+MODEL, TARGET = "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=compressed_home())
+    ap.add_argument("--n-calib", type=int, default=64)
+    ap.add_argument("--n-eval", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--eval-limit", type=int, default=20, help="HumanEval prompts for specdec eval")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--skip-eval", action="store_true")
+    args = ap.parse_args()
+    tok = runtime.load_tokenizer(MODEL)
+    evals = eval_windows(tok, args.n_eval, args.seq_len)
+    calib = quant.calibration_batches(tok, "sharegpt", n_samples=args.n_calib, seq_len=args.seq_len)
+    rows = [report("dense-bf16", runtime.load_model(MODEL, dtype=torch.bfloat16), evals, None, 0.0)]
+    int8_dir, int4_dir = args.out / "qwen2.5-coder-0.5b-int8", args.out / "qwen2.5-coder-0.5b-int4-gptq"
+    rows.append(compress_and_save(MODEL, [quant.Int8WeightOnly()], None, int8_dir, tok, evals))
+    rows.append(compress_and_save(MODEL, [quant.Int4WeightOnly(group_size=128, method="gptq")], calib, int4_dir,
+                                  tok, evals))
+    (args.out / "qwen2.5-coder-0.5b-drafts.json").write_text(json.dumps(rows, indent=1))
+
+    # ---- last step: end-to-end speculative decoding with the 1.5B target (specdec eval) ----
+    if not args.skip_eval:
+        methods = [f"draft:{MODEL}", f"draft:{int8_dir}", f"draft:{int4_dir}"]
+        raise SystemExit(specdec_eval(TARGET, methods, args.out / "eval-qwen05-drafts", args.eval_limit,
+                                      args.max_new_tokens))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""Recipe (b): an INT4-GPTQ copy of qwen2.5-coder-1.5b-instruct used as its own draft (self-speculation,
+no training), then `specdec eval`: plain 1.5B vs 1.5B drafted by its INT4 copy.
+
+    python recipes/quant_qwen15_int4_selfspec.py --n-calib 64 --n-eval 16 --eval-limit 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+import quant
+import runtime
+from quant_common import compressed_home, compress_and_save, eval_windows, report, specdec_eval
+
+MODEL = "qwen2.5-coder-1.5b-instruct"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=compressed_home())
+    ap.add_argument("--n-calib", type=int, default=64)
+    ap.add_argument("--n-eval", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--eval-limit", type=int, default=20)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--skip-eval", action="store_true")
+    args = ap.parse_args()
+    tok = runtime.load_tokenizer(MODEL)
+    evals = eval_windows(tok, args.n_eval, args.seq_len)
+    calib = quant.calibration_batches(tok, "sharegpt", n_samples=args.n_calib, seq_len=args.seq_len)
+    rows = [report("dense-bf16", runtime.load_model(MODEL, dtype=torch.bfloat16), evals, None, 0.0)]
+    int4_dir = args.out / "qwen2.5-coder-1.5b-int4-gptq"
+    rows.append(compress_and_save(MODEL, [quant.Int4WeightOnly(group_size=128, method="gptq")], calib, int4_dir,
+                                  tok, evals))
+    (args.out / "qwen2.5-coder-1.5b-int4.json").write_text(json.dumps(rows, indent=1))
+
+    # ---- last step: self-speculation (specdec eval) ----
+    if not args.skip_eval:
+        raise SystemExit(specdec_eval(MODEL, ["plain", f"draft:{int4_dir}"], args.out / "eval-qwen15-selfspec",
+                                      args.eval_limit, args.max_new_tokens))
+
+
+if __name__ == "__main__":
+    main()
