@@ -49,6 +49,7 @@ class BenchConfig:
     matvec_size: int = 8192
     stream_mib: int = 1024
     repeats: int = 20
+    threads: int | None = None
     json: str | None = None
 
     def __post_init__(self) -> None:
@@ -61,6 +62,8 @@ class BenchConfig:
             raise ValueError(f"HumanEval has 164 prompts, asked for {self.prompts}")
         if self.warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1 (or None for torch's default), got {self.threads}")
 
 
 def weight_bytes_per_token(model) -> int:
@@ -114,6 +117,8 @@ def run_bench(cfg: BenchConfig, command: str | None = None, progress: bool = Tru
     import specdec
     from specdec.prompts import humaneval_prompts
 
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
     dtype = DTYPES[cfg.dtype]
     tok = runtime.load_tokenizer(cfg.model)
     prompts = [list(tok(p.turns[0])["input_ids"]) for p in humaneval_prompts()[:cfg.prompts]]
@@ -216,6 +221,9 @@ def register(subparsers) -> argparse.ArgumentParser:
                    "bandwidth probe (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=d["repeats"], help="repeats of each bandwidth probe "
                    "(median) (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=d["threads"], help="torch.set_num_threads for the run "
+                   "(default: torch's default, one per core; on a CPU shared with other jobs 1 avoids "
+                   "OpenMP barrier stalls)")
     p.add_argument("--json", default=d["json"], help="also write the full result to this JSON file")
     p.set_defaults(func=main)
     return p

@@ -127,6 +127,7 @@ class EvalConfig:
     seed: int = 0
     warmup: int = 1
     hf_pld_tokens: int = 10
+    threads: int | None = None
     overwrite: bool = False
 
     def __post_init__(self) -> None:
@@ -150,6 +151,8 @@ class EvalConfig:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
         if self.hf_pld_tokens < 1:
             raise ValueError(f"hf_pld_tokens must be >= 1, got {self.hf_pld_tokens}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1 (or None for torch's default), got {self.threads}")
 
     @property
     def method_specs(self) -> list[MethodSpec]:
@@ -361,6 +364,8 @@ def run_eval(cfg: EvalConfig, command: str | None = None, progress: bool = True)
     import runtime
     from specdec.report import build_report, write_report
 
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
     specs = cfg.method_specs
     prompts = load_prompts(cfg.prompts, cfg.dataset, cfg.limit, cfg.all_turns)
     tokenizer = runtime.load_tokenizer(cfg.target)
@@ -433,6 +438,8 @@ def register(subparsers) -> argparse.ArgumentParser:
                    "method before timing (default: %(default)s)")
     p.add_argument("--hf-pld-tokens", type=int, default=d["hf_pld_tokens"],
                    help="prompt_lookup_num_tokens of the hf-pld baseline (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=d["threads"], help="torch.set_num_threads for the run "
+                   "(default: torch's default, one per core)")
     p.add_argument("--overwrite", action="store_true", help="discard a run already in --out")
     p.set_defaults(func=main)
     return p

@@ -33,7 +33,8 @@ def test_bandwidth_probes_are_positive_and_finite():
 
 
 def test_config_validation_and_cli_defaults():
-    for bad in (dict(prompts=0), dict(prompts=165), dict(dtype="int8"), dict(stream_mib=0), dict(warmup=-1)):
+    for bad in (dict(prompts=0), dict(prompts=165), dict(dtype="int8"), dict(stream_mib=0), dict(warmup=-1),
+                dict(threads=0)):
         with pytest.raises(ValueError):
             BenchConfig(**bad)
     parser = argparse.ArgumentParser()
