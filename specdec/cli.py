@@ -16,7 +16,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch
 DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 # modules that add their own subcommands with register(subparsers)
-COMMAND_MODULES = ("specdec.evaluate", "specdec.bench", "distill.command")
+COMMAND_MODULES = ("specdec.evaluate", "specdec.bench", "quant.command", "distill.command")
 
 
 def _fetch(args: argparse.Namespace) -> int:
