@@ -46,8 +46,12 @@ def supported_tensor_types() -> tuple[str, ...]:
     return tuple(names)
 
 
-def scan_tensor_types(gguf_path: Path) -> Counter:
-    """Count the tensor types of a GGUF file; raise CheckpointError for one that cannot be dequantized."""
+def inspect_gguf(gguf_path: Path) -> tuple[Counter, bool]:
+    """Count a GGUF file's tensor types and say whether it holds a tokenizer.
+
+    Raises CheckpointError for a file `gguf.GGUFReader` cannot parse, or for a tensor type the
+    installed `gguf` cannot dequantize (naming the tensor, its type and the supported types).
+    """
     import gguf
 
     try:
@@ -62,11 +66,11 @@ def scan_tensor_types(gguf_path: Path) -> Counter:
         if kind not in supported:
             raise CheckpointError(
                 f"{gguf_path}: tensor {tensor.name!r} is stored as ggml type {kind}, which the installed "
-                f"gguf {version('gguf')} cannot dequantize. "
-                f"Supported types: {', '.join(supported)}. Re-quantize the model to one of these "
-                "(e.g. Q8_0 or Q4_K with llama.cpp's llama-quantize) or pass a safetensors checkpoint.")
+                f"gguf {version('gguf')} cannot dequantize. Supported types: {', '.join(supported)}. "
+                "Re-quantize the model to one of these (e.g. Q8_0 or Q4_K with llama.cpp's "
+                "llama-quantize) or pass a safetensors checkpoint.")
         counts[kind] += 1
-    return counts
+    return counts, "tokenizer.ggml.model" in reader.fields
 
 
 def _load_dense(gguf_path: Path, dtype: torch.dtype):
@@ -102,13 +106,10 @@ def _load_dense(gguf_path: Path, dtype: torch.dtype):
     return model.eval()
 
 
-def _save_tokenizer(gguf_path: Path, out_dir: Path) -> str | None:
-    """Save the tokenizer stored in the GGUF metadata; returns its class name, or None if it has none."""
-    import gguf
+def _save_tokenizer(gguf_path: Path, out_dir: Path) -> str:
+    """Rebuild the tokenizer stored in the GGUF metadata, save it, and return its class name."""
     from transformers import AutoTokenizer
 
-    if "tokenizer.ggml.model" not in gguf.GGUFReader(gguf_path).fields:
-        return None
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     except (ValueError, OSError, KeyError) as err:
@@ -132,7 +133,7 @@ def convert_gguf(gguf_path: Path | str, out_dir: Path | str, dtype: torch.dtype 
         raise CheckpointError(f"{gguf_path} does not exist or is not a file")
     if out_dir.exists() and any(out_dir.iterdir()):
         raise CheckpointError(f"{out_dir} is not empty; convert into a new directory")
-    counts = scan_tensor_types(gguf_path)
+    counts, has_tokenizer = inspect_gguf(gguf_path)
     out_dir.mkdir(parents=True, exist_ok=True)
     steps = tqdm(total=3, desc=f"convert {gguf_path.name}", unit="step", disable=not progress)
     with steps:
@@ -146,7 +147,7 @@ def convert_gguf(gguf_path: Path | str, out_dir: Path | str, dtype: torch.dtype 
         gc.collect()
         steps.update()
         steps.set_postfix_str("tokenizer")
-        tokenizer = _save_tokenizer(gguf_path, out_dir)
+        tokenizer = _save_tokenizer(gguf_path, out_dir) if has_tokenizer else None
         steps.update()
     record = {"gguf": gguf_path.name, "tensor_types": dict(counts), "dtype": str(dtype).removeprefix("torch."),
               "model_type": model_type, "tokenizer": tokenizer, **(source or {})}
