@@ -11,6 +11,7 @@ a hidden `.<name>.partial-*` directory, which the next fetch removes; nothing lo
 from __future__ import annotations
 
 import fcntl
+import glob
 import hashlib
 import os
 import re
@@ -123,7 +124,7 @@ def build_once(dest: Path, build: Callable[[Path], object]) -> Path:
         if dest.exists():
             raise CheckpointError(f"{dest} exists but is not a complete specdec conversion (it has no "
                                   f"{SOURCE_FILE}); delete it and try again")
-        for stale in dest.parent.glob(f".{dest.name}.partial-*"):  # left by a killed build
+        for stale in dest.parent.glob(f".{glob.escape(dest.name)}.partial-*"):  # left by a killed build
             shutil.rmtree(stale, ignore_errors=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
         staging.chmod(0o755)  # mkdtemp makes it private; the cache is shared like any checkpoint dir
