@@ -101,13 +101,20 @@ class FlashConfig:
             raise ValueError(f"FlashConfig.num_stages must be >= 1, got {self.num_stages}")
 
 
-# GPU (Hopper-class) starting points per head dim; `benchmarks/bench_attention.py --sweep` re-tunes.
+# GPU (Hopper-class) starting points per head dim; `benchmarks/bench_attention.py --parts sweep` re-tunes.
 _PREFILL_CONFIGS = {
     16: FlashConfig(128, 64, 4, 3),
     32: FlashConfig(128, 64, 4, 3),
     64: FlashConfig(128, 64, 4, 3),
     128: FlashConfig(128, 64, 8, 3),
     256: FlashConfig(64, 32, 8, 2),
+}
+_PREFILL_CONFIGS_FP32 = {  # float32 tiles take twice the shared memory (H100: 227 KiB per block)
+    16: FlashConfig(64, 64, 4, 2),
+    32: FlashConfig(64, 64, 4, 2),
+    64: FlashConfig(64, 64, 4, 2),
+    128: FlashConfig(128, 32, 8, 2),
+    256: FlashConfig(32, 32, 4, 1),
 }
 _DECODE_CONFIGS = {  # a block of T*G <= 16 packed rows (decode, short verification)
     16: FlashConfig(16, 128, 4, 3),
@@ -121,11 +128,13 @@ _INTERPRETER_CONFIG = FlashConfig(16, 16, 1, 1)
 MAX_TREE_TOKENS = 64  # tree_bits is one int64 per query
 
 
-def default_config(head_dim: int, rows: int, device: torch.device) -> FlashConfig:
-    """The tile config for `rows` = T * G packed query rows per kv head on `device`."""
+def default_config(head_dim: int, rows: int, dtype: torch.dtype, device: torch.device) -> FlashConfig:
+    """The tile config for `rows` = T * G packed query rows per kv head of `dtype` on `device`."""
     if device.type != "cuda":
         return _INTERPRETER_CONFIG
-    return (_DECODE_CONFIGS if rows <= 16 else _PREFILL_CONFIGS)[head_dim]
+    if rows <= 16:
+        return _DECODE_CONFIGS[head_dim]
+    return (_PREFILL_CONFIGS_FP32 if dtype == torch.float32 else _PREFILL_CONFIGS)[head_dim]
 
 
 # ---- kernel -----------------------------------------------------------------------------
@@ -325,7 +334,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     assert not has_window or window >= 1, f"window must be >= 1, got {window}"
 
     G = Hq // Hkv
-    cfg = config or default_config(D, T * G, device)
+    cfg = config or default_config(D, T * G, q.dtype, device)
     m_tiles = triton.cdiv(T * G, cfg.block_m)
     if num_splits is None:
         num_splits = choose_num_splits(m_tiles * B * Hkv, S, cfg.block_n, _num_sms(device))
