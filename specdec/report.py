@@ -155,6 +155,7 @@ def _save_figure(fig, path: Path) -> None:
 def plot_acceptance(report: dict, path: Path) -> None:
     """Per-position acceptance P(draft i accepted | drafts < i accepted), one line per method."""
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     fig = Figure(figsize=(6, 4))
     ax = fig.add_subplot()
@@ -168,7 +169,8 @@ def plot_acceptance(report: dict, path: Path) -> None:
         ax.legend(fontsize=8)
     else:
         ax.text(0.5, 0.5, "no method drafted tokens", ha="center", va="center", transform=ax.transAxes)
-    ax.set_xlabel("draft position i")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("draft position (1 = first drafted token)")
     ax.set_ylabel("P(accept i | all before accepted)")
     ax.set_ylim(0, 1.05)
     ax.set_title(f"Per-position acceptance ({report['settings']['target']})")
