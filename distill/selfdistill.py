@@ -38,15 +38,31 @@ def stop_token_ids(tokenizer) -> list[int]:
     return sorted(ids)
 
 
+CODE_WORDS = ("```", "python", "code", "function", "def ", "script", "program", "algorithm", "class ",
+              "javascript", "sql", "implement")
+
+
+def is_code_prompt(text: str) -> bool:
+    """True for a prompt that asks about code (a keyword test, for code-model heads)."""
+    low = text.lower()
+    return any(w in low for w in CODE_WORDS)
+
+
 def sharegpt_prompts(tokenizer, split: str = "calibration", limit: int = 1000,
-                     max_prompt_tokens: int = 384) -> list[tuple[int, list[int]]]:
-    """(conversation index, prompt ids) of first user turns that fit in `max_prompt_tokens`."""
+                     max_prompt_tokens: int = 384, keep=None, min_chars: int = 32) -> list[tuple[int, list[int]]]:
+    """(conversation index, prompt ids) of opening user turns that fit in `max_prompt_tokens`,
+    among the first `limit` conversations of `split`; `keep(text) -> bool` filters them.
+
+    As for evaluation prompts (specdec.prompts.sharegpt_prompts), a conversation that opens with
+    an assistant turn or with a user turn shorter than `min_chars` (mostly "continue") is a
+    continuation without its context and is skipped.
+    """
     from runtime.data import sharegpt_conversations
 
     out = []
     for i, conv in enumerate(sharegpt_conversations(split=split, limit=limit)):
-        first = next((t["content"] for t in conv if t["role"] == "user"), None)
-        if not first or not first.strip():
+        first = conv[0]["content"] if conv[0]["role"] == "user" else ""
+        if len(first.strip()) < min_chars or (keep is not None and not keep(first)):
             continue
         ids = chat_prompt_ids(tokenizer, first)
         if len(ids) <= max_prompt_tokens:
@@ -84,8 +100,8 @@ def generate_selfdistill(model, tokenizer, out_path: str | Path, prompts: list[t
                          seed: int = 0, deadline: float | None = None) -> int:
     """Append the model's answers to `prompts` ((id, prompt ids) pairs) to `out_path` (jsonl).
 
-    Ids already in the file are skipped (resume). Prompts run in batches of `batch_size` rows of
-    similar length. temperature 0 = greedy answers; > 0 samples with a generator seeded by `seed`
+    Ids already in the file are skipped (resume). Prompts run in file order, in batches of
+    `batch_size` rows (sorted by length within windows of 4 batches). temperature 0 = greedy answers; > 0 samples with a generator seeded by `seed`
     and the batch's first id. deadline: a time.monotonic() value after which no new batch starts.
     Returns the number of records in the file.
     """
@@ -97,8 +113,11 @@ def generate_selfdistill(model, tokenizer, out_path: str | Path, prompts: list[t
     out_path.parent.mkdir(parents=True, exist_ok=True)
     _drop_torn_tail(out_path)
     done = {r["id"] for r in read_records(out_path)}
-    todo = sorted((p for p in prompts if p[0] not in done), key=lambda p: len(p[1]))
+    todo = [p for p in prompts if p[0] not in done]
     eos = stop_token_ids(tokenizer)
+    # file order (an early stop keeps a representative sample); similar lengths within a window
+    window = 4 * batch_size
+    todo = [p for lo in range(0, len(todo), window) for p in sorted(todo[lo:lo + window], key=lambda p: len(p[1]))]
     batches = [todo[i:i + batch_size] for i in range(0, len(todo), batch_size)]
     bar = tqdm(total=len(todo), desc="self-distillation answers", unit="prompt")
     with open(out_path, "a") as f:

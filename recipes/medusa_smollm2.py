@@ -28,7 +28,8 @@ import torch
 import distill
 import runtime
 import specdec
-from distill.selfdistill import generate_selfdistill, read_records, sharegpt_prompts, stop_token_ids
+from distill.selfdistill import (generate_selfdistill, is_code_prompt, read_records, sharegpt_prompts,
+                                stop_token_ids)
 from distill.train_medusa import TrainConfig, cache_hidden_states
 from specdec.evaluate import EvalConfig, run_eval
 from specdec.prompts import encode, load_prompts
@@ -66,7 +67,8 @@ def pipeline(args: argparse.Namespace, model_name: str, eval_dataset: str, raw_e
     eos = stop_token_ids(tok)
 
     prompts = sharegpt_prompts(tok, split="calibration", limit=args.num_prompts,
-                               max_prompt_tokens=args.max_prompt_tokens)
+                               max_prompt_tokens=args.max_prompt_tokens,
+                               keep=is_code_prompt if getattr(args, "code_prompts", False) else None)
     n = generate_selfdistill(model, tok, out / "selfdistill.jsonl", prompts,
                              max_new_tokens=args.answer_tokens, batch_size=args.batch_size,
                              deadline=at(args.data_frac))
@@ -144,9 +146,9 @@ def parser(defaults: dict) -> argparse.ArgumentParser:
     return p
 
 
-DEFAULTS = {"out": "runs/medusa_smollm2", "max_minutes": 20.0, "answer_tokens": 192, "batch_size": 32,
-            "epochs": 8, "tree_nodes": 40, "data_frac": 0.4, "train_frac": 0.75, "eval_prompts": 16,
-            "eval_tokens": 96, "speed_prompts": 3}
+DEFAULTS = {"out": "runs/medusa_smollm2", "max_minutes": 20.0, "answer_tokens": 128, "batch_size": 64,
+            "epochs": 8, "tree_nodes": 40, "data_frac": 0.55, "train_frac": 0.75, "eval_prompts": 12,
+            "eval_tokens": 96, "speed_prompts": 2}
 
 if __name__ == "__main__":
     pipeline(parser(DEFAULTS).parse_args(), "smollm2-135m-instruct", "sharegpt", raw_eval=False)

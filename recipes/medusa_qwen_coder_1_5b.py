@@ -1,0 +1,28 @@
+"""Recipe: Medusa heads for qwen2.5-coder-1.5b-instruct, evaluated on HumanEval.
+
+    python recipes/medusa_qwen_coder_1_5b.py --out runs/medusa_qwen15 --max-minutes 240
+
+The same pipeline as recipes/medusa_smollm2.py (self-distillation -> cached hidden states ->
+Medusa-1 training -> evaluation; every step resumable, all inside --max-minutes), with training
+prompts restricted to code questions among the ShareGPT calibration conversations (HumanEval
+itself is never trained on) and evaluation on HumanEval through the chat template: tau and
+equality with plain greedy decoding over `--eval-prompts` problems (OUT/tau.json), tokens/s
+against plain decoding per problem with `specdec eval` (OUT/eval/report.json).
+"""
+
+from __future__ import annotations
+
+from medusa_smollm2 import parser, pipeline
+
+DEFAULTS = {"out": "runs/medusa_qwen15", "max_minutes": 240.0, "answer_tokens": 256, "batch_size": 32,
+            "epochs": 8, "tree_nodes": 48, "data_frac": 0.5, "train_frac": 0.8, "eval_prompts": 32,
+            "eval_tokens": 128, "speed_prompts": 8}
+
+if __name__ == "__main__":
+    p = parser(DEFAULTS)
+    p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct",
+                   help="catalogue name (qwen2.5-coder-0.5b-instruct for a quick check)")
+    p.add_argument("--all-prompts", dest="code_prompts", action="store_false",
+                   help="train on every ShareGPT prompt, not only code questions")
+    args = p.parse_args()
+    pipeline(args, args.model, "humaneval", raw_eval=False)
