@@ -93,3 +93,16 @@ def test_bad_requests_fail_with_clear_messages(pair):
         specdec.generate(model, torch.tensor([[5]]), temperature=-1.0)
     with pytest.raises(ValueError, match="top_p"):
         specdec.generate(model, torch.tensor([[5]]), top_p=0.0)
+
+
+def test_nan_logits_fail_fast_with_a_named_error():
+    from runtime.tiny import tiny_model
+    from specdec.sampling import NonFiniteLogitsError
+
+    broken = tiny_model("llama", seed=9)
+    with torch.no_grad():
+        broken.layers[1].mlp.w2.weight[0, 0] = float("nan")
+    with pytest.raises(NonFiniteLogitsError, match="NaN logits"):
+        specdec.generate(broken, torch.tensor([[1, 2, 3]]), max_new_tokens=4)
+    with pytest.raises(NonFiniteLogitsError, match="NaN logits"):
+        specdec.generate(broken, torch.tensor([[1, 2, 3]]), draft="ngram", max_new_tokens=4)
