@@ -8,7 +8,7 @@ Steps, all inside the --max-minutes budget (each step resumes if the run is rest
 2. last hidden states cached once (OUT/hidden_cache), then Medusa-1 training of 4 heads until
    `train_frac` of the budget; the heads' tree is built from held-out accuracy (OUT holds them:
    `distill.load_medusa(OUT, model)`);
-3. evaluation on held-out ShareGPT prompts: tau and equality with plain greedy decoding for a
+3. evaluation (in --eval-dtype) on held-out ShareGPT prompts: tau and equality with plain greedy decoding for a
    batch of prompts (OUT/tau.json), and tokens/s against plain decoding per prompt with
    `specdec eval` (OUT/eval/report.json).
 `pipeline()` is shared with recipes/medusa_qwen_coder_1_5b.py.
@@ -86,11 +86,14 @@ def pipeline(args: argparse.Namespace, model_name: str, eval_dataset: str, raw_e
     print(f"[train] {metrics['steps']}/{metrics['planned_steps']} steps, top-1 accuracy "
           f"{[round(a, 3) for a in metrics['top1_accuracy']]}, {train_min:.1f} min", flush=True)
 
+    eval_dtype = args.eval_dtype or args.dtype
+    if eval_dtype != args.dtype:
+        model = runtime.load_model(model_name, dtype=torch.float32 if eval_dtype == "float32" else torch.bfloat16)
     heads = distill.load_medusa(out, model)
     eval_prompts = load_prompts(dataset=eval_dataset, limit=args.eval_prompts)
     rows = [torch.tensor(encode(tok, [p.turns[0]], [], raw_eval)) for p in eval_prompts]
     tau = tau_on_prompts(model, heads, rows, args.eval_tokens, eos)
-    tau.update({"train_minutes": train_min, "dataset": eval_dataset})
+    tau.update({"train_minutes": train_min, "dataset": eval_dataset, "dtype": eval_dtype})
     (out / "tau.json").write_text(json.dumps(tau, indent=1))
     print(f"[tau] {tau['tau']:.3f} on {len(rows)} {eval_dataset} prompts, matches plain "
           f"{tau['matches_plain']:.2f}", flush=True)
@@ -99,7 +102,7 @@ def pipeline(args: argparse.Namespace, model_name: str, eval_dataset: str, raw_e
     if args.speed_prompts:
         cfg_eval = EvalConfig(out=str(out / "eval"), methods=f"plain,medusa:{out}", target=model_name,
                               dataset=eval_dataset, limit=args.speed_prompts, raw=raw_eval,
-                              dtype=args.dtype, max_new_tokens=args.eval_tokens, overwrite=True)
+                              dtype=eval_dtype, max_new_tokens=args.eval_tokens, overwrite=True)
         report = run_eval(cfg_eval, command=shlex.join([sys.executable] + sys.argv))
         speed = report
         for name, m in report["methods"].items():
@@ -124,6 +127,9 @@ def parser(defaults: dict) -> argparse.ArgumentParser:
     p.add_argument("--out", default=defaults["out"], help="directory for data, cache, heads, reports")
     p.add_argument("--max-minutes", type=float, default=defaults["max_minutes"])
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--eval-dtype", default=None, choices=["bfloat16", "float32"],
+                   help="dtype of the evaluation (default: --dtype); float32 makes greedy Medusa output "
+                        "bit-comparable with plain decoding")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     p.add_argument("--num-prompts", type=int, default=4000, help="ShareGPT prompts at most")
     p.add_argument("--max-prompt-tokens", type=int, default=256)
@@ -147,7 +153,7 @@ def parser(defaults: dict) -> argparse.ArgumentParser:
 
 
 DEFAULTS = {"out": "runs/medusa_smollm2", "max_minutes": 20.0, "answer_tokens": 128, "batch_size": 64,
-            "epochs": 8, "tree_nodes": 40, "data_frac": 0.55, "train_frac": 0.75, "eval_prompts": 12,
+            "epochs": 8, "tree_nodes": 40, "data_frac": 0.4, "train_frac": 0.75, "eval_prompts": 12,
             "eval_tokens": 96, "speed_prompts": 2}
 
 if __name__ == "__main__":
