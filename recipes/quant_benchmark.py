@@ -47,6 +47,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1 on a shared CPU)")
     args = ap.parse_args()
     names = args.configs.split(",")
     table = configs(args.group_size)
@@ -54,7 +55,7 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown configs {unknown}; choose from dense, {', '.join(table)}")
     dtype = getattr(torch, args.dtype)
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     tok = runtime.load_tokenizer(args.model)
     calib = quant.calibration_batches(tok, "sharegpt", n_samples=args.n_calib, seq_len=args.seq_len)
     evals = {src: quant.eval_batches(tok, src, n_samples=args.n_eval, seq_len=args.seq_len)

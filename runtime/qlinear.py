@@ -148,6 +148,7 @@ class Int4Linear(QuantizedLinear):
         self.register_buffer("scales", scales)  # (N, K/G)
         self.register_buffer("zeros", zeros)  # (N, K/G)
         self._kernel: tuple[torch.device, torch.Tensor] | None = None
+        self._sz: tuple[tuple[torch.device, torch.dtype], torch.Tensor] | None = None
 
     def codes(self) -> torch.Tensor:
         return unpack_int4(self.qweight)  # (N, K) int32
@@ -181,7 +182,12 @@ class Int4Linear(QuantizedLinear):
         return self._kernel[1]
 
     def _scales_and_zeros(self, dtype: torch.dtype) -> torch.Tensor:
-        return torch.stack([self.scales, self.zeros], dim=-1).transpose(0, 1).contiguous().to(dtype)  # (K/G, N, 2)
+        """(K/G, N, 2) kernel layout, built once per device and dtype (rebuilding it cost as much as the matmul)."""
+        key = (self.scales.device, dtype)
+        if self._sz is None or self._sz[0] != key:
+            sz = torch.stack([self.scales, self.zeros], dim=-1).transpose(0, 1).contiguous().to(dtype)
+            self._sz = (key, sz)
+        return self._sz[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cpu_ok = x.device.type == "cpu" and self.out_features % 16 == 0 and _rows(x) <= PACKED_MAX_ROWS

@@ -1,0 +1,84 @@
+"""Decode speed of a model in bf16 vs its INT8 / INT4 copies (plain greedy decoding, static cache).
+
+    python recipes/quant_decode_speed.py --model qwen2.5-coder-0.5b-instruct --variants bf16,int8,int4 --rounds 3
+
+Quantized copies are made in memory with round-to-nearest (decode speed depends on the format,
+not on how the codes were chosen: GPTQ checkpoints run the same kernels), or loaded from
+`--int4-dir` / `--int8-dir`. Variants run alternately, `--rounds` times each, after a
+warm-up; the median tokens/s per variant and the ratio to bf16 are printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+import quant
+import runtime
+import specdec
+
+PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring and tests."
+
+
+def build(model_name: str, variant: str, dirs: dict[str, str | None]):
+    if dirs.get(variant):
+        return runtime.load_model(dirs[variant], dtype=torch.bfloat16)
+    model = runtime.load_model(model_name, dtype=torch.bfloat16)
+    if variant == "int8":
+        quant.quantize_(model, quant.Int8WeightOnly(), progress=False)
+    elif variant == "int4":
+        quant.quantize_(model, quant.Int4WeightOnly(group_size=128), progress=False)
+    elif variant == "int8+head":
+        quant.quantize_(model, quant.Int8WeightOnly(include_lm_head=True), progress=False)
+    elif variant == "int4+head":
+        quant.quantize_(model, quant.Int4WeightOnly(group_size=128, include_lm_head=True), progress=False)
+    elif variant != "bf16":
+        raise SystemExit(f"unknown variant {variant!r}")
+    return model
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
+    ap.add_argument("--variants", default="bf16,int8,int4")
+    ap.add_argument("--int8-dir", default=None)
+    ap.add_argument("--int4-dir", default=None)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (1: with other jobs on the CPU, more threads spin and run slower)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    tok = runtime.load_tokenizer(args.model)
+    text = tok.apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=False, add_generation_prompt=True)
+    ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
+    variants = args.variants.split(",")
+    models = {v: build(args.model, v, {"int8": args.int8_dir, "int4": args.int4_dir}) for v in variants}
+    outputs, speeds = {}, {v: [] for v in variants}
+    for v, m in models.items():  # warm-up (kernel packing, allocator)
+        specdec.generate(m, ids, max_new_tokens=8)
+    for _ in range(args.rounds):
+        for v, m in models.items():
+            t0 = time.perf_counter()
+            out = specdec.generate(m, ids, max_new_tokens=args.max_new_tokens)
+            wall = time.perf_counter() - t0
+            new = out.sequences.shape[1] - ids.shape[1]
+            speeds[v].append(new / wall)
+            outputs[v] = out.sequences[0, ids.shape[1]:]
+            print(f"{v}: {new / wall:.2f} tokens/s", flush=True)
+    base = statistics.median(speeds[variants[0]])
+    for v in variants:
+        med = statistics.median(speeds[v])
+        same = int((outputs[v] == outputs[variants[0]]).all()) if outputs[v].shape == outputs[variants[0]].shape else 0
+        print(json.dumps({"variant": v, "tokens_per_s": round(med, 2), "runs": [round(s, 2) for s in speeds[v]],
+                          f"speedup_vs_{variants[0]}": round(med / base, 3),
+                          "mib_in_memory": round(quant.model_nbytes(models[v]) / 2**20, 1),
+                          f"same_tokens_as_{variants[0]}": bool(same)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
