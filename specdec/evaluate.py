@@ -8,7 +8,7 @@ generations. Methods (`--methods`, comma-separated):
     draft:X          draft = runtime.load_model(X)                      (X: catalogue name / dir)
     ngram            draft = "ngram"                                    (prompt lookup)
     hybrid:X         draft = ["ngram", runtime.load_model(X)]
-    medusa:PATH      draft = distill.load_medusa(PATH, target)
+    medusa:PATH      draft = specdec.medusa_io.load_medusa(PATH, target)
     hf               transformers generate() on the same checkpoint and dtype
     hf-assisted:X    transformers assisted generation, assistant_model = X
     hf-pld           transformers prompt lookup (prompt_lookup_num_tokens)
@@ -282,7 +282,7 @@ class Runner:
         if spec.kind == "hybrid":
             return ["ngram", self._runtime_model(spec.arg)]
         if spec.kind == "medusa":
-            from distill import load_medusa
+            from specdec.medusa_io import load_medusa
 
             return self._cached(("medusa", spec.arg), lambda: load_medusa(spec.arg, self.target))
         raise ValueError(f"{spec.name} is not a specdec method")

@@ -9,7 +9,7 @@ The base LM head at position t predicts token t+1; head i at position t predicts
 the whole batch at once: the heads' top-k guesses from the hidden state of the last accepted
 token, arranged by the heads' sparse tree (`specdec.tree`); one target forward over the tree with
 a tree attention mask; verification (greedy, typical or lossless); in-place KV compaction of each
-row's accepted path. Offline training, saving and loading live in `distill.medusa`.
+row's accepted path. Loading lives in `specdec.medusa_io`; offline training and saving in `distill`.
 """
 
 from __future__ import annotations
