@@ -1,12 +1,21 @@
-"""Shared test fixtures: a tiny random Llama and a writer that stores such a model as a GGUF file."""
+"""Shared test fixtures: a tiny random Llama and a writer that stores such a model as a GGUF file.
+
+Without a CUDA GPU the Triton kernels run on the interpreter. TRITON_INTERPRET must be set
+before anything imports triton (accelerate and bitsandbytes do, in other test folders), so it
+is set here, in the first conftest pytest loads.
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def _bf16_exact(t: torch.Tensor) -> torch.Tensor:
