@@ -159,11 +159,11 @@ class Transformer(nn.Module):
         backend = self.attention or default_backend(tokens.device)
         window = self.config.sliding_window
         uniform = B == 1 or bool((prefix == prefix[0]).all())
-        if mask is None and backend == "sdpa":
-            if T == 1 and uniform and (window is None or num_keys <= window):
-                pass  # one query per row that sees every slot: no mask, SDPA's fastest path
-            else:
-                mask = causal_mask(prefix, T, num_keys, window)  # once per forward, not per layer
+        # one query per row that sees every slot needs no mask (SDPA's fastest path); otherwise
+        # the causal mask is built once per forward, not once per layer
+        sees_all = T == 1 and uniform and (window is None or num_keys <= window)
+        if mask is None and backend == "sdpa" and not sees_all:
+            mask = causal_mask(prefix, T, num_keys, window)
         ctx = StepContext(cache, slots, num_keys, mask, prefix, backend, window, uniform)
         cos, sin = self.rope()(positions, self.dtype)
         x = self.embed(tokens)  # (B, T, C)
