@@ -9,13 +9,12 @@ The shared LM head is never saved: it is the base model's own `lm_head`.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
+from runtime.atomic import atomic_write
 from specdec.medusa import MedusaConfig, MedusaHeads
 from specdec.medusa_io import CONFIG, WEIGHTS, load_medusa, read_medusa_config
 
@@ -38,17 +37,6 @@ def attach_medusa(model, num_heads: int = 4, num_layers: int = 1, shared_lm_head
     return heads.to(device=model.device, dtype=torch.float32)
 
 
-def _atomic_write(path: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def save_medusa(heads: MedusaHeads, path: str | Path) -> Path:
     """Write the heads to directory `path` (created if needed); returns it. The current tree
     (`heads.tree`) is stored in the config."""
@@ -56,11 +44,11 @@ def save_medusa(heads: MedusaHeads, path: str | Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     config = MedusaConfig(**{**heads.config.__dict__, "tree": heads.tree.paths})
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in heads.state_dict().items()}
-    _atomic_write(path / WEIGHTS, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+    atomic_write(path / WEIGHTS, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
 
     def write_json(tmp: str) -> None:
         with open(tmp, "w") as f:
             json.dump({"format": "specdec-medusa", "version": 1, **config.to_dict()}, f, indent=1)
 
-    _atomic_write(path / CONFIG, write_json)
+    atomic_write(path / CONFIG, write_json)
     return path

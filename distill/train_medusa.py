@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -30,6 +28,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from distill.medusa import save_medusa
+from runtime.atomic import atomic_write
 from specdec.medusa import MedusaConfig, MedusaHeads
 from specdec.tree import build_tree, expected_length
 
@@ -37,23 +36,12 @@ IGNORE = -100
 MANIFEST = "manifest.json"
 
 
-def _atomic(path: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def _write_json(path: Path, obj) -> None:
     def write(tmp: str) -> None:
         with open(tmp, "w") as f:
             json.dump(obj, f, indent=1)
 
-    _atomic(path, write)
+    atomic_write(path, write)
 
 
 def head_targets(seq: torch.Tensor, start: int, num_heads: int) -> torch.Tensor:
@@ -92,7 +80,7 @@ def cache_hidden_states(model, records: list[dict], out_dir: str | Path, num_hea
             return
         name = f"shard_{len(manifest['shards'][split]):05d}.safetensors"
         tensors = {"hidden": torch.cat(hs).contiguous(), "targets": torch.cat(ts).contiguous()}
-        _atomic(out_dir / split / name, lambda tmp: save_file(tensors, tmp))
+        atomic_write(out_dir / split / name, lambda tmp: save_file(tensors, tmp))
         manifest["shards"][split].append(name)
         hs.clear()
         ts.clear()
@@ -231,7 +219,7 @@ def _plot(losses: list[float], path: Path) -> None:
     ax.set_title("Medusa head training")
     ax.legend()
     fig.tight_layout()
-    _atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110))
+    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110))
     plt.close(fig)
 
 
@@ -245,8 +233,8 @@ def _lr_at(step: int, progress: float, cfg: TrainConfig) -> float:
 def _save_checkpoint(ckpt: Path, heads: MedusaHeads, opt, step: int, losses: list[float]) -> None:
     ckpt.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().cpu().contiguous() for k, v in heads.state_dict().items()}
-    _atomic(ckpt / "heads.safetensors", lambda tmp: save_file(state, tmp))
-    _atomic(ckpt / "optimizer.pt", lambda tmp: torch.save(opt.state_dict(), tmp))
+    atomic_write(ckpt / "heads.safetensors", lambda tmp: save_file(state, tmp))
+    atomic_write(ckpt / "optimizer.pt", lambda tmp: torch.save(opt.state_dict(), tmp))
     _write_json(ckpt / "trainer.json", {"step": step, "losses": losses})
 
 

@@ -19,17 +19,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import statistics
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from runtime.atomic import atomic_write_text
 from specdec.baselines import HFGenerator, load_hf_model
 from specdec.evaluate import command_line, versions
 
@@ -167,11 +166,7 @@ def run_bench(cfg: BenchConfig, command: str | None = None, progress: bool = Tru
     result["speedup_vs_transformers"] = (result["runtimes"]["specdec"]["tokens_per_second"]
                                          / result["runtimes"]["transformers"]["tokens_per_second"])
     if cfg.json:
-        path = Path(cfg.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(result, indent=2) + "\n")
-        os.replace(tmp, path)
+        atomic_write_text(cfg.json, json.dumps(result, indent=2) + "\n")
     return result
 
 

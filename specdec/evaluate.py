@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from runtime.atomic import atomic_write_text
 from specdec.baselines import HF_MODES, HFGenerator, load_hf_model, new_tokens
 from specdec.prompts import DATASETS, Prompt, encode, load_prompts
 from specdec.stats import AcceptanceStats
@@ -209,14 +210,8 @@ def prepare_out_dir(out: Path, settings: dict, overwrite: bool) -> None:
     elif (out / GENERATIONS).is_file():
         raise SettingsMismatchError(f"{out / GENERATIONS} exists without {RUN_FILE}, so its settings "
                                     "are unknown; use a new --out, or --overwrite to discard it")
-    _atomic_write(run_file, json.dumps({"settings": settings, "settings_hash": settings_hash(settings)},
+    atomic_write_text(run_file, json.dumps({"settings": settings, "settings_hash": settings_hash(settings)},
                                        indent=2) + "\n")
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def read_generations(path: Path, digest: str | None = None) -> list[dict]:
@@ -230,7 +225,7 @@ def read_generations(path: Path, digest: str | None = None) -> list[dict]:
     text = path.read_text(encoding="utf-8")
     if text and not text.endswith("\n"):
         text = text[:text.rfind("\n") + 1]
-        _atomic_write(path, text)
+        atomic_write_text(path, text)
     records = [json.loads(line) for line in text.splitlines() if line.strip()]
     return [r for r in records if digest is None or r.get("settings_hash") == digest]
 

@@ -17,11 +17,11 @@ when nothing was drafted (plain decoding); comparisons are null when their refer
 from __future__ import annotations
 
 import json
-import os
 import statistics
 from datetime import datetime, timezone
 from pathlib import Path
 
+from runtime.atomic import atomic_write, atomic_write_text
 from specdec.baselines import HF_MODES
 from specdec.stats import AcceptanceStats
 
@@ -147,9 +147,7 @@ def _save_figure(fig, path: Path) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     FigureCanvasAgg(fig)
-    tmp = path.with_name(path.name + ".tmp")
-    fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight")
-    os.replace(tmp, path)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight"))
 
 
 def plot_acceptance(report: dict, path: Path) -> None:
@@ -208,8 +206,6 @@ def write_report(out: str | Path, report: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for name, text in (("report.json", json.dumps(report, indent=2) + "\n"),
                        ("report.md", render_markdown(report))):
-        tmp = out / (name + ".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, out / name)
+        atomic_write_text(out / name, text)
     plot_acceptance(report, out / "acceptance.png")
     plot_speedup(report, out / "speedup.png")
