@@ -226,26 +226,38 @@ def verify_greedy(tree: Tree, tokens: torch.Tensor, logits: torch.Tensor,
     return out
 
 
-def verify_typical(tree: Tree, tokens: torch.Tensor, logits: torch.Tensor, temperature: float,
-                   top_k: int, top_p: float, epsilon: float, delta: float,
-                   generator: torch.Generator | None) -> list[Verdict]:
-    """Typical acceptance (lossy): follow the first child x with p(x) > min(epsilon,
-    delta * exp(-H(p))); the bonus token is sampled from p at the last accepted node."""
+def _walk(tree: Tree, tokens: torch.Tensor, logits: torch.Tensor, temperature: float, top_k: int,
+          top_p: float, choose, generator: torch.Generator | None) -> list[Verdict]:
+    """Walk each row's tree from the root: `choose(p, children_tokens)` returns the index of the
+    accepted child (it may edit p in place to the residual) or None; the bonus token is then
+    sampled from p at the last accepted node."""
     out = []
     for b, row in enumerate(tokens.tolist()):
         node, nodes = 0, []
         while True:
             p = probs_from_logits(logits[b, node], temperature, top_k, top_p)  # (V,)
-            entropy = -(p * torch.log(p.clamp_min(1e-30))).sum()
-            threshold = min(epsilon, delta * float(torch.exp(-entropy)))
-            nxt = next((c for c in tree.children[node] if float(p[row[c]]) > threshold), None)
-            if nxt is None:
+            children = tree.children[node]
+            pick = choose(p, [row[c] for c in children])
+            if pick is None:
                 bonus = int(torch.multinomial(p, 1, generator=generator))
                 break
-            node = nxt
+            node = children[pick]
             nodes.append(node)
         out.append(_verdict(tree, row, nodes, bonus))
     return out
+
+
+def verify_typical(tree: Tree, tokens: torch.Tensor, logits: torch.Tensor, temperature: float,
+                   top_k: int, top_p: float, epsilon: float, delta: float,
+                   generator: torch.Generator | None) -> list[Verdict]:
+    """Typical acceptance (lossy): follow the first child x with p(x) > min(epsilon,
+    delta * exp(-H(p))); the bonus token is sampled from p at the last accepted node."""
+    def choose(p: torch.Tensor, xs: list[int]) -> int | None:
+        entropy = -(p * torch.log(p.clamp_min(1e-30))).sum()
+        threshold = min(epsilon, delta * float(torch.exp(-entropy)))
+        return next((i for i, x in enumerate(xs) if float(p[x]) > threshold), None)
+
+    return _walk(tree, tokens, logits, temperature, top_k, top_p, choose, generator)
 
 
 def verify_lossless(tree: Tree, tokens: torch.Tensor, logits: torch.Tensor, temperature: float,
@@ -253,24 +265,13 @@ def verify_lossless(tree: Tree, tokens: torch.Tensor, logits: torch.Tensor, temp
     """Recursive rejection sampling over siblings (lossless): each child x in rank order is
     accepted with probability p(x) (q is one-hot); on rejection p(x) <- 0 and p is renormalised;
     when every child fails the bonus token is sampled from the residual p."""
-    out = []
-    for b, row in enumerate(tokens.tolist()):
-        node, nodes = 0, []
-        while True:
-            p = probs_from_logits(logits[b, node], temperature, top_k, top_p)  # (V,)
-            nxt = None
-            for c in tree.children[node]:
-                x = row[c]
-                u = float(torch.rand((), generator=generator, device=p.device))
-                if u < float(p[x]):
-                    nxt = c
-                    break
-                p[x] = 0.0
-                p = p / p.sum()  # positive: a rejection means p(x) < 1
-            if nxt is None:
-                bonus = int(torch.multinomial(p, 1, generator=generator))
-                break
-            node = nxt
-            nodes.append(node)
-        out.append(_verdict(tree, row, nodes, bonus))
-    return out
+    def choose(p: torch.Tensor, xs: list[int]) -> int | None:
+        for i, x in enumerate(xs):
+            u = float(torch.rand((), generator=generator, device=p.device))
+            if u < float(p[x]):
+                return i
+            p[x] = 0.0
+            p.div_(p.sum())  # positive: a rejection means p(x) < 1
+        return None
+
+    return _walk(tree, tokens, logits, temperature, top_k, top_p, choose, generator)
