@@ -81,7 +81,7 @@ def main() -> None:
                                        "group_size": args.group_size,
                                        "n_eval": args.n_eval, "seq_len": args.seq_len, "rows": rows}, indent=1))
             tmp.replace(args.out)
-    print(f"\n| config | ppl ShareGPT held-out | ppl stdlib | MiB in memory | compress s |\n|---|---|---|---|---|")
+    print("\n| config | ppl ShareGPT held-out | ppl stdlib | MiB in memory | compress s |\n|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['config']} | {r['ppl_sharegpt']:.3f} | {r['ppl_stdlib']:.3f} | {r['bytes'] / 2**20:.1f} | "
               f"{r['compress_s']} |")

@@ -5,6 +5,7 @@ Default output root: $SPECDEC_HOME/compressed (default ~/.cache/specdec/compress
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shlex
@@ -17,6 +18,19 @@ import torch
 
 import quant
 import runtime
+
+
+def recipe_args(description: str) -> argparse.Namespace:
+    """The options every draft recipe takes (output dir, calibration / evaluation sizes, eval step)."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--out", type=Path, default=compressed_home(), help="where compressed checkpoints go")
+    ap.add_argument("--n-calib", type=int, default=64, help="calibration windows")
+    ap.add_argument("--n-eval", type=int, default=16, help="perplexity windows per text set")
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--eval-limit", type=int, default=20, help="HumanEval prompts for specdec eval")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--skip-eval", action="store_true", help="stop before the specdec eval step")
+    return ap.parse_args()
 
 
 def compressed_home() -> Path:

@@ -6,29 +6,19 @@ no training), then `specdec eval`: plain 1.5B vs 1.5B drafted by its INT4 copy.
 
 from __future__ import annotations
 
-import argparse
 import json
-from pathlib import Path
 
 import torch
 
 import quant
 import runtime
-from quant_common import compressed_home, compress_and_save, eval_windows, report, specdec_eval
+from quant_common import recipe_args, compress_and_save, eval_windows, report, specdec_eval
 
 MODEL = "qwen2.5-coder-1.5b-instruct"
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=compressed_home())
-    ap.add_argument("--n-calib", type=int, default=64)
-    ap.add_argument("--n-eval", type=int, default=16)
-    ap.add_argument("--seq-len", type=int, default=512)
-    ap.add_argument("--eval-limit", type=int, default=20)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--skip-eval", action="store_true")
-    args = ap.parse_args()
+    args = recipe_args(__doc__.splitlines()[0])
     tok = runtime.load_tokenizer(MODEL)
     evals = eval_windows(tok, args.n_eval, args.seq_len)
     calib = quant.calibration_batches(tok, "sharegpt", n_samples=args.n_calib, seq_len=args.seq_len)
