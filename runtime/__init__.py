@@ -1,13 +1,14 @@
 """runtime: the engine. Llama-family model, weight loading, catalogue, static KV cache, attention."""
 
 from runtime.cache import KVCache
+from runtime.compile import compile_decode
 from runtime.config import ModelConfig
 from runtime.errors import (CacheMemoryError, CatalogueError, CheckpointError, ContextLengthError,
                             SpecdecError, UnsupportedModelError)
 from runtime.loading import load_model, load_tokenizer
 from runtime.model import Transformer
 
-__all__ = ["KVCache", "ModelConfig", "Transformer", "load_model", "load_tokenizer", "fetch",
+__all__ = ["KVCache", "ModelConfig", "Transformer", "compile_decode", "load_model", "load_tokenizer", "fetch",
            "CATALOGUE", "HFAdapter", "SpecdecError", "CheckpointError", "CatalogueError",
            "ContextLengthError", "CacheMemoryError", "UnsupportedModelError"]
 

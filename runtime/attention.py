@@ -53,3 +53,42 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 
         return flash_attention(q, k, v, mask=mask, prefix_lens=prefix_lens, window=window)
     raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
+
+
+
+@torch.library.custom_op("specdec::cache_attention", mutates_args=("k_cache", "v_cache"))
+def cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, layer: int, prefix_lens: torch.Tensor, window: int) -> torch.Tensor:
+    """Write k, v (B, Hkv, T, D) into layer `layer` of the cache buffers (L, B, Hkv, S_max, D) at
+    slots prefix_lens[b] + t, then attend causally: query t of q (B, Hq, T, D) sees slots
+    [0, prefix_lens[b] + t] of its row (within `window`, 0 = none). -> (B, Hq, T, D), contiguous.
+
+    One opaque, in-place op for `torch.compile` (runtime.compile_decode). Left to the compiler,
+    the cache write became a copy of the whole buffer per layer (functionalization) and the
+    attention a masked product over every slot: both grew with the cache size (a smollm2 step
+    went from 33 to 72 ms at 1k slots). Here the write is in place and the attention is
+    PyTorch's SDPA over the used slots only.
+    """
+    from runtime.cache import write_slots
+
+    T = q.shape[2]
+    slots = prefix_lens[:, None] + torch.arange(T, device=q.device)  # (B, T)
+    uniform = bool((prefix_lens == prefix_lens[0]).all())
+    write_slots(k_cache, v_cache, layer, k, v, slots, uniform)
+    num_keys = int(prefix_lens.max()) + T
+    win = window or None
+    keys, values = k_cache[layer][:, :, :num_keys], v_cache[layer][:, :, :num_keys]  # (B, Hkv, S, D)
+    gqa = q.shape[1] != keys.shape[1]
+    if T == 1 and uniform and (win is None or num_keys <= win):
+        out = F.scaled_dot_product_attention(q, keys, values, enable_gqa=gqa)
+    else:
+        mask = causal_mask(prefix_lens, T, num_keys, win)  # (B, T, S)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None], enable_gqa=gqa)
+    return out.contiguous()
+
+
+@cache_attention.register_fake
+def _cache_attention_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                           v_cache: torch.Tensor, layer: int, prefix_lens: torch.Tensor,
+                           window: int) -> torch.Tensor:
+    return q.new_empty(q.shape)

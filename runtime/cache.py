@@ -32,6 +32,18 @@ def cache_bytes(num_layers: int, batch_size: int, num_kv_heads: int, max_seq_len
     return 2 * num_layers * batch_size * num_kv_heads * max_seq_len * head_dim * elem
 
 
+def write_slots(k_buf: torch.Tensor, v_buf: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor,
+                slots: torch.Tensor, uniform: bool) -> None:
+    """Store k, v (B, H, T, D) into layer `layer` of the buffers (L, B, H, S, D) at `slots` (B, T)."""
+    if uniform:
+        k_buf[layer].index_copy_(2, slots[0], k)
+        v_buf[layer].index_copy_(2, slots[0], v)
+        return
+    rows = torch.arange(k.shape[0], device=slots.device)[:, None]  # (B, 1)
+    k_buf[layer][rows, :, slots] = k.transpose(1, 2)  # (B, T, H, D) into (B, H, S, D)
+    v_buf[layer][rows, :, slots] = v.transpose(1, 2)
+
+
 class KVCache:
     """Preallocated keys and values of every layer, with a per-row length."""
 
@@ -67,13 +79,7 @@ class KVCache:
               uniform: bool = False) -> None:
         """Store k, v of shape (B, H, T, D) for `layer` at `slots` (B, T); `uniform` says that
         every row writes to the same slots (one index_copy_ instead of a scatter)."""
-        if uniform:
-            self.k[layer].index_copy_(2, slots[0], k)
-            self.v[layer].index_copy_(2, slots[0], v)
-            return
-        rows = torch.arange(k.shape[0], device=slots.device)[:, None]  # (B, 1)
-        self.k[layer][rows, :, slots] = k.transpose(1, 2)  # (B, T, H, D) into (B, H, S, D)
-        self.v[layer][rows, :, slots] = v.transpose(1, 2)
+        write_slots(self.k, self.v, layer, k, v, slots, uniform)
 
     def check_room(self, num_new: int) -> None:
         """Raise if some row cannot take `num_new` more tokens."""

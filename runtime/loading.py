@@ -152,13 +152,15 @@ def from_hf_state(hf_state: dict[str, torch.Tensor], hf_config: Any, dtype: torc
 
 
 def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.bfloat16,
-               device: torch.device | str = "cpu", attention: str | None = None) -> torch.nn.Module:
+               device: torch.device | str = "cpu", attention: str | None = None,
+               compile: bool = False) -> torch.nn.Module:
     """Load a model for generation.
 
     name_or_path: a catalogue name (`runtime.CATALOGUE`), a local Hugging Face checkpoint
     directory (single or sharded safetensors, or a directory written by `quant.save_compressed`),
     a .gguf file, or a hub id when the hub is reachable. attention: "sdpa" | "triton" | None
-    (None = triton on CUDA when available, sdpa otherwise).
+    (None = triton on CUDA when available, sdpa otherwise). compile: `runtime.compile_decode`
+    the model (faster bf16 decode steps; the first step of each shape compiles).
     """
     if attention is not None and attention not in ("sdpa", "triton"):
         raise ValueError(f"attention must be 'sdpa' or 'triton', got {attention!r}")
@@ -173,6 +175,10 @@ def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.bfloat16,
         model = from_hf_state(read_state_dict(ckpt), hf_config, dtype=dtype, device=device,
                               attention=attention)
     model.source = ckpt  # lets a drafter compare tokenizers with its target
+    if compile:
+        from runtime.compile import compile_decode
+
+        compile_decode(model)
     return model
 
 

@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.attention import attend, causal_mask, default_backend
+from runtime.attention import attend, cache_attention, causal_mask, default_backend
 from runtime.cache import KVCache
+from runtime.compile import MAX_STATIC_TOKENS, static_tokens
 from runtime.config import ModelConfig
 from runtime.rope import Rope, apply_rope
 
@@ -50,6 +51,10 @@ class Attention(nn.Module):
         k = k.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if ctx.backend == "static":  # runtime.compile_decode: cache write + attention as one op
+            out = cache_attention(q, k, v, ctx.cache.k, ctx.cache.v, self.layer, ctx.prefix_lens,
+                                  ctx.window or 0)
+            return self.wo(out.transpose(1, 2).reshape(B, T, q_size))
         if ctx.cache is None:
             keys, values = k, v
         else:
@@ -114,6 +119,7 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed.weight
         self.attention = attention
         self._rope: Rope | None = None
+        self._compiled_step = None  # set by runtime.compile_decode
 
     @property
     def device(self) -> torch.device:
@@ -133,6 +139,8 @@ class Transformer(nn.Module):
     def new_cache(self, batch_size: int, max_seq_len: int) -> KVCache:
         """A static cache for `batch_size` rows of up to `max_seq_len` tokens (checked for memory)."""
         cfg = self.config
+        if self._compiled_step is not None:  # room for the padded tokens of a compiled step
+            max_seq_len += MAX_STATIC_TOKENS
         return KVCache(cfg.num_layers, batch_size, cfg.num_kv_heads, max_seq_len, cfg.head_dim,
                        dtype=self.dtype, device=self.device)
 
@@ -148,6 +156,9 @@ class Transformer(nn.Module):
         and the final hidden states (B, T, C) too when `return_hidden`.
         """
         B, T = tokens.shape
+        if (self._compiled_step is not None and cache is not None and mask is None
+                and not return_hidden and logits_idx is None and T <= MAX_STATIC_TOKENS):
+            return self._static_forward(tokens, positions, cache)
         if cache is None:
             prefix = torch.zeros(B, dtype=torch.long, device=tokens.device)
             slots, num_keys = None, T
@@ -178,3 +189,44 @@ class Transformer(nn.Module):
         else:
             logits = self.lm_head(h)
         return (logits, h) if return_hidden else logits
+
+    def _static_forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """`forward` through the compiled `static_step`, with T padded to a power of two."""
+        B, T = tokens.shape
+        cache.check_room(T)
+        padded = static_tokens(T)
+        if int(cache.lengths.max()) + padded > cache.max_seq_len:
+            padded = T  # no room for the padding at the very end of the cache: one more shape
+        if padded > T:
+            extra = torch.arange(1, padded - T + 1, device=tokens.device)  # (P,)
+            last = self.config.max_position_embeddings - 1
+            tokens = torch.cat([tokens, tokens[:, -1:].expand(-1, padded - T)], dim=1)  # (B, T+P)
+            positions = torch.cat([positions, (positions[:, -1:] + extra).clamp(max=last)], dim=1)
+        logits = self._compiled_step(tokens, positions, cache.k, cache.v, cache.lengths)
+        cache.lengths += T
+        return logits[:, :T]
+
+    def static_step(self, tokens: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
+                    v: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """A short causal forward over the static cache buffers: logits (B, T, V).
+
+        Equals `forward` with a cache, written so that `torch.compile` traces it once per (B, T):
+        no host syncs, and each layer's cache write + attention is one opaque in-place op
+        (`runtime.attention.cache_attention`), so the cache length may vary freely. k, v: the
+        cache buffers (L, B, H, S_max, D), written at slots lengths[b] + t; `lengths` (B,) is not
+        advanced here.
+        """
+        ctx = StepContext(_CacheBuffers(k, v), None, k.shape[3], None, lengths, "static",
+                          self.config.sliding_window)
+        cos, sin = self.rope()(positions, self.dtype)
+        x = self.embed(tokens)  # (B, T, C)
+        for layer in self.layers:
+            x = layer(x, cos, sin, ctx)
+        return self.lm_head(self.norm(x))
+
+
+class _CacheBuffers:
+    """The cache buffers a compiled step writes through `cache_attention`."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k, self.v = k, v

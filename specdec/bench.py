@@ -49,6 +49,7 @@ class BenchConfig:
     stream_mib: int = 1024
     repeats: int = 20
     threads: int | None = None
+    compile: bool = False
     json: str | None = None
 
     def __post_init__(self) -> None:
@@ -122,25 +123,32 @@ def run_bench(cfg: BenchConfig, command: str | None = None, progress: bool = Tru
     tok = runtime.load_tokenizer(cfg.model)
     prompts = [list(tok(p.turns[0])["input_ids"]) for p in humaneval_prompts()[:cfg.prompts]]
     ours = runtime.load_model(cfg.model, dtype=dtype, device=cfg.device)
+    compiled = runtime.load_model(cfg.model, dtype=dtype, device=cfg.device, compile=True) if cfg.compile else None
     theirs = HFGenerator(load_hf_model(cfg.model, dtype, cfg.device, eos_token_id=None,
                                        pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else 0))
 
-    def run_ours(ids: list[int]) -> list[int]:
-        out = specdec.generate(ours, [torch.tensor(ids)], max_new_tokens=cfg.max_new_tokens)
-        return out.sequences[0][len(ids):].tolist()
+    def ours_on(model):
+        def run(ids: list[int]) -> list[int]:
+            out = specdec.generate(model, [torch.tensor(ids)], max_new_tokens=cfg.max_new_tokens)
+            return out.sequences[0][len(ids):].tolist()
+        return run
 
     def run_theirs(ids: list[int]) -> list[int]:
         return theirs.generate(ids, cfg.max_new_tokens)
 
-    runners = {"specdec": run_ours, "transformers": run_theirs}
-    for _ in range(cfg.warmup):
+    runners = {"specdec": ours_on(ours), "transformers": run_theirs}
+    if compiled is not None:
+        runners["specdec-compiled"] = ours_on(compiled)
+    start = time.perf_counter()
+    for _ in range(max(cfg.warmup, 1 if compiled is not None else 0)):  # compiling is not timed
         for fn in runners.values():
             fn(prompts[0])
+    warmup_s = time.perf_counter() - start
     tps: dict[str, list[float]] = {k: [] for k in runners}
     outputs: dict[str, list[list[int]]] = {k: [] for k in runners}
     order = list(runners)
     for i, ids in enumerate(tqdm(prompts, desc="bench", unit="prompt", disable=not progress)):
-        for name in order if i % 2 == 0 else order[::-1]:
+        for name in order[i % len(order):] + order[:i % len(order)]:  # each runtime goes first in turn
             start = time.perf_counter()
             new = runners[name](ids)
             tps[name].append(len(new) / (time.perf_counter() - start))
@@ -154,6 +162,7 @@ def run_bench(cfg: BenchConfig, command: str | None = None, progress: bool = Tru
         "command": command if command is not None else command_line("bench", cfg),
         "versions": versions(),
         "settings": dataclasses.asdict(cfg),
+        "warmup_s": warmup_s,
         "weight_bytes_per_token": bytes_per_token,
         "bandwidth_bytes_per_s": bw,
         "ceiling_tokens_per_second": ceiling,
@@ -161,13 +170,25 @@ def run_bench(cfg: BenchConfig, command: str | None = None, progress: bool = Tru
                             "new_tokens": sum(len(o) for o in outputs[name]),
                             **{f"fraction_of_{k}_ceiling": statistics.median(v) / c for k, c in ceiling.items()}}
                      for name, v in tps.items()},
-        "outputs_match": sum(a == b for a, b in zip(outputs["specdec"], outputs["transformers"])) / len(prompts),
+        "outputs_match": _match(outputs["specdec"], outputs["transformers"]),
+        "outputs_match_by_runtime": {name: _match(outputs[name], outputs["transformers"]) for name in runners},
     }
-    result["speedup_vs_transformers"] = (result["runtimes"]["specdec"]["tokens_per_second"]
-                                         / result["runtimes"]["transformers"]["tokens_per_second"])
+    base = result["runtimes"]["transformers"]["tokens_per_second"]
+    result["speedup_vs_transformers"] = result["runtimes"]["specdec"]["tokens_per_second"] / base
+    result["speedup_vs_transformers_by_runtime"] = {name: r["tokens_per_second"] / base
+                                                    for name, r in result["runtimes"].items()}
     if cfg.json:
         atomic_write_text(cfg.json, json.dumps(result, indent=2) + "\n")
     return result
+
+
+def _match(ours: list[list[int]], theirs: list[list[int]]) -> float:
+    """Fraction of prompts whose new tokens are identical."""
+    return sum(a == b for a, b in zip(ours, theirs)) / len(theirs)
+
+
+LABELS = {"specdec": "specdec (this runtime)", "specdec-compiled": "specdec, `--compile` (torch.compile)",
+          "transformers": "transformers generate()"}
 
 
 def format_table(result: dict) -> str:
@@ -178,20 +199,21 @@ def format_table(result: dict) -> str:
     lines = [f"#### {s['model']}, {s['dtype']}, {s['device']}", "",
              f"Command: `{result['command']}`", "",
              f"| runtime | tok/s (median) | vs transformers | of matvec ceiling ({c['matvec']:.1f} tok/s) "
-             f"| of stream ceiling ({c['stream']:.1f} tok/s) |",
-             "|---|---:|---:|---:|---:|"]
+             f"| of stream ceiling ({c['stream']:.1f} tok/s) | outputs equal to transformers |",
+             "|---|---:|---:|---:|---:|---:|"]
     base = r["transformers"]["tokens_per_second"]
-    for name, label in (("specdec", "specdec (this runtime)"), ("transformers", "transformers generate()")):
-        g = r[name]
-        lines.append(f"| {label} | {g['tokens_per_second']:.1f} | {g['tokens_per_second'] / base:.2f}x | "
-                     f"{100 * g['fraction_of_matvec_ceiling']:.0f}% | {100 * g['fraction_of_stream_ceiling']:.0f}% |")
+    match = result.get("outputs_match_by_runtime", {})
+    for name, g in r.items():
+        lines.append(f"| {LABELS.get(name, name)} | {g['tokens_per_second']:.1f} | {g['tokens_per_second'] / base:.2f}x | "
+                     f"{100 * g['fraction_of_matvec_ceiling']:.0f}% | {100 * g['fraction_of_stream_ceiling']:.0f}% "
+                     f"| {100 * match.get(name, result['outputs_match']):.0f}% |")
     lines += ["",
               f"{s['prompts']} HumanEval prompts (raw), {s['max_new_tokens']} new tokens each (eos ignored), "
               f"median over prompts, runtimes alternating, {s['warmup']} warm-up. Weights read per token: "
               f"{result['weight_bytes_per_token'] / 1e9:.3f} GB; bandwidth: matvec "
               f"{bw['matvec'] / 1e9:.1f} GB/s ({s['matvec_size']}x{s['matvec_size']} {s['dtype']}), "
-              f"stream {bw['stream'] / 1e9:.1f} GB/s ({s['stream_mib']} MiB float32 sum). Outputs equal on "
-              f"{100 * result['outputs_match']:.0f}% of prompts. torch {v['torch']}, transformers "
+              f"stream {bw['stream'] / 1e9:.1f} GB/s ({s['stream_mib']} MiB float32 sum). Warm-up (compiling "
+              f"included): {result.get('warmup_s', 0.0):.0f} s. torch {v['torch']}, transformers "
               f"{v['transformers']}, {v['cpu_count']} CPUs, {v['torch_threads']} threads.", ""]
     return "\n".join(lines)
 
@@ -219,6 +241,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=d["threads"], help="torch.set_num_threads for the run "
                    "(default: torch's default, one per core; on a CPU shared with other jobs 1 avoids "
                    "OpenMP barrier stalls)")
+    p.add_argument("--compile", action="store_true", help="also time this runtime with "
+                   "runtime.compile_decode (torch.compile, Inductor weight freezing) in the same run; "
+                   "compiling happens in the untimed warm-up")
     p.add_argument("--json", default=d["json"], help="also write the full result to this JSON file")
     p.set_defaults(func=main)
     return p

@@ -54,7 +54,7 @@ GENERATIONS, RUN_FILE = "generations.jsonl", "run.json"
 _OUTPUTS = (GENERATIONS, RUN_FILE, "report.json", "report.md", "acceptance.png", "speedup.png")
 # settings that change what a generation line holds: a resumed run must share them
 _RESUME_KEYS = ("target", "prompts", "dataset", "raw", "all_turns", "dtype", "device", "max_new_tokens",
-                "num_draft_tokens", "temperature", "top_p", "top_k", "seed", "hf_pld_tokens")
+                "num_draft_tokens", "temperature", "top_p", "top_k", "seed", "hf_pld_tokens", "compile")
 
 
 @dataclass(frozen=True)
@@ -129,6 +129,7 @@ class EvalConfig:
     warmup: int = 1
     hf_pld_tokens: int = 10
     threads: int | None = None
+    compile: bool = False
     overwrite: bool = False
 
     def __post_init__(self) -> None:
@@ -252,12 +253,11 @@ class Runner:
 
     @property
     def target(self):
-        return self._cached(("runtime", self.cfg.target), lambda: self._runtime.load_model(
-            self.cfg.target, dtype=self.cfg.torch_dtype, device=self.cfg.device))
+        return self._runtime_model(self.cfg.target)
 
     def _runtime_model(self, name: str):
         return self._cached(("runtime", name), lambda: self._runtime.load_model(
-            name, dtype=self.cfg.torch_dtype, device=self.cfg.device))
+            name, dtype=self.cfg.torch_dtype, device=self.cfg.device, compile=self.cfg.compile))
 
     def _hf_model(self, name: str):
         pad = self.tokenizer.pad_token_id
@@ -435,6 +435,9 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="prompt_lookup_num_tokens of the hf-pld baseline (default: %(default)s)")
     p.add_argument("--threads", type=int, default=d["threads"], help="torch.set_num_threads for the run "
                    "(default: torch's default, one per core)")
+    p.add_argument("--compile", action="store_true", help="runtime.compile_decode the target and the "
+                   "draft models of the specdec methods (torch.compile; transformers baselines stay "
+                   "as transformers runs them); compiling happens in the untimed warm-up")
     p.add_argument("--overwrite", action="store_true", help="discard a run already in --out")
     p.set_defaults(func=main)
     return p

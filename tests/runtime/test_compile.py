@@ -1,0 +1,76 @@
+"""runtime.compile_decode: the compiled short forwards equal the eager model's (float32)."""
+
+import pytest
+import torch
+
+import specdec
+from runtime import KVCache, compile_decode
+from runtime.compile import MAX_STATIC_TOKENS, static_tokens
+from runtime.tiny import tiny_model
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def _prompts(lengths: list[int], seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 128, (n,), generator=g) for n in lengths]
+
+
+def test_static_tokens_pads_to_a_power_of_two():
+    assert [static_tokens(n) for n in (1, 2, 3, 4, 5, 8, 9, 17)] == [1, 2, 4, 4, 8, 8, 16, 32]
+
+
+def test_compile_decode_rejects_what_it_cannot_compile():
+    with pytest.raises(TypeError, match="runtime Transformer"):
+        compile_decode(torch.nn.Linear(4, 4))
+
+
+@pytest.mark.parametrize("family,extra", [("qwen2", {}), ("mistral", {"sliding_window": 8})])
+def test_compiled_steps_equal_eager_steps(family, extra):
+    eager = tiny_model(family, seed=3, **extra)
+    compiled = compile_decode(tiny_model(family, seed=3, **extra))
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(24)[None].expand(2, -1)
+    caches = [m.new_cache(2, 40) for m in (eager, compiled)]
+    assert caches[1].max_seq_len == 40 + MAX_STATIC_TOKENS  # room for the padded tokens
+    with torch.inference_mode():
+        outs = []
+        for m, cache in zip((eager, compiled), caches):
+            steps = [m(ids[:, :10], pos[:, :10], cache)]  # prefill: eager in both
+            steps += [m(ids[:, t:t + 1], pos[:, t:t + 1], cache) for t in range(10, 14)]  # T = 1
+            steps.append(m(ids[:, 14:17], pos[:, 14:17], cache))  # T = 3, padded to 4
+            steps.append(m(ids[:, 17:24], pos[:, 17:24], cache))  # T = 7, padded to 8
+            outs.append(torch.cat(steps, 1))
+    assert _rel(outs[1], outs[0]) <= 1e-5
+    assert torch.equal(caches[0].lengths, caches[1].lengths)
+    n = int(caches[0].lengths[0])
+    assert _rel(caches[1].k[:, :, :, :n], caches[0].k[:, :, :, :n]) <= 1e-5
+
+
+def test_no_room_for_padding_runs_the_exact_shape():
+    eager = tiny_model("llama", seed=4)
+    compiled = compile_decode(tiny_model("llama", seed=4))
+    ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(8)[None]
+    outs = []
+    with torch.inference_mode():
+        for m in (eager, compiled):
+            cfg = m.config  # 8 slots: 5 filled + 3 new leaves no room for a 4th (padded) token
+            cache = KVCache(cfg.num_layers, 1, cfg.num_kv_heads, 8, cfg.head_dim)
+            m(ids[:, :5], pos[:, :5], cache)
+            outs.append(m(ids[:, 5:], pos[:, 5:], cache))
+    assert _rel(outs[1], outs[0]) <= 1e-5
+
+
+def test_compiled_generate_equals_eager_plain_and_speculative():
+    eager = tiny_model("llama", seed=5)
+    target = compile_decode(tiny_model("llama", seed=5))
+    draft = compile_decode(tiny_model("llama", seed=6))
+    rows = _prompts([7, 12])  # ragged rows: the non-uniform write path
+    want = specdec.generate(eager, rows, max_new_tokens=20).sequences
+    plain = specdec.generate(target, rows, max_new_tokens=20).sequences
+    spec = specdec.generate(target, rows, draft=draft, num_draft_tokens=3, max_new_tokens=20).sequences
+    for w, p, s in zip(want, plain, spec):
+        assert torch.equal(p, w) and torch.equal(s, w)
