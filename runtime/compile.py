@@ -11,8 +11,9 @@ How the program stays valid for every call: `Transformer.static_step` has no hos
 each layer's cache write + attention is one opaque in-place custom op
 (`runtime.attention.cache_attention`), so the cache length is a dynamic dimension and prompts of
 any length share one program. The number of new tokens is padded up to a power of two (extra
-query rows write past the row's length, where nothing reads them before they are overwritten),
-so speculative verification of any k compiles at most log2(k) + 1 programs. A forward with an
+query rows write past the row's length, where nothing reads them before they are overwritten):
+1, 8, 16 or 32 tokens, so one generation with k <= 7 draft tokens compiles every program it
+needs (a warm-up run is enough). A forward with an
 explicit mask (trees), hidden states or selected logits (prefill) runs eagerly.
 
 Freezing treats the weights as constants: compile after the weights are final, and use the model
@@ -29,8 +30,12 @@ _RECOMPILE_LIMIT = 64  # (model, batch, tokens, cache) shapes one process may co
 
 
 def static_tokens(num_tokens: int) -> int:
-    """The padded number of tokens a compiled forward of `num_tokens` runs with (a power of two)."""
-    return 1 << (num_tokens - 1).bit_length()
+    """The padded number of tokens a compiled forward of `num_tokens` runs with: 1, or a power of
+    two >= 8 (a verification block of 2..8 tokens costs about the same as one of 8 on a CPU,
+    and fewer shapes mean fewer minute-long compiles)."""
+    if num_tokens <= 1:
+        return 1
+    return max(8, 1 << (num_tokens - 1).bit_length())
 
 
 def compile_decode(model: torch.nn.Module, cpp_wrapper: bool = True) -> torch.nn.Module:

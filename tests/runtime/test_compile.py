@@ -18,8 +18,8 @@ def _prompts(lengths: list[int], seed: int = 0) -> list[torch.Tensor]:
     return [torch.randint(0, 128, (n,), generator=g) for n in lengths]
 
 
-def test_static_tokens_pads_to_a_power_of_two():
-    assert [static_tokens(n) for n in (1, 2, 3, 4, 5, 8, 9, 17)] == [1, 2, 4, 4, 8, 8, 16, 32]
+def test_static_tokens_pads_to_few_shapes():
+    assert [static_tokens(n) for n in (1, 2, 3, 4, 5, 8, 9, 17, 32)] == [1, 8, 8, 8, 8, 8, 16, 32, 32]
 
 
 def test_compile_decode_rejects_what_it_cannot_compile():
@@ -40,7 +40,7 @@ def test_compiled_steps_equal_eager_steps(family, extra):
         for m, cache in zip((eager, compiled), caches):
             steps = [m(ids[:, :10], pos[:, :10], cache)]  # prefill: eager in both
             steps += [m(ids[:, t:t + 1], pos[:, t:t + 1], cache) for t in range(10, 14)]  # T = 1
-            steps.append(m(ids[:, 14:17], pos[:, 14:17], cache))  # T = 3, padded to 4
+            steps.append(m(ids[:, 14:17], pos[:, 14:17], cache))  # T = 3, padded to 8
             steps.append(m(ids[:, 17:24], pos[:, 17:24], cache))  # T = 7, padded to 8
             outs.append(torch.cat(steps, 1))
     assert _rel(outs[1], outs[0]) <= 1e-5
@@ -57,7 +57,7 @@ def test_no_room_for_padding_runs_the_exact_shape():
     outs = []
     with torch.inference_mode():
         for m in (eager, compiled):
-            cfg = m.config  # 8 slots: 5 filled + 3 new leaves no room for a 4th (padded) token
+            cfg = m.config  # 8 slots: 5 filled + 3 new leaves no room for the padding to 8
             cache = KVCache(cfg.num_layers, 1, cfg.num_kv_heads, 8, cfg.head_dim)
             m(ids[:, :5], pos[:, :5], cache)
             outs.append(m(ids[:, 5:], pos[:, 5:], cache))
