@@ -49,12 +49,14 @@ def test_config_validation_and_cli_defaults():
 def test_tiny_bench_run_and_table(tmp_path):
     ckpt = tiny_checkpoint(tmp_path / "ckpt")
     cfg = BenchConfig(model=str(ckpt), dtype="float32", prompts=2, max_new_tokens=8, warmup=1, matvec_size=256,
-                      stream_mib=4, repeats=3, json=str(tmp_path / "bench.json"))
+                      stream_mib=4, repeats=3, compile=True, json=str(tmp_path / "bench.json"))
     result = run_bench(cfg, progress=False)
     assert json.loads((tmp_path / "bench.json").read_text()) == json.loads(json.dumps(result))
     ours, theirs = result["runtimes"]["specdec"], result["runtimes"]["transformers"]
     assert ours["new_tokens"] == theirs["new_tokens"] == 2 * 8  # eos ignored: exactly max_new_tokens
     assert result["outputs_match"] == 1.0  # float32 greedy: same tokens as transformers
+    assert result["outputs_match_by_runtime"] == {"specdec": 1.0, "transformers": 1.0, "specdec-compiled": 1.0}
+    assert result["runtimes"]["specdec-compiled"]["new_tokens"] == 2 * 8
     assert result["weight_bytes_per_token"] == weight_bytes_per_token(load_model(ckpt, dtype=torch.float32))
     for name, ceiling in result["ceiling_tokens_per_second"].items():
         assert ceiling == pytest.approx(result["bandwidth_bytes_per_s"][name] / result["weight_bytes_per_token"])
@@ -63,4 +65,5 @@ def test_tiny_bench_run_and_table(tmp_path):
     table = format_table(result)
     assert result["command"].startswith("specdec bench --model") and f"`{result['command']}`" in table
     assert "| specdec (this runtime) |" in table and "| transformers generate() |" in table
+    assert "`--compile`" in table
     assert "matvec ceiling" in table and "stream ceiling" in table
