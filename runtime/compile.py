@@ -10,11 +10,11 @@ smollm2 float32 33 -> 28 ms.
 How the program stays valid for every call: `Transformer.static_step` has no host syncs, and
 each layer's cache write + attention is one opaque in-place custom op
 (`runtime.attention.cache_attention`), so the cache length is a dynamic dimension and prompts of
-any length share one program. The number of new tokens is padded up to a power of two (extra
-query rows write past the row's length, where nothing reads them before they are overwritten):
-1, 8, 16 or 32 tokens, so one generation with k <= 7 draft tokens compiles every program it
-needs (a warm-up run is enough). A forward with an
-explicit mask (trees), hidden states or selected logits (prefill) runs eagerly.
+any length share one program. The number of new tokens is padded to 1, 8, 16 or 32 (extra query
+rows write past the row's length, where nothing reads them before they are overwritten), so one
+generation with k <= 7 draft tokens compiles every program it needs (a warm-up run is enough);
+each program holds its own frozen copy of the weights. A forward with an explicit mask (trees),
+hidden states or selected logits (prefill) runs eagerly.
 
 Freezing treats the weights as constants: compile after the weights are final, and use the model
 for inference only (`torch.inference_mode`, as `specdec.generate` runs). The first call of each

@@ -191,7 +191,7 @@ class Transformer(nn.Module):
         return (logits, h) if return_hidden else logits
 
     def _static_forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """`forward` through the compiled `static_step`, with T padded to a power of two."""
+        """`forward` through the compiled `static_step`, with T padded by `static_tokens`."""
         B, T = tokens.shape
         cache.check_room(T)
         padded = static_tokens(T)
