@@ -23,6 +23,9 @@ shape compiles (about a minute for a 1.5B model on 2 cores); later calls reuse i
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import torch
 
 MAX_STATIC_TOKENS = 32  # forwards of up to this many tokens take the compiled path
@@ -51,6 +54,10 @@ def compile_decode(model: torch.nn.Module, cpp_wrapper: bool = True) -> torch.nn
     if not isinstance(model, Transformer):
         raise TypeError(f"compile_decode takes a runtime Transformer (runtime.load_model), got "
                         f"{type(model).__name__}")
+    compiler = os.environ.get("CXX") or "g++"  # what Inductor's CPU backend invokes
+    if model.device.type == "cpu" and shutil.which(compiler) is None:
+        raise RuntimeError(f"compiling for the CPU needs a C++ compiler, and {compiler!r} is not on "
+                           "PATH: install g++ (or set CXX), or run without compile")
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
     compiled = torch.compile(model.static_step)
 

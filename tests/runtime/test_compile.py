@@ -27,6 +27,12 @@ def test_compile_decode_rejects_what_it_cannot_compile():
         compile_decode(torch.nn.Linear(4, 4))
 
 
+def test_compile_decode_without_a_cpu_compiler_says_what_to_install(monkeypatch):
+    monkeypatch.setenv("CXX", "no-such-compiler-xyz")
+    with pytest.raises(RuntimeError, match="needs a C\\+\\+ compiler.*install g\\+\\+"):
+        compile_decode(tiny_model("llama", seed=0))
+
+
 @pytest.mark.parametrize("family,extra", [("qwen2", {}), ("mistral", {"sliding_window": 8})])
 def test_compiled_steps_equal_eager_steps(family, extra):
     eager = tiny_model(family, seed=3, **extra)
