@@ -173,10 +173,8 @@ def run_bench(cfg: BenchConfig, command: str | None = None, progress: bool = Tru
         "outputs_match": _match(outputs["specdec"], outputs["transformers"]),
         "outputs_match_by_runtime": {name: _match(outputs[name], outputs["transformers"]) for name in runners},
     }
-    base = result["runtimes"]["transformers"]["tokens_per_second"]
-    result["speedup_vs_transformers"] = result["runtimes"]["specdec"]["tokens_per_second"] / base
-    result["speedup_vs_transformers_by_runtime"] = {name: r["tokens_per_second"] / base
-                                                    for name, r in result["runtimes"].items()}
+    result["speedup_vs_transformers"] = (result["runtimes"]["specdec"]["tokens_per_second"]
+                                         / result["runtimes"]["transformers"]["tokens_per_second"])
     if cfg.json:
         atomic_write_text(cfg.json, json.dumps(result, indent=2) + "\n")
     return result
@@ -202,18 +200,18 @@ def format_table(result: dict) -> str:
              f"| of stream ceiling ({c['stream']:.1f} tok/s) | outputs equal to transformers |",
              "|---|---:|---:|---:|---:|---:|"]
     base = r["transformers"]["tokens_per_second"]
-    match = result.get("outputs_match_by_runtime", {})
+    match = result["outputs_match_by_runtime"]
     for name, g in r.items():
         lines.append(f"| {LABELS.get(name, name)} | {g['tokens_per_second']:.1f} | {g['tokens_per_second'] / base:.2f}x | "
                      f"{100 * g['fraction_of_matvec_ceiling']:.0f}% | {100 * g['fraction_of_stream_ceiling']:.0f}% "
-                     f"| {100 * match.get(name, result['outputs_match']):.0f}% |")
+                     f"| {100 * match[name]:.0f}% |")
     lines += ["",
               f"{s['prompts']} HumanEval prompts (raw), {s['max_new_tokens']} new tokens each (eos ignored), "
               f"median over prompts, runtimes alternating, {s['warmup']} warm-up. Weights read per token: "
               f"{result['weight_bytes_per_token'] / 1e9:.3f} GB; bandwidth: matvec "
               f"{bw['matvec'] / 1e9:.1f} GB/s ({s['matvec_size']}x{s['matvec_size']} {s['dtype']}), "
               f"stream {bw['stream'] / 1e9:.1f} GB/s ({s['stream_mib']} MiB float32 sum). Warm-up (compiling "
-              f"included): {result.get('warmup_s', 0.0):.0f} s. torch {v['torch']}, transformers "
+              f"included): {result['warmup_s']:.0f} s. torch {v['torch']}, transformers "
               f"{v['transformers']}, {v['cpu_count']} CPUs, {v['torch_threads']} threads.", ""]
     return "\n".join(lines)
 
