@@ -14,6 +14,7 @@ from typing import Any
 
 GROUP_SIZES = (32, 64, 128, 256)
 NF4_BLOCKSIZES = (64, 128, 256, 512, 1024, 2048, 4096)
+INT4_GRIDS = ("mse", "minmax")
 
 
 @dataclass(frozen=True)
@@ -42,11 +43,16 @@ class Int8WeightOnly(ModuleFilter):
 
 @dataclass(frozen=True)
 class Int4WeightOnly(ModuleFilter):
-    """Group-wise asymmetric INT4 weights. method "rtn" (round to nearest) or "gptq" (needs calibration)."""
+    """Group-wise asymmetric INT4 weights. method "rtn" (round to nearest) or "gptq" (needs calibration).
+
+    grid "mse" (default) clips each group's [min, max] range where that lowers its squared
+    rounding error; "minmax" always spans it (quant.grids.int4_grid).
+    """
 
     group_size: int = 128
     method: str = "rtn"
     act_order: bool = False
+    grid: str = "mse"
     damp: float = 0.01
     block_size: int = 128
 
@@ -56,6 +62,8 @@ class Int4WeightOnly(ModuleFilter):
             raise ValueError(f"Int4WeightOnly.group_size must be one of {GROUP_SIZES}, got {self.group_size}")
         if self.method not in ("rtn", "gptq"):
             raise ValueError(f"Int4WeightOnly.method must be 'rtn' or 'gptq', got {self.method!r}")
+        if self.grid not in INT4_GRIDS:
+            raise ValueError(f"Int4WeightOnly.grid must be one of {INT4_GRIDS}, got {self.grid!r}")
         if self.act_order and self.method != "gptq":
             raise ValueError("Int4WeightOnly.act_order only applies to method='gptq'")
         _check_damp(self)

@@ -60,8 +60,14 @@ def _inverse_cholesky(H: torch.Tensor, damp: float) -> torch.Tensor:
 
 
 def solve(weight: torch.Tensor, H: torch.Tensor, *, damp: float = 0.01, block_size: int = 128,
-          group_size: int | None = None, sparse24: bool = False, act_order: bool = False) -> SolverResult:
-    """Quantize to INT4 (group_size set) and/or prune 2:4 (sparse24) one (N, K) weight with GPTQ feedback."""
+          group_size: int | None = None, sparse24: bool = False, act_order: bool = False,
+          grid: str = "mse") -> SolverResult:
+    """Quantize to INT4 (group_size set) and/or prune 2:4 (sparse24) one (N, K) weight with GPTQ feedback.
+
+    `grid` picks each group's INT4 grid (quant.grids.int4_grid), from the group's weights as
+    updated by the feedback so far when its first column is reached (static before any update
+    with act_order).
+    """
     if group_size is None and not sparse24:
         raise ValueError("solve() needs group_size (INT4), sparse24=True, or both")
     if act_order and sparse24:
@@ -78,7 +84,7 @@ def solve(weight: torch.Tensor, H: torch.Tensor, *, damp: float = 0.01, block_si
         scales = torch.zeros(N, ngroups, device=W.device)
         zeros = torch.zeros(N, ngroups, device=W.device)
         if act_order:  # static groups: grids from the (unpermuted) weights before any update
-            scales, zeros = int4_grid(W.view(N, ngroups, group_size))
+            scales, zeros = int4_grid(W.view(N, ngroups, group_size), grid)
         block_size = -(-max(block_size, group_size) // group_size) * group_size
     if perm is not None:
         W, H = W[:, perm], H[perm][:, perm]
@@ -103,7 +109,7 @@ def solve(weight: torch.Tensor, H: torch.Tensor, *, damp: float = 0.01, block_si
                 orig = int(perm[col]) if perm is not None else col
                 g = orig // group_size
                 if perm is None and orig % group_size == 0:
-                    scales[:, g], zeros[:, g] = int4_grid(W1[:, i:i + group_size])
+                    scales[:, g], zeros[:, g] = int4_grid(W1[:, i:i + group_size], grid)
                 c = int4_codes(w, scales[:, g], zeros[:, g])
                 codes[:, col] = c
                 q = int4_dequant(c, scales[:, g], zeros[:, g])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from quant.config import INT4_GRIDS
 from runtime.qlinear import Int4Linear, Int8Linear, pack_int4
 
 GRID_DTYPE = torch.bfloat16
@@ -21,15 +22,40 @@ def int8_rtn(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Line
     return Int8Linear(q, scales, bias)
 
 
-def int4_grid(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Asymmetric min-max grid of each row of `w` (N, G): scale and zero (N,) in GRID_DTYPE precision.
+GRID_SEARCH_SHRINK = tuple(1 - i / 100 for i in range(21))  # clip ratios tried by the "mse" grid
 
-    Dequantization is (q - 8) * scale + zero for codes q in [0, 15], so zero = min + 8 * scale.
-    """
-    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+
+def _minmax_grid(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = ((hi - lo) / 15).clamp(min=1e-6).to(GRID_DTYPE)
     zero = (lo + 8 * scale.to(torch.float32)).to(GRID_DTYPE)
     return scale.to(torch.float32), zero.to(torch.float32)
+
+
+def int4_grid(w: torch.Tensor, grid: str = "mse") -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric grid of each row of `w` (N, G): scale and zero (N,) in GRID_DTYPE precision.
+
+    Dequantization is (q - 8) * scale + zero for codes q in [0, 15], so zero = min + 8 * scale.
+    grid "minmax" spans [min, max] of the row; "mse" (the GPTQ reference's `mse` option) also
+    tries the range clipped to ratios 0.99 ... 0.80 of [min, max] and keeps, per row, the grid
+    with the smallest squared rounding error: clipping a rare outlier buys a finer step for all
+    the other weights of the group.
+    """
+    if grid not in INT4_GRIDS:
+        raise ValueError(f"INT4 grid must be one of {INT4_GRIDS}, got {grid!r}")
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+    if grid == "minmax":
+        return _minmax_grid(lo, hi)
+    best_err = torch.full_like(lo, float("inf"))
+    best_scale, best_zero = torch.empty_like(lo), torch.empty_like(lo)
+    for ratio in GRID_SEARCH_SHRINK:
+        scale, zero = _minmax_grid(lo * ratio, hi * ratio)
+        q = int4_dequant(int4_codes(w, scale[..., None], zero[..., None]), scale[..., None], zero[..., None])
+        err = (q - w).square().sum(dim=-1)  # (N,)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_scale = torch.where(better, scale, best_scale)
+        best_zero = torch.where(better, zero, best_zero)
+    return best_scale, best_zero
 
 
 def int4_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
@@ -54,11 +80,12 @@ def check_group_size(name: str, in_features: int, group_size: int) -> None:
                          f"choose a group size that divides it, or exclude {name} with exclude=(...)")
 
 
-def int4_rtn(weight: torch.Tensor, group_size: int, bias: torch.Tensor | None = None) -> Int4Linear:
-    """Round-to-nearest INT4 with one min-max grid per group of `group_size` inputs."""
+def int4_rtn(weight: torch.Tensor, group_size: int, bias: torch.Tensor | None = None,
+             grid: str = "mse") -> Int4Linear:
+    """Round-to-nearest INT4 with one grid (see int4_grid) per group of `group_size` inputs."""
     N, K = weight.shape
     w = weight.to(torch.float32).view(N, K // group_size, group_size)  # (N, K/G, G)
-    scale, zero = int4_grid(w)  # (N, K/G)
+    scale, zero = int4_grid(w, grid)  # (N, K/G)
     codes = int4_codes(w, scale[..., None], zero[..., None]).view(N, K)
     return int4_module(codes, scale, zero, group_size, bias)
 

@@ -5,7 +5,8 @@
 Quantized copies are made in memory with round-to-nearest (decode speed depends on the format,
 not on how the codes were chosen: GPTQ checkpoints run the same kernels), or loaded from
 `--int4-dir` / `--int8-dir`. Variants run alternately, `--rounds` times each, after a
-warm-up; the median tokens/s per variant and the ratio to bf16 are printed.
+warm-up; the median tokens/s per variant and the ratio to bf16 are printed. `--compile` runs
+every variant through `runtime.compile_decode` (the compiling happens in the untimed warm-up).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def main() -> None:
     ap.add_argument("--int4-dir", default=None)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--compile", action="store_true", help="runtime.compile_decode every variant (bf16 included)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (1: with other jobs on the CPU, more threads spin and run slower)")
     args = ap.parse_args()
@@ -59,7 +61,9 @@ def main() -> None:
     variants = args.variants.split(",")
     models = {v: build(args.model, v, {"int8": args.int8_dir, "int4": args.int4_dir}) for v in variants}
     outputs, speeds = {}, {v: [] for v in variants}
-    for v, m in models.items():  # warm-up (kernel packing, allocator)
+    for v, m in models.items():  # warm-up (kernel packing, allocator, compiling)
+        if args.compile:
+            runtime.compile_decode(m)
         specdec.generate(m, ids, max_new_tokens=8)
     for _ in range(args.rounds):
         for v, m in models.items():

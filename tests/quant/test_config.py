@@ -8,6 +8,7 @@ from quant.config import config_from_dict, config_to_dict
 
 @pytest.mark.parametrize("make,match", [
     (lambda: quant.Int4WeightOnly(group_size=48), "group_size"),
+    (lambda: quant.Int4WeightOnly(grid="absmax"), "grid"),
     (lambda: quant.Int4WeightOnly(method="awq"), "method"),
     (lambda: quant.Int4WeightOnly(act_order=True), "act_order"),
     (lambda: quant.Int4WeightOnly(method="gptq", damp=0.0), "damp"),
