@@ -122,6 +122,11 @@ class Transformer(nn.Module):
         self._compiled_step = None  # set by runtime.compile_decode
 
     @property
+    def compiled(self) -> bool:
+        """Whether runtime.compile_decode compiled this model's short forwards."""
+        return self._compiled_step is not None
+
+    @property
     def device(self) -> torch.device:
         return self.embed.weight.device
 

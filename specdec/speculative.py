@@ -15,11 +15,15 @@ from specdec.stats import AcceptanceStats
 from specdec.verify import verify_greedy, verify_sampling
 
 MAX_DRAFT_TOKENS = 16
+# "auto" on a compiled target: verification blocks of 2..8 tokens share one compiled program
+# (runtime.compile.static_tokens); 9..16 would compile another, with its own frozen weights.
+MAX_DRAFT_TOKENS_COMPILED = 7
 
 
-def _draft_length(num_draft_tokens: int | str) -> tuple[int, AutoK | None]:
+def _draft_length(num_draft_tokens: int | str, target) -> tuple[int, AutoK | None]:
     if num_draft_tokens == "auto":
-        return MAX_DRAFT_TOKENS, AutoK(k_max=MAX_DRAFT_TOKENS)
+        k_max = MAX_DRAFT_TOKENS_COMPILED if getattr(target, "compiled", False) else MAX_DRAFT_TOKENS
+        return k_max, AutoK(k_max=k_max)
     if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int):
         raise ValueError(f"num_draft_tokens must be an int >= 1 or 'auto', got {num_draft_tokens!r}")
     if not 1 <= num_draft_tokens <= 64:
@@ -30,7 +34,7 @@ def _draft_length(num_draft_tokens: int | str) -> tuple[int, AutoK | None]:
 def speculative_decode(target, draft, state: RowState, num_draft_tokens: int | str, temperature: float,
                        top_k: int, top_p: float, generator: torch.Generator | None) -> AcceptanceStats:
     """Decode every row of `state` with `draft` proposals verified by `target`; returns stats."""
-    k_max, auto = _draft_length(num_draft_tokens)
+    k_max, auto = _draft_length(num_draft_tokens, target)
     drafter = make_drafter(draft, target, temperature, top_k, top_p, generator)
     cfg = target.config
     stats = AcceptanceStats(num_calls=1)
