@@ -13,6 +13,10 @@ generations. Methods (`--methods`, comma-separated):
     hf-assisted:X    transformers assisted generation, assistant_model = X
     hf-pld           transformers prompt lookup (prompt_lookup_num_tokens)
 
+draft, ngram and hybrid take an optional `@K` suffix, their own draft length (an integer or
+auto) in place of `--num-draft-tokens`: `draft:X@3,draft:X@7,draft:X@auto` compares draft
+lengths in one alternating run.
+
 Every method counts the new tokens after the prompt, up to and including eos, and is timed
 around the whole call (prefill included); tokens/s per prompt = new tokens / wall seconds.
 
@@ -49,6 +53,7 @@ from specdec.stats import AcceptanceStats
 
 METHOD_KINDS = ("plain", "draft", "ngram", "hybrid", "medusa", "hf", "hf-assisted", "hf-pld")
 _NEEDS_ARG = ("draft", "hybrid", "medusa", "hf-assisted")
+_DRAFTING = ("draft", "ngram", "hybrid")  # methods whose draft length k applies
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 GENERATIONS, RUN_FILE = "generations.jsonl", "run.json"
 _OUTPUTS = (GENERATIONS, RUN_FILE, "report.json", "report.md", "acceptance.png", "speedup.png")
@@ -59,23 +64,30 @@ _RESUME_KEYS = ("target", "prompts", "dataset", "raw", "all_turns", "dtype", "de
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """One decoding method of a run: `name` as given (e.g. "draft:X"), its kind and argument."""
+    """One decoding method of a run: `name` as given (e.g. "draft:X@3"), its kind and argument,
+    and its own draft length (the `@K` suffix: an integer or "auto"; None = the run's)."""
 
     name: str
     kind: str
     arg: str | None = None
+    num_draft_tokens: int | str | None = None
 
     @classmethod
     def parse(cls, text: str) -> "MethodSpec":
-        kind, _, arg = text.strip().partition(":")
+        name = text.strip()
+        base, at, k = name.rpartition("@") if "@" in name else (name, "", "")
+        kind, _, arg = base.partition(":")
         if kind not in METHOD_KINDS:
             raise ValueError(f"unknown method {text!r}; choose from plain, draft:NAME_OR_PATH, ngram, "
-                             "hybrid:NAME_OR_PATH, medusa:PATH, hf, hf-assisted:NAME_OR_PATH, hf-pld")
+                             "hybrid:NAME_OR_PATH, medusa:PATH, hf, hf-assisted:NAME_OR_PATH, hf-pld "
+                             "(drafting methods take @K for their own draft length, e.g. ngram@3)")
         if kind in _NEEDS_ARG and not arg:
             raise ValueError(f"method {kind!r} needs a model: write {kind}:NAME_OR_PATH")
         if kind not in _NEEDS_ARG and arg:
             raise ValueError(f"method {kind!r} takes no argument, got {text!r}")
-        return cls(text.strip(), kind, arg or None)
+        if at and kind not in _DRAFTING:
+            raise ValueError(f"{text!r}: only {', '.join(_DRAFTING)} take a draft length @K")
+        return cls(name, kind, arg or None, _draft_tokens(k) if at else None)
 
 
 def parse_methods(text: str | list[str] | tuple[str, ...]) -> list[MethodSpec]:
@@ -304,7 +316,8 @@ class Runner:
         start = time.perf_counter()
         out = specdec.generate(target, [torch.tensor(ids)], draft=draft, max_new_tokens=cfg.max_new_tokens,
                                temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                               num_draft_tokens=cfg.num_draft_tokens, eos_token_id=self.eos or None,
+                               num_draft_tokens=spec.num_draft_tokens or cfg.num_draft_tokens,
+                               eos_token_id=self.eos or None,
                                generator=generator)
         wall = time.perf_counter() - start
         return new_tokens(out.sequences[0][len(ids):].tolist(), frozenset(self.eos)), out.stats.to_dict(), wall
@@ -406,7 +419,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output directory (re-running with it resumes)")
     p.add_argument("--methods", default=d["methods"],
                    help="comma-separated methods: plain, draft:X, ngram, hybrid:X, medusa:PATH, hf, "
-                        "hf-assisted:X, hf-pld (default: %(default)s)")
+                        "hf-assisted:X, hf-pld; draft/ngram/hybrid take @K for their own draft length, "
+                        "e.g. ngram@3, draft:X@auto (default: %(default)s)")
     p.add_argument("--target", default=d["target"], help="target model: catalogue name, checkpoint dir, "
                    ".gguf or hub id (default: %(default)s)")
     src = p.add_mutually_exclusive_group(required=True)

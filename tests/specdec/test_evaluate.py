@@ -106,10 +106,27 @@ def test_parse_methods():
     assert [s.kind for s in specs] == ["plain", "draft", "ngram", "hybrid", "medusa", "hf", "hf-assisted",
                                        "hf-pld"]
     assert specs[1] == MethodSpec("draft:some/dir", "draft", "some/dir")
+    assert parse_methods("ngram@3,draft:d@auto")[1] == MethodSpec("draft:d@auto", "draft", "d", "auto")
     for bad, msg in [("beam", "unknown method"), ("draft", "needs a model"), ("ngram:x", "takes no argument"),
+                     ("hf@3", "draft length"), ("ngram@0", ">= 1"), ("draft:d@many", "auto"),
                      ("plain,plain", "repeat"), ("hf-assisted:a,hf-assisted:b", "at most one"), (" , ", "no methods")]:
         with pytest.raises(ValueError, match=msg):
             parse_methods(bad)
+
+
+def test_per_method_draft_length(workdir, tmp_path):
+    ck = workdir / "ckpt"  # draft = target: every step drafts (and accepts) exactly k tokens
+    args = _cli(_base_args(workdir, tmp_path / "k", "--methods", f"plain,draft:{ck}@2,ngram@1,draft:{ck}@auto",
+                           "--limit", "2", "--num-draft-tokens", "5"))
+    assert args.func(args) == 0
+    rows = [json.loads(line) for line in (tmp_path / "k" / "generations.jsonl").read_text().splitlines()]
+    plain = {r["id"]: r["output_ids"] for r in rows if r["method"] == "plain"}
+    for r in rows:
+        assert r["output_ids"] == plain[r["id"]]
+        if r["method"] == f"draft:{ck}@2":
+            assert len(r["stats"]["per_position_acceptance"]) == 2
+        if r["method"] == "ngram@1":
+            assert len(r["stats"]["per_position_acceptance"]) <= 1
 
 
 def test_config_validation(tmp_path):
