@@ -13,8 +13,9 @@ each layer's cache write + attention is one opaque in-place custom op
 any length share one program. The number of new tokens is padded to 1, 8, 16 or 32 (extra query
 rows write past the row's length, where nothing reads them before they are overwritten), so one
 generation with k <= 7 draft tokens compiles every program it needs (a warm-up run is enough);
-each program holds its own frozen copy of the weights. A forward with an explicit mask (trees),
-hidden states or selected logits (prefill) runs eagerly.
+each program holds its own frozen copy of the weights. Selected logits (`logits_idx`, a draft's
+catch-up feed) are gathered from the program's output. A forward with an explicit mask (trees),
+hidden states, or more than 32 tokens (a prefill) runs eagerly.
 
 Freezing treats the weights as constants: compile after the weights are final, and use the model
 for inference only (`torch.inference_mode`, as `specdec.generate` runs). The first call of each
@@ -23,7 +24,6 @@ shape compiles (about a minute for a 1.5B model on 2 cores); later calls reuse i
 
 from __future__ import annotations
 
-import os
 import shutil
 
 import torch
@@ -54,7 +54,9 @@ def compile_decode(model: torch.nn.Module, cpp_wrapper: bool = True) -> torch.nn
     if not isinstance(model, Transformer):
         raise TypeError(f"compile_decode takes a runtime Transformer (runtime.load_model), got "
                         f"{type(model).__name__}")
-    compiler = os.environ.get("CXX") or "g++"  # what Inductor's CPU backend invokes
+    import torch._inductor.config as inductor_config
+
+    compiler = inductor_config.cpp.cxx[1]  # what Inductor's CPU backend invokes ($CXX at import, else g++)
     if model.device.type == "cpu" and shutil.which(compiler) is None:
         raise RuntimeError(f"compiling for the CPU needs a C++ compiler, and {compiler!r} is not on "
                            "PATH: install g++ (or set CXX), or run without compile")

@@ -162,8 +162,11 @@ class Transformer(nn.Module):
         """
         B, T = tokens.shape
         if (self._compiled_step is not None and cache is not None and mask is None
-                and not return_hidden and logits_idx is None and T <= MAX_STATIC_TOKENS):
-            return self._static_forward(tokens, positions, cache)
+                and not return_hidden and T <= MAX_STATIC_TOKENS):
+            logits = self._static_forward(tokens, positions, cache)  # (B, T, V)
+            if logits_idx is None:
+                return logits
+            return logits.gather(1, logits_idx[:, :, None].expand(-1, -1, logits.shape[-1]))  # (B, N, V)
         if cache is None:
             prefix = torch.zeros(B, dtype=torch.long, device=tokens.device)
             slots, num_keys = None, T

@@ -13,6 +13,13 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
+def _counting(fn, calls: list):
+    def wrapped(*args):
+        calls.append(args[0].shape)
+        return fn(*args)
+    return wrapped
+
+
 def _prompts(lengths: list[int], seed: int = 0) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, 128, (n,), generator=g) for n in lengths]
@@ -28,7 +35,9 @@ def test_compile_decode_rejects_what_it_cannot_compile():
 
 
 def test_compile_decode_without_a_cpu_compiler_says_what_to_install(monkeypatch):
-    monkeypatch.setenv("CXX", "no-such-compiler-xyz")
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(inductor_config.cpp, "cxx", (None, "no-such-compiler-xyz"))
     with pytest.raises(RuntimeError, match="needs a C\\+\\+ compiler.*install g\\+\\+"):
         compile_decode(tiny_model("llama", seed=0))
 
@@ -41,15 +50,19 @@ def test_compiled_steps_equal_eager_steps(family, extra):
     pos = torch.arange(24)[None].expand(2, -1)
     caches = [m.new_cache(2, 40) for m in (eager, compiled)]
     assert caches[1].max_seq_len == 40 + MAX_STATIC_TOKENS  # room for the padded tokens
+    calls = []
+    compiled._compiled_step = _counting(compiled._compiled_step, calls)
     with torch.inference_mode():
         outs = []
         for m, cache in zip((eager, compiled), caches):
-            steps = [m(ids[:, :10], pos[:, :10], cache)]  # prefill: eager in both
+            steps = [m(ids[:, :10], pos[:, :10], cache)]  # prefill, padded to 16
             steps += [m(ids[:, t:t + 1], pos[:, t:t + 1], cache) for t in range(10, 14)]  # T = 1
             steps.append(m(ids[:, 14:17], pos[:, 14:17], cache))  # T = 3, padded to 8
-            steps.append(m(ids[:, 17:24], pos[:, 17:24], cache))  # T = 7, padded to 8
+            last = torch.tensor([[6], [2]])  # selected logits (a draft's catch-up feed): compiled too
+            steps.append(m(ids[:, 17:24], pos[:, 17:24], cache, logits_idx=last))  # T = 7, padded to 8
             outs.append(torch.cat(steps, 1))
     assert _rel(outs[1], outs[0]) <= 1e-5
+    assert len(calls) == 7  # every forward took the compiled program (a 10-token prefill: T <= 32)
     assert torch.equal(caches[0].lengths, caches[1].lengths)
     n = int(caches[0].lengths[0])
     assert _rel(caches[1].k[:, :, :, :n], caches[0].k[:, :, :, :n]) <= 1e-5

@@ -95,6 +95,28 @@ def test_vocabulary_mismatch_is_a_clear_error(target):
         specdec.generate(target, _rows(), draft=other, max_new_tokens=4)
 
 
+def _word_tokenizer_dir(path, words):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=words[0]))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tk, unk_token=words[0]).save_pretrained(path)
+    return str(path)
+
+
+def test_same_size_vocabularies_with_different_tokens_are_a_clear_error(target, tmp_path):
+    words = [f"w{i}" for i in range(V)]
+    draft = tiny_model("llama", seed=1, vocab_size=V)
+    tgt = tiny_model("llama", seed=0, vocab_size=V)
+    tgt.source = _word_tokenizer_dir(tmp_path / "t", words)
+    draft.source = _word_tokenizer_dir(tmp_path / "same", words)
+    specdec.generate(tgt, _rows(), draft=draft, max_new_tokens=4)  # same tokens: accepted
+    draft.source = _word_tokenizer_dir(tmp_path / "d", words[:1] + words[1:][::-1])
+    with pytest.raises(VocabularyMismatchError, match="tokenizers disagree"):
+        specdec.generate(tgt, _rows(), draft=draft, max_new_tokens=4)
+
+
 def test_impossible_draft_lengths_are_rejected(target):
     for k in (0, -1, "many"):
         with pytest.raises(ValueError, match="num_draft_tokens"):
