@@ -51,6 +51,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--compile", action="store_true", help="runtime.compile_decode every variant (bf16 included)")
+    ap.add_argument("--max-autotune", action="store_true",
+                    help="with --compile: let Inductor autotune its own GEMM kernels (quantized matmuls too)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (1: with other jobs on the CPU, more threads spin and run slower)")
     args = ap.parse_args()
@@ -63,7 +65,7 @@ def main() -> None:
     outputs, speeds = {}, {v: [] for v in variants}
     for v, m in models.items():  # warm-up (kernel packing, allocator, compiling)
         if args.compile:
-            runtime.compile_decode(m)
+            runtime.compile_decode(m, max_autotune=args.max_autotune)
         specdec.generate(m, ids, max_new_tokens=8)
     for _ in range(args.rounds):
         for v, m in models.items():

@@ -41,11 +41,14 @@ def static_tokens(num_tokens: int) -> int:
     return max(8, 1 << (num_tokens - 1).bit_length())
 
 
-def compile_decode(model: torch.nn.Module, cpp_wrapper: bool = True) -> torch.nn.Module:
+def compile_decode(model: torch.nn.Module, cpp_wrapper: bool = True, max_autotune: bool = False) -> torch.nn.Module:
     """Compile `model`'s short forwards in place (returns the model).
 
     model: a runtime Transformer (also a compressed one). cpp_wrapper: let Inductor call the
-    kernels from C++ rather than Python (saves ~1 ms per step on a small model). Outputs equal
+    kernels from C++ rather than Python (saves ~1 ms per step on a small model). max_autotune:
+    let Inductor also generate its own GEMM kernels (CPU: the CPP GEMM template, which covers
+    the packed INT8 / INT4 weight-only matmuls) and keep the fastest per shape; compiling takes
+    several times longer. Outputs equal
     the eager model's up to floating-point reassociation (float32: ~1e-6 relative; bf16: bf16
     rounding), so greedy tokens can differ from the eager model's only at near-ties.
     """
@@ -69,7 +72,7 @@ def compile_decode(model: torch.nn.Module, cpp_wrapper: bool = True) -> torch.nn
         torch._dynamo.mark_dynamic(v, 3)
         # freezing set through torch.compile(options=...) does not reach Inductor's freezing pass
         # (measured: no speed-up), so the config is patched around each call instead
-        with torch._inductor.config.patch(freezing=True, cpp_wrapper=cpp_wrapper), \
+        with torch._inductor.config.patch(freezing=True, cpp_wrapper=cpp_wrapper, max_autotune=max_autotune), \
                 torch._dynamo.config.patch(automatic_dynamic_shapes=False):
             return compiled(tokens, positions, k, v, lengths)
 

@@ -103,3 +103,15 @@ def test_auto_draft_length_on_a_compiled_target_stays_in_one_program():
     out = specdec.generate(target, rows, draft=same, num_draft_tokens="auto", max_new_tokens=40)
     assert torch.equal(out.sequences[0], want[0])
     assert len(out.stats.per_position_acceptance) == 7  # reached k = 7 and never went past it
+
+
+def test_max_autotune_quantized_model_equals_eager():
+    import quant
+
+    cfg = quant.Int4WeightOnly(group_size=32, include_lm_head=True)
+    eager, compiled = (quant.quantize_(tiny_model("qwen2", seed=3).to(torch.bfloat16), cfg, progress=False)
+                       for _ in range(2))
+    compile_decode(compiled, max_autotune=True)  # the packed INT4 matmul gets Inductor's own kernel as a choice
+    rows = _prompts([9])
+    want = specdec.generate(eager, rows, max_new_tokens=12).sequences[0]
+    assert torch.equal(specdec.generate(compiled, rows, max_new_tokens=12).sequences[0], want)
