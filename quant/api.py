@@ -176,7 +176,7 @@ def sparsify_(model: nn.Module, config: SemiStructured24, calibration: torch.Ten
         def sparsegpt(name: str, mod: nn.Linear, stats) -> nn.Module:
             w = mod.weight.detach()
             res = solve(w, stats.H, damp=config.damp, block_size=config.block_size,
-                        group_size=config.int4_group_size, sparse24=True)
+                        group_size=config.int4_group_size, sparse24=True, grid="minmax")
             if config.int4_group_size is None:
                 return _sparse_module(res.weight, res.drop, _bias(mod), w.dtype)
             N, K = w.shape

@@ -45,8 +45,9 @@ class Int8WeightOnly(ModuleFilter):
 class Int4WeightOnly(ModuleFilter):
     """Group-wise asymmetric INT4 weights. method "rtn" (round to nearest) or "gptq" (needs calibration).
 
-    grid "mse" (default) clips each group's [min, max] range where that lowers its squared
-    rounding error; "minmax" always spans it (quant.grids.int4_grid).
+    grid "mse" (default) shrinks each group's [min, max] range where that lowers its squared
+    rounding error; "minmax" always spans it (quant.grids.int4_grid). Recipes written before
+    the option existed (no `grid` key) were quantized with "minmax".
     """
 
     group_size: int = 128
@@ -102,7 +103,8 @@ class SemiStructured24(ModuleFilter):
 
     method: "magnitude" (|W|), "wanda" (|W| * ||X||, needs calibration), "sparsegpt" (needs
     calibration; error feedback). int4_group_size: also quantize the kept weights to INT4 in
-    the same pass (prune, then quantize the survivors with error feedback; sparsegpt only).
+    the same pass (prune, then quantize the survivors with error feedback; sparsegpt only),
+    on min-max grids (a group's grid is chosen before most of its prune masks are known).
     """
 
     method: str = "sparsegpt"

@@ -22,7 +22,7 @@ def int8_rtn(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Line
     return Int8Linear(q, scales, bias)
 
 
-GRID_SEARCH_SHRINK = tuple(1 - i / 100 for i in range(21))  # clip ratios tried by the "mse" grid
+GRID_SEARCH_RATIOS = tuple(1 - i / 100 for i in range(1, 21))  # 0.99 ... 0.80: the "mse" grid's clips
 
 
 def _minmax_grid(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,27 +35,33 @@ def int4_grid(w: torch.Tensor, grid: str = "mse") -> tuple[torch.Tensor, torch.T
     """Asymmetric grid of each row of `w` (N, G): scale and zero (N,) in GRID_DTYPE precision.
 
     Dequantization is (q - 8) * scale + zero for codes q in [0, 15], so zero = min + 8 * scale.
-    grid "minmax" spans [min, max] of the row; "mse" (the GPTQ reference's `mse` option) also
-    tries the range clipped to ratios 0.99 ... 0.80 of [min, max] and keeps, per row, the grid
-    with the smallest squared rounding error: clipping a rare outlier buys a finer step for all
-    the other weights of the group.
+    grid "minmax" spans [min, max] of the row. "mse" (after the GPTQ reference's `mse` option)
+    also tries the range shrunk about its midpoint to 0.99 ... 0.80 of its width and keeps, per
+    row, the grid with the smallest squared rounding error: clipping the rare extreme weights
+    buys a finer step for all the others. It is never worse than "minmax" (ratio 1 is the start).
     """
     if grid not in INT4_GRIDS:
         raise ValueError(f"INT4 grid must be one of {INT4_GRIDS}, got {grid!r}")
     lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+    best_scale, best_zero = _minmax_grid(lo, hi)
     if grid == "minmax":
-        return _minmax_grid(lo, hi)
-    best_err = torch.full_like(lo, float("inf"))
-    best_scale, best_zero = torch.empty_like(lo), torch.empty_like(lo)
-    for ratio in GRID_SEARCH_SHRINK:
-        scale, zero = _minmax_grid(lo * ratio, hi * ratio)
-        q = int4_dequant(int4_codes(w, scale[..., None], zero[..., None]), scale[..., None], zero[..., None])
-        err = (q - w).square().sum(dim=-1)  # (N,)
+        return best_scale, best_zero
+    best_err = _rounding_error(w, best_scale, best_zero)
+    mid, half = (lo + hi) / 2, (hi - lo) / 2
+    for ratio in GRID_SEARCH_RATIOS:
+        scale, zero = _minmax_grid(mid - ratio * half, mid + ratio * half)
+        err = _rounding_error(w, scale, zero)
         better = err < best_err
         best_err = torch.where(better, err, best_err)
         best_scale = torch.where(better, scale, best_scale)
         best_zero = torch.where(better, zero, best_zero)
     return best_scale, best_zero
+
+
+def _rounding_error(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """Squared error of rounding each row of `w` (N, G) to its grid: (N,)."""
+    s, z = scale[..., None], zero[..., None]
+    return (int4_dequant(int4_codes(w, s, z), s, z) - w).square().sum(dim=-1)
 
 
 def int4_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:

@@ -31,11 +31,11 @@ def configs(group_size: int) -> dict[str, quant.config.Config]:
         "int4-gptq-minmax": quant.Int4WeightOnly(group_size=group_size, method="gptq", grid="minmax"),
         "int4-gptq-act": quant.Int4WeightOnly(group_size=group_size, method="gptq", act_order=True),
         "nf4": quant.NF4(),
-        "nf4-g": quant.NF4(blocksize=group_size),
         "24-magnitude": quant.SemiStructured24(method="magnitude"),
         "24-wanda": quant.SemiStructured24(method="wanda"),
         "24-sparsegpt": quant.SemiStructured24(method="sparsegpt"),
         "24-sparsegpt-int4": quant.SemiStructured24(method="sparsegpt", int4_group_size=group_size),
+        **({"nf4-g": quant.NF4(blocksize=group_size)} if group_size in quant.config.NF4_BLOCKSIZES else {}),
     }
 
 

@@ -56,6 +56,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (1: with other jobs on the CPU, more threads spin and run slower)")
     args = ap.parse_args()
+    if args.max_autotune and not args.compile:
+        ap.error("--max-autotune tunes the compiled programs: add --compile")
     torch.set_num_threads(args.threads)
     tok = runtime.load_tokenizer(args.model)
     text = tok.apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=False, add_generation_prompt=True)

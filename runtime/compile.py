@@ -13,9 +13,10 @@ each layer's cache write + attention is one opaque in-place custom op
 any length share one program. The number of new tokens is padded to 1, 8, 16 or 32 (extra query
 rows write past the row's length, where nothing reads them before they are overwritten), so one
 generation with k <= 7 draft tokens compiles every program it needs (a warm-up run is enough);
-each program holds its own frozen copy of the weights. Selected logits (`logits_idx`, a draft's
-catch-up feed) are gathered from the program's output. A forward with an explicit mask (trees),
-hidden states, or more than 32 tokens (a prefill) runs eagerly.
+each program holds its own frozen copy of the weights. Selected logits (`logits_idx`: a draft's
+feeds, a prefill) of up to 8 tokens are gathered from the output of those same programs; longer
+ones run eagerly rather than compile a 16- or 32-token program with another weight copy. A
+forward with an explicit mask (trees), hidden states, or more than 32 tokens runs eagerly.
 
 Freezing treats the weights as constants: compile after the weights are final, and use the model
 for inference only (`torch.inference_mode`, as `specdec.generate` runs). The first call of each
@@ -29,6 +30,7 @@ import shutil
 import torch
 
 MAX_STATIC_TOKENS = 32  # forwards of up to this many tokens take the compiled path
+DECODE_STATIC_TOKENS = 8  # the largest program plain and speculative decoding (k <= 7) compile
 _RECOMPILE_LIMIT = 64  # (model, batch, tokens, cache) shapes one process may compile
 
 
@@ -41,14 +43,15 @@ def static_tokens(num_tokens: int) -> int:
     return max(8, 1 << (num_tokens - 1).bit_length())
 
 
-def compile_decode(model: torch.nn.Module, cpp_wrapper: bool = True, max_autotune: bool = False) -> torch.nn.Module:
+def compile_decode(model: torch.nn.Module, cpp_wrapper: bool = True,
+                   max_autotune: bool | None = None) -> torch.nn.Module:
     """Compile `model`'s short forwards in place (returns the model).
 
     model: a runtime Transformer (also a compressed one). cpp_wrapper: let Inductor call the
-    kernels from C++ rather than Python (saves ~1 ms per step on a small model). max_autotune:
-    let Inductor also generate its own GEMM kernels (CPU: the CPP GEMM template, which covers
-    the packed INT8 / INT4 weight-only matmuls) and keep the fastest per shape; compiling takes
-    several times longer. Outputs equal
+    kernels from C++ rather than Python (saves ~1 ms per step on a small model).
+    max_autotune: True lets Inductor also generate its own GEMM kernels (CPU: the CPP GEMM
+    template, which covers the packed INT8 / INT4 weight-only matmuls) and keep the fastest per
+    shape, compiling several times longer; None leaves Inductor's setting alone. Outputs equal
     the eager model's up to floating-point reassociation (float32: ~1e-6 relative; bf16: bf16
     rounding), so greedy tokens can differ from the eager model's only at near-ties.
     """
@@ -57,14 +60,14 @@ def compile_decode(model: torch.nn.Module, cpp_wrapper: bool = True, max_autotun
     if not isinstance(model, Transformer):
         raise TypeError(f"compile_decode takes a runtime Transformer (runtime.load_model), got "
                         f"{type(model).__name__}")
-    import torch._inductor.config as inductor_config
-
-    compiler = inductor_config.cpp.cxx[1]  # what Inductor's CPU backend invokes ($CXX at import, else g++)
-    if model.device.type == "cpu" and shutil.which(compiler) is None:
-        raise RuntimeError(f"compiling for the CPU needs a C++ compiler, and {compiler!r} is not on "
-                           "PATH: install g++ (or set CXX), or run without compile")
+    cxx = torch._inductor.config.cpp.cxx  # what Inductor's CPU backend invokes ($CXX when torch loaded)
+    candidates = [c for c in (cxx if isinstance(cxx, tuple) else (cxx,)) if c]
+    if model.device.type == "cpu" and not any(shutil.which(c) for c in candidates):
+        raise RuntimeError(f"compiling for the CPU needs a C++ compiler, and none of {candidates} is on "
+                           "PATH: install g++ (or set CXX before starting Python), or run without compile")
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
     compiled = torch.compile(model.static_step)
+    autotune = {} if max_autotune is None else {"max_autotune": max_autotune}
 
     def step(tokens, positions, k, v, lengths):
         # the cache length is the one dynamic dimension: prompts of any length share a program
@@ -72,7 +75,7 @@ def compile_decode(model: torch.nn.Module, cpp_wrapper: bool = True, max_autotun
         torch._dynamo.mark_dynamic(v, 3)
         # freezing set through torch.compile(options=...) does not reach Inductor's freezing pass
         # (measured: no speed-up), so the config is patched around each call instead
-        with torch._inductor.config.patch(freezing=True, cpp_wrapper=cpp_wrapper, max_autotune=max_autotune), \
+        with torch._inductor.config.patch(freezing=True, cpp_wrapper=cpp_wrapper, **autotune), \
                 torch._dynamo.config.patch(automatic_dynamic_shapes=False):
             return compiled(tokens, positions, k, v, lengths)
 

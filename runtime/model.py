@@ -13,7 +13,7 @@ from torch import nn
 
 from runtime.attention import attend, cache_attention, causal_mask, default_backend
 from runtime.cache import KVCache
-from runtime.compile import MAX_STATIC_TOKENS, static_tokens
+from runtime.compile import DECODE_STATIC_TOKENS, MAX_STATIC_TOKENS, static_tokens
 from runtime.config import ModelConfig
 from runtime.rope import Rope, apply_rope
 
@@ -161,8 +161,8 @@ class Transformer(nn.Module):
         and the final hidden states (B, T, C) too when `return_hidden`.
         """
         B, T = tokens.shape
-        if (self._compiled_step is not None and cache is not None and mask is None
-                and not return_hidden and T <= MAX_STATIC_TOKENS):
+        if (self._compiled_step is not None and cache is not None and mask is None and not return_hidden
+                and T <= (MAX_STATIC_TOKENS if logits_idx is None else DECODE_STATIC_TOKENS)):
             logits = self._static_forward(tokens, positions, cache)  # (B, T, V)
             if logits_idx is None:
                 return logits

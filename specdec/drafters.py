@@ -8,7 +8,6 @@ verifies, `sync` tells it the new committed sequences so it can keep its own cac
 
 from __future__ import annotations
 
-import functools
 import time
 from dataclasses import dataclass
 
@@ -206,13 +205,17 @@ def check_vocabularies(draft, target, sample: int = 64) -> None:
     d_src, t_src = getattr(draft, "source", None), getattr(target, "source", None)
     if d_src is None or t_src is None or d_src == t_src:
         return
-    _check_token_strings(str(d_src), str(t_src), sample)
+    # loading two tokenizers takes seconds and generate() checks on every call: a draft model
+    # remembers the targets it was checked against
+    checked = getattr(draft, "_vocab_checked_against", frozenset())
+    if t_src in checked:
+        return
+    _check_token_strings(d_src, t_src, sample)
+    draft._vocab_checked_against = checked | {t_src}
 
 
-@functools.lru_cache(maxsize=64)
-def _check_token_strings(d_src: str, t_src: str, sample: int) -> None:
-    """Compare sampled token strings of two checkpoints' tokenizers (cached per pair: loading
-    two tokenizers takes seconds, and generate() checks on every call)."""
+def _check_token_strings(d_src, t_src, sample: int) -> None:
+    """Raise VocabularyMismatchError unless `sample` token ids decode to the same strings."""
     from runtime.loading import load_tokenizer
 
     d_tok, t_tok = load_tokenizer(d_src), load_tokenizer(t_src)

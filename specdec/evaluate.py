@@ -75,7 +75,9 @@ class MethodSpec:
     @classmethod
     def parse(cls, text: str) -> "MethodSpec":
         name = text.strip()
-        base, at, k = name.rpartition("@") if "@" in name else (name, "", "")
+        base, at, k = name.rpartition("@")
+        if not at or not (k.isdigit() or k == "auto"):  # an "@" inside a path is part of the path
+            base, at, k = name, "", ""
         kind, _, arg = base.partition(":")
         if kind not in METHOD_KINDS:
             raise ValueError(f"unknown method {text!r}; choose from plain, draft:NAME_OR_PATH, ngram, "
@@ -113,8 +115,8 @@ def _draft_tokens(value: int | str) -> int | str:
         k = int(value)
     except (TypeError, ValueError) as err:
         raise ValueError(f"num_draft_tokens must be an integer >= 1 or 'auto', got {value!r}") from err
-    if k < 1:
-        raise ValueError(f"num_draft_tokens must be >= 1 or 'auto', got {k}")
+    if not 1 <= k <= 64:
+        raise ValueError(f"num_draft_tokens must be between 1 and 64 (>= 1) or 'auto', got {k}")
     return k
 
 

@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from runtime.compile import DECODE_STATIC_TOKENS
 from specdec.autok import AutoK
 from specdec.drafters import Proposal, make_drafter
 from specdec.rows import RowState, check_lengths, prefill
@@ -17,10 +18,10 @@ from specdec.verify import verify_greedy, verify_sampling
 MAX_DRAFT_TOKENS = 16
 # "auto" on a compiled target: verification blocks of 2..8 tokens share one compiled program
 # (runtime.compile.static_tokens); 9..16 would compile another, with its own frozen weights.
-MAX_DRAFT_TOKENS_COMPILED = 7
+MAX_DRAFT_TOKENS_COMPILED = DECODE_STATIC_TOKENS - 1
 
 
-def _draft_length(num_draft_tokens: int | str, target) -> tuple[int, AutoK | None]:
+def _draft_length(num_draft_tokens: int | str, target: torch.nn.Module) -> tuple[int, AutoK | None]:
     if num_draft_tokens == "auto":
         k_max = MAX_DRAFT_TOKENS_COMPILED if getattr(target, "compiled", False) else MAX_DRAFT_TOKENS
         return k_max, AutoK(k_max=k_max)

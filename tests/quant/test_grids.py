@@ -32,9 +32,22 @@ def test_minmax_grid_spans_the_row():
     assert torch.all(lo <= w.amin(-1) + step) and torch.all(hi >= w.amax(-1) - step)
 
 
-def test_rtn_codes_and_unknown_grid():
+def test_rtn_with_mse_grid_has_lower_weight_error_and_unknown_grid_raises():
     w = _gaussian_rows().view(64, 256)
-    lin = int4_rtn(w, 64)
-    assert float(((lin.dequantize().float() - w) ** 2).mean()) < float(((int4_rtn(w, 64, grid="minmax").dequantize().float() - w) ** 2).mean())
+
+    def mse(grid):
+        return float(((int4_rtn(w, 64, grid=grid).dequantize().float() - w) ** 2).mean())
+
+    assert mse("mse") < mse("minmax")
     with pytest.raises(ValueError, match="grid"):
         int4_grid(w, "absmax")
+
+
+def test_constant_and_one_sided_rows():
+    w = torch.stack([torch.full((64,), 0.3), torch.linspace(0.5, 1.0, 64), torch.linspace(-2.0, -1.0, 64)])
+    for grid in ("mse", "minmax"):
+        scale, zero = int4_grid(w, grid)
+        assert torch.isfinite(scale).all() and torch.isfinite(zero).all()
+    err = _row_error(w, "mse")
+    assert float(err[0]) < 1e-4  # a constant row is represented (to bf16 grid precision)
+    assert torch.all(err <= _row_error(w, "minmax") + 1e-6)

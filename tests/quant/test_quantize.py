@@ -57,6 +57,22 @@ def test_calibrated_methods_beat_their_baselines(calib):
     assert db(quant.SemiStructured24(method="sparsegpt")) > db(quant.SemiStructured24(method="magnitude"))
 
 
+@pytest.mark.parametrize("grid", ["mse", "minmax"])
+def test_int4_config_grid_reaches_round_to_nearest_and_gptq(grid, calib):
+    model = tiny_model("llama", seed=4)
+    w = model.layers[0].attn.wqkv.weight.detach().clone()
+    quant.quantize_(model, quant.Int4WeightOnly(group_size=32, grid=grid, modules=("layers.0.attn.wqkv",)),
+                    progress=False)
+    assert torch.equal(model.layers[0].attn.wqkv.dequantize(), quant.grids.int4_rtn(w, 32, grid=grid).dequantize())
+    other = "minmax" if grid == "mse" else "mse"
+    assert not torch.equal(model.layers[0].attn.wqkv.dequantize(), quant.grids.int4_rtn(w, 32, grid=other).dequantize())
+    gptq = {g: tiny_model("llama", seed=4) for g in ("mse", "minmax")}
+    for g, m in gptq.items():
+        quant.quantize_(m, quant.Int4WeightOnly(group_size=32, method="gptq", grid=g, modules=("layers.0.attn.wqkv",)),
+                        calibration=calib, progress=False)
+    assert not torch.equal(gptq["mse"].layers[0].attn.wqkv.dequantize(), gptq["minmax"].layers[0].attn.wqkv.dequantize())
+
+
 def test_wanda_scores_weight_times_input_norm(calib):
     model = tiny_model("llama", seed=4)
     w = model.layers[0].attn.wqkv.weight.detach().clone()

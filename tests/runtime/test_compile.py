@@ -97,12 +97,15 @@ def test_compiled_generate_equals_eager_plain_and_speculative():
 
 def test_auto_draft_length_on_a_compiled_target_stays_in_one_program():
     target = compile_decode(tiny_model("llama", seed=5))
+    calls = []
+    target._compiled_step = _counting(target._compiled_step, calls)
     same = tiny_model("llama", seed=5)  # draft = target: every draft is accepted, auto grows k
     rows = _prompts([9])
     want = specdec.generate(same, rows, max_new_tokens=40).sequences
     out = specdec.generate(target, rows, draft=same, num_draft_tokens="auto", max_new_tokens=40)
     assert torch.equal(out.sequences[0], want[0])
     assert len(out.stats.per_position_acceptance) == 7  # reached k = 7 and never went past it
+    assert {shape[1] for shape in calls} == {8}  # the 9-token prefill ran eagerly: no 16-token program
 
 
 def test_max_autotune_quantized_model_equals_eager():

@@ -105,13 +105,21 @@ def _word_tokenizer_dir(path, words):
     return str(path)
 
 
-def test_same_size_vocabularies_with_different_tokens_are_a_clear_error(target, tmp_path):
+def test_same_size_vocabularies_with_different_tokens_are_a_clear_error(tmp_path, monkeypatch):
     words = [f"w{i}" for i in range(V)]
     draft = tiny_model("llama", seed=1, vocab_size=V)
     tgt = tiny_model("llama", seed=0, vocab_size=V)
     tgt.source = _word_tokenizer_dir(tmp_path / "t", words)
     draft.source = _word_tokenizer_dir(tmp_path / "same", words)
     specdec.generate(tgt, _rows(), draft=draft, max_new_tokens=4)  # same tokens: accepted
+    import runtime.loading
+
+    loads = []
+    monkeypatch.setattr(runtime.loading, "load_tokenizer", lambda src: loads.append(src))
+    specdec.generate(tgt, _rows(), draft=draft, max_new_tokens=4)  # checked once per draft/target pair
+    assert loads == []
+    monkeypatch.undo()
+    draft = tiny_model("llama", seed=1, vocab_size=V)
     draft.source = _word_tokenizer_dir(tmp_path / "d", words[:1] + words[1:][::-1])
     with pytest.raises(VocabularyMismatchError, match="tokenizers disagree"):
         specdec.generate(tgt, _rows(), draft=draft, max_new_tokens=4)
