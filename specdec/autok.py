@@ -1,13 +1,16 @@
 """Dynamic draft length: pick k each step to maximise expected tokens per second.
 
 With per-token acceptance alpha and k drafts, a step emits (1 - alpha^(k+1)) / (1 - alpha)
-tokens on average (DESIGN.md section 4) and costs k * c_draft + t_target(k + 1) seconds.
+tokens on average (DESIGN.md section 4) and costs c_draft(k) + t_target(k + 1) seconds.
 alpha is estimated online from the verified steps (accepted / drafts that were reached, the
 maximum-likelihood estimate for a geometric run length), decayed so it follows the text; the
-target's cost is a running least-squares line in the block size, the draft's a measured mean.
+target's cost is a running least-squares line in the block size; the drafter measures its own
+cost of k drafts (a draft model: one catch-up forward plus k - 1 one-token forwards).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 
 class AutoK:
@@ -45,13 +48,13 @@ class AutoK:
         slope = max(slope, 0.0)
         return max(mean_y + slope * (block - mean_x), 1e-9)
 
-    def choose(self, draft_cost: float) -> int:
-        """The k with the most expected tokens per second."""
+    def choose(self, draft_cost: Callable[[int], float]) -> int:
+        """The k with the most expected tokens per second; draft_cost(k): seconds to draft k."""
         a = self.alpha()
         best_k, best_rate = self.k, -1.0
         for k in range(self.k_min, self.k_max + 1):
             tokens = (1 - a ** (k + 1)) / (1 - a)
-            rate = tokens / (k * draft_cost + self.target_cost(k + 1))
+            rate = tokens / (draft_cost(k) + self.target_cost(k + 1))
             if rate > best_rate:
                 best_k, best_rate = k, rate
         self.k = best_k

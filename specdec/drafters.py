@@ -36,7 +36,10 @@ class NgramDrafter:
     propose what followed the most recent such occurrence. No model; q is one-hot."""
 
     name = "ngram"
-    cost_per_token = 0.0
+
+    def draft_cost(self, k: int) -> float:
+        """Seconds to propose k tokens: a lookup, next to nothing."""
+        return 0.0
 
     def __init__(self, max_n: int = 3, min_n: int = 1) -> None:
         if not 1 <= min_n <= max_n:
@@ -84,7 +87,9 @@ class ModelDrafter:
         self.generator = generator
         self.cache = None
         self.fed: list[torch.Tensor] = []  # tokens held in the cache, per row
-        self.cost_per_token = 0.0  # measured seconds per drafted token (EMA)
+        # measured seconds (EMA) of a step's first forward (it feeds what the target accepted,
+        # up to k + 1 tokens) and of each further one-token forward: see draft_cost
+        self.first_s = self.step_s = 0.0
 
     def start(self, prompts: list[torch.Tensor], max_len: int) -> None:
         # twice the target's length: a row catching up after n-gram steps feeds a long chunk, and
@@ -125,6 +130,7 @@ class ModelDrafter:
         # rows not asked for still take one token so every row of the batch stays aligned
         chunks = [seqs[b][self.fed[b].numel():] if b in rows else seqs[b][:0] for b in range(B)]
         logits = self._feed(chunks)
+        t1 = time.perf_counter()
         tokens = torch.zeros(B, k, dtype=torch.long)
         sampled = self.temperature > 0
         q = torch.zeros(B, k, logits.shape[-1]) if sampled else None
@@ -140,9 +146,15 @@ class ModelDrafter:
                 logits = self._feed([nxt[b:b + 1] if b in rows else nxt[:0] for b in range(B)])
         lens = torch.zeros(B, dtype=torch.long)
         lens[rows] = k
-        per_token = (time.perf_counter() - t0) / k
-        self.cost_per_token = per_token if self.cost_per_token == 0 else 0.8 * self.cost_per_token + 0.2 * per_token
+        self.first_s = _ema(self.first_s, t1 - t0)
+        if k > 1:
+            self.step_s = _ema(self.step_s, (time.perf_counter() - t1) / (k - 1))
         return Proposal(tokens, lens, q)
+
+    def draft_cost(self, k: int) -> float:
+        """Seconds to propose k tokens: the catch-up forward, then k - 1 one-token forwards (a
+        per-token mean would charge the catch-up to every token and favour short drafts)."""
+        return self.first_s + (k - 1) * (self.step_s or self.first_s)
 
 
 class ChainDrafter:
@@ -154,9 +166,8 @@ class ChainDrafter:
         self.drafters = drafters
         self.name = "+".join(d.name for d in drafters)
 
-    @property
-    def cost_per_token(self) -> float:
-        return max(d.cost_per_token for d in self.drafters)
+    def draft_cost(self, k: int) -> float:
+        return max(d.draft_cost(k) for d in self.drafters)
 
     def start(self, prompts: list[torch.Tensor], max_len: int) -> None:
         for d in self.drafters:
@@ -188,6 +199,10 @@ class ChainDrafter:
             if prop.q is not None:
                 q[b] = prop.q[b]
         return Proposal(tokens, lens, q)
+
+
+def _ema(old: float, new: float) -> float:
+    return new if old == 0 else 0.8 * old + 0.2 * new
 
 
 def _one_hot(tokens: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -59,7 +59,7 @@ def speculative_decode(target, draft, state: RowState, num_draft_tokens: int | s
         budget = torch.zeros(B, dtype=torch.long)  # drafts a row may still use: the bonus is always emitted
         for b in active:
             budget[b] = state.max_new_tokens - len(state.new[b]) - 1
-        k = min(auto.choose(drafter.cost_per_token) if auto else k_max, int(budget.max()))
+        k = min(auto.choose(drafter.draft_cost) if auto else k_max, int(budget.max()))
         t_draft = time.perf_counter()
         if k > 0:
             prop = drafter.propose(seqs, k, active)
