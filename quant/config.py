@@ -45,15 +45,19 @@ class Int8WeightOnly(ModuleFilter):
 class Int4WeightOnly(ModuleFilter):
     """Group-wise asymmetric INT4 weights. method "rtn" (round to nearest) or "gptq" (needs calibration).
 
-    grid "mse" (default) shrinks each group's [min, max] range where that lowers its squared
-    rounding error; "minmax" always spans it (quant.grids.int4_grid). Recipes written before
-    the option existed (no `grid` key) were quantized with "minmax".
+    grid "mse" shrinks each group's [min, max] range where that lowers its squared rounding
+    error; "minmax" always spans it (quant.grids.int4_grid). None picks per method, by
+    measurement (smollm2, g64, held-out ShareGPT perplexity, BENCHMARKS.md): "mse" for RTN
+    (7.95 -> 7.71) and for GPTQ with act_order, whose grids are fixed from the weights before
+    any update (7.29); "minmax" for GPTQ in input order, whose grids are picked mid-solve from
+    weights the error feedback has moved (mse there: 7.73 -> 8.51). Recipes written before the
+    option existed (no `grid` key) were quantized with "minmax".
     """
 
     group_size: int = 128
     method: str = "rtn"
     act_order: bool = False
-    grid: str = "mse"
+    grid: str | None = None
     damp: float = 0.01
     block_size: int = 128
 
@@ -63,6 +67,8 @@ class Int4WeightOnly(ModuleFilter):
             raise ValueError(f"Int4WeightOnly.group_size must be one of {GROUP_SIZES}, got {self.group_size}")
         if self.method not in ("rtn", "gptq"):
             raise ValueError(f"Int4WeightOnly.method must be 'rtn' or 'gptq', got {self.method!r}")
+        if self.grid is None:
+            object.__setattr__(self, "grid", "minmax" if self.method == "gptq" and not self.act_order else "mse")
         if self.grid not in INT4_GRIDS:
             raise ValueError(f"Int4WeightOnly.grid must be one of {INT4_GRIDS}, got {self.grid!r}")
         if self.act_order and self.method != "gptq":

@@ -32,7 +32,7 @@ def main() -> None:
     rows = [report("dense-bf16", runtime.load_model(MODEL, dtype=torch.bfloat16), evals, None, 0.0)]
     int8_dir, int4_dir = args.out / "qwen2.5-coder-0.5b-int8", args.out / "qwen2.5-coder-0.5b-int4-gptq"
     rows.append(compress_and_save(MODEL, [quant.Int8WeightOnly()], None, int8_dir, tok, evals))
-    rows.append(compress_and_save(MODEL, [quant.Int4WeightOnly(group_size=128, method="gptq")], calib, int4_dir,
+    rows.append(compress_and_save(MODEL, [quant.Int4WeightOnly(group_size=128, method="gptq", act_order=True)], calib, int4_dir,
                                   tok, evals))
     (args.out / "qwen2.5-coder-0.5b-drafts.json").write_text(json.dumps(rows, indent=1))
 

@@ -24,7 +24,7 @@ def main() -> None:
     calib = quant.calibration_batches(tok, "sharegpt", n_samples=args.n_calib, seq_len=args.seq_len)
     rows = [report("dense-bf16", runtime.load_model(MODEL, dtype=torch.bfloat16), evals, None, 0.0)]
     int4_dir = args.out / "qwen2.5-coder-1.5b-int4-gptq"
-    rows.append(compress_and_save(MODEL, [quant.Int4WeightOnly(group_size=128, method="gptq")], calib, int4_dir,
+    rows.append(compress_and_save(MODEL, [quant.Int4WeightOnly(group_size=128, method="gptq", act_order=True)], calib, int4_dir,
                                   tok, evals))
     (args.out / "qwen2.5-coder-1.5b-int4.json").write_text(json.dumps(rows, indent=1))
 

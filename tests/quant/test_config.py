@@ -24,6 +24,13 @@ def test_invalid_configs_raise_on_construction(make, match):
         make()
 
 
+def test_int4_grid_default_is_picked_per_method():
+    assert quant.Int4WeightOnly().grid == "mse"
+    assert quant.Int4WeightOnly(method="gptq").grid == "minmax"
+    assert quant.Int4WeightOnly(method="gptq", act_order=True).grid == "mse"
+    assert quant.Int4WeightOnly(method="gptq", grid="mse").grid == "mse"
+
+
 def test_configs_are_frozen():
     cfg = quant.Int4WeightOnly()
     with pytest.raises(AttributeError):
