@@ -180,3 +180,15 @@ def test_speculative_sampling_keeps_the_joint_law_of_two_tokens(target, random_d
     exact = (p1[:, None] * p2).flatten()
     noise = 0.5 * (2 * exact * (1 - exact) / (math.pi * n)).sqrt().sum().item()
     assert _tv(emp, exact) < 3 * noise
+
+
+def test_model_drafter_cost_is_catch_up_plus_one_token_forwards(target, random_draft):
+    from specdec.drafters import ModelDrafter
+
+    drafter = ModelDrafter(random_draft, target)
+    rows = _rows(lengths=(5,))
+    drafter.start(rows, 64)
+    drafter.propose(rows, 4, [0])
+    assert drafter.first_s > 0 and drafter.step_s > 0
+    assert drafter.draft_cost(1) == drafter.first_s
+    assert drafter.draft_cost(4) == pytest.approx(drafter.first_s + 3 * drafter.step_s)
