@@ -116,7 +116,7 @@ def _draft_tokens(value: int | str) -> int | str:
     except (TypeError, ValueError) as err:
         raise ValueError(f"num_draft_tokens must be an integer >= 1 or 'auto', got {value!r}") from err
     if not 1 <= k <= 64:
-        raise ValueError(f"num_draft_tokens must be between 1 and 64 (>= 1) or 'auto', got {k}")
+        raise ValueError(f"num_draft_tokens must be between 1 and 64 or 'auto', got {k}")
     return k
 
 

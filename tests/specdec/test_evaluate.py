@@ -109,7 +109,7 @@ def test_parse_methods():
     assert parse_methods("ngram@3,draft:d@auto")[1] == MethodSpec("draft:d@auto", "draft", "d", "auto")
     assert parse_methods("draft:/u@corp/ckpt")[0] == MethodSpec("draft:/u@corp/ckpt", "draft", "/u@corp/ckpt")
     for bad, msg in [("beam", "unknown method"), ("draft", "needs a model"), ("ngram:x", "takes no argument"),
-                     ("hf@3", "draft length"), ("ngram@0", ">= 1"), ("ngram@65", "64"),
+                     ("hf@3", "draft length"), ("ngram@0", "between 1 and 64"), ("ngram@65", "between 1 and 64"),
                      ("plain,plain", "repeat"), ("hf-assisted:a,hf-assisted:b", "at most one"), (" , ", "no methods")]:
         with pytest.raises(ValueError, match=msg):
             parse_methods(bad)
