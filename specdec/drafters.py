@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -37,14 +38,14 @@ class NgramDrafter:
 
     name = "ngram"
 
-    def draft_cost(self, k: int) -> float:
-        """Seconds to propose k tokens: a lookup, next to nothing."""
-        return 0.0
-
     def __init__(self, max_n: int = 3, min_n: int = 1) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         self.max_n, self.min_n = max_n, min_n
+
+    def draft_cost(self, k: int) -> float:
+        """Seconds to propose k tokens: a lookup, next to nothing."""
+        return 0.0
 
     def start(self, prompts: list[torch.Tensor], max_len: int) -> None:
         del prompts, max_len  # stateless: the committed sequences carry everything
@@ -229,7 +230,7 @@ def check_vocabularies(draft, target, sample: int = 64) -> None:
     draft._vocab_checked_against = checked | {t_src}
 
 
-def _check_token_strings(d_src, t_src, sample: int) -> None:
+def _check_token_strings(d_src: str | Path, t_src: str | Path, sample: int) -> None:
     """Raise VocabularyMismatchError unless `sample` token ids decode to the same strings."""
     from runtime.loading import load_tokenizer
 
