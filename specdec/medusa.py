@@ -218,8 +218,10 @@ def medusa_decode(target, heads: MedusaHeads, state: RowState, temperature: floa
     cfg, tree = target.config, heads.tree
     n = tree.num_nodes
     stats = AcceptanceStats(num_calls=1)
+    # room for the tree block, plus the path a row may accept past its last token (max_new_tokens
+    # or eos cut what it emits, not what its cache holds) while other rows keep stepping
     max_len = check_lengths(state.prompts, state.max_new_tokens, cfg.max_position_embeddings,
-                            cfg.vocab_size, slack=n)
+                            cfg.vocab_size, slack=n + tree.max_depth)
     if state.all_done:
         return stats
     start = time.perf_counter()

@@ -119,6 +119,34 @@ def test_oracle_heads_get_the_full_depth_accepted_every_step(model):
     assert s.target_forwards == 3 * (1 + -(-39 // (D + 1)))
 
 
+class HalfBlindOracleHeads(OracleHeads):
+    """Oracle heads for the rows not in `blind`; for those every guess is wrong."""
+
+    def __init__(self, model, sequences, num_heads, blind):
+        super().__init__(model, sequences, num_heads)
+        self.blind = blind
+
+    def guesses(self, hidden, topk):
+        out = super().guesses(hidden, topk)
+        for b in self.blind:
+            for g in out:
+                g[b] = (g[b] + 1) % self.config.vocab_size
+        return out
+
+
+def test_a_row_that_accepts_past_max_new_tokens_leaves_room_for_the_others(model):
+    # row 0 (the longest prompt) accepts the full depth and ends mid-block, its cache past
+    # prompt + max_new_tokens; row 1 accepts nothing and keeps the batch stepping after it.
+    g = torch.Generator().manual_seed(11)
+    rows = [torch.randint(0, 128, (12,), generator=g), torch.randint(0, 128, (4,), generator=g)]
+    D, new = 4, 18  # 17 tokens after the prefill: 3 full steps of 5, then 2 of a 5-token step
+    full = specdec.generate(model, rows, max_new_tokens=new + 3 * D).sequences
+    heads = HalfBlindOracleHeads(model, full, D, blind=[1])
+    out = specdec.generate(model, rows, draft=heads, max_new_tokens=new)
+    for a, b, p in zip(out.sequences, full, rows):
+        assert torch.equal(a, b[:p.numel() + new])
+
+
 def test_compaction_leaves_the_cache_equal_to_a_fresh_prefill(model):
     g = torch.Generator().manual_seed(7)
     rows = [torch.randint(0, 128, (9,), generator=g), torch.randint(0, 128, (5,), generator=g)]
