@@ -11,7 +11,8 @@ Steps, all inside the --max-minutes budget (each step resumes if the run is rest
 3. evaluation (in --eval-dtype) on held-out ShareGPT prompts: tau and equality with plain greedy decoding for a
    batch of prompts (OUT/tau.json), and tokens/s against plain decoding per prompt with
    `specdec eval` (OUT/eval/report.json).
-`pipeline()` is shared with recipes/medusa_qwen_coder_1_5b.py.
+`--eval-only` runs step 3 alone on the heads already in --out. `pipeline()` is shared with
+recipes/medusa_qwen_coder_1_5b.py.
 """
 
 from __future__ import annotations
@@ -49,23 +50,8 @@ def tau_on_prompts(model, heads, rows: list[torch.Tensor], max_new_tokens: int, 
             "stats": med.stats.to_dict()}
 
 
-def pipeline(args: argparse.Namespace, model_name: str, eval_dataset: str, raw_eval: bool) -> dict:
-    """Data -> hidden-state cache -> training -> evaluation, bounded by args.max_minutes."""
-    start = time.monotonic()
-    budget = 60 * args.max_minutes
-
-    def at(frac: float) -> float:
-        return start + frac * budget
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
-    model = runtime.load_model(model_name, dtype=dtype)
-    tok = runtime.load_tokenizer(model_name)
-    eos = stop_token_ids(tok)
-
+def train(args: argparse.Namespace, model, tok, out: Path, at, start: float) -> tuple[list[dict], dict, float]:
+    """Self-distillation data, hidden-state cache and head training, each until its deadline."""
     prompts = sharegpt_prompts(tok, split="calibration", limit=args.num_prompts,
                                max_prompt_tokens=args.max_prompt_tokens,
                                keep=is_code_prompt if getattr(args, "code_prompts", False) else None)
@@ -85,6 +71,35 @@ def pipeline(args: argparse.Namespace, model_name: str, eval_dataset: str, raw_e
     train_min = (time.monotonic() - start) / 60
     print(f"[train] {metrics['steps']}/{metrics['planned_steps']} steps, top-1 accuracy "
           f"{[round(a, 3) for a in metrics['top1_accuracy']]}, {train_min:.1f} min", flush=True)
+    (out / "train_run.json").write_text(json.dumps({"command": shlex.join(["python"] + sys.argv),
+                                                    "train_minutes": train_min}, indent=1))
+    return records, metrics, train_min
+
+
+def pipeline(args: argparse.Namespace, model_name: str, eval_dataset: str, raw_eval: bool) -> dict:
+    """Data -> hidden-state cache -> training -> evaluation, bounded by args.max_minutes."""
+    start = time.monotonic()
+    budget = 60 * args.max_minutes
+
+    def at(frac: float) -> float:
+        return start + frac * budget
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
+    model = runtime.load_model(model_name, dtype=dtype)
+    tok = runtime.load_tokenizer(model_name)
+    eos = stop_token_ids(tok)
+
+    if args.eval_only:  # the heads in OUT, as a finished (or interrupted) run left them
+        metrics = json.loads((out / "metrics.json").read_text())
+        records = read_records(out / "selfdistill.jsonl")
+        run = out / "train_run.json"
+        train_min = json.loads(run.read_text())["train_minutes"] if run.is_file() else None
+    else:
+        records, metrics, train_min = train(args, model, tok, out, at, start)
 
     eval_dtype = args.eval_dtype or args.dtype
     if eval_dtype != args.dtype:
@@ -130,6 +145,8 @@ def parser(defaults: dict) -> argparse.ArgumentParser:
     p.add_argument("--eval-dtype", default=None, choices=["bfloat16", "float32"],
                    help="dtype of the evaluation (default: --dtype); float32 makes greedy Medusa output "
                         "bit-comparable with plain decoding")
+    p.add_argument("--eval-only", action="store_true",
+                   help="skip data and training: evaluate the heads already in --out")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     p.add_argument("--num-prompts", type=int, default=4000, help="ShareGPT prompts at most")
     p.add_argument("--max-prompt-tokens", type=int, default=256)
