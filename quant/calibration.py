@@ -2,8 +2,10 @@
 
 Texts are tokenized in order, joined with the EOS token, and cut into contiguous windows of
 `seq_len` tokens (no padding, no randomness: the same call gives the same windows).
-Calibration reads the ShareGPT "calibration" slice; evaluation reads the disjoint "heldout"
-slice or stdlib sources (`runtime.data`), so scored text never overlaps calibration text.
+Calibration reads the ShareGPT "calibration" slice, Python sources of installed third-party
+packages ("code"), or both ("sharegpt+code": half the windows each, interleaved); evaluation reads
+the disjoint "heldout" slice or stdlib sources (`runtime.data`), so scored text never overlaps
+calibration text.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from runtime.data import python_stdlib_texts, sharegpt_conversations
+from runtime.data import python_package_texts, python_stdlib_texts, sharegpt_conversations
 
 
 def conversation_text(tokenizer: Any, turns: list[dict]) -> str:
@@ -55,6 +57,8 @@ def _texts(tokenizer: Any, source: Any, split: str) -> Iterator[str]:
             yield conversation_text(tokenizer, turns)
     elif isinstance(source, str) and source == "stdlib":
         yield from python_stdlib_texts()
+    elif isinstance(source, str) and source == "code":
+        yield from python_package_texts()
     elif isinstance(source, (str, Path)):
         for record in _jsonl_records(Path(source)):
             yield _record_text(tokenizer, record)
@@ -62,7 +66,8 @@ def _texts(tokenizer: Any, source: Any, split: str) -> Iterator[str]:
         for record in source:
             yield _record_text(tokenizer, record)
     else:
-        raise ValueError(f"source must be 'sharegpt', 'stdlib', a .jsonl path or a datasets.Dataset, got {source!r}")
+        raise ValueError(f"source must be 'sharegpt', 'code', 'sharegpt+code', a .jsonl path or a datasets.Dataset, "
+                         f"got {source!r}")
 
 
 def pack_windows(tokenizer: Any, texts: Iterable[str], n_samples: int, seq_len: int,
@@ -87,11 +92,22 @@ def pack_windows(tokenizer: Any, texts: Iterable[str], n_samples: int, seq_len: 
 
 def calibration_batches(tokenizer: Any, source: Any = "sharegpt", n_samples: int = 128,
                         seq_len: int = 512) -> torch.Tensor:
-    """Calibration windows (N, T) from the ShareGPT calibration slice, a jsonl path or a datasets Dataset.
+    """Calibration windows (N, T) from the ShareGPT calibration slice, code, a jsonl path or a datasets Dataset.
 
-    jsonl / Dataset records need a 'text' field, or 'messages' / 'conversations' turns (rendered
-    with the tokenizer's chat template).
+    source: "sharegpt"; "code" (Python sources of installed third-party packages, never the
+    stdlib files that code perplexity scores); "sharegpt+code" (N // 2 code windows interleaved
+    with the rest from ShareGPT: for code models, whose GPTQ calibrated on chat alone fits code
+    worse); a jsonl path or a datasets Dataset, whose records need a 'text' field, or 'messages' /
+    'conversations' turns (rendered with the tokenizer's chat template).
     """
+    if isinstance(source, str) and source == "sharegpt+code":
+        n_code = n_samples // 2
+        chat = calibration_batches(tokenizer, "sharegpt", n_samples - n_code, seq_len)  # (N - N//2, T)
+        if n_code == 0:
+            return chat
+        code = calibration_batches(tokenizer, "code", n_code, seq_len)  # (N//2, T)
+        rows = [r for pair in zip(chat, code) for r in pair] + list(chat[n_code:])
+        return torch.stack(rows)
     return pack_windows(tokenizer, _texts(tokenizer, source, "calibration"), n_samples, seq_len,
                         what=f"calibration source {source!r}" if isinstance(source, (str, Path)) else "calibration source")
 

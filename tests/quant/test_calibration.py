@@ -1,13 +1,14 @@
-"""quant.calibration: windows from jsonl / datasets sources, the too-little-text error, ShareGPT slices."""
+"""quant.calibration: windows from jsonl / datasets / code sources, the too-little-text error, ShareGPT slices."""
 
+import itertools
 import json
 
 import pytest
 import torch
 
 import quant
-from runtime.data import (HELDOUT_SIZE, base_id, data_home, heldout_start, python_stdlib_texts,
-                          sharegpt_conversations)
+from runtime.data import (HELDOUT_SIZE, base_id, data_home, heldout_start, python_package_texts,
+                          python_stdlib_texts, sharegpt_conversations)
 from tests.quant.conftest import TEXTS
 
 
@@ -73,3 +74,35 @@ def test_sharegpt_calibration_and_heldout_slices_are_disjoint():
     assert all(t["role"] in ("user", "assistant", "system") for conv in held for t in conv)
     with pytest.raises(ValueError, match="split"):
         sharegpt_conversations("train")
+
+
+def test_code_texts_are_site_packages_sources_not_the_stdlib():
+    import importlib.util
+    from pathlib import Path
+
+    code = list(itertools.islice(python_package_texts(), 6))
+    assert len(code) == 6 and all(len(t) >= 2000 for t in code)
+    assert not set(python_stdlib_texts()).intersection(code)
+
+    def first_file(name):
+        root = Path(importlib.util.find_spec(name).submodule_search_locations[0])
+        return min(p for p in root.rglob("*.py") if p.stat().st_size >= 2000).read_text()
+
+    # round-robin across packages: file 1 of each package, then file 2 of each, ...
+    assert list(itertools.islice(python_package_texts(("tqdm", "yaml")), 2)) == [first_file("tqdm"), first_file("yaml")]
+    with pytest.raises(FileNotFoundError, match="none of the packages"):
+        next(python_package_texts(("no_such_package_xyz",)))
+
+
+def test_sharegpt_plus_code_interleaves_half_code_windows(tokenizer, monkeypatch):
+    import quant.calibration as calibration
+
+    monkeypatch.setattr(calibration, "sharegpt_conversations",
+                        lambda split: [[{"role": "user", "content": t}] for t in TEXTS])
+    mixed = quant.calibration_batches(tokenizer, "sharegpt+code", n_samples=5, seq_len=32)
+    chat = quant.calibration_batches(tokenizer, "sharegpt", n_samples=3, seq_len=32)
+    code = quant.calibration_batches(tokenizer, "code", n_samples=2, seq_len=32)
+    assert mixed.shape == (5, 32)
+    assert torch.equal(mixed, torch.stack([chat[0], code[0], chat[1], code[1], chat[2]]))
+    with pytest.raises(ValueError, match="sharegpt\\+code"):
+        quant.calibration_batches(tokenizer, 42)
