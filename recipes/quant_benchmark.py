@@ -2,8 +2,7 @@
 
 Held-out ShareGPT windows and Python stdlib windows are scored for the dense model and for each
 config (calibrated on the disjoint ShareGPT calibration slice, or with --calib-source on
-site-packages code as well). Prints a markdown table and
-writes the rows as JSON.
+site-packages code as well). Prints a markdown table and writes the rows as JSON.
 
     python recipes/quant_benchmark.py --model smollm2-135m-instruct --configs dense,int8,int4-rtn,int4-gptq,nf4 \
         --n-calib 32 --n-eval 16 --seq-len 512 --out runs/quant_smollm2.json
