@@ -87,6 +87,9 @@ def pipeline(args: argparse.Namespace, model_name: str, eval_dataset: str, raw_e
     if args.threads:
         torch.set_num_threads(args.threads)
     out = Path(args.out)
+    if args.eval_only and not (out / "metrics.json").is_file():
+        raise SystemExit(f"--eval-only: {out} holds no trained heads (no metrics.json); run the recipe "
+                         "without --eval-only first, or point --out at a finished run")
     out.mkdir(parents=True, exist_ok=True)
     dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
     model = runtime.load_model(model_name, dtype=dtype)
