@@ -52,7 +52,8 @@ def tau_on_prompts(model, heads, rows: list[torch.Tensor], max_new_tokens: int, 
 
 def train(args: argparse.Namespace, model, tok, out: Path, at, start: float) -> tuple[list[dict], dict, float]:
     """Self-distillation data, hidden-state cache and head training, each until its deadline."""
-    prompts = sharegpt_prompts(tok, split="calibration", limit=args.num_prompts,
+    limit = args.num_prompts or round(args.prompts_per_minute * args.max_minutes)
+    prompts = sharegpt_prompts(tok, split="calibration", limit=limit,
                                max_prompt_tokens=args.max_prompt_tokens,
                                keep=is_code_prompt if getattr(args, "code_prompts", False) else None)
     n = generate_selfdistill(model, tok, out / "selfdistill.jsonl", prompts,
@@ -151,8 +152,10 @@ def parser(defaults: dict) -> argparse.ArgumentParser:
     p.add_argument("--eval-only", action="store_true",
                    help="skip data and training: evaluate the heads already in --out")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
-    p.add_argument("--num-prompts", type=int, default=defaults["num_prompts"],
-                   help="ShareGPT calibration conversations read for prompts (about 40%% qualify)")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="ShareGPT calibration conversations read for prompts (about 40%% qualify; default "
+                        f"{defaults['prompts_per_minute']} per minute of --max-minutes, more than the data "
+                        "phase can answer)")
     p.add_argument("--max-prompt-tokens", type=int, default=256)
     p.add_argument("--answer-tokens", type=int, default=defaults["answer_tokens"])
     p.add_argument("--batch-size", type=int, default=defaults["batch_size"], help="generation rows")
@@ -171,6 +174,7 @@ def parser(defaults: dict) -> argparse.ArgumentParser:
     p.add_argument("--eval-tokens", type=int, default=defaults["eval_tokens"])
     p.add_argument("--speed-prompts", type=int, default=defaults["speed_prompts"],
                    help="prompts timed one at a time by specdec eval (0 = skip)")
+    p.set_defaults(prompts_per_minute=defaults["prompts_per_minute"])
     return p
 
 
@@ -178,7 +182,7 @@ def parser(defaults: dict) -> argparse.ArgumentParser:
 # positions within a few epochs, so the budget goes mostly to data; two residual layers per
 # head beat one (held-out top-1 0.311 vs 0.289 after the same 3 minutes of training)
 DEFAULTS = {"out": "runs/medusa_smollm2", "max_minutes": 20.0, "answer_tokens": 128, "batch_size": 64,
-            "num_prompts": 16000, "num_layers": 2, "epochs": 3, "tree_nodes": 64, "data_frac": 0.55,
+            "prompts_per_minute": 800, "num_layers": 2, "epochs": 3, "tree_nodes": 64, "data_frac": 0.55,
             "train_frac": 0.85, "eval_prompts": 12, "eval_tokens": 96, "speed_prompts": 2}
 
 if __name__ == "__main__":
