@@ -1,6 +1,9 @@
 """specdec.autok: the online draft-length choice maximises modelled tokens per second."""
 
+import math
+
 import pytest
+import torch
 
 from specdec.autok import AutoK
 
@@ -28,16 +31,61 @@ def test_alpha_is_accepted_over_reached():
 
 @pytest.mark.parametrize("first,step", [(0.0, 0.0), (0.05, 0.01), (0.05, 0.05), (0.2, 0.002)])
 def test_choice_is_the_best_k_of_the_model(first, step):
-    auto = _trained()
-    a = auto.alpha()
+    auto = _trained(accepted=5, drafted=8)
+    a = auto.acceptance()
 
     def cost(k):
         return first + (k - 1) * step
 
     def rate(k):
-        return (1 - a ** (k + 1)) / (1 - a) / (cost(k) + auto.target_cost(k + 1))
+        tokens = 1 + sum(math.prod(a[:j]) for j in range(1, k + 1))
+        return tokens / (cost(k) + auto.target_cost(k + 1))
 
     assert auto.choose(cost) == max(range(1, 17), key=rate)
+
+
+def test_geometric_runs_give_the_closed_form():
+    """Run lengths drawn with one acceptance rate: every position estimates that rate, and the
+    expected tokens are (1 - alpha^(k+1)) / (1 - alpha)."""
+    gen = torch.Generator().manual_seed(0)
+    auto = AutoK(k_max=8, decay=0.999)
+    for _ in range(4000):
+        accepted = 0
+        while accepted < 8 and torch.rand((), generator=gen) < 0.7:
+            accepted += 1
+        auto.observe(accepted, 8, 9, 0.1)
+    for a in auto.acceptance()[:6]:
+        assert a == pytest.approx(0.7, abs=0.03)
+    tokens = auto.expected_tokens()
+    for k in (1, 3, 5):
+        assert tokens[k] == pytest.approx((1 - 0.7 ** (k + 1)) / 0.3, rel=0.05)
+
+
+def test_acceptance_rising_with_position_lengthens_k():
+    """Half the steps miss the first draft, the rest accept all 8: position 1 runs at 0.5 and
+    the later ones near 1 (shrunk a little towards position 1). The pooled rate (8/12) would pick a short k; per position, k = 8."""
+    auto = AutoK(k_max=8)
+    for i in range(200):
+        auto.observe(0 if i % 2 else 8, 8, 9, 0.1 + 0.01 * (i % 3))
+    a = auto.acceptance()
+    assert a[0] == pytest.approx(0.5, abs=0.05) and min(a[1:]) > 0.9
+    step_cost = 0.02  # each draft costs a fifth of a target pass
+
+    def geometric_best(alpha):
+        return max(range(1, 9), key=lambda k: (1 - alpha ** (k + 1)) / (1 - alpha)
+                   / (k * step_cost + auto.target_cost(k + 1)))
+
+    assert geometric_best(auto.alpha()) < 8
+    assert auto.choose(lambda k: k * step_cost) == 8
+
+
+def test_positions_never_reached_take_the_rate_of_the_one_before():
+    auto = AutoK(k_max=8)
+    for _ in range(100):
+        auto.observe(2, 3, 4, 0.1)  # positions 1-2 accepted, 3 rejected, 4.. never verified
+    a = auto.acceptance()
+    assert a[0] > 0.95 and a[2] < 0.15
+    assert a[3:] == pytest.approx([a[2]] * 5, abs=1e-9)
 
 
 def test_expensive_drafts_shorten_and_free_drafts_lengthen_k():
