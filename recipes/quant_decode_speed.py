@@ -4,7 +4,9 @@
 
 Quantized copies are made in memory with round-to-nearest (decode speed depends on the format,
 not on how the codes were chosen: GPTQ checkpoints run the same kernels), or loaded from
-`--int4-dir` / `--int8-dir`. Variants run alternately, `--rounds` times each, after a
+`--int4-dir` / `--int8-dir`. A variant may name its own thread count (`int4+head@1`; default
+`--threads`): it is set before the variant compiles (Inductor's kernels keep the count they were
+compiled with) and before each of its timed runs. Variants run alternately, `--rounds` times each, after a
 warm-up; the median tokens/s per variant and the ratio to bf16 are printed. `--compile` runs
 every variant through `runtime.compile_decode` (the compiling happens in the untimed warm-up).
 """
@@ -42,6 +44,16 @@ def build(model_name: str, variant: str, dirs: dict[str, str | None]):
     return model
 
 
+def variant_threads(variant: str, default: int) -> int:
+    """The thread count of a variant spec: `int4+head@1` -> 1, `bf16` -> default."""
+    _, at, count = variant.partition("@")
+    if not at:
+        return default
+    if not count.isdigit() or int(count) < 1:
+        raise SystemExit(f"variant {variant!r}: the part after '@' is a thread count >= 1")
+    return int(count)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
@@ -54,23 +66,27 @@ def main() -> None:
     ap.add_argument("--max-autotune", action="store_true",
                     help="with --compile: let Inductor autotune its own GEMM kernels (quantized matmuls too)")
     ap.add_argument("--threads", type=int, default=1,
-                    help="torch threads (1: with other jobs on the CPU, more threads spin and run slower)")
+                    help="torch threads of variants without an @THREADS suffix (1: with other jobs on the CPU, "
+                         "more threads spin and run slower)")
     args = ap.parse_args()
     if args.max_autotune and not args.compile:
         ap.error("--max-autotune tunes the compiled programs: add --compile")
-    torch.set_num_threads(args.threads)
     tok = runtime.load_tokenizer(args.model)
     text = tok.apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=False, add_generation_prompt=True)
     ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
     variants = args.variants.split(",")
-    models = {v: build(args.model, v, {"int8": args.int8_dir, "int4": args.int4_dir}) for v in variants}
+    threads = {v: variant_threads(v, args.threads) for v in variants}
+    models = {v: build(args.model, v.partition("@")[0], {"int8": args.int8_dir, "int4": args.int4_dir})
+              for v in variants}
     outputs, speeds = {}, {v: [] for v in variants}
     for v, m in models.items():  # warm-up (kernel packing, allocator, compiling)
+        torch.set_num_threads(threads[v])
         if args.compile:
             runtime.compile_decode(m, max_autotune=args.max_autotune)
         specdec.generate(m, ids, max_new_tokens=8)
     for _ in range(args.rounds):
         for v, m in models.items():
+            torch.set_num_threads(threads[v])
             t0 = time.perf_counter()
             out = specdec.generate(m, ids, max_new_tokens=args.max_new_tokens)
             wall = time.perf_counter() - t0
