@@ -4,10 +4,13 @@
 
 Quantized copies are made in memory with round-to-nearest (decode speed depends on the format,
 not on how the codes were chosen: GPTQ checkpoints run the same kernels), or loaded from
-`--int4-dir` / `--int8-dir`. A variant may name its own thread count (`int4+head@1`; default
+`--int4-dir` / `--int8-dir` (the `int4` / `int8` variants), or named by a checkpoint directory
+as a variant of its own (`runs/qwen05-int4-head`). A variant may name its own thread count (`int4+head@1`; default
 `--threads`): it is set before the variant compiles (Inductor's kernels keep the count they were
 compiled with) and before each of its timed runs. Variants run alternately, `--rounds` times each, after a
-warm-up; the median tokens/s per variant and the ratio to bf16 are printed. `--compile` runs
+warm-up; per variant the median tokens/s (new tokens over the whole call, prefill included) and
+decode tokens/s (1 / time per output token after the first), each with its ratio to the first
+variant, are printed. `--compile` runs
 every variant through `runtime.compile_decode` (the compiling happens in the untimed warm-up).
 """
 
@@ -17,6 +20,7 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -28,8 +32,9 @@ PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a
 
 
 def build(model_name: str, variant: str, dirs: dict[str, str | None]):
-    if dirs.get(variant):
-        return runtime.load_model(dirs[variant], dtype=torch.bfloat16)
+    path = dirs.get(variant) or (variant if Path(variant).is_dir() else None)
+    if path:  # a compressed checkpoint (quant.save_compressed)
+        return runtime.load_model(path, dtype=torch.bfloat16)
     model = runtime.load_model(model_name, dtype=torch.bfloat16)
     if variant == "int8":
         quant.quantize_(model, quant.Int8WeightOnly(), progress=False)
@@ -78,7 +83,7 @@ def main() -> None:
     threads = {v: variant_threads(v, args.threads) for v in variants}
     models = {v: build(args.model, v.partition("@")[0], {"int8": args.int8_dir, "int4": args.int4_dir})
               for v in variants}
-    outputs, speeds = {}, {v: [] for v in variants}
+    outputs, speeds, decode = {}, {v: [] for v in variants}, {v: [] for v in variants}
     for v, m in models.items():  # warm-up (kernel packing, allocator, compiling)
         torch.set_num_threads(threads[v])
         if args.compile:
@@ -92,17 +97,19 @@ def main() -> None:
             wall = time.perf_counter() - t0
             new = out.sequences.shape[1] - ids.shape[1]
             speeds[v].append(new / wall)
+            decode[v].append(1 / out.stats.tpot_s)
             outputs[v] = out.sequences[0, ids.shape[1]:]
-            print(f"{v}: {new / wall:.2f} tokens/s", flush=True)
-    base = statistics.median(speeds[variants[0]])
+            print(f"{v}: {new / wall:.2f} tokens/s with the prefill, {decode[v][-1]:.2f} decoding", flush=True)
+    base, base_decode = statistics.median(speeds[variants[0]]), statistics.median(decode[variants[0]])
     for v in variants:
-        med = statistics.median(speeds[v])
+        med, med_decode = statistics.median(speeds[v]), statistics.median(decode[v])
         same = int((outputs[v] == outputs[variants[0]]).all()) if outputs[v].shape == outputs[variants[0]].shape else 0
         print(json.dumps({"variant": v, "tokens_per_s": round(med, 2), "runs": [round(s, 2) for s in speeds[v]],
                           f"speedup_vs_{variants[0]}": round(med / base, 3),
+                          "decode_tokens_per_s": round(med_decode, 2),
+                          f"decode_speedup_vs_{variants[0]}": round(med_decode / base_decode, 3),
                           "mib_in_memory": round(quant.model_nbytes(models[v]) / 2**20, 1),
                           f"same_tokens_as_{variants[0]}": bool(same)}), flush=True)
-
 
 if __name__ == "__main__":
     main()

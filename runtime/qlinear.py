@@ -8,9 +8,13 @@ offline; `runtime.compressed` rebuilds them from a checkpoint without re-quantiz
 
 Execution paths, chosen by measurement on the 2-core CPU this project targets (one thread,
 bf16 activations, a 9728x896 weight): bf16 `F.linear` 1.09 ms per token row,
-`_weight_int8pack_mm` 0.53 ms, `_weight_int4pack_mm_for_cpu` 0.43 ms; with 4 rows 1.19 / 0.93 /
-0.84 ms, but with 64 rows 2.1 / 15.0 / 23.2 ms: the packed kernels cost time per row, so calls
-with more than `PACKED_MAX_ROWS` rows (prefill) dequantize the weight and use the dense matmul.
+`_weight_int8pack_mm` 0.53 ms, `_weight_int4pack_mm_for_cpu` 0.43 ms. The packed kernels cost
+~0.11 ms per further row (2 threads: 40 rows 4.5 ms, 512 rows 56-61 ms), while the dense path
+must first dequantize the whole weight (2 threads: 55 ms for INT4, 33 ms for INT8, before its
+1 ms matmul). So calls of up to `PACKED_MAX_ROWS` rows (decode steps, verification blocks and
+prompts of ordinary length) use the packed kernels, and only longer ones (long prompts,
+perplexity windows) dequantize. (Until session 5 the limit was 8 rows, from a comparison that
+left out the dequantization: a 40-token prompt then cost a 0.5B INT4 model ~1.8 s.)
 """
 
 from __future__ import annotations
@@ -22,8 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Above this many rows per call the packed CPU kernels lose to dequantize + dense matmul.
-PACKED_MAX_ROWS = 8
+# Above this many rows per call the packed CPU kernels lose to dequantize + dense matmul
+# (measured crossover: ~300 rows for INT8, ~500 for INT4).
+PACKED_MAX_ROWS = 256
+_ALIGN = 64  # bytes: what PyTorch's CPU allocator gives every new tensor
 
 
 def _rows(x: torch.Tensor) -> int:
@@ -84,6 +90,10 @@ class Int8Linear(QuantizedLinear):
             raise ValueError(f"Int8Linear needs int8 (out, in) weights and (out,) scales, got "
                              f"{qweight.dtype} {tuple(qweight.shape)} and {tuple(scales.shape)}")
         super().__init__(qweight.shape[1], qweight.shape[0], bias)
+        if qweight.data_ptr() % _ALIGN:
+            # `_weight_int8pack_mm` crashes (SIGSEGV) on weights that are not 16-byte aligned once a
+            # call has 4 or more rows; tensors read from a safetensors file sit at the file's offsets
+            qweight = qweight.clone()
         self.register_buffer("qweight", qweight)  # (N, K) int8
         self.register_buffer("scales", scales)  # (N,)
 

@@ -136,3 +136,17 @@ def test_cuda_paths_match_dequantized_reference(name):
     x = torch.randn(3, mod.in_features, device="cuda", dtype=torch.bfloat16)
     ref = F.linear(x.double(), mod.dequantize(torch.float64), mod.bias.double() if mod.bias is not None else None)
     assert sqnr_db(ref, mod(x)) >= 35.0
+
+
+@pytest.mark.parametrize("rows", [1, 8, 40])
+def test_int8_weights_at_an_unaligned_offset_run(rows):
+    """A checkpoint's tensors sit at the file's offsets; the INT8 kernel crashed on unaligned
+    weights for calls of 4+ rows, so the module keeps an aligned copy."""
+    N, K = 64, 96
+    buf = torch.randint(-127, 128, (N * K + 8,), dtype=torch.int8, generator=_gen(3))
+    qweight = buf[1:1 + N * K].view(N, K)
+    assert qweight.data_ptr() % 16
+    mod = Int8Linear(qweight, torch.rand(N, generator=_gen(4)) * 0.01)
+    x = torch.randn(rows, K, generator=_gen(5)).to(torch.bfloat16)
+    ref = x.double() @ mod.dequantize(torch.float64).T
+    assert sqnr_db(ref, mod(x)) >= 35.0
