@@ -6,7 +6,7 @@ Steps, all inside the --max-minutes budget (each step resumes if the run is rest
 1. self-distillation data: the model's greedy answers to ShareGPT calibration prompts
    (OUT/selfdistill.jsonl) until `data_frac` of the budget;
 2. last hidden states cached once (OUT/hidden_cache), then Medusa-1 training of 4 heads until
-   `train_frac` of the budget; the heads' tree is built from held-out accuracy (OUT holds them:
+   `train_frac` of the budget (default: all but `eval_minutes`, the evaluation's reserve); the heads' tree is built from held-out accuracy (OUT holds them:
    `distill.load_medusa(OUT, model)`);
 3. evaluation (in --eval-dtype) on held-out ShareGPT prompts: tau and equality with plain greedy decoding for a
    batch of prompts (OUT/tau.json), and tokens/s against plain decoding per prompt with
@@ -84,6 +84,9 @@ def pipeline(args: argparse.Namespace, model_name: str, eval_dataset: str, raw_e
 
     def at(frac: float) -> float:
         return start + frac * budget
+
+    if args.train_frac is None:
+        args.train_frac = max(args.data_frac, 1 - args.eval_minutes / args.max_minutes)
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -168,22 +171,24 @@ def parser(defaults: dict) -> argparse.ArgumentParser:
     p.add_argument("--tree-nodes", type=int, default=defaults["tree_nodes"])
     p.add_argument("--data-frac", type=float, default=defaults["data_frac"],
                    help="fraction of the budget for self-distillation data")
-    p.add_argument("--train-frac", type=float, default=defaults["train_frac"],
-                   help="fraction of the budget by which training ends (evaluation uses the rest)")
+    p.add_argument("--train-frac", type=float, default=None,
+                   help="fraction of the budget by which training ends (evaluation uses the rest; default: "
+                        f"all but {defaults['eval_minutes']} minutes kept for the evaluation)")
     p.add_argument("--eval-prompts", type=int, default=defaults["eval_prompts"])
     p.add_argument("--eval-tokens", type=int, default=defaults["eval_tokens"])
     p.add_argument("--speed-prompts", type=int, default=defaults["speed_prompts"],
                    help="prompts timed one at a time by specdec eval (0 = skip)")
-    p.set_defaults(prompts_per_minute=defaults["prompts_per_minute"])
+    p.set_defaults(prompts_per_minute=defaults["prompts_per_minute"], eval_minutes=defaults["eval_minutes"])
     return p
 
 
-# measured on this CPU (BENCHMARKS.md section 4): the heads over-fit a few hundred thousand
+# measured on this CPU (BENCHMARKS.md section 4): the evaluation takes ~2.6 min (eval_minutes keeps
+# 3.5), and the heads over-fit a few hundred thousand
 # positions within a few epochs, so the budget goes mostly to data; two residual layers per
 # head beat one (held-out top-1 0.311 vs 0.289 after the same 3 minutes of training)
 DEFAULTS = {"out": "runs/medusa_smollm2", "max_minutes": 20.0, "answer_tokens": 128, "batch_size": 64,
             "prompts_per_minute": 1500, "num_layers": 2, "epochs": 3, "tree_nodes": 64, "data_frac": 0.55,
-            "train_frac": 0.85, "eval_prompts": 12, "eval_tokens": 96, "speed_prompts": 2}
+            "eval_minutes": 3.5, "eval_prompts": 12, "eval_tokens": 96, "speed_prompts": 2}
 
 if __name__ == "__main__":
     pipeline(parser(DEFAULTS).parse_args(), "smollm2-135m-instruct", "sharegpt", raw_eval=False)
