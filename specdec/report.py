@@ -8,7 +8,10 @@ report.json layout:
 GROUP: num_prompts, new_tokens, tau (= mean_accepted_tokens), acceptance_rate,
 per_position_acceptance, tokens_per_second (median over prompts of per-prompt tokens/s),
 speedup_vs_plain and speedup_vs_<baseline> for each transformers baseline in the run (ratios of
-those medians, same prompts, same run), matches_plain (fraction of prompts whose output tokens
+those medians, same prompts, same run), paired_vs_first (the geometric mean, over the prompts
+both ran, of this method's tokens/s over the run's first method's on the same prompt: the
+comparison to read between methods, as a median can fall on a different prompt for each
+method), matches_plain (fraction of prompts whose output tokens
 equal the plain method's) and stats (the merged AcceptanceStats dict). tau, acceptance_rate and
 stats are null for transformers methods (no acceptance information); acceptance_rate is null
 when nothing was drafted (plain decoding); comparisons are null when their reference is absent.
@@ -17,6 +20,7 @@ when nothing was drafted (plain decoding); comparisons are null when their refer
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from datetime import datetime, timezone
 from pathlib import Path
@@ -34,8 +38,9 @@ def _baseline_kind(method: str) -> str | None:
     return kind if kind in HF_MODES else None
 
 
-def _group(records: dict[str, dict[str, dict]], ids: list[str], method: str) -> dict:
-    """Metrics of `method` over prompt ids `ids`; records[method][prompt_id] = generation line."""
+def _group(records: dict[str, dict[str, dict]], ids: list[str], method: str, first: str) -> dict:
+    """Metrics of `method` over prompt ids `ids`; records[method][prompt_id] = generation line;
+    `first`: the method paired_vs_first compares against."""
     mine = [records[method][i] for i in ids if i in records[method]]
     tps = statistics.median(r["tokens_per_second"] for r in mine) if mine else None
     stats = None
@@ -52,6 +57,7 @@ def _group(records: dict[str, dict[str, dict]], ids: list[str], method: str) -> 
     for ref, label in refs:
         ref_tps = _median_tps(records.get(ref, {}), ids)
         group[f"speedup_vs_{label}"] = tps / ref_tps if tps and ref_tps else None
+    group["paired_vs_first"] = _paired_ratio(records[method], records.get(first, {}), ids)
     if "plain" in records:
         plain = records["plain"]
         pairs = [(r, plain[r["id"]]) for r in mine if r["id"] in plain]
@@ -61,6 +67,13 @@ def _group(records: dict[str, dict[str, dict]], ids: list[str], method: str) -> 
         group["matches_plain"] = None
     group["stats"] = stats.to_dict() if stats else None
     return group
+
+
+def _paired_ratio(mine: dict[str, dict], ref: dict[str, dict], ids: list[str]) -> float | None:
+    """Geometric mean of per-prompt tokens/s ratios mine / ref over the prompts both ran."""
+    logs = [math.log(mine[i]["tokens_per_second"] / ref[i]["tokens_per_second"]) for i in ids
+            if i in mine and i in ref and mine[i]["tokens_per_second"] > 0 and ref[i]["tokens_per_second"] > 0]
+    return math.exp(sum(logs) / len(logs)) if logs else None
 
 
 def _median_tps(by_id: dict[str, dict], ids: list[str]) -> float | None:
@@ -82,8 +95,9 @@ def build_report(records: list[dict], settings: dict, methods: list[str], prompt
     cats = sorted(set(category.values()))
     out_methods = {}
     for m in methods:
-        out_methods[m] = {"overall": _group(by_method, ordered, m),
-                          "categories": {c: _group(by_method, [i for i in ordered if category[i] == c], m)
+        out_methods[m] = {"overall": _group(by_method, ordered, m, methods[0]),
+                          "categories": {c: _group(by_method, [i for i in ordered if category[i] == c], m,
+                                                   methods[0])
                                          for c in cats}}
     return {"tau_convention": TAU_CONVENTION, "command": command, "versions": versions,
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -106,7 +120,7 @@ def _table(report: dict, section: str, category: str | None) -> list[str]:
     vs = [k for k in any_group if k.startswith("speedup_vs_")]
     head = ["method", "prompts", "tau", "acceptance", "tok/s (median)", *[k.replace("speedup_", "speedup ")
                                                                          .replace("_", " ") for k in vs],
-            "matches plain"]
+            f"vs `{next(iter(methods))}` (paired)", "matches plain"]
     lines = [f"| {' | '.join(head)} |", f"|{'|'.join(['---'] + ['---:'] * (len(head) - 1))}|"]
     for name, m in methods.items():
         g = m["overall"] if category is None else m["categories"].get(category)
@@ -114,6 +128,7 @@ def _table(report: dict, section: str, category: str | None) -> list[str]:
             continue
         cells = [f"`{name}`", _fmt(g["num_prompts"]), _fmt(g["tau"]), _fmt(g["acceptance_rate"]),
                  _fmt(g["tokens_per_second"], 1), *[_fmt(g[k]) + ("x" if g[k] is not None else "") for k in vs],
+                 _fmt(g["paired_vs_first"]) + ("x" if g["paired_vs_first"] is not None else ""),
                  _fmt(g["matches_plain"])]
         lines.append(f"| {' | '.join(cells)} |")
     return [f"### {section}", "", *lines, ""]
@@ -130,7 +145,8 @@ def render_markdown(report: dict) -> str:
              f"Command: `{report['command']}`", "",
              f"Convention: {report['tau_convention']}. tok/s = median over prompts of new tokens / wall "
              "seconds of the whole call (prefill included); speedups are ratios of those medians "
-             "measured in this run; matches plain = fraction of prompts whose output tokens equal "
+             "measured in this run; paired = geometric mean over prompts of the per-prompt tok/s "
+             "ratio to the first method (the comparison between methods); matches plain = fraction of prompts whose output tokens equal "
              "plain decoding's.", ""]
     lines += _table(report, "Overall", None)
     cats = sorted({c for m in report["methods"].values() for c in m["categories"]})

@@ -48,6 +48,9 @@ def test_overall_and_category_metrics():
     assert o["speedup_vs_plain"] == pytest.approx(36.0 / 12.0)
     assert o["speedup_vs_hf"] == pytest.approx(36.0 / 6.0)
     assert o["matches_plain"] == pytest.approx(2 / 3)
+    assert o["paired_vs_first"] == pytest.approx((3.0 * 2.0 * 3.0) ** (1 / 3))  # per prompt 30/10, 40/20, 36/12
+    assert plain["overall"]["paired_vs_first"] == pytest.approx(1.0)
+    assert ng["categories"]["chat"]["paired_vs_first"] == pytest.approx(2.0)
     assert o["tau"] == pytest.approx(9 / 6)  # 9 tokens over 6 target forwards
     assert o["acceptance_rate"] == pytest.approx(5 / 9)
     assert o["per_position_acceptance"] == pytest.approx([3 / 6, 2 / 3])
@@ -67,6 +70,7 @@ def test_without_plain_comparisons_are_null():
     r = build_report(_records(), {"num_draft_tokens": 2}, ["ngram"], ["a", "b"], command="c", versions={})
     o = r["methods"]["ngram"]["overall"]
     assert o["speedup_vs_plain"] is None and o["matches_plain"] is None
+    assert o["paired_vs_first"] == 1.0  # the first method is itself
     assert not any(k.startswith("speedup_vs_hf") for k in o)
 
 
@@ -77,7 +81,7 @@ def test_markdown_and_files(tmp_path):
                      versions={"torch": "2"})
     md = render_markdown(r)
     assert "`specdec eval --x`" in md and "bonus" in md
-    assert "| `ngram` | 3 | 1.50 | 0.56 | 36.0 | 3.00x | 6.00x | 0.67 |" in md
+    assert "| `ngram` | 3 | 1.50 | 0.56 | 36.0 | 3.00x | 6.00x | 2.62x | 0.67 |" in md and "vs `plain` (paired)" in md
     assert "### Category: chat" in md and "### Category: code" in md
     write_report(tmp_path, r)
     assert json.loads((tmp_path / "report.json").read_text())["methods"]["ngram"]["overall"]["tau"] == 1.5
