@@ -6,8 +6,8 @@ Steps, all inside the --max-minutes budget (each step resumes if the run is rest
 1. self-distillation data: the model's greedy answers to ShareGPT calibration prompts
    (OUT/selfdistill.jsonl) until `data_frac` of the budget;
 2. last hidden states cached once (OUT/hidden_cache), then Medusa-1 training of 4 heads until
-   `train_frac` of the budget (default: all but `eval_minutes`, the evaluation's reserve); the heads' tree is built from held-out accuracy (OUT holds them:
-   `distill.load_medusa(OUT, model)`);
+   `train_frac` of the budget (default: all but `eval_minutes`, the evaluation's reserve); the
+   heads' tree is built from held-out accuracy (OUT holds them: `distill.load_medusa(OUT, model)`);
 3. evaluation (in --eval-dtype) on held-out ShareGPT prompts: tau and equality with plain greedy decoding for a
    batch of prompts (OUT/tau.json), and tokens/s against plain decoding per prompt with
    `specdec eval` (OUT/eval/report.json).
@@ -182,10 +182,10 @@ def parser(defaults: dict) -> argparse.ArgumentParser:
     return p
 
 
-# measured on this CPU (BENCHMARKS.md section 4): the evaluation takes ~2.6 min (eval_minutes keeps
-# 3.5), and the heads over-fit a few hundred thousand
-# positions within a few epochs, so the budget goes mostly to data; two residual layers per
-# head beat one (held-out top-1 0.311 vs 0.289 after the same 3 minutes of training)
+# measured on this CPU (BENCHMARKS.md section 4): the evaluation takes ~2.6 min (eval_minutes
+# keeps 3.5); the heads over-fit a few hundred thousand positions within a few epochs, so the
+# budget goes mostly to data; two residual layers per head beat one (held-out top-1 0.311 vs
+# 0.289 after the same 3 minutes of training)
 DEFAULTS = {"out": "runs/medusa_smollm2", "max_minutes": 20.0, "answer_tokens": 128, "batch_size": 64,
             "prompts_per_minute": 1500, "num_layers": 2, "epochs": 3, "tree_nodes": 64, "data_frac": 0.55,
             "eval_minutes": 3.5, "eval_prompts": 12, "eval_tokens": 96, "speed_prompts": 2}

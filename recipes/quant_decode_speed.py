@@ -5,12 +5,12 @@
 Quantized copies are made in memory with round-to-nearest (decode speed depends on the format,
 not on how the codes were chosen: GPTQ checkpoints run the same kernels), or loaded from
 `--int4-dir` / `--int8-dir` (the `int4` / `int8` variants), or named by a checkpoint directory
-as a variant of its own (`runs/qwen05-int4-head`). A variant may name its own thread count (`int4+head@1`; default
-`--threads`): it is set before the variant compiles (Inductor's kernels keep the count they were
-compiled with) and before each of its timed runs. Variants run alternately, `--rounds` times each, after a
-warm-up; per variant the median tokens/s (new tokens over the whole call, prefill included) and
-decode tokens/s (1 / time per output token after the first), each with its ratio to the first
-variant, are printed. `--compile` runs
+as a variant of its own (`runs/qwen05-int4-head`). A variant may carry its own thread count
+(`int4+head@1`; default `--threads`): it is set before the variant compiles (Inductor's kernels
+keep the count they were compiled with) and before each of its timed runs. Variants run
+alternately, `--rounds` times each, after a warm-up; per variant the median tokens/s (new tokens
+over the whole call, prefill included) and decode tokens/s (1 / time per output token after the
+first), each with its ratio to the first variant, are printed. `--compile` runs
 every variant through `runtime.compile_decode` (the compiling happens in the untimed warm-up).
 """
 
@@ -51,7 +51,7 @@ def build(model_name: str, variant: str, dirs: dict[str, str | None]):
 
 def variant_threads(variant: str, default: int) -> int:
     """The thread count of a variant spec: `int4+head@1` -> 1, `bf16` -> default."""
-    _, at, count = variant.partition("@")
+    _, at, count = variant.rpartition("@")
     if not at:
         return default
     if not count.isdigit() or int(count) < 1:
@@ -81,7 +81,7 @@ def main() -> None:
     ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
     variants = args.variants.split(",")
     threads = {v: variant_threads(v, args.threads) for v in variants}
-    models = {v: build(args.model, v.partition("@")[0], {"int8": args.int8_dir, "int4": args.int4_dir})
+    models = {v: build(args.model, v.rpartition("@")[0] or v, {"int8": args.int8_dir, "int4": args.int4_dir})
               for v in variants}
     outputs, speeds, decode = {}, {v: [] for v in variants}, {v: [] for v in variants}
     for v, m in models.items():  # warm-up (kernel packing, allocator, compiling)
