@@ -85,8 +85,9 @@ def pipeline(args: argparse.Namespace, model_name: str, eval_dataset: str, raw_e
     def at(frac: float) -> float:
         return start + frac * budget
 
-    if args.train_frac is None:
-        args.train_frac = max(args.data_frac, 1 - args.eval_minutes / args.max_minutes)
+    if args.train_frac is None:  # keep eval_minutes for the evaluation, but on a short budget
+        # give training at least half of what the data phase leaves
+        args.train_frac = max(1 - args.eval_minutes / args.max_minutes, (1 + args.data_frac) / 2)
 
     if args.threads:
         torch.set_num_threads(args.threads)
