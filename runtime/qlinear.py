@@ -29,7 +29,7 @@ from torch import nn
 # Above this many rows per call the packed CPU kernels lose to dequantize + dense matmul
 # (measured crossover: ~300 rows for INT8, ~500 for INT4).
 PACKED_MAX_ROWS = 256
-_ALIGN = 64  # bytes: what PyTorch's CPU allocator gives every new tensor
+_INT8_KERNEL_ALIGN = 16  # bytes `_weight_int8pack_mm` needs (measured: offsets 1, 4, 8 crash, 16 and 32 run)
 
 
 def _rows(x: torch.Tensor) -> int:
@@ -90,9 +90,10 @@ class Int8Linear(QuantizedLinear):
             raise ValueError(f"Int8Linear needs int8 (out, in) weights and (out,) scales, got "
                              f"{qweight.dtype} {tuple(qweight.shape)} and {tuple(scales.shape)}")
         super().__init__(qweight.shape[1], qweight.shape[0], bias)
-        if qweight.data_ptr() % _ALIGN:
-            # `_weight_int8pack_mm` crashes (SIGSEGV) on weights that are not 16-byte aligned once a
-            # call has 4 or more rows; tensors read from a safetensors file sit at the file's offsets
+        if qweight.data_ptr() % _INT8_KERNEL_ALIGN:
+            # `_weight_int8pack_mm` crashes (SIGSEGV) on unaligned weights once a call has 4 or more
+            # rows; tensors read from a safetensors file sit at the file's offsets, and a clone gets
+            # the allocator's 64-byte alignment
             qweight = qweight.clone()
         self.register_buffer("qweight", qweight)  # (N, K) int8
         self.register_buffer("scales", scales)  # (N,)

@@ -146,8 +146,8 @@ def render_markdown(report: dict) -> str:
              f"Convention: {report['tau_convention']}. tok/s = median over prompts of new tokens / wall "
              "seconds of the whole call (prefill included); speedups are ratios of those medians "
              "measured in this run; paired = geometric mean over prompts of the per-prompt tok/s "
-             "ratio to the first method (the comparison between methods); matches plain = fraction of prompts whose output tokens equal "
-             "plain decoding's.", ""]
+             "ratio to the first method (the comparison between methods); matches plain = fraction "
+             "of prompts whose output tokens equal plain decoding's.", ""]
     lines += _table(report, "Overall", None)
     cats = sorted({c for m in report["methods"].values() for c in m["categories"]})
     if len(cats) > 1:
