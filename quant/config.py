@@ -15,6 +15,7 @@ from typing import Any
 GROUP_SIZES = (32, 64, 128, 256)
 NF4_BLOCKSIZES = (64, 128, 256, 512, 1024, 2048, 4096)
 INT4_GRIDS = ("mse", "minmax")
+GPTQ_GRIDS = (*INT4_GRIDS, "hmse")  # "hmse": weighted by the calibration Hessian's diagonal
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,10 @@ class Int4WeightOnly(ModuleFilter):
     (7.95 -> 7.71) and for GPTQ with act_order, whose grids are fixed from the weights before
     any update (7.29); "minmax" for GPTQ in input order, whose grids are picked mid-solve from
     weights the error feedback has moved (mse there: 7.73 -> 8.51). Recipes written before the
-    option existed (no `grid` key) were quantized with "minmax".
+    option existed (no `grid` key) were quantized with "minmax". GPTQ also takes "hmse": "mse"
+    with each weight's rounding error weighted by its input's mean square (diag of the
+    calibration Hessian); it lowers the held-out layer-output error a little (BENCHMARKS.md
+    section 3, session 6), perplexity within noise, so it is not a default.
     """
 
     group_size: int = 128
@@ -69,8 +73,10 @@ class Int4WeightOnly(ModuleFilter):
             raise ValueError(f"Int4WeightOnly.method must be 'rtn' or 'gptq', got {self.method!r}")
         if self.grid is None:
             object.__setattr__(self, "grid", "minmax" if self.method == "gptq" and not self.act_order else "mse")
-        if self.grid not in INT4_GRIDS:
-            raise ValueError(f"Int4WeightOnly.grid must be one of {INT4_GRIDS}, got {self.grid!r}")
+        grids = GPTQ_GRIDS if self.method == "gptq" else INT4_GRIDS
+        if self.grid not in grids:
+            raise ValueError(f"Int4WeightOnly.grid must be one of {grids} for method={self.method!r}, "
+                             f"got {self.grid!r}")
         if self.act_order and self.method != "gptq":
             raise ValueError("Int4WeightOnly.act_order only applies to method='gptq'")
         _check_damp(self)

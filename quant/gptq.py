@@ -66,12 +66,14 @@ def solve(weight: torch.Tensor, H: torch.Tensor, *, damp: float = 0.01, block_si
 
     `grid` picks each group's INT4 grid (quant.grids.int4_grid), from the group's weights as
     updated by the feedback so far when its first column is reached (static before any update
-    with act_order).
+    with act_order). grid "hmse" is "mse" with each input's rounding error weighted by its
+    diag(H) (the input's mean square), so a clip spares the weights that see the largest inputs.
     """
     if group_size is None and not sparse24:
         raise ValueError("solve() needs group_size (INT4), sparse24=True, or both")
     if act_order and sparse24:
         raise ValueError("act_order cannot be combined with 2:4 pruning (groups of 4 follow the input order)")
+    base_grid = "mse" if grid == "hmse" else grid
     W = weight.to(torch.float32).clone()
     N, K = W.shape
     H = H.to(torch.float32).clone()
@@ -84,7 +86,8 @@ def solve(weight: torch.Tensor, H: torch.Tensor, *, damp: float = 0.01, block_si
         scales = torch.zeros(N, ngroups, device=W.device)
         zeros = torch.zeros(N, ngroups, device=W.device)
         if act_order:  # static groups: grids from the (unpermuted) weights before any update
-            scales, zeros = int4_grid(W.view(N, ngroups, group_size), grid)
+            imp = torch.diag(H).view(ngroups, group_size) if grid == "hmse" else None
+            scales, zeros = int4_grid(W.view(N, ngroups, group_size), base_grid, imp)
         block_size = -(-max(block_size, group_size) // group_size) * group_size
     if perm is not None:
         W, H = W[:, perm], H[perm][:, perm]
@@ -109,7 +112,8 @@ def solve(weight: torch.Tensor, H: torch.Tensor, *, damp: float = 0.01, block_si
                 orig = int(perm[col]) if perm is not None else col
                 g = orig // group_size
                 if perm is None and orig % group_size == 0:
-                    scales[:, g], zeros[:, g] = int4_grid(W1[:, i:i + group_size], grid)
+                    imp = torch.diag(H)[col:col + group_size] if grid == "hmse" else None
+                    scales[:, g], zeros[:, g] = int4_grid(W1[:, i:i + group_size], base_grid, imp)
                 c = int4_codes(w, scales[:, g], zeros[:, g])
                 codes[:, col] = c
                 q = int4_dequant(c, scales[:, g], zeros[:, g])

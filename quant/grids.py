@@ -31,7 +31,8 @@ def _minmax_grid(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torc
     return scale.to(torch.float32), zero.to(torch.float32)
 
 
-def int4_grid(w: torch.Tensor, grid: str = "mse") -> tuple[torch.Tensor, torch.Tensor]:
+def int4_grid(w: torch.Tensor, grid: str = "mse",
+              importance: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Asymmetric grid of each row of `w` (N, G): scale and zero (N,) in GRID_DTYPE precision.
 
     Dequantization is (q - 8) * scale + zero for codes q in [0, 15], so zero = min + 8 * scale.
@@ -39,6 +40,8 @@ def int4_grid(w: torch.Tensor, grid: str = "mse") -> tuple[torch.Tensor, torch.T
     also tries the range shrunk about its midpoint to 0.99 ... 0.80 of its width and keeps, per
     row, the grid with the smallest squared rounding error: clipping the rare extreme weights
     buys a finer step for all the others. It is never worse than "minmax" (ratio 1 is the start).
+    `importance` (broadcast to w, e.g. GPTQ's diag(H) per input) weights each weight's error in
+    that choice, so the clip spares the weights that see the largest inputs.
     """
     if grid not in INT4_GRIDS:
         raise ValueError(f"INT4 grid must be one of {INT4_GRIDS}, got {grid!r}")
@@ -46,11 +49,11 @@ def int4_grid(w: torch.Tensor, grid: str = "mse") -> tuple[torch.Tensor, torch.T
     best_scale, best_zero = _minmax_grid(lo, hi)
     if grid == "minmax":
         return best_scale, best_zero
-    best_err = _rounding_error(w, best_scale, best_zero)
+    best_err = _rounding_error(w, best_scale, best_zero, importance)
     mid, half = (lo + hi) / 2, (hi - lo) / 2
     for ratio in GRID_SEARCH_RATIOS:
         scale, zero = _minmax_grid(mid - ratio * half, mid + ratio * half)
-        err = _rounding_error(w, scale, zero)
+        err = _rounding_error(w, scale, zero, importance)
         better = err < best_err
         best_err = torch.where(better, err, best_err)
         best_scale = torch.where(better, scale, best_scale)
@@ -58,10 +61,12 @@ def int4_grid(w: torch.Tensor, grid: str = "mse") -> tuple[torch.Tensor, torch.T
     return best_scale, best_zero
 
 
-def _rounding_error(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    """Squared error of rounding each row of `w` (N, G) to its grid: (N,)."""
+def _rounding_error(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                    importance: torch.Tensor | None = None) -> torch.Tensor:
+    """Squared error (weighted by `importance` if given) of rounding each row of `w` (..., G) to its grid: (...,)."""
     s, z = scale[..., None], zero[..., None]
-    return (int4_dequant(int4_codes(w, s, z), s, z) - w).square().sum(dim=-1)
+    err = (int4_dequant(int4_codes(w, s, z), s, z) - w).square()
+    return (err if importance is None else err * importance).sum(dim=-1)
 
 
 def int4_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:

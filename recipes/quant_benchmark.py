@@ -30,6 +30,8 @@ def configs(group_size: int) -> dict[str, quant.config.Config]:
         "int4-gptq": quant.Int4WeightOnly(group_size=group_size, method="gptq"),
         "int4-gptq-mse": quant.Int4WeightOnly(group_size=group_size, method="gptq", grid="mse"),
         "int4-gptq-act": quant.Int4WeightOnly(group_size=group_size, method="gptq", act_order=True),
+        "int4-gptq-act-hmse-d0.1": quant.Int4WeightOnly(group_size=group_size, method="gptq", act_order=True,
+                                                        grid="hmse", damp=0.1),
         "int4-gptq-act-minmax": quant.Int4WeightOnly(group_size=group_size, method="gptq", act_order=True,
                                                      grid="minmax"),
         "nf4": quant.NF4(),

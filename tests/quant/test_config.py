@@ -9,6 +9,7 @@ from quant.config import config_from_dict, config_to_dict
 @pytest.mark.parametrize("make,match", [
     (lambda: quant.Int4WeightOnly(group_size=48), "group_size"),
     (lambda: quant.Int4WeightOnly(grid="absmax"), "grid"),
+    (lambda: quant.Int4WeightOnly(grid="hmse"), "method='rtn'"),
     (lambda: quant.Int4WeightOnly(method="awq"), "method"),
     (lambda: quant.Int4WeightOnly(act_order=True), "act_order"),
     (lambda: quant.Int4WeightOnly(method="gptq", damp=0.0), "damp"),
@@ -29,6 +30,7 @@ def test_int4_grid_default_is_picked_per_method():
     assert quant.Int4WeightOnly(method="gptq").grid == "minmax"
     assert quant.Int4WeightOnly(method="gptq", act_order=True).grid == "mse"
     assert quant.Int4WeightOnly(method="gptq", grid="mse").grid == "mse"
+    assert quant.Int4WeightOnly(method="gptq", act_order=True, grid="hmse").grid == "hmse"
 
 
 def test_configs_are_frozen():

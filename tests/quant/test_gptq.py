@@ -35,6 +35,16 @@ def test_gptq_beats_rtn_on_the_layer_output():
         assert _err(W, res.weight, X) < 0.8 * _err(W, rtn, X)
 
 
+def test_gptq_with_hessian_weighted_grids_beats_rtn_and_stays_on_its_grid():
+    W, X, H = _problem()
+    rtn = int4_rtn(W, 32).dequantize()
+    for act_order in (False, True):
+        res = solve(W, H, group_size=32, act_order=act_order, block_size=32, grid="hmse")
+        assert _err(W, res.weight, X) < 0.8 * _err(W, rtn, X)
+        g = torch.arange(128) // 32
+        assert torch.allclose((res.codes - 8) * res.scales[:, g] + res.zeros[:, g], res.weight, atol=1e-6)
+
+
 def test_gptq_result_is_on_its_grid():
     W, _, H = _problem()
     res = solve(W, H, group_size=32)

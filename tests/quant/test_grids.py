@@ -24,6 +24,20 @@ def test_mse_grid_never_worse_than_minmax_and_better_on_gaussian_rows():
     assert float(mse.sum()) < 0.95 * float(minmax.sum())  # measured 0.91: the tails of a Gaussian are worth clipping
 
 
+def test_importance_weights_the_clip_choice_towards_the_important_weights():
+    w = _gaussian_rows()
+    importance = torch.ones(64)
+    importance[:4] = 100.0  # four inputs that see large activations
+    s_w, z_w = int4_grid(w, "mse", importance)
+    s_u, z_u = int4_grid(w, "mse")
+
+    def weighted(scale, zero):
+        q = int4_dequant(int4_codes(w, scale[:, None], zero[:, None]), scale[:, None], zero[:, None])
+        return float(((q - w).square() * importance).sum())
+
+    assert weighted(s_w, z_w) < weighted(s_u, z_u)
+
+
 def test_minmax_grid_spans_the_row():
     w = _gaussian_rows()
     scale, zero = int4_grid(w, "minmax")
