@@ -54,6 +54,9 @@ def main() -> None:
                     help="calibration text (quant.calibration_batches); 'code' is site-packages Python, "
                          "never the stdlib files scored here")
     ap.add_argument("--n-eval", type=int, default=16)
+    ap.add_argument("--windows", default="contiguous", choices=["contiguous", "per-text"],
+                    help="calibration and evaluation windows: contiguous tokens of the texts in order (a few "
+                         "long conversations / files), or each window from the start of its own text")
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--out", type=Path, default=None)
@@ -67,8 +70,10 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     torch.set_num_threads(args.threads)
     tok = runtime.load_tokenizer(args.model)
-    calib = quant.calibration_batches(tok, args.calib_source, n_samples=args.n_calib, seq_len=args.seq_len)
-    evals = {src: quant.eval_batches(tok, src, n_samples=args.n_eval, seq_len=args.seq_len)
+    per_text = args.windows == "per-text"
+    calib = quant.calibration_batches(tok, args.calib_source, n_samples=args.n_calib, seq_len=args.seq_len,
+                                      one_per_text=per_text)
+    evals = {src: quant.eval_batches(tok, src, n_samples=args.n_eval, seq_len=args.seq_len, one_per_text=per_text)
              for src in ("sharegpt", "stdlib")}
     rows = []
     for name in names:
@@ -88,7 +93,7 @@ def main() -> None:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             tmp = args.out.with_suffix(".tmp")
             tmp.write_text(json.dumps({"model": args.model, "dtype": args.dtype, "n_calib": args.n_calib,
-                                       "calib_source": args.calib_source,
+                                       "calib_source": args.calib_source, "windows": args.windows,
                                        "group_size": args.group_size,
                                        "n_eval": args.n_eval, "seq_len": args.seq_len, "rows": rows}, indent=1))
             tmp.replace(args.out)

@@ -21,6 +21,18 @@ def test_jsonl_windows_are_contiguous_tokens_with_eos(tokenizer, tmp_path):
     assert batches.flatten()[:len(expected)].tolist() == expected[:48]
 
 
+def test_one_per_text_windows_start_each_text_and_skip_short_ones(tokenizer, tmp_path):
+    long_texts = [" ".join(TEXTS[i:i + 8]) for i in range(0, 40, 8)]  # several windows' worth each
+    path = tmp_path / "calib.jsonl"
+    path.write_text("\n".join(json.dumps({"text": t}) for t in [long_texts[0], "x = 1", *long_texts[1:]]))
+    batches = quant.calibration_batches(tokenizer, str(path), n_samples=3, seq_len=16, one_per_text=True)
+    assert batches.shape == (3, 16)
+    for row, text in zip(batches, long_texts):  # "x = 1" is shorter than a window: skipped
+        assert row.tolist() == tokenizer(text, add_special_tokens=False)["input_ids"][:16]
+    with pytest.raises(ValueError, match=r"only 5 texts of >= 16 tokens \(of 6\) but 9 windows, one per text"):
+        quant.calibration_batches(tokenizer, str(path), n_samples=9, seq_len=16, one_per_text=True)
+
+
 def test_datasets_source_with_messages(tokenizer):
     from datasets import Dataset
 
