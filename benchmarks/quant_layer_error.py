@@ -25,8 +25,9 @@ from torch import nn
 
 import quant
 import runtime
-from quant.gptq import HessianAccumulator, solve
+from quant.gptq import solve
 from quant.grids import int4_rtn
+from quant.layerwise import collect_stats  # the hooks GPTQ itself uses
 from runtime.qlinear import NF4Linear
 
 N_HELDOUT = 16
@@ -55,16 +56,12 @@ METHODS: dict[str, Method] = {  # (W (N, K) float32, calibration H (K, K), group
 def hessians(model: runtime.Transformer, mods: dict[str, nn.Linear], windows: torch.Tensor,
              batch: int = 4) -> dict[str, torch.Tensor]:
     """H = 2 X X^T / n of every module's input over the (N, T) windows, one full forward per batch."""
-    accs = {n: HessianAccumulator(m.in_features, model.device) for n, m in mods.items()}
-    hooks = [m.register_forward_hook(lambda _m, args, _out, acc=accs[n]: acc.add(args[0])) for n, m in mods.items()]
-    try:
+    def run() -> None:
         for i in range(0, windows.shape[0], batch):
             w = windows[i:i + batch].to(model.device)  # (b, T)
             model(w, torch.arange(w.shape[1], device=model.device).expand_as(w), None)
-    finally:
-        for h in hooks:
-            h.remove()
-    return {n: a.H for n, a in accs.items()}
+
+    return {n: acc.H for n, acc in collect_stats(mods, "hessian", run).items()}
 
 
 def relative_error(W: torch.Tensor, Q: torch.Tensor, H: torch.Tensor) -> float:

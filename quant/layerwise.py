@@ -39,7 +39,7 @@ def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, leaf, module)
 
 
-def _collect(modules: dict[str, nn.Linear], kind: str, run: Callable[[], None]) -> dict[str, object]:
+def collect_stats(modules: dict[str, nn.Linear], kind: str, run: Callable[[], None]) -> dict[str, object]:
     """Run `run()` with hooks that accumulate `kind` ("hessian" | "norms") for every module's input."""
     stats: dict[str, object] = {}
     hooks = []
@@ -87,7 +87,7 @@ def compress_layerwise(model: Transformer, batches: torch.Tensor, targets: dict[
     for i, layer in bar:
         mine = {n: m for n, m in targets.items() if n.startswith(f"layers.{i}.")}
         if mine:
-            stats = _collect(mine, kind, lambda: forward(layer, update=False))
+            stats = collect_stats(mine, kind, lambda: forward(layer, update=False))
             for name, mod in mine.items():
                 _set_module(model, name, compress(name, mod, stats[name]))
         forward(layer, update=True)
