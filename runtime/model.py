@@ -163,7 +163,7 @@ class Transformer(nn.Module):
         B, T = tokens.shape
         if (self._compiled_step is not None and cache is not None and mask is None and not return_hidden
                 and T <= (MAX_STATIC_TOKENS if logits_idx is None else DECODE_STATIC_TOKENS)):
-            logits = self._static_forward(tokens, positions, cache)  # (B, T, V)
+            logits = self._static_forward(tokens, positions, cache, logits_idx is not None)  # (B, T, V)
             if logits_idx is None:
                 return logits
             return logits.gather(1, logits_idx[:, :, None].expand(-1, -1, logits.shape[-1]))  # (B, N, V)
@@ -198,11 +198,12 @@ class Transformer(nn.Module):
             logits = self.lm_head(h)
         return (logits, h) if return_hidden else logits
 
-    def _static_forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def _static_forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                        selected: bool) -> torch.Tensor:
         """`forward` through the compiled `static_step`, with T padded by `static_tokens`."""
         B, T = tokens.shape
         cache.check_room(T)
-        padded = static_tokens(T)
+        padded = static_tokens(T, selected)
         if int(cache.lengths.max()) + padded > cache.max_seq_len:
             padded = T  # no room for the padding at the very end of the cache: one more shape
         if padded > T:

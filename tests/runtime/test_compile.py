@@ -27,6 +27,8 @@ def _prompts(lengths: list[int], seed: int = 0) -> list[torch.Tensor]:
 
 def test_static_tokens_pads_to_few_shapes():
     assert [static_tokens(n) for n in (1, 2, 3, 4, 5, 8, 9, 17, 32)] == [1, 8, 8, 8, 8, 8, 16, 32, 32]
+    # a draft's 2-token catch-up feed (selected logits) gets its own program
+    assert [static_tokens(n, selected=True) for n in (1, 2, 3, 9)] == [1, 2, 8, 16]
 
 
 def test_compile_decode_rejects_what_it_cannot_compile():
@@ -46,8 +48,8 @@ def test_compile_decode_without_a_cpu_compiler_says_what_to_install(monkeypatch)
 def test_compiled_steps_equal_eager_steps(family, extra):
     eager = tiny_model(family, seed=3, **extra)
     compiled = compile_decode(tiny_model(family, seed=3, **extra))
-    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(0))
-    pos = torch.arange(24)[None].expand(2, -1)
+    ids = torch.randint(0, 128, (2, 26), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(26)[None].expand(2, -1)
     caches = [m.new_cache(2, 40) for m in (eager, compiled)]
     assert caches[1].max_seq_len == 40 + MAX_STATIC_TOKENS  # room for the padded tokens
     calls = []
@@ -60,9 +62,12 @@ def test_compiled_steps_equal_eager_steps(family, extra):
             steps.append(m(ids[:, 14:17], pos[:, 14:17], cache))  # T = 3, padded to 8
             last = torch.tensor([[6], [2]])  # selected logits (a draft's catch-up feed): compiled too
             steps.append(m(ids[:, 17:24], pos[:, 17:24], cache, logits_idx=last))  # T = 7, padded to 8
+            last2 = torch.tensor([[1], [1]])  # a 2-token catch-up feed: its own 2-token program
+            steps.append(m(ids[:, 24:26], pos[:, 24:26], cache, logits_idx=last2))
             outs.append(torch.cat(steps, 1))
     assert _rel(outs[1], outs[0]) <= 1e-5
-    assert len(calls) == 7  # every forward took the compiled program (a 10-token prefill: T <= 32)
+    assert len(calls) == 8  # every forward took the compiled program (a 10-token prefill: T <= 32)
+    assert calls[-1] == (2, 2)  # the 2-token feed was not padded to 8
     assert torch.equal(caches[0].lengths, caches[1].lengths)
     n = int(caches[0].lengths[0])
     assert _rel(caches[1].k[:, :, :, :n], caches[0].k[:, :, :, :n]) <= 1e-5
