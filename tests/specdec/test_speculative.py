@@ -188,7 +188,11 @@ def test_model_drafter_cost_is_catch_up_plus_one_token_forwards(target, random_d
     drafter = ModelDrafter(random_draft, target)
     rows = _rows(lengths=(5,))
     drafter.start(rows, 64)
-    drafter.propose(rows, 4, [0])
-    assert drafter.first_s > 0 and drafter.step_s > 0
+    proposal = drafter.propose(rows, 4, [0])
+    assert drafter.first_s == 0 and drafter.step_s > 0  # the prompt's prefill is no step's cost
+    accepted = [torch.cat([rows[0], proposal.tokens[0, :2], torch.tensor([7])])]  # 2 drafts + correction
+    drafter.sync(accepted)
+    drafter.propose(accepted, 4, [0])
+    assert drafter.first_s > 0
     assert drafter.draft_cost(1) == drafter.first_s
     assert drafter.draft_cost(4) == pytest.approx(drafter.first_s + 3 * drafter.step_s)
