@@ -32,6 +32,28 @@ PACKED_MAX_ROWS = 256
 _INT8_KERNEL_ALIGN = 16  # bytes `_weight_int8pack_mm` needs (measured: offsets 1, 4, 8 crash, 16 and 32 run)
 
 
+# With a dense copy (keep_dense_for_prompts), calls of this many rows use it: above the 8-token
+# compiled decode programs, so decode steps and verification blocks keep the packed kernels.
+DENSE_COPY_MIN_ROWS = 16
+
+
+def keep_dense_for_prompts(model: nn.Module, dtype: torch.dtype) -> int:
+    """Give every quantized linear of `model` a dense `dtype` copy of its weight, used for calls
+    of DENSE_COPY_MIN_ROWS rows or more (prompts); returns the bytes added.
+
+    A speed-for-memory trade for a quantized draft on the CPU: the packed kernels cost per row
+    (INT4, 2 threads, a 9728x896 weight: 4.3 ms for 40 rows, 21.5 ms for 200) where a bf16
+    matmul costs 1.0 / 2.4 ms, so a draft's prompt prefill took longer than the bf16 target's.
+    Decode steps keep the packed kernels. Call it before `runtime.compile_decode`.
+    """
+    added = 0
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            module.prompt_weight = module.dequantize(dtype).contiguous()  # (out, in)
+            added += module.prompt_weight.numel() * module.prompt_weight.element_size()
+    return added
+
+
 def _rows(x: torch.Tensor) -> int:
     return x.numel() // x.shape[-1]
 
@@ -45,6 +67,19 @@ class QuantizedLinear(nn.Module, abc.ABC):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+        self.prompt_weight: torch.Tensor | None = None  # see keep_dense_for_prompts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., in) -> (..., out): the format's own path, or the dense copy for calls of
+        DENSE_COPY_MIN_ROWS rows or more when `keep_dense_for_prompts` made one."""
+        if (self.prompt_weight is not None and _rows(x) >= DENSE_COPY_MIN_ROWS
+                and self.prompt_weight.dtype == x.dtype and self.prompt_weight.device == x.device):
+            return F.linear(x, self.prompt_weight, self._bias(x))
+        return self._forward(x)
+
+    @abc.abstractmethod
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The format's own matmul."""
 
     @abc.abstractmethod
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -108,7 +143,7 @@ class Int8Linear(QuantizedLinear):
     def from_tensors(cls, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> "Int8Linear":
         return cls(tensors["qweight"], tensors["scales"], tensors.get("bias"))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu" and _rows(x) <= PACKED_MAX_ROWS:
             x2 = x.reshape(-1, self.in_features).contiguous()
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales.to(x.dtype))
@@ -200,7 +235,7 @@ class Int4Linear(QuantizedLinear):
             self._sz = (key, sz)
         return self._sz[1]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         cpu_ok = x.device.type == "cpu" and self.out_features % 16 == 0 and _rows(x) <= PACKED_MAX_ROWS
         cuda_ok = (x.device.type == "cuda" and x.dtype == torch.bfloat16 and self.out_features % 8 == 0
                    and self.in_features % (self.group_size * 8) == 0)
@@ -289,7 +324,7 @@ class Sparse24Linear(QuantizedLinear):
             self._weight = (x.device, x.dtype, weight)
         return self._weight[2]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self._weight_for(x)
         if weight.layout == torch.strided or x.device.type != "cuda":
             return F.linear(x, weight, self._bias(x))
@@ -402,7 +437,7 @@ class NF4Linear(QuantizedLinear):
         state = {k: v for k, v in tensors.items() if k != "bias"}
         return cls(int(meta["in_features"]), int(meta["out_features"]), state, tensors.get("bias"))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         import bitsandbytes as bnb
 
         state = self._state()
@@ -449,7 +484,7 @@ class Int8MixedLinear(QuantizedLinear):
     def from_tensors(cls, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> "Int8MixedLinear":
         return cls(tensors["qweight"], tensors["scales"], float(meta["threshold"]), tensors.get("bias"))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         import bitsandbytes as bnb
 
         state = bnb.MatmulLtState()
