@@ -14,9 +14,10 @@ any length share one program. The number of new tokens is padded to 1, 8, 16 or 
 rows write past the row's length, where nothing reads them before they are overwritten), so one
 generation with k <= 7 draft tokens compiles every program it needs (a warm-up run is enough);
 each program holds its own frozen copy of the weights. Selected logits (`logits_idx`: a draft's
-feeds, a prefill) of up to 8 tokens are gathered from the output of those same programs (2
-tokens: a program of their own, see `static_tokens`); longer ones run eagerly rather than compile a 16- or 32-token program with another weight copy. A
-forward with an explicit mask (trees), hidden states, or more than 32 tokens runs eagerly.
+feeds, a prefill) of up to 8 tokens are gathered from the output of those same programs (a
+draft's 2-token feed: a program of its own, see `static_tokens`); longer ones run eagerly
+rather than compile a 16- or 32-token program with another weight copy. A forward with an
+explicit mask (trees), hidden states, or more than 32 tokens runs eagerly.
 
 Freezing treats the weights as constants: compile after the weights are final, and use the model
 for inference only (`torch.inference_mode`, as `specdec.generate` runs). The first call of each
@@ -39,8 +40,8 @@ def static_tokens(num_tokens: int, selected: bool = False) -> int:
     two >= 8 (a verification block of 2..8 tokens costs about the same as one of 8 on a bf16
     model on a CPU, and fewer shapes mean fewer minute-long compiles).
 
-    selected: the caller keeps only some positions' logits (`logits_idx`: a draft's feeds). Then
-    2 tokens get their own program: a draft feeds 2 tokens (its last draft and the target's bonus
+    selected: the caller keeps only some positions' logits after the prompt (`logits_idx` on a
+    filled cache: a draft's feeds). Then 2 tokens get their own program: a draft feeds 2 tokens (its last draft and the target's bonus
     token) after every fully accepted block, and on the INT4 0.5B draft, whose packed kernels
     cost per row, that call takes 31 ms against 66 ms padded to 8 (1 token: 26 ms).
     """

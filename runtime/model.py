@@ -203,8 +203,11 @@ class Transformer(nn.Module):
         """`forward` through the compiled `static_step`, with T padded by `static_tokens`."""
         B, T = tokens.shape
         cache.check_room(T)
-        padded = static_tokens(T, selected)
-        if int(cache.lengths.max()) + padded > cache.max_seq_len:
+        filled = int(cache.lengths.max())
+        # selected logits after the prompt: a draft's catch-up feed (a 2-token prompt stays padded,
+        # so a target never compiles, with its own weight copy, a program only drafts need)
+        padded = static_tokens(T, selected and filled > 0)
+        if filled + padded > cache.max_seq_len:
             padded = T  # no room for the padding at the very end of the cache: one more shape
         if padded > T:
             extra = torch.arange(1, padded - T + 1, device=tokens.device)  # (P,)

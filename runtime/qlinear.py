@@ -32,23 +32,29 @@ PACKED_MAX_ROWS = 256
 _INT8_KERNEL_ALIGN = 16  # bytes `_weight_int8pack_mm` needs (measured: offsets 1, 4, 8 crash, 16 and 32 run)
 
 
-# With a dense copy (keep_dense_for_prompts), calls of this many rows use it: above the 8-token
-# compiled decode programs, so decode steps and verification blocks keep the packed kernels.
-DENSE_COPY_MIN_ROWS = 16
+# With a dense copy (keep_dense_for_prompts), calls of this many tokens per row use it: more
+# than a decode step or a verification block of k <= 14 drafts, which keep the packed kernels.
+DENSE_COPY_MIN_TOKENS = 16
 
 
 def keep_dense_for_prompts(model: nn.Module, dtype: torch.dtype) -> int:
-    """Give every quantized linear of `model` a dense `dtype` copy of its weight, used for calls
-    of DENSE_COPY_MIN_ROWS rows or more (prompts); returns the bytes added.
+    """Give the quantized linears of `model` a dense `dtype` copy of their weight, used for calls
+    of DENSE_COPY_MIN_TOKENS tokens per row or more (prompts); returns the bytes added.
 
     A speed-for-memory trade for a quantized draft on the CPU: the packed kernels cost per row
     (INT4, 2 threads, a 9728x896 weight: 4.3 ms for 40 rows, 21.5 ms for 200) where a bf16
     matmul costs 1.0 / 2.4 ms, so a draft's prompt prefill took longer than the bf16 target's.
-    Decode steps keep the packed kernels. Call it before `runtime.compile_decode`.
+    Decode steps keep the packed kernels. 2:4 layers are skipped (on the CPU they already run
+    dense). Not for a target whose outputs must equal its plain decoding exactly: its long
+    verification blocks would take the dense path and plain decoding the packed one. Call it
+    before `runtime.compile_decode`.
     """
+    if getattr(model, "compiled", False):
+        raise ValueError("keep_dense_for_prompts before runtime.compile_decode: compiled programs "
+                         "hold the weights as they were")
     added = 0
     for module in model.modules():
-        if isinstance(module, QuantizedLinear):
+        if isinstance(module, QuantizedLinear) and not isinstance(module, Sparse24Linear):
             module.prompt_weight = module.dequantize(dtype).contiguous()  # (out, in)
             added += module.prompt_weight.numel() * module.prompt_weight.element_size()
     return added
@@ -67,13 +73,15 @@ class QuantizedLinear(nn.Module, abc.ABC):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
-        self.prompt_weight: torch.Tensor | None = None  # see keep_dense_for_prompts
+        # (out, in) dense copy for prompts, see keep_dense_for_prompts; a buffer so that it moves
+        # with the module, not persistent: checkpoints store the packed format only
+        self.register_buffer("prompt_weight", None, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (..., in) -> (..., out): the format's own path, or the dense copy for calls of
-        DENSE_COPY_MIN_ROWS rows or more when `keep_dense_for_prompts` made one."""
-        if (self.prompt_weight is not None and _rows(x) >= DENSE_COPY_MIN_ROWS
-                and self.prompt_weight.dtype == x.dtype and self.prompt_weight.device == x.device):
+        """x (..., T, in) -> (..., T, out): the format's own path, or the dense copy for calls of
+        DENSE_COPY_MIN_TOKENS tokens per row or more when `keep_dense_for_prompts` made one."""
+        if (self.prompt_weight is not None and x.dim() >= 2 and x.shape[-2] >= DENSE_COPY_MIN_TOKENS
+                and self.prompt_weight.dtype == x.dtype):
             return F.linear(x, self.prompt_weight, self._bias(x))
         return self._forward(x)
 

@@ -73,6 +73,20 @@ def test_compiled_steps_equal_eager_steps(family, extra):
     assert _rel(caches[1].k[:, :, :, :n], caches[0].k[:, :, :, :n]) <= 1e-5
 
 
+def test_a_two_token_prompt_with_selected_logits_stays_padded_to_eight():
+    """Only a feed after the prompt (a draft's catch-up) gets the 2-token program: a target's
+    2-token prompt must not compile a program (and a weight copy) of its own."""
+    model = compile_decode(tiny_model("llama", seed=5))
+    calls = []
+    model._compiled_step = _counting(model._compiled_step, calls)
+    ids = torch.tensor([[3, 4, 5, 6]])
+    with torch.inference_mode():
+        cache = model.new_cache(1, 16)
+        model(ids[:, :2], torch.arange(2)[None], cache, logits_idx=torch.tensor([[1]]))
+        model(ids[:, 2:], torch.arange(2, 4)[None], cache, logits_idx=torch.tensor([[1]]))
+    assert [c[1] for c in calls] == [8, 2]
+
+
 def test_no_room_for_padding_runs_the_exact_shape():
     eager = tiny_model("llama", seed=4)
     compiled = compile_decode(tiny_model("llama", seed=4))

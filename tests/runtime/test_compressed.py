@@ -39,6 +39,13 @@ def test_loads_packed_tensors_as_stored(tmp_path):
     assert model.compression_recipe == [{"type": "Int8WeightOnly"}]
 
 
+def test_dense_prompts_gives_quantized_layers_a_dense_copy(tmp_path):
+    _write(tmp_path)
+    w2 = runtime.load_model(tmp_path, dtype=torch.float32, dense_prompts=True).layers[0].mlp.w2
+    assert torch.equal(w2.prompt_weight, w2.dequantize(torch.float32))
+    assert runtime.load_model(tmp_path, dtype=torch.float32).layers[0].mlp.w2.prompt_weight is None
+
+
 def test_newer_version_missing_tensors_and_bad_meta_are_clear_errors(tmp_path):
     _write(tmp_path, version=FORMAT_VERSION + 1)
     with pytest.raises(runtime.CheckpointError, match="newer than the version"):

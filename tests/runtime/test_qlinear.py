@@ -154,16 +154,18 @@ def test_int8_weights_at_an_unaligned_offset_run(rows):
 
 @pytest.mark.parametrize("name", ["int8", "int4"])
 def test_dense_copy_serves_prompts_and_leaves_decode_steps_on_the_packed_kernel(name):
-    from runtime.qlinear import DENSE_COPY_MIN_ROWS, keep_dense_for_prompts
+    from runtime.qlinear import DENSE_COPY_MIN_TOKENS, keep_dense_for_prompts
 
     mod = MODULES[name]()
     holder = torch.nn.Sequential(mod)
-    step = torch.randn(1, 128, generator=_gen(6)).to(torch.bfloat16)
-    prompt = torch.randn(DENSE_COPY_MIN_ROWS, 128, generator=_gen(7)).to(torch.bfloat16)
-    packed_step = mod(step)
+    steps = torch.randn(DENSE_COPY_MIN_TOKENS, 1, 128, generator=_gen(6)).to(torch.bfloat16)  # (B, 1, in)
+    prompt = torch.randn(1, DENSE_COPY_MIN_TOKENS, 128, generator=_gen(7)).to(torch.bfloat16)  # (1, T, in)
+    packed_steps, packed_prompt = mod(steps), mod(prompt)
     added = keep_dense_for_prompts(holder, torch.bfloat16)
     assert added == 96 * 128 * 2  # one bf16 (out, in) copy
-    assert torch.equal(mod(step), packed_step)  # decode steps: the packed kernel, unchanged
+    assert "prompt_weight" not in mod.state_dict()  # checkpoints keep the packed format only
+    assert torch.equal(mod(steps), packed_steps)  # decode steps, even batched: the packed kernel
     dense = F.linear(prompt, mod.dequantize(torch.bfloat16), mod.bias.to(torch.bfloat16))
-    assert torch.equal(mod(prompt), dense)  # prompts: the dense copy
+    out = mod(prompt)
+    assert torch.equal(out, dense) and not torch.equal(out, packed_prompt)  # prompts: the dense copy
     assert mod(prompt.float()).dtype == torch.float32  # another dtype: the format's own path
