@@ -1,9 +1,10 @@
 """YAML recipes: an ordered list of compression configs plus calibration settings, and applying them.
 
 A recipe file is either a list of configs or a mapping with `steps` (that list) and an
-optional `calibration` block (source, n_samples, seq_len):
+optional `calibration` block (source, n_samples, seq_len, one_per_text: each window from the
+start of its own text, see quant.calibration_batches):
 
-    calibration: {source: sharegpt, n_samples: 64, seq_len: 512}
+    calibration: {source: sharegpt, n_samples: 64, seq_len: 512, one_per_text: true}
     steps:
       - {type: SemiStructured24, method: sparsegpt}
       - {type: Int8WeightOnly, modules: ["*.attn.*"]}
@@ -22,7 +23,7 @@ from torch import nn
 from quant.api import quantize_, sparsify_
 from quant.config import Config, SemiStructured24, config_from_dict
 
-CALIBRATION_KEYS = {"source", "n_samples", "seq_len"}
+CALIBRATION_KEYS = {"source", "n_samples", "seq_len", "one_per_text"}
 
 
 @dataclass(frozen=True)

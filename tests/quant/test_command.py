@@ -62,3 +62,6 @@ def test_recipe_errors_name_the_file(tmp_path):
     plain = tmp_path / "plain.yaml"
     plain.write_text("- {type: Int8WeightOnly}\n")
     assert not load_recipe(plain).needs_calibration
+    per_text = tmp_path / "per_text.yaml"
+    per_text.write_text("calibration: {n_samples: 8, one_per_text: true}\nsteps: [{type: NF4}]\n")
+    assert load_recipe(per_text).calibration["one_per_text"] is True
