@@ -162,13 +162,15 @@ def test_rejection_sampler_reproduces_the_target_distribution(one_hot_draft):
 
 
 def test_speculative_sampling_keeps_the_joint_law_of_two_tokens(target, random_draft):
-    """Two new tokens with top-k/top-p, 6000 rows at once: the joint law of (x1, x2) over
-    64 x 64 cells matches the target's exact law within 3x the expected sampling noise."""
+    """The first two new tokens with top-k/top-p, 6000 rows at once: x1 from the prefill, x2 from
+    a draft step (k = 1; with max_new_tokens=2 no draft step would run). The joint law of
+    (x1, x2) over 64 x 64 cells matches the target's exact law within 3x the expected noise."""
     n = 6000
     prompt = torch.tensor([1, 2, 3, 4])
     kw = dict(temperature=0.8, top_k=12, top_p=0.9)
-    out = specdec.generate(target, [prompt] * n, draft=random_draft, max_new_tokens=2,
+    out = specdec.generate(target, [prompt] * n, draft=random_draft, max_new_tokens=3,
                            num_draft_tokens=2, generator=torch.Generator().manual_seed(1), **kw)
+    assert out.stats.drafted_tokens >= n  # every row drafted x2
     pairs = torch.stack([s[4:6] for s in out.sequences])  # (N, 2)
     emp = torch.bincount(pairs[:, 0] * V + pairs[:, 1], minlength=V * V).float() / n
     from specdec.sampling import probs_from_logits
