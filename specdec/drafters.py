@@ -86,6 +86,8 @@ class ModelDrafter:
         check_vocabularies(model, target)
         self.model, self.temperature, self.top_k, self.top_p = model, temperature, top_k, top_p
         self.generator = generator
+        # a model restricted to a frequent-token vocabulary (specdec.draft_vocab) scores those ids only
+        self.output_ids = getattr(model, "output_ids", None)  # (N,) or None
         self.cache = None
         self.fed: list[torch.Tensor] = []  # tokens held in the cache, per row
         # measured seconds (EMA) of a step's first forward (it feeds what the target accepted,
@@ -130,28 +132,33 @@ class ModelDrafter:
         B = len(seqs)
         # rows not asked for still take one token so every row of the batch stays aligned
         chunks = [seqs[b][self.fed[b].numel():] if b in rows else seqs[b][:0] for b in range(B)]
-        # a prompt (or a row catching up after n-gram steps) is no step's cost: timing it into
-        # first_s made `auto` see a draft step of 0.3-2.6 s for the first steps of every prompt
-        # (a step feeds 1 or 2 tokens: the target's correction, or the last draft and the bonus)
-        catching_up = max(c.numel() for c in chunks) > 2
+        # the prompt's prefill is no step's cost: timed into first_s it made `auto` see a draft
+        # step of 0.3-2.6 s for the first steps of every prompt (INT4 0.5B draft)
+        prefill = any(self.fed[b].numel() == 0 for b in rows)
         logits = self._feed(chunks)
         t1 = time.perf_counter()
         tokens = torch.zeros(B, k, dtype=torch.long)
         sampled = self.temperature > 0
-        q = torch.zeros(B, k, logits.shape[-1]) if sampled else None
+        ids = self.output_ids
+        q = torch.zeros(B, k, self.model.config.vocab_size if ids is not None else logits.shape[-1]) \
+            if sampled else None
         for i in range(k):
             if sampled:
-                probs = probs_from_logits(logits, self.temperature, self.top_k, self.top_p)  # (B, V)
-                nxt = torch.multinomial(probs.cpu(), 1, generator=self.generator).squeeze(1)
-                q[:, i] = probs.cpu()
+                probs = probs_from_logits(logits, self.temperature, self.top_k, self.top_p)  # (B, V|N)
+                col = torch.multinomial(probs.cpu(), 1, generator=self.generator).squeeze(1)
+                if ids is None:
+                    q[:, i] = probs.cpu()
+                else:
+                    q[:, i, ids] = probs.cpu()  # zero outside the draft's vocabulary
             else:
-                nxt = logits.argmax(-1).cpu()
+                col = logits.argmax(-1).cpu()
+            nxt = col if ids is None else ids[col]
             tokens[:, i] = nxt
             if i + 1 < k:
                 logits = self._feed([nxt[b:b + 1] if b in rows else nxt[:0] for b in range(B)])
         lens = torch.zeros(B, dtype=torch.long)
         lens[rows] = k
-        if not catching_up:
+        if not prefill:
             self.first_s = _ema(self.first_s, t1 - t0)
         if k > 1:
             self.step_s = _ema(self.step_s, (time.perf_counter() - t1) / (k - 1))

@@ -48,6 +48,7 @@ from tqdm import tqdm
 
 from runtime.atomic import atomic_write_text
 from specdec.baselines import HF_MODES, HFGenerator, load_hf_model, new_tokens
+from specdec.draft_vocab import ALIGN as DRAFT_VOCAB_ALIGN
 from specdec.prompts import DATASETS, Prompt, encode, load_prompts
 from specdec.stats import AcceptanceStats
 
@@ -60,6 +61,8 @@ _OUTPUTS = (GENERATIONS, RUN_FILE, "report.json", "report.md", "acceptance.png",
 # settings that change what a generation line holds: a resumed run must share them
 _RESUME_KEYS = ("target", "prompts", "dataset", "raw", "all_turns", "dtype", "device", "max_new_tokens",
                 "num_draft_tokens", "temperature", "top_p", "top_k", "seed", "hf_pld_tokens", "compile")
+# later options, part of the resume settings only when set (runs made before them still resume)
+_RESUME_IF_SET = ("dense_prompts", "draft_vocab")
 
 
 @dataclass(frozen=True)
@@ -145,6 +148,7 @@ class EvalConfig:
     threads: int | None = None
     compile: bool = False
     dense_prompts: bool = False
+    draft_vocab: int = 0
     overwrite: bool = False
 
     def __post_init__(self) -> None:
@@ -170,6 +174,9 @@ class EvalConfig:
             raise ValueError(f"hf_pld_tokens must be >= 1, got {self.hf_pld_tokens}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1 (or None for torch's default), got {self.threads}")
+        if self.draft_vocab < 0 or self.draft_vocab % DRAFT_VOCAB_ALIGN:
+            raise ValueError(f"draft_vocab must be 0 (the full vocabulary) or a multiple of "
+                             f"{DRAFT_VOCAB_ALIGN}, got {self.draft_vocab}")
 
     @property
     def method_specs(self) -> list[MethodSpec]:
@@ -200,6 +207,7 @@ class SettingsMismatchError(ValueError):
 def run_settings(cfg: EvalConfig, eos: list[int], prompt_format: str) -> dict:
     """The settings that a resumed run must share, plus what they imply (eos ids, prompt format)."""
     settings = {k: getattr(cfg, k) for k in _RESUME_KEYS}
+    settings.update({k: getattr(cfg, k) for k in _RESUME_IF_SET if getattr(cfg, k)})
     settings["prompts"] = str(Path(cfg.prompts).resolve()) if cfg.prompts else None
     settings.update(eos_token_id=eos, prompt_format=prompt_format)
     return settings
@@ -272,8 +280,31 @@ class Runner:
 
     def _runtime_model(self, name: str):
         return self._cached(("runtime", name), lambda: self._runtime.load_model(
-            name, dtype=self.cfg.torch_dtype, device=self.cfg.device, compile=self.cfg.compile,
-            dense_prompts=self.cfg.dense_prompts))
+            name, dtype=self.cfg.torch_dtype, device=self.cfg.device, compile=self.cfg.compile))
+
+    def _draft_model(self, name: str):
+        """The draft model `name`: with --dense-prompts or --draft-vocab N a copy of its own (the
+        target never takes either), the vocabulary restricted before the model is compiled."""
+        cfg = self.cfg
+        if not (cfg.dense_prompts or cfg.draft_vocab):
+            return self._runtime_model(name)
+
+        def load():
+            from specdec.draft_vocab import restrict_vocab
+
+            model = self._runtime.load_model(name, dtype=cfg.torch_dtype, device=cfg.device,
+                                             dense_prompts=cfg.dense_prompts)
+            if cfg.draft_vocab:
+                restrict_vocab(model, self._frequent_tokens(model.config.vocab_size))
+            return self._runtime.compile_decode(model) if cfg.compile else model
+
+        return self._cached(("draft", name), load)
+
+    def _frequent_tokens(self, vocab_size: int) -> torch.Tensor:
+        from specdec.draft_vocab import frequent_tokens
+
+        return self._cached(("draft-vocab", str(vocab_size)), lambda: frequent_tokens(
+            self.tokenizer, self.cfg.draft_vocab, vocab_size))
 
     def _hf_model(self, name: str):
         pad = self.tokenizer.pad_token_id
@@ -289,9 +320,9 @@ class Runner:
         if spec.kind == "ngram":
             return "ngram"
         if spec.kind == "draft":
-            return self._runtime_model(spec.arg)
+            return self._draft_model(spec.arg)
         if spec.kind == "hybrid":
-            return ["ngram", self._runtime_model(spec.arg)]
+            return ["ngram", self._draft_model(spec.arg)]
         if spec.kind == "medusa":
             from specdec.medusa_io import load_medusa
 
@@ -456,9 +487,14 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true", help="runtime.compile_decode the target and the "
                    "draft models of the specdec methods (torch.compile; transformers baselines stay "
                    "as transformers runs them); compiling happens in the untimed warm-up")
-    p.add_argument("--dense-prompts", action="store_true", help="quantized checkpoints (e.g. an INT4 "
-                   "draft) keep a dense copy of their weights for prompts: their prefill runs at bf16 "
-                   "speed instead of the per-row cost of the packed kernels, at the dense model's memory")
+    p.add_argument("--dense-prompts", action="store_true", help="quantized draft checkpoints (e.g. an "
+                   "INT4 draft) keep a dense copy of their weights for prompts: their prefill runs at "
+                   "bf16 speed instead of the per-row cost of the packed kernels, at the dense model's "
+                   "memory")
+    p.add_argument("--draft-vocab", type=int, default=d["draft_vocab"], metavar="N",
+                   help="draft models score only the N most frequent tokens (FR-Spec; a multiple of "
+                   "16, e.g. 65536 of qwen's 151936): a cheaper LM head for the draft, output still "
+                   "lossless (default: 0 = the full vocabulary)")
     p.add_argument("--overwrite", action="store_true", help="discard a run already in --out")
     p.set_defaults(func=main)
     return p

@@ -57,6 +57,9 @@ def generate(target, input_ids, draft=None, max_new_tokens: int = 128, temperatu
     choice. eos_token_id: one id or several.
     """
     _check_sampling(temperature, top_p, top_k)
+    if getattr(target, "output_ids", None) is not None:
+        raise ValueError("the target scores a restricted vocabulary (specdec.draft_vocab.restrict_vocab): "
+                         "such a model can only draft; pass the full model as the target")
     target = as_runtime_model(target)
     rows, as_tensor = normalize_prompts(input_ids)
     state = RowState(rows, max_new_tokens, eos_set(eos_token_id))

@@ -137,7 +137,8 @@ def test_config_validation(tmp_path):
     for bad, msg in [(dict(num_draft_tokens=0), "num_draft_tokens"), (dict(num_draft_tokens="many"), "auto"),
                      (dict(dtype="float16"), "dtype"), (dict(dataset="humaneval"), "exactly one"),
                      (dict(max_new_tokens=0), "max_new_tokens"), (dict(temperature=-1.0), "temperature"),
-                     (dict(methods="plain,bogus"), "unknown method"), (dict(threads=0), "threads")]:
+                     (dict(methods="plain,bogus"), "unknown method"), (dict(threads=0), "threads"),
+                     (dict(draft_vocab=1000), "multiple of 16")]:
         with pytest.raises(ValueError, match=msg):
             EvalConfig(**{**base, **bad})
     with pytest.raises(ValueError, match="exactly one"):
