@@ -171,14 +171,21 @@ def test_speculative_sampling_keeps_the_joint_law_of_two_tokens(target, random_d
     out = specdec.generate(target, [prompt] * n, draft=random_draft, max_new_tokens=3,
                            num_draft_tokens=2, generator=torch.Generator().manual_seed(1), **kw)
     assert out.stats.drafted_tokens >= n  # every row drafted x2
-    pairs = torch.stack([s[4:6] for s in out.sequences])  # (N, 2)
+    assert_two_token_law(target, prompt, out.sequences, kw)
+
+
+def assert_two_token_law(target, prompt: torch.Tensor, sequences: list, kw: dict) -> None:
+    """The first two new tokens of `sequences` (prompt + new) follow the target's exact joint law
+    under the sampling settings `kw`, within 3x the expected total-variation noise."""
+    n, P, V = len(sequences), prompt.numel(), target.config.vocab_size
+    pairs = torch.stack([s[P:P + 2] for s in sequences])  # (N, 2)
     emp = torch.bincount(pairs[:, 0] * V + pairs[:, 1], minlength=V * V).float() / n
     from specdec.sampling import probs_from_logits
 
     with torch.no_grad():
-        p1 = probs_from_logits(target(prompt[None], torch.arange(4)[None], None)[0, -1], **kw)
-        seqs = torch.cat([prompt.expand(V, -1), torch.arange(V)[:, None]], 1)  # (V, 5)
-        p2 = probs_from_logits(target(seqs, torch.arange(5)[None].expand(V, -1), None)[:, -1], **kw)
+        p1 = probs_from_logits(target(prompt[None], torch.arange(P)[None], None)[0, -1], **kw)
+        seqs = torch.cat([prompt.expand(V, -1), torch.arange(V)[:, None]], 1)  # (V, P + 1)
+        p2 = probs_from_logits(target(seqs, torch.arange(P + 1)[None].expand(V, -1), None)[:, -1], **kw)
     exact = (p1[:, None] * p2).flatten()
     noise = 0.5 * (2 * exact * (1 - exact) / (math.pi * n)).sqrt().sum().item()
     assert _tv(emp, exact) < 3 * noise
