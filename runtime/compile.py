@@ -41,9 +41,10 @@ def static_tokens(num_tokens: int, selected: bool = False) -> int:
     model on a CPU, and fewer shapes mean fewer minute-long compiles).
 
     selected: the caller keeps only some positions' logits after the prompt (`logits_idx` on a
-    filled cache: a draft's feeds). Then 2 tokens get their own program: a draft feeds 2 tokens (its last draft and the target's bonus
-    token) after every fully accepted block, and on the INT4 0.5B draft, whose packed kernels
-    cost per row, that call takes 31 ms against 66 ms padded to 8 (1 token: 26 ms).
+    filled cache: a draft's feeds). Then 2 tokens get their own program: a draft feeds 2 tokens
+    (its last draft and the target's bonus token) after every fully accepted block, and on the
+    INT4 0.5B draft, whose packed kernels cost per row, that call takes 31 ms against 66 ms
+    padded to 8 (1 token: 26 ms).
     """
     if num_tokens <= 1:
         return 1
