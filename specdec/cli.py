@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 import torch
@@ -128,12 +129,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand; bad input (a ValueError, a missing file, a SpecdecError) is reported
+    as one line and exit status 2, like argparse's own errors (SPECDEC_DEBUG=1: the traceback)."""
+    from runtime.errors import SpecdecError
+
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except (ValueError, FileNotFoundError, SpecdecError) as err:
+        if os.environ.get("SPECDEC_DEBUG"):
+            raise
+        print(f"specdec {args.command}: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
