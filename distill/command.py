@@ -30,7 +30,8 @@ def cmd_data(args: argparse.Namespace) -> int:
                                max_prompt_tokens=args.max_prompt_tokens)
     n = generate_selfdistill(model, tok, args.out, prompts, max_new_tokens=args.max_new_tokens,
                              batch_size=args.batch_size, temperature=args.temperature, seed=args.seed,
-                             deadline=_deadline(args.max_minutes))
+                             deadline=_deadline(args.max_minutes), hidden_cache=args.hidden_cache,
+                             num_heads=args.num_heads)
     print(f"{n} records in {args.out}")
     return 0
 
@@ -51,7 +52,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     heads = attach_medusa(model, num_heads=args.num_heads, num_layers=args.num_layers,
                           shared_lm_head=not args.separate_lm_heads)
     cfg = TrainConfig(epochs=args.epochs, lr=args.lr, batch_size=args.batch_size,
-                      tree_nodes=args.tree_nodes, vocab=args.vocab, seed=args.seed)
+                      tree_nodes=args.tree_nodes, vocab=args.vocab, seed=args.seed,
+                      soft_targets=args.soft_targets)
     metrics = train_medusa(heads, cache_dir, args.out, cfg, deadline=deadline)
     print(json.dumps({k: metrics[k] for k in ("steps", "top1_accuracy", "expected_accepted_per_step")}))
     return 0
@@ -106,6 +108,10 @@ def register(subparsers) -> None:
     d.add_argument("--temperature", type=float, default=0.0)
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--max-minutes", type=float, default=None)
+    d.add_argument("--hidden-cache", default=None,
+                   help="also store the hidden states that generation computes in this directory, so "
+                        "`specdec medusa train --hidden-cache DIR` skips its second pass over the answers")
+    d.add_argument("--num-heads", type=int, default=4, help="heads the --hidden-cache targets are for")
     d.set_defaults(func=cmd_data)
 
     t = sub.add_parser("train", help="cache hidden states, train heads (Medusa-1), pick their tree")
@@ -123,6 +129,9 @@ def register(subparsers) -> None:
     t.add_argument("--tree-nodes", type=int, default=tc.tree_nodes)
     t.add_argument("--vocab", default=tc.vocab, choices=["full", "data"],
                    help="softmax over the whole vocabulary, or only the tokens the answers use (faster)")
+    t.add_argument("--soft-targets", action="store_true",
+                   help="learn the model's next-token distribution at each predicted position (its LM "
+                        "head on the cached hidden state there) instead of only the greedy token")
     t.add_argument("--seed", type=int, default=tc.seed)
     t.add_argument("--max-minutes", type=float, default=None)
     t.set_defaults(func=cmd_train)

@@ -1,8 +1,9 @@
 """Medusa-1 training: heads on a frozen backbone, from last hidden states cached on disk.
 
-1. `cache_hidden_states` runs the frozen model once over the self-distillation records and
-   stores, for every answer position t, the final-norm hidden state (bf16 by default) and the
-   targets of the K heads (token t+2+i for head i; -100 past the end) in safetensors shards,
+1. `cache_hidden_states` runs the frozen model once over the self-distillation records (or
+   `distill.generate_selfdistill(hidden_cache=...)` keeps them while it generates) and stores,
+   for every answer position t, the final-norm hidden state (bf16 by default) and the targets
+   of the K heads (token t+2+i for head i; -100 past the end) in safetensors shards,
    split into train and held-out records (every `heldout_every`-th record). Resumable: shards
    are written atomically and a manifest records how many records are done.
 2. `train_medusa` trains the heads for many epochs on those shards (cheap: no backbone pass):
@@ -51,6 +52,69 @@ def head_targets(seq: torch.Tensor, start: int, num_heads: int) -> torch.Tensor:
     return torch.where(t < L, seq[t.clamp(max=L - 1)], torch.full_like(t, IGNORE))
 
 
+class HiddenCacheWriter:
+    """Appends the hidden states and head targets of records, in record order, to a cache directory.
+
+    Record i goes to the held-out split when i % heldout_every == 0. Buffers are written as
+    safetensors shards of about `shard_positions` positions, each followed by the manifest, so
+    `records_done` counts exactly the records whose positions are on disk (a killed run redoes
+    only the records after it). Call `close()` to write what is buffered.
+    """
+
+    def __init__(self, out_dir: str | Path, num_heads: int, hidden_size: int, heldout_every: int = 20,
+                 shard_positions: int = 32768, dtype: torch.dtype = torch.bfloat16) -> None:
+        self.out_dir = Path(out_dir)
+        for split in ("train", "heldout"):
+            (self.out_dir / split).mkdir(parents=True, exist_ok=True)
+        path = self.out_dir / MANIFEST
+        self.manifest = json.loads(path.read_text()) if path.is_file() else {
+            "num_heads": num_heads, "hidden_size": hidden_size, "records_done": 0,
+            "shards": {"train": [], "heldout": []}}
+        if self.manifest["num_heads"] < num_heads or self.manifest["hidden_size"] != hidden_size:
+            raise ValueError(f"{self.out_dir} caches hidden states for {self.manifest['num_heads']} heads / "
+                             f"hidden size {self.manifest['hidden_size']}; use another directory for this model")
+        self.num_heads, self.heldout_every = num_heads, heldout_every
+        self.shard_positions, self.dtype = shard_positions, dtype
+        self.buf = {"train": ([], []), "heldout": ([], [])}
+        self.pending = 0  # records added since the last manifest write
+
+    @property
+    def records_done(self) -> int:
+        """Records added so far (on disk after `close()`)."""
+        return self.manifest["records_done"] + self.pending
+
+    def add(self, record: dict, hidden: torch.Tensor) -> None:
+        """hidden (n, C): the states at the last prompt token and every answer token but the last
+        (n = len(output_ids)); a record with no answer adds no position but still counts."""
+        seq = torch.tensor(record["prompt_ids"] + record["output_ids"], dtype=torch.long)
+        start = len(record["prompt_ids"]) - 1
+        if hidden.shape[0] != seq.numel() - 1 - start:
+            raise ValueError(f"record {record.get('id')}: {hidden.shape[0]} hidden states for "
+                             f"{len(record['output_ids'])} answer tokens")
+        if hidden.shape[0]:
+            split = "heldout" if self.records_done % self.heldout_every == 0 else "train"
+            self.buf[split][0].append(hidden.to("cpu", self.dtype))  # (n, C)
+            self.buf[split][1].append(head_targets(seq, start, self.num_heads))  # (n, K)
+        self.pending += 1
+        if any(sum(h.shape[0] for h in hs) >= self.shard_positions for hs, _ in self.buf.values()):
+            self.close()
+
+    def close(self) -> None:
+        """Write the buffered positions as shards, then the manifest."""
+        for split, (hs, ts) in self.buf.items():
+            if not hs:
+                continue
+            name = f"shard_{len(self.manifest['shards'][split]):05d}.safetensors"
+            tensors = {"hidden": torch.cat(hs).contiguous(), "targets": torch.cat(ts).contiguous()}
+            atomic_write(self.out_dir / split / name, lambda tmp: save_file(tensors, tmp))
+            self.manifest["shards"][split].append(name)
+            hs.clear()
+            ts.clear()
+        self.manifest["records_done"] += self.pending
+        self.pending = 0
+        _write_json(self.out_dir / MANIFEST, self.manifest)
+
+
 @torch.inference_mode()
 def cache_hidden_states(model, records: list[dict], out_dir: str | Path, num_heads: int,
                         heldout_every: int = 20, batch_tokens: int = 4096, shard_positions: int = 32768,
@@ -58,33 +122,14 @@ def cache_hidden_states(model, records: list[dict], out_dir: str | Path, num_hea
     """Store last hidden states and head targets of the answers in `records` under `out_dir`.
 
     records: {"prompt_ids", "output_ids"} dicts (distill.selfdistill). Positions are the last
-    prompt token and every answer token but the last. Returns `out_dir`.
+    prompt token and every answer token but the last. Records the cache already holds (the first
+    `records_done`, e.g. written during generation by `generate_selfdistill(hidden_cache=...)`)
+    are skipped. Returns `out_dir`.
     """
-    out_dir = Path(out_dir)
-    for split in ("train", "heldout"):
-        (out_dir / split).mkdir(parents=True, exist_ok=True)
-    man_path = out_dir / MANIFEST
-    manifest = json.loads(man_path.read_text()) if man_path.is_file() else {
-        "num_heads": num_heads, "hidden_size": model.config.hidden_size, "records_done": 0,
-        "shards": {"train": [], "heldout": []}}
-    if manifest["num_heads"] < num_heads or manifest["hidden_size"] != model.config.hidden_size:
-        raise ValueError(f"{out_dir} caches hidden states for {manifest['num_heads']} heads / hidden "
-                         f"size {manifest['hidden_size']}; use another directory for this model")
-    buf = {"train": ([], []), "heldout": ([], [])}
-    todo = records[manifest["records_done"]:]
+    writer = HiddenCacheWriter(out_dir, num_heads, model.config.hidden_size, heldout_every,
+                               shard_positions, dtype)
+    todo = records[writer.records_done:]
     bar = tqdm(total=len(todo), desc="caching hidden states", unit="record")
-
-    def flush(split: str, force: bool) -> None:
-        hs, ts = buf[split]
-        if not hs or (not force and sum(h.shape[0] for h in hs) < shard_positions):
-            return
-        name = f"shard_{len(manifest['shards'][split]):05d}.safetensors"
-        tensors = {"hidden": torch.cat(hs).contiguous(), "targets": torch.cat(ts).contiguous()}
-        atomic_write(out_dir / split / name, lambda tmp: save_file(tensors, tmp))
-        manifest["shards"][split].append(name)
-        hs.clear()
-        ts.clear()
-
     i = 0
     while i < len(todo):
         if deadline is not None and time.monotonic() > deadline:
@@ -98,38 +143,25 @@ def cache_hidden_states(model, records: list[dict], out_dir: str | Path, num_hea
                 break
             batch.append(nxt)
             longest = max(longest, n)
-        seqs = [torch.tensor(r["prompt_ids"] + r["output_ids"], dtype=torch.long) for r in batch]
+        seqs = [r["prompt_ids"] + r["output_ids"] for r in batch]
         tokens = torch.zeros(len(seqs), longest, dtype=torch.long)  # (B, T), right-padded
         for b, s in enumerate(seqs):
-            tokens[b, :s.numel()] = s
+            tokens[b, :len(s)] = torch.tensor(s)
         positions = torch.arange(longest)[None].expand(len(seqs), -1)
         _, hidden = model(tokens.to(model.device), positions.to(model.device), None, return_hidden=True,
                           logits_idx=torch.zeros(len(seqs), 1, dtype=torch.long, device=model.device))
         for b, (r, s) in enumerate(zip(batch, seqs)):
-            start = len(r["prompt_ids"]) - 1
-            if s.numel() - 1 <= start:
-                continue
-            split = "heldout" if (manifest["records_done"] + i + b) % heldout_every == 0 else "train"
-            buf[split][0].append(hidden[b, start:s.numel() - 1].to("cpu", dtype))  # (T, C)
-            buf[split][1].append(head_targets(s, start, num_heads))  # (T, K)
+            writer.add(r, hidden[b, len(r["prompt_ids"]) - 1:len(s) - 1])  # (n, C)
         i += len(batch)
         bar.update(len(batch))
-        if any(sum(h.shape[0] for h in buf[sp][0]) >= shard_positions for sp in buf):
-            for sp in buf:
-                flush(sp, force=True)
-            manifest["records_done"] += i
-            todo, i = todo[i:], 0
-            _write_json(man_path, manifest)
-    for sp in buf:
-        flush(sp, force=True)
-    manifest["records_done"] += i
-    _write_json(man_path, manifest)
+    writer.close()
     bar.close()
-    return out_dir
+    return Path(out_dir)
 
 
 def load_cached(data_dir: str | Path, split: str, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """All shards of one split: hidden (N, C) and targets (N, num_heads)."""
+    """All shards of one split: hidden (N, C) and targets (N, num_heads); each record's positions
+    are consecutive rows, in order."""
     data_dir = Path(data_dir)
     manifest = json.loads((data_dir / MANIFEST).read_text())
     if manifest["num_heads"] < num_heads:
@@ -142,9 +174,27 @@ def load_cached(data_dir: str | Path, split: str, num_heads: int) -> tuple[torch
             torch.cat([s["targets"][:, :num_heads] for s in shards]))
 
 
+@torch.no_grad()
+def teacher_probs(heads: MedusaHeads, hidden: torch.Tensor, idx: torch.Tensor,
+                  vocab: torch.Tensor | None = None) -> torch.Tensor:
+    """Soft targets (K, n, V or V') for the positions at rows `idx` of a cached split: for head i,
+    the base model's next-token distribution at position t+1+i, which is row idx+1+i (a record's
+    positions are consecutive rows). Rows whose head has no target get a neighbour's row: the
+    loss masks them."""
+    K = heads.num_heads
+    fut = (idx[None] + 1 + torch.arange(K)[:, None]).clamp(max=hidden.shape[0] - 1)  # (K, n)
+    device = next(heads.parameters()).device
+    return heads.base_logits(hidden[fut].to(device, torch.float32), vocab).float().softmax(-1)
+
+
 @dataclass(frozen=True)
 class TrainConfig:
-    """Medusa-1 training hyper-parameters."""
+    """Medusa-1 training hyper-parameters.
+
+    soft_targets: head i at position t learns the base model's whole next-token distribution at
+    position t+1+i (its LM head on the cached hidden state there: the teacher Medusa distils)
+    instead of only the greedy token that the answer holds.
+    """
 
     epochs: int = 4
     lr: float = 1e-3
@@ -157,6 +207,7 @@ class TrainConfig:
     tree_nodes: int = 40
     mixed_precision: str = "bf16"
     vocab: str = "full"
+    soft_targets: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -172,15 +223,27 @@ class TrainConfig:
             raise ValueError(f"mixed_precision must be 'no', 'bf16' or 'fp16', got {self.mixed_precision!r}")
 
 
-def medusa_loss(logits: torch.Tensor, targets: torch.Tensor, decay: float) -> tuple[torch.Tensor, list[float]]:
-    """sum_i decay^i CE(logits[i], targets[:, i]) for logits (K, N, V), targets (N, K)."""
-    total, per_head = logits.new_zeros((), dtype=torch.float32), []
-    for i in range(logits.shape[0]):
-        ce = F.cross_entropy(logits[i].float(), targets[:, i], ignore_index=IGNORE)
-        ce = torch.nan_to_num(ce)  # a batch where head i has no target
-        total = total + decay ** i * ce
-        per_head.append(float(ce.detach()))
-    return total, per_head
+def medusa_loss(logits: torch.Tensor, targets: torch.Tensor, decay: float,
+                teacher: torch.Tensor | None = None) -> tuple[torch.Tensor, list[float]]:
+    """sum_i decay^i CE(logits[i], targets[:, i]) for logits (K, N, V), targets (N, K); a head with
+    no target in the batch adds 0. teacher (K, N, V): probabilities to use as soft targets (the
+    cross-entropy against them) at the positions `targets` marks valid.
+
+    One cross-entropy over all K*N rows rather than one per head: indexing logits[i] per head made
+    autograd build and sum K zero-filled (K, N, V) gradients, a third of a training step on the CPU.
+    """
+    K, N, V = logits.shape
+    t = targets.T.reshape(K * N)  # (K*N,), head-major like logits
+    valid = t != IGNORE
+    logp = logits.reshape(K * N, V).float().log_softmax(-1)  # (K*N, V)
+    if teacher is None:
+        ce = -logp.gather(1, t.clamp(min=0)[:, None])[:, 0]  # (K*N,)
+    else:
+        ce = -(teacher.reshape(K * N, V) * logp).sum(-1)
+    ce = torch.where(valid, ce, torch.zeros_like(ce)).view(K, N)
+    per_head = ce.sum(1) / valid.view(K, N).sum(1).clamp(min=1)  # (K,)
+    weights = decay ** torch.arange(K, dtype=torch.float32, device=logits.device)
+    return (weights * per_head).sum(), per_head.detach().tolist()
 
 
 @torch.no_grad()
@@ -290,6 +353,10 @@ def train_medusa(heads: MedusaHeads, data_dir: str | Path, out_dir: str | Path,
         idx = order[b * config.batch_size:(b + 1) * config.batch_size]
         h = hidden[idx].to(acc.device, torch.float32)
         t = targets[idx].to(acc.device)
+        teacher = None
+        if config.soft_targets:
+            with acc.autocast():
+                teacher = teacher_probs(heads, hidden, idx, vocab)  # (K, n, V')
         progress = step / total  # with a deadline, the schedule also follows the time spent
         if deadline is not None:
             progress = max(progress, (time.monotonic() - t_start) / max(1e-9, deadline - t_start))
@@ -297,7 +364,7 @@ def train_medusa(heads: MedusaHeads, data_dir: str | Path, out_dir: str | Path,
             g["lr"] = _lr_at(step, progress, config)
         with acc.autocast():
             logits = heads.head_logits(heads.features(h), vocab)  # (K, n, V or V')
-        loss, _ = medusa_loss(logits, t, config.decay)
+        loss, _ = medusa_loss(logits, t, config.decay, teacher)
         opt.zero_grad(set_to_none=True)
         acc.backward(loss)
         opt.step()

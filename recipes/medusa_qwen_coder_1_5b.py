@@ -16,7 +16,8 @@ from medusa_smollm2 import parser, pipeline
 
 DEFAULTS = {"out": "runs/medusa_qwen15", "max_minutes": 240.0, "answer_tokens": 256, "batch_size": 32,
             "prompts_per_minute": 60, "num_layers": 1, "epochs": 8, "tree_nodes": 48, "data_frac": 0.5,
-            "eval_minutes": 48.0, "eval_prompts": 32, "eval_tokens": 128, "speed_prompts": 8}
+            "eval_minutes": 48.0, "eval_prompts": 32, "eval_tokens": 128, "speed_prompts": 8,
+            "soft_targets": False}
 
 if __name__ == "__main__":
     p = parser(DEFAULTS)

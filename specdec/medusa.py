@@ -165,11 +165,15 @@ class MedusaHeads(nn.Module):
         if self.lm_heads is not None:
             ws = [head.weight if vocab is None else head.weight[vocab] for head in self.lm_heads]
             return torch.stack([f.to(w.dtype) @ w.T for w, f in zip(ws, feats)])
+        return self.base_logits(feats, vocab)
+
+    def base_logits(self, hidden: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor:
+        """The base model's LM head on (..., C): logits (..., V), or (..., len(vocab))."""
         if not self._base:
-            raise RuntimeError("these Medusa heads share the base model's LM head but are not bound "
-                               "to a model; call heads.bind(model.lm_head) or distill.load_medusa")
+            raise RuntimeError("these Medusa heads are not bound to a model's LM head; call "
+                               "heads.bind(model.lm_head) or distill.load_medusa")
         w = self._base[0].weight if vocab is None else self._base[0].weight[vocab]  # (V, C)
-        return feats.to(w.dtype) @ w.T
+        return hidden.to(w.dtype) @ w.T
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states (..., C) -> logits of every head (K, ..., V)."""

@@ -4,11 +4,12 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import distill
 import specdec
 from distill.train_medusa import (IGNORE, TrainConfig, cache_hidden_states, head_accuracy,
-                                  head_targets, load_cached, medusa_loss)
+                                  head_targets, load_cached, medusa_loss, teacher_probs)
 
 
 @pytest.fixture(scope="module")
@@ -55,10 +56,41 @@ def test_cached_hidden_states_equal_the_models(tiny_model, records, tmp_path):
 
 
 def test_loss_weights_heads_by_decay():
-    logits = torch.randn(2, 5, 7)
-    targets = torch.randint(0, 7, (5, 2))
+    logits = torch.randn(3, 6, 7, requires_grad=True)
+    targets = torch.randint(0, 7, (6, 3))
+    targets[:2, 1] = IGNORE  # head 1 has 4 targets
+    targets[:, 2] = IGNORE  # head 2 has none: it adds nothing
     loss, per_head = medusa_loss(logits, targets, 0.8)
-    assert float(loss) == pytest.approx(per_head[0] + 0.8 * per_head[1], rel=1e-5)
+    with torch.no_grad():
+        ref = [F.cross_entropy(logits[0], targets[:, 0]), F.cross_entropy(logits[1, 2:], targets[2:, 1])]
+    assert per_head == pytest.approx([float(ref[0]), float(ref[1]), 0.0], rel=1e-5)
+    assert loss.item() == pytest.approx(float(ref[0] + 0.8 * ref[1]), rel=1e-5)
+    loss.backward()
+    assert torch.equal(logits.grad[2], torch.zeros(6, 7)) and not torch.equal(logits.grad[1, 2:], torch.zeros(4, 7))
+
+
+def test_soft_targets_are_the_base_models_distribution_at_the_predicted_position(tiny_model, tmp_path):
+    prompts = [torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(n)) for n in (3, 5, 4, 7)]
+    out = specdec.generate(tiny_model, prompts, max_new_tokens=12).sequences  # the model's own answers
+    records = [{"prompt_ids": p.tolist(), "output_ids": s[p.numel():].tolist()} for p, s in zip(prompts, out)]
+    cache_hidden_states(tiny_model, records, tmp_path, num_heads=3, heldout_every=100, dtype=torch.float32)
+    hidden, targets = load_cached(tmp_path, "train", 3)
+    heads = distill.attach_medusa(tiny_model, num_heads=3)
+    idx = torch.arange(hidden.shape[0])
+    probs = teacher_probs(heads, hidden, idx)  # (3, N, V)
+    valid = targets.T != IGNORE  # (3, N)
+    assert valid.sum() > 20 and torch.allclose(probs.sum(-1), torch.ones(3, hidden.shape[0]))
+    # greedy answers: the teacher's argmax is the token each head is asked for
+    assert torch.equal(probs.argmax(-1)[valid], targets.T[valid])
+    one_hot = F.one_hot(targets.clamp(min=0).T, 128).float()  # (3, N, V)
+    logits = torch.randn(3, hidden.shape[0], 128)
+    assert medusa_loss(logits, targets, 0.8, one_hot)[0].item() == pytest.approx(
+        medusa_loss(logits, targets, 0.8)[0].item(), rel=1e-5)
+    cfg = TrainConfig(epochs=2, lr=1e-2, batch_size=16, warmup_steps=2, topk=3, tree_nodes=4,
+                      mixed_precision="no", soft_targets=True)
+    metrics = distill.train_medusa(heads, tmp_path, tmp_path / "heads", cfg)
+    losses = json.loads((tmp_path / "heads" / "checkpoint" / "trainer.json").read_text())["losses"]
+    assert metrics["steps"] == metrics["planned_steps"] == len(losses) and losses[-1] < losses[0]
 
 
 def test_training_learns_checkpoints_and_resumes(tiny_model, records, tmp_path):
