@@ -97,12 +97,17 @@ def _drop_torn_tail(path: Path) -> None:
 
 def generate_selfdistill(model, tokenizer, out_path: str | Path, prompts: list[tuple[int, list[int]]],
                          max_new_tokens: int = 256, batch_size: int = 16, temperature: float = 0.0,
-                         seed: int = 0, deadline: float | None = None) -> int:
+                         seed: int = 0, deadline: float | None = None, hidden_cache: str | Path | None = None,
+                         num_heads: int = 4) -> int:
     """Append the model's answers to `prompts` ((id, prompt ids) pairs) to `out_path` (jsonl).
 
     Ids already in the file are skipped (resume). Prompts run in file order, in batches of
-    `batch_size` rows (sorted by length within windows of 4 batches). temperature 0 = greedy answers; > 0 samples with a generator seeded by `seed`
-    and the batch's first id. deadline: a time.monotonic() value after which no new batch starts.
+    `batch_size` rows (sorted by length within windows of 4 batches). temperature 0 = greedy
+    answers; > 0 samples with a generator seeded by `seed` and the batch's first id. deadline: a time.monotonic() value after which no new batch starts.
+    hidden_cache: a Medusa hidden-state cache directory (distill.train_medusa, for `num_heads`
+    heads) that receives the hidden states generation computes anyway, so training needs no
+    second pass of the model over the answers (records the file holds but the cache lacks, after
+    a killed run, are cached first by `cache_hidden_states`).
     Returns the number of records in the file.
     """
     if batch_size < 1:
@@ -112,7 +117,19 @@ def generate_selfdistill(model, tokenizer, out_path: str | Path, prompts: list[t
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     _drop_torn_tail(out_path)
-    done = {r["id"] for r in read_records(out_path)}
+    records = read_records(out_path)
+    writer = None
+    if hidden_cache is not None:
+        from distill.train_medusa import HiddenCacheWriter, cache_hidden_states
+
+        cache_hidden_states(model, records, hidden_cache, num_heads, deadline=deadline)
+        writer = HiddenCacheWriter(hidden_cache, num_heads, model.config.hidden_size)
+        if writer.records_done > len(records):
+            raise ValueError(f"{hidden_cache} holds {writer.records_done} records, {out_path} {len(records)}: "
+                             "the cache belongs to other data; use a new cache directory")
+        if writer.records_done < len(records):  # the deadline came while catching up
+            return len(records)
+    done = {r["id"] for r in records}
     todo = [p for p in prompts if p[0] not in done]
     eos = stop_token_ids(tokenizer)
     # file order (an early stop keeps a representative sample); similar lengths within a window
@@ -127,12 +144,17 @@ def generate_selfdistill(model, tokenizer, out_path: str | Path, prompts: list[t
             gen = torch.Generator().manual_seed(seed * 1_000_003 + batch[0][0])
             rows = [torch.tensor(ids, dtype=torch.long) for _, ids in batch]
             out = specdec.generate(model, rows, max_new_tokens=max_new_tokens, temperature=temperature,
-                                   eos_token_id=eos, generator=gen)
-            for (idx, ids), seq in zip(batch, out.sequences):
-                rec = {"id": idx, "prompt_ids": ids, "output_ids": seq[len(ids):].tolist()}
-                f.write(json.dumps(rec) + "\n")
+                                   eos_token_id=eos, generator=gen, return_hidden=writer is not None)
+            recs = [{"id": idx, "prompt_ids": ids, "output_ids": seq[len(ids):].tolist()}
+                    for (idx, ids), seq in zip(batch, out.sequences)]
+            f.writelines(json.dumps(rec) + "\n" for rec in recs)
             f.flush()
             os.fsync(f.fileno())
+            if writer is not None:  # after the records are on disk: the cache never runs ahead
+                for rec, hid in zip(recs, out.hidden_states):
+                    writer.add(rec, hid)
             bar.update(len(batch))
     bar.close()
+    if writer is not None:
+        writer.close()
     return len(read_records(out_path))

@@ -5,7 +5,7 @@
 Steps, all inside the --max-minutes budget (each step resumes if the run is restarted):
 1. self-distillation data: the model's greedy answers to ShareGPT calibration prompts
    (OUT/selfdistill.jsonl) until `data_frac` of the budget;
-2. last hidden states cached once (OUT/hidden_cache), then Medusa-1 training of 4 heads until
+2. last hidden states (OUT/hidden_cache, kept while step 1 generates), then Medusa-1 training of 4 heads until
    `train_frac` of the budget (default: all but `eval_minutes`, the evaluation's reserve); the
    heads' tree is built from held-out accuracy (OUT holds them: `distill.load_medusa(OUT, model)`);
 3. evaluation (in --eval-dtype) on held-out ShareGPT prompts: tau and equality with plain greedy decoding for a
@@ -56,18 +56,19 @@ def train(args: argparse.Namespace, model, tok, out: Path, at, start: float) -> 
     prompts = sharegpt_prompts(tok, split="calibration", limit=limit,
                                max_prompt_tokens=args.max_prompt_tokens,
                                keep=is_code_prompt if getattr(args, "code_prompts", False) else None)
+    cache_dir = out / "hidden_cache"  # filled during generation: no second pass over the answers
     n = generate_selfdistill(model, tok, out / "selfdistill.jsonl", prompts,
                              max_new_tokens=args.answer_tokens, batch_size=args.batch_size,
-                             deadline=at(args.data_frac))
+                             deadline=at(args.data_frac), hidden_cache=cache_dir, num_heads=args.num_heads)
     records = read_records(out / "selfdistill.jsonl")
     print(f"[data] {n} answers, {sum(len(r['output_ids']) for r in records)} tokens, "
           f"{(time.monotonic() - start) / 60:.1f} min", flush=True)
 
-    cache_dir = out / "hidden_cache"
     cache_hidden_states(model, records, cache_dir, args.num_heads, deadline=at(args.train_frac))
     heads = distill.attach_medusa(model, num_heads=args.num_heads, num_layers=args.num_layers)
     cfg = TrainConfig(epochs=args.epochs, lr=args.lr, batch_size=args.train_batch, vocab=args.vocab,
-                      tree_nodes=args.tree_nodes, warmup_steps=20, checkpoint_every=100)
+                      tree_nodes=args.tree_nodes, warmup_steps=20, checkpoint_every=100,
+                      soft_targets=args.soft_targets)
     metrics = distill.train_medusa(heads, cache_dir, out, cfg, deadline=at(args.train_frac))
     train_min = (time.monotonic() - start) / 60
     print(f"[train] {metrics['steps']}/{metrics['planned_steps']} steps, top-1 accuracy "
@@ -170,6 +171,9 @@ def parser(defaults: dict) -> argparse.ArgumentParser:
     p.add_argument("--train-batch", type=int, default=512)
     p.add_argument("--vocab", default="data", choices=["full", "data"])
     p.add_argument("--tree-nodes", type=int, default=defaults["tree_nodes"])
+    p.add_argument("--soft-targets", action=argparse.BooleanOptionalAction, default=defaults["soft_targets"],
+                   help="train on the model's next-token distributions rather than its greedy tokens "
+                        "(TrainConfig.soft_targets)")
     p.add_argument("--data-frac", type=float, default=defaults["data_frac"],
                    help="fraction of the budget for self-distillation data")
     p.add_argument("--train-frac", type=float, default=None,
@@ -189,7 +193,8 @@ def parser(defaults: dict) -> argparse.ArgumentParser:
 # 0.289 after the same 3 minutes of training)
 DEFAULTS = {"out": "runs/medusa_smollm2", "max_minutes": 20.0, "answer_tokens": 128, "batch_size": 64,
             "prompts_per_minute": 1500, "num_layers": 2, "epochs": 3, "tree_nodes": 64, "data_frac": 0.55,
-            "eval_minutes": 3.5, "eval_prompts": 12, "eval_tokens": 96, "speed_prompts": 2}
+            "eval_minutes": 3.5, "eval_prompts": 12, "eval_tokens": 96, "speed_prompts": 2,
+            "soft_targets": False}
 
 if __name__ == "__main__":
     pipeline(parser(DEFAULTS).parse_args(), "smollm2-135m-instruct", "sharegpt", raw_eval=False)

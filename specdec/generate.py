@@ -15,10 +15,13 @@ from specdec.stats import AcceptanceStats
 @dataclass
 class GenerateOutput:
     """sequences: LongTensor [B, T + new] for a tensor input (short rows padded with `pad_token_id`),
-    or a list of 1-D LongTensors (prompt + new) for a list input; stats: AcceptanceStats."""
+    or a list of 1-D LongTensors (prompt + new) for a list input; stats: AcceptanceStats;
+    hidden_states (with `return_hidden`): per row, the final-norm hidden states (n, C) that chose
+    its n new tokens (those of its last prompt token and of every new token but the last)."""
 
     sequences: torch.Tensor | list[torch.Tensor]
     stats: AcceptanceStats
+    hidden_states: list[torch.Tensor] | None = None
 
 
 def as_runtime_model(model):
@@ -45,7 +48,7 @@ def _check_sampling(temperature: float, top_p: float, top_k: int) -> None:
 def generate(target, input_ids, draft=None, max_new_tokens: int = 128, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, num_draft_tokens: int | str = 5,
              eos_token_id: int | list[int] | None = None, generator: torch.Generator | None = None,
-             pad_token_id: int | None = None) -> GenerateOutput:
+             pad_token_id: int | None = None, return_hidden: bool = False) -> GenerateOutput:
     """Generate up to `max_new_tokens` per row, plainly (draft=None) or speculatively.
 
     target: a runtime model or a transformers PreTrainedModel. input_ids: LongTensor [B, T] or a
@@ -54,17 +57,22 @@ def generate(target, input_ids, draft=None, max_new_tokens: int = 128, temperatu
     list tried in order per step (["ngram", draft_model] = hybrid). temperature 0 = greedy
     (output equals plain decoding); otherwise lossless rejection sampling with top_k / top_p
     applied identically to draft and target. generator: the torch.Generator for every random
-    choice. eos_token_id: one id or several.
+    choice. eos_token_id: one id or several. return_hidden: also return the hidden states behind
+    each new token (plain decoding only; what Medusa heads train on, see distill.selfdistill).
     """
     _check_sampling(temperature, top_p, top_k)
+    if return_hidden and draft is not None:
+        raise ValueError("return_hidden is for plain decoding (draft=None): a speculative step's hidden "
+                         "states include those of rejected draft tokens")
     if getattr(target, "output_ids", None) is not None:
         raise ValueError("the target scores a restricted vocabulary (specdec.draft_vocab.restrict_vocab): "
                          "such a model can only draft; pass the full model as the target")
     target = as_runtime_model(target)
     rows, as_tensor = normalize_prompts(input_ids)
     state = RowState(rows, max_new_tokens, eos_set(eos_token_id))
+    hidden = [] if return_hidden else None
     if draft is None:
-        stats = _plain(target, state, temperature, top_k, top_p, generator)
+        stats = _plain(target, state, temperature, top_k, top_p, generator, hidden)
     elif getattr(draft, "is_tree_drafter", False):
         from specdec.medusa import medusa_decode
 
@@ -75,19 +83,23 @@ def generate(target, input_ids, draft=None, max_new_tokens: int = 128, temperatu
         stats = speculative_decode(target, draft, state, num_draft_tokens, temperature, top_k, top_p,
                                    generator)
     seqs = state.sequences()
+    if hidden is not None:  # steps (B, C) -> per row, the steps that chose its tokens (n, C)
+        steps = torch.stack(hidden, 1) if hidden else torch.zeros(len(seqs), 0, target.config.hidden_size)
+        hidden = [steps[b, :len(new)] for b, new in enumerate(state.new)]
     if as_tensor:
         pad = pad_token_id if pad_token_id is not None else (min(state.eos) if state.eos else 0)
         width = max(s.numel() for s in seqs)
         out = torch.full((len(seqs), width), pad, dtype=torch.long)
         for b, s in enumerate(seqs):
             out[b, :s.numel()] = s
-        return GenerateOutput(out, stats)
-    return GenerateOutput(seqs, stats)
+        return GenerateOutput(out, stats, hidden)
+    return GenerateOutput(seqs, stats, hidden)
 
 
 def _plain(model, state: RowState, temperature: float, top_k: int, top_p: float,
-           generator: torch.Generator | None) -> AcceptanceStats:
-    """Plain decoding: one target forward per token (tau = 1)."""
+           generator: torch.Generator | None, hidden: list[torch.Tensor] | None = None) -> AcceptanceStats:
+    """Plain decoding: one target forward per token (tau = 1). `hidden`: a list that receives each
+    step's hidden states (B, C), the prompt's last token first."""
     cfg = model.config
     stats = AcceptanceStats(num_calls=1)
     max_len = check_lengths(state.prompts, state.max_new_tokens, cfg.max_position_embeddings,
@@ -96,7 +108,10 @@ def _plain(model, state: RowState, temperature: float, top_k: int, top_p: float,
         return stats
     start = time.perf_counter()
     cache = model.new_cache(len(state.prompts), max_len)
-    logits = prefill(model, state.prompts, cache)  # (B, V)
+    logits = prefill(model, state.prompts, cache, return_hidden=hidden is not None)  # (B, V)
+    if hidden is not None:
+        logits, h = logits
+        hidden.append(h)  # (B, C)
     while True:
         active = state.active()
         nxt = select_next(logits, temperature, top_k, top_p, generator).cpu()  # (B,)
@@ -109,7 +124,12 @@ def _plain(model, state: RowState, temperature: float, top_k: int, top_p: float,
             break
         tokens = nxt.to(model.device)[:, None]  # (B, 1)
         positions = cache.lengths[:, None].clone()  # (B, 1): slot == position in plain decoding
-        logits = model(tokens, positions, cache)[:, -1]  # (B, V)
+        if hidden is None:
+            logits = model(tokens, positions, cache)[:, -1]  # (B, V)
+        else:
+            logits, h = model(tokens, positions, cache, return_hidden=True)
+            logits = logits[:, -1]
+            hidden.append(h[:, -1])  # (B, C)
     stats.wall_s = time.perf_counter() - start
     per_row = max(len(n) for n in state.new)
     stats.tpot_s = (stats.wall_s - stats.ttft_s) / (per_row - 1) if per_row > 1 else 0.0

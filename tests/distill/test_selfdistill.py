@@ -2,11 +2,13 @@
 
 import json
 
+import pytest
 import torch
 
 import specdec
 from distill.selfdistill import (chat_prompt_ids, generate_selfdistill, read_records,
                                  stop_token_ids)
+from distill.train_medusa import cache_hidden_states, load_cached
 
 
 def test_chat_prompt_and_stop_tokens(word_tokenizer):
@@ -43,3 +45,24 @@ def test_sampled_answers_are_reproducible(tiny_model, word_tokenizer, tmp_path):
                              temperature=1.0, seed=3)
     assert a == b == 4
     assert read_records(tmp_path / "a.jsonl") == read_records(tmp_path / "b.jsonl")
+
+
+def test_hidden_states_kept_during_generation_equal_a_second_pass(tiny_model, word_tokenizer, tmp_path):
+    prompts = [(i, chat_prompt_ids(word_tokenizer, " ".join(f"w{j}" for j in range(i, 2 * i + 2))))
+               for i in range(25)]
+    out, cache = tmp_path / "sd.jsonl", tmp_path / "cache"
+    generate_selfdistill(tiny_model, word_tokenizer, out, prompts[:4], max_new_tokens=12, batch_size=3)
+    # the cache starts late (records 0-3 come from a second pass), then follows generation
+    n = generate_selfdistill(tiny_model, word_tokenizer, out, prompts, max_new_tokens=12, batch_size=3,
+                             hidden_cache=cache, num_heads=2)
+    assert n == 25 and json.loads((cache / "manifest.json").read_text())["records_done"] == 25
+    ref = cache_hidden_states(tiny_model, read_records(out), tmp_path / "ref", num_heads=2)
+    for split in ("train", "heldout"):
+        h, t = load_cached(cache, split, 2)
+        h_ref, t_ref = load_cached(ref, split, 2)
+        assert torch.equal(t, t_ref)
+        torch.testing.assert_close(h.float(), h_ref.float(), rtol=0.02, atol=0.02)  # bf16 storage
+    assert load_cached(cache, "heldout", 2)[0].shape[0] > 0
+    with pytest.raises(ValueError, match="belongs to other data"):
+        generate_selfdistill(tiny_model, word_tokenizer, tmp_path / "other.jsonl", prompts[:2],
+                             max_new_tokens=12, hidden_cache=cache, num_heads=2)
