@@ -31,7 +31,7 @@ def main() -> None:
     args = ap.parse_args()
     tok = runtime.load_tokenizer(MODEL)
     evals = eval_windows(tok, args.n_eval, args.seq_len)
-    calib = quant.calibration_batches(tok, "sharegpt", n_samples=args.n_calib, seq_len=args.seq_len)
+    calib = quant.calibration_batches(tok, args.calib_source, n_samples=args.n_calib, seq_len=args.seq_len)
     rows = [report("dense-bf16", runtime.load_model(MODEL, dtype=torch.bfloat16), evals, None, 0.0)]
     configs = [(f"smollm2-135m-24-{m}", quant.SemiStructured24(method=m)) for m in args.methods.split(",")]
     if args.int4:

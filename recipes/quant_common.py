@@ -20,10 +20,14 @@ import quant
 import runtime
 
 
-def recipe_args(description: str) -> argparse.Namespace:
-    """The options every draft recipe takes (output dir, calibration / evaluation sizes, eval step)."""
+def recipe_args(description: str, calib_source: str = "sharegpt") -> argparse.Namespace:
+    """The options every draft recipe takes (output dir, calibration text and sizes, evaluation
+    sizes, eval step); `calib_source` is the recipe's default calibration text."""
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--out", type=Path, default=compressed_home(), help="where compressed checkpoints go")
+    ap.add_argument("--calib-source", default=calib_source, choices=["sharegpt", "code", "sharegpt+code"],
+                    help="calibration text (quant.calibration_batches): ShareGPT calibration turns, "
+                         "site-packages Python (never the stdlib files perplexity scores), or half each")
     ap.add_argument("--n-calib", type=int, default=64, help="calibration windows")
     ap.add_argument("--n-eval", type=int, default=16, help="perplexity windows per text set")
     ap.add_argument("--seq-len", type=int, default=512)

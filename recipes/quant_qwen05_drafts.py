@@ -2,8 +2,8 @@
 
     python recipes/quant_qwen05_drafts.py --n-calib 64 --n-eval 16 --eval-limit 20
 
-1. calibration windows from the ShareGPT calibration slice; perplexity windows from the held-out
-   slice and Python stdlib sources;
+1. calibration windows of site-packages Python (`--calib-source`); perplexity windows from the
+   held-out ShareGPT slice and Python stdlib sources;
 2. dense bf16 perplexity and size;
 3. INT8 weight-only (per channel) -> OUT/qwen2.5-coder-0.5b-int8, perplexity and size;
 4. INT4 GPTQ g128 -> OUT/qwen2.5-coder-0.5b-int4-gptq, perplexity and size;
@@ -25,10 +25,12 @@ MODEL, TARGET = "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"
 
 
 def main() -> None:
-    args = recipe_args(__doc__.splitlines()[0])
+    # code calibration: GPTQ of the 0.5B calibrated on code is the one calibration measured at or
+    # below NF4 on both chat and code perplexity (BENCHMARKS.md section 3, session 8)
+    args = recipe_args(__doc__.splitlines()[0], calib_source="code")
     tok = runtime.load_tokenizer(MODEL)
     evals = eval_windows(tok, args.n_eval, args.seq_len)
-    calib = quant.calibration_batches(tok, "sharegpt", n_samples=args.n_calib, seq_len=args.seq_len)
+    calib = quant.calibration_batches(tok, args.calib_source, n_samples=args.n_calib, seq_len=args.seq_len)
     rows = [report("dense-bf16", runtime.load_model(MODEL, dtype=torch.bfloat16), evals, None, 0.0)]
     int8_dir, int4_dir = args.out / "qwen2.5-coder-0.5b-int8", args.out / "qwen2.5-coder-0.5b-int4-gptq"
     rows.append(compress_and_save(MODEL, [quant.Int8WeightOnly()], None, int8_dir, tok, evals))

@@ -18,10 +18,12 @@ MODEL = "qwen2.5-coder-1.5b-instruct"
 
 
 def main() -> None:
-    args = recipe_args(__doc__.splitlines()[0])
+    # code calibration: GPTQ of the 0.5B calibrated on code is the one calibration measured at or
+    # below NF4 on both chat and code perplexity (BENCHMARKS.md section 3, session 8)
+    args = recipe_args(__doc__.splitlines()[0], calib_source="code")
     tok = runtime.load_tokenizer(MODEL)
     evals = eval_windows(tok, args.n_eval, args.seq_len)
-    calib = quant.calibration_batches(tok, "sharegpt", n_samples=args.n_calib, seq_len=args.seq_len)
+    calib = quant.calibration_batches(tok, args.calib_source, n_samples=args.n_calib, seq_len=args.seq_len)
     rows = [report("dense-bf16", runtime.load_model(MODEL, dtype=torch.bfloat16), evals, None, 0.0)]
     int4_dir = args.out / "qwen2.5-coder-1.5b-int4-gptq"
     rows.append(compress_and_save(MODEL, [quant.Int4WeightOnly(group_size=128, method="gptq", act_order=True)], calib, int4_dir,
