@@ -38,7 +38,8 @@ def main() -> None:
     heads = distill.attach_medusa(model, num_heads=4, num_layers=2)
     cfg = TrainConfig(epochs=3, lr=2e-3, batch_size=512, vocab="data", tree_nodes=64, warmup_steps=20,
                       checkpoint_every=100, soft_targets=args.soft_targets)
-    m = distill.train_medusa(heads, args.cache, args.out, cfg, deadline=time.monotonic() + 60 * args.minutes)
+    m = distill.train_medusa(heads, args.cache, args.out, cfg, deadline=time.monotonic() + 60 * args.minutes,
+                             resume=False)  # a fresh start every time: equal-time comparisons
     print(json.dumps({k: m[k] for k in ("steps", "planned_steps", "top1_accuracy", "expected_accepted_per_step")}))
 
 

@@ -103,7 +103,8 @@ def generate_selfdistill(model, tokenizer, out_path: str | Path, prompts: list[t
 
     Ids already in the file are skipped (resume). Prompts run in file order, in batches of
     `batch_size` rows (sorted by length within windows of 4 batches). temperature 0 = greedy
-    answers; > 0 samples with a generator seeded by `seed` and the batch's first id. deadline: a time.monotonic() value after which no new batch starts.
+    answers; > 0 samples with a generator seeded by `seed` and the batch's first id. deadline: a
+    time.monotonic() value after which no new batch starts.
     hidden_cache: a Medusa hidden-state cache directory (distill.train_medusa, for `num_heads`
     heads) that receives the hidden states generation computes anyway, so training needs no
     second pass of the model over the answers (records the file holds but the cache lacks, after
@@ -124,9 +125,6 @@ def generate_selfdistill(model, tokenizer, out_path: str | Path, prompts: list[t
 
         cache_hidden_states(model, records, hidden_cache, num_heads, deadline=deadline)
         writer = HiddenCacheWriter(hidden_cache, num_heads, model.config.hidden_size)
-        if writer.records_done > len(records):
-            raise ValueError(f"{hidden_cache} holds {writer.records_done} records, {out_path} {len(records)}: "
-                             "the cache belongs to other data; use a new cache directory")
         if writer.records_done < len(records):  # the deadline came while catching up
             return len(records)
     done = {r["id"] for r in records}
@@ -137,24 +135,26 @@ def generate_selfdistill(model, tokenizer, out_path: str | Path, prompts: list[t
     todo = [p for lo in range(0, len(todo), window) for p in sorted(todo[lo:lo + window], key=lambda p: len(p[1]))]
     batches = [todo[i:i + batch_size] for i in range(0, len(todo), batch_size)]
     bar = tqdm(total=len(todo), desc="self-distillation answers", unit="prompt")
-    with open(out_path, "a") as f:
-        for batch in batches:
-            if deadline is not None and time.monotonic() > deadline:
-                break
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + batch[0][0])
-            rows = [torch.tensor(ids, dtype=torch.long) for _, ids in batch]
-            out = specdec.generate(model, rows, max_new_tokens=max_new_tokens, temperature=temperature,
-                                   eos_token_id=eos, generator=gen, return_hidden=writer is not None)
-            recs = [{"id": idx, "prompt_ids": ids, "output_ids": seq[len(ids):].tolist()}
-                    for (idx, ids), seq in zip(batch, out.sequences)]
-            f.writelines(json.dumps(rec) + "\n" for rec in recs)
-            f.flush()
-            os.fsync(f.fileno())
-            if writer is not None:  # after the records are on disk: the cache never runs ahead
-                for rec, hid in zip(recs, out.hidden_states):
-                    writer.add(rec, hid)
-            bar.update(len(batch))
-    bar.close()
-    if writer is not None:
-        writer.close()
+    try:
+        with open(out_path, "a") as f:
+            for batch in batches:
+                if deadline is not None and time.monotonic() > deadline:
+                    break
+                gen = torch.Generator().manual_seed(seed * 1_000_003 + batch[0][0])
+                rows = [torch.tensor(ids, dtype=torch.long) for _, ids in batch]
+                out = specdec.generate(model, rows, max_new_tokens=max_new_tokens, temperature=temperature,
+                                       eos_token_id=eos, generator=gen, return_hidden=writer is not None)
+                recs = [{"id": idx, "prompt_ids": ids, "output_ids": seq[len(ids):].tolist()}
+                        for (idx, ids), seq in zip(batch, out.sequences)]
+                f.writelines(json.dumps(rec) + "\n" for rec in recs)
+                f.flush()
+                os.fsync(f.fileno())
+                if writer is not None:  # after the records are on disk: the cache never runs ahead
+                    for rec, hid in zip(recs, out.hidden_states):
+                        writer.add(rec, hid)
+                bar.update(len(batch))
+    finally:  # an interrupted run keeps the hidden states of every record already written
+        if writer is not None:
+            writer.flush()
+        bar.close()
     return len(read_records(out_path))

@@ -24,7 +24,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
@@ -58,7 +57,7 @@ class HiddenCacheWriter:
     Record i goes to the held-out split when i % heldout_every == 0. Buffers are written as
     safetensors shards of about `shard_positions` positions, each followed by the manifest, so
     `records_done` counts exactly the records whose positions are on disk (a killed run redoes
-    only the records after it). Call `close()` to write what is buffered.
+    only the records after it). Call `flush()` to write what is buffered.
     """
 
     def __init__(self, out_dir: str | Path, num_heads: int, hidden_size: int, heldout_every: int = 20,
@@ -68,20 +67,35 @@ class HiddenCacheWriter:
             (self.out_dir / split).mkdir(parents=True, exist_ok=True)
         path = self.out_dir / MANIFEST
         self.manifest = json.loads(path.read_text()) if path.is_file() else {
-            "num_heads": num_heads, "hidden_size": hidden_size, "records_done": 0,
-            "shards": {"train": [], "heldout": []}}
+            "num_heads": num_heads, "hidden_size": hidden_size, "heldout_every": heldout_every,
+            "records_done": 0, "last_id": None, "shards": {"train": [], "heldout": []}}
         if self.manifest["num_heads"] < num_heads or self.manifest["hidden_size"] != hidden_size:
             raise ValueError(f"{self.out_dir} caches hidden states for {self.manifest['num_heads']} heads / "
                              f"hidden size {self.manifest['hidden_size']}; use another directory for this model")
-        self.num_heads, self.heldout_every = num_heads, heldout_every
+        if self.manifest.get("heldout_every", heldout_every) != heldout_every:
+            raise ValueError(f"{self.out_dir} holds out every {self.manifest['heldout_every']}th record, not "
+                             f"every {heldout_every}th; use another directory")
+        # the cache's own head count: every shard keeps the same target columns
+        self.num_heads, self.heldout_every = self.manifest["num_heads"], heldout_every
         self.shard_positions, self.dtype = shard_positions, dtype
         self.buf = {"train": ([], []), "heldout": ([], [])}
         self.pending = 0  # records added since the last manifest write
+        self.last_id = self.manifest.get("last_id")  # id of the last record added
 
     @property
     def records_done(self) -> int:
-        """Records added so far (on disk after `close()`)."""
+        """Records added so far (on disk after `flush()`)."""
         return self.manifest["records_done"] + self.pending
+
+    def check_continues(self, records: list[dict]) -> None:
+        """Fail unless the cache's records are the first `records_done` of `records` (by the
+        last cached record's id: a cache of other data is not silently extended)."""
+        n = self.records_done
+        known = "last_id" in self.manifest  # older caches do not record it
+        if n > len(records) or (n and known and records[n - 1].get("id") != self.last_id):
+            raise ValueError(f"{self.out_dir} caches {n} records ending with id {self.last_id!r}, which are not "
+                             f"the first {n} of these {len(records)} records: the cache belongs to other "
+                             "data; use a new cache directory")
 
     def add(self, record: dict, hidden: torch.Tensor) -> None:
         """hidden (n, C): the states at the last prompt token and every answer token but the last
@@ -96,10 +110,11 @@ class HiddenCacheWriter:
             self.buf[split][0].append(hidden.to("cpu", self.dtype))  # (n, C)
             self.buf[split][1].append(head_targets(seq, start, self.num_heads))  # (n, K)
         self.pending += 1
+        self.last_id = record.get("id")
         if any(sum(h.shape[0] for h in hs) >= self.shard_positions for hs, _ in self.buf.values()):
-            self.close()
+            self.flush()
 
-    def close(self) -> None:
+    def flush(self) -> None:
         """Write the buffered positions as shards, then the manifest."""
         for split, (hs, ts) in self.buf.items():
             if not hs:
@@ -111,6 +126,7 @@ class HiddenCacheWriter:
             hs.clear()
             ts.clear()
         self.manifest["records_done"] += self.pending
+        self.manifest["last_id"] = self.last_id
         self.pending = 0
         _write_json(self.out_dir / MANIFEST, self.manifest)
 
@@ -128,6 +144,7 @@ def cache_hidden_states(model, records: list[dict], out_dir: str | Path, num_hea
     """
     writer = HiddenCacheWriter(out_dir, num_heads, model.config.hidden_size, heldout_every,
                                shard_positions, dtype)
+    writer.check_continues(records)
     todo = records[writer.records_done:]
     bar = tqdm(total=len(todo), desc="caching hidden states", unit="record")
     i = 0
@@ -154,7 +171,7 @@ def cache_hidden_states(model, records: list[dict], out_dir: str | Path, num_hea
             writer.add(r, hidden[b, len(r["prompt_ids"]) - 1:len(s) - 1])  # (n, C)
         i += len(batch)
         bar.update(len(batch))
-    writer.close()
+    writer.flush()
     bar.close()
     return Path(out_dir)
 
@@ -191,9 +208,10 @@ def teacher_probs(heads: MedusaHeads, hidden: torch.Tensor, idx: torch.Tensor,
 class TrainConfig:
     """Medusa-1 training hyper-parameters.
 
-    soft_targets: head i at position t learns the base model's whole next-token distribution at
+    soft_targets: head i at position t learns the base model's next-token distribution at
     position t+1+i (its LM head on the cached hidden state there: the teacher Medusa distils)
-    instead of only the greedy token that the answer holds.
+    instead of only the greedy token that the answer holds; with vocab="data" the distribution
+    is renormalised over the tokens the training answers use.
     """
 
     epochs: int = 4

@@ -15,7 +15,7 @@ import torch
 
 import quant
 import runtime
-from quant_common import compressed_home, compress_and_save, eval_windows, report
+from quant_common import add_calib_source, compressed_home, compress_and_save, eval_windows, report
 
 MODEL = "smollm2-135m-instruct"
 
@@ -23,6 +23,7 @@ MODEL = "smollm2-135m-instruct"
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=compressed_home())
+    add_calib_source(ap, "sharegpt")
     ap.add_argument("--n-calib", type=int, default=32)
     ap.add_argument("--n-eval", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=512)

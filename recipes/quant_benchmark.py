@@ -19,6 +19,7 @@ import torch
 
 import quant
 import runtime
+from quant_common import add_calib_source
 
 def configs(group_size: int) -> dict[str, quant.config.Config]:
     """The named configs of the table (INT4 grids with `group_size` inputs per group)."""
@@ -50,9 +51,7 @@ def main() -> None:
                     help=f"comma list of dense and {', '.join(configs(128))}")
     ap.add_argument("--group-size", type=int, default=128, help="INT4 group size (must divide every input width)")
     ap.add_argument("--n-calib", type=int, default=32)
-    ap.add_argument("--calib-source", default="sharegpt", choices=["sharegpt", "code", "sharegpt+code"],
-                    help="calibration text (quant.calibration_batches); 'code' is site-packages Python, "
-                         "never the stdlib files scored here")
+    add_calib_source(ap, "sharegpt")
     ap.add_argument("--n-eval", type=int, default=16)
     ap.add_argument("--windows", default="contiguous", choices=["contiguous", "per-text"],
                     help="calibration and evaluation windows: contiguous tokens of the texts in order (a few "

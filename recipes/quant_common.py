@@ -25,9 +25,7 @@ def recipe_args(description: str, calib_source: str = "sharegpt") -> argparse.Na
     sizes, eval step); `calib_source` is the recipe's default calibration text."""
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--out", type=Path, default=compressed_home(), help="where compressed checkpoints go")
-    ap.add_argument("--calib-source", default=calib_source, choices=["sharegpt", "code", "sharegpt+code"],
-                    help="calibration text (quant.calibration_batches): ShareGPT calibration turns, "
-                         "site-packages Python (never the stdlib files perplexity scores), or half each")
+    add_calib_source(ap, calib_source)
     ap.add_argument("--n-calib", type=int, default=64, help="calibration windows")
     ap.add_argument("--n-eval", type=int, default=16, help="perplexity windows per text set")
     ap.add_argument("--seq-len", type=int, default=512)
@@ -35,6 +33,13 @@ def recipe_args(description: str, calib_source: str = "sharegpt") -> argparse.Na
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--skip-eval", action="store_true", help="stop before the specdec eval step")
     return ap.parse_args()
+
+
+def add_calib_source(ap: argparse.ArgumentParser, default: str) -> None:
+    """The --calib-source option of every compression recipe."""
+    ap.add_argument("--calib-source", default=default, choices=["sharegpt", "code", "sharegpt+code"],
+                    help="calibration text (quant.calibration_batches): ShareGPT calibration turns, "
+                         "site-packages Python (never the stdlib files perplexity scores), or half each")
 
 
 def compressed_home() -> Path:

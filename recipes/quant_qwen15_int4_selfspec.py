@@ -18,8 +18,8 @@ MODEL = "qwen2.5-coder-1.5b-instruct"
 
 
 def main() -> None:
-    # code calibration: GPTQ of the 0.5B calibrated on code is the one calibration measured at or
-    # below NF4 on both chat and code perplexity (BENCHMARKS.md section 3, session 8)
+    # code calibration: on the 0.5B (not measured on the 1.5B) it is the one calibration measured at
+    # or below NF4 on both chat and code perplexity (BENCHMARKS.md section 3, session 8)
     args = recipe_args(__doc__.splitlines()[0], calib_source="code")
     tok = runtime.load_tokenizer(MODEL)
     evals = eval_windows(tok, args.n_eval, args.seq_len)

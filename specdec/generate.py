@@ -84,7 +84,8 @@ def generate(target, input_ids, draft=None, max_new_tokens: int = 128, temperatu
                                    generator)
     seqs = state.sequences()
     if hidden is not None:  # steps (B, C) -> per row, the steps that chose its tokens (n, C)
-        steps = torch.stack(hidden, 1) if hidden else torch.zeros(len(seqs), 0, target.config.hidden_size)
+        steps = torch.stack(hidden, 1) if hidden else torch.zeros(
+            len(seqs), 0, target.config.hidden_size, dtype=target.dtype, device=target.device)
         hidden = [steps[b, :len(new)] for b, new in enumerate(state.new)]
     if as_tensor:
         pad = pad_token_id if pad_token_id is not None else (min(state.eos) if state.eos else 0)

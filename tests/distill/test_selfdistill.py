@@ -52,7 +52,8 @@ def test_hidden_states_kept_during_generation_equal_a_second_pass(tiny_model, wo
                for i in range(25)]
     out, cache = tmp_path / "sd.jsonl", tmp_path / "cache"
     generate_selfdistill(tiny_model, word_tokenizer, out, prompts[:4], max_new_tokens=12, batch_size=3)
-    # the cache starts late (records 0-3 come from a second pass), then follows generation
+    cache_hidden_states(tiny_model, read_records(out)[:2], cache, num_heads=2)
+    # the cache holds records 0-1; 2-3 come from a second pass, the rest from generation
     n = generate_selfdistill(tiny_model, word_tokenizer, out, prompts, max_new_tokens=12, batch_size=3,
                              hidden_cache=cache, num_heads=2)
     assert n == 25 and json.loads((cache / "manifest.json").read_text())["records_done"] == 25
@@ -63,6 +64,9 @@ def test_hidden_states_kept_during_generation_equal_a_second_pass(tiny_model, wo
         assert torch.equal(t, t_ref)
         torch.testing.assert_close(h.float(), h_ref.float(), rtol=0.02, atol=0.02)  # bf16 storage
     assert load_cached(cache, "heldout", 2)[0].shape[0] > 0
-    with pytest.raises(ValueError, match="belongs to other data"):
+    with pytest.raises(ValueError, match="belongs to other data"):  # fewer records than the cache
         generate_selfdistill(tiny_model, word_tokenizer, tmp_path / "other.jsonl", prompts[:2],
                              max_new_tokens=12, hidden_cache=cache, num_heads=2)
+    other = read_records(out)[::-1] + read_records(out)  # more records; the 25th is not the cache's last
+    with pytest.raises(ValueError, match="belongs to other data"):
+        cache_hidden_states(tiny_model, other, cache, num_heads=2)
