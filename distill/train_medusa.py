@@ -93,9 +93,9 @@ class HiddenCacheWriter:
         n = self.records_done
         known = "last_id" in self.manifest  # older caches do not record it
         if n > len(records) or (n and known and records[n - 1].get("id") != self.last_id):
-            raise ValueError(f"{self.out_dir} caches {n} records ending with id {self.last_id!r}, which are not "
-                             f"the first {n} of these {len(records)} records: the cache belongs to other "
-                             "data; use a new cache directory")
+            last = f" ending with id {self.last_id!r}" if known else ""
+            raise ValueError(f"{self.out_dir} caches {n} records{last}, which are not the first {n} of these "
+                             f"{len(records)} records: the cache belongs to other data; use a new cache directory")
 
     def add(self, record: dict, hidden: torch.Tensor) -> None:
         """hidden (n, C): the states at the last prompt token and every answer token but the last
