@@ -5,9 +5,10 @@
 Steps, all inside the --max-minutes budget (each step resumes if the run is restarted):
 1. self-distillation data: the model's greedy answers to ShareGPT calibration prompts
    (OUT/selfdistill.jsonl) until `data_frac` of the budget;
-2. last hidden states (OUT/hidden_cache, kept while step 1 generates), then Medusa-1 training of 4 heads until
-   `train_frac` of the budget (default: all but `eval_minutes`, the evaluation's reserve); the
-   heads' tree is built from held-out accuracy (OUT holds them: `distill.load_medusa(OUT, model)`);
+2. last hidden states (OUT/hidden_cache, kept while step 1 generates), then Medusa-1 training
+   of 4 heads until `train_frac` of the budget (default: all but `eval_minutes`, the
+   evaluation's reserve); the heads' tree is built from held-out accuracy (OUT holds them:
+   `distill.load_medusa(OUT, model)`);
 3. evaluation (in --eval-dtype) on held-out ShareGPT prompts: tau and equality with plain greedy decoding for a
    batch of prompts (OUT/tau.json), and tokens/s against plain decoding per prompt with
    `specdec eval` (OUT/eval/report.json).
