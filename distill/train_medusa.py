@@ -311,12 +311,13 @@ def _lr_at(step: int, progress: float, cfg: TrainConfig) -> float:
     return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def _save_checkpoint(ckpt: Path, heads: MedusaHeads, opt, step: int, losses: list[float]) -> None:
+def _save_checkpoint(ckpt: Path, heads: MedusaHeads, opt, step: int, losses: list[float],
+                     time_progress: float) -> None:
     ckpt.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().cpu().contiguous() for k, v in heads.state_dict().items()}
     atomic_write(ckpt / "heads.safetensors", lambda tmp: save_file(state, tmp))
     atomic_write(ckpt / "optimizer.pt", lambda tmp: torch.save(opt.state_dict(), tmp))
-    _write_json(ckpt / "trainer.json", {"step": step, "losses": losses})
+    _write_json(ckpt / "trainer.json", {"step": step, "losses": losses, "time_progress": time_progress})
 
 
 def train_medusa(heads: MedusaHeads, data_dir: str | Path, out_dir: str | Path,
@@ -328,7 +329,8 @@ def train_medusa(heads: MedusaHeads, data_dir: str | Path, out_dir: str | Path,
     accuracy), `checkpoint/` (resumed from when `resume`), `loss.png` and `metrics.json`.
     deadline: a time.monotonic() value at which training stops early (evaluation still runs); the
     cosine learning-rate decay then follows the larger of steps done and time spent, so a run cut
-    by its deadline still ends annealed.
+    by its deadline still ends annealed; a resumed run goes on from the schedule's saved point and
+    spreads the rest of the decay over the time left.
     Returns the metrics: per-head top-1 / top-k accuracy, the accuracy table, the tree, losses.
     """
     from accelerate import Accelerator
@@ -344,12 +346,13 @@ def train_medusa(heads: MedusaHeads, data_dir: str | Path, out_dir: str | Path,
     params = [p for p in heads.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
     ckpt = out_dir / "checkpoint"
-    step, losses = 0, []
+    step, losses, time0 = 0, [], 0.0
     if resume and (ckpt / "trainer.json").is_file():
         heads.load_state_dict(load_file(str(ckpt / "heads.safetensors")))
         opt.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True))
         meta = json.loads((ckpt / "trainer.json").read_text())
         step, losses = meta["step"], meta["losses"]
+        time0 = meta.get("time_progress", 0.0)  # absent in checkpoints of earlier versions
     vocab = None
     if config.vocab == "data":  # softmax over the tokens the answers use: a fraction of the cost
         vocab = torch.unique(targets[targets != IGNORE])  # (V',)
@@ -363,6 +366,7 @@ def train_medusa(heads: MedusaHeads, data_dir: str | Path, out_dir: str | Path,
     bar = tqdm(total=total, initial=step, desc="training Medusa heads", unit="step")
     model_h.train()
     t_start = time.monotonic()
+    time_progress = time0  # the share of the deadline-driven decay spent, across resumes
     while step < total:
         if deadline is not None and time.monotonic() > deadline:
             break
@@ -375,9 +379,10 @@ def train_medusa(heads: MedusaHeads, data_dir: str | Path, out_dir: str | Path,
         if config.soft_targets:
             with acc.autocast():
                 teacher = teacher_probs(heads, hidden, idx, vocab)  # (K, n, V')
-        progress = step / total  # with a deadline, the schedule also follows the time spent
-        if deadline is not None:
-            progress = max(progress, (time.monotonic() - t_start) / max(1e-9, deadline - t_start))
+        if deadline is not None:  # with a deadline, the schedule also follows the time spent
+            spent = (time.monotonic() - t_start) / max(1e-9, deadline - t_start)
+            time_progress = time0 + (1 - time0) * min(1.0, spent)
+        progress = max(step / total, time_progress)
         for g in opt.param_groups:
             g["lr"] = _lr_at(step, progress, config)
         with acc.autocast():
@@ -391,9 +396,9 @@ def train_medusa(heads: MedusaHeads, data_dir: str | Path, out_dir: str | Path,
         bar.update(1)
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
         if step % config.checkpoint_every == 0:
-            _save_checkpoint(ckpt, heads, opt, step, losses)
+            _save_checkpoint(ckpt, heads, opt, step, losses, time_progress)
     bar.close()
-    _save_checkpoint(ckpt, heads, opt, step, losses)
+    _save_checkpoint(ckpt, heads, opt, step, losses, time_progress)
     heads = acc.unwrap_model(model_h).eval().requires_grad_(False)
     table = head_accuracy(heads, hidden_ho, targets_ho, config.topk)
     paths = build_tree(table, config.tree_nodes)

@@ -2,7 +2,8 @@
 
     python recipes/medusa_smollm2.py --out runs/medusa_smollm2 --max-minutes 20
 
-Steps, all inside the --max-minutes budget (each step resumes if the run is restarted):
+Steps, all inside the --max-minutes budget (each step resumes if the run is restarted, and the
+restarted run goes on against the same budget: OUT/budget.json holds the minutes spent):
 1. self-distillation data: the model's greedy answers to ShareGPT calibration prompts
    (OUT/selfdistill.jsonl) until `data_frac` of the budget;
 2. last hidden states (OUT/hidden_cache, kept while step 1 generates), then Medusa-1 training
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import signal
 import sys
 import time
 from pathlib import Path
@@ -30,6 +32,7 @@ import torch
 import distill
 import runtime
 import specdec
+from distill.budget import RunBudget
 from distill.selfdistill import (generate_selfdistill, is_code_prompt, read_records, sharegpt_prompts,
                                 stop_token_ids)
 from distill.train_medusa import TrainConfig, cache_hidden_states
@@ -51,7 +54,7 @@ def tau_on_prompts(model, heads, rows: list[torch.Tensor], max_new_tokens: int, 
             "stats": med.stats.to_dict()}
 
 
-def train(args: argparse.Namespace, model, tok, out: Path, at, start: float) -> tuple[list[dict], dict, float]:
+def train(args: argparse.Namespace, model, tok, out: Path, budget: RunBudget) -> tuple[list[dict], dict, float]:
     """Self-distillation data, hidden-state cache and head training, each until its deadline."""
     limit = args.num_prompts or round(args.prompts_per_minute * args.max_minutes)
     prompts = sharegpt_prompts(tok, split="calibration", limit=limit,
@@ -60,18 +63,18 @@ def train(args: argparse.Namespace, model, tok, out: Path, at, start: float) -> 
     cache_dir = out / "hidden_cache"  # filled during generation: no second pass over the answers
     n = generate_selfdistill(model, tok, out / "selfdistill.jsonl", prompts,
                              max_new_tokens=args.answer_tokens, batch_size=args.batch_size,
-                             deadline=at(args.data_frac), hidden_cache=cache_dir, num_heads=args.num_heads)
+                             deadline=budget.at(args.data_frac), hidden_cache=cache_dir, num_heads=args.num_heads)
     records = read_records(out / "selfdistill.jsonl")
     print(f"[data] {n} answers, {sum(len(r['output_ids']) for r in records)} tokens, "
-          f"{(time.monotonic() - start) / 60:.1f} min", flush=True)
+          f"{budget.minutes():.1f} min", flush=True)
 
-    cache_hidden_states(model, records, cache_dir, args.num_heads, deadline=at(args.train_frac))
+    cache_hidden_states(model, records, cache_dir, args.num_heads, deadline=budget.at(args.train_frac))
     heads = distill.attach_medusa(model, num_heads=args.num_heads, num_layers=args.num_layers)
     cfg = TrainConfig(epochs=args.epochs, lr=args.lr, batch_size=args.train_batch, vocab=args.vocab,
                       tree_nodes=args.tree_nodes, warmup_steps=20, checkpoint_every=100,
                       soft_targets=args.soft_targets)
-    metrics = distill.train_medusa(heads, cache_dir, out, cfg, deadline=at(args.train_frac))
-    train_min = (time.monotonic() - start) / 60
+    metrics = distill.train_medusa(heads, cache_dir, out, cfg, deadline=budget.at(args.train_frac))
+    train_min = budget.minutes()
     print(f"[train] {metrics['steps']}/{metrics['planned_steps']} steps, top-1 accuracy "
           f"{[round(a, 3) for a in metrics['top1_accuracy']]}, {train_min:.1f} min", flush=True)
     (out / "train_run.json").write_text(json.dumps({"command": shlex.join(["python"] + sys.argv),
@@ -80,13 +83,9 @@ def train(args: argparse.Namespace, model, tok, out: Path, at, start: float) -> 
 
 
 def pipeline(args: argparse.Namespace, model_name: str, eval_dataset: str, raw_eval: bool) -> dict:
-    """Data -> hidden-state cache -> training -> evaluation, bounded by args.max_minutes."""
+    """Data -> hidden-state cache -> training -> evaluation, bounded by args.max_minutes; a restarted
+    run resumes every step and goes on against the same budget (OUT/budget.json)."""
     start = time.monotonic()
-    budget = 60 * args.max_minutes
-
-    def at(frac: float) -> float:
-        return start + frac * budget
-
     if args.train_frac is None:  # keep eval_minutes for the evaluation, but on a short budget
         # give training at least half of what the data phase leaves
         args.train_frac = max(1 - args.eval_minutes / args.max_minutes, (1 + args.data_frac) / 2)
@@ -98,6 +97,25 @@ def pipeline(args: argparse.Namespace, model_name: str, eval_dataset: str, raw_e
         raise SystemExit(f"--eval-only: {out} holds no trained heads (no metrics.json); run the recipe "
                          "without --eval-only first, or point --out at a finished run")
     out.mkdir(parents=True, exist_ok=True)
+    budget = None if args.eval_only else RunBudget(out / "budget.json", args.max_minutes)
+    # `kill` (SIGTERM) stops the run like Ctrl-C: buffered hidden states and the budget are written,
+    # and the same command resumes it
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        return _run(args, model_name, eval_dataset, raw_eval, out, budget, start)
+    finally:
+        if budget is not None:
+            budget.close()
+
+
+def _run(args: argparse.Namespace, model_name: str, eval_dataset: str, raw_eval: bool, out: Path,
+         budget: RunBudget | None, start: float) -> dict:
+    if budget is not None and budget.spent_before:
+        print(f"[budget] resuming {out}: {budget.spent_before:.1f} of {args.max_minutes:g} minutes already "
+              "spent (budget.json)" + ("; the budget is spent, so data and training stop at once and only "
+                                       "the evaluation runs: raise --max-minutes to go on"
+                                       if budget.spent_before >= args.max_minutes * args.train_frac else ""),
+              flush=True)
     dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
     model = runtime.load_model(model_name, dtype=dtype)
     tok = runtime.load_tokenizer(model_name)
@@ -109,7 +127,7 @@ def pipeline(args: argparse.Namespace, model_name: str, eval_dataset: str, raw_e
         run = out / "train_run.json"
         train_min = json.loads(run.read_text())["train_minutes"] if run.is_file() else None
     else:
-        records, metrics, train_min = train(args, model, tok, out, at, start)
+        records, metrics, train_min = train(args, model, tok, out, budget)
 
     eval_dtype = args.eval_dtype or args.dtype
     if eval_dtype != args.dtype:
@@ -135,7 +153,8 @@ def pipeline(args: argparse.Namespace, model_name: str, eval_dataset: str, raw_e
             print(f"[speed] {name}: tau {o['tau']:.3f}, {o['tokens_per_second']:.2f} tokens/s, "
                   f"speedup vs plain {o['speedup_vs_plain']:.2f}, matches plain {o['matches_plain']}",
                   flush=True)
-    summary = {"command": shlex.join(["python"] + sys.argv), "minutes": (time.monotonic() - start) / 60,
+    minutes = budget.minutes() if budget is not None else (time.monotonic() - start) / 60
+    summary = {"command": shlex.join(["python"] + sys.argv), "minutes": minutes,
                "train_minutes": train_min, "tau": tau["tau"], "matches_plain": tau["matches_plain"],
                "top1_accuracy": metrics["top1_accuracy"], "records": len(records),
                "train_positions": metrics["train_positions"],

@@ -1,10 +1,13 @@
 """Medusa-1 training on cached hidden states: targets, caching, learning, checkpoint / resume."""
 
+import dataclasses
 import json
+import time
 
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 
 import distill
 import specdec
@@ -121,6 +124,27 @@ def test_training_learns_checkpoints_and_resumes(tiny_model, records, tmp_path):
     out = specdec.generate(tiny_model, rows, draft=loaded, max_new_tokens=20)
     plain = specdec.generate(tiny_model, rows, max_new_tokens=20)
     assert all(torch.equal(a, b) for a, b in zip(out.sequences, plain.sequences))
+
+
+
+def test_a_resumed_run_keeps_the_learning_rate_schedule_it_reached(tiny_model, records, tmp_path):
+    """A deadline-cut run records how far its cosine decay went; a resumed run starts from there
+    (here: the end of the decay, so its steps change nothing) instead of from the peak rate."""
+    data = cache_hidden_states(tiny_model, records, tmp_path / "cache", num_heads=1, dtype=torch.float32)
+    cfg = TrainConfig(epochs=1, lr=1e-2, batch_size=128, warmup_steps=1, checkpoint_every=5, topk=2,
+                      tree_nodes=2, mixed_precision="no")
+    distill.train_medusa(distill.attach_medusa(tiny_model, num_heads=1), data, tmp_path / "heads", cfg)
+    trainer = tmp_path / "heads" / "checkpoint" / "trainer.json"
+    meta = json.loads(trainer.read_text())
+    assert meta["time_progress"] == 0.0  # no deadline: the schedule followed the steps alone
+    trainer.write_text(json.dumps({**meta, "time_progress": 1.0}))
+    before = load_file(str(tmp_path / "heads" / "checkpoint" / "heads.safetensors"))
+    longer = dataclasses.replace(cfg, epochs=3)
+    more = distill.train_medusa(distill.attach_medusa(tiny_model, num_heads=1), data, tmp_path / "heads",
+                                longer, deadline=time.monotonic() + 600)
+    assert more["steps"] > meta["step"]
+    after = load_file(str(tmp_path / "heads" / "checkpoint" / "heads.safetensors"))
+    assert all(torch.equal(before[k], after[k]) for k in before)
 
 
 def test_training_over_the_data_vocabulary_learns_full_vocabulary_accuracy(tiny_model, records, tmp_path):

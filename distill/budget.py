@@ -1,0 +1,74 @@
+"""A wall-clock budget for a long, resumable job that holds across restarts.
+
+`RunBudget(path, max_minutes)` starts the clock with the minutes an earlier run of the same job
+already spent (read from `path`, a small JSON file) and rewrites that file every `every`
+seconds while the job runs, so a job stopped at any point (Ctrl-C, a killed machine) and started
+again goes on against the same budget instead of a fresh one. Deadlines are time.monotonic()
+values, as the pipelines' `deadline=` parameters take them.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+from runtime.atomic import atomic_write_text
+
+
+class RunBudget:
+    """`max_minutes` of wall clock for the job whose progress file is `path`.
+
+    at(frac): the deadline by which `frac` of the budget is spent. minutes(): the minutes spent,
+    earlier runs included. Use as a context manager (or call close()) so that the last figure is
+    written when the job ends.
+    """
+
+    def __init__(self, path: str | Path, max_minutes: float, every: float = 15.0) -> None:
+        if max_minutes <= 0:
+            raise ValueError(f"max_minutes must be > 0, got {max_minutes}")
+        if every <= 0:
+            raise ValueError(f"every must be > 0 seconds, got {every}")
+        self.path = Path(path)
+        self.max_minutes = max_minutes
+        self.spent_before = 0.0
+        if self.path.is_file():
+            try:
+                self.spent_before = float(json.loads(self.path.read_text())["spent_minutes"])
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{self.path} is not a budget file ({e}); delete it to start the "
+                                 "budget afresh") from e
+        self.start = time.monotonic() - 60 * self.spent_before
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._tick, args=(every,), daemon=True)
+        self.save()
+        self._thread.start()
+
+    def at(self, frac: float) -> float:
+        """time.monotonic() value at which `frac` of the whole budget is spent."""
+        return self.start + frac * 60 * self.max_minutes
+
+    def minutes(self) -> float:
+        """Minutes spent so far, earlier runs of the job included."""
+        return (time.monotonic() - self.start) / 60
+
+    def save(self) -> None:
+        atomic_write_text(self.path, json.dumps({"spent_minutes": round(self.minutes(), 4),
+                                                 "max_minutes": self.max_minutes}))
+
+    def _tick(self, every: float) -> None:
+        while not self._stop.wait(every):
+            self.save()
+
+    def close(self) -> None:
+        """Stop the clock's writer and record the final figure."""
+        self._stop.set()
+        self._thread.join()
+        self.save()
+
+    def __enter__(self) -> RunBudget:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

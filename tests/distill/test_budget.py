@@ -1,0 +1,39 @@
+"""RunBudget: a job's wall-clock budget carried across restarts through its progress file."""
+
+import json
+import time
+
+import pytest
+
+from distill.budget import RunBudget
+
+
+def test_a_restarted_job_goes_on_against_the_same_budget(tmp_path):
+    path = tmp_path / "budget.json"
+    with RunBudget(path, max_minutes=10) as first:
+        assert first.spent_before == 0.0
+        assert abs(first.at(0.5) - (first.start + 300)) < 1e-6
+    spent = json.loads(path.read_text())["spent_minutes"]
+    path.write_text(json.dumps({"spent_minutes": 4.0 + spent}))  # as if the first run had run 4 minutes
+    with RunBudget(path, max_minutes=10) as second:
+        assert second.spent_before == pytest.approx(4.0 + spent)
+        assert second.minutes() >= second.spent_before
+        left = second.at(1.0) - time.monotonic()
+        assert 60 * (6 - spent) - 1 < left <= 60 * (6 - spent)  # 6 of the 10 minutes are left
+    assert json.loads(path.read_text())["spent_minutes"] >= 4.0
+
+
+def test_the_progress_file_is_rewritten_while_the_job_runs(tmp_path):
+    path = tmp_path / "budget.json"
+    with RunBudget(path, max_minutes=1, every=0.02):
+        first = json.loads(path.read_text())["spent_minutes"]
+        time.sleep(0.3)
+        assert json.loads(path.read_text())["spent_minutes"] > first  # without close()
+
+
+def test_bad_budgets_and_progress_files_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="max_minutes must be > 0"):
+        RunBudget(tmp_path / "b.json", max_minutes=0)
+    (tmp_path / "b.json").write_text('{"minutes": 3}')
+    with pytest.raises(ValueError, match="b.json is not a budget file"):
+        RunBudget(tmp_path / "b.json", max_minutes=5)
