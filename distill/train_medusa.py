@@ -8,7 +8,8 @@
    are written atomically and a manifest records how many records are done.
 2. `train_medusa` trains the heads for many epochs on those shards (cheap: no backbone pass):
    loss = sum_i 0.8^i CE(head i) (softmax over the whole vocabulary, or, with vocab="data",
-   over the tokens the training answers use: 3-5x cheaper on a CPU), AdamW with warmup + cosine decay, `accelerate` for device
+   over the tokens the training answers use: 3-5x cheaper on a CPU, and the heads then guess
+   among those tokens only), AdamW with warmup + cosine decay, `accelerate` for device
    placement and mixed precision, tqdm, atomic checkpoints every `checkpoint_every` steps and
    resume from them, a loss-curve PNG, and per-head top-k accuracy on the held-out shards. The
    measured accuracy picks the heads' candidate tree (`specdec.tree.build_tree`), stored with
@@ -275,7 +276,7 @@ def head_accuracy(heads: MedusaHeads, hidden: torch.Tensor, targets: torch.Tenso
     for lo in range(0, hidden.shape[0], batch_size):
         h = hidden[lo:lo + batch_size].to(device)
         t = targets[lo:lo + batch_size].to(device)  # (n, K)
-        idx = heads(h).topk(topk, dim=-1).indices  # (K, n, topk)
+        idx = heads.top_tokens(h, topk)  # (K, n, topk), among the heads' guess vocabulary
         for i in range(K):
             valid = t[:, i] != IGNORE
             hits[i] += (idx[i][valid] == t[valid, i, None]).float().sum(0).cpu()
@@ -400,6 +401,8 @@ def train_medusa(heads: MedusaHeads, data_dir: str | Path, out_dir: str | Path,
     bar.close()
     _save_checkpoint(ckpt, heads, opt, step, losses, time_progress)
     heads = acc.unwrap_model(model_h).eval().requires_grad_(False)
+    if vocab is not None:  # the heads learned to rank these tokens only: they guess among them
+        heads.restrict_vocab(vocab)
     table = head_accuracy(heads, hidden_ho, targets_ho, config.topk)
     paths = build_tree(table, config.tree_nodes)
     heads.config = MedusaConfig(**{**heads.config.__dict__, "tree": paths,

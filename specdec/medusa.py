@@ -50,7 +50,11 @@ def default_tree(num_heads: int, num_nodes: int = DEFAULT_TREE_NODES) -> tuple[P
 
 @dataclass(frozen=True)
 class MedusaConfig:
-    """Shape of a set of Medusa heads, and the candidate tree they draft with."""
+    """Shape of a set of Medusa heads, and the candidate tree they draft with.
+
+    guess_vocab: how many token ids the heads guess among (the `vocab` tensor stored with the
+    weights), 0 for the whole vocabulary; see MedusaHeads.restrict_vocab.
+    """
 
     hidden_size: int
     vocab_size: int
@@ -59,11 +63,15 @@ class MedusaConfig:
     shared_lm_head: bool = True
     tree: tuple[Path, ...] | None = None
     head_accuracy: tuple[tuple[float, ...], ...] | None = None
+    guess_vocab: int = 0
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "vocab_size", "num_heads", "num_layers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"MedusaConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.guess_vocab <= self.vocab_size:
+            raise ValueError(f"MedusaConfig.guess_vocab must be 0 (the whole vocabulary) or a token "
+                             f"count <= vocab_size {self.vocab_size}, got {self.guess_vocab}")
         if self.tree is not None:
             tree = Tree(tuple(tuple(p) for p in self.tree))
             if tree.max_depth > self.num_heads:
@@ -79,7 +87,8 @@ class MedusaConfig:
                 "num_heads": self.num_heads, "num_layers": self.num_layers,
                 "shared_lm_head": self.shared_lm_head,
                 "tree": [list(p) for p in self.tree] if self.tree is not None else None,
-                "head_accuracy": [list(r) for r in self.head_accuracy] if self.head_accuracy else None}
+                "head_accuracy": [list(r) for r in self.head_accuracy] if self.head_accuracy else None,
+                "guess_vocab": self.guess_vocab}
 
     @classmethod
     def from_dict(cls, d: dict) -> "MedusaConfig":
@@ -89,7 +98,8 @@ class MedusaConfig:
                    num_heads=int(d["num_heads"]), num_layers=int(d["num_layers"]),
                    shared_lm_head=bool(d["shared_lm_head"]),
                    tree=tuple(tuple(p) for p in tree) if tree is not None else None,
-                   head_accuracy=tuple(tuple(r) for r in acc) if acc else None)
+                   head_accuracy=tuple(tuple(r) for r in acc) if acc else None,
+                   guess_vocab=int(d.get("guess_vocab", 0)))  # absent in heads saved before it
 
 
 class ResBlock(nn.Module):
@@ -127,6 +137,9 @@ class MedusaHeads(nn.Module):
             if lm_head is not None:
                 for head in self.lm_heads:
                     head.weight.data.copy_(lm_head.weight.data)
+        # (V',) token ids the heads guess among, or None for all; a buffer, saved with the weights
+        self.register_buffer("vocab", torch.zeros(config.guess_vocab, dtype=torch.long)
+                             if config.guess_vocab else None)
         self._base: list[nn.Linear] = []  # a list: the base LM head is not a parameter of the heads
         if lm_head is not None:
             self.bind(lm_head)
@@ -149,6 +162,21 @@ class MedusaHeads(nn.Module):
             raise ValueError(f"the tree is {tree.max_depth} deep but there are only "
                              f"{self.config.num_heads} heads")
         self.tree = tree
+
+    def restrict_vocab(self, ids: torch.Tensor | None) -> None:
+        """Guess only among the token `ids` (1-D), e.g. those the training answers use: heads
+        trained with `vocab="data"` never learned to rank the rest, and scoring fewer rows of a
+        large LM head is cheaper. None: the whole vocabulary. The target still verifies every
+        guess with its full vocabulary, so decoding stays lossless."""
+        if ids is not None:
+            ids = torch.as_tensor(ids, dtype=torch.long).flatten()
+            if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
+                raise ValueError(f"restrict_vocab needs a non-empty set of token ids in [0, "
+                                 f"{self.config.vocab_size}), got {ids.numel()} ids")
+            ids = ids.to(next(self.parameters()).device)
+        self.vocab = ids
+        self.config = MedusaConfig(**{**self.config.__dict__,
+                                      "guess_vocab": 0 if ids is None else ids.numel()})
 
     @property
     def num_heads(self) -> int:
@@ -180,12 +208,17 @@ class MedusaHeads(nn.Module):
         return self.head_logits(self.features(hidden))
 
     @torch.no_grad()
+    def top_tokens(self, hidden: torch.Tensor, k: int, num_heads: int | None = None) -> torch.Tensor:
+        """Each head's k best token ids (K', ..., k) from hidden (..., C), best first, among the
+        guess vocabulary (restrict_vocab); K' = num_heads (default all)."""
+        feats = self.features(hidden)[:num_heads]  # (K', ..., C)
+        idx = self.head_logits(feats, self.vocab).topk(k, dim=-1).indices  # (K', ..., k)
+        return idx if self.vocab is None else self.vocab[idx]
+
+    @torch.no_grad()
     def guesses(self, hidden: torch.Tensor, topk: tuple[int, ...]) -> list[torch.Tensor]:
         """Top-k tokens (B, topk[i]) of heads i < len(topk) from hidden (B, C), best first."""
-        feats = self.features(hidden)[:len(topk)]  # (D, B, C)
-        logits = self.head_logits(feats)  # (D, B, V)
-        k = max(topk)
-        idx = logits.topk(k, dim=-1).indices  # (D, B, k)
+        idx = self.top_tokens(hidden, max(topk), len(topk))  # (D, B, k)
         return [idx[i, :, :topk[i]] for i in range(len(topk))]
 
 

@@ -47,6 +47,23 @@ def test_save_load_round_trip_keeps_weights_tree_and_outputs(tiny_model, tmp_pat
     assert all(torch.equal(a, b) for a, b in zip(out.sequences, plain.sequences))
 
 
+
+def test_a_restricted_guess_vocabulary_round_trips_and_older_heads_still_load(tiny_model, tmp_path):
+    heads = trained_like(distill.attach_medusa(tiny_model, num_heads=2))
+    heads.restrict_vocab(torch.arange(0, 128, 2))  # the even ids only
+    distill.save_medusa(heads, tmp_path / "h")
+    loaded = distill.load_medusa(tmp_path / "h", tiny_model)
+    assert loaded.config.guess_vocab == 64 and torch.equal(loaded.vocab, heads.vocab)
+    assert (loaded.top_tokens(torch.randn(6, 64), 4) % 2 == 0).all()
+    # heads saved before the guess vocabulary existed: no `guess_vocab` in the config, no `vocab`
+    plain = trained_like(distill.attach_medusa(tiny_model, num_heads=2))
+    distill.save_medusa(plain, tmp_path / "old")
+    cfg = json.loads((tmp_path / "old" / "medusa_config.json").read_text())
+    del cfg["guess_vocab"]
+    (tmp_path / "old" / "medusa_config.json").write_text(json.dumps(cfg))
+    old = distill.load_medusa(tmp_path / "old", tiny_model)
+    assert old.vocab is None and old.config.guess_vocab == 0
+
 def test_separate_lm_heads_round_trip(tiny_model, tmp_path):
     heads = trained_like(distill.attach_medusa(tiny_model, num_heads=2, shared_lm_head=False))
     distill.save_medusa(heads, tmp_path)

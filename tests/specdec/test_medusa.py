@@ -70,6 +70,21 @@ def test_greedy_medusa_equals_plain_decoding_on_ragged_batches(model):
     assert len(s.per_position_acceptance) == 3
 
 
+
+def test_heads_restricted_to_a_guess_vocabulary_stay_lossless(model):
+    heads = random_heads(model, tree=((0,), (1,), (2,), (0, 0), (1, 0), (0, 0, 0)))
+    heads.restrict_vocab(torch.arange(40, 128))
+    rows = prompts(4, seed=5)
+    hidden = torch.randn(4, 64)
+    assert all(int(g.min()) >= 40 for g in heads.guesses(hidden, (3, 2, 1)))
+    plain = specdec.generate(model, rows, max_new_tokens=20)
+    out = specdec.generate(model, rows, draft=heads, max_new_tokens=20)
+    assert all(torch.equal(a, b) for a, b in zip(out.sequences, plain.sequences))
+    with pytest.raises(ValueError, match="token ids in \\[0, 128\\)"):
+        heads.restrict_vocab(torch.tensor([5, 128]))
+    heads.restrict_vocab(None)
+    assert heads.vocab is None and heads.config.guess_vocab == 0
+
 def test_greedy_medusa_with_eos_and_tensor_input(model):
     heads = random_heads(model, tree=((0,), (1,), (0, 0), (0, 0, 0)))
     ids = torch.randint(0, 128, (3, 6), generator=torch.Generator().manual_seed(3))
