@@ -77,6 +77,10 @@ def test_heads_restricted_to_a_guess_vocabulary_stay_lossless(model):
     rows = prompts(4, seed=5)
     hidden = torch.randn(4, 64)
     assert all(int(g.min()) >= 40 for g in heads.guesses(hidden, (3, 2, 1)))
+    feats = heads.features(hidden)  # the guess rows are gathered once and kept, not per step
+    torch.testing.assert_close(heads.head_logits(feats, heads.vocab),
+                               heads.head_logits(feats, heads.vocab.clone()))
+    assert heads._base_rows() is heads._base_rows()
     plain = specdec.generate(model, rows, max_new_tokens=20)
     out = specdec.generate(model, rows, draft=heads, max_new_tokens=20)
     assert all(torch.equal(a, b) for a, b in zip(out.sequences, plain.sequences))
