@@ -1,0 +1,72 @@
+"""What one Medusa tree step costs against one plain decoding step, by tree size.
+
+    python benchmarks/medusa_step_cost.py --model qwen2.5-coder-1.5b-instruct --nodes 1,8,16,24,32,48,64
+
+Speed with Medusa is tau / (tree step / plain step), so this ratio says which tree can pay off:
+on a CPU a tree forward of N tokens is not free as it is on a GPU. Heads are attached untrained
+(the step's cost does not depend on what they guess), one HumanEval chat prompt, batch 1, eager,
+best of `--repeats` runs per size. `--guess-vocab V` restricts the heads' guesses to V token ids
+(as trained heads are, `MedusaHeads.restrict_vocab`). Prints one line per size and writes
+`--json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+import distill
+import runtime
+import specdec
+from runtime.atomic import atomic_write_text
+from specdec.medusa import default_tree
+from specdec.prompts import encode, load_prompts
+
+
+def step_seconds(model, row: torch.Tensor, tokens: int, heads=None) -> tuple[float, float]:
+    """(seconds per decoding step after the prefill, seconds of it spent in the heads)."""
+    out = specdec.generate(model, [row], draft=heads, max_new_tokens=tokens)
+    s = out.stats
+    steps = s.target_forwards - 1
+    return (s.wall_s - s.ttft_s) / steps, s.draft_s / steps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--nodes", default="1,8,16,24,32,48,64", help="tree sizes (comma-separated)")
+    ap.add_argument("--guess-vocab", type=int, default=0, help="restrict guesses to this many ids (0 = all)")
+    ap.add_argument("--tokens", type=int, default=24, help="tokens generated per timing")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--json", default=None, help="write the figures here")
+    args = ap.parse_args()
+
+    dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
+    model = runtime.load_model(args.model, dtype=dtype)
+    tok = runtime.load_tokenizer(args.model)
+    row = torch.tensor(encode(tok, [load_prompts(dataset="humaneval", limit=1)[0].turns[0]], [], False))
+    heads = distill.attach_medusa(model, num_heads=4)
+    if args.guess_vocab:
+        heads.restrict_vocab(torch.arange(args.guess_vocab))
+    step_seconds(model, row, 4)  # warm-up
+    plain = min(step_seconds(model, row, args.tokens)[0] for _ in range(args.repeats))
+    print(f"{args.model} {args.dtype}, prompt {len(row)} tokens: plain step {plain * 1e3:.0f} ms", flush=True)
+    rows = []
+    for n in (int(x) for x in args.nodes.split(",")):
+        heads.set_tree(default_tree(4, n))
+        step, in_heads = min(step_seconds(model, row, args.tokens, heads) for _ in range(args.repeats))
+        rows.append({"nodes": n, "step_ms": step * 1e3, "heads_ms": in_heads * 1e3, "vs_plain": step / plain})
+        print(f"tree {n:3d} nodes: step {step * 1e3:.0f} ms = {step / plain:.2f}x plain "
+              f"(heads {in_heads * 1e3:.1f} ms)", flush=True)
+    if args.json:
+        atomic_write_text(args.json, json.dumps({"model": args.model, "dtype": args.dtype,
+                                                 "threads": torch.get_num_threads(),
+                                                 "guess_vocab": args.guess_vocab, "plain_step_ms": plain * 1e3,
+                                                 "trees": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
