@@ -62,12 +62,16 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_tree(args: argparse.Namespace) -> int:
     import runtime
     from distill.medusa import load_medusa, save_medusa
-    from distill.train_medusa import head_accuracy, load_cached
+    from distill.train_medusa import data_vocab, head_accuracy, load_cached
     from specdec.medusa import MedusaConfig
     from specdec.tree import build_tree, expected_length
 
     model = runtime.load_model(args.model, dtype=_DTYPES[args.dtype])
     heads = load_medusa(args.heads, model, dtype=torch.float32)
+    if args.data_vocab:
+        if not args.data_dir:
+            raise ValueError("--data-vocab needs --data-dir: the hidden-state cache the heads were trained on")
+        heads.restrict_vocab(data_vocab(load_cached(args.data_dir, "train", heads.num_heads)[1]))
     if args.data_dir:
         hidden, targets = load_cached(args.data_dir, "heldout", heads.num_heads)
         table = head_accuracy(heads, hidden, targets)
@@ -141,4 +145,7 @@ def register(subparsers) -> None:
     r.add_argument("--heads", required=True, help="heads directory (rewritten in place)")
     r.add_argument("--num-nodes", type=int, default=tc.tree_nodes)
     r.add_argument("--data-dir", default=None, help="hidden-state cache to measure accuracy on")
+    r.add_argument("--data-vocab", action="store_true",
+                   help="also restrict the heads' guesses to the tokens of the cache's training targets, as "
+                        "training with --vocab data now does (for heads saved before it)")
     r.set_defaults(func=cmd_tree)

@@ -192,6 +192,11 @@ def load_cached(data_dir: str | Path, split: str, num_heads: int) -> tuple[torch
             torch.cat([s["targets"][:, :num_heads] for s in shards]))
 
 
+def data_vocab(targets: torch.Tensor) -> torch.Tensor:
+    """The token ids (V',) that cached head targets (N, K) hold: the vocabulary of vocab="data"."""
+    return torch.unique(targets[targets != IGNORE])
+
+
 @torch.no_grad()
 def teacher_probs(heads: MedusaHeads, hidden: torch.Tensor, idx: torch.Tensor,
                   vocab: torch.Tensor | None = None) -> torch.Tensor:
@@ -356,7 +361,7 @@ def train_medusa(heads: MedusaHeads, data_dir: str | Path, out_dir: str | Path,
         time0 = meta.get("time_progress", 0.0)  # absent in checkpoints of earlier versions
     vocab = None
     if config.vocab == "data":  # softmax over the tokens the answers use: a fraction of the cost
-        vocab = torch.unique(targets[targets != IGNORE])  # (V',)
+        vocab = data_vocab(targets)  # (V',)
         remap = torch.full((heads.config.vocab_size,), IGNORE, dtype=torch.long)
         remap[vocab] = torch.arange(vocab.numel())
         targets = torch.where(targets == IGNORE, targets, remap[targets.clamp(min=0)])
