@@ -21,11 +21,12 @@ import distill
 import runtime
 import specdec
 from runtime.atomic import atomic_write_text
-from specdec.medusa import default_tree
+from specdec.medusa import MedusaHeads, default_tree
 from specdec.prompts import encode, load_prompts
 
 
-def step_seconds(model, row: torch.Tensor, tokens: int, heads=None) -> tuple[float, float]:
+def step_seconds(model: torch.nn.Module, row: torch.Tensor, tokens: int,
+                 heads: MedusaHeads | None = None) -> tuple[float, float]:
     """(seconds per decoding step after the prefill, seconds of it spent in the heads)."""
     out = specdec.generate(model, [row], draft=heads, max_new_tokens=tokens)
     s = out.stats

@@ -10,8 +10,10 @@ values, as the pipelines' `deadline=` parameters take them.
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
+import warnings
 from pathlib import Path
 
 from runtime.atomic import atomic_write_text
@@ -36,6 +38,8 @@ class RunBudget:
         if self.path.is_file():
             try:
                 self.spent_before = float(json.loads(self.path.read_text())["spent_minutes"])
+                if not math.isfinite(self.spent_before) or self.spent_before < 0:
+                    raise ValueError(f"spent_minutes is {self.spent_before}")
             except (ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"{self.path} is not a budget file ({e}); delete it to start the "
                                  "budget afresh") from e
@@ -54,12 +58,16 @@ class RunBudget:
         return (time.monotonic() - self.start) / 60
 
     def save(self) -> None:
+        """Write the minutes spent so far (and the budget, for whoever reads the file)."""
         atomic_write_text(self.path, json.dumps({"spent_minutes": round(self.minutes(), 4),
                                                  "max_minutes": self.max_minutes}))
 
     def _tick(self, every: float) -> None:
         while not self._stop.wait(every):
-            self.save()
+            try:
+                self.save()
+            except OSError as e:  # a full disk must not end the job; the next tick tries again
+                warnings.warn(f"could not record the budget in {self.path}: {e}", stacklevel=1)
 
     def close(self) -> None:
         """Stop the clock's writer and record the final figure."""

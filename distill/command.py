@@ -66,12 +66,12 @@ def cmd_tree(args: argparse.Namespace) -> int:
     from specdec.medusa import MedusaConfig
     from specdec.tree import build_tree, expected_length
 
+    if args.data_vocab and not args.data_dir:
+        raise ValueError("--data-vocab needs --data-dir: the hidden-state cache the heads were trained on")
     model = runtime.load_model(args.model, dtype=_DTYPES[args.dtype])
     heads = load_medusa(args.heads, model, dtype=torch.float32)
     if args.data_vocab:
-        if not args.data_dir:
-            raise ValueError("--data-vocab needs --data-dir: the hidden-state cache the heads were trained on")
-        heads.restrict_vocab(data_vocab(load_cached(args.data_dir, "train", heads.num_heads)[1]))
+        heads.restrict_vocab(data_vocab(load_cached(args.data_dir, "train", heads.num_heads, hidden=False)[1]))
     if args.data_dir:
         hidden, targets = load_cached(args.data_dir, "heldout", heads.num_heads)
         table = head_accuracy(heads, hidden, targets)

@@ -1,8 +1,9 @@
 """Attach Medusa heads to a model, save them (safetensors + JSON), load them back with checks.
 
-A heads directory holds `medusa.safetensors` (the residual blocks, plus the per-head LM heads
-when they are not shared) and `medusa_config.json` (shapes, the shared-LM-head mode, the
-candidate tree and the per-head accuracy it was built from). Both are written atomically.
+A heads directory holds `medusa.safetensors` (the residual blocks, the per-head LM heads when
+they are not shared, and `vocab`, the token ids the heads guess among, when restricted) and
+`medusa_config.json` (shapes, the shared-LM-head mode, the guess-vocabulary size, the candidate
+tree and the per-head accuracy it was built from). Both are written atomically.
 The shared LM head is never saved: it is the base model's own `lm_head`.
 """
 

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
@@ -149,47 +150,55 @@ def cache_hidden_states(model, records: list[dict], out_dir: str | Path, num_hea
     todo = records[writer.records_done:]
     bar = tqdm(total=len(todo), desc="caching hidden states", unit="record")
     i = 0
-    while i < len(todo):
-        if deadline is not None and time.monotonic() > deadline:
-            break
-        batch = [todo[i]]
-        longest = len(todo[i]["prompt_ids"]) + len(todo[i]["output_ids"])
-        while i + len(batch) < len(todo):
-            nxt = todo[i + len(batch)]
-            n = len(nxt["prompt_ids"]) + len(nxt["output_ids"])
-            if max(longest, n) * (len(batch) + 1) > batch_tokens:
+    try:
+        while i < len(todo):
+            if deadline is not None and time.monotonic() > deadline:
                 break
-            batch.append(nxt)
-            longest = max(longest, n)
-        seqs = [r["prompt_ids"] + r["output_ids"] for r in batch]
-        tokens = torch.zeros(len(seqs), longest, dtype=torch.long)  # (B, T), right-padded
-        for b, s in enumerate(seqs):
-            tokens[b, :len(s)] = torch.tensor(s)
-        positions = torch.arange(longest)[None].expand(len(seqs), -1)
-        _, hidden = model(tokens.to(model.device), positions.to(model.device), None, return_hidden=True,
-                          logits_idx=torch.zeros(len(seqs), 1, dtype=torch.long, device=model.device))
-        for b, (r, s) in enumerate(zip(batch, seqs)):
-            writer.add(r, hidden[b, len(r["prompt_ids"]) - 1:len(s) - 1])  # (n, C)
-        i += len(batch)
-        bar.update(len(batch))
-    writer.flush()
-    bar.close()
+            batch = [todo[i]]
+            longest = len(todo[i]["prompt_ids"]) + len(todo[i]["output_ids"])
+            while i + len(batch) < len(todo):
+                nxt = todo[i + len(batch)]
+                n = len(nxt["prompt_ids"]) + len(nxt["output_ids"])
+                if max(longest, n) * (len(batch) + 1) > batch_tokens:
+                    break
+                batch.append(nxt)
+                longest = max(longest, n)
+            seqs = [r["prompt_ids"] + r["output_ids"] for r in batch]
+            tokens = torch.zeros(len(seqs), longest, dtype=torch.long)  # (B, T), right-padded
+            for b, s in enumerate(seqs):
+                tokens[b, :len(s)] = torch.tensor(s)
+            positions = torch.arange(longest)[None].expand(len(seqs), -1)
+            _, hidden = model(tokens.to(model.device), positions.to(model.device), None, return_hidden=True,
+                              logits_idx=torch.zeros(len(seqs), 1, dtype=torch.long, device=model.device))
+            for b, (r, s) in enumerate(zip(batch, seqs)):
+                writer.add(r, hidden[b, len(r["prompt_ids"]) - 1:len(s) - 1])  # (n, C)
+            i += len(batch)
+            bar.update(len(batch))
+    finally:  # also when stopped (Ctrl-C, SIGTERM): what was computed is kept
+        writer.flush()
+        bar.close()
     return Path(out_dir)
 
 
-def load_cached(data_dir: str | Path, split: str, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+def load_cached(data_dir: str | Path, split: str, num_heads: int,
+                hidden: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
     """All shards of one split: hidden (N, C) and targets (N, num_heads); each record's positions
-    are consecutive rows, in order."""
+    are consecutive rows, in order. hidden=False reads the targets only (hidden is then None)."""
     data_dir = Path(data_dir)
     manifest = json.loads((data_dir / MANIFEST).read_text())
     if manifest["num_heads"] < num_heads:
         raise ValueError(f"{data_dir} holds targets for {manifest['num_heads']} heads, {num_heads} "
                          "were asked for; rebuild the cache with more heads")
-    shards = [load_file(str(data_dir / split / n)) for n in manifest["shards"][split]]
-    if not shards:
+    names = manifest["shards"][split]
+    if not names:
         raise ValueError(f"{data_dir} has no {split} positions; generate more self-distillation data")
-    return (torch.cat([s["hidden"] for s in shards]),
-            torch.cat([s["targets"][:, :num_heads] for s in shards]))
+    states, targets = [], []
+    for n in names:
+        with safe_open(str(data_dir / split / n), framework="pt") as f:
+            targets.append(f.get_tensor("targets")[:, :num_heads])
+            if hidden:
+                states.append(f.get_tensor("hidden"))
+    return (torch.cat(states) if hidden else None), torch.cat(targets)
 
 
 def data_vocab(targets: torch.Tensor) -> torch.Tensor:
@@ -317,13 +326,21 @@ def _lr_at(step: int, progress: float, cfg: TrainConfig) -> float:
     return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
+def _time_progress(seconds: float, left: float) -> float:
+    """How far a deadline-bound cosine decay has gone: the training seconds spent so far (earlier
+    runs of a resumed job included) over those plus the seconds left to the deadline. A resumed
+    run therefore goes on from where it stopped, and a later deadline (a raised budget) spreads
+    the rest of the decay over the longer window instead of leaving the rate at zero."""
+    return seconds / max(1e-9, seconds + max(0.0, left))
+
+
 def _save_checkpoint(ckpt: Path, heads: MedusaHeads, opt, step: int, losses: list[float],
-                     time_progress: float) -> None:
+                     seconds: float) -> None:
     ckpt.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().cpu().contiguous() for k, v in heads.state_dict().items()}
     atomic_write(ckpt / "heads.safetensors", lambda tmp: save_file(state, tmp))
     atomic_write(ckpt / "optimizer.pt", lambda tmp: torch.save(opt.state_dict(), tmp))
-    _write_json(ckpt / "trainer.json", {"step": step, "losses": losses, "time_progress": time_progress})
+    _write_json(ckpt / "trainer.json", {"step": step, "losses": losses, "train_seconds": seconds})
 
 
 def train_medusa(heads: MedusaHeads, data_dir: str | Path, out_dir: str | Path,
@@ -335,8 +352,10 @@ def train_medusa(heads: MedusaHeads, data_dir: str | Path, out_dir: str | Path,
     accuracy), `checkpoint/` (resumed from when `resume`), `loss.png` and `metrics.json`.
     deadline: a time.monotonic() value at which training stops early (evaluation still runs); the
     cosine learning-rate decay then follows the larger of steps done and time spent, so a run cut
-    by its deadline still ends annealed; a resumed run goes on from the schedule's saved point and
-    spreads the rest of the decay over the time left.
+    by its deadline still ends annealed; the checkpoint keeps the training seconds spent, so a
+    resumed run goes on from the schedule's point (see `_time_progress`). Training starts from
+    the heads' whole vocabulary; with vocab="data" the trained heads guess among the training
+    answers' tokens only (`MedusaHeads.restrict_vocab`).
     Returns the metrics: per-head top-1 / top-k accuracy, the accuracy table, the tree, losses.
     """
     from accelerate import Accelerator
@@ -348,17 +367,18 @@ def train_medusa(heads: MedusaHeads, data_dir: str | Path, out_dir: str | Path,
     hidden_ho, targets_ho = load_cached(data_dir, "heldout", K)
     device = next(heads.parameters()).device
     acc = Accelerator(cpu=device.type == "cpu", mixed_precision=config.mixed_precision)
+    heads.restrict_vocab(None)  # which tokens the heads guess among is decided by this training
     heads.requires_grad_(True)
     params = [p for p in heads.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
     ckpt = out_dir / "checkpoint"
-    step, losses, time0 = 0, [], 0.0
+    step, losses, before = 0, [], 0.0  # before: training seconds of earlier runs of this job
     if resume and (ckpt / "trainer.json").is_file():
         heads.load_state_dict(load_file(str(ckpt / "heads.safetensors")))
         opt.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True))
         meta = json.loads((ckpt / "trainer.json").read_text())
         step, losses = meta["step"], meta["losses"]
-        time0 = meta.get("time_progress", 0.0)  # absent in checkpoints of earlier versions
+        before = meta.get("train_seconds", 0.0)  # absent in checkpoints of earlier versions
     vocab = None
     if config.vocab == "data":  # softmax over the tokens the answers use: a fraction of the cost
         vocab = data_vocab(targets)  # (V',)
@@ -372,39 +392,43 @@ def train_medusa(heads: MedusaHeads, data_dir: str | Path, out_dir: str | Path,
     bar = tqdm(total=total, initial=step, desc="training Medusa heads", unit="step")
     model_h.train()
     t_start = time.monotonic()
-    time_progress = time0  # the share of the deadline-driven decay spent, across resumes
-    while step < total:
-        if deadline is not None and time.monotonic() > deadline:
-            break
-        epoch, b = divmod(step, per_epoch)
-        order = torch.randperm(hidden.shape[0], generator=torch.Generator().manual_seed(config.seed + epoch))
-        idx = order[b * config.batch_size:(b + 1) * config.batch_size]
-        h = hidden[idx].to(acc.device, torch.float32)
-        t = targets[idx].to(acc.device)
-        teacher = None
-        if config.soft_targets:
+
+    def seconds() -> float:
+        return before + time.monotonic() - t_start
+
+    try:
+        while step < total:
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            epoch, b = divmod(step, per_epoch)
+            order = torch.randperm(hidden.shape[0], generator=torch.Generator().manual_seed(config.seed + epoch))
+            idx = order[b * config.batch_size:(b + 1) * config.batch_size]
+            h = hidden[idx].to(acc.device, torch.float32)
+            t = targets[idx].to(acc.device)
+            teacher = None
+            if config.soft_targets:
+                with acc.autocast():
+                    teacher = teacher_probs(heads, hidden, idx, vocab)  # (K, n, V')
+            progress = step / total  # with a deadline, the schedule also follows the time spent
+            if deadline is not None:
+                progress = max(progress, _time_progress(seconds(), deadline - time.monotonic()))
+            for g in opt.param_groups:
+                g["lr"] = _lr_at(step, progress, config)
             with acc.autocast():
-                teacher = teacher_probs(heads, hidden, idx, vocab)  # (K, n, V')
-        if deadline is not None:  # with a deadline, the schedule also follows the time spent
-            spent = (time.monotonic() - t_start) / max(1e-9, deadline - t_start)
-            time_progress = time0 + (1 - time0) * min(1.0, spent)
-        progress = max(step / total, time_progress)
-        for g in opt.param_groups:
-            g["lr"] = _lr_at(step, progress, config)
-        with acc.autocast():
-            logits = heads.head_logits(heads.features(h), vocab)  # (K, n, V or V')
-        loss, _ = medusa_loss(logits, t, config.decay, teacher)
-        opt.zero_grad(set_to_none=True)
-        acc.backward(loss)
-        opt.step()
-        step += 1
-        losses.append(float(loss.detach()))
-        bar.update(1)
-        bar.set_postfix(loss=f"{losses[-1]:.3f}")
-        if step % config.checkpoint_every == 0:
-            _save_checkpoint(ckpt, heads, opt, step, losses, time_progress)
-    bar.close()
-    _save_checkpoint(ckpt, heads, opt, step, losses, time_progress)
+                logits = heads.head_logits(heads.features(h), vocab)  # (K, n, V or V')
+            loss, _ = medusa_loss(logits, t, config.decay, teacher)
+            opt.zero_grad(set_to_none=True)
+            acc.backward(loss)
+            opt.step()
+            step += 1
+            losses.append(float(loss.detach()))
+            bar.update(1)
+            bar.set_postfix(loss=f"{losses[-1]:.3f}")
+            if step % config.checkpoint_every == 0:
+                _save_checkpoint(ckpt, heads, opt, step, losses, seconds())
+    finally:  # also when stopped (Ctrl-C, SIGTERM): the steps done so far are kept
+        bar.close()
+        _save_checkpoint(ckpt, heads, opt, step, losses, seconds())
     heads = acc.unwrap_model(model_h).eval().requires_grad_(False)
     if vocab is not None:  # the heads learned to rank these tokens only: they guess among them
         heads.restrict_vocab(vocab)

@@ -78,7 +78,7 @@ def train(args: argparse.Namespace, model, tok, out: Path, budget: RunBudget) ->
     print(f"[train] {metrics['steps']}/{metrics['planned_steps']} steps, top-1 accuracy "
           f"{[round(a, 3) for a in metrics['top1_accuracy']]}, {train_min:.1f} min", flush=True)
     (out / "train_run.json").write_text(json.dumps({"command": shlex.join(["python"] + sys.argv),
-                                                    "train_minutes": train_min}, indent=1))
+                                                    "args": vars(args), "train_minutes": train_min}, indent=1))
     return records, metrics, train_min
 
 
@@ -98,18 +98,26 @@ def pipeline(args: argparse.Namespace, model_name: str, eval_dataset: str, raw_e
                          "without --eval-only first, or point --out at a finished run")
     out.mkdir(parents=True, exist_ok=True)
     budget = None if args.eval_only else RunBudget(out / "budget.json", args.max_minutes)
-    # `kill` (SIGTERM) stops the run like Ctrl-C: buffered hidden states and the budget are written,
-    # and the same command resumes it
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    # `kill` (SIGTERM) stops the run like Ctrl-C: buffered hidden states, a training checkpoint and
+    # the budget are written, and the same command resumes it
+    previous = signal.signal(signal.SIGTERM, _stop)
     try:
         return _run(args, model_name, eval_dataset, raw_eval, out, budget, start)
     finally:
         if budget is not None:
             budget.close()
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _stop(signum: int, frame) -> None:
+    """SIGTERM: unwind like Ctrl-C (finally blocks write what they hold); a second one waits."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sys.exit(128 + signum)
 
 
 def _run(args: argparse.Namespace, model_name: str, eval_dataset: str, raw_eval: bool, out: Path,
          budget: RunBudget | None, start: float) -> dict:
+    """The pipeline's steps (budget None: --eval-only)."""
     if budget is not None and budget.spent_before:
         print(f"[budget] resuming {out}: {budget.spent_before:.1f} of {args.max_minutes:g} minutes already "
               "spent (budget.json)" + ("; the budget is spent, so data and training stop at once and only "
@@ -154,7 +162,7 @@ def _run(args: argparse.Namespace, model_name: str, eval_dataset: str, raw_eval:
                   f"speedup vs plain {o['speedup_vs_plain']:.2f}, matches plain {o['matches_plain']}",
                   flush=True)
     minutes = budget.minutes() if budget is not None else (time.monotonic() - start) / 60
-    summary = {"command": shlex.join(["python"] + sys.argv), "minutes": minutes,
+    summary = {"command": shlex.join(["python"] + sys.argv), "args": vars(args), "minutes": minutes,
                "train_minutes": train_min, "tau": tau["tau"], "matches_plain": tau["matches_plain"],
                "top1_accuracy": metrics["top1_accuracy"], "records": len(records),
                "train_positions": metrics["train_positions"],

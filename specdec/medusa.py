@@ -53,7 +53,7 @@ class MedusaConfig:
     """Shape of a set of Medusa heads, and the candidate tree they draft with.
 
     guess_vocab: how many token ids the heads guess among (the `vocab` tensor stored with the
-    weights), 0 for the whole vocabulary; see MedusaHeads.restrict_vocab.
+    weights, which loading fills in), 0 for the whole vocabulary; see MedusaHeads.restrict_vocab.
     """
 
     hidden_size: int
@@ -141,7 +141,7 @@ class MedusaHeads(nn.Module):
         self.register_buffer("vocab", torch.zeros(config.guess_vocab, dtype=torch.long)
                              if config.guess_vocab else None)
         self._base: list[nn.Linear] = []  # a list: the base LM head is not a parameter of the heads
-        self._rows: tuple | None = None  # (key, the base LM head's rows for `vocab`), see _base_rows
+        self._rows: tuple[tuple, torch.Tensor] | None = None  # (key, LM-head rows of `vocab`): _base_rows
         if lm_head is not None:
             self.bind(lm_head)
         self.tree = Tree(config.tree if config.tree is not None else default_tree(config.num_heads))
@@ -171,10 +171,15 @@ class MedusaHeads(nn.Module):
         large LM head is cheaper. None: the whole vocabulary. The target still verifies every
         guess with its full vocabulary, so decoding stays lossless."""
         if ids is not None:
-            ids = torch.as_tensor(ids, dtype=torch.long).flatten()
-            if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
-                raise ValueError(f"restrict_vocab needs a non-empty set of token ids in [0, "
-                                 f"{self.config.vocab_size}), got {ids.numel()} ids")
+            with torch.inference_mode(False):  # a plain tensor, with a version counter, in any mode
+                ids = torch.unique(torch.as_tensor(ids, dtype=torch.long).detach().cpu())  # sorted, no repeats
+            if ids.dim() != 1 or ids.numel() == 0:
+                raise ValueError(f"restrict_vocab needs a non-empty 1-D set of token ids, got shape "
+                                 f"{tuple(ids.shape)}")
+            bad = ids[(ids < 0) | (ids >= self.config.vocab_size)]
+            if bad.numel():
+                raise ValueError(f"restrict_vocab: token id {int(bad[0])} is outside the vocabulary "
+                                 f"[0, {self.config.vocab_size})")
             ids = ids.to(next(self.parameters()).device)
         self.vocab = ids
         self._rows = None
@@ -199,7 +204,8 @@ class MedusaHeads(nn.Module):
         return self.base_logits(feats, vocab)
 
     def base_logits(self, hidden: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor:
-        """The base model's LM head on (..., C): logits (..., V), or (..., len(vocab))."""
+        """The base model's LM head on (..., C): logits (..., V), or (..., len(vocab)). Passing the
+        heads' own `self.vocab` reuses its gathered rows; any other id tensor gathers afresh."""
         if not self._base:
             raise RuntimeError("these Medusa heads are not bound to a model's LM head; call "
                                "heads.bind(model.lm_head) or distill.load_medusa")
@@ -212,13 +218,16 @@ class MedusaHeads(nn.Module):
         return hidden.to(w.dtype) @ w.T
 
     def _base_rows(self) -> torch.Tensor:
-        """The base LM head's rows for the guess vocabulary (V', C), gathered once and kept: a
-        gather per decoding step copies them every step, which doubled the heads' cost on
+        """The base LM head's rows for the guess vocabulary (V', C), gathered once and kept until
+        the weight or the id set changes (storage, in-place version, dtype, device): a gather per
+        decoding step copies them every step, which doubled the heads' cost on
         qwen2.5-coder-1.5b (25 -> 55 ms per step, measured)."""
-        w = self._base[0].weight
-        key = (w.data_ptr(), w.dtype, w.device)
+        w, ids = self._base[0].weight, self.vocab
+        key = (w.data_ptr(), _version(w), w.dtype, w.device, ids.data_ptr(), _version(ids))
         if self._rows is None or self._rows[0] != key:
-            self._rows = (key, w[self.vocab])
+            # a plain (not inference-mode) tensor without autograd history, whichever mode asks
+            with torch.inference_mode(False), torch.no_grad():
+                self._rows = (key, w.detach()[ids])
         return self._rows[1]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -238,6 +247,11 @@ class MedusaHeads(nn.Module):
         """Top-k tokens (B, topk[i]) of heads i < len(topk) from hidden (B, C), best first."""
         idx = self.top_tokens(hidden, max(topk), len(topk))  # (D, B, k)
         return [idx[i, :, :topk[i]] for i in range(len(topk))]
+
+
+def _version(t: torch.Tensor) -> int:
+    """In-place modification counter of `t` (inference tensors keep none: 0)."""
+    return 0 if t.is_inference() else t._version
 
 
 def _check_fit(target, heads: MedusaHeads) -> None:

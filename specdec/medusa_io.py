@@ -68,4 +68,10 @@ def load_medusa(path: str | Path, model, dtype: torch.dtype | None = None,
             raise CheckpointError(f"{name} in {path} has shape {tuple(state[name].shape)}, the config "
                                   f"says {tuple(t.shape)}; the files are from different saves")
     heads.load_state_dict(state)
+    if heads.vocab is not None:
+        try:  # the stored guess vocabulary gets the checks restrict_vocab makes
+            heads.restrict_vocab(heads.vocab)
+        except ValueError as e:
+            raise CheckpointError(f"{Path(path) / WEIGHTS}: its guess vocabulary is invalid ({e}); "
+                                  "re-save the heads") from e
     return heads.to(device=model.device, dtype=dtype or model.dtype).eval().requires_grad_(False)

@@ -34,6 +34,12 @@ def test_the_progress_file_is_rewritten_while_the_job_runs(tmp_path):
 def test_bad_budgets_and_progress_files_are_refused(tmp_path):
     with pytest.raises(ValueError, match="max_minutes must be > 0"):
         RunBudget(tmp_path / "b.json", max_minutes=0)
+    with pytest.raises(ValueError, match="every must be > 0"):
+        RunBudget(tmp_path / "b.json", max_minutes=1, every=0)
+    for spent in ("NaN", "-1"):  # NaN would make every deadline unreachable
+        (tmp_path / "b.json").write_text('{"spent_minutes": %s}' % spent)
+        with pytest.raises(ValueError, match="b.json is not a budget file"):
+            RunBudget(tmp_path / "b.json", max_minutes=5)
     (tmp_path / "b.json").write_text('{"minutes": 3}')
     with pytest.raises(ValueError, match="b.json is not a budget file"):
         RunBudget(tmp_path / "b.json", max_minutes=5)

@@ -47,7 +47,6 @@ def test_save_load_round_trip_keeps_weights_tree_and_outputs(tiny_model, tmp_pat
     assert all(torch.equal(a, b) for a, b in zip(out.sequences, plain.sequences))
 
 
-
 def test_a_restricted_guess_vocabulary_round_trips_and_older_heads_still_load(tiny_model, tmp_path):
     heads = trained_like(distill.attach_medusa(tiny_model, num_heads=2))
     heads.restrict_vocab(torch.arange(0, 128, 2))  # the even ids only

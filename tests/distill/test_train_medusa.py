@@ -1,17 +1,16 @@
 """Medusa-1 training on cached hidden states: targets, caching, learning, checkpoint / resume."""
 
-import dataclasses
+import importlib
 import json
 import time
 
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 
 import distill
 import specdec
-from distill.train_medusa import (IGNORE, TrainConfig, cache_hidden_states, head_accuracy,
+from distill.train_medusa import (IGNORE, TrainConfig, _time_progress, cache_hidden_states, head_accuracy,
                                   head_targets, load_cached, medusa_loss, teacher_probs)
 
 
@@ -126,25 +125,41 @@ def test_training_learns_checkpoints_and_resumes(tiny_model, records, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(out.sequences, plain.sequences))
 
 
+def test_the_deadline_schedule_goes_on_where_a_resumed_run_stopped():
+    assert _time_progress(30.0, 30.0) == 0.5  # also: stopped after 30 s, resumed with 30 s left: no jump
+    assert _time_progress(60.0, 0.0) == 1.0  # the deadline reached: fully decayed
+    assert _time_progress(60.0, 60.0) == 0.5  # a finished run given as long again: mid-decay, not zero
+    assert _time_progress(10.0, -5.0) == 1.0
 
-def test_a_resumed_run_keeps_the_learning_rate_schedule_it_reached(tiny_model, records, tmp_path):
-    """A deadline-cut run records how far its cosine decay went; a resumed run starts from there
-    (here: the end of the decay, so its steps change nothing) instead of from the peak rate."""
+
+def test_a_stopped_run_keeps_its_steps_and_a_resumed_one_adds_its_seconds(tiny_model, records, tmp_path,
+                                                                           monkeypatch):
+    tm = importlib.import_module("distill.train_medusa")  # the module: distill.train_medusa is the function
+
     data = cache_hidden_states(tiny_model, records, tmp_path / "cache", num_heads=1, dtype=torch.float32)
-    cfg = TrainConfig(epochs=1, lr=1e-2, batch_size=128, warmup_steps=1, checkpoint_every=5, topk=2,
+    cfg = TrainConfig(epochs=3, lr=1e-2, batch_size=128, warmup_steps=1, checkpoint_every=100, topk=2,
                       tree_nodes=2, mixed_precision="no")
-    distill.train_medusa(distill.attach_medusa(tiny_model, num_heads=1), data, tmp_path / "heads", cfg)
+    calls, loss = [], tm.medusa_loss
+
+    def interrupted(*a, **k):  # Ctrl-C arriving during the 7th step
+        calls.append(1)
+        if len(calls) == 7:
+            raise KeyboardInterrupt
+        return loss(*a, **k)
+
+    monkeypatch.setattr(tm, "medusa_loss", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        distill.train_medusa(distill.attach_medusa(tiny_model, num_heads=1), data, tmp_path / "heads", cfg,
+                             deadline=time.monotonic() + 600)
     trainer = tmp_path / "heads" / "checkpoint" / "trainer.json"
-    meta = json.loads(trainer.read_text())
-    assert meta["time_progress"] == 0.0  # no deadline: the schedule followed the steps alone
-    trainer.write_text(json.dumps({**meta, "time_progress": 1.0}))
-    before = load_file(str(tmp_path / "heads" / "checkpoint" / "heads.safetensors"))
-    longer = dataclasses.replace(cfg, epochs=3)
-    more = distill.train_medusa(distill.attach_medusa(tiny_model, num_heads=1), data, tmp_path / "heads",
-                                longer, deadline=time.monotonic() + 600)
-    assert more["steps"] > meta["step"]
-    after = load_file(str(tmp_path / "heads" / "checkpoint" / "heads.safetensors"))
-    assert all(torch.equal(before[k], after[k]) for k in before)
+    first = json.loads(trainer.read_text())
+    assert first["step"] == 6 and len(first["losses"]) == 6 and first["train_seconds"] > 0
+    monkeypatch.setattr(tm, "medusa_loss", loss)
+    more = distill.train_medusa(distill.attach_medusa(tiny_model, num_heads=1), data, tmp_path / "heads", cfg,
+                                deadline=time.monotonic() + 600)
+    second = json.loads(trainer.read_text())
+    assert more["steps"] == more["planned_steps"] == second["step"] > 6
+    assert second["train_seconds"] > first["train_seconds"]
 
 
 def test_training_over_the_data_vocabulary_learns_and_guesses_among_it(tiny_model, records, tmp_path):

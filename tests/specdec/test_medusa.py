@@ -70,7 +70,6 @@ def test_greedy_medusa_equals_plain_decoding_on_ragged_batches(model):
     assert len(s.per_position_acceptance) == 3
 
 
-
 def test_heads_restricted_to_a_guess_vocabulary_stay_lossless(model):
     heads = random_heads(model, tree=((0,), (1,), (2,), (0, 0), (1, 0), (0, 0, 0)))
     heads.restrict_vocab(torch.arange(40, 128))
@@ -84,10 +83,28 @@ def test_heads_restricted_to_a_guess_vocabulary_stay_lossless(model):
     plain = specdec.generate(model, rows, max_new_tokens=20)
     out = specdec.generate(model, rows, draft=heads, max_new_tokens=20)
     assert all(torch.equal(a, b) for a, b in zip(out.sequences, plain.sequences))
-    with pytest.raises(ValueError, match="token ids in \\[0, 128\\)"):
+    with pytest.raises(ValueError, match="token id 128 is outside the vocabulary \\[0, 128\\)"):
         heads.restrict_vocab(torch.tensor([5, 128]))
+    heads.restrict_vocab(torch.tensor([7, 3, 7, 5]))  # repeats would waste tree nodes on one token
+    assert heads.vocab.tolist() == [3, 5, 7] and heads.config.guess_vocab == 3
     heads.restrict_vocab(None)
     assert heads.vocab is None and heads.config.guess_vocab == 0
+
+
+def test_the_gathered_guess_rows_follow_changes_of_the_base_head():
+    other = tiny(seed=3)  # changed in place below: not the shared model
+    heads = random_heads(other)
+    heads.restrict_vocab(torch.arange(40, 128))
+    cached = heads._base_rows()
+    with torch.no_grad():
+        other.lm_head.weight[40] += 1.0
+    assert heads._base_rows() is not cached
+    torch.testing.assert_close(heads._base_rows(), other.lm_head.weight[40:])
+    with torch.inference_mode():  # restricted and gathered inside inference mode, usable outside it
+        heads.restrict_vocab(torch.arange(60, 128))
+        heads.guesses(torch.randn(2, 64), (3, 2, 1))
+    assert not heads._base_rows().is_inference()
+    assert heads.head_logits(heads.features(torch.randn(2, 64)), heads.vocab).shape == (3, 2, 68)
 
 def test_greedy_medusa_with_eos_and_tensor_input(model):
     heads = random_heads(model, tree=((0,), (1,), (0, 0), (0, 0, 0)))
