@@ -6,8 +6,11 @@ Speed with Medusa is tau / (tree step / plain step), so this ratio says which tr
 on a CPU a tree forward of N tokens is not free as it is on a GPU. Heads are attached untrained
 (the step's cost does not depend on what they guess), one HumanEval chat prompt, batch 1, eager,
 best of `--repeats` runs per size. `--guess-vocab V` restricts the heads' guesses to V token ids
-(as trained heads are, `MedusaHeads.restrict_vocab`). Prints one line per size and writes
-`--json`.
+(as trained heads are, `MedusaHeads.restrict_vocab`). `--heads DIR` times trained heads instead
+(their own guess vocabulary), builds each size's tree from their held-out accuracy table and adds
+the expected tau (1 + expected accepted tokens per step) and expected speed (tau / step cost), so
+it says which tree size pays on this machine (`specdec medusa tree --num-nodes N` then sets it).
+Prints one line per size and writes `--json`.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import runtime
 import specdec
 from runtime.atomic import atomic_write_text
 from specdec.medusa import MedusaHeads, default_tree
+from specdec.tree import build_tree, expected_length
 from specdec.prompts import encode, load_prompts
 
 
@@ -40,6 +44,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--nodes", default="1,8,16,24,32,48,64", help="tree sizes (comma-separated)")
     ap.add_argument("--guess-vocab", type=int, default=0, help="restrict guesses to this many ids (0 = all)")
+    ap.add_argument("--heads", default=None,
+                    help="trained heads directory: time them and add expected tau and speed per tree size")
     ap.add_argument("--tokens", type=int, default=24, help="tokens generated per timing")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--json", default=None, help="write the figures here")
@@ -49,7 +55,11 @@ def main() -> None:
     model = runtime.load_model(args.model, dtype=dtype)
     tok = runtime.load_tokenizer(args.model)
     row = torch.tensor(encode(tok, [load_prompts(dataset="humaneval", limit=1)[0].turns[0]], [], False))
-    heads = distill.attach_medusa(model, num_heads=4)
+    heads = distill.load_medusa(args.heads, model) if args.heads else distill.attach_medusa(model, num_heads=4)
+    table = [list(r) for r in heads.config.head_accuracy or ()] if args.heads else None
+    if args.heads and not table:
+        raise SystemExit(f"{args.heads} stores no measured accuracy: rebuild its tree with "
+                         "`specdec medusa tree --data-dir CACHE` first")
     if args.guess_vocab:
         heads.restrict_vocab(torch.arange(args.guess_vocab))
     step_seconds(model, row, 4)  # warm-up
@@ -57,15 +67,22 @@ def main() -> None:
     print(f"{args.model} {args.dtype}, prompt {len(row)} tokens: plain step {plain * 1e3:.0f} ms", flush=True)
     rows = []
     for n in (int(x) for x in args.nodes.split(",")):
-        heads.set_tree(default_tree(4, n))
+        tree = build_tree(table, n) if table else default_tree(heads.num_heads, n)
+        heads.set_tree(tree)
         step, in_heads = min(step_seconds(model, row, args.tokens, heads) for _ in range(args.repeats))
-        rows.append({"nodes": n, "step_ms": step * 1e3, "heads_ms": in_heads * 1e3, "vs_plain": step / plain})
-        print(f"tree {n:3d} nodes: step {step * 1e3:.0f} ms = {step / plain:.2f}x plain "
-              f"(heads {in_heads * 1e3:.1f} ms)", flush=True)
+        row_out = {"nodes": n, "step_ms": step * 1e3, "heads_ms": in_heads * 1e3, "vs_plain": step / plain}
+        line = (f"tree {n:3d} nodes: step {step * 1e3:.0f} ms = {step / plain:.2f}x plain "
+                f"(heads {in_heads * 1e3:.1f} ms)")
+        if table:
+            tau = 1 + expected_length(tree, table)
+            row_out.update(expected_tau=tau, expected_speedup=tau * plain / step)
+            line += f", expected tau {tau:.2f}, expected speed {tau * plain / step:.2f}x plain"
+        rows.append(row_out)
+        print(line, flush=True)
     if args.json:
         atomic_write_text(args.json, json.dumps({"model": args.model, "dtype": args.dtype,
                                                  "threads": torch.get_num_threads(),
-                                                 "guess_vocab": args.guess_vocab, "plain_step_ms": plain * 1e3,
+                                                 "guess_vocab": args.guess_vocab, "heads": args.heads, "plain_step_ms": plain * 1e3,
                                                  "trees": rows}, indent=1))
 
 
