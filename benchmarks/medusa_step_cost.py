@@ -25,8 +25,8 @@ import runtime
 import specdec
 from runtime.atomic import atomic_write_text
 from specdec.medusa import MedusaHeads, default_tree
-from specdec.tree import build_tree, expected_length
 from specdec.prompts import encode, load_prompts
+from specdec.tree import build_tree, expected_length
 
 
 def step_seconds(model: torch.nn.Module, row: torch.Tensor, tokens: int,
@@ -82,7 +82,8 @@ def main() -> None:
     if args.json:
         atomic_write_text(args.json, json.dumps({"model": args.model, "dtype": args.dtype,
                                                  "threads": torch.get_num_threads(),
-                                                 "guess_vocab": args.guess_vocab, "heads": args.heads, "plain_step_ms": plain * 1e3,
+                                                 "guess_vocab": args.guess_vocab, "heads": args.heads,
+                                                 "plain_step_ms": plain * 1e3,
                                                  "trees": rows}, indent=1))
 
 
