@@ -35,6 +35,27 @@ def causal_mask(prefix_lens: torch.Tensor, num_new: int, num_keys: int,
     return mask
 
 
+def sdpa_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """PyTorch SDPA of q (B, Hq, T, D) over k, v (B, Hkv, S, D), mask boolean (B, T, S) or None
+    (all visible) -> (B, Hq, T, D).
+
+    Grouped-query attention runs as plain attention with the G = Hq / Hkv query heads of each KV
+    head folded into the query axis: q viewed as (B, Hkv, G*T, D), the mask repeated G times.
+    The same numbers as `enable_gqa=True`, but PyTorch's CPU kernel with `enable_gqa` was 10-12x
+    slower (qwen2.5-coder-1.5b, 12 query / 2 KV heads, bf16: 13.4 ms vs 1.1 ms per layer for a
+    32-row decode step over 300 slots; half of the step's time), BENCHMARKS.md section 1.
+    """
+    B, Hq, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    if Hq == Hkv:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask[:, None])
+    G = Hq // Hkv  # query head h reads KV head h // G
+    qf = q.reshape(B, Hkv, G * T, D)  # (B, Hkv, G*T, D): row g*T + t is query head kv*G + g, position t
+    mf = None if mask is None else mask[:, None, None].expand(B, 1, G, T, S).reshape(B, 1, G * T, S)
+    out = F.scaled_dot_product_attention(qf, k, v, attn_mask=mf)  # (B, Hkv, G*T, D)
+    return out.view(B, Hq, T, D)
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
            prefix_lens: torch.Tensor, backend: str = "sdpa",
            window: int | None = None) -> torch.Tensor:
@@ -46,8 +67,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     if backend == "sdpa":
         if mask is None:
             mask = causal_mask(prefix_lens, q.shape[2], k.shape[2], window)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None],
-                                              enable_gqa=q.shape[1] != k.shape[1])
+        return sdpa_gqa(q, k, v, mask)
     if backend == "triton":
         from runtime.kernels import flash_attention
 
@@ -78,12 +98,10 @@ def cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     num_keys = int(prefix_lens.max()) + T
     win = window or None
     keys, values = k_cache[layer][:, :, :num_keys], v_cache[layer][:, :, :num_keys]  # (B, Hkv, S, D)
-    gqa = q.shape[1] != keys.shape[1]
     if T == 1 and uniform and (win is None or num_keys <= win):
-        out = F.scaled_dot_product_attention(q, keys, values, enable_gqa=gqa)
+        out = sdpa_gqa(q, keys, values, None)
     else:
-        mask = causal_mask(prefix_lens, T, num_keys, win)  # (B, T, S)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None], enable_gqa=gqa)
+        out = sdpa_gqa(q, keys, values, causal_mask(prefix_lens, T, num_keys, win))  # mask (B, T, S)
     return out.contiguous()
 
 
