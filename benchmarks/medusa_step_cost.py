@@ -9,7 +9,8 @@ best of `--repeats` runs per size. `--guess-vocab V` restricts the heads' guesse
 (as trained heads are, `MedusaHeads.restrict_vocab`). `--heads DIR` times trained heads instead
 (their own guess vocabulary), builds each size's tree from their held-out accuracy table and adds
 the expected tau (1 + expected accepted tokens per step) and expected speed (tau / step cost), so
-it says which tree size pays on this machine (`specdec medusa tree --num-nodes N` then sets it).
+it says which tree size pays on this machine (`specdec medusa tree --num-nodes auto` measures
+the same and sets the best size).
 Prints one line per size and writes `--json`.
 """
 
@@ -22,20 +23,11 @@ import torch
 
 import distill
 import runtime
-import specdec
 from runtime.atomic import atomic_write_text
-from specdec.medusa import MedusaHeads, default_tree
+from specdec.medusa import default_tree
 from specdec.prompts import encode, load_prompts
 from specdec.tree import build_tree, expected_length
-
-
-def step_seconds(model: torch.nn.Module, row: torch.Tensor, tokens: int,
-                 heads: MedusaHeads | None = None) -> tuple[float, float]:
-    """(seconds per decoding step after the prefill, seconds of it spent in the heads)."""
-    out = specdec.generate(model, [row], draft=heads, max_new_tokens=tokens)
-    s = out.stats
-    steps = s.target_forwards - 1
-    return (s.wall_s - s.ttft_s) / steps, s.draft_s / steps
+from specdec.tree_cost import step_seconds
 
 
 def main() -> None:

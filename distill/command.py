@@ -80,7 +80,8 @@ def cmd_tree(args: argparse.Namespace) -> int:
     else:
         raise SystemExit(f"{args.heads} stores no measured accuracy; pass --data-dir with cached "
                          "held-out hidden states")
-    paths = build_tree(table, args.num_nodes)
+    num_nodes = _pick_size(args, model, table) if args.num_nodes == "auto" else args.num_nodes
+    paths = build_tree(table, num_nodes)
     heads.config = MedusaConfig(**{**heads.config.__dict__, "tree": paths,
                                    "head_accuracy": tuple(tuple(r) for r in table)})
     heads.set_tree(paths)
@@ -88,6 +89,43 @@ def cmd_tree(args: argparse.Namespace) -> int:
     print(f"tree of {len(paths)} nodes, expected accepted per step "
           f"{expected_length(paths, table):.3f}: {[list(p) for p in paths]}")
     return 0
+
+
+def _pick_size(args: argparse.Namespace, model, table: list[list[float]]) -> int:
+    """Time each of `args.sizes` on this machine (heads in the model's dtype, as decoding loads
+    them) and return the size with the highest expected speed; writes HEADS/tree_cost.json."""
+    import runtime
+    from distill.medusa import load_medusa
+    from runtime.atomic import atomic_write_text
+    from specdec.prompts import encode, load_prompts
+    from specdec.tree_cost import best_tree, measure_trees
+
+    sizes = [int(x) for x in args.sizes.split(",")]
+    tok = runtime.load_tokenizer(args.model)
+    row = torch.tensor(encode(tok, [load_prompts(dataset=args.cost_dataset, limit=1)[0].turns[0]], [], False))
+    plain, costs = measure_trees(model, load_medusa(args.heads, model), row, sizes, table)
+    print(f"plain step {plain * 1e3:.0f} ms")
+    for c in costs:
+        print(f"tree {c.nodes:3d} nodes: step {c.step_s * 1e3:.0f} ms = {c.vs_plain:.2f}x plain, expected tau "
+              f"{c.expected_tau:.2f}, expected speed {c.expected_speedup:.2f}x plain")
+    best = best_tree(costs)
+    atomic_write_text(Path(args.heads) / "tree_cost.json", json.dumps(
+        {"model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(), "plain_step_ms": plain * 1e3,
+         "trees": [c.to_dict() for c in costs], "chosen_nodes": best.nodes}, indent=1))
+    return best.nodes
+
+
+def _num_nodes(value: str) -> int | str:
+    """argparse type of --num-nodes: a positive int or "auto"."""
+    if value == "auto":
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--num-nodes takes a positive integer or 'auto', not {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"--num-nodes must be >= 1 (or 'auto'), got {n}")
+    return n
 
 
 def register(subparsers) -> None:
@@ -143,7 +181,13 @@ def register(subparsers) -> None:
     r = sub.add_parser("tree", help="rebuild the heads' candidate tree from measured accuracy")
     common(r)
     r.add_argument("--heads", required=True, help="heads directory (rewritten in place)")
-    r.add_argument("--num-nodes", type=int, default=tc.tree_nodes)
+    r.add_argument("--num-nodes", type=_num_nodes, default=tc.tree_nodes,
+                   help="tree size, or 'auto': time the trees of --sizes on this machine against plain "
+                        "decoding and keep the one with the highest expected speed (expected tau / step "
+                        "cost; on a CPU a small tree often wins); the timings go to HEADS/tree_cost.json")
+    r.add_argument("--sizes", default="1,2,4,8,12,16,24,32", help="tree sizes --num-nodes auto tries")
+    r.add_argument("--cost-dataset", default="humaneval", choices=["humaneval", "sharegpt"],
+                   help="dataset whose first prompt --num-nodes auto decodes for its timings")
     r.add_argument("--data-dir", default=None, help="hidden-state cache to measure accuracy on")
     r.add_argument("--data-vocab", action="store_true",
                    help="also restrict the heads' guesses to the tokens of the cache's training targets, as "

@@ -1,5 +1,6 @@
 """`specdec medusa tree`: re-measuring the heads' accuracy, restricting their guesses, rebuilding the tree."""
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -7,6 +8,7 @@ import distill
 import runtime
 from distill.train_medusa import cache_hidden_states
 from specdec.cli import main
+from specdec.medusa import MedusaConfig
 
 
 def test_tree_restricts_older_heads_to_the_training_vocabulary(tmp_path, capsys, monkeypatch):
@@ -29,3 +31,30 @@ def test_tree_restricts_older_heads_to_the_training_vocabulary(tmp_path, capsys,
     heads = distill.load_medusa(tmp_path / "heads", model)
     assert heads.config.guess_vocab == 48 and int(heads.vocab.max()) == 47
     assert len(heads.tree.paths) == 5 and heads.config.head_accuracy is not None
+
+
+def test_tree_auto_times_the_sizes_and_keeps_the_fastest_expected(tmp_path, capsys, monkeypatch, word_tokenizer):
+    import json
+
+    monkeypatch.delenv("SPECDEC_DEBUG", raising=False)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "tiny")
+    word_tokenizer.save_pretrained(tmp_path / "tiny")  # HumanEval words map to <unk>: ids are all it needs
+    model = runtime.load_model(tmp_path / "tiny", dtype=torch.float32)
+    heads = distill.attach_medusa(model, num_heads=2)
+    heads.config = MedusaConfig(**{**heads.config.__dict__,
+                                "head_accuracy": ((0.5, 0.2), (0.3, 0.1))})
+    distill.save_medusa(heads, tmp_path / "heads")
+    argv = ["medusa", "tree", "--model", str(tmp_path / "tiny"), "--dtype", "float32",
+            "--heads", str(tmp_path / "heads"), "--num-nodes", "auto", "--sizes", "1,3"]
+    assert main(argv) == 0
+    report = json.loads((tmp_path / "heads" / "tree_cost.json").read_text())
+    best = max(report["trees"], key=lambda t: (t["expected_speedup"], -t["nodes"]))
+    assert [t["nodes"] for t in report["trees"]] == [1, 3] and report["chosen_nodes"] == best["nodes"]
+    assert len(distill.load_medusa(tmp_path / "heads", model).tree.paths) == best["nodes"]
+    assert "expected speed" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(argv[:-4] + ["--num-nodes", "0"])
+    assert "--num-nodes must be >= 1" in capsys.readouterr().err
