@@ -5,8 +5,9 @@
 Part 1 times one attention call per shape (the model's query / KV heads and head size, bf16, a
 boolean mask as the runtime passes it): decoding rows (T = 1) and a 24-node Medusa tree block
 (T = 24), over 300 cached slots. Part 2 times one eager decoding step of the real checkpoint
-(random token ids, 300 cached slots) at each batch size: the rate at which batched generation
-(self-distillation data, the recipes' tau runs) makes tokens.
+(random token ids, 300 cached slots) at each batch size, with the runtime's attention as it is
+(`sdpa_gqa`) and with `enable_gqa` patched in, alternating: the rate at which batched generation
+(self-distillation data, the recipes' tau runs) makes tokens, before and after.
 Medians of `--repeats`; prints Markdown tables and writes `--json`.
 """
 
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 
 import runtime
 from runtime.atomic import atomic_write_text
+import runtime.attention
 from runtime.attention import sdpa_gqa
 
 
@@ -36,6 +38,12 @@ def median_ms(fn, repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def enable_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """The previous path: PyTorch SDPA with `enable_gqa=True` (same arguments as `sdpa_gqa`)."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask[:, None],
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
 def attention_rows(cfg, batches: list[int], slots: int, repeats: int) -> list[dict]:
     """One call of each attention path per (rows, queries) shape."""
     g = torch.Generator().manual_seed(0)
@@ -45,8 +53,7 @@ def attention_rows(cfg, batches: list[int], slots: int, repeats: int) -> list[di
         k = torch.randn(B, cfg.num_kv_heads, slots, cfg.head_dim, generator=g).bfloat16()  # (B, Hkv, S, D)
         v = torch.randn(B, cfg.num_kv_heads, slots, cfg.head_dim, generator=g).bfloat16()
         mask = torch.ones(B, T, slots, dtype=torch.bool)  # (B, T, S)
-        gqa = median_ms(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=True),
-                        repeats)
+        gqa = median_ms(lambda: enable_gqa(q, k, v, mask), repeats)
         fold = median_ms(lambda: sdpa_gqa(q, k, v, mask), repeats)
         rows.append({"rows": B, "queries": T, "slots": slots, "enable_gqa_ms": gqa, "sdpa_gqa_ms": fold,
                      "speedup": gqa / fold})
@@ -55,18 +62,28 @@ def attention_rows(cfg, batches: list[int], slots: int, repeats: int) -> list[di
 
 @torch.inference_mode()
 def step_rows(model, batches: list[int], slots: int, repeats: int) -> list[dict]:
-    """One eager decoding step of the whole model per batch size, `slots` tokens already cached."""
+    """One eager decoding step of the whole model per batch size and attention path, `slots`
+    tokens already cached; the two paths alternate step by step."""
     out = []
     for B in batches:
-        cache = model.new_cache(B, slots + repeats + 2)
+        cache = model.new_cache(B, slots + 2 * repeats + 4)
         cache.lengths[:] = slots
         tokens = torch.randint(100, 30000, (B, 1))
-
-        def step() -> None:
-            model(tokens, cache.lengths[:, None].clone(), cache)
-
-        ms = median_ms(step, repeats)
-        out.append({"rows": B, "step_ms": ms, "tokens_per_second": B / ms * 1e3})
+        times = {"enable_gqa": [], "sdpa_gqa": []}
+        for i in range(2 * repeats + 2):
+            path = "enable_gqa" if i % 2 else "sdpa_gqa"
+            runtime.attention.sdpa_gqa = enable_gqa if path == "enable_gqa" else sdpa_gqa
+            try:
+                t = time.perf_counter()
+                model(tokens, cache.lengths[:, None].clone(), cache)
+                if i >= 2:  # the first step of each path is a warm-up
+                    times[path].append(time.perf_counter() - t)
+            finally:
+                runtime.attention.sdpa_gqa = sdpa_gqa
+        ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+        out.append({"rows": B, "enable_gqa_step_ms": ms["enable_gqa"], "sdpa_gqa_step_ms": ms["sdpa_gqa"],
+                    "tokens_per_second": {k: B / v * 1e3 for k, v in ms.items()},
+                    "speedup": ms["enable_gqa"] / ms["sdpa_gqa"]})
     return out
 
 
@@ -86,9 +103,12 @@ def main() -> None:
         print(f"| {r['rows']} x {r['queries']} | {r['enable_gqa_ms']:.2f} | {r['sdpa_gqa_ms']:.2f} "
               f"| {r['speedup']:.1f}x |")
     steps = step_rows(model, batches, args.slots, args.repeats)
-    print("\n| rows | decode step (ms) | tokens/s |\n|---|---:|---:|")
+    print("\n| rows | step, enable_gqa (ms) | step, sdpa_gqa (ms) | tokens/s before -> after | speedup |\n"
+          "|---|---:|---:|---:|---:|")
     for r in steps:
-        print(f"| {r['rows']} | {r['step_ms']:.0f} | {r['tokens_per_second']:.1f} |")
+        tps = r["tokens_per_second"]
+        print(f"| {r['rows']} | {r['enable_gqa_step_ms']:.0f} | {r['sdpa_gqa_step_ms']:.0f} | "
+              f"{tps['enable_gqa']:.1f} -> {tps['sdpa_gqa']:.1f} | {r['speedup']:.2f}x |")
     if args.json:
         atomic_write_text(args.json, json.dumps({"model": args.model, "torch": torch.__version__,
                                                  "threads": torch.get_num_threads(), "attention": att,
