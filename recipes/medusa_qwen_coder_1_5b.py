@@ -17,12 +17,13 @@ from medusa_smollm2 import parser, pipeline
 # tree size from the cost of a tree step on this CPU (bf16, eager, one row, BENCHMARKS.md section 4):
 # 1.06x a plain step with 1 node, 1.19x with 16, 1.23x with 24, then 1.59x with 32 and 1.82x with
 # 48, so 1.8x plain needs tau >= ~2.2 at 24 nodes but ~3.3 at 48 (session 10's CPU: 1.92x at 24
-# and 1.12x at 4, where 4 nodes paid best); about 1 conversation in 9 of the calibration split
-# opens with a code question and the data phase answers up to ~11 per budget minute (2.7 s each,
-# half the budget), so the pool reads 120 conversations per budget minute (60 left session 9's
-# phase short of prompts at 1526); the evaluation (tau on 32 problems in one batch, speed on 8)
-# took 21 minutes in session 10
-DEFAULTS = {"out": "runs/medusa_qwen15", "max_minutes": 240.0, "answer_tokens": 256, "batch_size": 32,
+# and 1.12x at 4, where 4 nodes paid best: `specdec medusa tree --num-nodes auto` picks the size
+# for the machine at hand); about 1 conversation in 9 of the calibration split opens with a code
+# question, so the pool reads 120 conversations per budget minute (60 left session 9's data phase
+# short of prompts at 1526); 64 rows per generation batch: 4.4 s per answer on session 11's CPU
+# (7.4 s with 32 rows before the GQA attention fix); the evaluation (tau on 32 problems in one
+# batch, speed on 8) took 21 minutes in session 10
+DEFAULTS = {"out": "runs/medusa_qwen15", "max_minutes": 240.0, "answer_tokens": 256, "batch_size": 64,
             "prompts_per_minute": 120, "num_layers": 1, "epochs": 8, "tree_nodes": 24, "data_frac": 0.5,
             "eval_minutes": 25.0, "eval_prompts": 32, "eval_tokens": 128, "speed_prompts": 8,
             "soft_targets": False}
