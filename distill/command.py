@@ -100,7 +100,7 @@ def _pick_size(args: argparse.Namespace, model, table: list[list[float]]) -> int
     from specdec.prompts import encode, load_prompts
     from specdec.tree_cost import best_tree, measure_trees
 
-    sizes = [int(x) for x in args.sizes.split(",")]
+    sizes = args.sizes
     tok = runtime.load_tokenizer(args.model)
     row = torch.tensor(encode(tok, [load_prompts(dataset=args.cost_dataset, limit=1)[0].turns[0]], [], False))
     plain, costs = measure_trees(model, load_medusa(args.heads, model), row, sizes, table)
@@ -113,6 +113,18 @@ def _pick_size(args: argparse.Namespace, model, table: list[list[float]]) -> int
         {"model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(), "plain_step_ms": plain * 1e3,
          "trees": [c.to_dict() for c in costs], "chosen_nodes": best.nodes}, indent=1))
     return best.nodes
+
+
+def _sizes(value: str) -> list[int]:
+    """argparse type of --sizes: comma-separated positive ints."""
+    try:
+        sizes = [int(x) for x in value.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--sizes takes comma-separated tree sizes like 1,4,8, "
+                                         f"not {value!r}") from None
+    if min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"--sizes must all be >= 1, got {value!r}")
+    return sizes
 
 
 def _num_nodes(value: str) -> int | str:
@@ -185,7 +197,7 @@ def register(subparsers) -> None:
                    help="tree size, or 'auto': time the trees of --sizes on this machine against plain "
                         "decoding and keep the one with the highest expected speed (expected tau / step "
                         "cost; on a CPU a small tree often wins); the timings go to HEADS/tree_cost.json")
-    r.add_argument("--sizes", default="1,2,4,8,12,16,24,32", help="tree sizes --num-nodes auto tries")
+    r.add_argument("--sizes", type=_sizes, default="1,2,4,8,12,16,24,32", help="tree sizes --num-nodes auto tries")
     r.add_argument("--cost-dataset", default="humaneval", choices=["humaneval", "sharegpt"],
                    help="dataset whose first prompt --num-nodes auto decodes for its timings")
     r.add_argument("--data-dir", default=None, help="hidden-state cache to measure accuracy on")
