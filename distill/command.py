@@ -98,24 +98,18 @@ def _pick_size(args: argparse.Namespace, model, table: list[list[float]]) -> int
     from distill.medusa import load_medusa
     from runtime.atomic import atomic_write_text
     from specdec.prompts import encode, load_prompts
-    from specdec.tree_cost import best_tree, measure_trees
+    from specdec.tree_cost import cost_report, describe, measure_trees
 
-    sizes = args.sizes
     tok = runtime.load_tokenizer(args.model)
     row = torch.tensor(encode(tok, [load_prompts(dataset=args.cost_dataset, limit=1)[0].turns[0]], [], False))
-    plain, costs = measure_trees(model, load_medusa(args.heads, model), row, sizes, table)
-    print(f"plain step {plain * 1e3:.0f} ms")
-    for c in costs:
-        print(f"tree {c.nodes:3d} nodes: step {c.step_s * 1e3:.0f} ms = {c.vs_plain:.2f}x plain, expected tau "
-              f"{c.expected_tau:.2f}, expected speed {c.expected_speedup:.2f}x plain")
-    best = best_tree(costs)
-    atomic_write_text(Path(args.heads) / "tree_cost.json", json.dumps(
-        {"model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(), "plain_step_ms": plain * 1e3,
-         "trees": [c.to_dict() for c in costs], "chosen_nodes": best.nodes}, indent=1))
-    return best.nodes
+    plain, costs = measure_trees(model, load_medusa(args.heads, model), row, args.sizes, table)
+    print(describe(plain, costs))
+    report = {"model": args.model, "dtype": args.dtype, **cost_report(plain, costs)}
+    atomic_write_text(Path(args.heads) / "tree_cost.json", json.dumps(report, indent=1))
+    return report["chosen_nodes"]
 
 
-def _sizes(value: str) -> list[int]:
+def parse_sizes(value: str) -> list[int]:
     """argparse type of --sizes: comma-separated positive ints."""
     try:
         sizes = [int(x) for x in value.split(",")]
@@ -127,7 +121,7 @@ def _sizes(value: str) -> list[int]:
     return sizes
 
 
-def _num_nodes(value: str) -> int | str:
+def parse_num_nodes(value: str) -> int | str:
     """argparse type of --num-nodes: a positive int or "auto"."""
     if value == "auto":
         return value
@@ -193,11 +187,11 @@ def register(subparsers) -> None:
     r = sub.add_parser("tree", help="rebuild the heads' candidate tree from measured accuracy")
     common(r)
     r.add_argument("--heads", required=True, help="heads directory (rewritten in place)")
-    r.add_argument("--num-nodes", type=_num_nodes, default=tc.tree_nodes,
+    r.add_argument("--num-nodes", type=parse_num_nodes, default=tc.tree_nodes,
                    help="tree size, or 'auto': time the trees of --sizes on this machine against plain "
                         "decoding and keep the one with the highest expected speed (expected tau / step "
                         "cost; on a CPU a small tree often wins); the timings go to HEADS/tree_cost.json")
-    r.add_argument("--sizes", type=_sizes, default="1,2,4,8,12,16,24,32", help="tree sizes --num-nodes auto tries")
+    r.add_argument("--sizes", type=parse_sizes, default="1,2,4,8,12,16,24,32", help="tree sizes --num-nodes auto tries")
     r.add_argument("--cost-dataset", default="humaneval", choices=["humaneval", "sharegpt"],
                    help="dataset whose first prompt --num-nodes auto decodes for its timings")
     r.add_argument("--data-dir", default=None, help="hidden-state cache to measure accuracy on")

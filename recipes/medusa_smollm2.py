@@ -12,7 +12,9 @@ restarted run goes on against the same budget: OUT/budget.json holds the minutes
    `distill.load_medusa(OUT, model)`);
 3. evaluation (in --eval-dtype) on held-out ShareGPT prompts: tau and equality with plain greedy decoding for a
    batch of prompts (OUT/tau.json), and tokens/s against plain decoding per prompt with
-   `specdec eval` (OUT/eval/report.json).
+   `specdec eval` (OUT/eval/report.json), with the heads' own tree or, with --speed-nodes, a copy of
+   the heads in OUT/speed_tree whose tree has that many nodes ("auto": the size that times fastest
+   on this machine, OUT/speed_tree/tree_cost.json).
 `--eval-only` runs step 3 alone on the heads already in --out. `pipeline()` is shared with
 recipes/medusa_qwen_coder_1_5b.py.
 """
@@ -33,11 +35,16 @@ import distill
 import runtime
 import specdec
 from distill.budget import RunBudget
+from distill.command import parse_num_nodes, parse_sizes
 from distill.selfdistill import (generate_selfdistill, is_code_prompt, read_records, sharegpt_prompts,
                                 stop_token_ids)
 from distill.train_medusa import TrainConfig, cache_hidden_states
+from runtime.atomic import atomic_write_text
 from specdec.evaluate import EvalConfig, run_eval
+from specdec.medusa import MedusaConfig, MedusaHeads
 from specdec.prompts import encode, load_prompts
+from specdec.tree import build_tree
+from specdec.tree_cost import cost_report, describe, measure_trees
 
 
 def tau_on_prompts(model, heads, rows: list[torch.Tensor], max_new_tokens: int, eos: list[int]) -> dict:
@@ -52,6 +59,30 @@ def tau_on_prompts(model, heads, rows: list[torch.Tensor], max_new_tokens: int, 
             "batch_tokens_per_second": {"plain": plain.stats.tokens_per_second,
                                         "medusa": med.stats.tokens_per_second},
             "stats": med.stats.to_dict()}
+
+
+def speed_tree(args: argparse.Namespace, model, heads: MedusaHeads, row: torch.Tensor, out: Path) -> Path:
+    """The heads with the tree the speed comparison uses, saved to OUT/speed_tree: --speed-nodes
+    nodes, or with "auto" the size among --speed-sizes with the highest expected speed when timed
+    on this machine (specdec.tree_cost, decoding the prompt `row`; the timings go to
+    OUT/speed_tree/tree_cost.json). On a CPU the tree forward grows with the tree, so the tree
+    that gives the highest tau is not the fastest (BENCHMARKS.md section 4)."""
+    table = [list(r) for r in heads.config.head_accuracy]
+    nodes, report = args.speed_nodes, None
+    if nodes == "auto":
+        plain, costs = measure_trees(model, heads, row, args.speed_sizes, table)
+        print(describe(plain, costs), flush=True)
+        report = cost_report(plain, costs)
+        nodes = report["chosen_nodes"]
+    paths = build_tree(table, nodes)
+    heads.config = MedusaConfig(**{**heads.config.__dict__, "tree": paths})
+    heads.set_tree(paths)
+    dest = out / "speed_tree"
+    distill.save_medusa(heads, dest)
+    if report is not None:
+        atomic_write_text(dest / "tree_cost.json", json.dumps(report, indent=1))
+    print(f"[speed] tree of {nodes} nodes ({dest})", flush=True)
+    return dest
 
 
 def train(args: argparse.Namespace, model, tok, out: Path, budget: RunBudget) -> tuple[list[dict], dict, float]:
@@ -149,9 +180,11 @@ def _run(args: argparse.Namespace, model_name: str, eval_dataset: str, raw_eval:
     print(f"[tau] {tau['tau']:.3f} on {len(rows)} {eval_dataset} prompts, matches plain "
           f"{tau['matches_plain']:.2f}", flush=True)
 
-    speed = None
+    speed, speed_heads = None, out
     if args.speed_prompts:
-        cfg_eval = EvalConfig(out=str(out / "eval"), methods=f"plain,medusa:{out}", target=model_name,
+        if args.speed_nodes is not None:
+            speed_heads = speed_tree(args, model, heads, rows[0], out)
+        cfg_eval = EvalConfig(out=str(out / "eval"), methods=f"plain,medusa:{speed_heads}", target=model_name,
                               dataset=eval_dataset, limit=args.speed_prompts, raw=raw_eval,
                               dtype=eval_dtype, max_new_tokens=args.eval_tokens, overwrite=True)
         report = run_eval(cfg_eval, command=shlex.join([sys.executable] + sys.argv))
@@ -166,6 +199,7 @@ def _run(args: argparse.Namespace, model_name: str, eval_dataset: str, raw_eval:
                "train_minutes": train_min, "tau": tau["tau"], "matches_plain": tau["matches_plain"],
                "top1_accuracy": metrics["top1_accuracy"], "records": len(records),
                "train_positions": metrics["train_positions"],
+               "speed_tree_nodes": len(heads.tree.paths) if speed is not None else None,
                "speed": {name: {k: m["overall"][k] for k in ("tau", "tokens_per_second", "speedup_vs_plain",
                                                              "matches_plain")}
                          for name, m in speed["methods"].items()} if speed is not None else None}
@@ -215,6 +249,13 @@ def parser(defaults: dict) -> argparse.ArgumentParser:
     p.add_argument("--eval-tokens", type=int, default=defaults["eval_tokens"])
     p.add_argument("--speed-prompts", type=int, default=defaults["speed_prompts"],
                    help="prompts timed one at a time by specdec eval (0 = skip)")
+    own = "the heads' own tree, --tree-nodes"
+    p.add_argument("--speed-nodes", type=parse_num_nodes, default=defaults["speed_nodes"],
+                   help=f"tree size for the speed comparison (default: {defaults['speed_nodes'] or own}); 'auto' "
+                        "times the trees of --speed-sizes on this machine and keeps the one with the highest "
+                        "expected speed")
+    p.add_argument("--speed-sizes", type=parse_sizes, default="1,2,4,6,8,12,16,24",
+                   help="tree sizes --speed-nodes auto tries")
     p.set_defaults(prompts_per_minute=defaults["prompts_per_minute"])
     return p
 
@@ -226,7 +267,7 @@ def parser(defaults: dict) -> argparse.ArgumentParser:
 DEFAULTS = {"out": "runs/medusa_smollm2", "max_minutes": 20.0, "answer_tokens": 128, "batch_size": 64,
             "prompts_per_minute": 1500, "num_layers": 2, "epochs": 3, "tree_nodes": 64, "data_frac": 0.55,
             "eval_minutes": 3.5, "eval_prompts": 12, "eval_tokens": 96, "speed_prompts": 2,
-            "soft_targets": False}
+            "soft_targets": False, "speed_nodes": None}
 
 if __name__ == "__main__":
     pipeline(parser(DEFAULTS).parse_args(), "smollm2-135m-instruct", "sharegpt", raw_eval=False)

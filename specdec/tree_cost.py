@@ -73,3 +73,17 @@ def best_tree(costs: list[TreeCost]) -> TreeCost:
     if not costs:
         raise ValueError("no tree sizes were measured")
     return max(costs, key=lambda c: (c.expected_speedup, -c.nodes))
+
+
+def cost_report(plain: float, costs: list[TreeCost]) -> dict:
+    """JSON-ready record of a `measure_trees` run (plain step seconds, its costs) and the chosen size."""
+    return {"threads": torch.get_num_threads(), "plain_step_ms": plain * 1e3,
+            "trees": [c.to_dict() for c in costs], "chosen_nodes": best_tree(costs).nodes}
+
+
+def describe(plain: float, costs: list[TreeCost]) -> str:
+    """The timings as printable lines: the plain step, then one line per tree size."""
+    lines = [f"plain step {plain * 1e3:.0f} ms"]
+    lines += [f"tree {c.nodes:3d} nodes: step {c.step_s * 1e3:.0f} ms = {c.vs_plain:.2f}x plain, expected tau "
+              f"{c.expected_tau:.2f}, expected speed {c.expected_speedup:.2f}x plain" for c in costs]
+    return "\n".join(lines)

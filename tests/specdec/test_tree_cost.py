@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 import distill
 from runtime.loading import from_hf_state
 from specdec.tree import build_tree, expected_length
-from specdec.tree_cost import TreeCost, best_tree, measure_trees
+from specdec.tree_cost import TreeCost, best_tree, cost_report, describe, measure_trees
 
 TABLE = [[0.6, 0.2, 0.1], [0.4, 0.15], [0.3]]  # accuracy[head][rank]
 
@@ -52,3 +52,12 @@ def test_best_tree_takes_the_highest_expected_speed_and_the_smaller_tree_on_a_ti
     assert best_tree([cost(8, 1.5), cost(4, 1.5)]).nodes == 4
     with pytest.raises(ValueError, match="no tree sizes"):
         best_tree([])
+
+
+def test_cost_report_and_describe_record_every_size_and_the_chosen_one():
+    costs = [cost(1, 1.4), cost(4, 1.6), cost(24, 1.1)]
+    report = cost_report(0.2, costs)
+    assert report["chosen_nodes"] == 4 and report["plain_step_ms"] == pytest.approx(200.0)
+    assert [t["nodes"] for t in report["trees"]] == [1, 4, 24]
+    lines = describe(0.2, costs).splitlines()
+    assert lines[0] == "plain step 200 ms" and len(lines) == 4 and "expected speed 1.60x" in lines[2]
