@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import specdec
-from distill.selfdistill import (chat_prompt_ids, generate_selfdistill, read_records,
+from distill.selfdistill import (chat_prompt_ids, generate_selfdistill, is_code_prompt, read_records,
                                  stop_token_ids)
 from distill.train_medusa import cache_hidden_states, load_cached
 
@@ -16,6 +16,17 @@ def test_chat_prompt_and_stop_tokens(word_tokenizer):
     assert ids == word_tokenizer.convert_tokens_to_ids(
         ["<|im_start|>", "user", "w1", "w2", "<|im_end|>", "<|im_start|>", "assistant"])
     assert stop_token_ids(word_tokenizer) == [2]
+
+
+@pytest.mark.parametrize("text, code", [
+    ("Write a Python function that sorts a list", True), ("In Java, replace {object} in a string", True),
+    ("Use C# to get the thumbnail", True), ("How do I learn Node.js?", True), ("call the API.", True),
+    ("git rebase or merge?", True), ("C++ templates explained", True),
+    ("I trust my editor", False), ("the capital of France", False), ("a chemical reaction", False),
+    ("digital art ideas", False), ("tell me a story about a cat", False),
+])
+def test_code_prompts_match_keywords_and_whole_word_language_names(text, code):
+    assert is_code_prompt(text) is code
 
 
 def test_answers_are_the_models_own_and_generation_resumes(tiny_model, word_tokenizer, tmp_path):
