@@ -67,6 +67,9 @@ def speed_tree(args: argparse.Namespace, model, heads: MedusaHeads, row: torch.T
     on this machine (specdec.tree_cost, decoding the prompt `row`; the timings go to
     OUT/speed_tree/tree_cost.json). On a CPU the tree forward grows with the tree, so the tree
     that gives the highest tau is not the fastest (BENCHMARKS.md section 4)."""
+    if heads.config.head_accuracy is None:
+        raise SystemExit(f"--speed-nodes: the heads in {out} store no held-out accuracy to build a tree from; "
+                         "rebuild their tree with `specdec medusa tree --data-dir` or drop --speed-nodes")
     table = [list(r) for r in heads.config.head_accuracy]
     nodes, report = args.speed_nodes, None
     if nodes == "auto":
