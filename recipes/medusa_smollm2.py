@@ -67,9 +67,6 @@ def speed_tree(args: argparse.Namespace, model, heads: MedusaHeads, row: torch.T
     on this machine (specdec.tree_cost, decoding the prompt `row`; the timings go to
     OUT/speed_tree/tree_cost.json). On a CPU the tree forward grows with the tree, so the tree
     that gives the highest tau is not the fastest (BENCHMARKS.md section 4)."""
-    if heads.config.head_accuracy is None:
-        raise SystemExit(f"--speed-nodes: the heads in {out} store no held-out accuracy to build a tree from; "
-                         "rebuild their tree with `specdec medusa tree --data-dir` or drop --speed-nodes")
     table = [list(r) for r in heads.config.head_accuracy]
     nodes, report = args.speed_nodes, None
     if nodes == "auto":
@@ -175,6 +172,9 @@ def _run(args: argparse.Namespace, model_name: str, eval_dataset: str, raw_eval:
     if eval_dtype != args.dtype:
         model = runtime.load_model(model_name, dtype=torch.float32 if eval_dtype == "float32" else torch.bfloat16)
     heads = distill.load_medusa(out, model)
+    if args.speed_prompts and args.speed_nodes is not None and heads.config.head_accuracy is None:
+        raise SystemExit(f"--speed-nodes: the heads in {out} store no held-out accuracy to build a tree from; "
+                         "rebuild their tree with `specdec medusa tree --data-dir` or drop --speed-nodes")
     eval_prompts = load_prompts(dataset=eval_dataset, limit=args.eval_prompts)
     rows = [torch.tensor(encode(tok, [p.turns[0]], [], raw_eval)) for p in eval_prompts]
     tau = tau_on_prompts(model, heads, rows, args.eval_tokens, eos)
