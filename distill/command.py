@@ -53,7 +53,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                           shared_lm_head=not args.separate_lm_heads)
     cfg = TrainConfig(epochs=args.epochs, lr=args.lr, batch_size=args.batch_size,
                       tree_nodes=args.tree_nodes, vocab=args.vocab, seed=args.seed,
-                      soft_targets=args.soft_targets)
+                      soft_targets=args.soft_targets, feature_noise=args.feature_noise)
     metrics = train_medusa(heads, cache_dir, args.out, cfg, deadline=deadline)
     print(json.dumps({k: metrics[k] for k in ("steps", "top1_accuracy", "expected_accepted_per_step")}))
     return 0
@@ -180,6 +180,10 @@ def register(subparsers) -> None:
     t.add_argument("--soft-targets", action="store_true",
                    help="learn the model's next-token distribution at each predicted position (its LM "
                         "head on the cached hidden state there) instead of only the greedy token")
+    t.add_argument("--feature-noise", type=float, default=tc.feature_noise,
+                   help="standard deviation of Gaussian noise added to the cached hidden states during "
+                        "training, relative to their RMS (e.g. 0.1; 0 = none): a regulariser for heads that "
+                        "over-fit their data")
     t.add_argument("--seed", type=int, default=tc.seed)
     t.add_argument("--max-minutes", type=float, default=None)
     t.set_defaults(func=cmd_train)

@@ -227,6 +227,10 @@ class TrainConfig:
     position t+1+i (its LM head on the cached hidden state there: the teacher Medusa distils)
     instead of only the greedy token that the answer holds; with vocab="data" the distribution
     is renormalised over the tokens the training answers use.
+    feature_noise: standard deviation of Gaussian noise added to each cached hidden state during
+    training, relative to that state's RMS (EAGLE's feature augmentation); 0 = none. The heads
+    over-fit a few hundred thousand positions within a few epochs (held-out top-1 well below the
+    training positions'), and the noise keeps them from memorising the exact states.
     """
 
     epochs: int = 4
@@ -241,6 +245,7 @@ class TrainConfig:
     mixed_precision: str = "bf16"
     vocab: str = "full"
     soft_targets: bool = False
+    feature_noise: float = 0.0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -249,6 +254,9 @@ class TrainConfig:
                 raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.lr <= 0 or not 0 < self.decay <= 1:
             raise ValueError(f"lr must be > 0 and decay in (0, 1], got {self.lr}, {self.decay}")
+        if not 0 <= self.feature_noise < 10:
+            raise ValueError(f"feature_noise is a standard deviation relative to the hidden states' RMS: "
+                             f"0 (none) or a small positive number such as 0.1, got {self.feature_noise}")
         if self.vocab not in ("full", "data"):
             raise ValueError(f"vocab must be 'full' (softmax over the whole vocabulary) or 'data' (over "
                              f"the tokens the training targets hold), got {self.vocab!r}")
@@ -317,6 +325,12 @@ def _plot(losses: list[float], path: Path) -> None:
     fig.tight_layout()
     atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110))
     plt.close(fig)
+
+
+def _noise(h: torch.Tensor, scale: float, generator: torch.Generator) -> torch.Tensor:
+    """Gaussian noise like h (n, C), each row's standard deviation `scale` times that row's RMS."""
+    rms = h.pow(2).mean(-1, keepdim=True).sqrt()  # (n, 1)
+    return torch.randn(h.shape, generator=generator, device=h.device, dtype=h.dtype) * (scale * rms)
 
 
 def _lr_at(step: int, progress: float, cfg: TrainConfig) -> float:
@@ -390,6 +404,7 @@ def train_medusa(heads: MedusaHeads, data_dir: str | Path, out_dir: str | Path,
     per_epoch = math.ceil(hidden.shape[0] / config.batch_size)
     total = per_epoch * config.epochs
     bar = tqdm(total=total, initial=step, desc="training Medusa heads", unit="step")
+    noise_gen = torch.Generator(acc.device).manual_seed(config.seed + step)  # a resumed run draws anew
     model_h.train()
     t_start = time.monotonic()
 
@@ -403,7 +418,9 @@ def train_medusa(heads: MedusaHeads, data_dir: str | Path, out_dir: str | Path,
             epoch, b = divmod(step, per_epoch)
             order = torch.randperm(hidden.shape[0], generator=torch.Generator().manual_seed(config.seed + epoch))
             idx = order[b * config.batch_size:(b + 1) * config.batch_size]
-            h = hidden[idx].to(acc.device, torch.float32)
+            h = hidden[idx].to(acc.device, torch.float32)  # (n, C)
+            if config.feature_noise:
+                h = h + _noise(h, config.feature_noise, noise_gen)
             t = targets[idx].to(acc.device)
             teacher = None
             if config.soft_targets:

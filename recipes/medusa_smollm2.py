@@ -103,7 +103,7 @@ def train(args: argparse.Namespace, model, tok, out: Path, budget: RunBudget) ->
     heads = distill.attach_medusa(model, num_heads=args.num_heads, num_layers=args.num_layers)
     cfg = TrainConfig(epochs=args.epochs, lr=args.lr, batch_size=args.train_batch, vocab=args.vocab,
                       tree_nodes=args.tree_nodes, warmup_steps=20, checkpoint_every=100,
-                      soft_targets=args.soft_targets)
+                      soft_targets=args.soft_targets, feature_noise=args.feature_noise)
     metrics = distill.train_medusa(heads, cache_dir, out, cfg, deadline=budget.at(args.train_frac))
     train_min = budget.minutes()
     print(f"[train] {metrics['steps']}/{metrics['planned_steps']} steps, top-1 accuracy "
@@ -239,6 +239,9 @@ def parser(defaults: dict) -> argparse.ArgumentParser:
     p.add_argument("--soft-targets", action=argparse.BooleanOptionalAction, default=defaults["soft_targets"],
                    help="train on the model's next-token distributions rather than its greedy tokens "
                         "(TrainConfig.soft_targets)")
+    p.add_argument("--feature-noise", type=float, default=0.0,
+                   help="Gaussian noise on the cached hidden states during training, relative to their RMS "
+                        "(TrainConfig.feature_noise; against over-fitting)")
     p.add_argument("--data-frac", type=float, default=defaults["data_frac"],
                    help="fraction of the budget for self-distillation data")
     p.add_argument("--train-frac", type=float, default=None,

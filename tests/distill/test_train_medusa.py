@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import distill
 import specdec
-from distill.train_medusa import (IGNORE, TrainConfig, _time_progress, cache_hidden_states, head_accuracy,
+from distill.train_medusa import (IGNORE, TrainConfig, _noise, _time_progress, cache_hidden_states, head_accuracy,
                                   head_targets, load_cached, medusa_loss, teacher_probs)
 
 
@@ -175,3 +175,27 @@ def test_training_over_the_data_vocabulary_learns_and_guesses_among_it(tiny_mode
     loaded = distill.load_medusa(tmp_path / "heads", tiny_model)
     assert loaded.config.guess_vocab == 64 and sorted(loaded.vocab.tolist()) == list(range(64))
     assert int(loaded.top_tokens(torch.randn(20, 64), 5).max()) < 64
+
+
+def test_feature_noise_scales_with_each_states_rms():
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(4000, 64, generator=g) * torch.tensor([1.0, 5.0]).repeat(2000)[:, None]  # rows of RMS ~1, ~5
+    noise = _noise(h, 0.1, torch.Generator().manual_seed(1))
+    assert noise.shape == h.shape
+    assert abs(noise[0::2].std() - 0.1) < 0.005 and abs(noise[1::2].std() - 0.5) < 0.025
+    assert torch.equal(noise, _noise(h, 0.1, torch.Generator().manual_seed(1)))  # the generator decides
+    with pytest.raises(ValueError, match="feature_noise"):
+        TrainConfig(feature_noise=-0.1)
+
+
+def test_training_with_feature_noise_still_learns_and_differs_from_none(tiny_model, records, tmp_path):
+    data = cache_hidden_states(tiny_model, records, tmp_path / "cache", num_heads=1, dtype=torch.float32)
+    runs = {}
+    for noise in (0.0, 0.1):
+        cfg = TrainConfig(epochs=3, lr=1e-2, batch_size=128, warmup_steps=5, topk=3, tree_nodes=3,
+                          mixed_precision="no", feature_noise=noise)
+        metrics = distill.train_medusa(distill.attach_medusa(tiny_model, num_heads=1), data,
+                                       tmp_path / f"heads{noise}", cfg)
+        runs[noise] = metrics
+    assert runs[0.1]["top1_accuracy"][0] > 0.3, runs[0.1]["top1_accuracy"]
+    assert runs[0.1]["final_loss"] != runs[0.0]["final_loss"]
