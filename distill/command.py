@@ -121,6 +121,16 @@ def parse_sizes(value: str) -> list[int]:
     return sizes
 
 
+def parse_feature_noise(value: str) -> float:
+    """argparse type for --feature-noise: checked before any model or data is loaded."""
+    from distill.train_medusa import TrainConfig
+
+    try:
+        return TrainConfig(feature_noise=float(value)).feature_noise
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def parse_num_nodes(value: str) -> int | str:
     """argparse type of --num-nodes: a positive int or "auto"."""
     if value == "auto":
@@ -180,7 +190,7 @@ def register(subparsers) -> None:
     t.add_argument("--soft-targets", action="store_true",
                    help="learn the model's next-token distribution at each predicted position (its LM "
                         "head on the cached hidden state there) instead of only the greedy token")
-    t.add_argument("--feature-noise", type=float, default=tc.feature_noise,
+    t.add_argument("--feature-noise", type=parse_feature_noise, default=tc.feature_noise,
                    help="standard deviation of Gaussian noise added to the cached hidden states during "
                         "training, relative to their RMS (e.g. 0.1; 0 = none): a regulariser for heads that "
                         "over-fit their data")

@@ -35,7 +35,7 @@ import distill
 import runtime
 import specdec
 from distill.budget import RunBudget
-from distill.command import parse_num_nodes, parse_sizes
+from distill.command import parse_feature_noise, parse_num_nodes, parse_sizes
 from distill.selfdistill import (generate_selfdistill, is_code_prompt, read_records, sharegpt_prompts,
                                 stop_token_ids)
 from distill.train_medusa import TrainConfig, cache_hidden_states
@@ -239,7 +239,7 @@ def parser(defaults: dict) -> argparse.ArgumentParser:
     p.add_argument("--soft-targets", action=argparse.BooleanOptionalAction, default=defaults["soft_targets"],
                    help="train on the model's next-token distributions rather than its greedy tokens "
                         "(TrainConfig.soft_targets)")
-    p.add_argument("--feature-noise", type=float, default=0.0,
+    p.add_argument("--feature-noise", type=parse_feature_noise, default=0.0,
                    help="Gaussian noise on the cached hidden states during training, relative to their RMS "
                         "(TrainConfig.feature_noise; against over-fitting)")
     p.add_argument("--data-frac", type=float, default=defaults["data_frac"],

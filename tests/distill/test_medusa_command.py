@@ -58,3 +58,12 @@ def test_tree_auto_times_the_sizes_and_keeps_the_fastest_expected(tmp_path, caps
     with pytest.raises(SystemExit):
         main(argv[:-4] + ["--num-nodes", "0"])
     assert "--num-nodes must be >= 1" in capsys.readouterr().err
+
+
+def test_train_rejects_a_bad_feature_noise_before_loading_anything(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["medusa", "train", "--model", str(tmp_path / "no-such-model"), "--data", str(tmp_path / "none.jsonl"),
+              "--out", str(tmp_path / "out"), "--feature-noise", "-0.5"])
+    err = capsys.readouterr().err
+    assert "--feature-noise" in err and "got -0.5" in err
+    assert not (tmp_path / "out").exists()
