@@ -190,16 +190,17 @@ class MedusaHeads(nn.Module):
     def num_heads(self) -> int:
         return self.config.num_heads
 
-    def features(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Hidden states (..., C) -> each head's residual-block output (K, ..., C)."""
+    def features(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+        """Hidden states (..., C) -> the residual-block output (K', ..., C) of the first K' =
+        `num_heads` heads (default all): a shallow tree needs only as many heads as it is deep."""
         x = hidden.to(self.blocks[0][0].linear.weight.dtype)
-        return torch.stack([blk(x) for blk in self.blocks])
+        return torch.stack([blk(x) for blk in self.blocks[:num_heads]])
 
     def head_logits(self, feats: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor:
         """Residual-block outputs (K, ..., C) -> logits (K, ..., V), or (K, ..., len(vocab)) for
         the token ids `vocab` only (training restricted to the tokens its data holds)."""
         if self.lm_heads is not None:
-            ws = [head.weight if vocab is None else head.weight[vocab] for head in self.lm_heads]
+            ws = [head.weight if vocab is None else head.weight[vocab] for head in self.lm_heads[:len(feats)]]
             return torch.stack([f.to(w.dtype) @ w.T for w, f in zip(ws, feats)])
         return self.base_logits(feats, vocab)
 
@@ -238,7 +239,7 @@ class MedusaHeads(nn.Module):
     def top_tokens(self, hidden: torch.Tensor, k: int, num_heads: int | None = None) -> torch.Tensor:
         """Each head's k best token ids (K', ..., k) from hidden (..., C), best first, among the
         guess vocabulary (restrict_vocab); K' = num_heads (default all)."""
-        feats = self.features(hidden)[:num_heads]  # (K', ..., C)
+        feats = self.features(hidden, num_heads)  # (K', ..., C)
         idx = self.head_logits(feats, self.vocab).topk(k, dim=-1).indices  # (K', ..., k)
         return idx if self.vocab is None else self.vocab[idx]
 

@@ -70,6 +70,24 @@ def test_greedy_medusa_equals_plain_decoding_on_ragged_batches(model):
     assert len(s.per_position_acceptance) == 3
 
 
+@pytest.mark.parametrize("shared", [True, False])
+def test_a_shallow_tree_runs_only_the_heads_it_reaches(model, shared):
+    heads = MedusaHeads(MedusaConfig(64, 128, num_heads=4, shared_lm_head=shared), model.lm_head)
+    g = torch.Generator().manual_seed(1)
+    for blk in heads.blocks:
+        blk[0].linear.weight.data = torch.randn(64, 64, generator=g) * 0.3
+    hidden = torch.randn(3, 64)
+    heads.restrict_vocab(torch.arange(10, 100))
+    assert heads.features(hidden, 2).shape == (2, 3, 64)
+    torch.testing.assert_close(heads.features(hidden, 2), heads.features(hidden)[:2])
+    assert torch.equal(heads.top_tokens(hidden, 5, 2), heads.top_tokens(hidden, 5)[:2])
+    calls = []
+    hook = heads.blocks[2].register_forward_hook(lambda *_: calls.append(2))
+    heads.guesses(hidden, (2, 1))  # a depth-2 tree: heads 2 and 3 stay idle
+    assert calls == []
+    hook.remove()
+
+
 def test_heads_restricted_to_a_guess_vocabulary_stay_lossless(model):
     heads = random_heads(model, tree=((0,), (1,), (2,), (0, 0), (1, 0), (0, 0, 0)))
     heads.restrict_vocab(torch.arange(40, 128))
