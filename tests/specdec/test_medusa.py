@@ -23,9 +23,9 @@ def model():
     return tiny()
 
 
-def random_heads(model, num_heads=3, tree=None, seed=0):
+def random_heads(model, num_heads=3, tree=None, seed=0, shared=True):
     cfg = MedusaConfig(model.config.hidden_size, model.config.vocab_size, num_heads=num_heads,
-                       tree=tree)
+                       tree=tree, shared_lm_head=shared)
     heads = MedusaHeads(cfg, model.lm_head)
     g = torch.Generator().manual_seed(seed)
     for blk in heads.blocks:
@@ -72,10 +72,7 @@ def test_greedy_medusa_equals_plain_decoding_on_ragged_batches(model):
 
 @pytest.mark.parametrize("shared", [True, False])
 def test_a_shallow_tree_runs_only_the_heads_it_reaches(model, shared):
-    heads = MedusaHeads(MedusaConfig(64, 128, num_heads=4, shared_lm_head=shared), model.lm_head)
-    g = torch.Generator().manual_seed(1)
-    for blk in heads.blocks:
-        blk[0].linear.weight.data = torch.randn(64, 64, generator=g) * 0.3
+    heads = random_heads(model, num_heads=4, seed=1, shared=shared)
     hidden = torch.randn(3, 64)
     heads.restrict_vocab(torch.arange(10, 100))
     assert heads.features(hidden, 2).shape == (2, 3, 64)
