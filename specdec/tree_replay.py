@@ -91,8 +91,7 @@ def replay_row(tree: Tree, ranks: torch.Tensor, new_tokens: int, counts: ReplayC
 def replay_tau(model, heads: MedusaHeads, rows: list[torch.Tensor], trees: dict[str, Tree],
                max_new_tokens: int, eos_token_id: int | list[int] | None = None) -> dict[str, ReplayCounts]:
     """Greedy Medusa counts of each tree in `trees` (name -> Tree) on the prompts `rows` (1-D
-    token ids), from one batched plain greedy pass; the trees may be deeper than the heads reach
-    only if the heads have as many heads as the deepest tree is deep."""
+    token ids), from one batched plain greedy pass; no tree may be deeper than there are heads."""
     depth = max(t.max_depth for t in trees.values())
     if depth > heads.num_heads:
         raise ValueError(f"a tree is {depth} deep but there are only {heads.num_heads} heads")
