@@ -35,6 +35,29 @@ def causal_mask(prefix_lens: torch.Tensor, num_new: int, num_keys: int,
     return mask
 
 
+def block_mask_keys(prefix_lens: torch.Tensor, block_mask: torch.Tensor, num_keys: int,
+                    positions: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+    """Boolean (B, T, S) mask for T new tokens written at slots prefix_lens[b] + t, from the block
+    mask (B, T, T) of which new tokens each new token sees (a tree: its ancestors and itself).
+
+    Every token sees its row's cached slots [0, prefix_lens[b]) and the new tokens its block-mask
+    row allows; other slots (other rows' padding) are hidden. With a sliding `window`, a key is
+    also hidden once it lies `window` or more positions behind the query: the new tokens sit at
+    `positions` (B, T), a cached slot s at position s.
+    """
+    B, T = block_mask.shape[:2]
+    slot = torch.arange(num_keys, device=prefix_lens.device)  # (S,)
+    rel = slot[None, :] - prefix_lens[:, None]  # (B, S): the key's index among the new tokens
+    in_block = (rel >= 0) & (rel < T)
+    idx = rel.clamp(0, T - 1)  # (B, S)
+    block_part = block_mask.gather(2, idx[:, None, :].expand(B, T, num_keys))  # (B, T, S)
+    mask = (rel < 0)[:, None, :] | (in_block[:, None, :] & block_part)
+    if window is not None:
+        k_pos = torch.where(in_block, positions.gather(1, idx), slot[None, :])  # (B, S)
+        mask &= (positions[:, :, None] - k_pos[:, None, :]) < window
+    return mask
+
+
 def sdpa_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """PyTorch SDPA of q (B, Hq, T, D) over k, v (B, Hkv, S, D), mask boolean (B, T, S) or None
     (all visible) -> (B, Hq, T, D).
@@ -78,10 +101,14 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 
 @torch.library.custom_op("specdec::cache_attention", mutates_args=("k_cache", "v_cache"))
 def cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, layer: int, prefix_lens: torch.Tensor, window: int) -> torch.Tensor:
+                    v_cache: torch.Tensor, layer: int, prefix_lens: torch.Tensor, window: int,
+                    block_mask: torch.Tensor | None) -> torch.Tensor:
     """Write k, v (B, Hkv, T, D) into layer `layer` of the cache buffers (L, B, Hkv, S_max, D) at
     slots prefix_lens[b] + t, then attend causally: query t of q (B, Hq, T, D) sees slots
     [0, prefix_lens[b] + t] of its row (within `window`, 0 = none). -> (B, Hq, T, D), contiguous.
+    With a `block_mask` (B, T, T) (a Medusa tree step) query t sees the row's cached slots and the
+    new tokens its block-mask row allows (`block_mask_keys`); the window must then not cut into
+    the row (the caller runs such steps eagerly).
 
     One opaque, in-place op for `torch.compile` (runtime.compile_decode). Left to the compiler,
     the cache write became a copy of the whole buffer per layer (functionalization) and the
@@ -98,6 +125,11 @@ def cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     num_keys = int(prefix_lens.max()) + T
     win = window or None
     keys, values = k_cache[layer][:, :, :num_keys], v_cache[layer][:, :, :num_keys]  # (B, Hkv, S, D)
+    if block_mask is not None:
+        if win is not None and num_keys > win:
+            raise ValueError(f"a block-mask step over {num_keys} slots needs the {win}-token sliding window "
+                             "applied by position: run it eagerly (Transformer.forward does)")
+        return sdpa_gqa(q, keys, values, block_mask_keys(prefix_lens, block_mask, num_keys)).contiguous()
     if T == 1 and uniform and (win is None or num_keys <= win):
         out = sdpa_gqa(q, keys, values, None)
     else:
@@ -108,5 +140,5 @@ def cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 @cache_attention.register_fake
 def _cache_attention_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                            v_cache: torch.Tensor, layer: int, prefix_lens: torch.Tensor,
-                           window: int) -> torch.Tensor:
+                           window: int, block_mask: torch.Tensor | None) -> torch.Tensor:
     return q.new_empty(q.shape)

@@ -16,8 +16,12 @@ generation with k <= 7 draft tokens compiles every program it needs (a warm-up r
 each program holds its own frozen copy of the weights. Selected logits (`logits_idx`: a draft's
 feeds, a prefill) of up to 8 tokens are gathered from the output of those same programs (a
 draft's 2-token feed: a program of its own, see `static_tokens`); longer ones run eagerly
-rather than compile a 16- or 32-token program with another weight copy. A forward with an
-explicit mask (trees), hidden states, or more than 32 tokens runs eagerly.
+rather than compile a 16- or 32-token program with another weight copy. Every program also
+returns the final hidden states (`return_hidden`: Medusa heads, self-distillation data). A
+Medusa tree step passes a `block_mask` (B, N, N) (which tree tokens each one sees) and runs
+compiled at its own size N <= MAX_BLOCK_TOKENS, unpadded (a tree keeps its size for a whole
+generation; its program is one more weight copy). A forward with a full (B, T, S) mask, a
+causal forward of more than 32 tokens, or a tree step that a sliding window cuts runs eagerly.
 
 Freezing treats the weights as constants: compile after the weights are final, and use the model
 for inference only (`torch.inference_mode`, as `specdec.generate` runs). The first call of each
@@ -30,7 +34,8 @@ import shutil
 
 import torch
 
-MAX_STATIC_TOKENS = 32  # forwards of up to this many tokens take the compiled path
+MAX_STATIC_TOKENS = 32  # causal forwards of up to this many tokens take the compiled path
+MAX_BLOCK_TOKENS = 256  # block-mask (tree) forwards of up to this many tokens take it, unpadded
 DECODE_STATIC_TOKENS = 8  # the largest program plain and speculative decoding (k <= 7) compile
 _RECOMPILE_LIMIT = 64  # (model, batch, tokens, cache) shapes one process may compile
 
@@ -79,7 +84,7 @@ def compile_decode(model: torch.nn.Module, cpp_wrapper: bool = True,
     compiled = torch.compile(model.static_step)
     autotune = {} if max_autotune is None else {"max_autotune": max_autotune}
 
-    def step(tokens, positions, k, v, lengths):
+    def step(tokens, positions, k, v, lengths, block_mask=None):
         # the cache length is the one dynamic dimension: prompts of any length share a program
         torch._dynamo.mark_dynamic(k, 3)
         torch._dynamo.mark_dynamic(v, 3)
@@ -87,7 +92,7 @@ def compile_decode(model: torch.nn.Module, cpp_wrapper: bool = True,
         # (measured: no speed-up), so the config is patched around each call instead
         with torch._inductor.config.patch(freezing=True, cpp_wrapper=cpp_wrapper, **autotune), \
                 torch._dynamo.config.patch(automatic_dynamic_shapes=False):
-            return compiled(tokens, positions, k, v, lengths)
+            return compiled(tokens, positions, k, v, lengths, block_mask)
 
     model._compiled_step = step
     return model

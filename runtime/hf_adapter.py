@@ -12,6 +12,8 @@ from types import SimpleNamespace
 import torch
 from transformers import DynamicCache
 
+from runtime.attention import block_mask_keys
+
 
 class HFCache:
     """Per-row DynamicCaches behind the KVCache interface (lengths, rollback, compact)."""
@@ -76,9 +78,11 @@ class HFAdapter(torch.nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: HFCache,
                 mask: torch.Tensor | None = None, return_hidden: bool = False,
-                logits_idx: torch.Tensor | None = None):
+                logits_idx: torch.Tensor | None = None, block_mask: torch.Tensor | None = None):
         """Same contract as runtime.Transformer.forward (rows run one at a time)."""
         B, T = tokens.shape
+        if block_mask is not None:  # (B, T, T) -> (B, T, S) over each row's cache and the new tokens
+            mask = block_mask_keys(cache.lengths, block_mask, int(cache.lengths.max()) + T)
         logits_rows, hidden_rows = [], []
         for b in range(B):
             start = int(cache.lengths[b])

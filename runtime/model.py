@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.attention import attend, cache_attention, causal_mask, default_backend
+from runtime.attention import attend, block_mask_keys, cache_attention, causal_mask, default_backend
 from runtime.cache import KVCache
-from runtime.compile import DECODE_STATIC_TOKENS, MAX_STATIC_TOKENS, static_tokens
+from runtime.compile import DECODE_STATIC_TOKENS, MAX_BLOCK_TOKENS, MAX_STATIC_TOKENS, static_tokens
 from runtime.config import ModelConfig
 from runtime.rope import Rope, apply_rope
 
@@ -53,7 +53,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if ctx.backend == "static":  # runtime.compile_decode: cache write + attention as one op
             out = cache_attention(q, k, v, ctx.cache.k, ctx.cache.v, self.layer, ctx.prefix_lens,
-                                  ctx.window or 0)
+                                  ctx.window or 0, ctx.block_mask)
             return self.wo(out.transpose(1, 2).reshape(B, T, q_size))
         if ctx.cache is None:
             keys, values = k, v
@@ -99,10 +99,11 @@ class StepContext:
 
     def __init__(self, cache: KVCache | None, slots: torch.Tensor | None, num_keys: int,
                  mask: torch.Tensor | None, prefix_lens: torch.Tensor, backend: str,
-                 window: int | None, uniform: bool = False) -> None:
+                 window: int | None, uniform: bool = False, block_mask: torch.Tensor | None = None) -> None:
         self.cache, self.slots, self.num_keys = cache, slots, num_keys
         self.mask, self.prefix_lens, self.backend, self.window = mask, prefix_lens, backend, window
         self.uniform = uniform  # every row writes to the same slots
+        self.block_mask = block_mask  # (B, T, T) for the compiled ("static") backend, else folded into mask
 
 
 class Transformer(nn.Module):
@@ -151,22 +152,27 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | None,
                 mask: torch.Tensor | None = None, return_hidden: bool = False,
-                logits_idx: torch.Tensor | None = None):
+                logits_idx: torch.Tensor | None = None, block_mask: torch.Tensor | None = None):
         """Score `tokens` (B, T) at `positions` (B, T).
 
         With a cache, the new keys/values go to slots cache.lengths[b] + t and the lengths
         advance by T. `mask` (B, T, S) bool, True = may attend, over the first S cache slots
-        (the new tokens included); None = causal. `logits_idx` (B, N) picks the positions to
-        score (the LM head is the largest matmul of a long prefill). Returns logits (B, T|N, V),
-        and the final hidden states (B, T, C) too when `return_hidden`.
+        (the new tokens included); None = causal. `block_mask` (B, T, T) bool instead says only
+        which new tokens each new token sees (a Medusa tree: its ancestors), every cached slot
+        being visible (`runtime.attention.block_mask_keys`); on a compiled model such a step runs
+        compiled. `logits_idx` (B, N) picks the positions to score (the LM head is the largest
+        matmul of a long prefill). Returns logits (B, T|N, V), and the final hidden states
+        (B, T, C) too when `return_hidden`.
         """
         B, T = tokens.shape
-        if (self._compiled_step is not None and cache is not None and mask is None and not return_hidden
-                and T <= (MAX_STATIC_TOKENS if logits_idx is None else DECODE_STATIC_TOKENS)):
-            logits = self._static_forward(tokens, positions, cache, logits_idx is not None)  # (B, T, V)
-            if logits_idx is None:
-                return logits
-            return logits.gather(1, logits_idx[:, :, None].expand(-1, -1, logits.shape[-1]))  # (B, N, V)
+        if mask is not None and block_mask is not None:
+            raise ValueError("pass either mask (B, T, S) or block_mask (B, T, T), not both")
+        if self._compiled_step is not None and cache is not None and mask is None and self._static_fits(
+                T, cache, logits_idx is not None, block_mask is not None):
+            logits, h = self._static_forward(tokens, positions, cache, logits_idx is not None, block_mask)
+            if logits_idx is not None:
+                logits = logits.gather(1, logits_idx[:, :, None].expand(-1, -1, logits.shape[-1]))  # (B, N, V)
+            return (logits, h) if return_hidden else logits
         if cache is None:
             prefix = torch.zeros(B, dtype=torch.long, device=tokens.device)
             slots, num_keys = None, T
@@ -177,6 +183,8 @@ class Transformer(nn.Module):
             num_keys = mask.shape[-1] if mask is not None else int(prefix.max()) + T
         backend = self.attention or default_backend(tokens.device)
         window = self.config.sliding_window
+        if block_mask is not None:
+            mask = block_mask_keys(prefix, block_mask, num_keys, positions, window)  # (B, T, S)
         uniform = B == 1 or bool((prefix == prefix[0]).all())
         # one query per row that sees every slot needs no mask (SDPA's fastest path); otherwise
         # the causal mask is built once per forward, not once per layer
@@ -198,15 +206,28 @@ class Transformer(nn.Module):
             logits = self.lm_head(h)
         return (logits, h) if return_hidden else logits
 
+    def _static_fits(self, T: int, cache: KVCache, selected: bool, block: bool) -> bool:
+        """Whether a forward of T tokens can take the compiled program: causal steps of up to
+        MAX_STATIC_TOKENS (DECODE_STATIC_TOKENS with selected logits), block-mask steps of up to
+        MAX_BLOCK_TOKENS whose rows the sliding window (if any) does not cut."""
+        if not block:
+            return T <= (DECODE_STATIC_TOKENS if selected else MAX_STATIC_TOKENS)
+        window = self.config.sliding_window
+        return (not selected and T <= MAX_BLOCK_TOKENS
+                and (window is None or int(cache.lengths.max()) + T <= window))
+
     def _static_forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                        selected: bool) -> torch.Tensor:
-        """`forward` through the compiled `static_step`, with T padded by `static_tokens`."""
+                        selected: bool, block_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` through the compiled `static_step` -> (logits (B, T, V), hidden (B, T, C)).
+
+        A causal step's T is padded by `static_tokens`; a block-mask step (a tree, whose size is
+        fixed for a whole generation) runs at its own T."""
         B, T = tokens.shape
         cache.check_room(T)
         filled = int(cache.lengths.max())
         # selected logits after the prompt: a draft's catch-up feed (a 2-token prompt stays padded,
         # so a target never compiles, with its own weight copy, a program only drafts need)
-        padded = static_tokens(T, selected and filled > 0)
+        padded = T if block_mask is not None else static_tokens(T, selected and filled > 0)
         if filled + padded > cache.max_seq_len:
             padded = T  # no room for the padding at the very end of the cache: one more shape
         if padded > T:
@@ -214,27 +235,30 @@ class Transformer(nn.Module):
             last = self.config.max_position_embeddings - 1
             tokens = torch.cat([tokens, tokens[:, -1:].expand(-1, padded - T)], dim=1)  # (B, T+P)
             positions = torch.cat([positions, (positions[:, -1:] + extra).clamp(max=last)], dim=1)
-        logits = self._compiled_step(tokens, positions, cache.k, cache.v, cache.lengths)
+        logits, h = self._compiled_step(tokens, positions, cache.k, cache.v, cache.lengths, block_mask)
         cache.lengths += T
-        return logits[:, :T]
+        return logits[:, :T], h[:, :T]
 
     def static_step(self, tokens: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
-                    v: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """A short causal forward over the static cache buffers: logits (B, T, V).
+                    v: torch.Tensor, lengths: torch.Tensor,
+                    block_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A short forward over the static cache buffers: logits (B, T, V) and the final hidden
+        states (B, T, C).
 
         Equals `forward` with a cache, written so that `torch.compile` traces it once per (B, T):
         no host syncs, and each layer's cache write + attention is one opaque in-place op
         (`runtime.attention.cache_attention`), so the cache length may vary freely. k, v: the
         cache buffers (L, B, H, S_max, D), written at slots lengths[b] + t; `lengths` (B,) is not
-        advanced here.
+        advanced here. block_mask: (B, T, T) which new tokens each one sees (None = causal).
         """
         ctx = StepContext(_CacheBuffers(k, v), None, k.shape[3], None, lengths, "static",
-                          self.config.sliding_window)
+                          self.config.sliding_window, block_mask=block_mask)
         cos, sin = self.rope()(positions, self.dtype)
         x = self.embed(tokens)  # (B, T, C)
         for layer in self.layers:
             x = layer(x, cos, sin, ctx)
-        return self.lm_head(self.norm(x))
+        h = self.norm(x)
+        return self.lm_head(h), h
 
 
 class _CacheBuffers:

@@ -24,7 +24,7 @@ from torch import nn
 from specdec.rows import RowState, check_lengths, prefill
 from specdec.sampling import check_finite, select_next
 from specdec.stats import AcceptanceStats
-from specdec.tree import (Path, Tree, build_tree, tree_mask, tree_positions, tree_tokens,
+from specdec.tree import (Path, Tree, build_tree, tree_positions, tree_tokens,
                           verify_greedy, verify_lossless, verify_typical)
 
 ACCEPTANCE = ("auto", "lossless", "typical")
@@ -304,6 +304,7 @@ def medusa_decode(target, heads: MedusaHeads, state: RowState, temperature: floa
         stats.generated_tokens += state.emit(b, [int(root[b])])
     stats.ttft_s = time.perf_counter() - start
     anc = tree.ancestors(device)  # (N, N)
+    block = anc.expand(B, n, n)  # (B, N, N): the tree block of the attention mask
     rows = torch.arange(B, device=device)
     while not state.all_done:
         active = state.active()
@@ -311,9 +312,9 @@ def medusa_decode(target, heads: MedusaHeads, state: RowState, temperature: floa
         tokens = tree_tokens(tree, root, heads.guesses(hidden, tree.topk))  # (B, N)
         t1 = time.perf_counter()
         lengths = cache.lengths.clone()  # (B,)
-        mask = tree_mask(tree, lengths, int(lengths.max()) + n, anc, cfg.sliding_window)  # (B, N, S)
         positions = tree_positions(tree, lengths, cfg.max_position_embeddings - 1)  # (B, N)
-        logits, hid = target(tokens, positions, cache, mask=mask, return_hidden=True)  # (B, N, V)
+        # each node sees the cached prefix and its ancestors: compiled on a compiled target
+        logits, hid = target(tokens, positions, cache, block_mask=block, return_hidden=True)  # (B, N, V)
         check_finite(logits)
         sel = torch.tensor(active, device=device)
         verdicts = _verify(heads, tree, tokens[sel], logits[sel], anc, temperature, top_k, top_p,

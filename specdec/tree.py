@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from runtime.attention import block_mask_keys
 from specdec.sampling import probs_from_logits
 
 Path = tuple[int, ...]
@@ -158,21 +159,13 @@ def tree_mask(tree: Tree, lengths: torch.Tensor, num_keys: int, anc: torch.Tenso
 
     Node i of row b sees the row's cached prefix [0, lengths[b]) and the slots of its own
     ancestors (itself included); every other slot (other branches, other rows' padding) is hidden.
+    (`specdec.medusa` passes the (N, N) ancestor block to the model as `block_mask` instead, which
+    builds the same mask, or runs compiled.)
     """
-    device = lengths.device
     n = tree.num_nodes
-    anc = tree.ancestors(device) if anc is None else anc  # (N, N)
-    slot = torch.arange(num_keys, device=device)  # (S,)
-    rel = slot[None, :] - lengths[:, None]  # (B, S): slot's index in the row's tree
-    in_tree = (rel >= 0) & (rel < n)
-    tree_part = anc[:, rel.clamp(0, n - 1)].permute(1, 0, 2)  # (B, N, S)
-    mask = (rel < 0)[:, None, :] | (in_tree[:, None, :] & tree_part)
-    if window is not None:
-        depth = torch.tensor(tree.depth, device=device)
-        q_pos = lengths[:, None] + depth[None]  # (B, N)
-        k_pos = torch.where(in_tree, lengths[:, None] + depth[rel.clamp(0, n - 1)], slot[None, :])
-        mask &= (q_pos[:, :, None] - k_pos[:, None, :]) < window
-    return mask
+    anc = tree.ancestors(lengths.device) if anc is None else anc  # (N, N)
+    positions = tree_positions(tree, lengths)  # (B, N)
+    return block_mask_keys(lengths, anc.expand(len(lengths), n, n), num_keys, positions, window)
 
 
 def tree_tokens(tree: Tree, root: torch.Tensor, guesses: list[torch.Tensor]) -> torch.Tensor:

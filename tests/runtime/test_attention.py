@@ -1,10 +1,10 @@
-"""runtime.attention.sdpa_gqa: grouped-query attention folded into the query axis."""
+"""runtime.attention: grouped-query attention folded into the query axis; causal and block masks."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from runtime.attention import sdpa_gqa
+from runtime.attention import block_mask_keys, causal_mask, sdpa_gqa
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -26,3 +26,15 @@ def test_sdpa_gqa_matches_pytorch_enable_gqa(dtype, B, Hq, Hkv, T, S):
     k2[:, 0] += 1
     changed = (sdpa_gqa(q, k2, v, mask) - sdpa_gqa(q, k, v, mask)).abs().amax(dim=(0, 2, 3)) > 0  # (Hq,)
     assert changed.tolist() == [h < Hq // Hkv for h in range(Hq)]
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_a_lower_triangular_block_mask_is_the_causal_mask(window):
+    """block_mask_keys with a causal block over the new tokens equals causal_mask, sliding window
+    included, on ragged rows."""
+    prefix = torch.tensor([2, 5, 0])
+    T, S = 4, 9
+    block = torch.ones(T, T, dtype=torch.bool).tril().expand(3, T, T)
+    positions = prefix[:, None] + torch.arange(T)  # (B, T)
+    got = block_mask_keys(prefix, block, S, positions, window)
+    assert torch.equal(got, causal_mask(prefix, T, S, window))

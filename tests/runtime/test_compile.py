@@ -137,3 +137,64 @@ def test_max_autotune_quantized_model_equals_eager():
     rows = _prompts([9])
     want = specdec.generate(eager, rows, max_new_tokens=12).sequences[0]
     assert torch.equal(specdec.generate(compiled, rows, max_new_tokens=12).sequences[0], want)
+
+
+def _tree_block(parent: list[int]) -> torch.Tensor:
+    """(N, N) bool: node i sees node j when j is i or one of its ancestors."""
+    n = len(parent)
+    anc = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            anc[i, j] = True
+            j = parent[j]
+    return anc
+
+
+@pytest.mark.parametrize("family,extra,compiled_tree", [("qwen2", {}, True),
+                                                        ("mistral", {"sliding_window": 12}, False)])
+def test_block_mask_steps_run_compiled_and_equal_eager_steps(family, extra, compiled_tree):
+    """A tree step (block_mask over the new tokens) runs compiled at its own size, unpadded, with
+    the eager model's logits, hidden states and cache; one that the sliding window cuts (a 9-token
+    row + 6 tree tokens over a 12-token window) runs eagerly."""
+    from specdec.rows import prefill
+
+    parent = [-1, 0, 0, 1, 1, 2]
+    depth = torch.tensor([0, 1, 1, 2, 2, 2])
+    block = _tree_block(parent).expand(2, 6, 6)  # (B, N, N)
+    rows = _prompts([5, 9], seed=2)  # ragged rows: the tree sits at different slots per row
+    tree_ids = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(3))
+    eager = tiny_model(family, seed=3, **extra)
+    compiled = compile_decode(tiny_model(family, seed=3, **extra))
+    calls = []
+    compiled._compiled_step = _counting(compiled._compiled_step, calls)
+    outs = []
+    with torch.inference_mode():
+        for m in (eager, compiled):
+            cache = m.new_cache(2, 24)
+            prefill(m, rows, cache)
+            pos = cache.lengths[:, None] + depth[None]  # (B, N)
+            logits, hidden = m(tree_ids, pos, cache, block_mask=block, return_hidden=True)
+            outs.append((logits, hidden, cache))
+    (le, he, ce), (lc, hc, cc) = outs
+    assert _rel(lc, le) <= 1e-5 and _rel(hc, he) <= 1e-5
+    assert torch.equal(ce.lengths, cc.lengths) and ce.lengths.tolist() == [11, 15]
+    for b, n in enumerate(ce.lengths.tolist()):
+        assert _rel(cc.k[:, b, :, :n], ce.k[:, b, :, :n]) <= 1e-5
+    assert ((2, 6) in calls) == compiled_tree  # the tree's own size: no padding to 8
+    with pytest.raises(ValueError, match="either mask"):
+        eager(tree_ids, pos, ce, mask=torch.ones(2, 6, 21, dtype=torch.bool), block_mask=block)
+
+
+def test_compiled_steps_return_the_eager_hidden_states():
+    """return_hidden takes the compiled program too (self-distillation data, Medusa's prefill)."""
+    eager = tiny_model("llama", seed=7)
+    compiled = compile_decode(tiny_model("llama", seed=7))
+    calls = []
+    compiled._compiled_step = _counting(compiled._compiled_step, calls)
+    rows = _prompts([6, 4])
+    want = specdec.generate(eager, rows, max_new_tokens=6, return_hidden=True)
+    got = specdec.generate(compiled, rows, max_new_tokens=6, return_hidden=True)
+    for a, b, ha, hb in zip(want.sequences, got.sequences, want.hidden_states, got.hidden_states):
+        assert torch.equal(a, b) and _rel(hb, ha) <= 1e-5
+    assert {shape[1] for shape in calls} == {1, 8}  # the 6-token prefill padded to 8, then 1-token steps

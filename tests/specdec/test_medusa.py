@@ -273,3 +273,23 @@ def test_heads_that_do_not_fit_the_model_are_refused(model):
         specdec.generate(model, [torch.tensor([1, 2])], draft=heads, max_new_tokens=4)
     with pytest.raises(ValueError, match="deep"):
         MedusaConfig(64, 128, num_heads=2, tree=((0, 0, 0),))
+
+
+def test_greedy_medusa_on_a_compiled_target_runs_compiled_tree_steps(model):
+    """On a runtime.compile_decode target every tree step takes the compiled program (at the
+    tree's size) and the output still equals plain decoding."""
+    from runtime import compile_decode
+
+    compiled = compile_decode(tiny())  # the fixture's weights (same seed)
+    tree = ((0,), (1,), (0, 0), (0, 1), (0, 0, 0))
+    heads = random_heads(compiled, tree=tree)
+    sizes, tree_steps = [], []
+    step, forward = compiled._compiled_step, compiled.forward
+    compiled._compiled_step = lambda *a: sizes.append(a[0].shape[1]) or step(*a)
+    compiled.forward = lambda *a, **kw: tree_steps.append(kw.get("block_mask") is not None) or forward(*a, **kw)
+    rows = prompts(3, seed=4)
+    plain = specdec.generate(model, rows, max_new_tokens=20)
+    out = specdec.generate(compiled, rows, draft=heads, max_new_tokens=20)
+    for a, b in zip(out.sequences, plain.sequences):
+        assert torch.equal(a, b)
+    assert sum(tree_steps) > 1 and sizes.count(6) == sum(tree_steps)  # every tree step ran compiled
