@@ -131,6 +131,17 @@ def parse_feature_noise(value: str) -> float:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def parse_share(value: str) -> float:
+    """argparse type for a fraction in [0, 1] (--function-share)."""
+    try:
+        share = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {value!r}") from None
+    if not 0 <= share <= 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {share:g}")
+    return share
+
+
 def parse_num_nodes(value: str) -> int | str:
     """argparse type of --num-nodes: a positive int or "auto"."""
     if value == "auto":

@@ -35,7 +35,8 @@ import distill
 import runtime
 import specdec
 from distill.budget import RunBudget
-from distill.command import parse_feature_noise, parse_num_nodes, parse_sizes
+from distill.code_prompts import function_prompts, interleave
+from distill.command import parse_feature_noise, parse_num_nodes, parse_share, parse_sizes
 from distill.selfdistill import (generate_selfdistill, is_code_prompt, read_records, sharegpt_prompts,
                                 stop_token_ids)
 from distill.train_medusa import TrainConfig, cache_hidden_states
@@ -91,6 +92,11 @@ def train(args: argparse.Namespace, model, tok, out: Path, budget: RunBudget) ->
     prompts = sharegpt_prompts(tok, split="calibration", limit=limit,
                                max_prompt_tokens=args.max_prompt_tokens,
                                keep=is_code_prompt if getattr(args, "code_prompts", False) else None)
+    if args.function_share > 0:  # HumanEval-shaped prompts from this machine's Python sources
+        stubs = function_prompts(tok, max_prompt_tokens=args.max_prompt_tokens)
+        print(f"[data] {len(stubs)} function stubs, {len(prompts)} ShareGPT prompts, "
+              f"{args.function_share:.0%} stubs", flush=True)
+        prompts = interleave(stubs, prompts, args.function_share)
     cache_dir = out / "hidden_cache"  # filled during generation: no second pass over the answers
     n = generate_selfdistill(model, tok, out / "selfdistill.jsonl", prompts,
                              max_new_tokens=args.answer_tokens, batch_size=args.batch_size,
@@ -227,6 +233,10 @@ def parser(defaults: dict) -> argparse.ArgumentParser:
                         f"{defaults['prompts_per_minute']} per minute of --max-minutes, more than the data "
                         "phase can answer)")
     p.add_argument("--max-prompt-tokens", type=int, default=256)
+    p.add_argument("--function-share", type=parse_share, default=defaults["function_share"],
+                   help="share of the prompts that are function stubs (signature + docstring, HumanEval's "
+                        "shape) cut from this machine's Python sources, interleaved with the ShareGPT ones "
+                        "(distill.code_prompts); 0 = ShareGPT only")
     p.add_argument("--answer-tokens", type=int, default=defaults["answer_tokens"])
     p.add_argument("--batch-size", type=int, default=defaults["batch_size"], help="generation rows")
     p.add_argument("--num-heads", type=int, default=4)
@@ -273,7 +283,7 @@ def parser(defaults: dict) -> argparse.ArgumentParser:
 DEFAULTS = {"out": "runs/medusa_smollm2", "max_minutes": 20.0, "answer_tokens": 128, "batch_size": 64,
             "prompts_per_minute": 1500, "num_layers": 2, "epochs": 3, "tree_nodes": 64, "data_frac": 0.55,
             "eval_minutes": 3.5, "eval_prompts": 12, "eval_tokens": 96, "speed_prompts": 2,
-            "soft_targets": False, "speed_nodes": None}
+            "soft_targets": False, "speed_nodes": None, "function_share": 0.0}
 
 if __name__ == "__main__":
     pipeline(parser(DEFAULTS).parse_args(), "smollm2-135m-instruct", "sharegpt", raw_eval=False)
