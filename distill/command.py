@@ -43,6 +43,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     from distill.train_medusa import TrainConfig, cache_hidden_states, train_medusa
 
     deadline = _deadline(args.max_minutes)
+    cfg = TrainConfig(epochs=args.epochs, lr=args.lr, batch_size=args.batch_size,  # checked before any loading
+                      tree_nodes=args.tree_nodes, vocab=args.vocab, max_vocab=args.max_vocab, seed=args.seed,
+                      soft_targets=args.soft_targets, feature_noise=args.feature_noise)
     model = runtime.load_model(args.model, dtype=_DTYPES[args.dtype])
     records = read_records(args.data)
     if not records:
@@ -51,9 +54,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     cache_hidden_states(model, records, cache_dir, args.num_heads, deadline=deadline)
     heads = attach_medusa(model, num_heads=args.num_heads, num_layers=args.num_layers,
                           shared_lm_head=not args.separate_lm_heads)
-    cfg = TrainConfig(epochs=args.epochs, lr=args.lr, batch_size=args.batch_size,
-                      tree_nodes=args.tree_nodes, vocab=args.vocab, seed=args.seed,
-                      soft_targets=args.soft_targets, feature_noise=args.feature_noise)
     metrics = train_medusa(heads, cache_dir, args.out, cfg, deadline=deadline)
     print(json.dumps({k: metrics[k] for k in ("steps", "top1_accuracy", "expected_accepted_per_step")}))
     return 0
@@ -131,6 +131,17 @@ def parse_feature_noise(value: str) -> float:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def parse_max_vocab(value: str) -> int:
+    """argparse type for --max-vocab: a token count >= 0 (0 = no cap), checked before any loading."""
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a token count, got {value!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0 = every answer token), got {n}")
+    return n
+
+
 def parse_share(value: str) -> float:
     """argparse type for a fraction in [0, 1] (--function-share)."""
     try:
@@ -198,6 +209,9 @@ def register(subparsers) -> None:
     t.add_argument("--tree-nodes", type=int, default=tc.tree_nodes)
     t.add_argument("--vocab", default=tc.vocab, choices=["full", "data"],
                    help="softmax over the whole vocabulary, or only the tokens the answers use (faster)")
+    t.add_argument("--max-vocab", type=parse_max_vocab, default=tc.max_vocab,
+                   help="with --vocab data: only the N most frequent answer tokens (0 = all; smaller is faster "
+                        "to train and to draft with)")
     t.add_argument("--soft-targets", action="store_true",
                    help="learn the model's next-token distribution at each predicted position (its LM "
                         "head on the cached hidden state there) instead of only the greedy token")

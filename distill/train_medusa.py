@@ -201,9 +201,13 @@ def load_cached(data_dir: str | Path, split: str, num_heads: int,
     return (torch.cat(states) if hidden else None), torch.cat(targets)
 
 
-def data_vocab(targets: torch.Tensor) -> torch.Tensor:
-    """The token ids (V',) that cached head targets (N, K) hold: the vocabulary of vocab="data"."""
-    return torch.unique(targets[targets != IGNORE])
+def data_vocab(targets: torch.Tensor, max_vocab: int = 0) -> torch.Tensor:
+    """The token ids (V',) that cached head targets (N, K) hold, sorted: the vocabulary of
+    vocab="data"; with `max_vocab` > 0 only the `max_vocab` most frequent of them."""
+    ids, counts = torch.unique(targets[targets != IGNORE], return_counts=True)
+    if 0 < max_vocab < ids.numel():
+        ids = ids[counts.topk(max_vocab).indices].sort().values
+    return ids
 
 
 @torch.no_grad()
@@ -227,6 +231,10 @@ class TrainConfig:
     position t+1+i (its LM head on the cached hidden state there: the teacher Medusa distils)
     instead of only the greedy token that the answer holds; with vocab="data" the distribution
     is renormalised over the tokens the training answers use.
+    max_vocab: with vocab="data", train on (and guess among) only the `max_vocab` most frequent
+    target tokens (0 = all of them); targets outside are skipped by the loss and count as misses
+    in the held-out accuracy. The softmax over that vocabulary is most of a training step's cost
+    and its LM-head rows most of the heads' cost per decoding step.
     feature_noise: standard deviation of Gaussian noise added to each cached hidden state during
     training, relative to that state's RMS (EAGLE's feature augmentation); 0 = none. The heads
     over-fit a few hundred thousand positions within a few epochs (held-out top-1 well below the
@@ -245,6 +253,7 @@ class TrainConfig:
     tree_nodes: int = 40
     mixed_precision: str = "bf16"
     vocab: str = "full"
+    max_vocab: int = 0
     soft_targets: bool = False
     feature_noise: float = 0.0
     seed: int = 0
@@ -261,6 +270,9 @@ class TrainConfig:
         if self.vocab not in ("full", "data"):
             raise ValueError(f"vocab must be 'full' (softmax over the whole vocabulary) or 'data' (over "
                              f"the tokens the training targets hold), got {self.vocab!r}")
+        if self.max_vocab < 0 or (self.max_vocab and self.vocab != "data"):
+            raise ValueError(f"max_vocab must be 0 (no cap) or a token count used with vocab='data', got "
+                             f"{self.max_vocab} with vocab={self.vocab!r}")
         if self.mixed_precision not in ("no", "bf16", "fp16"):
             raise ValueError(f"mixed_precision must be 'no', 'bf16' or 'fp16', got {self.mixed_precision!r}")
 
@@ -396,7 +408,7 @@ def train_medusa(heads: MedusaHeads, data_dir: str | Path, out_dir: str | Path,
         before = meta.get("train_seconds", 0.0)  # absent in checkpoints of earlier versions
     vocab = None
     if config.vocab == "data":  # softmax over the tokens the answers use: a fraction of the cost
-        vocab = data_vocab(targets)  # (V',)
+        vocab = data_vocab(targets, config.max_vocab)  # (V',)
         remap = torch.full((heads.config.vocab_size,), IGNORE, dtype=torch.long)
         remap[vocab] = torch.arange(vocab.numel())
         targets = torch.where(targets == IGNORE, targets, remap[targets.clamp(min=0)])

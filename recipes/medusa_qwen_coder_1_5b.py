@@ -26,7 +26,8 @@ from medusa_smollm2 import parser, pipeline
 DEFAULTS = {"out": "runs/medusa_qwen15", "max_minutes": 240.0, "answer_tokens": 256, "batch_size": 64,
             "prompts_per_minute": 120, "num_layers": 1, "epochs": 8, "tree_nodes": 24, "data_frac": 0.5,
             "eval_minutes": 25.0, "eval_prompts": 32, "eval_tokens": 128, "speed_prompts": 8,
-            "soft_targets": False, "speed_nodes": "auto", "function_share": 0.67}
+            "soft_targets": False, "speed_nodes": "auto", "function_share": 0.67,
+            "max_vocab": 16384}
 
 if __name__ == "__main__":
     p = parser(DEFAULTS)

@@ -36,7 +36,7 @@ import runtime
 import specdec
 from distill.budget import RunBudget
 from distill.code_prompts import function_prompts, interleave
-from distill.command import parse_feature_noise, parse_num_nodes, parse_share, parse_sizes
+from distill.command import parse_feature_noise, parse_max_vocab, parse_num_nodes, parse_share, parse_sizes
 from distill.selfdistill import (generate_selfdistill, is_code_prompt, read_records, sharegpt_prompts,
                                 stop_token_ids)
 from distill.train_medusa import TrainConfig, cache_hidden_states
@@ -108,6 +108,7 @@ def train(args: argparse.Namespace, model, tok, out: Path, budget: RunBudget) ->
     cache_hidden_states(model, records, cache_dir, args.num_heads, deadline=budget.at(args.train_frac))
     heads = distill.attach_medusa(model, num_heads=args.num_heads, num_layers=args.num_layers)
     cfg = TrainConfig(epochs=args.epochs, lr=args.lr, batch_size=args.train_batch, vocab=args.vocab,
+                      max_vocab=args.max_vocab,
                       tree_nodes=args.tree_nodes, warmup_steps=20, checkpoint_every=100,
                       soft_targets=args.soft_targets, feature_noise=args.feature_noise)
     metrics = distill.train_medusa(heads, cache_dir, out, cfg, deadline=budget.at(args.train_frac))
@@ -245,6 +246,9 @@ def parser(defaults: dict) -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--train-batch", type=int, default=512)
     p.add_argument("--vocab", default="data", choices=["full", "data"])
+    p.add_argument("--max-vocab", type=parse_max_vocab, default=defaults["max_vocab"],
+                   help="train on (and guess among) only the N most frequent answer tokens (0 = all of "
+                        "them; TrainConfig.max_vocab)")
     p.add_argument("--tree-nodes", type=int, default=defaults["tree_nodes"])
     p.add_argument("--soft-targets", action=argparse.BooleanOptionalAction, default=defaults["soft_targets"],
                    help="train on the model's next-token distributions rather than its greedy tokens "
@@ -283,7 +287,7 @@ def parser(defaults: dict) -> argparse.ArgumentParser:
 DEFAULTS = {"out": "runs/medusa_smollm2", "max_minutes": 20.0, "answer_tokens": 128, "batch_size": 64,
             "prompts_per_minute": 1500, "num_layers": 2, "epochs": 3, "tree_nodes": 64, "data_frac": 0.55,
             "eval_minutes": 3.5, "eval_prompts": 12, "eval_tokens": 96, "speed_prompts": 2,
-            "soft_targets": False, "speed_nodes": None, "function_share": 0.0}
+            "soft_targets": False, "speed_nodes": None, "function_share": 0.0, "max_vocab": 0}
 
 if __name__ == "__main__":
     pipeline(parser(DEFAULTS).parse_args(), "smollm2-135m-instruct", "sharegpt", raw_eval=False)

@@ -1,12 +1,10 @@
 """distill.code_prompts: HumanEval-shaped function stubs from Python sources, and the prompt mix."""
 
-import argparse
 import ast
 
 import pytest
 
 from distill.code_prompts import function_stubs, interleave, prompt_id, stub
-from distill.command import parse_share
 
 SOURCE = '''
 import os
@@ -80,10 +78,3 @@ def test_interleave_keeps_the_share_in_every_prefix_then_appends_the_rest():
     assert interleave(a, b, 0.0) == b + a and interleave(a, b, 1.0) == a + b
     with pytest.raises(ValueError, match="share"):
         interleave(a, b, 1.5)
-
-
-def test_parse_share_rejects_values_outside_zero_one():
-    assert parse_share("0.67") == 0.67
-    for bad in ("1.2", "-0.1", "half"):
-        with pytest.raises(argparse.ArgumentTypeError):
-            parse_share(bad)

@@ -1,4 +1,7 @@
-"""`specdec medusa tree`: re-measuring the heads' accuracy, restricting their guesses, rebuilding the tree."""
+"""`specdec medusa` commands: re-measuring the heads' accuracy, restricting their guesses, rebuilding the
+tree; the argument types the recipes share."""
+
+import argparse
 
 import pytest
 import torch
@@ -6,6 +9,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 import distill
 import runtime
+from distill.command import parse_max_vocab, parse_share
 from distill.train_medusa import cache_hidden_states
 from specdec.cli import main
 from specdec.medusa import MedusaConfig
@@ -67,3 +71,17 @@ def test_train_rejects_a_bad_feature_noise_before_loading_anything(tmp_path, cap
     err = capsys.readouterr().err
     assert "--feature-noise" in err and "got -0.5" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_parse_share_rejects_values_outside_zero_one():
+    assert parse_share("0.67") == 0.67
+    for bad in ("1.2", "-0.1", "half"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_share(bad)
+
+
+def test_parse_max_vocab_takes_counts_from_zero():
+    assert parse_max_vocab("16384") == 16384 and parse_max_vocab("0") == 0
+    for bad in ("-1", "many"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_max_vocab(bad)

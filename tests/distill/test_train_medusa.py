@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 import distill
 import specdec
-from distill.train_medusa import (IGNORE, TrainConfig, _noise, _time_progress, cache_hidden_states, head_accuracy,
-                                  head_targets, load_cached, medusa_loss, teacher_probs)
+from distill.train_medusa import (IGNORE, TrainConfig, _noise, _time_progress, cache_hidden_states, data_vocab,
+                                  head_accuracy, head_targets, load_cached, medusa_loss, teacher_probs)
 
 
 @pytest.fixture(scope="module")
@@ -175,6 +175,29 @@ def test_training_over_the_data_vocabulary_learns_and_guesses_among_it(tiny_mode
     loaded = distill.load_medusa(tmp_path / "heads", tiny_model)
     assert loaded.config.guess_vocab == 64 and sorted(loaded.vocab.tolist()) == list(range(64))
     assert int(loaded.top_tokens(torch.randn(20, 64), 5).max()) < 64
+
+
+def test_max_vocab_keeps_the_most_frequent_target_tokens():
+    targets = torch.tensor([[5, 9], [5, IGNORE], [7, 5], [9, 3], [IGNORE, IGNORE]])  # 5 x3, 9 x2, 7 and 3 once
+    assert data_vocab(targets).tolist() == [3, 5, 7, 9]
+    assert data_vocab(targets, max_vocab=2).tolist() == [5, 9]  # sorted ids, not by count
+    assert data_vocab(targets, max_vocab=10).tolist() == [3, 5, 7, 9]
+    with pytest.raises(ValueError, match="max_vocab"):
+        TrainConfig(max_vocab=100)  # a cap on the data vocabulary needs vocab="data"
+    with pytest.raises(ValueError, match="max_vocab"):
+        TrainConfig(vocab="data", max_vocab=-1)
+
+
+def test_training_with_a_capped_vocabulary_guesses_among_the_cap(tiny_model, records, tmp_path):
+    data = cache_hidden_states(tiny_model, records, tmp_path / "cache", num_heads=1, dtype=torch.float32)
+    cfg = TrainConfig(epochs=3, lr=1e-2, batch_size=128, warmup_steps=5, topk=3, tree_nodes=3,
+                      mixed_precision="no", vocab="data", max_vocab=100)
+    metrics = distill.train_medusa(distill.attach_medusa(tiny_model, num_heads=1), data, tmp_path / "heads", cfg)
+    assert metrics["train_vocab"] == 100
+    loaded = distill.load_medusa(tmp_path / "heads", tiny_model)
+    assert loaded.config.guess_vocab == 100
+    # 28 of the 128 tokens are never guessed: they count as misses, so accuracy stays below the share kept
+    assert 0.3 < metrics["top1_accuracy"][0] <= 100 / 128 + 0.05
 
 
 def test_feature_noise_scales_with_each_states_rms():
