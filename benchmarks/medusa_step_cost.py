@@ -4,13 +4,16 @@
 
 Speed with Medusa is tau / (tree step / plain step), so this ratio says which tree can pay off:
 on a CPU a tree forward of N tokens is not free as it is on a GPU. Heads are attached untrained
-(the step's cost does not depend on what they guess), one HumanEval chat prompt, batch 1, eager,
-best of `--repeats` runs per size. `--guess-vocab V` restricts the heads' guesses to V token ids
+(the step's cost does not depend on what they guess), one HumanEval chat prompt, batch 1, eager
+(or `--compile`), best of `--repeats` runs per size. `--guess-vocab V` restricts the heads' guesses to V token ids
 (as trained heads are, `MedusaHeads.restrict_vocab`). `--heads DIR` times trained heads instead
 (their own guess vocabulary), builds each size's tree from their held-out accuracy table and adds
 the expected tau (1 + expected accepted tokens per step) and expected speed (tau / step cost), so
 it says which tree size pays on this machine (`specdec medusa tree --num-nodes auto` measures
 the same and sets the best size).
+`--compile` times compiled steps instead (`runtime.compile_decode`: the plain step and every
+tree size as its own program, each holding a frozen weight copy for the life of the process, the
+1.5B +3.1 GB per size: pass a few sizes per run).
 Prints one line per size and writes `--json`.
 """
 
@@ -41,10 +44,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=24, help="tokens generated per timing")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--json", default=None, help="write the figures here")
+    ap.add_argument("--compile", action="store_true",
+                    help="time compiled steps (runtime.compile_decode; +1 weight copy per tree size)")
     args = ap.parse_args()
 
     dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
-    model = runtime.load_model(args.model, dtype=dtype)
+    model = runtime.load_model(args.model, dtype=dtype, compile=args.compile)
     tok = runtime.load_tokenizer(args.model)
     row = torch.tensor(encode(tok, [load_prompts(dataset="humaneval", limit=1)[0].turns[0]], [], False))
     heads = distill.load_medusa(args.heads, model) if args.heads else distill.attach_medusa(model, num_heads=4)
@@ -61,6 +66,8 @@ def main() -> None:
     for n in (int(x) for x in args.nodes.split(",")):
         tree = build_tree(table, n) if table else default_tree(heads.num_heads, n)
         heads.set_tree(tree)
+        if args.compile:
+            step_seconds(model, row, 4, heads)  # compiles this tree size's program
         step, in_heads = min(step_seconds(model, row, args.tokens, heads) for _ in range(args.repeats))
         row_out = {"nodes": n, "step_ms": step * 1e3, "heads_ms": in_heads * 1e3, "vs_plain": step / plain}
         line = (f"tree {n:3d} nodes: step {step * 1e3:.0f} ms = {step / plain:.2f}x plain "
@@ -72,7 +79,7 @@ def main() -> None:
         rows.append(row_out)
         print(line, flush=True)
     if args.json:
-        atomic_write_text(args.json, json.dumps({"model": args.model, "dtype": args.dtype,
+        atomic_write_text(args.json, json.dumps({"model": args.model, "dtype": args.dtype, "compiled": args.compile,
                                                  "threads": torch.get_num_threads(),
                                                  "guess_vocab": args.guess_vocab, "heads": args.heads,
                                                  "plain_step_ms": plain * 1e3,
