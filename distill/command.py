@@ -131,15 +131,20 @@ def parse_feature_noise(value: str) -> float:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def parse_max_vocab(value: str) -> int:
-    """argparse type for --max-vocab: a token count >= 0 (0 = no cap), checked before any loading."""
+def _int_at_least(value: str, low: int, name: str, alternative: str = "") -> int:
+    """`value` as an int >= `low`, or an argparse error naming the option (and its `alternative`)."""
     try:
         n = int(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a token count, got {value!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 (0 = every answer token), got {n}")
+        raise argparse.ArgumentTypeError(f"{name} takes an integer >= {low}{alternative}, not {value!r}") from None
+    if n < low:
+        raise argparse.ArgumentTypeError(f"{name} must be >= {low}{alternative}, got {n}")
     return n
+
+
+def parse_max_vocab(value: str) -> int:
+    """argparse type for --max-vocab: a token count >= 0 (0 = no cap), checked before any loading."""
+    return _int_at_least(value, 0, "--max-vocab", " (0 = every answer token)")
 
 
 def parse_share(value: str) -> float:
@@ -155,15 +160,7 @@ def parse_share(value: str) -> float:
 
 def parse_num_nodes(value: str) -> int | str:
     """argparse type of --num-nodes: a positive int or "auto"."""
-    if value == "auto":
-        return value
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--num-nodes takes a positive integer or 'auto', not {value!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"--num-nodes must be >= 1 (or 'auto'), got {n}")
-    return n
+    return value if value == "auto" else _int_at_least(value, 1, "--num-nodes", " (or 'auto')")
 
 
 def register(subparsers) -> None:
