@@ -30,7 +30,7 @@ DEFAULTS = {"out": "runs/medusa_qwen15", "max_minutes": 240.0, "answer_tokens": 
             "max_vocab": 16384}
 
 if __name__ == "__main__":
-    p = parser(DEFAULTS)
+    p = parser(DEFAULTS, __doc__)
     p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct",
                    help="catalogue name (qwen2.5-coder-0.5b-instruct for a quick check)")
     p.add_argument("--all-prompts", dest="code_prompts", action="store_false",

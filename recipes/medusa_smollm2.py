@@ -218,8 +218,10 @@ def _run(args: argparse.Namespace, model_name: str, eval_dataset: str, raw_eval:
     return summary
 
 
-def parser(defaults: dict) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parser(defaults: dict, doc: str = __doc__) -> argparse.ArgumentParser:
+    """The recipes' shared options; `doc` is the calling recipe's module docstring (its first
+    paragraph becomes --help's description)."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--out", default=defaults["out"], help="directory for data, cache, heads, reports")
     p.add_argument("--max-minutes", type=float, default=defaults["max_minutes"])
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
