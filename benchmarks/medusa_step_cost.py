@@ -5,10 +5,10 @@
 Speed with Medusa is tau / (tree step / plain step), so this ratio says which tree can pay off:
 on a CPU a tree forward of N tokens is not free as it is on a GPU. Heads are attached untrained
 (the step's cost does not depend on what they guess), one HumanEval chat prompt, batch 1, eager
-(or `--compile`), best of `--repeats` runs per size. `--guess-vocab V` restricts the heads' guesses to V token ids
-(as trained heads are, `MedusaHeads.restrict_vocab`). `--heads DIR` times trained heads instead
-(their own guess vocabulary), builds each size's tree from their held-out accuracy table and adds
-the expected tau (1 + expected accepted tokens per step) and expected speed (tau / step cost), so
+(or `--compile`, optionally `--max-autotune`), best of `--repeats` runs per size. `--guess-vocab V`
+restricts the heads' guesses to V token ids (as trained heads are, `MedusaHeads.restrict_vocab`).
+`--heads DIR` times trained heads instead (their own guess vocabulary), builds each size's tree
+from their held-out accuracy table and adds the expected tau (1 + expected accepted tokens per step) and expected speed (tau / step cost), so
 it says which tree size pays on this machine (`specdec medusa tree --num-nodes auto` measures
 the same and sets the best size).
 `--compile` times compiled steps instead (`runtime.compile_decode`: the plain step and every
@@ -46,10 +46,17 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write the figures here")
     ap.add_argument("--compile", action="store_true",
                     help="time compiled steps (runtime.compile_decode; +1 weight copy per tree size)")
+    ap.add_argument("--max-autotune", action="store_true",
+                    help="with --compile: let Inductor also try its own GEMM kernels and keep the fastest per "
+                         "shape (on an AVX2-only CPU its small-row products cost far less per extra row)")
     args = ap.parse_args()
 
     dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
-    model = runtime.load_model(args.model, dtype=dtype, compile=args.compile)
+    if args.max_autotune and not args.compile:
+        ap.error("--max-autotune needs --compile")
+    model = runtime.load_model(args.model, dtype=dtype)
+    if args.compile:
+        runtime.compile_decode(model, max_autotune=args.max_autotune or None)
     tok = runtime.load_tokenizer(args.model)
     row = torch.tensor(encode(tok, [load_prompts(dataset="humaneval", limit=1)[0].turns[0]], [], False))
     heads = distill.load_medusa(args.heads, model) if args.heads else distill.attach_medusa(model, num_heads=4)
@@ -80,6 +87,7 @@ def main() -> None:
         print(line, flush=True)
     if args.json:
         atomic_write_text(args.json, json.dumps({"model": args.model, "dtype": args.dtype, "compiled": args.compile,
+                                                 "max_autotune": args.max_autotune,
                                                  "threads": torch.get_num_threads(),
                                                  "guess_vocab": args.guess_vocab, "heads": args.heads,
                                                  "plain_step_ms": plain * 1e3,

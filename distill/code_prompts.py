@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import copy
 import hashlib
+import json
 import site
 import sysconfig
 from pathlib import Path
@@ -70,13 +71,30 @@ def prompt_id(text: str) -> int:
     return int(hashlib.sha1(text.encode("utf-8")).hexdigest()[:12], 16)
 
 
-def function_prompts(tokenizer, limit: int | None = None, max_prompt_tokens: int = 512) -> list[tuple[int, list[int]]]:
+def cached_function_stubs(path: str | Path) -> list[str]:
+    """`function_stubs()`, read from the JSON file `path` when it exists, else computed and written
+    there (atomically). Parsing every installed source takes minutes on a 2-core CPU (6 of a
+    recipe's budget minutes with torch and transformers installed), and a run that restarts must
+    see the same prompts in the same order even if the installed packages changed meanwhile."""
+    from runtime.atomic import atomic_write_text
+
+    path = Path(path)
+    if path.is_file():
+        return json.loads(path.read_text())
+    stubs = function_stubs()
+    atomic_write_text(path, json.dumps(stubs))
+    return stubs
+
+
+def function_prompts(tokenizer, limit: int | None = None, max_prompt_tokens: int = 512,
+                     cache: str | Path | None = None) -> list[tuple[int, list[int]]]:
     """(id, prompt ids) of the first `limit` function stubs that fit in `max_prompt_tokens` once
-    formatted with the tokenizer's chat template (the way HumanEval is evaluated here)."""
+    formatted with the tokenizer's chat template (the way HumanEval is evaluated here).
+    cache: a JSON file that keeps the stubs between runs (`cached_function_stubs`)."""
     from distill.selfdistill import chat_prompt_ids
 
     out = []
-    for text in function_stubs():
+    for text in function_stubs() if cache is None else cached_function_stubs(cache):
         ids = chat_prompt_ids(tokenizer, text)
         if len(ids) <= max_prompt_tokens:
             out.append((prompt_id(text), ids))

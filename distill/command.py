@@ -16,6 +16,13 @@ import torch
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
+def _dtype(name: str) -> torch.dtype:
+    """--dtype as a torch dtype; "auto" is bf16 where it is native, else float32 (runtime.hardware)."""
+    from runtime.hardware import batch_dtype
+
+    return batch_dtype() if name == "auto" else _DTYPES[name]
+
+
 def _deadline(minutes: float | None) -> float | None:
     return time.monotonic() + 60 * minutes if minutes else None
 
@@ -24,7 +31,7 @@ def cmd_data(args: argparse.Namespace) -> int:
     import runtime
     from distill.selfdistill import generate_selfdistill, sharegpt_prompts
 
-    model = runtime.load_model(args.model, dtype=_DTYPES[args.dtype])
+    model = runtime.load_model(args.model, dtype=_dtype(args.dtype))
     tok = runtime.load_tokenizer(args.model)
     prompts = sharegpt_prompts(tok, split="calibration", limit=args.num_prompts,
                                max_prompt_tokens=args.max_prompt_tokens)
@@ -45,8 +52,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     deadline = _deadline(args.max_minutes)
     cfg = TrainConfig(epochs=args.epochs, lr=args.lr, batch_size=args.batch_size,  # checked before any loading
                       tree_nodes=args.tree_nodes, vocab=args.vocab, max_vocab=args.max_vocab, seed=args.seed,
-                      soft_targets=args.soft_targets, feature_noise=args.feature_noise)
-    model = runtime.load_model(args.model, dtype=_DTYPES[args.dtype])
+                      soft_targets=args.soft_targets, feature_noise=args.feature_noise,
+                      mixed_precision=args.mixed_precision)
+    model = runtime.load_model(args.model, dtype=_dtype(args.dtype))
     records = read_records(args.data)
     if not records:
         raise SystemExit(f"no records in {args.data}; run `specdec medusa data` first")
@@ -171,12 +179,18 @@ def register(subparsers) -> None:
     medusa = subparsers.add_parser("medusa", help="Medusa heads: self-distillation data, training, trees")
     sub = medusa.add_subparsers(dest="medusa_command", required=True)
 
-    def common(p: argparse.ArgumentParser) -> None:
+    def common(p: argparse.ArgumentParser, batched: bool = False) -> None:
         p.add_argument("--model", required=True, help="catalogue name or checkpoint directory")
-        p.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES))
+        if batched:  # many rows per product: float32 where bf16 is not native (runtime.hardware)
+            p.add_argument("--dtype", default="auto", choices=["auto", *sorted(_DTYPES)],
+                           help="model dtype (default auto: bfloat16 where the hardware multiplies it "
+                                "natively, float32 elsewhere, e.g. on AVX2-only CPUs, where batched bf16 "
+                                "products run several times slower)")
+        else:
+            p.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES))
 
     d = sub.add_parser("data", help="the model's own answers to ShareGPT prompts (jsonl, resumable)")
-    common(d)
+    common(d, batched=True)
     d.add_argument("--out", required=True, help="jsonl file to append to")
     d.add_argument("--num-prompts", type=int, default=1000)
     d.add_argument("--max-prompt-tokens", type=int, default=384)
@@ -192,7 +206,7 @@ def register(subparsers) -> None:
     d.set_defaults(func=cmd_data)
 
     t = sub.add_parser("train", help="cache hidden states, train heads (Medusa-1), pick their tree")
-    common(t)
+    common(t, batched=True)
     t.add_argument("--data", required=True, help="self-distillation jsonl (specdec medusa data)")
     t.add_argument("--out", required=True, help="directory for the heads (distill.load_medusa)")
     t.add_argument("--hidden-cache", default=None, help="default: OUT/hidden_cache")
@@ -216,6 +230,9 @@ def register(subparsers) -> None:
                    help="standard deviation of Gaussian noise added to the cached hidden states during "
                         "training, relative to their RMS (e.g. 0.1; 0 = none): a regulariser for heads that "
                         "over-fit their data")
+    t.add_argument("--mixed-precision", default=tc.mixed_precision, choices=["auto", "no", "bf16", "fp16"],
+                   help="autocast mode of training (default auto: bf16 where the hardware multiplies it "
+                        "natively, else float32)")
     t.add_argument("--seed", type=int, default=tc.seed)
     t.add_argument("--max-minutes", type=float, default=None)
     t.set_defaults(func=cmd_train)

@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 from distill.medusa import save_medusa
 from runtime.atomic import atomic_write
+from runtime.hardware import native_bf16
 from specdec.medusa import MedusaConfig, MedusaHeads
 from specdec.tree import build_tree, expected_length
 
@@ -235,6 +236,10 @@ class TrainConfig:
     target tokens (0 = all of them); targets outside are skipped by the loss and count as misses
     in the held-out accuracy. The softmax over that vocabulary is most of a training step's cost
     and its LM-head rows most of the heads' cost per decoding step.
+    mixed_precision: accelerate's autocast mode: "bf16", "fp16", "no", or "auto" (default): bf16
+    where the device multiplies bf16 natively (`runtime.hardware.native_bf16`), else "no"
+    (float32). On an AVX2-only CPU a bf16 training step's products ran ~10x slower than float32's
+    (BENCHMARKS.md section 4, "An AVX2 CPU").
     feature_noise: standard deviation of Gaussian noise added to each cached hidden state during
     training, relative to that state's RMS (EAGLE's feature augmentation); 0 = none. The heads
     over-fit a few hundred thousand positions within a few epochs (held-out top-1 well below the
@@ -251,7 +256,7 @@ class TrainConfig:
     checkpoint_every: int = 200
     topk: int = 10
     tree_nodes: int = 40
-    mixed_precision: str = "bf16"
+    mixed_precision: str = "auto"
     vocab: str = "full"
     max_vocab: int = 0
     soft_targets: bool = False
@@ -273,8 +278,14 @@ class TrainConfig:
         if self.max_vocab < 0 or (self.max_vocab and self.vocab != "data"):
             raise ValueError(f"max_vocab must be 0 (no cap) or a token count used with vocab='data', got "
                              f"{self.max_vocab} with vocab={self.vocab!r}")
-        if self.mixed_precision not in ("no", "bf16", "fp16"):
-            raise ValueError(f"mixed_precision must be 'no', 'bf16' or 'fp16', got {self.mixed_precision!r}")
+        if self.mixed_precision not in ("auto", "no", "bf16", "fp16"):
+            raise ValueError(f"mixed_precision must be 'auto', 'no', 'bf16' or 'fp16', got {self.mixed_precision!r}")
+
+    def autocast_mode(self, device: torch.device) -> str:
+        """accelerate's mixed_precision for training on `device` ("auto" resolved)."""
+        if self.mixed_precision != "auto":
+            return self.mixed_precision
+        return "bf16" if native_bf16(device) else "no"
 
 
 def medusa_loss(logits: torch.Tensor, targets: torch.Tensor, decay: float,
@@ -393,7 +404,7 @@ def train_medusa(heads: MedusaHeads, data_dir: str | Path, out_dir: str | Path,
     hidden, targets = load_cached(data_dir, "train", K)
     hidden_ho, targets_ho = load_cached(data_dir, "heldout", K)
     device = next(heads.parameters()).device
-    acc = Accelerator(cpu=device.type == "cpu", mixed_precision=config.mixed_precision)
+    acc = Accelerator(cpu=device.type == "cpu", mixed_precision=config.autocast_mode(device))
     heads.restrict_vocab(None)  # which tokens the heads guess among is decided by this training
     heads.requires_grad_(True)
     params = [p for p in heads.parameters() if p.requires_grad]

@@ -41,6 +41,7 @@ from distill.selfdistill import (generate_selfdistill, is_code_prompt, read_reco
                                 stop_token_ids)
 from distill.train_medusa import TrainConfig, cache_hidden_states
 from runtime.atomic import atomic_write_text
+from runtime.hardware import native_bf16
 from specdec.evaluate import EvalConfig, run_eval
 from specdec.medusa import MedusaConfig, MedusaHeads
 from specdec.prompts import encode, load_prompts
@@ -93,7 +94,7 @@ def train(args: argparse.Namespace, model, tok, out: Path, budget: RunBudget) ->
                                max_prompt_tokens=args.max_prompt_tokens,
                                keep=is_code_prompt if getattr(args, "code_prompts", False) else None)
     if args.function_share > 0:  # HumanEval-shaped prompts from this machine's Python sources
-        stubs = function_prompts(tok, max_prompt_tokens=args.max_prompt_tokens)
+        stubs = function_prompts(tok, max_prompt_tokens=args.max_prompt_tokens, cache=out / "function_stubs.json")
         print(f"[data] {len(stubs)} function stubs, {len(prompts)} ShareGPT prompts, "
               f"{args.function_share:.0%} stubs", flush=True)
         prompts = interleave(stubs, prompts, args.function_share)
@@ -110,7 +111,8 @@ def train(args: argparse.Namespace, model, tok, out: Path, budget: RunBudget) ->
     cfg = TrainConfig(epochs=args.epochs, lr=args.lr, batch_size=args.train_batch, vocab=args.vocab,
                       max_vocab=args.max_vocab,
                       tree_nodes=args.tree_nodes, warmup_steps=20, checkpoint_every=100,
-                      soft_targets=args.soft_targets, feature_noise=args.feature_noise)
+                      soft_targets=args.soft_targets, feature_noise=args.feature_noise,
+                      mixed_precision=args.mixed_precision)
     metrics = distill.train_medusa(heads, cache_dir, out, cfg, deadline=budget.at(args.train_frac))
     train_min = budget.minutes()
     print(f"[train] {metrics['steps']}/{metrics['planned_steps']} steps, top-1 accuracy "
@@ -130,6 +132,8 @@ def pipeline(args: argparse.Namespace, model_name: str, eval_dataset: str, raw_e
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.dtype == "auto":
+        args.dtype = "bfloat16" if native_bf16() else "float32"
     out = Path(args.out)
     if args.eval_only and not (out / "metrics.json").is_file():
         raise SystemExit(f"--eval-only: {out} holds no trained heads (no metrics.json); run the recipe "
@@ -224,7 +228,10 @@ def parser(defaults: dict, doc: str = __doc__) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--out", default=defaults["out"], help="directory for data, cache, heads, reports")
     p.add_argument("--max-minutes", type=float, default=defaults["max_minutes"])
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="dtype of generation and training (default auto: bfloat16 where the CPU or GPU "
+                        "multiplies it natively, float32 elsewhere: on an AVX2-only CPU batched bf16 work runs "
+                        "several times slower; runtime.hardware)")
     p.add_argument("--eval-dtype", default=None, choices=["bfloat16", "float32"],
                    help="dtype of the evaluation (default: --dtype); float32 makes greedy Medusa output "
                         "bit-comparable with plain decoding")
@@ -255,6 +262,8 @@ def parser(defaults: dict, doc: str = __doc__) -> argparse.ArgumentParser:
     p.add_argument("--soft-targets", action=argparse.BooleanOptionalAction, default=defaults["soft_targets"],
                    help="train on the model's next-token distributions rather than its greedy tokens "
                         "(TrainConfig.soft_targets)")
+    p.add_argument("--mixed-precision", default="auto", choices=["auto", "no", "bf16", "fp16"],
+                   help="autocast mode of head training (TrainConfig.mixed_precision; auto: bf16 where native)")
     p.add_argument("--feature-noise", type=parse_feature_noise, default=0.0,
                    help="Gaussian noise on the cached hidden states during training, relative to their RMS "
                         "(TrainConfig.feature_noise; against over-fitting)")

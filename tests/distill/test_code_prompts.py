@@ -4,7 +4,8 @@ import ast
 
 import pytest
 
-from distill.code_prompts import function_stubs, interleave, prompt_id, stub
+from distill import code_prompts
+from distill.code_prompts import cached_function_stubs, function_stubs, interleave, prompt_id, stub
 
 SOURCE = '''
 import os
@@ -63,6 +64,20 @@ def test_function_stubs_keep_public_documented_module_level_functions(tmp_path):
     stubs = function_stubs([src, tmp_path / "broken.py"], min_doc_chars=40)
     assert len(stubs) == 1 and stubs[0].startswith("def closest_pair(")
     assert function_stubs([src, src], min_doc_chars=40) == stubs  # duplicates dropped
+
+
+def test_cached_stubs_are_parsed_once_and_read_back_in_order(tmp_path, monkeypatch):
+    src = tmp_path / "mod.py"
+    src.write_text(SOURCE)
+    monkeypatch.setattr(code_prompts, "function_stubs", lambda: function_stubs([src], min_doc_chars=40))
+    first = cached_function_stubs(tmp_path / "stubs.json")
+    assert first and first[0].startswith("def closest_pair(")
+
+    def unparsed():
+        raise AssertionError("the cache should have been read instead of parsing the sources again")
+
+    monkeypatch.setattr(code_prompts, "function_stubs", unparsed)
+    assert cached_function_stubs(tmp_path / "stubs.json") == first
 
 
 def test_prompt_ids_are_stable_and_far_above_sharegpt_indices():

@@ -85,3 +85,19 @@ def test_parse_max_vocab_takes_counts_from_zero():
     for bad in ("-1", "many"):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_max_vocab(bad)
+
+
+def test_data_and_train_default_to_the_hardwares_batch_dtype_and_tree_to_bf16(monkeypatch):
+    from distill.command import _dtype
+    from specdec.cli import build_parser
+
+    parser = build_parser()
+    common = ["--model", "m", "--out", "o"]
+    assert parser.parse_args(["medusa", "data"] + common).dtype == "auto"
+    args = parser.parse_args(["medusa", "train", "--data", "d.jsonl"] + common)
+    assert (args.dtype, args.mixed_precision) == ("auto", "auto")
+    assert parser.parse_args(["medusa", "tree", "--model", "m", "--heads", "h"]).dtype == "bfloat16"  # decode timing
+    for native, expected in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda n=native: n)
+        assert _dtype("auto") == expected
+    assert _dtype("float16") == torch.float16

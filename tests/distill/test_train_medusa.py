@@ -125,6 +125,16 @@ def test_training_learns_checkpoints_and_resumes(tiny_model, records, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(out.sequences, plain.sequences))
 
 
+@pytest.mark.parametrize("native, expected", [(True, "bf16"), (False, "no")])
+def test_auto_mixed_precision_autocasts_to_bf16_only_where_it_is_native(monkeypatch, native, expected):
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: native)
+    assert TrainConfig().mixed_precision == "auto"
+    assert TrainConfig().autocast_mode(torch.device("cpu")) == expected
+    assert TrainConfig(mixed_precision="bf16").autocast_mode(torch.device("cpu")) == "bf16"  # as asked
+    with pytest.raises(ValueError, match="mixed_precision must be 'auto'"):
+        TrainConfig(mixed_precision="fp8")
+
+
 def test_the_deadline_schedule_goes_on_where_a_resumed_run_stopped():
     assert _time_progress(30.0, 30.0) == 0.5  # also: stopped after 30 s, resumed with 30 s left: no jump
     assert _time_progress(60.0, 0.0) == 1.0  # the deadline reached: fully decayed

@@ -1,0 +1,36 @@
+"""Which floating-point type a device multiplies fast: bf16 where it is native, float32 elsewhere.
+
+bf16 halves the bytes a decoding step reads, but only hardware with bf16 arithmetic (CUDA GPUs
+of compute capability 8.0+, CPUs with AVX-512 BF16 or AMX, which oneDNN reports) computes with
+it directly. An AVX2-only CPU (many AMD EPYC and older Intel parts) widens every bf16 operand
+to float32 inside each product, and that conversion, not memory, sets the speed. Measured on
+such a CPU (AMD EPYC, 2 cores, PyTorch 2.13; BENCHMARKS.md section 4, "An AVX2 CPU"):
+
+| product (rows x 1536) @ (1536 x N)  | bf16    | float32 |
+|-------------------------------------|---------|---------|
+| 1 row, N = 8960 (a decode step)     | 1.44 ms | 2.75 ms |
+| 64 rows, N = 8960 (batched decode)  | 82 ms   | 18 ms   |
+| 512 rows, N = 16384 (head training) | 2261 ms | 237 ms  |
+
+So batched work there (self-distillation, head training, batched evaluation) runs several
+times faster in float32, while a single row still decodes faster in bf16.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def native_bf16(device: torch.device | str = "cpu") -> bool:
+    """True where bf16 matrix products run natively on `device` (not widened to float32)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return True
+
+
+def batch_dtype(device: torch.device | str = "cpu") -> torch.dtype:
+    """The dtype for batched (compute-bound) work on `device`: bf16 where native, else float32."""
+    return torch.bfloat16 if native_bf16(device) else torch.float32
