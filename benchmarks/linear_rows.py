@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from distill.command import parse_sizes
+from quant.command import DTYPES
 from runtime.atomic import atomic_write_text
 from runtime.loading import read_hf_config, resolve
 
@@ -83,23 +84,22 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct", help="catalogue name (its config only)")
     p.add_argument("--rows", type=parse_sizes, default="1,2,4,7,8,16", help="activation row counts")
-    p.add_argument("--dtypes", default="bfloat16", help="comma-separated: bfloat16, float32, float16")
+    p.add_argument("--dtypes", default="bfloat16", help=f"comma-separated, from {', '.join(DTYPES)}")
     p.add_argument("--kernel", default="aten", choices=["aten", "inductor"],
                    help="eager ATen products, or Inductor's compiled ones (max-autotune, frozen weights)")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", default=None, help="also write the figures to this file")
     args = p.parse_args()
-    dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
-    unknown = [d for d in args.dtypes.split(",") if d not in dtypes]
+    unknown = [d for d in args.dtypes.split(",") if d not in DTYPES]
     if unknown:
-        p.error(f"--dtypes: unknown {unknown}; choose from {', '.join(dtypes)}")
+        p.error(f"--dtypes: unknown {unknown}; choose from {', '.join(DTYPES)}")
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
     out = []
     for dtype_name in args.dtypes.split(","):
         for name, (o, i) in shapes(args.model).items():
-            w = (torch.randn(o, i, generator=g) * 0.02).to(dtypes[dtype_name])
+            w = (torch.randn(o, i, generator=g) * 0.02).to(DTYPES[dtype_name])
             for rows in args.rows:
                 s = time_linear(w, rows, args.repeats, g, args.kernel)
                 gbs = w.numel() * w.element_size() / s / 1e9
