@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from distill.command import parse_sizes
-from quant.command import DTYPES
+from runtime.hardware import DTYPES
 from runtime.atomic import atomic_write_text
 from runtime.loading import read_hf_config, resolve
 

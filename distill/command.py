@@ -13,14 +13,12 @@ from pathlib import Path
 
 import torch
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+from runtime.hardware import DTYPES, batch_dtype
 
 
 def _dtype(name: str) -> torch.dtype:
     """--dtype as a torch dtype; "auto" is bf16 where it is native, else float32 (runtime.hardware)."""
-    from runtime.hardware import batch_dtype
-
-    return batch_dtype() if name == "auto" else _DTYPES[name]
+    return batch_dtype() if name == "auto" else DTYPES[name]
 
 
 def _deadline(minutes: float | None) -> float | None:
@@ -76,7 +74,7 @@ def cmd_tree(args: argparse.Namespace) -> int:
 
     if args.data_vocab and not args.data_dir:
         raise ValueError("--data-vocab needs --data-dir: the hidden-state cache the heads were trained on")
-    model = runtime.load_model(args.model, dtype=_DTYPES[args.dtype])
+    model = runtime.load_model(args.model, dtype=DTYPES[args.dtype])
     heads = load_medusa(args.heads, model, dtype=torch.float32)
     if args.data_vocab:
         heads.restrict_vocab(data_vocab(load_cached(args.data_dir, "train", heads.num_heads, hidden=False)[1]))
@@ -182,12 +180,12 @@ def register(subparsers) -> None:
     def common(p: argparse.ArgumentParser, batched: bool = False) -> None:
         p.add_argument("--model", required=True, help="catalogue name or checkpoint directory")
         if batched:  # many rows per product: float32 where bf16 is not native (runtime.hardware)
-            p.add_argument("--dtype", default="auto", choices=["auto", *sorted(_DTYPES)],
+            p.add_argument("--dtype", default="auto", choices=["auto", *sorted(DTYPES)],
                            help="model dtype (default auto: bfloat16 where the hardware multiplies it "
                                 "natively, float32 elsewhere, e.g. on AVX2-only CPUs, where batched bf16 "
                                 "products run several times slower)")
         else:
-            p.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES))
+            p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
 
     d = sub.add_parser("data", help="the model's own answers to ShareGPT prompts (jsonl, resumable)")
     common(d, batched=True)

@@ -9,9 +9,7 @@ import argparse
 import time
 from pathlib import Path
 
-import torch
-
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+from runtime.hardware import DTYPES
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:

@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import torch
 
+# the --dtype names every command accepts (some restrict them further), and their torch types
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
 
 def native_bf16(device: torch.device | str = "cpu") -> bool:
     """True where bf16 matrix products run natively on `device` (not widened to float32)."""

@@ -46,6 +46,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from runtime import hardware
 from runtime.atomic import atomic_write_text
 from specdec.baselines import HF_MODES, HFGenerator, load_hf_model, new_tokens
 from specdec.draft_vocab import ALIGN as DRAFT_VOCAB_ALIGN
@@ -55,7 +56,7 @@ from specdec.stats import AcceptanceStats
 METHOD_KINDS = ("plain", "draft", "ngram", "hybrid", "medusa", "hf", "hf-assisted", "hf-pld")
 _NEEDS_ARG = ("draft", "hybrid", "medusa", "hf-assisted")
 _DRAFTING = ("draft", "ngram", "hybrid")  # methods whose draft length k applies
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+DTYPES = {name: hardware.DTYPES[name] for name in ("bfloat16", "float32")}  # the dtypes runs are measured in
 GENERATIONS, RUN_FILE = "generations.jsonl", "run.json"
 _OUTPUTS = (GENERATIONS, RUN_FILE, "report.json", "report.md", "acceptance.png", "speedup.png")
 # settings that change what a generation line holds: a resumed run must share them
