@@ -50,9 +50,16 @@ from specdec.tree_cost import cost_report, describe, measure_trees
 
 
 def tau_on_prompts(model, heads, rows: list[torch.Tensor], max_new_tokens: int, eos: list[int]) -> dict:
-    """Greedy Medusa vs plain decoding on `rows` as one batch: tau, per-depth acceptance, equality."""
+    """Greedy Medusa vs plain decoding on `rows` as one batch: tau, per-depth acceptance, equality.
+    Each decoding is one batched call, so it reports when each starts and how long it took."""
+    start = time.monotonic()
+    print(f"[tau] plain decoding of {len(rows)} prompts, one batch ...", flush=True)
     plain = specdec.generate(model, rows, max_new_tokens=max_new_tokens, eos_token_id=eos)
+    print(f"[tau] plain took {(time.monotonic() - start) / 60:.1f} min; Medusa decoding with a "
+          f"{len(heads.tree.paths)}-node tree ...", flush=True)
+    start = time.monotonic()
     med = specdec.generate(model, rows, draft=heads, max_new_tokens=max_new_tokens, eos_token_id=eos)
+    print(f"[tau] Medusa took {(time.monotonic() - start) / 60:.1f} min", flush=True)
     same = [torch.equal(a, b) for a, b in zip(med.sequences, plain.sequences)]
     return {"prompts": len(rows), "max_new_tokens": max_new_tokens,
             "tau": med.stats.mean_accepted_tokens,
