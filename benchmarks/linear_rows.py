@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from distill.command import parse_sizes
-from runtime.hardware import DTYPES
 from runtime.atomic import atomic_write_text
+from runtime.hardware import DTYPES
 from runtime.loading import read_hf_config, resolve
 
 

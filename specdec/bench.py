@@ -28,12 +28,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from runtime import hardware
 from runtime.atomic import atomic_write_text
 from specdec.baselines import HFGenerator, load_hf_model
-from specdec.evaluate import command_line, versions
-
-DTYPES = {name: hardware.DTYPES[name] for name in ("bfloat16", "float32")}  # the dtypes runs are measured in
+from specdec.evaluate import DTYPES, command_line, versions
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import sys
 import torch
 
 from runtime.hardware import DTYPES
+
 DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 # modules that add their own subcommands with register(subparsers)
