@@ -15,7 +15,7 @@ row's accepted path. Loading lives in `specdec.medusa_io`; offline training and 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -142,9 +142,11 @@ class MedusaHeads(nn.Module):
                              if config.guess_vocab else None)
         self._base: list[nn.Linear] = []  # a list: the base LM head is not a parameter of the heads
         self._rows: tuple[tuple, torch.Tensor] | None = None  # (key, LM-head rows of `vocab`): _base_rows
+        self._tree: Tree | None = None  # built from config.tree on first use: see `tree`
         if lm_head is not None:
             self.bind(lm_head)
-        self.tree = Tree(config.tree if config.tree is not None else default_tree(config.num_heads))
+        if config.tree is None:
+            self.config = replace(config, tree=default_tree(config.num_heads))
         self.acceptance = "auto"
         self.typical_epsilon = 0.09
         self.typical_delta = 0.3
@@ -157,13 +159,21 @@ class MedusaHeads(nn.Module):
         self._base = [lm_head]
         self._rows = None
 
-    def set_tree(self, paths) -> None:
-        """Draft with the sparse tree `paths` (list of top-k rank tuples)."""
-        tree = Tree(tuple(tuple(p) for p in paths))
-        if tree.max_depth > self.config.num_heads:
-            raise ValueError(f"the tree is {tree.max_depth} deep but there are only "
-                             f"{self.config.num_heads} heads")
-        self.tree = tree
+    @property
+    def tree(self) -> Tree:
+        """The candidate tree the heads draft with, built from `config.tree` (its one copy)."""
+        if self._tree is None or self._tree.paths != self.config.tree:
+            self._tree = Tree(self.config.tree)
+        return self._tree
+
+    def set_tree(self, paths, head_accuracy=None) -> None:
+        """Draft with the sparse tree `paths` (list of top-k rank tuples), stored in `config.tree`;
+        `head_accuracy` (per head, per rank) is stored too when given: the table the tree was
+        built from (specdec.tree.build_tree)."""
+        changes = {"tree": tuple(tuple(int(r) for r in p) for p in paths)}
+        if head_accuracy is not None:
+            changes["head_accuracy"] = tuple(tuple(float(a) for a in row) for row in head_accuracy)
+        self.config = replace(self.config, **changes)  # MedusaConfig validates the depth
 
     def restrict_vocab(self, ids: torch.Tensor | None) -> None:
         """Guess only among the token `ids` (1-D), e.g. those the training answers use: heads
@@ -183,8 +193,7 @@ class MedusaHeads(nn.Module):
             ids = ids.to(next(self.parameters()).device)
         self.vocab = ids
         self._rows = None
-        self.config = MedusaConfig(**{**self.config.__dict__,
-                                      "guess_vocab": 0 if ids is None else ids.numel()})
+        self.config = replace(self.config, guess_vocab=0 if ids is None else ids.numel())
 
     @property
     def num_heads(self) -> int:
