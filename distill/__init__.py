@@ -1,9 +1,9 @@
 """distill: offline training of drafts. Medusa heads (attach, self-distillation data, training, save/load)."""
 
-from distill.medusa import attach_medusa, load_medusa, read_medusa_config, save_medusa
+from distill.medusa import attach_medusa, choose_tree, load_medusa, read_medusa_config, save_medusa
 from distill.selfdistill import generate_selfdistill, read_records, sharegpt_prompts
 from distill.train_medusa import TrainConfig, cache_hidden_states, head_accuracy, train_medusa
 
-__all__ = ["attach_medusa", "load_medusa", "save_medusa", "read_medusa_config", "train_medusa",
+__all__ = ["attach_medusa", "choose_tree", "load_medusa", "save_medusa", "read_medusa_config", "train_medusa",
            "TrainConfig", "cache_hidden_states", "head_accuracy", "generate_selfdistill",
            "read_records", "sharegpt_prompts"]

@@ -1,4 +1,5 @@
-"""Attach Medusa heads to a model, save them (safetensors + JSON), load them back with checks.
+"""Attach Medusa heads to a model, choose their candidate tree, save them (safetensors + JSON), load
+them back with checks.
 
 A heads directory holds `medusa.safetensors` (the residual blocks, the per-head LM heads when
 they are not shared, and `vocab`, the token ids the heads guess among, when restricted) and
@@ -10,6 +11,7 @@ The shared LM head is never saved: it is the base model's own `lm_head`.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -18,8 +20,10 @@ from safetensors.torch import save_file
 from runtime.atomic import atomic_write
 from specdec.medusa import MedusaConfig, MedusaHeads
 from specdec.medusa_io import CONFIG, WEIGHTS, load_medusa, read_medusa_config
+from specdec.tree import Path as TreePath
+from specdec.tree import build_tree
 
-__all__ = ["attach_medusa", "save_medusa", "load_medusa", "read_medusa_config", "CONFIG", "WEIGHTS"]
+__all__ = ["attach_medusa", "choose_tree", "save_medusa", "load_medusa", "read_medusa_config", "CONFIG", "WEIGHTS"]
 
 
 def attach_medusa(model, num_heads: int = 4, num_layers: int = 1, shared_lm_head: bool = True,
@@ -38,18 +42,26 @@ def attach_medusa(model, num_heads: int = 4, num_layers: int = 1, shared_lm_head
     return heads.to(device=model.device, dtype=torch.float32)
 
 
+def choose_tree(heads: MedusaHeads, table: Sequence[Sequence[float]], num_nodes: int) -> tuple[TreePath, ...]:
+    """Give `heads` the `num_nodes`-node tree with the longest expected accepted length under the
+    per-head, per-rank accuracy `table` (`specdec.tree.build_tree`); the heads' config keeps the
+    tree and the table. Returns the tree's paths."""
+    paths = build_tree([list(row) for row in table], num_nodes)
+    heads.set_tree(paths, head_accuracy=table)
+    return heads.config.tree
+
+
 def save_medusa(heads: MedusaHeads, path: str | Path) -> Path:
-    """Write the heads to directory `path` (created if needed); returns it. The current tree
-    (`heads.tree`) is stored in the config."""
+    """Write the heads to directory `path` (created if needed); returns it. Their config, tree and
+    accuracy table included, is saved as it is."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    config = MedusaConfig(**{**heads.config.__dict__, "tree": heads.tree.paths})
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in heads.state_dict().items()}
     atomic_write(path / WEIGHTS, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
 
     def write_json(tmp: str) -> None:
         with open(tmp, "w") as f:
-            json.dump({"format": "specdec-medusa", "version": 1, **config.to_dict()}, f, indent=1)
+            json.dump({"format": "specdec-medusa", "version": 1, **heads.config.to_dict()}, f, indent=1)
 
     atomic_write(path / CONFIG, write_json)
     return path
