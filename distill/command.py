@@ -1,12 +1,14 @@
 """`specdec medusa ...` subcommands: data (self-distillation), train (cache + train), tree.
 
 `register(subparsers)` adds them to the `specdec` CLI; each parser sets `func(args) -> int`.
-Defaults are the library functions' defaults (TrainConfig, generate_selfdistill).
+Defaults are the library's: `medusa train` derives its training flags from the fields of
+`TrainConfig` (`distill.config_args`), and `medusa data` takes generate_selfdistill's.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import time
 from pathlib import Path
@@ -45,13 +47,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     import runtime
     from distill.medusa import attach_medusa
     from distill.selfdistill import read_records
+    from distill.config_args import dataclass_from_args
     from distill.train_medusa import TrainConfig, cache_hidden_states, train_medusa
 
     deadline = _deadline(args.max_minutes)
-    cfg = TrainConfig(epochs=args.epochs, lr=args.lr, batch_size=args.batch_size,  # checked before any loading
-                      tree_nodes=args.tree_nodes, vocab=args.vocab, max_vocab=args.max_vocab, seed=args.seed,
-                      soft_targets=args.soft_targets, feature_noise=args.feature_noise,
-                      mixed_precision=args.mixed_precision)
+    cfg = dataclass_from_args(TrainConfig, args)  # checked before any loading
     model = runtime.load_model(args.model, dtype=_dtype(args.dtype))
     records = read_records(args.data)
     if not records:
@@ -67,10 +67,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_tree(args: argparse.Namespace) -> int:
     import runtime
-    from distill.medusa import load_medusa, save_medusa
+    from distill.medusa import choose_tree, load_medusa, save_medusa
     from distill.train_medusa import data_vocab, head_accuracy, load_cached
-    from specdec.medusa import MedusaConfig
-    from specdec.tree import build_tree, expected_length
+    from specdec.tree import expected_length
 
     if args.data_vocab and not args.data_dir:
         raise ValueError("--data-vocab needs --data-dir: the hidden-state cache the heads were trained on")
@@ -87,10 +86,7 @@ def cmd_tree(args: argparse.Namespace) -> int:
         raise SystemExit(f"{args.heads} stores no measured accuracy; pass --data-dir with cached "
                          "held-out hidden states")
     num_nodes = _pick_size(args, model, table) if args.num_nodes == "auto" else args.num_nodes
-    paths = build_tree(table, num_nodes)
-    heads.config = MedusaConfig(**{**heads.config.__dict__, "tree": paths,
-                                   "head_accuracy": tuple(tuple(r) for r in table)})
-    heads.set_tree(paths)
+    paths = choose_tree(heads, table, num_nodes)
     save_medusa(heads, args.heads)
     print(f"tree of {len(paths)} nodes, expected accepted per step "
           f"{expected_length(paths, table):.3f}: {[list(p) for p in paths]}")
@@ -127,16 +123,6 @@ def parse_sizes(value: str) -> list[int]:
     return sizes
 
 
-def parse_feature_noise(value: str) -> float:
-    """argparse type for --feature-noise: checked before any model or data is loaded."""
-    from distill.train_medusa import TrainConfig
-
-    try:
-        return TrainConfig(feature_noise=float(value)).feature_noise
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
 def _int_at_least(value: str, low: int, name: str, alternative: str = "") -> int:
     """`value` as an int >= `low`, or an argparse error naming the option (and its `alternative`)."""
     try:
@@ -146,11 +132,6 @@ def _int_at_least(value: str, low: int, name: str, alternative: str = "") -> int
     if n < low:
         raise argparse.ArgumentTypeError(f"{name} must be >= {low}{alternative}, got {n}")
     return n
-
-
-def parse_max_vocab(value: str) -> int:
-    """argparse type for --max-vocab: a token count >= 0 (0 = no cap), checked before any loading."""
-    return _int_at_least(value, 0, "--max-vocab", " (0 = every answer token)")
 
 
 def parse_share(value: str) -> float:
@@ -171,9 +152,13 @@ def parse_num_nodes(value: str) -> int | str:
 
 def register(subparsers) -> None:
     """Add `medusa data|train|tree` to the `specdec` CLI."""
+    from distill.config_args import add_dataclass_args
+    from distill.medusa import attach_medusa
+    from distill.selfdistill import generate_selfdistill, sharegpt_prompts
     from distill.train_medusa import TrainConfig
 
-    tc = TrainConfig()
+    gen = {k: v.default for k, v in inspect.signature(generate_selfdistill).parameters.items()}
+    pool = {k: v.default for k, v in inspect.signature(sharegpt_prompts).parameters.items()}
     medusa = subparsers.add_parser("medusa", help="Medusa heads: self-distillation data, training, trees")
     sub = medusa.add_subparsers(dest="medusa_command", required=True)
 
@@ -190,17 +175,22 @@ def register(subparsers) -> None:
     d = sub.add_parser("data", help="the model's own answers to ShareGPT prompts (jsonl, resumable)")
     common(d, batched=True)
     d.add_argument("--out", required=True, help="jsonl file to append to")
-    d.add_argument("--num-prompts", type=int, default=1000)
-    d.add_argument("--max-prompt-tokens", type=int, default=384)
-    d.add_argument("--max-new-tokens", type=int, default=256)
-    d.add_argument("--batch-size", type=int, default=16)
-    d.add_argument("--temperature", type=float, default=0.0)
-    d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--max-minutes", type=float, default=None)
+    d.add_argument("--num-prompts", type=int, default=pool["limit"],
+                   help="ShareGPT calibration conversations read for prompts (default: %(default)s)")
+    d.add_argument("--max-prompt-tokens", type=int, default=pool["max_prompt_tokens"],
+                   help="longer opening turns are skipped (default: %(default)s)")
+    d.add_argument("--max-new-tokens", type=int, default=gen["max_new_tokens"],
+                   help="answer length cap (default: %(default)s)")
+    d.add_argument("--batch-size", type=int, default=gen["batch_size"],
+                   help="prompts answered per batch (default: %(default)s)")
+    d.add_argument("--temperature", type=float, default=gen["temperature"], help="0 = greedy answers")
+    d.add_argument("--seed", type=int, default=gen["seed"], help="seed of sampled answers")
+    d.add_argument("--max-minutes", type=float, default=None,
+                   help="start no new batch after this many minutes (the same command resumes)")
     d.add_argument("--hidden-cache", default=None,
                    help="also store the hidden states that generation computes in this directory, so "
                         "`specdec medusa train --hidden-cache DIR` skips its second pass over the answers")
-    d.add_argument("--num-heads", type=int, default=4, help="heads the --hidden-cache targets are for")
+    d.add_argument("--num-heads", type=int, default=gen["num_heads"], help="heads the --hidden-cache targets are for")
     d.set_defaults(func=cmd_data)
 
     t = sub.add_parser("train", help="cache hidden states, train heads (Medusa-1), pick their tree")
@@ -208,37 +198,23 @@ def register(subparsers) -> None:
     t.add_argument("--data", required=True, help="self-distillation jsonl (specdec medusa data)")
     t.add_argument("--out", required=True, help="directory for the heads (distill.load_medusa)")
     t.add_argument("--hidden-cache", default=None, help="default: OUT/hidden_cache")
-    t.add_argument("--num-heads", type=int, default=4)
-    t.add_argument("--num-layers", type=int, default=1)
+    attach = {k: v.default for k, v in inspect.signature(attach_medusa).parameters.items()}
+    t.add_argument("--num-heads", type=int, default=attach["num_heads"],
+                   help="Medusa heads: head i guesses token t+2+i (default: %(default)s)")
+    t.add_argument("--num-layers", type=int, default=attach["num_layers"],
+                   help="residual blocks per head (default: %(default)s)")
     t.add_argument("--separate-lm-heads", action="store_true",
                    help="a trainable LM head per Medusa head instead of the shared frozen one")
-    t.add_argument("--epochs", type=int, default=tc.epochs)
-    t.add_argument("--lr", type=float, default=tc.lr)
-    t.add_argument("--batch-size", type=int, default=tc.batch_size)
-    t.add_argument("--tree-nodes", type=int, default=tc.tree_nodes)
-    t.add_argument("--vocab", default=tc.vocab, choices=["full", "data"],
-                   help="softmax over the whole vocabulary, or only the tokens the answers use (faster)")
-    t.add_argument("--max-vocab", type=parse_max_vocab, default=tc.max_vocab,
-                   help="with --vocab data: only the N most frequent answer tokens (0 = all; smaller is faster "
-                        "to train and to draft with)")
-    t.add_argument("--soft-targets", action="store_true",
-                   help="learn the model's next-token distribution at each predicted position (its LM "
-                        "head on the cached hidden state there) instead of only the greedy token")
-    t.add_argument("--feature-noise", type=parse_feature_noise, default=tc.feature_noise,
-                   help="standard deviation of Gaussian noise added to the cached hidden states during "
-                        "training, relative to their RMS (e.g. 0.1; 0 = none): a regulariser for heads that "
-                        "over-fit their data")
-    t.add_argument("--mixed-precision", default=tc.mixed_precision, choices=["auto", "no", "bf16", "fp16"],
-                   help="autocast mode of training (default auto: bf16 where the hardware multiplies it "
-                        "natively, else float32)")
-    t.add_argument("--seed", type=int, default=tc.seed)
-    t.add_argument("--max-minutes", type=float, default=None)
+    add_dataclass_args(t.add_argument_group("training (TrainConfig)"), TrainConfig)
+    t.add_argument("--max-minutes", type=float, default=None,
+                   help="stop caching and training after this many minutes; the heads are still measured, "
+                        "given their tree and saved, and the same command resumes")
     t.set_defaults(func=cmd_train)
 
     r = sub.add_parser("tree", help="rebuild the heads' candidate tree from measured accuracy")
     common(r)
     r.add_argument("--heads", required=True, help="heads directory (rewritten in place)")
-    r.add_argument("--num-nodes", type=parse_num_nodes, default=tc.tree_nodes,
+    r.add_argument("--num-nodes", type=parse_num_nodes, default=TrainConfig.tree_nodes,
                    help="tree size, or 'auto': time the trees of --sizes on this machine against plain "
                         "decoding and keep the one with the highest expected speed (expected tau / step "
                         "cost; on a CPU a small tree often wins); the timings go to HEADS/tree_cost.json")
@@ -248,5 +224,5 @@ def register(subparsers) -> None:
     r.add_argument("--data-dir", default=None, help="hidden-state cache to measure accuracy on")
     r.add_argument("--data-vocab", action="store_true",
                    help="also restrict the heads' guesses to the tokens of the cache's training targets, as "
-                        "training with --vocab data now does (for heads saved before it)")
+                        "training with --vocab data does (for heads saved without that restriction)")
     r.set_defaults(func=cmd_tree)

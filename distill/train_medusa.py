@@ -10,9 +10,9 @@
    loss = sum_i 0.8^i CE(head i) (softmax over the whole vocabulary, or, with vocab="data",
    over the tokens the training answers use: 3-5x cheaper on a CPU, and the heads then guess
    among those tokens only), AdamW with warmup + cosine decay, `accelerate` for device
-   placement and mixed precision, tqdm, atomic checkpoints every `checkpoint_every` steps and
+   placement and mixed precision, a progress bar, atomic checkpoints every `checkpoint_every` steps and
    resume from them, a loss-curve PNG, and per-head top-k accuracy on the held-out shards. The
-   measured accuracy picks the heads' candidate tree (`specdec.tree.build_tree`), stored with
+   measured accuracy picks the heads' candidate tree (`distill.medusa.choose_tree`), stored with
    them by `distill.save_medusa`.
 """
 
@@ -21,19 +21,20 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from tqdm import tqdm
 
-from distill.medusa import save_medusa
+from distill.config_args import at_least, check_fields
+from distill.medusa import choose_tree, save_medusa
 from runtime.atomic import atomic_write
 from runtime.hardware import native_bf16
-from specdec.medusa import MedusaConfig, MedusaHeads
-from specdec.tree import build_tree, expected_length
+from runtime.progress import progress
+from specdec.medusa import MedusaHeads
+from specdec.tree import expected_length
 
 IGNORE = -100
 MANIFEST = "manifest.json"
@@ -149,7 +150,7 @@ def cache_hidden_states(model, records: list[dict], out_dir: str | Path, num_hea
                                shard_positions, dtype)
     writer.check_continues(records)
     todo = records[writer.records_done:]
-    bar = tqdm(total=len(todo), desc="caching hidden states", unit="record")
+    bar = progress(total=len(todo), desc="caching hidden states", unit="record", disable=not todo)
     i = 0
     try:
         while i < len(todo):
@@ -224,9 +225,30 @@ def teacher_probs(heads: MedusaHeads, hidden: torch.Tensor, idx: torch.Tensor,
     return heads.base_logits(hidden[fut].to(device, torch.float32), vocab).float().softmax(-1)
 
 
+def _feature_noise_check(value: float) -> None:
+    if not 0 <= value < 10:
+        raise ValueError(f"must be a standard deviation relative to the hidden states' RMS: 0 (none) or a small "
+                         f"positive number such as 0.1, got {value}")
+
+
+def _decay_check(value: float) -> None:
+    if not 0 < value <= 1:
+        raise ValueError(f"must be in (0, 1], got {value}")
+
+
+def _positive(value: float) -> None:
+    if value <= 0:
+        raise ValueError(f"must be > 0, got {value}")
+
+
 @dataclass(frozen=True)
 class TrainConfig:
-    """Medusa-1 training hyper-parameters.
+    """Medusa-1 training hyper-parameters: the one declaration of their defaults.
+
+    `specdec medusa train` and the Medusa recipes derive their flags from these fields
+    (`distill.config_args`); each field's `help` is the flag's help text. lr 2e-3 with batches of
+    512 positions and 20 warm-up steps is the setting of every Medusa run in BENCHMARKS.md
+    section 4.
 
     soft_targets: head i at position t learns the base model's next-token distribution at
     position t+1+i (its LM head on the cached hidden state there: the teacher Medusa distils)
@@ -236,50 +258,54 @@ class TrainConfig:
     target tokens (0 = all of them); targets outside are skipped by the loss and count as misses
     in the held-out accuracy. The softmax over that vocabulary is most of a training step's cost
     and its LM-head rows most of the heads' cost per decoding step.
-    mixed_precision: accelerate's autocast mode: "bf16", "fp16", "no", or "auto" (default): bf16
-    where the device multiplies bf16 natively (`runtime.hardware.native_bf16`), else "no"
-    (float32). On an AVX2-only CPU a bf16 training step's products ran ~10x slower than float32's
-    (BENCHMARKS.md section 4, "An AVX2 CPU").
-    feature_noise: standard deviation of Gaussian noise added to each cached hidden state during
-    training, relative to that state's RMS (EAGLE's feature augmentation); 0 = none. The heads
-    over-fit a few hundred thousand positions within a few epochs (held-out top-1 well below the
-    training positions'); the noise is meant against that, but on qwen2.5-coder-1.5b 0.1 left both
-    the memorising and the held-out accuracy as they were (BENCHMARKS.md section 4, session 13).
+    mixed_precision: "auto" is bf16 where the device multiplies bf16 natively
+    (`runtime.hardware.native_bf16`), else "no" (float32): on an AVX2-only CPU a bf16 training
+    step's products run ~10x slower than float32's (BENCHMARKS.md section 4, "An AVX2 CPU").
+    feature_noise: EAGLE's feature augmentation, against heads that over-fit their positions
+    (held-out top-1 well below the training positions' within a few epochs); on
+    qwen2.5-coder-1.5b 0.1 left both the memorising and the held-out accuracy unchanged
+    (BENCHMARKS.md section 4).
     """
 
-    epochs: int = 4
-    lr: float = 1e-3
-    batch_size: int = 256
-    weight_decay: float = 0.0
-    decay: float = 0.8
-    warmup_steps: int = 40
-    checkpoint_every: int = 200
-    topk: int = 10
-    tree_nodes: int = 40
-    mixed_precision: str = "auto"
-    vocab: str = "full"
-    max_vocab: int = 0
-    soft_targets: bool = False
-    feature_noise: float = 0.0
-    seed: int = 0
+    epochs: int = field(default=4, metadata={"help": "passes over the cached training positions",
+                                             "check": at_least(1)})
+    lr: float = field(default=2e-3, metadata={"help": "peak AdamW learning rate (warm-up, then cosine decay)",
+                                              "check": _positive})
+    batch_size: int = field(default=512, metadata={"help": "positions per training step", "check": at_least(1)})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay", "check": at_least(0)})
+    decay: float = field(default=0.8, metadata={"help": "loss weight of head i is decay**i", "check": _decay_check})
+    warmup_steps: int = field(default=20, metadata={"help": "steps of linear learning-rate warm-up",
+                                                    "check": at_least(0)})
+    checkpoint_every: int = field(default=200, metadata={"help": "steps between resumable checkpoints",
+                                                         "check": at_least(1)})
+    topk: int = field(default=10, metadata={"help": "guesses per head scored in the held-out accuracy table "
+                                                    "the tree is built from", "check": at_least(1)})
+    tree_nodes: int = field(default=40, metadata={"help": "nodes of the candidate tree built from the held-out "
+                                                          "accuracy", "check": at_least(1)})
+    mixed_precision: str = field(default="auto", metadata={
+        "help": "autocast mode of training; auto: bf16 where the hardware multiplies it natively, else float32",
+        "choices": ("auto", "no", "bf16", "fp16")})
+    vocab: str = field(default="full", metadata={
+        "help": "softmax over the whole vocabulary, or only over the tokens the training answers use (several "
+                "times cheaper on a CPU; the heads then guess among those tokens only)",
+        "choices": ("full", "data")})
+    max_vocab: int = field(default=0, metadata={
+        "help": "with --vocab data: only the N most frequent answer tokens (0 = all; smaller is faster to "
+                "train and to draft with)", "check": at_least(0)})
+    soft_targets: bool = field(default=False, metadata={
+        "help": "learn the model's next-token distribution at each predicted position (its LM head on the "
+                "cached hidden state there) instead of only the greedy token"})
+    feature_noise: float = field(default=0.0, metadata={
+        "help": "standard deviation of Gaussian noise added to the cached hidden states during training, "
+                "relative to their RMS (e.g. 0.1; 0 = none): a regulariser for heads that over-fit their data",
+        "check": _feature_noise_check})
+    seed: int = field(default=0, metadata={"help": "seed of the batch order and the feature noise"})
 
     def __post_init__(self) -> None:
-        for name in ("epochs", "batch_size", "topk", "tree_nodes", "checkpoint_every"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.lr <= 0 or not 0 < self.decay <= 1:
-            raise ValueError(f"lr must be > 0 and decay in (0, 1], got {self.lr}, {self.decay}")
-        if not 0 <= self.feature_noise < 10:
-            raise ValueError(f"feature_noise is a standard deviation relative to the hidden states' RMS: "
-                             f"0 (none) or a small positive number such as 0.1, got {self.feature_noise}")
-        if self.vocab not in ("full", "data"):
-            raise ValueError(f"vocab must be 'full' (softmax over the whole vocabulary) or 'data' (over "
-                             f"the tokens the training targets hold), got {self.vocab!r}")
-        if self.max_vocab < 0 or (self.max_vocab and self.vocab != "data"):
-            raise ValueError(f"max_vocab must be 0 (no cap) or a token count used with vocab='data', got "
-                             f"{self.max_vocab} with vocab={self.vocab!r}")
-        if self.mixed_precision not in ("auto", "no", "bf16", "fp16"):
-            raise ValueError(f"mixed_precision must be 'auto', 'no', 'bf16' or 'fp16', got {self.mixed_precision!r}")
+        check_fields(self)
+        if self.max_vocab and self.vocab != "data":
+            raise ValueError(f"TrainConfig.max_vocab caps the data vocabulary: a token count used with "
+                             f"vocab='data', got {self.max_vocab} with vocab={self.vocab!r}")
 
     def autocast_mode(self, device: torch.device) -> str:
         """accelerate's mixed_precision for training on `device` ("auto" resolved)."""
@@ -357,11 +383,11 @@ def _noise(h: torch.Tensor, scale: float, generator: torch.Generator) -> torch.T
     return torch.randn(h.shape, generator=generator, device=h.device, dtype=h.dtype) * (scale * rms)
 
 
-def _lr_at(step: int, progress: float, cfg: TrainConfig) -> float:
-    """Linear warm-up over `warmup_steps`, then cosine decay over `progress` in [0, 1]."""
+def _lr_at(step: int, done: float, cfg: TrainConfig) -> float:
+    """Linear warm-up over `warmup_steps`, then cosine decay over `done`, the schedule's fraction in [0, 1]."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, done)))
 
 
 def _time_progress(seconds: float, left: float) -> float:
@@ -427,7 +453,7 @@ def train_medusa(heads: MedusaHeads, data_dir: str | Path, out_dir: str | Path,
     model_h, opt = acc.prepare(heads, opt)
     per_epoch = math.ceil(hidden.shape[0] / config.batch_size)
     total = per_epoch * config.epochs
-    bar = tqdm(total=total, initial=step, desc="training Medusa heads", unit="step")
+    bar = progress(total=total, initial=step, desc="training Medusa heads", unit="step")
     noise_gen = torch.Generator(acc.device).manual_seed(config.seed + step)  # a resumed run draws anew
     model_h.train()
     t_start = time.monotonic()
@@ -450,11 +476,11 @@ def train_medusa(heads: MedusaHeads, data_dir: str | Path, out_dir: str | Path,
             if config.soft_targets:
                 with acc.autocast():
                     teacher = teacher_probs(heads, hidden, idx, vocab)  # (K, n, V')
-            progress = step / total  # with a deadline, the schedule also follows the time spent
+            done = step / total  # with a deadline, the schedule also follows the time spent
             if deadline is not None:
-                progress = max(progress, _time_progress(seconds(), deadline - time.monotonic()))
+                done = max(done, _time_progress(seconds(), deadline - time.monotonic()))
             for g in opt.param_groups:
-                g["lr"] = _lr_at(step, progress, config)
+                g["lr"] = _lr_at(step, done, config)
             with acc.autocast():
                 logits = heads.head_logits(heads.features(h), vocab)  # (K, n, V or V')
             loss, _ = medusa_loss(logits, t, config.decay, teacher)
@@ -474,10 +500,7 @@ def train_medusa(heads: MedusaHeads, data_dir: str | Path, out_dir: str | Path,
     if vocab is not None:  # the heads learned to rank these tokens only: they guess among them
         heads.restrict_vocab(vocab)
     table = head_accuracy(heads, hidden_ho, targets_ho, config.topk)
-    paths = build_tree(table, config.tree_nodes)
-    heads.config = MedusaConfig(**{**heads.config.__dict__, "tree": paths,
-                                   "head_accuracy": tuple(tuple(r) for r in table)})
-    heads.set_tree(paths)
+    paths = choose_tree(heads, table, config.tree_nodes)
     save_medusa(heads, out_dir)
     if losses:
         _plot(losses, out_dir / "loss.png")

@@ -1,7 +1,8 @@
 """`specdec medusa` commands: re-measuring the heads' accuracy, restricting their guesses, rebuilding the
-tree; the argument types the recipes share."""
+tree; training flags derived from TrainConfig; the argument types the recipes share."""
 
 import argparse
+import dataclasses
 
 import pytest
 import torch
@@ -9,10 +10,10 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 import distill
 import runtime
-from distill.command import parse_max_vocab, parse_share
-from distill.train_medusa import cache_hidden_states
-from specdec.cli import main
-from specdec.medusa import MedusaConfig
+from distill.command import parse_share
+from distill.config_args import dataclass_from_args, flag_name
+from distill.train_medusa import TrainConfig, cache_hidden_states
+from specdec.cli import build_parser, main
 
 
 def test_tree_restricts_older_heads_to_the_training_vocabulary(tmp_path, capsys, monkeypatch):
@@ -48,8 +49,7 @@ def test_tree_auto_times_the_sizes_and_keeps_the_fastest_expected(tmp_path, caps
     word_tokenizer.save_pretrained(tmp_path / "tiny")  # HumanEval words map to <unk>: ids are all it needs
     model = runtime.load_model(tmp_path / "tiny", dtype=torch.float32)
     heads = distill.attach_medusa(model, num_heads=2)
-    heads.config = MedusaConfig(**{**heads.config.__dict__,
-                                "head_accuracy": ((0.5, 0.2), (0.3, 0.1))})
+    heads.set_tree(heads.tree.paths, head_accuracy=((0.5, 0.2), (0.3, 0.1)))
     distill.save_medusa(heads, tmp_path / "heads")
     argv = ["medusa", "tree", "--model", str(tmp_path / "tiny"), "--dtype", "float32",
             "--heads", str(tmp_path / "heads"), "--num-nodes", "auto", "--sizes", "1,3"]
@@ -80,11 +80,31 @@ def test_parse_share_rejects_values_outside_zero_one():
             parse_share(bad)
 
 
-def test_parse_max_vocab_takes_counts_from_zero():
-    assert parse_max_vocab("16384") == 16384 and parse_max_vocab("0") == 0
-    for bad in ("-1", "many"):
-        with pytest.raises(argparse.ArgumentTypeError):
-            parse_max_vocab(bad)
+TRAIN_ARGS = ["medusa", "train", "--model", "m", "--data", "d.jsonl", "--out", "o"]
+
+
+def test_every_train_config_field_is_a_train_flag_with_the_same_default(capsys):
+    args = build_parser().parse_args(TRAIN_ARGS)
+    for f in dataclasses.fields(TrainConfig):
+        assert getattr(args, f.name) == f.default, f.name
+    assert dataclass_from_args(TrainConfig, args) == TrainConfig()
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(TRAIN_ARGS + ["--help"])
+    usage = capsys.readouterr().out
+    assert all(flag_name(f.name) in usage for f in dataclasses.fields(TrainConfig))
+
+
+def test_train_flags_set_the_config_and_reject_bad_values_by_flag(capsys):
+    args = build_parser().parse_args(TRAIN_ARGS + ["--lr", "5e-4", "--batch-size", "64", "--vocab", "data",
+                                                   "--max-vocab", "16384", "--soft-targets", "--feature-noise",
+                                                   "0.1", "--mixed-precision", "no", "--seed", "3"])
+    cfg = dataclass_from_args(TrainConfig, args)
+    assert cfg == TrainConfig(lr=5e-4, batch_size=64, vocab="data", max_vocab=16384, soft_targets=True,
+                              feature_noise=0.1, mixed_precision="no", seed=3)
+    for flag, bad in (("--max-vocab", "-1"), ("--max-vocab", "many"), ("--epochs", "0"), ("--vocab", "words")):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(TRAIN_ARGS + [flag, bad])
+        assert f"argument {flag}" in capsys.readouterr().err
 
 
 def test_data_and_train_default_to_the_hardwares_batch_dtype_and_tree_to_bf16(monkeypatch):
