@@ -8,9 +8,9 @@ on a CPU a tree forward of N tokens is not free as it is on a GPU. Heads are att
 (or `--compile`, optionally `--max-autotune`), best of `--repeats` runs per size. `--guess-vocab V`
 restricts the heads' guesses to V token ids (as trained heads are, `MedusaHeads.restrict_vocab`).
 `--heads DIR` times trained heads instead (their own guess vocabulary), builds each size's tree
-from their held-out accuracy table and adds the expected tau (1 + expected accepted tokens per step) and expected speed (tau / step cost), so
-it says which tree size pays on this machine (`specdec medusa tree --num-nodes auto` measures
-the same and sets the best size).
+from their held-out accuracy table and adds the expected tau (1 + expected accepted tokens per
+step) and expected speed (tau / step cost), so it says which tree size pays on this machine
+(`specdec medusa tree --num-nodes auto` measures the same and sets the best size).
 `--compile` times compiled steps instead (`runtime.compile_decode`: the plain step and every
 tree size as its own program, each holding a frozen weight copy for the life of the process, the
 1.5B +3.1 GB per size: pass a few sizes per run).
@@ -27,6 +27,7 @@ import torch
 import distill
 import runtime
 from runtime.atomic import atomic_write_text
+from runtime.hardware import DTYPES
 from specdec.medusa import default_tree
 from specdec.prompts import encode, load_prompts
 from specdec.tree import build_tree, expected_length
@@ -51,7 +52,7 @@ def main() -> None:
                          "shape (on an AVX2-only CPU its small-row products cost far less per extra row)")
     args = ap.parse_args()
 
-    dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
+    dtype = DTYPES[args.dtype]
     if args.max_autotune and not args.compile:
         ap.error("--max-autotune needs --compile")
     model = runtime.load_model(args.model, dtype=dtype)

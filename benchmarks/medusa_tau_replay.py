@@ -21,6 +21,7 @@ import distill
 import runtime
 from distill.command import parse_sizes
 from distill.selfdistill import stop_token_ids
+from runtime.hardware import DTYPES
 from specdec.prompts import encode, load_prompts
 from specdec.tree import Tree, build_tree
 from specdec.tree_replay import replay_tau
@@ -39,7 +40,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    model = runtime.load_model(args.model, dtype=torch.float32 if args.dtype == "float32" else torch.bfloat16)
+    model = runtime.load_model(args.model, dtype=DTYPES[args.dtype])
     tok = runtime.load_tokenizer(args.model)
     heads = distill.load_medusa(args.heads, model)
     if heads.config.head_accuracy is None:

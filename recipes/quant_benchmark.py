@@ -20,6 +20,7 @@ import torch
 import quant
 import runtime
 from quant_common import add_calib_source
+from runtime.hardware import DTYPES
 
 def configs(group_size: int) -> dict[str, quant.config.Config]:
     """The named configs of the table (INT4 grids with `group_size` inputs per group)."""
@@ -66,7 +67,7 @@ def main() -> None:
     unknown = [n for n in names if n != "dense" and n not in table]
     if unknown:
         raise SystemExit(f"unknown configs {unknown}; choose from dense, {', '.join(table)}")
-    dtype = getattr(torch, args.dtype)
+    dtype = DTYPES[args.dtype]
     torch.set_num_threads(args.threads)
     tok = runtime.load_tokenizer(args.model)
     per_text = args.windows == "per-text"
