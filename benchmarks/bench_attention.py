@@ -34,7 +34,8 @@ import time
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
+
+from runtime.progress import progress
 
 HEAD_SHAPES = {"0.5b": (14, 2, 64), "1.5b": (12, 2, 128)}  # q heads, kv heads, head dim
 QWEN_CONFIGS = {
@@ -161,7 +162,7 @@ def run_prefill(args, g) -> list[dict]:
 
     Hq, Hkv, D = HEAD_SHAPES[args.shape]
     B, rows = args.batch, []
-    for T in tqdm(args.prefill_lens, desc="prefill", file=sys.stderr):
+    for T in progress(args.prefill_lens, desc="prefill"):
         q = torch.randn(B, Hq, T, D, generator=g, dtype=torch.bfloat16, device=g.device)
         k, v = cache_views(B, Hkv, T, D, g)
         prefix = torch.zeros(B, dtype=torch.long, device=g.device)
@@ -184,7 +185,7 @@ def run_verify(args, g) -> list[dict]:
     B, rows = args.batch, []
     g_tree = torch.Generator().manual_seed(args.seed)
     cases = [(L, T) for L in args.cache_lens for T in args.verify_queries]
-    for L, T in tqdm(cases, desc="verify", file=sys.stderr):
+    for L, T in progress(cases, desc="verify"):
         if T > 64:
             raise SystemExit(f"--verify-queries: tree blocks hold at most 64 tokens, got {T}")
         q = torch.randn(B, T, Hq, D, generator=g, dtype=torch.bfloat16, device=g.device).transpose(1, 2)
@@ -208,7 +209,7 @@ def run_decode(args, g) -> list[dict]:
 
     Hq, Hkv, D = HEAD_SHAPES[args.shape]
     L, rows = args.decode_len, []
-    for B in tqdm(args.decode_batches, desc="decode", file=sys.stderr):
+    for B in progress(args.decode_batches, desc="decode"):
         q = torch.randn(B, Hq, 1, D, generator=g, dtype=torch.bfloat16, device=g.device)
         k, v = cache_views(B, Hkv, L + 1, D, g)
         prefix = torch.full((B,), L, dtype=torch.long, device=g.device)
@@ -233,7 +234,7 @@ def run_sweep(args, g) -> list[dict]:
     shapes = [("prefill", max(args.prefill_lens), 0), ("verify", max(args.verify_queries), max(args.cache_lens)),
               ("decode", 1, args.decode_len)]
     rows = []
-    for name, T, L in tqdm(shapes, desc="sweep", file=sys.stderr):
+    for name, T, L in progress(shapes, desc="sweep"):
         q = torch.randn(args.batch, Hq, T, D, generator=g, dtype=torch.bfloat16, device=g.device)
         k, v = cache_views(args.batch, Hkv, L + T, D, g)
         prefix = torch.full((args.batch,), L, dtype=torch.long, device=g.device)
@@ -268,7 +269,7 @@ def run_e2e(args, g) -> list[dict]:
     from runtime.loading import from_hf_state
 
     rows = []
-    for name in tqdm(args.models.split(","), desc="e2e", file=sys.stderr):
+    for name in progress(args.models.split(","), desc="e2e"):
         cfg = qwen_config(name)
         torch.manual_seed(args.seed)  # transformers initialises weights from the global generator
         hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).to(g.device).eval()

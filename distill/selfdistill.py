@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 import specdec
+from runtime.progress import progress
 
 STOP_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "</s>")
 
@@ -140,7 +140,7 @@ def generate_selfdistill(model, tokenizer, out_path: str | Path, prompts: list[t
     window = 4 * batch_size
     todo = [p for lo in range(0, len(todo), window) for p in sorted(todo[lo:lo + window], key=lambda p: len(p[1]))]
     batches = [todo[i:i + batch_size] for i in range(0, len(todo), batch_size)]
-    bar = tqdm(total=len(todo), desc="self-distillation answers", unit="prompt")
+    bar = progress(total=len(todo), desc="self-distillation answers", unit="prompt")
     try:
         with open(out_path, "a") as f:
             for batch in batches:

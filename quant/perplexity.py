@@ -7,7 +7,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from tqdm.auto import tqdm
+
+from runtime.progress import progress as progress_bar
 
 
 @torch.no_grad()
@@ -25,7 +26,7 @@ def perplexity(model: nn.Module, batches: torch.Tensor, batch_size: int = 1, pro
     device = model.device
     B, T = batches.shape
     total, count = 0.0, 0
-    for i in tqdm(range(0, B, batch_size), desc="perplexity", disable=not progress):
+    for i in progress_bar(range(0, B, batch_size), desc="perplexity", unit="batch", disable=not progress):
         tokens = batches[i:i + batch_size].to(device)  # (b, T)
         positions = torch.arange(T, device=device).expand(tokens.shape[0], T)
         logits = model(tokens, positions, None)  # (b, T, V)

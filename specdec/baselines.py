@@ -21,10 +21,18 @@ def load_hf_model(name_or_path: str | Path, dtype: torch.dtype, device: str | to
                   eos_token_id: list[int] | None = None, pad_token_id: int | None = None):
     """A transformers causal LM for a catalogue name, checkpoint dir, .gguf file or hub id."""
     from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers.utils import logging as hf_logging
 
     from runtime.loading import resolve
 
-    model = AutoModelForCausalLM.from_pretrained(resolve(name_or_path), dtype=dtype)
+    # no bar of transformers' own: loading takes seconds and happens inside a run's one progress bar
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(resolve(name_or_path), dtype=dtype)
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
     model = model.to(device).eval().requires_grad_(False)
     model.generation_config = GenerationConfig(eos_token_id=eos_token_id, pad_token_id=pad_token_id)
     return model

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from runtime.atomic import atomic_write_text
+from runtime.progress import progress as progress_bar
 from specdec.baselines import HFGenerator, load_hf_model
 from specdec.evaluate import DTYPES, command_line, versions
 
@@ -145,7 +145,7 @@ def run_bench(cfg: BenchConfig, command: str | None = None, progress: bool = Tru
     tps: dict[str, list[float]] = {k: [] for k in runners}
     outputs: dict[str, list[list[int]]] = {k: [] for k in runners}
     order = list(runners)
-    for i, ids in enumerate(tqdm(prompts, desc="bench", unit="prompt", disable=not progress)):
+    for i, ids in enumerate(progress_bar(prompts, desc="bench", unit="prompt", disable=not progress)):
         for name in order[i % len(order):] + order[:i % len(order)]:  # each runtime goes first in turn
             start = time.perf_counter()
             new = runners[name](ids)
@@ -200,7 +200,8 @@ def format_table(result: dict) -> str:
     base = r["transformers"]["tokens_per_second"]
     match = result["outputs_match_by_runtime"]
     for name, g in r.items():
-        lines.append(f"| {LABELS.get(name, name)} | {g['tokens_per_second']:.1f} | {g['tokens_per_second'] / base:.2f}x | "
+        lines.append(f"| {LABELS.get(name, name)} | {g['tokens_per_second']:.1f} | "
+                     f"{g['tokens_per_second'] / base:.2f}x | "
                      f"{100 * g['fraction_of_matvec_ceiling']:.0f}% | {100 * g['fraction_of_stream_ceiling']:.0f}% "
                      f"| {100 * match[name]:.0f}% |")
     lines += ["",
