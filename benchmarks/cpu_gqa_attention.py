@@ -7,7 +7,7 @@ boolean mask as the runtime passes it): decoding rows (T = 1) and a 24-node Medu
 (T = 24), over 300 cached slots. Part 2 times one eager decoding step of the real checkpoint
 (random token ids, 300 cached slots) at each batch size, with the runtime's attention as it is
 (`sdpa_gqa`) and with `enable_gqa` patched in, alternating: the rate at which batched generation
-(self-distillation data, the recipes' tau runs) makes tokens, before and after.
+(self-distillation data, the recipes' tau runs) makes tokens with each path.
 Medians of `--repeats`; prints Markdown tables and writes `--json`.
 """
 
@@ -39,7 +39,7 @@ def median_ms(fn, repeats: int) -> float:
 
 
 def enable_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """The previous path: PyTorch SDPA with `enable_gqa=True` (same arguments as `sdpa_gqa`)."""
+    """The alternative to `sdpa_gqa`: PyTorch SDPA with `enable_gqa=True` (same arguments)."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask[:, None],
                                           enable_gqa=q.shape[1] != k.shape[1])
 
@@ -103,7 +103,7 @@ def main() -> None:
         print(f"| {r['rows']} x {r['queries']} | {r['enable_gqa_ms']:.2f} | {r['sdpa_gqa_ms']:.2f} "
               f"| {r['speedup']:.1f}x |")
     steps = step_rows(model, batches, args.slots, args.repeats)
-    print("\n| rows | step, enable_gqa (ms) | step, sdpa_gqa (ms) | tokens/s before -> after | speedup |\n"
+    print("\n| rows | step, enable_gqa (ms) | step, sdpa_gqa (ms) | tokens/s enable_gqa -> sdpa_gqa | speedup |\n"
           "|---|---:|---:|---:|---:|")
     for r in steps:
         tps = r["tokens_per_second"]

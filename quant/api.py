@@ -132,7 +132,8 @@ def _round_to_nearest(mod: nn.Linear, cfg: Config) -> nn.Module:
     return Int8MixedLinear.quantize(w, b, cfg.threshold)
 
 
-def _sparse_module(weight: torch.Tensor, drop: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> Sparse24Linear:
+def _sparse_module(weight: torch.Tensor, drop: torch.Tensor, bias: torch.Tensor | None,
+                   dtype: torch.dtype) -> Sparse24Linear:
     """Sparse24Linear from a weight and its prune mask (exactly 2 dropped per group of 4)."""
     N, K = weight.shape
     keep_idx = torch.nonzero(~drop.view(N, K // 4, 4), as_tuple=True)[2].view(N, K // 4, 2)

@@ -131,8 +131,8 @@ def calibration_batches(tokenizer: Any, source: Any = "sharegpt", n_samples: int
         code = calibration_batches(tokenizer, "code", n_code, seq_len, one_per_text)  # (N//2, T)
         rows = [r for pair in zip(chat, code) for r in pair] + list(chat[n_code:])
         return torch.stack(rows)
-    return pack_windows(tokenizer, _texts(tokenizer, source, "calibration"), n_samples, seq_len,
-                        what=f"calibration source {source!r}" if isinstance(source, (str, Path)) else "calibration source",
+    what = f"calibration source {source!r}" if isinstance(source, (str, Path)) else "calibration source"
+    return pack_windows(tokenizer, _texts(tokenizer, source, "calibration"), n_samples, seq_len, what=what,
                         one_per_text=one_per_text)
 
 

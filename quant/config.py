@@ -51,11 +51,10 @@ class Int4WeightOnly(ModuleFilter):
     measurement (smollm2, g64, held-out ShareGPT perplexity, BENCHMARKS.md): "mse" for RTN
     (7.95 -> 7.71) and for GPTQ with act_order, whose grids are fixed from the weights before
     any update (7.29); "minmax" for GPTQ in input order, whose grids are picked mid-solve from
-    weights the error feedback has moved (mse there: 7.73 -> 8.51). Recipes written before the
-    option existed (no `grid` key) were quantized with "minmax". GPTQ also takes "hmse": "mse"
+    weights the error feedback has moved (mse there: 7.73 -> 8.51). GPTQ also takes "hmse": "mse"
     with each weight's rounding error weighted by its input's mean square (diag of the
     calibration Hessian); it lowers the held-out layer-output error a little (BENCHMARKS.md
-    section 3, session 6), perplexity within noise, so it is not a default.
+    section 3), perplexity within noise, so it is not a default.
     """
 
     group_size: int = 128

@@ -26,7 +26,7 @@ MODEL, TARGET = "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"
 
 def main() -> None:
     # code calibration: GPTQ of the 0.5B calibrated on code is the one calibration measured at or
-    # below NF4 on both chat and code perplexity (BENCHMARKS.md section 3, session 8)
+    # below NF4 on both chat and code perplexity (BENCHMARKS.md section 3)
     args = recipe_args(__doc__.splitlines()[0], calib_source="code")
     tok = runtime.load_tokenizer(MODEL)
     evals = eval_windows(tok, args.n_eval, args.seq_len)
@@ -34,8 +34,8 @@ def main() -> None:
     rows = [report("dense-bf16", runtime.load_model(MODEL, dtype=torch.bfloat16), evals, None, 0.0)]
     int8_dir, int4_dir = args.out / "qwen2.5-coder-0.5b-int8", args.out / "qwen2.5-coder-0.5b-int4-gptq"
     rows.append(compress_and_save(MODEL, [quant.Int8WeightOnly()], None, int8_dir, tok, evals))
-    rows.append(compress_and_save(MODEL, [quant.Int4WeightOnly(group_size=128, method="gptq", act_order=True)], calib, int4_dir,
-                                  tok, evals))
+    gptq = quant.Int4WeightOnly(group_size=128, method="gptq", act_order=True)
+    rows.append(compress_and_save(MODEL, [gptq], calib, int4_dir, tok, evals))
     (args.out / "qwen2.5-coder-0.5b-drafts.json").write_text(json.dumps(rows, indent=1))
 
     # ---- last step: end-to-end speculative decoding with the 1.5B target (specdec eval) ----

@@ -19,15 +19,15 @@ MODEL = "qwen2.5-coder-1.5b-instruct"
 
 def main() -> None:
     # code calibration: on the 0.5B (not measured on the 1.5B) it is the one calibration measured at
-    # or below NF4 on both chat and code perplexity (BENCHMARKS.md section 3, session 8)
+    # or below NF4 on both chat and code perplexity (BENCHMARKS.md section 3)
     args = recipe_args(__doc__.splitlines()[0], calib_source="code")
     tok = runtime.load_tokenizer(MODEL)
     evals = eval_windows(tok, args.n_eval, args.seq_len)
     calib = quant.calibration_batches(tok, args.calib_source, n_samples=args.n_calib, seq_len=args.seq_len)
     rows = [report("dense-bf16", runtime.load_model(MODEL, dtype=torch.bfloat16), evals, None, 0.0)]
     int4_dir = args.out / "qwen2.5-coder-1.5b-int4-gptq"
-    rows.append(compress_and_save(MODEL, [quant.Int4WeightOnly(group_size=128, method="gptq", act_order=True)], calib, int4_dir,
-                                  tok, evals))
+    gptq = quant.Int4WeightOnly(group_size=128, method="gptq", act_order=True)
+    rows.append(compress_and_save(MODEL, [gptq], calib, int4_dir, tok, evals))
     (args.out / "qwen2.5-coder-1.5b-int4.json").write_text(json.dumps(rows, indent=1))
 
     # ---- last step: self-speculation (specdec eval) ----
