@@ -489,8 +489,8 @@ def train_medusa(heads: MedusaHeads, data_dir: str | Path, out_dir: str | Path,
             opt.step()
             step += 1
             losses.append(float(loss.detach()))
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)  # drawn with the update, at its interval
             bar.update(1)
-            bar.set_postfix(loss=f"{losses[-1]:.3f}")
             if step % config.checkpoint_every == 0:
                 _save_checkpoint(ckpt, heads, opt, step, losses, seconds())
     finally:  # also when stopped (Ctrl-C, SIGTERM): the steps done so far are kept
