@@ -44,12 +44,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from runtime import hardware
 from runtime.atomic import atomic_write_text
+from runtime.progress import progress as progress_bar
 from specdec.baselines import HF_MODES, HFGenerator, load_hf_model, new_tokens
 from specdec.draft_vocab import ALIGN as DRAFT_VOCAB_ALIGN
+from specdec.options import check_sampling, parse_draft_length
 from specdec.prompts import DATASETS, Prompt, encode, load_prompts
 from specdec.stats import AcceptanceStats
 
@@ -93,7 +94,7 @@ class MethodSpec:
             raise ValueError(f"method {kind!r} takes no argument, got {text!r}")
         if at and kind not in _DRAFTING:
             raise ValueError(f"{text!r}: only {', '.join(_DRAFTING)} take a draft length @K")
-        return cls(name, kind, arg or None, _draft_tokens(k) if at else None)
+        return cls(name, kind, arg or None, parse_draft_length(k) if at else None)
 
 
 def parse_methods(text: str | list[str] | tuple[str, ...]) -> list[MethodSpec]:
@@ -110,18 +111,6 @@ def parse_methods(text: str | list[str] | tuple[str, ...]) -> list[MethodSpec]:
         raise ValueError("at most one method of each transformers kind (hf, hf-assisted, hf-pld): "
                          "they name the speedup_vs_<baseline> columns")
     return specs
-
-
-def _draft_tokens(value: int | str) -> int | str:
-    if value == "auto":
-        return value
-    try:
-        k = int(value)
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"num_draft_tokens must be an integer >= 1 or 'auto', got {value!r}") from err
-    if not 1 <= k <= 64:
-        raise ValueError(f"num_draft_tokens must be between 1 and 64 or 'auto', got {k}")
-    return k
 
 
 @dataclass(frozen=True)
@@ -165,10 +154,8 @@ class EvalConfig:
             raise ValueError(f"limit must be >= 1, got {self.limit}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        object.__setattr__(self, "num_draft_tokens", _draft_tokens(self.num_draft_tokens))
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
-            raise ValueError(f"need temperature >= 0, 0 < top_p <= 1, top_k >= 0; got "
-                             f"{self.temperature}, {self.top_p}, {self.top_k}")
+        object.__setattr__(self, "num_draft_tokens", parse_draft_length(self.num_draft_tokens))
+        check_sampling(self.temperature, self.top_p, self.top_k)
         if self.warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
         if self.hf_pld_tokens < 1:
@@ -430,7 +417,7 @@ def run_eval(cfg: EvalConfig, command: str | None = None, progress: bool = True)
             for _ in range(cfg.warmup):
                 runner.decode(spec, encode(tokenizer, [prompts[0].turns[0]], [], cfg.raw), cfg.seed)
     with path.open("a", encoding="utf-8") as fh, \
-            tqdm(total=len(todo), desc="eval", unit="gen", disable=not progress) as bar:
+            progress_bar(total=len(todo), desc="eval", unit="gen", disable=not progress) as bar:
         for prompt, spec in todo:  # prompt-major: all methods on prompt 1, then prompt 2, ...
             bar.set_postfix_str(f"{prompt.id} {spec.name}")
             rec = runner.run_prompt(spec, prompt)

@@ -1,31 +1,26 @@
-"""Medusa heads (Cai et al. 2024) and the tree decoding loop that drafts with them.
+"""Medusa heads (Cai et al. 2024): K heads on a model's last hidden state, and their candidate tree.
 
 `MedusaHeads` holds K heads on the target's last hidden state (after the final norm). Head i is
 `num_layers` zero-initialised residual blocks x + SiLU(W x) followed by an LM head: by default the
 base model's own (frozen) `lm_head`, shared by every head, or a separate trainable one per head.
 The base LM head at position t predicts token t+1; head i at position t predicts token t+2+i.
 
-`medusa_decode` (called by `specdec.generate(target, ids, draft=heads)`) runs, per step and for
-the whole batch at once: the heads' top-k guesses from the hidden state of the last accepted
-token, arranged by the heads' sparse tree (`specdec.tree`); one target forward over the tree with
-a tree attention mask; verification (greedy, typical or lossless); in-place KV compaction of each
-row's accepted path. Loading lives in `specdec.medusa_io`; offline training and saving in `distill`.
+`specdec.generate(target, ids, draft=heads)` drafts with them through
+`specdec.drafters.medusa.MedusaDrafter`: the heads' top-k guesses from the hidden state of the
+last accepted token, arranged by the heads' sparse tree (`specdec.tree`), verified in one target
+forward by the decode loop. Loading lives in `specdec.medusa_io`; offline training and saving in
+`distill`.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.rows import RowState, check_lengths, prefill
-from specdec.sampling import check_finite, select_next
-from specdec.stats import AcceptanceStats
-from specdec.tree import (Path, Tree, build_tree, tree_positions, tree_tokens,
-                          verify_greedy, verify_lossless, verify_typical)
+from specdec.tree import Path, Tree, build_tree
 
 ACCEPTANCE = ("auto", "lossless", "typical")
 
@@ -122,8 +117,6 @@ class MedusaHeads(nn.Module):
     rejection sampling when temperature > 0, "lossless", or "typical"), `typical_epsilon`,
     `typical_delta`. At temperature 0 verification is always greedy.
     """
-
-    is_tree_drafter = True
 
     def __init__(self, config: MedusaConfig, lm_head: nn.Linear | None = None) -> None:
         super().__init__()
@@ -262,93 +255,3 @@ class MedusaHeads(nn.Module):
 def _version(t: torch.Tensor) -> int:
     """In-place modification counter of `t` (inference tensors keep none: 0)."""
     return 0 if t.is_inference() else t._version
-
-
-def _check_fit(target, heads: MedusaHeads) -> None:
-    cfg, hc = target.config, heads.config
-    if (hc.hidden_size, hc.vocab_size) != (cfg.hidden_size, cfg.vocab_size):
-        raise ValueError(f"Medusa heads for hidden size {hc.hidden_size} / vocabulary {hc.vocab_size} "
-                         f"cannot draft for a model with {cfg.hidden_size} / {cfg.vocab_size}; load "
-                         "heads trained for this model (distill.load_medusa checks this)")
-    if heads.acceptance not in ACCEPTANCE:
-        raise ValueError(f"heads.acceptance must be one of {ACCEPTANCE}, got {heads.acceptance!r}")
-
-
-def _verify(heads: MedusaHeads, tree: Tree, tokens: torch.Tensor, logits: torch.Tensor, anc,
-            temperature: float, top_k: int, top_p: float, generator):
-    if temperature == 0:
-        return verify_greedy(tree, tokens, logits, anc)
-    if heads.acceptance == "typical":
-        return verify_typical(tree, tokens, logits, temperature, top_k, top_p, heads.typical_epsilon,
-                              heads.typical_delta, generator)
-    return verify_lossless(tree, tokens, logits, temperature, top_k, top_p, generator)
-
-
-@torch.inference_mode()
-def medusa_decode(target, heads: MedusaHeads, state: RowState, temperature: float, top_k: int,
-                  top_p: float, generator: torch.Generator | None) -> AcceptanceStats:
-    """Tree decoding with Medusa heads for every row of `state`; returns the run's statistics.
-
-    Each step scores the tree (root = the token chosen last step, then the heads' guesses) in
-    one target forward for the whole batch, accepts each row's longest verified path plus one
-    bonus token, and compacts that path's keys/values in place.
-    """
-    _check_fit(target, heads)
-    cfg, tree = target.config, heads.tree
-    n = tree.num_nodes
-    stats = AcceptanceStats(num_calls=1)
-    # room for the tree block, plus the path a row may accept past its last token (max_new_tokens
-    # or eos cut what it emits, not what its cache holds) while other rows keep stepping
-    max_len = check_lengths(state.prompts, state.max_new_tokens, cfg.max_position_embeddings,
-                            cfg.vocab_size, slack=n + tree.max_depth)
-    if state.all_done:
-        return stats
-    start = time.perf_counter()
-    device, B = target.device, len(state.prompts)
-    cache = target.new_cache(B, max_len)
-    logits, hidden = prefill(target, state.prompts, cache, return_hidden=True)  # (B, V), (B, C)
-    root = select_next(logits, temperature, top_k, top_p, generator).to(device)  # (B,)
-    for b in state.active():
-        stats.target_forwards += 1
-        stats.generated_tokens += state.emit(b, [int(root[b])])
-    stats.ttft_s = time.perf_counter() - start
-    anc = tree.ancestors(device)  # (N, N)
-    block = anc.expand(B, n, n)  # (B, N, N): the tree block of the attention mask
-    rows = torch.arange(B, device=device)
-    while not state.all_done:
-        active = state.active()
-        t0 = time.perf_counter()
-        tokens = tree_tokens(tree, root, heads.guesses(hidden, tree.topk))  # (B, N)
-        t1 = time.perf_counter()
-        lengths = cache.lengths.clone()  # (B,)
-        positions = tree_positions(tree, lengths, cfg.max_position_embeddings - 1)  # (B, N)
-        # each node sees the cached prefix and its ancestors: compiled on a compiled target
-        logits, hid = target(tokens, positions, cache, block_mask=block, return_hidden=True)  # (B, N, V)
-        check_finite(logits)
-        sel = torch.tensor(active, device=device)
-        verdicts = _verify(heads, tree, tokens[sel], logits[sel], anc, temperature, top_k, top_p,
-                           generator)
-        keep = torch.zeros(B, tree.max_depth + 1, dtype=torch.long)  # (B, 1 + D) slots to keep
-        count = torch.zeros(B, dtype=torch.long)
-        last = torch.zeros(B, dtype=torch.long)
-        new_root = root.clone()
-        for b, v in zip(active, verdicts):
-            path = [0] + v.nodes
-            keep[b, :len(path)] = int(lengths[b]) + torch.tensor(path)
-            count[b] = len(path)
-            last[b] = path[-1]
-            new_root[b] = v.bonus
-            stats.target_forwards += 1
-            stats.drafted_tokens += tree.max_depth
-            stats.accepted_tokens += len(v.nodes)
-            stats.record_positions(v.attempted, v.accepted)
-            stats.generated_tokens += state.emit(b, v.tokens + [v.bonus])
-        cache.compact(keep.to(device), lengths, count.to(device))
-        hidden = hid[rows, last.to(device)]  # (B, C): the last accepted token's hidden state
-        root = new_root
-        stats.draft_s += t1 - t0
-        stats.verify_s += time.perf_counter() - t1
-    stats.wall_s = time.perf_counter() - start
-    per_row = max(len(x) for x in state.new)
-    stats.tpot_s = (stats.wall_s - stats.ttft_s) / (per_row - 1) if per_row > 1 else 0.0
-    return stats

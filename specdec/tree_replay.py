@@ -60,10 +60,13 @@ def guess_ranks(heads: MedusaHeads, hidden: torch.Tensor, seq: torch.Tensor, sta
     return out
 
 
-def replay_row(tree: Tree, ranks: torch.Tensor, new_tokens: int, counts: ReplayCounts) -> None:
+def replay_row(tree: Tree, ranks: torch.Tensor, new_tokens: int, counts: ReplayCounts,
+               max_new_tokens: int | None = None) -> None:
     """Walk one row's decoding steps through `tree` and add them to `counts`. ranks (n, D) from
     guess_ranks, n = new_tokens: row i belongs to the step whose last accepted token is new
-    token i - 1 (i = 0: the last prompt token)."""
+    token i - 1 (i = 0: the last prompt token). As in the decode loop, a step verifies no
+    draft deeper than the tokens the row may still emit (max_new_tokens, default new_tokens)
+    minus the one the target adds."""
     paths = set(tree.paths)
     parents = {p[:-1] for p in tree.paths}  # prefixes with children (() = the root)
     D = tree.max_depth
@@ -72,12 +75,14 @@ def replay_row(tree: Tree, ranks: torch.Tensor, new_tokens: int, counts: ReplayC
     counts.generated_tokens += 1  # the prefill chooses the root
     counts.target_forwards += 1
     emitted, i = 1, 0
+    limit = new_tokens if max_new_tokens is None else max_new_tokens
     while emitted < new_tokens:
+        depth = min(D, limit - emitted - 1)  # the deepest draft this step verifies
         prefix: tuple[int, ...] = ()
-        while len(prefix) < D and prefix + (int(ranks[i, len(prefix)]),) in paths:
+        while len(prefix) < depth and prefix + (int(ranks[i, len(prefix)]),) in paths:
             prefix += (int(ranks[i, len(prefix)]),)
         a = len(prefix)
-        for d in range(a + (1 if prefix in parents else 0)):
+        for d in range(a + (1 if prefix in parents and a < depth else 0)):
             counts.attempted[d] += 1
         for d in range(a):
             counts.accepted[d] += 1
@@ -103,5 +108,5 @@ def replay_tau(model, heads: MedusaHeads, rows: list[torch.Tensor], trees: dict[
         seq = seq.cpu()
         ranks = guess_ranks(heads, hidden, seq, prompt.numel() - 1, depth, k)  # (n, D)
         for name, tree in trees.items():
-            replay_row(tree, ranks, seq.numel() - prompt.numel(), counts[name])
+            replay_row(tree, ranks, seq.numel() - prompt.numel(), counts[name], max_new_tokens)
     return counts

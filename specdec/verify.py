@@ -1,26 +1,42 @@
-"""Verification of a drafted chain against one target forward: greedy and lossless rejection sampling.
+"""Verification of a draft tree against one target forward: greedy, lossless, typical.
 
-Speculative sampling (Leviathan et al. 2023; Chen et al. 2023): accept draft x with probability
-min(1, p(x) / q(x)); on the first rejection sample from norm(max(0, p - q)); when every draft
-passes, sample a bonus token from p. The output distribution is exactly p. A deterministic draft
-(argmax or n-gram) has q one-hot: accept when u < p(x), else zero p(x) and renormalise.
-Greedy (temperature 0) accepts while the target's argmax equals the draft.
+The target scored [root, nodes] of every row (`specdec.drafter.DraftTree`); logits[b, 0] is its
+distribution after the root, logits[b, 1 + i] after node i. Verification walks each row from
+the root and returns the accepted path and the token that follows it.
+
+- Greedy (temperature 0): accept a node when it equals the target's argmax after its parent;
+  the path is the deepest node whose every ancestor was accepted, and the next token is the
+  argmax after it. Output equals plain greedy decoding.
+- Lossless (speculative sampling; Leviathan et al. 2023, Chen et al. 2023; for trees, recursive
+  rejection over siblings as in SpecInfer): at a node with target distribution p, try its
+  children in order; child x drawn from q is accepted with probability min(1, p(x) / q(x));
+  on rejection p <- norm(max(0, p - q)) before the next sibling. When every child fails, the
+  next token is drawn from what is left of p; when the path ends at a leaf, from p itself. A
+  deterministic draft has q one-hot: accept when u < p(x), else zero p(x) and renormalise.
+  Each emitted token is distributed exactly as the target's p.
+- Typical (lossy; Cai et al. 2024): accept the first child x with p(x) > min(epsilon,
+  delta * exp(-H(p))); the next token is sampled from p at the last accepted node.
+
+Only valid nodes (index < lens[b], and within the row's budget) can be accepted.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from specdec.drafter import DraftTree, TypicalAcceptance
 from specdec.sampling import check_finite, probs_from_logits
 
 
 @dataclass
 class Verdict:
-    """Per row: how many drafts were accepted (B,) and the token that follows them (B,)."""
+    """Per row: the accepted draft nodes, root first (indices into the DraftTree), and the token
+    that follows them (B,), on the CPU."""
 
-    accepted: torch.Tensor
+    paths: list[list[int]]
     next_tokens: torch.Tensor
 
 
@@ -29,43 +45,126 @@ def _leading(flags: torch.Tensor) -> torch.Tensor:
     return flags.long().cumprod(-1).sum(-1)
 
 
-def verify_greedy(logits: torch.Tensor, drafts: torch.Tensor, draft_lens: torch.Tensor) -> Verdict:
-    """logits (B, k+1, V) of [pending, d_1..d_k]; drafts (B, k); draft_lens (B,) valid drafts."""
+def verify(logits: torch.Tensor, tree: DraftTree, valid: torch.Tensor, temperature: float,
+           top_k: int = 0, top_p: float = 1.0, generator: torch.Generator | None = None,
+           typical: TypicalAcceptance | None = None) -> Verdict:
+    """Verify `tree` against target logits (B, 1 + N, V); valid (B, N) bool: the nodes that may
+    be accepted. Greedy at temperature 0; otherwise lossless, or typical when given."""
     check_finite(logits)
-    best = logits.argmax(-1)  # (B, k+1)
-    k = drafts.shape[1]
-    valid = torch.arange(k, device=drafts.device)[None] < draft_lens[:, None]  # (B, k)
-    accepted = _leading((best[:, :k] == drafts) & valid)  # (B,)
-    nxt = best.gather(1, accepted[:, None]).squeeze(1)
-    return Verdict(accepted, nxt)
+    if temperature == 0:
+        return verify_greedy(logits, tree, valid)
+    if typical is not None:
+        return _walk(logits, tree, valid, temperature, top_k, top_p, generator, _typical_choice(typical))
+    if tree.is_chain:
+        return verify_chain_sampling(logits, tree, valid, temperature, top_k, top_p, generator)
+    return _walk(logits, tree, valid, temperature, top_k, top_p, generator, _lossless_choice(tree.q))
 
 
-def verify_sampling(logits: torch.Tensor, drafts: torch.Tensor, draft_lens: torch.Tensor,
-                    q: torch.Tensor | None, temperature: float, top_k: int, top_p: float,
-                    generator: torch.Generator | None) -> Verdict:
-    """Lossless rejection sampling. q (B, k, V): the draft distributions, None for one-hot drafts."""
-    check_finite(logits)
+def verify_greedy(logits: torch.Tensor, tree: DraftTree, valid: torch.Tensor) -> Verdict:
+    """Greedy verification: the deepest node whose whole path equals the target's argmax."""
+    best = logits.argmax(-1).cpu()  # (B, 1 + N)
+    B, n = tree.tokens.shape
+    match = (tree.tokens == best.gather(1, tree.parents + 1)) & valid  # (B, N)
+    if tree.is_chain:
+        accepted = _leading(match)  # (B,)
+        paths = [list(range(a)) for a in accepted.tolist()]
+        return Verdict(paths, best.gather(1, accepted[:, None])[:, 0])
+    anc = tree.block_mask()[:, 1:, 1:]  # (B, N, N): ancestors among the nodes, self included
+    ok = ~((~match)[:, None, :] & anc).any(-1)  # (B, N): every node on the path matches
+    score = torch.cat([torch.zeros(B, 1, dtype=torch.long), ok * tree.depths()], dim=1)  # (B, 1 + N)
+    deepest = score.argmax(-1) - 1  # (B,): -1 = the root; ties go to the first (best-ranked) node
+    paths = [tree.path(b, int(node)) for b, node in enumerate(deepest)]
+    return Verdict(paths, best.gather(1, (deepest + 1)[:, None])[:, 0])
+
+
+def verify_chain_sampling(logits: torch.Tensor, tree: DraftTree, valid: torch.Tensor, temperature: float,
+                          top_k: int, top_p: float, generator: torch.Generator | None) -> Verdict:
+    """Lossless rejection sampling of a chain, every row at once (the tree walk's chain case)."""
+    device = logits.device
+    drafts = tree.tokens.to(device)  # (B, k)
     B, k = drafts.shape
+    q = None if tree.q is None else tree.q.to(device)
     p = probs_from_logits(logits, temperature, top_k, top_p)  # (B, k+1, V)
     p_draft = p[:, :k].gather(-1, drafts[..., None]).squeeze(-1)  # (B, k): p(x_i)
     q_draft = torch.ones_like(p_draft) if q is None else q.gather(-1, drafts[..., None]).squeeze(-1)
     u = torch.rand(B, k, generator=generator,
-                   device=generator.device if generator is not None else p.device).to(p.device)
-    valid = torch.arange(k, device=drafts.device)[None] < draft_lens[:, None]  # (B, k)
-    accepted = _leading((u * q_draft < p_draft) & valid)  # (B,)
-    rows = torch.arange(B, device=p.device)
+                   device=generator.device if generator is not None else device).to(device)
+    accepted = _leading((u * q_draft < p_draft) & valid.to(device))  # (B,)
+    rows = torch.arange(B, device=device)
     at = p[rows, accepted]  # (B, V): target distribution where the chain stopped
-    rejected = accepted < draft_lens
+    rejected = accepted < valid.to(device).sum(-1)
     if bool(rejected.any()):
         idx = accepted.clamp(max=k - 1)
-        if q is None:
-            q_at = torch.zeros_like(at).scatter(-1, drafts[rows, idx][:, None], 1.0)  # one-hot
-        else:
-            q_at = q[rows, idx]
-        residual = (at - q_at).clamp(min=0)
-        mass = residual.sum(-1, keepdim=True)
-        # p == q up to rounding leaves no residual mass; p itself is then the right law
-        residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), at)
-        at = torch.where(rejected[:, None], residual, at)
-    nxt = torch.multinomial(at, 1, generator=generator).squeeze(1)
-    return Verdict(accepted, nxt)
+        q_at = torch.zeros_like(at).scatter(-1, drafts[rows, idx][:, None], 1.0) if q is None else q[rows, idx]
+        at = torch.where(rejected[:, None], _residual(at, q_at), at)
+    nxt = torch.multinomial(at, 1, generator=generator).squeeze(1).cpu()
+    return Verdict([list(range(a)) for a in accepted.tolist()], nxt)
+
+
+def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p - q)) over the last axis; p itself where p == q up to rounding."""
+    residual = (p - q).clamp(min=0)
+    mass = residual.sum(-1, keepdim=True)
+    return torch.where(mass > 0, residual / mass.clamp(min=1e-30), p)
+
+
+# choose(p, row, children, tokens) -> index into children of the accepted child, or None; it may
+# leave p edited to the residual the next token is drawn from
+Choice = Callable[[torch.Tensor, int, list[int], list[int], torch.Generator | None], int | None]
+
+
+def _walk(logits: torch.Tensor, tree: DraftTree, valid: torch.Tensor, temperature: float, top_k: int,
+          top_p: float, generator: torch.Generator | None, choose: Choice) -> Verdict:
+    """Walk each row from the root; at each node `choose` picks an accepted child or none, and
+    the next token is drawn from p at the node where the walk stops."""
+    B, n = tree.tokens.shape
+    parents, ok = tree.parents.tolist(), valid.tolist()
+    paths, nxt = [], []
+    for b in range(B):
+        children: list[list[int]] = [[] for _ in range(n + 1)]  # [1 + i]: children of node i
+        for i in range(n):
+            if ok[b][i]:
+                children[parents[b][i] + 1].append(i)
+        tokens = tree.tokens[b].tolist()
+        node, path = -1, []
+        while True:
+            p = probs_from_logits(logits[b, node + 1], temperature, top_k, top_p)  # (V,)
+            kids = children[node + 1]
+            pick = choose(p, b, kids, [tokens[c] for c in kids], generator) if kids else None
+            if pick is None:
+                nxt.append(int(torch.multinomial(p, 1, generator=generator)))
+                break
+            node = kids[pick]
+            path.append(node)
+        paths.append(path)
+    return Verdict(paths, torch.tensor(nxt, dtype=torch.long))
+
+
+def _lossless_choice(q: torch.Tensor | None) -> Choice:
+    """Recursive rejection over siblings: child x (drawn from q) passes with min(1, p(x) / q(x))."""
+    def choose(p: torch.Tensor, row: int, kids: list[int], xs: list[int], generator) -> int | None:
+        for i, (c, x) in enumerate(zip(kids, xs)):
+            u = float(torch.rand((), generator=generator, device=p.device))
+            if q is None:  # one-hot q: accept with p(x), else zero p(x)
+                if u < float(p[x]):
+                    return i
+                p[x] = 0.0
+                p.div_(p.sum())  # positive: a rejection means p(x) < 1
+            else:
+                qc = q[row, c].to(p.device)
+                if u * float(qc[x]) < float(p[x]):
+                    return i
+                p.copy_(_residual(p, qc))
+        return None
+
+    return choose
+
+
+def _typical_choice(typical: TypicalAcceptance) -> Choice:
+    """The first child x with p(x) > min(epsilon, delta * exp(-H(p)))."""
+    def choose(p: torch.Tensor, row: int, kids: list[int], xs: list[int], generator) -> int | None:
+        entropy = -(p * torch.log(p.clamp_min(1e-30))).sum()
+        threshold = min(typical.epsilon, typical.delta * float(torch.exp(-entropy)))
+        return next((i for i, x in enumerate(xs) if float(p[x]) > threshold), None)
+
+    return choose

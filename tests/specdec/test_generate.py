@@ -81,12 +81,15 @@ def test_a_transformers_model_works_through_the_adapter(pair):
     assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
 
 
-def test_hidden_states_are_those_behind_each_new_token(pair):
+@pytest.mark.parametrize("draft", [None, "ngram", "self"])
+def test_hidden_states_are_those_behind_each_new_token(pair, draft):
+    """Plain or speculative: the states of each row's accepted path, cut where the row stops."""
     model, _ = pair
     rows = _prompts([5, 8, 3], seed=7)
     free = specdec.generate(model, rows, max_new_tokens=9).sequences
     eos = int(free[1][8 + 2])  # row 1 stops after 3 new tokens, the others run to 9
-    out = specdec.generate(model, rows, max_new_tokens=9, eos_token_id=eos, return_hidden=True)
+    out = specdec.generate(model, rows, draft=model if draft == "self" else draft, max_new_tokens=9,
+                           eos_token_id=eos, return_hidden=True, num_draft_tokens=3)
     for r, s, h in zip(rows, out.sequences, out.hidden_states):
         new = s.numel() - r.numel()
         assert h.shape == (new, model.config.hidden_size)
@@ -94,8 +97,6 @@ def test_hidden_states_are_those_behind_each_new_token(pair):
         torch.testing.assert_close(h, ref[0, r.numel() - 1:s.numel() - 1], rtol=1e-4, atol=1e-4)
     assert [h.shape[0] for h in out.hidden_states] != [9, 9, 9]  # the stopped row is cut
     assert specdec.generate(model, rows, max_new_tokens=9).hidden_states is None
-    with pytest.raises(ValueError, match="plain decoding"):
-        specdec.generate(model, rows, draft=model, return_hidden=True)
 
 
 def test_bad_requests_fail_with_clear_messages(pair):

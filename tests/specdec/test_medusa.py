@@ -8,7 +8,8 @@ import specdec
 from runtime.loading import from_hf_state
 from specdec.medusa import MedusaConfig, MedusaHeads
 from specdec.sampling import probs_from_logits
-from specdec.tree import Tree, tree_mask, tree_positions, tree_tokens, verify_greedy
+from specdec.tree import Tree, draft_tree, tree_mask, tree_positions
+from specdec.verify import verify
 
 
 def tiny(vocab=128, seed=0):
@@ -211,20 +212,21 @@ def test_compaction_leaves_the_cache_equal_to_a_fresh_prefill(model):
     guesses = [torch.stack([torch.stack([full[b][lens[b] + 1] + 1, full[b][lens[b] + 1]]) for b in range(2)]) % 128,
                torch.stack([torch.stack([full[b][lens[b] + 2], full[b][lens[b] + 2] + 1]) for b in range(2)]) % 128,
                torch.stack([full[b][lens[b] + 3:lens[b] + 4] + 1 for b in range(2)]) % 128]
-    tokens = tree_tokens(tree, root, guesses)  # (B, N)
+    draft = draft_tree(tree, guesses)
+    tokens = torch.cat([root[:, None], draft.tokens], dim=1)  # (B, N): the root, then the nodes
     mask = tree_mask(tree, lens, int(lens.max()) + tree.num_nodes)
     logits = model(tokens, tree_positions(tree, lens), cache, mask=mask)
-    verdicts = verify_greedy(tree, tokens, logits)
+    verdict = verify(logits, draft, torch.ones_like(draft.tokens, dtype=torch.bool), 0.0)
     keep = torch.zeros(2, 4, dtype=torch.long)
     count = torch.zeros(2, dtype=torch.long)
-    for b, v in enumerate(verdicts):
-        assert v.nodes == [2, 5]  # (1,) then (1, 0): two accepted draft tokens
-        path = torch.tensor([0] + v.nodes)
+    for b, nodes in enumerate(verdict.paths):
+        assert nodes == [1, 4]  # (1,) then (1, 0): two accepted draft tokens
+        path = torch.tensor([0] + [1 + i for i in nodes])
         keep[b, :path.numel()] = lens[b] + path
         count[b] = path.numel()
     cache.compact(keep, lens, count)
     assert cache.lengths.tolist() == (lens + 3).tolist()
-    bonus = torch.tensor([v.bonus for v in verdicts])
+    bonus = verdict.next_tokens
     nxt = model(bonus[:, None], cache.lengths[:, None].clone(), cache)[:, 0]  # (B, V)
     for b in range(2):
         seq = torch.cat([full[b][:lens[b] + 3], bonus[b:b + 1]])
@@ -284,8 +286,8 @@ def test_greedy_medusa_on_a_compiled_target_runs_compiled_tree_steps(model):
     tree = ((0,), (1,), (0, 0), (0, 1), (0, 0, 0))
     heads = random_heads(compiled, tree=tree)
     sizes, tree_steps = [], []
-    step, forward = compiled._compiled_step, compiled.forward
-    compiled._compiled_step = lambda *a: sizes.append(a[0].shape[1]) or step(*a)
+    step, forward = compiled.compiled_step, compiled.forward
+    compiled.compiled_step = lambda *a: sizes.append(a[0].shape[1]) or step(*a)
     compiled.forward = lambda *a, **kw: tree_steps.append(kw.get("block_mask") is not None) or forward(*a, **kw)
     rows = prompts(3, seed=4)
     plain = specdec.generate(model, rows, max_new_tokens=20)

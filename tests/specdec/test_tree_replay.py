@@ -44,16 +44,20 @@ def test_the_replay_equals_a_real_greedy_medusa_run_in_float32(model, nodes):
     assert got.tau == pytest.approx(real.mean_accepted_tokens)
 
 
-def test_the_walk_takes_the_longest_path_the_tree_holds_and_cuts_the_last_step():
+def test_the_walk_takes_the_longest_path_the_tree_holds_and_stops_at_the_budget():
     tree = Tree(((0,), (1,), (0, 0), (1, 0)))
     # step 1 (row 0): head 0 rank 1, head 1 rank 0 -> path (1, 0), 2 accepted, next row 3;
-    # step 2 (row 3): head 0 rank 2 -> nothing, next row 4; step 3 (row 4): (0, 0) -> 2 more
+    # step 2 (row 3): head 0 rank 2 -> nothing, next row 4; step 3 (row 4): 2 tokens are left, so
+    # only depth 1 is verified: (0,) is accepted, its child is not tried, then the target's token
     ranks = torch.tensor([[1, 0], [0, 0], [0, 0], [2, 0], [0, 0], [0, 0], [0, 0]])
     counts = ReplayCounts()
     replay_row(tree, ranks, new_tokens=7, counts=counts)
     assert counts.target_forwards == 4  # the prefill and 3 steps
-    assert counts.generated_tokens == 1 + 3 + 1 + 2  # the last step's 3 tokens cut to the 2 left
-    assert counts.accepted == [2, 2] and counts.attempted == [3, 2]
+    assert counts.generated_tokens == 1 + 3 + 1 + 2
+    assert counts.accepted == [2, 1] and counts.attempted == [3, 1]
+    longer = ReplayCounts()  # the same tokens from a run allowed 9: step 3 verifies both depths
+    replay_row(tree, ranks, new_tokens=7, counts=longer, max_new_tokens=9)
+    assert longer.accepted == [2, 2] and longer.attempted == [3, 2]
 
 
 def test_trees_deeper_than_the_heads_are_refused(model):

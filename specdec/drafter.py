@@ -1,0 +1,200 @@
+"""The drafter protocol: what the one decode loop (`specdec.decode`) asks of every drafter.
+
+A decoding step, for a batch of rows:
+
+1. `propose(seqs, k, rows)` returns a `DraftTree` per row: N draft tokens, each with a parent
+   (-1 = the root, which is the token the target chose last and has not scored yet) and, when
+   the draft was sampled, the distribution it was drawn from. A chain of k drafts is a tree with
+   one branch (parents -1, 0, 1, ...); a Medusa or EAGLE tree has several children per node;
+   plain decoding proposes nothing (N = 0).
+2. The loop scores [root, nodes] in one target forward (causal for a chain, the tree's ancestor
+   mask otherwise), verifies every row (`specdec.verify`) and emits the accepted path plus one
+   token from the target.
+3. `commit(accepted)` tells the drafter the accepted path of every row and the new committed
+   sequences, so it can roll its own state back (a draft model's cache) or advance it (the
+   hidden state Medusa heads read next).
+
+A new drafter is one file: a subclass of `Drafter` that implements `propose` (and `begin` /
+`commit` when it keeps state). `specdec.drafters.make_drafter` turns generate()'s `draft=`
+argument into a drafter; an instance of a `Drafter` subclass passes through unchanged.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    """Draft tokens of a batch, as one tree per row.
+
+    tokens (B, N): draft token ids (anything past a row's `lens` is padding).
+    parents (B, N): the parent of each node, -1 for the root; a parent precedes its children
+        (parents[b, i] < i) and siblings are listed best first.
+    lens (B,): valid nodes per row, nodes [0, lens[b]).
+    q (B, N, V) or None: the distribution each node was drawn from when the draft was sampled
+        (siblings drawn independently from their parent's distribution); None when the draft is
+        deterministic (argmax, top-k, n-gram lookup), i.e. q is one-hot.
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    lens: torch.Tensor
+    q: torch.Tensor | None = None
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.tokens.shape != self.parents.shape or self.tokens.dim() != 2:
+            raise ValueError(f"a DraftTree needs tokens and parents of one shape (B, N), got "
+                             f"{tuple(self.tokens.shape)} and {tuple(self.parents.shape)}")
+        if self.lens.shape != self.tokens.shape[:1]:
+            raise ValueError(f"DraftTree.lens must be (B,) = ({self.tokens.shape[0]},), got {tuple(self.lens.shape)}")
+        if self.q is not None and self.q.shape[:2] != self.tokens.shape:
+            raise ValueError(f"DraftTree.q must be (B, N, V) with (B, N) = {tuple(self.tokens.shape)}, "
+                             f"got {tuple(self.q.shape)}")
+        n = self.tokens.shape[1]
+        if n and bool(((self.parents < -1) | (self.parents >= torch.arange(n))).any()):
+            raise ValueError("DraftTree.parents must satisfy -1 <= parents[b, i] < i (a parent precedes "
+                             "its children)")
+
+    @classmethod
+    def chain(cls, tokens: torch.Tensor, lens: torch.Tensor, q: torch.Tensor | None = None) -> "DraftTree":
+        """A chain of drafts per row: tokens (B, k), lens (B,), q (B, k, V) or None."""
+        B, k = tokens.shape
+        parents = (torch.arange(k) - 1)[None].expand(B, k).contiguous()
+        tree = cls(tokens, parents, lens, q)
+        tree._cache["chain"] = True
+        return tree
+
+    @classmethod
+    def empty(cls, batch_size: int) -> "DraftTree":
+        """No drafts (plain decoding)."""
+        return cls.chain(torch.zeros(batch_size, 0, dtype=torch.long), torch.zeros(batch_size, dtype=torch.long))
+
+    @property
+    def batch_size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.shape[1]
+
+    @property
+    def is_chain(self) -> bool:
+        """Whether every node's parent is the node before it (one branch, causal attention)."""
+        if "chain" not in self._cache:
+            n = self.num_nodes
+            self._cache["chain"] = bool((self.parents == torch.arange(n) - 1).all())
+        return self._cache["chain"]
+
+    def depths(self) -> torch.Tensor:
+        """(B, N) depth of every node: 1 for a child of the root."""
+        if "depths" not in self._cache:
+            B, n = self.tokens.shape
+            depth = torch.zeros(B, n, dtype=torch.long)
+            for i in range(n):  # parents precede children: one pass in order
+                p = self.parents[:, i]
+                depth[:, i] = 1 + torch.where(p >= 0, depth.gather(1, p.clamp(min=0)[:, None])[:, 0], 0)
+            self._cache["depths"] = depth
+        return self._cache["depths"]
+
+    def block_mask(self) -> torch.Tensor:
+        """(B, 1 + N, 1 + N) bool over [root, nodes]: [b, i, j] when j is i or an ancestor of i."""
+        if "block_mask" not in self._cache:
+            B, n = self.tokens.shape
+            anc = torch.zeros(B, n + 1, n + 1, dtype=torch.bool)
+            anc[:, 0, 0] = True
+            rows = torch.arange(B)
+            for i in range(n):  # a node sees what its parent sees, and itself
+                anc[:, i + 1] = anc[rows, self.parents[:, i] + 1]
+                anc[:, i + 1, i + 1] = True
+            self._cache["block_mask"] = anc
+        return self._cache["block_mask"]
+
+    def path(self, row: int, node: int) -> list[int]:
+        """Nodes from the root's child down to `node` (-1: the root, an empty path)."""
+        out = []
+        parents = self.parents[row].tolist()
+        while node >= 0:
+            out.append(node)
+            node = parents[node]
+        return out[::-1]
+
+
+@dataclass
+class Accepted:
+    """What one verification step kept, for `Drafter.commit`.
+
+    seqs: every row's committed sequence (prompt + emitted tokens; the last one is the next
+        root, not yet scored by the target).
+    paths: per row, the accepted draft nodes (indices into the step's DraftTree), root first.
+    hidden (B, 1 + N, C) or None: the target's final hidden states over [root, nodes] of the
+        step, when the drafter asked for them (`Drafter.needs_hidden`); the state that chose the
+        next root is hidden[b, 1 + paths[b][-1]] (hidden[b, 0] when the path is empty).
+    """
+
+    seqs: list[torch.Tensor]
+    paths: list[list[int]]
+    hidden: torch.Tensor | None = None
+
+    def last_hidden(self) -> torch.Tensor:
+        """(B, C): per row, the hidden state that chose the next root."""
+        if self.hidden is None:
+            raise ValueError("no hidden states: the drafter did not set needs_hidden")
+        idx = torch.tensor([1 + p[-1] if p else 0 for p in self.paths], device=self.hidden.device)
+        return self.hidden[torch.arange(len(self.paths), device=self.hidden.device), idx]
+
+
+@dataclass(frozen=True)
+class TypicalAcceptance:
+    """Typical acceptance (lossy; Cai et al. 2024): accept draft x when
+    p(x) > min(epsilon, delta * exp(-H(p))). Applies at temperature > 0 only."""
+
+    epsilon: float = 0.09
+    delta: float = 0.3
+
+    def __post_init__(self) -> None:
+        if not (0 < self.epsilon <= 1 and 0 < self.delta):
+            raise ValueError(f"typical acceptance needs 0 < epsilon <= 1 and delta > 0, got "
+                             f"epsilon={self.epsilon}, delta={self.delta}")
+
+
+class Drafter(ABC):
+    """Proposes draft tokens for the target to verify; see the module docstring for the step.
+
+    Class attributes a drafter may override:
+    name: how reports call it.
+    adaptive: True when `propose(k)` drafts (up to) k tokens, so `num_draft_tokens="auto"` may
+        tune k per step from `draft_cost`; False for a fixed tree, which ignores k.
+    needs_hidden: True when `begin` and `commit` need the target's final hidden states.
+    typical: a TypicalAcceptance to verify sampled steps with (lossy), None for lossless
+        rejection sampling.
+    """
+
+    name: str = "drafter"
+    adaptive: bool = True
+    needs_hidden: bool = False
+    typical: TypicalAcceptance | None = None
+
+    def max_nodes(self, k: int) -> int:
+        """The most nodes one `propose(..., k, ...)` returns (sizes the KV caches)."""
+        return k
+
+    def begin(self, prompts: list[torch.Tensor], max_len: int, hidden: torch.Tensor | None) -> None:
+        """Start a generation: the prompts (1-D each), the target's cache length per row, and
+        (with needs_hidden) the target's hidden state (B, C) at each prompt's last token."""
+
+    @abstractmethod
+    def propose(self, seqs: list[torch.Tensor], k: int, rows: list[int]) -> DraftTree:
+        """Drafts after each row's committed sequence `seqs[b]`, for the rows in `rows` (others
+        get lens 0): a DraftTree with B = len(seqs), on the CPU."""
+
+    def commit(self, accepted: Accepted) -> None:
+        """The verified step's outcome: roll back or advance the drafter's own state."""
+
+    def draft_cost(self, k: int) -> float:
+        """Seconds one `propose` of k tokens is expected to take (for num_draft_tokens="auto")."""
+        return 0.0

@@ -1,0 +1,56 @@
+"""A list of chain drafters tried in order per step (["ngram", draft_model] = hybrid)."""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.drafter import Accepted, Drafter, DraftTree
+
+
+class HybridDrafter(Drafter):
+    """Chain drafters tried in order per step: each row takes the first non-empty proposal
+    (n-gram lookup first, so the draft model runs only for rows where the lookup finds nothing)."""
+
+    def __init__(self, drafters: list[Drafter]) -> None:
+        if not drafters:
+            raise ValueError("an empty list of drafters; pass at least one")
+        trees = [d.name for d in drafters if not d.adaptive or d.needs_hidden]
+        if trees:
+            raise ValueError(f"a list of drafters combines chain drafters (draft models, 'ngram'); "
+                             f"{', '.join(trees)} drafts trees from the target's hidden states: pass it alone")
+        self.drafters = drafters
+        self.name = "+".join(d.name for d in drafters)
+
+    def draft_cost(self, k: int) -> float:
+        return max(d.draft_cost(k) for d in self.drafters)
+
+    def begin(self, prompts: list[torch.Tensor], max_len: int, hidden: torch.Tensor | None) -> None:
+        for d in self.drafters:
+            d.begin(prompts, max_len, hidden)
+
+    def commit(self, accepted: Accepted) -> None:
+        for d in self.drafters:
+            d.commit(accepted)
+
+    def propose(self, seqs: list[torch.Tensor], k: int, rows: list[int]) -> DraftTree:
+        B = len(seqs)
+        tokens = torch.zeros(B, k, dtype=torch.long)  # (B, k)
+        lens = torch.zeros(B, dtype=torch.long)  # (B,)
+        owner: dict[int, DraftTree] = {}
+        todo = list(rows)
+        for d in self.drafters:
+            if not todo:
+                break
+            tree = d.propose(seqs, k, todo)
+            for b in todo:
+                if tree.lens[b] > 0:
+                    tokens[b], lens[b], owner[b] = tree.tokens[b], tree.lens[b], tree
+            todo = [b for b in todo if b not in owner]
+        sampled = [t.q for t in owner.values() if t.q is not None]
+        if not sampled:
+            return DraftTree.chain(tokens, lens)
+        q = torch.nn.functional.one_hot(tokens, sampled[0].shape[-1]).float()  # (B, k, V): one-hot rows stay
+        for b, tree in owner.items():
+            if tree.q is not None:
+                q[b] = tree.q[b]
+        return DraftTree.chain(tokens, lens, q)

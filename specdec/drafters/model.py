@@ -1,0 +1,156 @@
+"""A draft model: a small model with the target's vocabulary decodes k tokens over its own cache.
+
+The draft keeps a static KV cache of what it has read of each row. `propose` first feeds what
+the row committed since (the tokens the target accepted, up to k + 1), then decodes k tokens,
+greedily or by sampling with the target's temperature / top-k / top-p (the distributions go
+with the drafts, for lossless verification). `commit` rolls the cache back to the longest
+prefix it shares with the committed sequences.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from runtime.errors import SpecdecError
+from specdec.drafter import Accepted, Drafter, DraftTree
+from specdec.sampling import check_finite, probs_from_logits
+
+
+class VocabularyMismatchError(SpecdecError, ValueError):
+    """Draft and target do not share a vocabulary, so draft tokens mean nothing to the target."""
+
+
+class ModelDrafter(Drafter):
+    """A small model sharing the target's vocabulary, decoding k tokens over its own static cache."""
+
+    name = "draft"
+
+    def __init__(self, model, target, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 generator: torch.Generator | None = None) -> None:
+        check_vocabularies(model, target)
+        self.model, self.temperature, self.top_k, self.top_p = model, temperature, top_k, top_p
+        self.generator = generator
+        # a model restricted to a frequent-token vocabulary (specdec.draft_vocab) scores those ids only
+        self.output_ids = getattr(model, "output_ids", None)  # (N,) or None
+        self.cache = None
+        self.fed: list[torch.Tensor] = []  # tokens held in the cache, per row
+        # measured seconds (EMA) of a step's first forward (it feeds what the target accepted,
+        # up to k + 1 tokens) and of each further one-token forward: see draft_cost
+        self.first_s = self.step_s = 0.0
+
+    def begin(self, prompts: list[torch.Tensor], max_len: int, hidden: torch.Tensor | None) -> None:
+        # twice the target's length: a row catching up after n-gram steps feeds a long chunk, and
+        # the other rows of that batched call are right-padded to it (a draft's cache is small)
+        self.cache = self.model.new_cache(len(prompts), 2 * max_len)
+        self.fed = [p[:0] for p in prompts]
+
+    def commit(self, accepted: Accepted) -> None:
+        """Roll the cache back to the longest prefix it shares with the committed sequences."""
+        new_lens = self.cache.lengths.clone()
+        for b, (fed, seq) in enumerate(zip(self.fed, accepted.seqs)):
+            n = min(fed.numel(), seq.numel())
+            same = int((fed[:n] == seq[:n]).long().cumprod(0).sum())
+            new_lens[b] = same
+            self.fed[b] = fed[:same]
+        self.cache.rollback(new_lens.to(self.cache.lengths.device))
+
+    def _feed(self, chunks: list[torch.Tensor]) -> torch.Tensor:
+        """Append per-row token chunks (right-padded) to the cache; logits at each row's last one."""
+        device = self.model.device
+        lens = torch.tensor([c.numel() for c in chunks], device=device)
+        T = max(int(lens.max()), 1)
+        tokens = torch.zeros(len(chunks), T, dtype=torch.long, device=device)  # (B, T)
+        for b, c in enumerate(chunks):
+            tokens[b, :c.numel()] = c.to(device)
+            self.fed[b] = torch.cat([self.fed[b], c])
+        start = self.cache.lengths.clone()
+        positions = start[:, None] + torch.arange(T, device=device)  # (B, T)
+        last = (lens - 1).clamp(min=0)[:, None]
+        logits = self.model(tokens, positions, self.cache, logits_idx=last)[:, 0]  # (B, V)
+        self.cache.rollback(start + lens)
+        check_finite(logits, "draft")
+        return logits
+
+    def propose(self, seqs: list[torch.Tensor], k: int, rows: list[int]) -> DraftTree:
+        t0 = time.perf_counter()
+        B = len(seqs)
+        # rows not asked for still take one token so every row of the batch stays aligned
+        chunks = [seqs[b][self.fed[b].numel():] if b in rows else seqs[b][:0] for b in range(B)]
+        # the prompt's prefill is no step's cost: timed into first_s it would make `auto` see a
+        # draft step of seconds for the first steps of every prompt
+        prefill = any(self.fed[b].numel() == 0 for b in rows)
+        logits = self._feed(chunks)
+        t1 = time.perf_counter()
+        tokens = torch.zeros(B, k, dtype=torch.long)  # (B, k)
+        sampled = self.temperature > 0
+        ids = self.output_ids
+        q = torch.zeros(B, k, self.model.config.vocab_size if ids is not None else logits.shape[-1]) \
+            if sampled else None
+        for i in range(k):
+            if sampled:
+                probs = probs_from_logits(logits, self.temperature, self.top_k, self.top_p)  # (B, V|N)
+                col = torch.multinomial(probs.cpu(), 1, generator=self.generator).squeeze(1)
+                if ids is None:
+                    q[:, i] = probs.cpu()
+                else:
+                    q[:, i, ids] = probs.cpu()  # zero outside the draft's vocabulary
+            else:
+                col = logits.argmax(-1).cpu()
+            nxt = col if ids is None else ids[col]
+            tokens[:, i] = nxt
+            if i + 1 < k:
+                logits = self._feed([nxt[b:b + 1] if b in rows else nxt[:0] for b in range(B)])
+        lens = torch.zeros(B, dtype=torch.long)
+        lens[rows] = k
+        if not prefill:
+            self.first_s = _ema(self.first_s, t1 - t0)
+        if k > 1:
+            self.step_s = _ema(self.step_s, (time.perf_counter() - t1) / (k - 1))
+        return DraftTree.chain(tokens, lens, q)
+
+    def draft_cost(self, k: int) -> float:
+        """Seconds to propose k tokens: the catch-up forward, then k - 1 one-token forwards (a
+        per-token mean would charge the catch-up to every token and favour short drafts)."""
+        return self.first_s + (k - 1) * (self.step_s or self.first_s)
+
+
+def _ema(old: float, new: float) -> float:
+    return new if old == 0 else 0.8 * old + 0.2 * new
+
+
+def check_vocabularies(draft, target, sample: int = 64) -> None:
+    """Raise VocabularyMismatchError unless draft and target share vocabulary size and tokens."""
+    dv, tv = draft.config.vocab_size, target.config.vocab_size
+    if dv != tv:
+        raise VocabularyMismatchError(
+            f"draft vocabulary has {dv} entries but the target's has {tv}; a draft must use the "
+            "target's tokenizer (e.g. qwen2.5-coder-0.5b-instruct drafts for qwen2.5-coder-1.5b-instruct)")
+    d_src, t_src = getattr(draft, "source", None), getattr(target, "source", None)
+    if d_src is None or t_src is None or d_src == t_src:
+        return
+    # loading two tokenizers takes seconds and generate() checks on every call: a draft model
+    # remembers the targets it was checked against
+    checked = getattr(draft, "_vocab_checked_against", frozenset())
+    if t_src in checked:
+        return
+    _check_token_strings(d_src, t_src, sample)
+    draft._vocab_checked_against = checked | {t_src}
+
+
+def _check_token_strings(d_src: str | Path, t_src: str | Path, sample: int) -> None:
+    """Raise VocabularyMismatchError unless `sample` token ids decode to the same strings."""
+    from runtime.loading import load_tokenizer
+
+    d_tok, t_tok = load_tokenizer(d_src), load_tokenizer(t_src)
+    ids = torch.randperm(min(len(d_tok), len(t_tok)), generator=torch.Generator().manual_seed(0))[:sample]
+    d_strs = d_tok.convert_ids_to_tokens(ids.tolist())
+    t_strs = t_tok.convert_ids_to_tokens(ids.tolist())
+    bad = [(int(i), a, b) for i, a, b in zip(ids, d_strs, t_strs) if a != b]
+    if bad:
+        i, a, b = bad[0]
+        raise VocabularyMismatchError(
+            f"draft and target tokenizers disagree on {len(bad)} of {sample} sampled ids (id {i}: "
+            f"draft {a!r}, target {b!r}); use a draft trained with the target's tokenizer")
