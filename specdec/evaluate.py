@@ -419,7 +419,7 @@ def run_eval(cfg: EvalConfig, command: str | None = None, progress: bool = True)
     with path.open("a", encoding="utf-8") as fh, \
             progress_bar(total=len(todo), desc="eval", unit="gen", disable=not progress) as bar:
         for prompt, spec in todo:  # prompt-major: all methods on prompt 1, then prompt 2, ...
-            bar.set_postfix_str(f"{prompt.id} {spec.name}")
+            bar.set_postfix_str(f"{prompt.id} {spec.name}", refresh=False)
             rec = runner.run_prompt(spec, prompt)
             rec["settings_hash"] = digest
             fh.write(json.dumps(rec) + "\n")
