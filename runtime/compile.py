@@ -1,27 +1,41 @@
-"""`compile_decode`: torch.compile the short forwards (decode steps, draft verification) of a model.
+"""Compiled short forwards (decode steps, draft verification): `Transformer.compile_decode`.
 
 Decoding runs thousands of forwards of 1..k+1 tokens; each is dozens of small ATen calls per
 layer plus one matmul per weight. `torch.compile` with Inductor's weight freezing turns that into
 one generated C++ program per shape whose linears use oneDNN with prepacked weights (AMX on CPUs
-that have it). Measured on this repository's 2-core CPU (BENCHMARKS.md, `specdec bench
---compile`): a qwen2.5-coder-1.5b-instruct bf16 step 200 -> 145 ms, smollm2 bf16 35 -> 23 ms,
-smollm2 float32 33 -> 28 ms.
+that have it). On a 2-core Xeon with AMX (`spr-amx` in BENCHMARKS.md section 1), compiled
+decoding runs qwen2.5-coder-1.5b-instruct bf16 at 6.9 tok/s instead of 5.0, smollm2-135m-instruct
+bf16 at 44.8 instead of 28.7 and float32 at 34.6 instead of 29.3; the measurements behind the
+design below are in docs/experiments/2026-11-21-compiled-decode-step.md.
 
-How the program stays valid for every call: `Transformer.static_step` has no host syncs, and
-each layer's cache write + attention is one opaque in-place custom op
-(`runtime.attention.cache_attention`), so the cache length is a dynamic dimension and prompts of
-any length share one program. The number of new tokens is padded to 1, 8, 16 or 32 (extra query
-rows write past the row's length, where nothing reads them before they are overwritten), so one
-generation with k <= 7 draft tokens compiles every program it needs (a warm-up run is enough);
-each program holds its own frozen copy of the weights. Selected logits (`logits_idx`: a draft's
-feeds, a prefill) of up to 8 tokens are gathered from the output of those same programs (a
-draft's 2-token feed: a program of its own, see `static_tokens`); longer ones run eagerly
-rather than compile a 16- or 32-token program with another weight copy. Every program also
-returns the final hidden states (`return_hidden`: Medusa heads, self-distillation data). A
-Medusa tree step passes a `block_mask` (B, N, N) (which tree tokens each one sees) and runs
-compiled at its own size N <= MAX_BLOCK_TOKENS, unpadded (a tree keeps its size for a whole
-generation; its program is one more weight copy). A forward with a full (B, T, S) mask, a
-causal forward of more than 32 tokens, or a tree step that a sliding window cuts runs eagerly.
+`Transformer.compile_decode()` (or `runtime.compile_decode(model)`) stores the compiled
+`Transformer.static_step` as `model.compiled_step`; `Transformer.forward` runs through it every
+forward that fits, and eagerly otherwise. Both run the same layers.
+
+How the program stays valid for every call: `static_step` has no host syncs, and each layer's
+cache write + attention is one opaque in-place custom op (`runtime.attention.cache_attention`),
+so the cache length is a dynamic dimension and prompts of any length share one program. Which
+forwards take a program (`Transformer._static_fits`), and at which size:
+
+- a causal forward of up to MAX_STATIC_TOKENS (32) tokens, padded by `static_tokens` to 1, 8, 16
+  or 32 (extra query rows write past the row's length, where nothing reads them before they are
+  overwritten; with no room left in the cache for the padding, it runs at its own size);
+- one with selected logits (`logits_idx`: a prompt's prefill, a draft's feeds) of up to
+  DECODE_STATIC_TOKENS (8) tokens, padded to 1 or 8 and its logits gathered from the program's
+  output; a 2-token feed after the prompt (a draft's catch-up) has a 2-token program of its own.
+  Longer ones (a prompt of more than 8 tokens) run eagerly rather than compile a 16- or 32-token
+  program with another weight copy;
+- a Medusa tree step, with a `block_mask` (B, N, N) (which tree tokens each one sees) and no
+  selected logits, of up to MAX_BLOCK_TOKENS (256) tokens, at its own size N, unpadded (a tree
+  keeps its size for a whole generation), unless a sliding window cuts into a row.
+
+Everything else runs eagerly: a forward without a cache, one with a full (B, T, S) `mask`, a
+causal forward of more than 32 tokens (more than 8 with selected logits), a tree step of more
+than 256 tokens or one that a sliding window cuts. So one generation with k <= 7 draft tokens
+compiles every program it needs (1 and 8 tokens, 2 for a draft's feeds, a tree's size) in its
+first steps, and a warm-up run is enough. Each program holds its own frozen copy of the weights
+(+3.1 GB for the 1.5B bf16 model) for the life of the process. Every program also returns the
+final hidden states (`return_hidden`: Medusa heads, self-distillation data).
 
 Freezing treats the weights as constants: compile after the weights are final, and use the model
 for inference only (`torch.inference_mode`, as `specdec.generate` runs). The first call of each
@@ -31,13 +45,19 @@ shape compiles (about a minute for a 1.5B model on 2 cores); later calls reuse i
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 
 import torch
 
 MAX_STATIC_TOKENS = 32  # causal forwards of up to this many tokens take the compiled path
 MAX_BLOCK_TOKENS = 256  # block-mask (tree) forwards of up to this many tokens take it, unpadded
-DECODE_STATIC_TOKENS = 8  # the largest program plain and speculative decoding (k <= 7) compile
+# forwards with selected logits (a prefill, a draft's feeds) of up to this many tokens take the compiled
+# path; the largest program plain and speculative decoding (k <= 7) compile
+DECODE_STATIC_TOKENS = 8
 _RECOMPILE_LIMIT = 64  # (model, batch, tokens, cache) shapes one process may compile
+
+# static_step(tokens, positions, k, v, lengths, block_mask=None) -> (logits (B, T, V), hidden (B, T, C))
+Step = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 def static_tokens(num_tokens: int, selected: bool = False) -> int:
@@ -49,7 +69,7 @@ def static_tokens(num_tokens: int, selected: bool = False) -> int:
     filled cache: a draft's feeds). Then 2 tokens get their own program: a draft feeds 2 tokens
     (its last draft and the target's bonus token) after every fully accepted block, and on the
     INT4 0.5B draft, whose packed kernels cost per row, that call takes 31 ms against 66 ms
-    padded to 8 (1 token: 26 ms).
+    padded to 8 (1 token: 26 ms; docs/experiments/2026-11-22-quantized-drafts.md).
     """
     if num_tokens <= 1:
         return 1
@@ -58,41 +78,44 @@ def static_tokens(num_tokens: int, selected: bool = False) -> int:
     return max(8, 1 << (num_tokens - 1).bit_length())
 
 
+def compile_step(step: Step, device: torch.device, cpp_wrapper: bool = True,
+                 max_autotune: bool | None = None) -> Step:
+    """`torch.compile` a model's `static_step` (on `device`) with frozen weights: the function that
+    `Transformer.compile_decode` stores as `compiled_step`. Options as `compile_decode`."""
+    cxx = torch._inductor.config.cpp.cxx  # what Inductor's CPU backend invokes ($CXX when torch loaded)
+    candidates = [c for c in (cxx if isinstance(cxx, tuple) else (cxx,)) if c]
+    if torch.device(device).type == "cpu" and not any(shutil.which(c) for c in candidates):
+        raise RuntimeError(f"compiling for the CPU needs a C++ compiler, and none of {candidates} is on "
+                           "PATH: install g++ (or set CXX before starting Python), or run without compile")
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
+    compiled = torch.compile(step)
+    autotune = {} if max_autotune is None else {"max_autotune": max_autotune}
+
+    def compiled_step(tokens: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      lengths: torch.Tensor,
+                      block_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        # the cache length is the one dynamic dimension: prompts of any length share a program
+        torch._dynamo.mark_dynamic(k, 3)
+        torch._dynamo.mark_dynamic(v, 3)
+        # freezing set through torch.compile(options=...) does not reach Inductor's freezing pass
+        # (the step is no faster), so the config is patched around each call instead
+        with torch._inductor.config.patch(freezing=True, cpp_wrapper=cpp_wrapper, **autotune), \
+                torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+            return compiled(tokens, positions, k, v, lengths, block_mask)
+
+    return compiled_step
+
+
 def compile_decode(model: torch.nn.Module, cpp_wrapper: bool = True,
                    max_autotune: bool | None = None) -> torch.nn.Module:
-    """Compile `model`'s short forwards in place (returns the model).
+    """Compile `model`'s short forwards in place and return the model: `model.compile_decode(...)`.
 
-    model: a runtime Transformer (also a compressed one). cpp_wrapper: let Inductor call the
-    kernels from C++ rather than Python (saves ~1 ms per step on a small model).
-    max_autotune: True lets Inductor also generate its own GEMM kernels (CPU: the CPP GEMM
-    template, which covers the packed INT8 / INT4 weight-only matmuls) and keep the fastest per
-    shape, compiling several times longer; None leaves Inductor's setting alone. Outputs equal
-    the eager model's up to floating-point reassociation (float32: ~1e-6 relative; bf16: bf16
-    rounding), so greedy tokens can differ from the eager model's only at near-ties.
+    model: a runtime Transformer (also a compressed one); anything else is a TypeError.
+    cpp_wrapper, max_autotune: see `Transformer.compile_decode`.
     """
     from runtime.model import Transformer
 
     if not isinstance(model, Transformer):
         raise TypeError(f"compile_decode takes a runtime Transformer (runtime.load_model), got "
                         f"{type(model).__name__}")
-    cxx = torch._inductor.config.cpp.cxx  # what Inductor's CPU backend invokes ($CXX when torch loaded)
-    candidates = [c for c in (cxx if isinstance(cxx, tuple) else (cxx,)) if c]
-    if model.device.type == "cpu" and not any(shutil.which(c) for c in candidates):
-        raise RuntimeError(f"compiling for the CPU needs a C++ compiler, and none of {candidates} is on "
-                           "PATH: install g++ (or set CXX before starting Python), or run without compile")
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
-    compiled = torch.compile(model.static_step)
-    autotune = {} if max_autotune is None else {"max_autotune": max_autotune}
-
-    def step(tokens, positions, k, v, lengths, block_mask=None):
-        # the cache length is the one dynamic dimension: prompts of any length share a program
-        torch._dynamo.mark_dynamic(k, 3)
-        torch._dynamo.mark_dynamic(v, 3)
-        # freezing set through torch.compile(options=...) does not reach Inductor's freezing pass
-        # (measured: no speed-up), so the config is patched around each call instead
-        with torch._inductor.config.patch(freezing=True, cpp_wrapper=cpp_wrapper, **autotune), \
-                torch._dynamo.config.patch(automatic_dynamic_shapes=False):
-            return compiled(tokens, positions, k, v, lengths, block_mask)
-
-    model._compiled_step = step
-    return model
+    return model.compile_decode(cpp_wrapper=cpp_wrapper, max_autotune=max_autotune)

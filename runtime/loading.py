@@ -159,8 +159,8 @@ def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.bfloat16,
     name_or_path: a catalogue name (`runtime.CATALOGUE`), a local Hugging Face checkpoint
     directory (single or sharded safetensors, or a directory written by `quant.save_compressed`),
     a .gguf file, or a hub id when the hub is reachable. attention: "sdpa" | "triton" | None
-    (None = triton on CUDA when available, sdpa otherwise). compile: `runtime.compile_decode`
-    the model (faster bf16 decode steps; the first step of each shape compiles).
+    (None = triton on CUDA when available, sdpa otherwise). compile: `Transformer.compile_decode`
+    the model (faster decode steps; the first step of each shape compiles).
     dense_prompts: a compressed checkpoint's quantized linears also keep a dense `dtype` copy
     for prompts (`runtime.qlinear.keep_dense_for_prompts`: a CPU draft's prefill several times
     faster, at the dense model's memory); no effect on a dense checkpoint.
@@ -183,9 +183,7 @@ def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.bfloat16,
 
         keep_dense_for_prompts(model, dtype)
     if compile:
-        from runtime.compile import compile_decode
-
-        compile_decode(model)
+        model.compile_decode()
     return model
 
 

@@ -7,13 +7,15 @@ built on the `meta` device and its weights are assigned from safetensors by `run
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from runtime.attention import attend, block_mask_keys, cache_attention, causal_mask, default_backend
 from runtime.cache import KVCache
-from runtime.compile import DECODE_STATIC_TOKENS, MAX_BLOCK_TOKENS, MAX_STATIC_TOKENS, static_tokens
+from runtime.compile import DECODE_STATIC_TOKENS, MAX_BLOCK_TOKENS, MAX_STATIC_TOKENS, compile_step, static_tokens
 from runtime.config import ModelConfig
 from runtime.rope import Rope, apply_rope
 
@@ -51,7 +53,7 @@ class Attention(nn.Module):
         k = k.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if ctx.backend == "static":  # runtime.compile_decode: cache write + attention as one op
+        if ctx.backend == "static":  # Transformer.static_step: cache write + attention as one op
             out = cache_attention(q, k, v, ctx.cache.k, ctx.cache.v, self.layer, ctx.prefix_lens,
                                   ctx.window or 0, ctx.block_mask)
             return self.wo(out.transpose(1, 2).reshape(B, T, q_size))
@@ -79,6 +81,13 @@ class MLP(nn.Module):
         return self.w2(F.silu(gate) * up)
 
 
+class _CacheBuffers:
+    """The cache buffers (L, B, H, S_max, D) a compiled step writes through `cache_attention`."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k, self.v = k, v
+
+
 class Block(nn.Module):
     """Pre-norm decoder layer: x + attn(norm(x)), then + mlp(norm(x))."""
 
@@ -95,19 +104,29 @@ class Block(nn.Module):
 
 
 class StepContext:
-    """What every layer of one forward pass shares: cache, write slots, mask, backend."""
+    """What every layer of one forward pass shares: cache, write slots, mask, backend.
 
-    def __init__(self, cache: KVCache | None, slots: torch.Tensor | None, num_keys: int,
-                 mask: torch.Tensor | None, prefix_lens: torch.Tensor, backend: str,
-                 window: int | None, uniform: bool = False, block_mask: torch.Tensor | None = None) -> None:
-        self.cache, self.slots, self.num_keys = cache, slots, num_keys
-        self.mask, self.prefix_lens, self.backend, self.window = mask, prefix_lens, backend, window
+    backend "sdpa" / "triton": eager attention (`runtime.attention.attend`) over `num_keys` slots,
+    the new keys and values written first at `slots` (B, T) when there is a cache; "static": the
+    compiled step's fused cache write + attention (`runtime.attention.cache_attention`).
+    """
+
+    def __init__(self, *, cache: KVCache | _CacheBuffers | None, prefix_lens: torch.Tensor, backend: str,
+                 window: int | None, num_keys: int, slots: torch.Tensor | None = None,
+                 mask: torch.Tensor | None = None, uniform: bool = False,
+                 block_mask: torch.Tensor | None = None) -> None:
+        self.cache, self.prefix_lens, self.backend, self.window = cache, prefix_lens, backend, window
+        self.num_keys, self.slots, self.mask = num_keys, slots, mask
         self.uniform = uniform  # every row writes to the same slots
-        self.block_mask = block_mask  # (B, T, T) for the compiled ("static") backend, else folded into mask
+        self.block_mask = block_mask  # (B, T, T) for the "static" backend; eager folds it into mask
 
 
 class Transformer(nn.Module):
-    """Decoder-only Llama-family model: forward(tokens, positions, cache, mask) -> logits."""
+    """Decoder-only Llama-family model: forward(tokens, positions, cache, mask) -> logits.
+
+    `compile_decode()` compiles the short forwards into `compiled_step` (None = eager), which
+    `forward` then takes whenever the forward fits it (`runtime.compile`).
+    """
 
     def __init__(self, cfg: ModelConfig, attention: str | None = None) -> None:
         super().__init__()
@@ -120,12 +139,14 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed.weight
         self.attention = attention
         self._rope: Rope | None = None
-        self._compiled_step = None  # set by runtime.compile_decode
+        # the compiled `static_step` (set by `compile_decode`), called as
+        # compiled_step(tokens, positions, k, v, lengths, block_mask) -> (logits, hidden); None = eager
+        self.compiled_step: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @property
     def compiled(self) -> bool:
-        """Whether runtime.compile_decode compiled this model's short forwards."""
-        return self._compiled_step is not None
+        """Whether `compile_decode` compiled this model's short forwards."""
+        return self.compiled_step is not None
 
     @property
     def device(self) -> torch.device:
@@ -142,10 +163,25 @@ class Transformer(nn.Module):
                               self.config.max_position_embeddings, self.device)
         return self._rope
 
+    def compile_decode(self, cpp_wrapper: bool = True, max_autotune: bool | None = None) -> Transformer:
+        """Compile this model's short forwards in place and return the model (`runtime.compile`).
+
+        Sets `compiled_step` to the `torch.compile`d `static_step`. cpp_wrapper: let Inductor call
+        the kernels from C++ rather than Python (saves ~1 ms per step on a small model).
+        max_autotune: True lets Inductor also generate its own GEMM kernels (CPU: the CPP GEMM
+        template, which covers the packed INT8 / INT4 weight-only matmuls) and keep the fastest per
+        shape, compiling several times longer; None leaves Inductor's setting alone. Outputs equal
+        the eager model's up to floating-point reassociation (float32: ~1e-6 relative; bf16: bf16
+        rounding), so greedy tokens can differ from the eager model's only at near-ties. Compile
+        after the weights are final: the programs hold them as constants.
+        """
+        self.compiled_step = compile_step(self.static_step, self.device, cpp_wrapper, max_autotune)
+        return self
+
     def new_cache(self, batch_size: int, max_seq_len: int) -> KVCache:
         """A static cache for `batch_size` rows of up to `max_seq_len` tokens (checked for memory)."""
         cfg = self.config
-        if self._compiled_step is not None:  # room for the padded tokens of a compiled step
+        if self.compiled:  # room for the padded tokens of a compiled step
             max_seq_len += MAX_STATIC_TOKENS
         return KVCache(cfg.num_layers, batch_size, cfg.num_kv_heads, max_seq_len, cfg.head_dim,
                        dtype=self.dtype, device=self.device)
@@ -159,57 +195,96 @@ class Transformer(nn.Module):
         advance by T. `mask` (B, T, S) bool, True = may attend, over the first S cache slots
         (the new tokens included); None = causal. `block_mask` (B, T, T) bool instead says only
         which new tokens each new token sees (a Medusa tree: its ancestors), every cached slot
-        being visible (`runtime.attention.block_mask_keys`); on a compiled model such a step runs
-        compiled. `logits_idx` (B, N) picks the positions to score (the LM head is the largest
-        matmul of a long prefill). Returns logits (B, T|N, V), and the final hidden states
-        (B, T, C) too when `return_hidden`.
+        being visible (`runtime.attention.block_mask_keys`). `logits_idx` (B, N) picks the
+        positions to score (the LM head is the largest matmul of a long prefill). Returns logits
+        (B, T|N, V), and the final hidden states (B, T, C) too when `return_hidden`.
+
+        On a compiled model, a forward with a cache and no `mask` runs through `compiled_step`
+        when it fits (`_static_fits`), else eagerly; both run the same layers (`_run`).
         """
-        B, T = tokens.shape
         if mask is not None and block_mask is not None:
             raise ValueError("pass either mask (B, T, S) or block_mask (B, T, T), not both")
-        if self._compiled_step is not None and cache is not None and mask is None and self._static_fits(
+        T = tokens.shape[1]
+        if self.compiled and cache is not None and mask is None and self._static_fits(
                 T, cache, logits_idx is not None, block_mask is not None):
             logits, h = self._static_forward(tokens, positions, cache, logits_idx is not None, block_mask)
             if logits_idx is not None:
                 logits = logits.gather(1, logits_idx[:, :, None].expand(-1, -1, logits.shape[-1]))  # (B, N, V)
-            return (logits, h) if return_hidden else logits
+        else:
+            ctx = self._eager_context(positions, cache, mask, block_mask)
+            logits, h = self._run(tokens, positions, ctx, logits_idx)
+            if cache is not None:
+                cache.lengths += T
+        return (logits, h) if return_hidden else logits
+
+    def static_step(self, tokens: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
+                    v: torch.Tensor, lengths: torch.Tensor,
+                    block_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A short forward over the static cache buffers: logits (B, T, V) and the final hidden
+        states (B, T, C).
+
+        The same layers as `forward` with a cache (`_run`), written so that `torch.compile` traces
+        it once per (B, T): no host syncs, and each layer's cache write + attention is one opaque
+        in-place op (`runtime.attention.cache_attention`), so the cache length may vary freely.
+        k, v: the cache buffers (L, B, H, S_max, D), written at slots lengths[b] + t; `lengths`
+        (B,) is not advanced here. block_mask: (B, T, T) which new tokens each one sees (None =
+        causal).
+        """
+        ctx = StepContext(cache=_CacheBuffers(k, v), prefix_lens=lengths, backend="static",
+                          window=self.config.sliding_window, num_keys=k.shape[3], block_mask=block_mask)
+        return self._run(tokens, positions, ctx)
+
+    def run_block(self, i: int, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Decoder layer `i` alone on hidden states x (B, T, C) at `positions` (B, T) -> (B, T, C).
+
+        No cache: causal attention over the T tokens of x (and the sliding window, if any). For
+        layer-wise calibration (`quant.layerwise`): chained over every layer from `embed(tokens)`,
+        then `norm`, it gives the hidden states of `forward(tokens, positions, None)`.
+        """
+        cos, sin = self.rope()(positions, self.dtype)
+        return self.layers[i](x, cos, sin, self._eager_context(positions, None, None, None))
+
+    def _run(self, tokens: torch.Tensor, positions: torch.Tensor, ctx: StepContext,
+             logits_idx: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The one forward body: embedding -> layers -> final norm -> LM head.
+
+        Returns logits (B, T|N, V) (only at `logits_idx` (B, N) when given) and hidden (B, T, C).
+        """
+        cos, sin = self.rope()(positions, self.dtype)
+        x = self.embed(tokens)  # (B, T, C)
+        for layer in self.layers:
+            x = layer(x, cos, sin, ctx)
+        h = self.norm(x)
+        if logits_idx is not None:
+            return self.lm_head(h.gather(1, logits_idx[:, :, None].expand(-1, -1, h.shape[-1]))), h  # (B, N, V)
+        return self.lm_head(h), h
+
+    def _eager_context(self, positions: torch.Tensor, cache: KVCache | None, mask: torch.Tensor | None,
+                       block_mask: torch.Tensor | None) -> StepContext:
+        """The context of an eager forward of positions.shape = (B, T) new tokens (checks the cache's room)."""
+        B, T = positions.shape
         if cache is None:
-            prefix = torch.zeros(B, dtype=torch.long, device=tokens.device)
+            prefix = torch.zeros(B, dtype=torch.long, device=positions.device)
             slots, num_keys = None, T
         else:
             cache.check_room(T)
             prefix = cache.lengths.clone()
             slots = cache.slots(T)  # (B, T)
             num_keys = mask.shape[-1] if mask is not None else int(prefix.max()) + T
-        backend = self.attention or default_backend(tokens.device)
+        backend = self.attention or default_backend(positions.device)
         window = self.config.sliding_window
         if block_mask is not None:
             mask = block_mask_keys(prefix, block_mask, num_keys, positions, window)  # (B, T, S)
         uniform = B == 1 or bool((prefix == prefix[0]).all())
-        # one query per row that sees every slot needs no mask (SDPA's fastest path); otherwise
-        # the causal mask is built once per forward, not once per layer
-        sees_all = T == 1 and uniform and (window is None or num_keys <= window)
-        if mask is None and backend == "sdpa" and not sees_all:
+        if mask is None and backend == "sdpa":  # once per forward, not once per layer (triton masks in-kernel)
             mask = causal_mask(prefix, T, num_keys, window)
-        ctx = StepContext(cache, slots, num_keys, mask, prefix, backend, window, uniform)
-        cos, sin = self.rope()(positions, self.dtype)
-        x = self.embed(tokens)  # (B, T, C)
-        for layer in self.layers:
-            x = layer(x, cos, sin, ctx)
-        if cache is not None:
-            cache.lengths += T
-        h = self.norm(x)
-        if logits_idx is not None:
-            h_sel = h.gather(1, logits_idx[:, :, None].expand(-1, -1, h.shape[-1]))  # (B, N, C)
-            logits = self.lm_head(h_sel)
-        else:
-            logits = self.lm_head(h)
-        return (logits, h) if return_hidden else logits
+        return StepContext(cache=cache, prefix_lens=prefix, backend=backend, window=window, num_keys=num_keys,
+                           slots=slots, mask=mask, uniform=uniform)
 
     def _static_fits(self, T: int, cache: KVCache, selected: bool, block: bool) -> bool:
         """Whether a forward of T tokens can take the compiled program: causal steps of up to
-        MAX_STATIC_TOKENS (DECODE_STATIC_TOKENS with selected logits), block-mask steps of up to
-        MAX_BLOCK_TOKENS whose rows the sliding window (if any) does not cut."""
+        MAX_STATIC_TOKENS (DECODE_STATIC_TOKENS with selected logits), block-mask steps without
+        selected logits of up to MAX_BLOCK_TOKENS whose rows the sliding window (if any) does not cut."""
         if not block:
             return T <= (DECODE_STATIC_TOKENS if selected else MAX_STATIC_TOKENS)
         window = self.config.sliding_window
@@ -218,7 +293,7 @@ class Transformer(nn.Module):
 
     def _static_forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                         selected: bool, block_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """`forward` through the compiled `static_step` -> (logits (B, T, V), hidden (B, T, C)).
+        """`forward` through `compiled_step` -> (logits (B, T, V), hidden (B, T, C)); advances the cache.
 
         A causal step's T is padded by `static_tokens`; a block-mask step (a tree, whose size is
         fixed for a whole generation) runs at its own T."""
@@ -235,34 +310,6 @@ class Transformer(nn.Module):
             last = self.config.max_position_embeddings - 1
             tokens = torch.cat([tokens, tokens[:, -1:].expand(-1, padded - T)], dim=1)  # (B, T+P)
             positions = torch.cat([positions, (positions[:, -1:] + extra).clamp(max=last)], dim=1)
-        logits, h = self._compiled_step(tokens, positions, cache.k, cache.v, cache.lengths, block_mask)
+        logits, h = self.compiled_step(tokens, positions, cache.k, cache.v, cache.lengths, block_mask)
         cache.lengths += T
         return logits[:, :T], h[:, :T]
-
-    def static_step(self, tokens: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
-                    v: torch.Tensor, lengths: torch.Tensor,
-                    block_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """A short forward over the static cache buffers: logits (B, T, V) and the final hidden
-        states (B, T, C).
-
-        Equals `forward` with a cache, written so that `torch.compile` traces it once per (B, T):
-        no host syncs, and each layer's cache write + attention is one opaque in-place op
-        (`runtime.attention.cache_attention`), so the cache length may vary freely. k, v: the
-        cache buffers (L, B, H, S_max, D), written at slots lengths[b] + t; `lengths` (B,) is not
-        advanced here. block_mask: (B, T, T) which new tokens each one sees (None = causal).
-        """
-        ctx = StepContext(_CacheBuffers(k, v), None, k.shape[3], None, lengths, "static",
-                          self.config.sliding_window, block_mask=block_mask)
-        cos, sin = self.rope()(positions, self.dtype)
-        x = self.embed(tokens)  # (B, T, C)
-        for layer in self.layers:
-            x = layer(x, cos, sin, ctx)
-        h = self.norm(x)
-        return self.lm_head(h), h
-
-
-class _CacheBuffers:
-    """The cache buffers a compiled step writes through `cache_attention`."""
-
-    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k, self.v = k, v

@@ -36,6 +36,20 @@ def test_compile_decode_rejects_what_it_cannot_compile():
         compile_decode(torch.nn.Linear(4, 4))
 
 
+def test_the_model_owns_its_compiled_step():
+    """runtime.compile_decode(model) is model.compile_decode(); compiled_step = None runs eagerly again."""
+    model = tiny_model("llama", seed=2)
+    assert model.compiled_step is None and not model.compiled
+    assert compile_decode(model) is model and model.compiled
+    assert model.compile_decode(cpp_wrapper=False) is model and callable(model.compiled_step)
+    calls = []
+    model.compiled_step = _counting(model.compiled_step, calls)
+    model.compiled_step = None
+    with torch.inference_mode():
+        model(torch.tensor([[1, 2]]), torch.arange(2)[None], model.new_cache(1, 8))
+    assert not model.compiled and calls == []
+
+
 def test_compile_decode_without_a_cpu_compiler_says_what_to_install(monkeypatch):
     import torch._inductor.config as inductor_config
 
@@ -53,7 +67,7 @@ def test_compiled_steps_equal_eager_steps(family, extra):
     caches = [m.new_cache(2, 40) for m in (eager, compiled)]
     assert caches[1].max_seq_len == 40 + MAX_STATIC_TOKENS  # room for the padded tokens
     calls = []
-    compiled._compiled_step = _counting(compiled._compiled_step, calls)
+    compiled.compiled_step = _counting(compiled.compiled_step, calls)
     with torch.inference_mode():
         outs = []
         for m, cache in zip((eager, compiled), caches):
@@ -78,7 +92,7 @@ def test_a_two_token_prompt_with_selected_logits_stays_padded_to_eight():
     2-token prompt must not compile a program (and a weight copy) of its own."""
     model = compile_decode(tiny_model("llama", seed=5))
     calls = []
-    model._compiled_step = _counting(model._compiled_step, calls)
+    model.compiled_step = _counting(model.compiled_step, calls)
     ids = torch.tensor([[3, 4, 5, 6]])
     with torch.inference_mode():
         cache = model.new_cache(1, 16)
@@ -117,7 +131,7 @@ def test_compiled_generate_equals_eager_plain_and_speculative():
 def test_auto_draft_length_on_a_compiled_target_stays_in_one_program():
     target = compile_decode(tiny_model("llama", seed=5))
     calls = []
-    target._compiled_step = _counting(target._compiled_step, calls)
+    target.compiled_step = _counting(target.compiled_step, calls)
     same = tiny_model("llama", seed=5)  # draft = target: every draft is accepted, auto grows k
     rows = _prompts([9])
     want = specdec.generate(same, rows, max_new_tokens=40).sequences
@@ -167,7 +181,7 @@ def test_block_mask_steps_run_compiled_and_equal_eager_steps(family, extra, comp
     eager = tiny_model(family, seed=3, **extra)
     compiled = compile_decode(tiny_model(family, seed=3, **extra))
     calls = []
-    compiled._compiled_step = _counting(compiled._compiled_step, calls)
+    compiled.compiled_step = _counting(compiled.compiled_step, calls)
     outs = []
     with torch.inference_mode():
         for m in (eager, compiled):
@@ -191,7 +205,7 @@ def test_compiled_steps_return_the_eager_hidden_states():
     eager = tiny_model("llama", seed=7)
     compiled = compile_decode(tiny_model("llama", seed=7))
     calls = []
-    compiled._compiled_step = _counting(compiled._compiled_step, calls)
+    compiled.compiled_step = _counting(compiled.compiled_step, calls)
     rows = _prompts([6, 4])
     want = specdec.generate(eager, rows, max_new_tokens=6, return_hidden=True)
     got = specdec.generate(compiled, rows, max_new_tokens=6, return_hidden=True)

@@ -1,11 +1,12 @@
-"""The runtime Transformer against transformers: logits, masks, ragged rows, hidden states."""
+"""The runtime Transformer against transformers: logits, masks, ragged rows, hidden states; its
+one forward body through `forward`, `static_step` and `run_block`."""
 
 import pytest
 import torch
 
-from runtime.errors import UnsupportedModelError
 from runtime.config import ModelConfig
-from runtime.tiny import tiny_hf_config, tiny_pair
+from runtime.errors import UnsupportedModelError
+from runtime.tiny import tiny_hf_config, tiny_model, tiny_pair
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -80,6 +81,52 @@ def test_return_hidden_and_logits_idx():
     assert _rel(hidden, ref.hidden_states[-1]) <= 1e-5
     assert torch.allclose(picked[0, 0], logits[0, 6], atol=1e-6)
     assert torch.allclose(picked[1, 0], logits[1, 2], atol=1e-6)
+
+
+@pytest.mark.parametrize("family,extra", [("llama", {}), ("qwen2", {}), ("mistral", {"sliding_window": 5})])
+def test_run_block_chained_over_every_layer_gives_the_forward_hidden_states(family, extra):
+    model = tiny_model(family, seed=5, **extra)
+    ids = torch.randint(0, 128, (3, 11), generator=torch.Generator().manual_seed(3))
+    pos = torch.arange(11)[None].expand(3, -1)
+    with torch.no_grad():
+        _, want = model(ids, pos, None, return_hidden=True)
+        x = model.embed(ids)  # (B, T, C)
+        for i in range(model.config.num_layers):
+            x = model.run_block(i, x, pos)
+        assert x.shape == (3, 11, 64)
+        assert torch.equal(model.norm(x), want)
+
+
+def _tree_block() -> torch.Tensor:
+    """(1, 4, 4) bool: node 0 under the root, nodes 1 and 2 under node 0, node 3 under node 1."""
+    return torch.tensor([[[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]], dtype=torch.bool)
+
+
+@pytest.mark.parametrize("family,extra", [("qwen2", {}), ("mistral", {"sliding_window": 32})])
+def test_static_step_equals_forward_with_a_cache(family, extra):
+    """static_step (here uncompiled) runs the same body as forward: same logits, hidden states and
+    cache contents for a ragged prefill, a decode step, a chain and a tree (block mask) step."""
+    model = tiny_model(family, seed=6, **extra)
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, 128, (2, 17), generator=g)
+    caches = [model.new_cache(2, 32) for _ in range(2)]
+    tree = _tree_block().expand(2, 4, 4)
+    with torch.no_grad():
+        for cache in caches:  # ragged rows: 9 and 6 tokens
+            model(ids[:, :9], torch.arange(9)[None].expand(2, -1), cache)
+            cache.rollback(torch.tensor([9, 6]))
+        steps = [(ids[:, 9:10], 0, None), (ids[:, 10:13], torch.arange(3), None),
+                 (ids[:, 13:], torch.tensor([0, 1, 1, 2]), tree)]
+        for tokens, offsets, block in steps:
+            pos = caches[0].lengths[:, None] + torch.as_tensor(offsets)  # (B, T)
+            want = model(tokens, pos, caches[0], return_hidden=True, block_mask=block)
+            static = caches[1]
+            got = model.static_step(tokens, pos, static.k, static.v, static.lengths, block_mask=block)
+            static.lengths += tokens.shape[1]
+            assert torch.allclose(got[0], want[0], atol=1e-5) and torch.allclose(got[1], want[1], atol=1e-5)
+            assert torch.equal(static.lengths, caches[0].lengths)
+            for b, n in enumerate(static.lengths.tolist()):
+                assert torch.allclose(static.k[:, b, :, :n], caches[0].k[:, b, :, :n], atol=1e-6)
 
 
 def test_unsupported_model_type_names_it_and_points_to_the_adapter():
