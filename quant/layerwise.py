@@ -2,7 +2,7 @@
 statistics with forward hooks, compress the layer, and feed its (compressed) outputs to the next.
 
 Memory stays near one layer's activations (N, T, C) plus one statistic per linear. A block
-runs without a cache (docs/architecture.md): `layer(x, cos, sin, StepContext(None, ...))`.
+runs without a cache, causally over its window: `Transformer.run_block(i, x, positions)`.
 """
 
 from __future__ import annotations
@@ -11,11 +11,10 @@ from typing import Callable
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from quant.gptq import HessianAccumulator
-from runtime.attention import default_backend
-from runtime.model import StepContext, Transformer
+from runtime.model import Transformer
+from runtime.progress import progress as progress_bar
 
 Compress = Callable[[str, nn.Linear, object], nn.Module]
 
@@ -68,29 +67,22 @@ def compress_layerwise(model: Transformer, batches: torch.Tensor, targets: dict[
                          f"{batches.dtype} {tuple(batches.shape)}")
     device = model.device
     N, T = batches.shape
-    positions = torch.arange(T, device=device).expand(min(chunk, N), T)
-    cos, sin = model.rope()(positions, model.dtype)
-    backend = default_backend(device)
+    positions = torch.arange(T, device=device).expand(min(chunk, N), T)  # (n, T)
     xs = [model.embed(batches[i:i + chunk].to(device)) for i in range(0, N, chunk)]  # each (n, T, C)
 
-    def forward(layer: nn.Module, update: bool) -> None:
+    def forward(i: int, update: bool) -> None:
         for j, x in enumerate(xs):
-            n = x.shape[0]
-            ctx = StepContext(None, None, T, None, torch.zeros(n, dtype=torch.long, device=device), backend,
-                              model.config.sliding_window)
-            out = layer(x, cos[:n], sin[:n], ctx)
+            out = model.run_block(i, x, positions[:x.shape[0]])  # (n, T, C)
             if update:
                 xs[j] = out
 
-    layers = list(enumerate(model.layers))
-    bar = tqdm(layers, desc=desc, unit="layer", disable=not progress)
-    for i, layer in bar:
+    for i in progress_bar(range(len(model.layers)), desc=desc, unit="layer", disable=not progress):
         mine = {n: m for n, m in targets.items() if n.startswith(f"layers.{i}.")}
         if mine:
-            stats = collect_stats(mine, kind, lambda: forward(layer, update=False))
+            stats = collect_stats(mine, kind, lambda: forward(i, update=False))
             for name, mod in mine.items():
                 _set_module(model, name, compress(name, mod, stats[name]))
-        forward(layer, update=True)
+        forward(i, update=True)
     if "lm_head" in targets:
         head = targets["lm_head"]
         acc = (HessianAccumulator if kind == "hessian" else NormAccumulator)(head.in_features, device)
