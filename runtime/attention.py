@@ -64,9 +64,10 @@ def sdpa_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
 
     Grouped-query attention runs as plain attention with the G = Hq / Hkv query heads of each KV
     head folded into the query axis: q viewed as (B, Hkv, G*T, D), the mask repeated G times.
-    The same numbers as `enable_gqa=True`, but PyTorch's CPU kernel with `enable_gqa` was 10-12x
-    slower (qwen2.5-coder-1.5b, 12 query / 2 KV heads, bf16: 13.4 ms vs 1.1 ms per layer for a
-    32-row decode step over 300 slots; half of the step's time), BENCHMARKS.md section 1.
+    The same numbers as `enable_gqa=True`, but PyTorch's CPU kernel with `enable_gqa` is about 10x
+    slower (qwen2.5-coder-1.5b, 12 query / 2 KV heads, bf16, 300 cached slots, 32 rows: 16.8 vs
+    1.7 ms per call, a whole decode step 903 vs 548 ms; BENCHMARKS.md, "Grouped-query attention
+    on the CPU").
     """
     B, Hq, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
@@ -110,11 +111,11 @@ def cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     new tokens its block-mask row allows (`block_mask_keys`); the window must then not cut into
     the row (the caller runs such steps eagerly).
 
-    One opaque, in-place op for `torch.compile` (runtime.compile_decode). Left to the compiler,
-    the cache write became a copy of the whole buffer per layer (functionalization) and the
-    attention a masked product over every slot: both grew with the cache size (a smollm2 step
-    went from 33 to 72 ms at 1k slots). Here the write is in place and the attention is
-    PyTorch's SDPA over the used slots only.
+    One opaque, in-place op for `torch.compile` (`Transformer.static_step`). Left to the compiler,
+    the cache write becomes a copy of the whole buffer per layer (functionalization) and the
+    attention a masked product over every slot, both growing with the cache size (a compiled
+    smollm2 step that way grows from 33 to 72 ms by 1k slots). Here the write is in place and the
+    attention is PyTorch's SDPA over the used slots only.
     """
     from runtime.cache import write_slots
 

@@ -12,9 +12,10 @@ bf16 activations, a 9728x896 weight): bf16 `F.linear` 1.09 ms per token row,
 ~0.11 ms per further row (2 threads: 40 rows 4.5 ms, 512 rows 56-61 ms), while the dense path
 must first dequantize the whole weight (2 threads: 55 ms for INT4, 33 ms for INT8, before its
 1 ms matmul). So calls of up to `PACKED_MAX_ROWS` rows (decode steps, verification blocks and
-prompts of ordinary length) use the packed kernels, and only longer ones (long prompts,
-perplexity windows) dequantize. (Until session 5 the limit was 8 rows, from a comparison that
-left out the dequantization: a 40-token prompt then cost a 0.5B INT4 model ~1.8 s.)
+prompts of ordinary length) use the packed kernels (INT4: when out_features is a multiple of
+16), and only longer ones (long prompts, perplexity windows) dequantize. A lower limit sends
+ordinary prompts down the dequantizing path: at 8 rows a 40-token prompt costs the INT4 0.5B
+~1.8 s (docs/experiments/2026-11-22-quantized-drafts.md).
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ def keep_dense_for_prompts(model: nn.Module, dtype: torch.dtype) -> int:
 
     A speed-for-memory trade for a quantized draft on the CPU: the packed kernels cost per row
     (INT4, 2 threads, a 9728x896 weight: 4.3 ms for 40 rows, 21.5 ms for 200) where a bf16
-    matmul costs 1.0 / 2.4 ms, so a draft's prompt prefill took longer than the bf16 target's.
+    matmul costs 1.0 / 2.4 ms, so without the copy a draft's prompt prefill takes longer than the
+    bf16 target's (docs/experiments/2026-11-22-quantized-drafts.md).
     Decode steps keep the packed kernels. 2:4 layers are skipped (on the CPU they already run
     dense). Not for a target whose outputs must equal its plain decoding exactly: its long
     verification blocks would take the dense path and plain decoding the packed one. Call it
@@ -236,7 +238,7 @@ class Int4Linear(QuantizedLinear):
         return self._kernel[1]
 
     def _scales_and_zeros(self, dtype: torch.dtype) -> torch.Tensor:
-        """(K/G, N, 2) kernel layout, built once per device and dtype (rebuilding it cost as much as the matmul)."""
+        """(K/G, N, 2) kernel layout, built once per device and dtype (rebuilding it costs as much as the matmul)."""
         key = (self.scales.device, dtype)
         if self._sz is None or self._sz[0] != key:
             sz = torch.stack([self.scales, self.zeros], dim=-1).transpose(0, 1).contiguous().to(dtype)
