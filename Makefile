@@ -11,6 +11,7 @@ install:
 	$(PIP) install -e '.[dev]'
 
 test: install
+	$(PYTHON) -m ruff check .
 	$(PYTHON) -m pytest -q -x --timeout=900 tests
 
 demo: install

@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 
 import runtime
-from runtime.atomic import atomic_write_text
 import runtime.attention
+from runtime.atomic import atomic_write_text
 from runtime.attention import sdpa_gqa
 
 

@@ -45,9 +45,9 @@ def cmd_data(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     import runtime
+    from distill.config_args import dataclass_from_args
     from distill.medusa import attach_medusa
     from distill.selfdistill import read_records
-    from distill.config_args import dataclass_from_args
     from distill.train_medusa import TrainConfig, cache_hidden_states, train_medusa
 
     deadline = _deadline(args.max_minutes)

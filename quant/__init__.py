@@ -4,8 +4,15 @@ Wanda / SparseGPT), calibration windows, compressed checkpoints, perplexity."""
 from quant.api import quantize_, select_linears, sparsify_
 from quant.calibration import calibration_batches, eval_batches, pack_windows
 from quant.checkpoint import dir_nbytes, export_dense, model_nbytes, save_compressed
-from quant.config import (NF4, Int4WeightOnly, Int8Mixed, Int8WeightOnly, SemiStructured24, config_from_dict,
-                          config_to_dict)
+from quant.config import (
+                          NF4,
+                          Int4WeightOnly,
+                          Int8Mixed,
+                          Int8WeightOnly,
+                          SemiStructured24,
+                          config_from_dict,
+                          config_to_dict,
+)
 from quant.perplexity import perplexity
 from quant.recipe import Recipe, apply_recipe, load_recipe
 

@@ -17,8 +17,7 @@ from quant.config import NF4, Config, Int4WeightOnly, Int8Mixed, Int8WeightOnly,
 from quant.gptq import solve
 from quant.grids import check_group_size, int4_module, int4_rtn, int8_rtn, mask_24
 from quant.layerwise import compress_layerwise
-from runtime.qlinear import (Int8MixedLinear, NF4Linear, Sparse24Int4Linear, Sparse24Linear, pack_24_indices,
-                             pack_int4)
+from runtime.qlinear import Int8MixedLinear, NF4Linear, Sparse24Int4Linear, Sparse24Linear, pack_24_indices, pack_int4
 
 
 def select_linears(model: nn.Module, cfg: Config) -> dict[str, nn.Linear]:

@@ -12,10 +12,10 @@ import json
 from pathlib import Path
 
 import torch
+from quant_common import add_calib_source, compress_and_save, compressed_home, eval_windows, report
 
 import quant
 import runtime
-from quant_common import add_calib_source, compressed_home, compress_and_save, eval_windows, report
 
 MODEL = "smollm2-135m-instruct"
 

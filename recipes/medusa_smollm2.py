@@ -39,8 +39,7 @@ from distill.code_prompts import function_prompts, interleave
 from distill.command import parse_num_nodes, parse_share, parse_sizes
 from distill.config_args import add_dataclass_args, dataclass_from_args
 from distill.medusa import choose_tree
-from distill.selfdistill import (generate_selfdistill, is_code_prompt, read_records, sharegpt_prompts,
-                                stop_token_ids)
+from distill.selfdistill import generate_selfdistill, is_code_prompt, read_records, sharegpt_prompts, stop_token_ids
 from distill.train_medusa import TrainConfig, cache_hidden_states
 from runtime.atomic import atomic_write_text
 from runtime.hardware import DTYPES, native_bf16

@@ -16,11 +16,12 @@ import time
 from pathlib import Path
 
 import torch
+from quant_common import add_calib_source
 
 import quant
 import runtime
-from quant_common import add_calib_source
 from runtime.hardware import DTYPES
+
 
 def configs(group_size: int) -> dict[str, quant.config.Config]:
     """The named configs of the table (INT4 grids with `group_size` inputs per group)."""

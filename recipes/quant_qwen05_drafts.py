@@ -16,10 +16,10 @@ from __future__ import annotations
 import json
 
 import torch
+from quant_common import compress_and_save, eval_windows, recipe_args, report, specdec_eval
 
 import quant
 import runtime
-from quant_common import recipe_args, compress_and_save, eval_windows, report, specdec_eval
 
 MODEL, TARGET = "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"
 

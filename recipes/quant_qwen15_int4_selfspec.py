@@ -9,10 +9,10 @@ from __future__ import annotations
 import json
 
 import torch
+from quant_common import compress_and_save, eval_windows, recipe_args, report, specdec_eval
 
 import quant
 import runtime
-from quant_common import recipe_args, compress_and_save, eval_windows, report, specdec_eval
 
 MODEL = "qwen2.5-coder-1.5b-instruct"
 

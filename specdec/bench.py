@@ -122,8 +122,9 @@ def run_bench(cfg: BenchConfig, command: str | None = None, progress: bool = Tru
     prompts = [list(tok(p.turns[0])["input_ids"]) for p in humaneval_prompts()[:cfg.prompts]]
     ours = runtime.load_model(cfg.model, dtype=dtype, device=cfg.device)
     compiled = runtime.load_model(cfg.model, dtype=dtype, device=cfg.device, compile=True) if cfg.compile else None
-    theirs = HFGenerator(load_hf_model(cfg.model, dtype, cfg.device, eos_token_id=None,
-                                       pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else 0))
+    # a list, so the transformers model can be freed before the bandwidth measurements
+    theirs = [HFGenerator(load_hf_model(cfg.model, dtype, cfg.device, eos_token_id=None,
+                                        pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else 0))]
 
     def ours_on(model):
         def run(ids: list[int]) -> list[int]:
@@ -132,7 +133,7 @@ def run_bench(cfg: BenchConfig, command: str | None = None, progress: bool = Tru
         return run
 
     def run_theirs(ids: list[int]) -> list[int]:
-        return theirs.generate(ids, cfg.max_new_tokens)
+        return theirs[0].generate(ids, cfg.max_new_tokens)
 
     runners = {"specdec": ours_on(ours), "transformers": run_theirs}
     if compiled is not None:
@@ -151,7 +152,7 @@ def run_bench(cfg: BenchConfig, command: str | None = None, progress: bool = Tru
             new = runners[name](ids)
             tps[name].append(len(new) / (time.perf_counter() - start))
             outputs[name].append(new)
-    del theirs
+    theirs.clear()
     bytes_per_token = weight_bytes_per_token(ours)
     bw = {"matvec": matvec_bandwidth(cfg.matvec_size, dtype, cfg.repeats, cfg.device),
           "stream": stream_bandwidth(cfg.stream_mib, cfg.repeats, cfg.device)}

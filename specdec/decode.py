@@ -55,7 +55,7 @@ def decode(target, drafter: Drafter | None, state: RowState, num_draft_tokens: i
     if state.all_done:
         return stats
     want_hidden = hidden is not None or (drafter is not None and drafter.needs_hidden)
-    B, device = len(state.prompts), target.device
+    B = len(state.prompts)
     start = time.perf_counter()
     cache = target.new_cache(B, max_len)
     out = prefill(target, state.prompts, cache, return_hidden=want_hidden)

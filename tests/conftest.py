@@ -115,7 +115,8 @@ def write_tiny_gguf(model, path: Path, quantize: dict[str, str] | None = None, s
     replaced by their dequantized values rounded to bf16.
     """
     import gguf
-    from gguf.quants import dequantize, quantize as gguf_quantize
+    from gguf.quants import dequantize
+    from gguf.quants import quantize as gguf_quantize
 
     cfg = model.config
     arch = cfg.model_type

@@ -6,8 +6,7 @@ import pytest
 import torch
 
 import specdec
-from distill.selfdistill import (chat_prompt_ids, generate_selfdistill, is_code_prompt, read_records,
-                                 stop_token_ids)
+from distill.selfdistill import chat_prompt_ids, generate_selfdistill, is_code_prompt, read_records, stop_token_ids
 from distill.train_medusa import cache_hidden_states, load_cached
 
 

@@ -10,8 +10,19 @@ import torch.nn.functional as F
 
 import distill
 import specdec
-from distill.train_medusa import (IGNORE, TrainConfig, _noise, _time_progress, cache_hidden_states, data_vocab,
-                                  head_accuracy, head_targets, load_cached, medusa_loss, teacher_probs)
+from distill.train_medusa import (
+    IGNORE,
+    TrainConfig,
+    _noise,
+    _time_progress,
+    cache_hidden_states,
+    data_vocab,
+    head_accuracy,
+    head_targets,
+    load_cached,
+    medusa_loss,
+    teacher_probs,
+)
 
 
 @pytest.fixture(scope="module")

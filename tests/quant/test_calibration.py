@@ -7,8 +7,15 @@ import pytest
 import torch
 
 import quant
-from runtime.data import (HELDOUT_SIZE, base_id, data_home, heldout_start, python_package_texts,
-                          python_stdlib_texts, sharegpt_conversations)
+from runtime.data import (
+    HELDOUT_SIZE,
+    base_id,
+    data_home,
+    heldout_start,
+    python_package_texts,
+    python_stdlib_texts,
+    sharegpt_conversations,
+)
 from tests.quant.conftest import TEXTS
 
 

@@ -63,7 +63,8 @@ def test_geometric_runs_give_the_closed_form():
 
 def test_acceptance_rising_with_position_lengthens_k():
     """Half the steps miss the first draft, the rest accept all 8: position 1 runs at 0.5 and
-    the later ones near 1 (shrunk a little towards position 1). The pooled rate (8/12) would pick a short k; per position, k = 8."""
+    the later ones near 1 (shrunk a little towards position 1). The pooled rate (8/12) would pick
+    a short k; per position, k = 8."""
     auto = AutoK(k_max=8)
     for i in range(200):
         auto.observe(0 if i % 2 else 8, 8, 9, 0.1 + 0.01 * (i % 3))

@@ -13,8 +13,14 @@ from test_evaluate import tiny_checkpoint
 from runtime import load_model
 from runtime.tiny import tiny_model
 from specdec import bench
-from specdec.bench import (BenchConfig, format_table, matvec_bandwidth, run_bench, stream_bandwidth,
-                           weight_bytes_per_token)
+from specdec.bench import (
+    BenchConfig,
+    format_table,
+    matvec_bandwidth,
+    run_bench,
+    stream_bandwidth,
+    weight_bytes_per_token,
+)
 
 
 @pytest.mark.parametrize("tied", [True, False])

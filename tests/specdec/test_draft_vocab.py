@@ -8,8 +8,8 @@ import specdec
 from runtime.qlinear import Int4Linear, Int8Linear, pack_int4
 from runtime.tiny import tiny_model
 from specdec.draft_vocab import frequent_tokens, restrict_vocab, token_counts
-from tests.specdec.test_evaluate import tiny_tokenizer
 from tests.specdec.test_decode import assert_two_token_law
+from tests.specdec.test_evaluate import tiny_tokenizer
 
 V = 64
 

@@ -16,8 +16,8 @@ import runtime
 import specdec
 from distill import attach_medusa, save_medusa
 from specdec import evaluate
-from specdec.prompts import encode
 from specdec.evaluate import EvalConfig, MethodSpec, Runner, SettingsMismatchError, parse_methods, run_eval
+from specdec.prompts import encode
 
 WORDS = ["<unk>", "<|eos|>", "<|user|>", "<|assistant|>", "def", "return", "the", "a", "of", "x",
          "print", "hello", "world"]
