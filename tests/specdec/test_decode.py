@@ -162,3 +162,16 @@ def assert_two_token_law(target, prompt: torch.Tensor, sequences: list, kw: dict
     exact = (p1[:, None] * p2).flatten()
     noise = 0.5 * (2 * exact * (1 - exact) / (math.pi * n)).sqrt().sum().item()
     assert _tv(emp, exact) < 3 * noise
+
+
+@pytest.mark.parametrize("which", ["plain", "ngram", "self"])
+def test_ragged_rows_up_to_the_context_limit(which):
+    """A long row ends at the last position while a short one goes on: the finished row rides
+    along without reading past the position table, and outputs still equal plain decoding."""
+    model = tiny_model("llama", seed=0, vocab_size=V, max_position_embeddings=32)
+    rows = [torch.randint(0, 8, (20,), generator=torch.Generator().manual_seed(2)), torch.tensor([1, 2, 3])]
+    draft = {"plain": None, "ngram": "ngram", "self": model}[which]
+    out = specdec.generate(model, rows, draft=draft, max_new_tokens=12)
+    assert [s.numel() for s in out.sequences] == [32, 15]
+    alone = [specdec.generate(model, [r], max_new_tokens=12).sequences[0] for r in rows]
+    assert _same(out.sequences, alone)
