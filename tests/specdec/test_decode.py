@@ -9,18 +9,7 @@ import torch
 import specdec
 from runtime.tiny import tiny_model, tiny_pair
 from specdec.drafters import VocabularyMismatchError
-
-V = 64
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_model("llama", seed=0, vocab_size=V)
-
-
-@pytest.fixture(scope="module")
-def random_draft():
-    return tiny_model("qwen2", seed=7, vocab_size=V, num_hidden_layers=1)
+from tests.specdec.conftest import V
 
 
 def _rows(seed=0, lengths=(3, 12, 6)):

@@ -4,21 +4,8 @@ cache rollback to what the target accepted."""
 import pytest
 import torch
 
-from runtime.tiny import tiny_model
 from specdec.drafter import Accepted
 from specdec.drafters import ModelDrafter
-
-V = 64
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_model("llama", seed=0, vocab_size=V)
-
-
-@pytest.fixture(scope="module")
-def random_draft():
-    return tiny_model("qwen2", seed=7, vocab_size=V, num_hidden_layers=1)
 
 
 def test_model_drafter_cost_is_catch_up_plus_one_token_forwards(target, random_draft):
