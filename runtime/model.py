@@ -7,15 +7,13 @@ built on the `meta` device and its weights are assigned from safetensors by `run
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from runtime.attention import attend, block_mask_keys, cache_attention, causal_mask, default_backend
 from runtime.cache import KVCache
-from runtime.compile import DECODE_STATIC_TOKENS, MAX_BLOCK_TOKENS, MAX_STATIC_TOKENS, compile_step, static_tokens
+from runtime.compile import DECODE_STATIC_TOKENS, MAX_BLOCK_TOKENS, MAX_STATIC_TOKENS, Step, compile_step, static_tokens
 from runtime.config import ModelConfig
 from runtime.rope import Rope, apply_rope
 
@@ -139,9 +137,9 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed.weight
         self.attention = attention
         self._rope: Rope | None = None
-        # the compiled `static_step` (set by `compile_decode`), called as
-        # compiled_step(tokens, positions, k, v, lengths, block_mask) -> (logits, hidden); None = eager
-        self.compiled_step: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+        # the compiled `static_step` (set by `compile_decode`; None = eager). `forward` calls whatever
+        # this holds, so a wrapper assigned here (a call counter in a test) sees every compiled step
+        self.compiled_step: Step | None = None
 
     @property
     def compiled(self) -> bool:
