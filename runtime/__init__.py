@@ -3,8 +3,14 @@
 from runtime.cache import KVCache
 from runtime.compile import compile_decode
 from runtime.config import ModelConfig
-from runtime.errors import (CacheMemoryError, CatalogueError, CheckpointError, ContextLengthError,
-                            SpecdecError, UnsupportedModelError)
+from runtime.errors import (
+    CacheMemoryError,
+    CatalogueError,
+    CheckpointError,
+    ContextLengthError,
+    SpecdecError,
+    UnsupportedModelError,
+)
 from runtime.loading import load_model, load_tokenizer
 from runtime.model import Transformer
 

@@ -4,8 +4,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runtime.qlinear import (PACKED_MAX_ROWS, Int4Linear, Int8Linear, Int8MixedLinear, NF4Linear, Sparse24Int4Linear,
-                             Sparse24Linear, from_tensors, pack_24_indices, pack_int4, unpack_24_indices, unpack_int4)
+from runtime.qlinear import (
+    PACKED_MAX_ROWS,
+    Int4Linear,
+    Int8Linear,
+    Int8MixedLinear,
+    NF4Linear,
+    Sparse24Int4Linear,
+    Sparse24Linear,
+    from_tensors,
+    pack_24_indices,
+    pack_int4,
+    unpack_24_indices,
+    unpack_int4,
+)
 
 
 def sqnr_db(ref, got):

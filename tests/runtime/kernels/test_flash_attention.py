@@ -12,8 +12,14 @@ import os
 import pytest
 import torch
 
-from runtime.kernels import (FlashConfig, choose_num_splits, flash_attention, flash_attention_ref, interpreted,
-                             visible_mask)
+from runtime.kernels import (
+    FlashConfig,
+    choose_num_splits,
+    flash_attention,
+    flash_attention_ref,
+    interpreted,
+    visible_mask,
+)
 
 UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
 
