@@ -14,6 +14,7 @@ import sys
 import torch
 
 from runtime.hardware import DTYPES
+from specdec.options import parse_draft_length
 
 DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
@@ -32,8 +33,12 @@ def _fetch(args: argparse.Namespace) -> int:
     return 0
 
 
-def _num_draft(text: str) -> int | str:
-    return text if text == "auto" else int(text)
+def draft_length_arg(text: str) -> int | str:
+    """argparse type of --num-draft-tokens: specdec.options' check, its message as the error."""
+    try:
+        return parse_draft_length(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from err
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -111,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--num-draft-tokens", type=_num_draft, default=5, help="k per step, or 'auto'")
+    p.add_argument("--num-draft-tokens", type=draft_length_arg, default=5,
+                   help="drafts per step (1-64), or 'auto' to tune it per step")
     p.add_argument("--seed", type=int, default=0, help="seed of the torch.Generator used for sampling")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.set_defaults(func=_generate)
