@@ -136,8 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one subcommand; bad input (a ValueError, a missing file, a SpecdecError) is reported
-    as one line and exit status 2, like argparse's own errors (SPECDEC_DEBUG=1: the traceback)."""
+    """Run one subcommand. Every error ends as one line `specdec COMMAND: error: ...` on stderr and
+    exit status 2, like argparse's own errors; SPECDEC_DEBUG=1 shows the traceback instead."""
     from runtime.errors import SpecdecError
 
     args = build_parser().parse_args(argv)
@@ -146,10 +146,15 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except (ValueError, FileNotFoundError, SpecdecError) as err:
+    except Exception as err:  # the CLI's one error boundary: a message, not a traceback
         if os.environ.get("SPECDEC_DEBUG"):
             raise
-        print(f"specdec {args.command}: error: {err}", file=sys.stderr)
+        # specdec's own errors and bad values say what to do; anything else is named by its type
+        known = isinstance(err, (SpecdecError, ValueError, FileNotFoundError))
+        text = " ".join(str(err).split()) or type(err).__name__  # one line
+        if not known:
+            text = f"{type(err).__name__}: {text} (SPECDEC_DEBUG=1 shows the traceback)"
+        print(f"specdec {args.command}: error: {text}", file=sys.stderr)
         return 2
 
 

@@ -40,11 +40,14 @@ def as_runtime_model(model):
 def generate(target, input_ids, draft=None, max_new_tokens: int = 128, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, num_draft_tokens: int | str = 5,
              eos_token_id: int | list[int] | None = None, generator: torch.Generator | None = None,
-             pad_token_id: int | None = None, return_hidden: bool = False) -> GenerateOutput:
+             pad_token_id: int | None = None, return_hidden: bool = False,
+             attention_mask: torch.Tensor | None = None) -> GenerateOutput:
     """Generate up to `max_new_tokens` per row, plainly (draft=None) or speculatively.
 
     target: a runtime model or a transformers PreTrainedModel. input_ids: LongTensor [B, T] or a
-    list of 1-D LongTensors (rows of different lengths; each row stops on its own). draft: None,
+    list of 1-D LongTensors (rows of different lengths; each row stops on its own); a padded
+    [B, T] batch takes its `attention_mask` (1 = token, 0 = padding) and `pad_token_id`, which
+    also pads the output rows. draft: None,
     a runtime / transformers model sharing the target's vocabulary, "ngram", Medusa heads, a
     `specdec.drafter.Drafter`, or a list tried in order per step (["ngram", draft_model] =
     hybrid). num_draft_tokens: drafts per step (1-64) or "auto" (tuned per step for speed; trees
@@ -60,7 +63,7 @@ def generate(target, input_ids, draft=None, max_new_tokens: int = 128, temperatu
         raise ValueError("the target scores a restricted vocabulary (specdec.draft_vocab.restrict_vocab): "
                          "such a model can only draft; pass the full model as the target")
     target = as_runtime_model(target)
-    rows, as_tensor = normalize_prompts(input_ids)
+    rows, as_tensor = normalize_prompts(input_ids, attention_mask, pad_token_id)
     state = RowState(rows, max_new_tokens, eos_set(eos_token_id))
     drafter = None if draft is None else make_drafter(draft, target, temperature, top_k, top_p, generator)
     hidden = [[] for _ in rows] if return_hidden else None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -9,16 +10,35 @@ import torch
 from runtime.errors import ContextLengthError
 
 
-def normalize_prompts(input_ids: torch.Tensor | list[torch.Tensor]) -> tuple[list[torch.Tensor], bool]:
-    """Rows as 1-D LongTensors, and whether the input was a (B, T) tensor."""
+def normalize_prompts(input_ids: torch.Tensor | list[torch.Tensor], attention_mask: torch.Tensor | None = None,
+                      pad_token_id: int | None = None) -> tuple[list[torch.Tensor], bool]:
+    """Rows as 1-D LongTensors, and whether the input was a (B, T) tensor.
+
+    A padded (B, T) batch needs its `attention_mask` (1 = token, 0 = padding, either side); a
+    batch of several rows that starts or ends with `pad_token_id` and comes without one is
+    refused rather than decoded with the padding as prompt text."""
     if isinstance(input_ids, torch.Tensor):
         if input_ids.dim() == 1:
             input_ids = input_ids[None]
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be a LongTensor [B, T] or a list of 1-D LongTensors, "
                              f"got a tensor of shape {tuple(input_ids.shape)}")
-        rows, as_tensor = list(input_ids), True
+        if attention_mask is not None:
+            if attention_mask.shape != input_ids.shape:
+                raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids "
+                                 f"{tuple(input_ids.shape)}; they must match")
+            rows = [r[m.bool()] for r, m in zip(input_ids, attention_mask.to(input_ids.device))]
+        elif pad_token_id is not None and input_ids.shape[0] > 1 and bool(
+                ((input_ids[:, 0] == pad_token_id) | (input_ids[:, -1] == pad_token_id)).any()):
+            raise ValueError(f"input_ids looks padded (a row starts or ends with the pad token {pad_token_id}) "
+                             "but no attention_mask was given: pass attention_mask, or the prompts as a list "
+                             "of 1-D tensors of their own lengths")
+        else:
+            rows = list(input_ids)
+        as_tensor = True
     else:
+        if attention_mask is not None:
+            raise ValueError("attention_mask goes with a (B, T) tensor; a list of rows needs none")
         rows, as_tensor = [torch.as_tensor(r) for r in input_ids], False
         if not rows:
             raise ValueError("input_ids is an empty list: pass at least one prompt")
@@ -90,11 +110,16 @@ class RowState:
 
 
 def eos_set(eos_token_id: int | list[int] | None) -> frozenset[int]:
+    """The stop tokens: None, one token id, or a list of ids (not a string: "108" is no id)."""
     if eos_token_id is None:
         return frozenset()
-    if isinstance(eos_token_id, int):
-        return frozenset([eos_token_id])
-    return frozenset(int(e) for e in eos_token_id)
+    ids = eos_token_id if isinstance(eos_token_id, (list, tuple, set, frozenset)) else [eos_token_id]
+    try:
+        if any(isinstance(e, bool) for e in ids):
+            raise TypeError("a bool is no token id")
+        return frozenset(operator.index(e) for e in ids)
+    except TypeError as err:
+        raise ValueError(f"eos_token_id must be a token id (int) or a list of ids, got {eos_token_id!r}") from err
 
 
 def prefill(model, rows: list[torch.Tensor], cache, return_hidden: bool = False):

@@ -67,7 +67,10 @@ class ModelDrafter(Drafter):
             tokens[b, :c.numel()] = c.to(device)
             self.fed[b] = torch.cat([self.fed[b], c])
         start = self.cache.lengths.clone()
-        positions = start[:, None] + torch.arange(T, device=device)  # (B, T)
+        # a row that feeds nothing pads one slot, which may sit past the position table: clamped,
+        # and dropped by the rollback below
+        last_position = self.model.config.max_position_embeddings - 1
+        positions = (start[:, None] + torch.arange(T, device=device)).clamp(max=last_position)  # (B, T)
         last = (lens - 1).clamp(min=0)[:, None]
         logits = self.model(tokens, positions, self.cache, logits_idx=last)[:, 0]  # (B, V)
         self.cache.rollback(start + lens)
@@ -77,6 +80,10 @@ class ModelDrafter(Drafter):
     def propose(self, seqs: list[torch.Tensor], k: int, rows: list[int]) -> DraftTree:
         t0 = time.perf_counter()
         B = len(seqs)
+        # a row whose k drafts would pass the draft's own context gets none (the target decodes it)
+        rows = [b for b in rows if seqs[b].numel() + k - 1 <= self.model.config.max_position_embeddings]
+        if not rows:
+            return DraftTree.chain(torch.zeros(B, k, dtype=torch.long), torch.zeros(B, dtype=torch.long))
         # rows not asked for still take one token so every row of the batch stays aligned
         chunks = [seqs[b][self.fed[b].numel():] if b in rows else seqs[b][:0] for b in range(B)]
         # the prompt's prefill is no step's cost: timed into first_s it would make `auto` see a

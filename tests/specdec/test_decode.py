@@ -164,3 +164,13 @@ def test_ragged_rows_up_to_the_context_limit(which):
     assert [s.numel() for s in out.sequences] == [32, 15]
     alone = [specdec.generate(model, [r], max_new_tokens=12).sequences[0] for r in rows]
     assert _same(out.sequences, alone)
+
+
+def test_a_draft_with_a_shorter_context_drafts_only_where_it_fits(target):
+    """The draft knows 24 positions, the target 512: past 24 the target decodes alone, losslessly."""
+    short = tiny_model("llama", seed=0, vocab_size=V, max_position_embeddings=24)
+    rows = _rows(seed=2, lengths=(5, 9))  # 10 and 18 tokens: the second leaves the draft first
+    plain = specdec.generate(target, rows, max_new_tokens=16)
+    out = specdec.generate(target, rows, draft=short, max_new_tokens=16, num_draft_tokens=3)
+    assert _same(out.sequences, plain.sequences)
+    assert out.stats.drafted_tokens > 0

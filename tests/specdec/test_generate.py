@@ -111,6 +111,27 @@ def test_bad_requests_fail_with_clear_messages(pair):
         specdec.generate(model, torch.tensor([[5]]), temperature=-1.0)
     with pytest.raises(ValueError, match="top_p"):
         specdec.generate(model, torch.tensor([[5]]), top_p=0.0)
+    for t in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="temperature must be a finite number"):
+            specdec.generate(model, torch.tensor([[5]]), temperature=t)
+    with pytest.raises(ValueError, match="eos_token_id must be a token id"):
+        specdec.generate(model, torch.tensor([[5]]), eos_token_id="108")  # not the digits 1, 0, 8
+
+
+def test_a_padded_batch_takes_its_attention_mask_or_is_refused(pair):
+    model, _ = pair
+    rows = _prompts([6, 3], seed=3)
+    alone = specdec.generate(model, rows, max_new_tokens=5).sequences
+    pad = 0
+    batch = torch.full((2, 6), pad)
+    mask = torch.zeros(2, 6, dtype=torch.long)
+    for b, r in enumerate(rows):  # right-padded
+        batch[b, :r.numel()], mask[b, :r.numel()] = r, 1
+    with pytest.raises(ValueError, match="attention_mask"):
+        specdec.generate(model, batch, max_new_tokens=5, pad_token_id=pad)
+    out = specdec.generate(model, batch, attention_mask=mask, max_new_tokens=5, pad_token_id=pad).sequences
+    for b, seq in enumerate(alone):
+        assert torch.equal(out[b, :seq.numel()], seq)
 
 
 def test_nan_logits_fail_fast_with_a_named_error():
