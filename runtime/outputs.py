@@ -1,0 +1,208 @@
+"""Output directories: the one rule every specdec command that writes a directory follows.
+
+specdec writes into a directory only when it is new, empty, or a specdec output of the same kind,
+recognised by its marker file (`compression.json` for a compressed checkpoint, `medusa_config.json`
+for Medusa heads, `run.json` / `report.json` for an evaluation run, ...):
+
+- a path that is a file fails before any work starts;
+- a non-empty directory without the marker fails: specdec never writes into it;
+- a directory with the marker fails too, unless the caller resumes it (an evaluation run, a
+  training directory) or passes `overwrite=True` (`--overwrite`), which replaces that output only,
+  never anything else: `write_output_dir` swaps in a new directory only when the old one holds
+  nothing but the files its marker lists, so a file a user put there is never moved or deleted.
+
+Every refusal is an `OutputPathError` (a `SpecdecError` and a `ValueError`) whose message names
+the path and what to do. `output_lock` keeps two jobs out of one directory at once.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+from runtime.errors import SpecdecError
+
+LOCK = ".lock"  # output_lock's file; a crashed job's leftover does not make a directory "non-empty"
+# marker file -> the output it marks (for messages that name what a directory holds)
+KNOWN_MARKERS = {"compression.json": "compressed checkpoint", "specdec_export.json": "dense export",
+                 "medusa_config.json": "Medusa heads directory", "run.json": "evaluation run",
+                 "report.json": "evaluation run", "checkpoint/trainer.json": "Medusa training directory",
+                 "budget.json": "recipe run directory"}
+_OVERWRITE = "pass --overwrite (overwrite=True) to replace it"
+
+
+class OutputPathError(SpecdecError, ValueError):
+    """An output path specdec refuses to write: a file, a directory it did not write, another
+    kind of output, an output it would replace without `overwrite`, or one a running job holds."""
+
+
+def _markers(marker: str | Sequence[str]) -> tuple[str, ...]:
+    return (marker,) if isinstance(marker, str) else tuple(marker)
+
+
+def _entries(path: Path) -> list[str]:
+    """Names in directory `path`, output_lock's file left out."""
+    return sorted(n for n in os.listdir(path) if n != LOCK)
+
+
+def find_marker(path: str | Path, marker: str | Sequence[str]) -> str | None:
+    """The first of `marker` (names relative to `path`) that exists in `path`, or None."""
+    path = Path(path)
+    return next((m for m in _markers(marker) if (path / m).exists()), None)
+
+
+def prepare_output_dir(path: str | Path, marker: str | Sequence[str], overwrite: bool = False, *,
+                       what: str = "specdec output", resume: bool = False) -> Path:
+    """Check that `path` may receive a `what` (whose marker file(s) are `marker`); create nothing.
+
+    Returns `path` (user-expanded). Raises OutputPathError when `path` is a file (or anything but a
+    directory), a non-empty directory without the marker, or, unless `resume` or `overwrite`, a
+    directory that already holds such an output. Call it before any expensive work, so bad input
+    fails at once; writers call it again just before they write.
+    """
+    path = Path(path).expanduser()
+    markers = _markers(marker)
+    if not path.exists() and not path.is_symlink():
+        return path
+    if not path.is_dir():
+        raise OutputPathError(f"{path} exists and is not a directory; the {what} goes into a directory: choose a "
+                              "new or empty directory path (nothing was written, moved or deleted)")
+    if not _entries(path):
+        return path
+    found = find_marker(path, markers)
+    if found is None:
+        other = next((m for m in KNOWN_MARKERS if m not in markers and (path / m).exists()), None)
+        if other is not None:
+            raise OutputPathError(f"{path} holds a {KNOWN_MARKERS[other]} ({other}), not a {what}; choose another "
+                                  f"directory (--overwrite replaces only a previous {what})")
+        raise OutputPathError(f"{path} is a non-empty directory that specdec did not write (it has no "
+                              f"{' or '.join(markers)}); choose a new or empty directory: specdec never writes "
+                              "into, replaces or deletes other files")
+    if not (resume or overwrite):
+        raise OutputPathError(f"{path} already holds a {what} ({found}); {_OVERWRITE}, or choose another "
+                              "directory")
+    return path
+
+
+def write_output_dir(path: str | Path, write: Callable[[Path], object], marker: str, meta: dict,
+                     overwrite: bool = False, *, what: str = "specdec output") -> Path:
+    """Write a directory output atomically: `write(tmp)` fills a temporary directory beside `path`,
+    then the marker (JSON: `meta` plus "files", the names of what the output holds) is written
+    last and the directory renamed into place. Readers see the old output or the whole new one.
+
+    `path` follows `prepare_output_dir`'s rule. With `overwrite`, a previous output of this kind
+    is replaced only when it holds nothing but the files its marker lists (or, for a marker
+    without that list, the files this output writes); otherwise OutputPathError, and nothing moves.
+    """
+    path = prepare_output_dir(path, marker, overwrite, what=what)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    try:
+        write(tmp)
+        files = sorted({*os.listdir(tmp), marker})
+        (tmp / marker).write_text(json.dumps({**meta, "files": files}, indent=1))
+        prepare_output_dir(path, marker, overwrite, what=what)  # again: `write` may have taken minutes
+        _install(tmp, path, marker, files, what)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def _owned_files(path: Path, marker: str, new_files: list[str]) -> set[str]:
+    """The files of the previous output in `path`: its marker's "files" list, else the new output's."""
+    try:
+        listed = json.loads((path / marker).read_text()).get("files")
+    except (OSError, ValueError, AttributeError):
+        listed = None
+    if isinstance(listed, list) and all(isinstance(n, str) for n in listed):
+        return {*listed, marker}
+    return {*new_files, marker}
+
+
+def _install(tmp: Path, path: Path, marker: str, files: list[str], what: str) -> None:
+    if not path.exists():
+        os.rename(tmp, path)
+        return
+    foreign = [n for n in os.listdir(path) if n not in _owned_files(path, marker, files) and n != LOCK]
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise OutputPathError(f"{path} holds files that are not part of the {what} it held ({shown}); specdec "
+                              "replaces an output only when nothing else is in it: move them out, or choose another "
+                              "directory (nothing was written, moved or deleted)")
+    old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=path.parent))
+    os.rename(path, old)  # onto an empty directory: atomic on POSIX
+    try:
+        os.rename(tmp, path)
+    except OSError:
+        os.rename(old, path)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def check_output_file(path: str | Path, *, what: str = "output file", looks_like: Callable[[Path], bool]
+                      | None = None) -> Path:
+    """Check that `path` may receive a file output: not a directory, and when it exists,
+    `looks_like(path)` (a file specdec wrote, e.g. a jsonl it appends to). Returns `path`."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise OutputPathError(f"{path} is a directory; the {what} is a file: give a file path")
+    if path.exists() and looks_like is not None and path.stat().st_size and not looks_like(path):
+        raise OutputPathError(f"{path} exists and is not a {what} written by specdec; choose a new file path "
+                              "(specdec never appends to, truncates or replaces other files)")
+    return path
+
+
+class OutputLockedError(OutputPathError):
+    """Another running job holds the output directory."""
+
+
+@contextmanager
+def output_lock(path: str | Path, what: str = "specdec job") -> Iterator[Path]:
+    """Hold directory `path` (which must exist) for this process: a second `output_lock` on it, in
+    this or another process, fails at once with OutputLockedError naming the holder's pid.
+
+    The lock is an advisory `flock` on `path/.lock` (which holds the pid): the kernel drops it when
+    the holder exits however it ends, so a lock file left by a killed job is simply taken over.
+    The file is removed on release.
+    """
+    import fcntl
+
+    lock = Path(path) / LOCK
+    fd = -1
+    for _ in range(100):  # retried only when the file was replaced between open and flock
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            if err.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                raise
+            raise OutputLockedError(f"{path} is in use by another {what} (pid {holder}); wait for it to finish, "
+                                    "or choose another directory") from None
+        try:
+            current = os.stat(lock).st_ino
+        except FileNotFoundError:
+            current = None
+        if current == os.fstat(fd).st_ino:
+            break
+        os.close(fd)  # the holder removed it as we opened it: open the new one
+        fd = -1
+    if fd < 0:
+        raise OutputLockedError(f"could not lock {lock}: it keeps being replaced")
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        yield Path(path)
+    finally:
+        try:
+            os.unlink(lock)
+        except FileNotFoundError:
+            pass
+        os.close(fd)
