@@ -1,13 +1,15 @@
 """save_compressed / export_dense: compressed checkpoints (packed safetensors + compression.json) and
-plain Hugging Face exports, written atomically (a temporary directory renamed into place).
+plain Hugging Face exports (+ specdec_export.json), written atomically (a temporary directory renamed
+into place).
+
+Both follow runtime.outputs' rule: the output directory must be new, empty, or, with
+`overwrite=True`, a previous output of the same kind that holds nothing else; a file, or a
+directory specdec did not write, is refused (OutputPathError) and never touched.
 """
 
 from __future__ import annotations
 
 import copy
-import json
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +18,11 @@ from safetensors.torch import save_file
 from torch import nn
 
 from runtime.compressed import FORMAT_VERSION
+from runtime.outputs import prepare_output_dir, write_output_dir
 from runtime.qlinear import QuantizedLinear
+
+COMPRESSED_MARKER, COMPRESSED = "compression.json", "compressed checkpoint"
+EXPORT_MARKER, EXPORT = "specdec_export.json", "dense export"
 
 
 def compressed_modules(model: nn.Module) -> dict[str, QuantizedLinear]:
@@ -43,23 +49,14 @@ def dir_nbytes(path: str | Path) -> int:
     return sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
 
 
-def _atomic_dir(out_dir: Path, write) -> Path:
-    out_dir = Path(out_dir).expanduser()
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
-        write(tmp)
-        if out_dir.exists():
-            old = out_dir.with_name(f".{out_dir.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            out_dir.rename(old)
-            tmp.rename(out_dir)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
+def check_compressed_out(out_dir: str | Path, overwrite: bool = False) -> Path:
+    """Fail now (OutputPathError) when save_compressed could not write `out_dir`; call before compressing."""
+    return prepare_output_dir(out_dir, COMPRESSED_MARKER, overwrite, what=COMPRESSED)
+
+
+def check_export_out(out_dir: str | Path, overwrite: bool = False) -> Path:
+    """Fail now (OutputPathError) when export_dense could not write `out_dir`."""
+    return prepare_output_dir(out_dir, EXPORT_MARKER, overwrite, what=EXPORT)
 
 
 def _write_common(tmp: Path, hf_config: Any, tokenizer: Any) -> None:
@@ -68,13 +65,15 @@ def _write_common(tmp: Path, hf_config: Any, tokenizer: Any) -> None:
         tokenizer.save_pretrained(str(tmp))
 
 
-def save_compressed(model: nn.Module, out_dir: str | Path, tokenizer: Any = None) -> Path:
+def save_compressed(model: nn.Module, out_dir: str | Path, tokenizer: Any = None, overwrite: bool = False) -> Path:
     """Write `model` (compressed by quantize_ / sparsify_) to `out_dir`; `runtime.load_model(out_dir)` restores it.
 
     Files: model.safetensors (packed tensors `<module>.<name>`, dense tensors by runtime name),
-    compression.json (format version, the recipe, per-module formats), config.json and the
-    tokenizer when given.
+    compression.json (format version, the recipe, per-module formats, the list of files), config.json
+    and the tokenizer when given. `out_dir` must be new or empty; `overwrite=True` replaces a
+    compressed checkpoint there (and nothing else).
     """
+    check_compressed_out(out_dir, overwrite)
     qmods = compressed_modules(model)
     if not qmods:
         raise ValueError("the model has no compressed linears; run quant.quantize_ or quant.sparsify_ first, "
@@ -95,10 +94,9 @@ def save_compressed(model: nn.Module, out_dir: str | Path, tokenizer: Any = None
 
     def write(tmp: Path) -> None:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "compression.json").write_text(json.dumps(meta, indent=1))
         _write_common(tmp, model.config.hf_config, tokenizer)
 
-    return _atomic_dir(Path(out_dir), write)
+    return write_output_dir(out_dir, write, COMPRESSED_MARKER, meta, overwrite, what=COMPRESSED)
 
 
 def dense_hf_state(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -132,8 +130,13 @@ def dense_hf_state(model: nn.Module, dtype: torch.dtype | None = None) -> dict[s
 
 
 def export_dense(model: nn.Module, out_dir: str | Path, tokenizer: Any = None,
-                 dtype: torch.dtype | None = None) -> Path:
-    """Write a plain Hugging Face checkpoint (dequantized weights) that `transformers` loads."""
+                 dtype: torch.dtype | None = None, overwrite: bool = False) -> Path:
+    """Write a plain Hugging Face checkpoint (dequantized weights) that `transformers` loads.
+
+    specdec_export.json marks the directory as specdec's (the recipe, the dtype, the list of
+    files); `out_dir` must be new or empty, and `overwrite=True` replaces a dense export there.
+    """
+    check_export_out(out_dir, overwrite)
     state = dense_hf_state(model, dtype)
     hf_config = copy.deepcopy(model.config.hf_config)
     if "lm_head.weight" in state:
@@ -144,4 +147,6 @@ def export_dense(model: nn.Module, out_dir: str | Path, tokenizer: Any = None,
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         _write_common(tmp, hf_config, tokenizer)
 
-    return _atomic_dir(Path(out_dir), write)
+    meta = {"format": "specdec-dense-export", "version": 1, "dtype": hf_config.torch_dtype,
+            "recipe": list(getattr(model, "compression_recipe", []))}
+    return write_output_dir(out_dir, write, EXPORT_MARKER, meta, overwrite, what=EXPORT)

@@ -18,9 +18,14 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                               description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="catalogue name, checkpoint dir, .gguf file or hub id")
     p.add_argument("--recipe", required=True, type=Path, help="YAML recipe (a list of configs, or steps + calibration)")
-    p.add_argument("--out", required=True, type=Path, help="output directory (written atomically)")
+    p.add_argument("--out", required=True, type=Path,
+                   help="output directory, new or empty (written atomically; a file or a directory specdec did "
+                        "not write is refused)")
     p.add_argument("--export-dense", action="store_true",
                    help="also write a plain Hugging Face checkpoint (dequantized) to OUT-dense")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a compressed checkpoint (and OUT-dense export) already in OUT; nothing else is "
+                        "ever replaced")
     p.add_argument("--calib-samples", type=int, default=None, help="override the recipe's calibration n_samples")
     p.add_argument("--seq-len", type=int, default=None, help="override the recipe's calibration seq_len")
     p.add_argument("--eval-samples", type=int, default=8,
@@ -35,8 +40,13 @@ def run(args: argparse.Namespace) -> int:
     """Handler of `specdec compress`; returns the exit code."""
     import quant
     import runtime
+    from quant.checkpoint import check_compressed_out, check_export_out
     from quant.recipe import apply_recipe, load_recipe
 
+    dense_out = Path(f"{args.out}-dense")
+    check_compressed_out(args.out, args.overwrite)  # bad output paths fail before any work
+    if args.export_dense:
+        check_export_out(dense_out, args.overwrite)
     recipe = load_recipe(args.recipe)
     calib_args = dict(recipe.calibration)
     if args.calib_samples is not None:
@@ -55,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     calibration = quant.calibration_batches(tok, **calib_args) if recipe.needs_calibration else None
     apply_recipe(model, recipe, calibration)
     took = time.perf_counter() - t0
-    out = quant.save_compressed(model, args.out, tokenizer=tok)
+    out = quant.save_compressed(model, args.out, tokenizer=tok, overwrite=args.overwrite)
     ppl_after = quant.perplexity(model, evals, progress=True) if evals is not None else None
     rows = [("perplexity (held-out ShareGPT)", _fmt(ppl_before), _fmt(ppl_after)),
             ("weights in memory (MiB)", f"{bytes_before / 2**20:.1f}", f"{quant.model_nbytes(model) / 2**20:.1f}"),
@@ -66,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"| {name} | {before} | {after} |")
     print(f"\ncompressed checkpoint: {out}")
     if args.export_dense:
-        dense = quant.export_dense(model, Path(f"{args.out}-dense"), tokenizer=tok)
+        dense = quant.export_dense(model, dense_out, tokenizer=tok, overwrite=args.overwrite)
         print(f"dense export: {dense}")
     return 0
 

@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 import quant
 import runtime
 from quant.checkpoint import compressed_modules
+from runtime.outputs import OutputPathError
 from runtime.tiny import tiny_model
 
 CONFIGS = [quant.Int8WeightOnly(), quant.Int4WeightOnly(group_size=32, method="gptq"), quant.NF4(), quant.Int8Mixed(),
@@ -91,11 +92,57 @@ def test_export_dense_loads_in_transformers_with_equal_logits(cfg, calib, eval_w
     assert torch.allclose(_logits(reloaded, eval_windows), got, atol=1e-4)
 
 
-def test_overwrite_is_atomic_and_leaves_no_temporaries(calib, tmp_path):
+def _snapshot(root) -> dict:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_overwrite_is_explicit_atomic_and_leaves_no_temporaries(calib, tokenizer, tmp_path):
     model = _compress(tiny_model("llama", seed=5), quant.Int8WeightOnly(), calib)
-    quant.save_compressed(model, tmp_path / "c")
-    quant.save_compressed(model, tmp_path / "c")
+    quant.save_compressed(model, tmp_path / "c", tokenizer=tokenizer)
+    files = json.loads((tmp_path / "c" / "compression.json").read_text())["files"]
+    assert files == sorted(p.name for p in (tmp_path / "c").iterdir())
+    with pytest.raises(OutputPathError, match=r"c already holds a compressed checkpoint.*--overwrite"):
+        quant.save_compressed(model, tmp_path / "c")
+    quant.save_compressed(model, tmp_path / "c", overwrite=True)  # without the tokenizer this time
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["compression.json", "config.json",
+                                                                  "model.safetensors"]
+    runtime.load_model(tmp_path / "c")
+
+
+def test_save_and_export_never_touch_a_file_or_a_directory_specdec_did_not_write(calib, tmp_path):
+    model = _compress(tiny_model("llama", seed=5), quant.Int8WeightOnly(), calib)
+    (tmp_path / "file").write_text("mine")
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "notes.txt").write_text("keep me")
+    before = _snapshot(tmp_path)
+    for save in (quant.save_compressed, quant.export_dense):
+        for overwrite in (False, True):
+            with pytest.raises(OutputPathError, match="file exists and is not a directory"):
+                save(model, tmp_path / "file", overwrite=overwrite)
+            with pytest.raises(OutputPathError, match="home is a non-empty directory that specdec did not write"):
+                save(model, tmp_path / "home", overwrite=overwrite)
+    # a user's file inside a previous checkpoint: --overwrite refuses rather than delete it
+    quant.save_compressed(model, tmp_path / "c")
+    (tmp_path / "c" / "README.md").write_text("my notes")
+    before = _snapshot(tmp_path)
+    with pytest.raises(OutputPathError, match="not part of the compressed checkpoint.*README.md"):
+        quant.save_compressed(model, tmp_path / "c", overwrite=True)
+    # --overwrite replaces a checkpoint of the same kind only
+    with pytest.raises(OutputPathError, match="holds a compressed checkpoint.*not a dense export"):
+        quant.export_dense(model, tmp_path / "c", overwrite=True)
+    assert _snapshot(tmp_path) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c", "file", "home"]
+
+
+def test_export_dense_is_marked_and_overwritten_only_on_request(calib, tmp_path):
+    model = _compress(tiny_model("llama", seed=5), quant.Int8WeightOnly(), calib)
+    out = quant.export_dense(model, tmp_path / "d")
+    meta = json.loads((out / "specdec_export.json").read_text())
+    assert meta["format"] == "specdec-dense-export" and meta["recipe"][0]["type"] == "Int8WeightOnly"
+    with pytest.raises(OutputPathError, match="already holds a dense export"):
+        quant.export_dense(model, out)
+    assert quant.export_dense(model, out, overwrite=True) == out
 
 
 def test_newer_format_version_is_a_clear_error(calib, tmp_path):

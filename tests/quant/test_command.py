@@ -2,6 +2,10 @@
 
 import argparse
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,9 +13,12 @@ import torch
 import runtime
 from quant.command import register
 from quant.recipe import load_recipe
+from runtime.outputs import OutputPathError
 from runtime.qlinear import Int8Linear, Sparse24Linear
 from runtime.tiny import tiny_pair
 from tests.quant.conftest import TEXTS
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture()
@@ -65,3 +72,46 @@ def test_recipe_errors_name_the_file(tmp_path):
     per_text = tmp_path / "per_text.yaml"
     per_text.write_text("calibration: {n_samples: 8, one_per_text: true}\nsteps: [{type: NF4}]\n")
     assert load_recipe(per_text).calibration["one_per_text"] is True
+
+
+def _snapshot(root) -> dict:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _cli(*argv: str, cwd) -> subprocess.CompletedProcess:
+    env = {**os.environ, "SPECDEC_DEBUG": ""}
+    return subprocess.run([sys.executable, "-m", "specdec.cli", *argv], capture_output=True, text=True, cwd=cwd,
+                          env=env, timeout=300)
+
+
+def test_compress_refuses_bad_output_paths_before_any_work(tmp_path):
+    """A file, or a directory specdec did not write (even with --overwrite), fails with one line and
+    exit status 2 before the model is loaded (it does not exist here); nothing is touched."""
+    (tmp_path / "file").write_text("mine")
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "notes.txt").write_text("keep me")
+    before = _snapshot(tmp_path)
+    base = ["compress", "--model", str(tmp_path / "no-such-model"), "--recipe", str(tmp_path / "r.yaml")]
+    for out, extra, message in [("file", [], "file exists and is not a directory"),
+                                ("home", ["--overwrite"], "home is a non-empty directory that specdec did not write")]:
+        proc = _cli(*base, "--out", str(tmp_path / out), *extra, cwd=ROOT)
+        assert proc.returncode == 2, proc.stderr
+        first = proc.stderr.splitlines()[0]
+        assert first.startswith("specdec compress: error: ") and message in first, proc.stderr
+        assert "Traceback" not in proc.stderr
+    assert _snapshot(tmp_path) == before and sorted(p.name for p in tmp_path.iterdir()) == ["file", "home"]
+
+
+def test_compress_needs_overwrite_to_replace_its_own_checkpoint(tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "compression.json").write_text("{}")
+    args = _parse(["compress", "--model", str(tmp_path / "no-such-model"), "--recipe", str(tmp_path / "r.yaml"),
+                   "--out", str(tmp_path / "out")])
+    with pytest.raises(OutputPathError, match="already holds a compressed checkpoint.*--overwrite"):
+        args.func(args)
+    (tmp_path / "out-dense").mkdir()
+    (tmp_path / "out-dense" / "weights.bin").write_text("mine")
+    args = _parse(["compress", "--model", str(tmp_path / "no-such-model"), "--recipe", str(tmp_path / "r.yaml"),
+                   "--out", str(tmp_path / "out"), "--export-dense", "--overwrite"])
+    with pytest.raises(OutputPathError, match="out-dense is a non-empty directory"):
+        args.func(args)
