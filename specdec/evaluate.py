@@ -24,9 +24,18 @@ Output directory (`--out`): `run.json` (the settings), `generations.jsonl` (one 
 method, appended and flushed line by line), then `report.json`, `report.md`, `acceptance.png`,
 `speedup.png` rebuilt from the jsonl (see specdec.report). Re-running with the same `--out` and
 settings resumes: (prompt, method) pairs already in the jsonl are skipped. Different settings
-fail unless `--overwrite`. A generations line holds: id, category, method, turns (user texts),
-outputs (answer texts, one per turn), output_ids (token ids per turn), new_tokens, wall_s,
-tokens_per_second, stats (AcceptanceStats.to_dict(), null for transformers methods).
+fail unless `--overwrite`, which deletes only those files. `--out` must be new, empty or an
+evaluation run (run.json / report.json / generations.jsonl): a file or another directory is refused
+(runtime.outputs). A run holds `--out/.lock` while it runs: a second run on the same `--out`
+fails at once (a lock left by a killed run is taken over). A generations line holds: id, category,
+method, turns (user texts), outputs (answer texts, one per turn), output_ids (token ids per turn),
+new_tokens, wall_s, tokens_per_second, stats (AcceptanceStats.to_dict(), null for transformers
+methods).
+
+A prompt that does not fit the context (prompt + max_new_tokens beyond a model's positions:
+runtime.errors.ContextLengthError) is skipped, not fatal: a line {id, category, method, skipped:
+reason} records it, the report leaves it out of every method (report.json "skipped", a line in
+report.md), and a resumed run does not try it again.
 """
 
 from __future__ import annotations
@@ -47,6 +56,8 @@ import torch
 
 from runtime import hardware
 from runtime.atomic import atomic_write_text
+from runtime.errors import ContextLengthError
+from runtime.outputs import output_lock, prepare_output_dir
 from runtime.progress import progress as progress_bar
 from specdec.baselines import HF_MODES, HFGenerator, load_hf_model, new_tokens
 from specdec.draft_vocab import ALIGN as DRAFT_VOCAB_ALIGN
@@ -60,6 +71,8 @@ _DRAFTING = ("draft", "ngram", "hybrid")  # methods whose draft length k applies
 DTYPES = {name: hardware.DTYPES[name] for name in ("bfloat16", "float32")}  # the dtypes runs are measured in
 GENERATIONS, RUN_FILE = "generations.jsonl", "run.json"
 _OUTPUTS = (GENERATIONS, RUN_FILE, "report.json", "report.md", "acceptance.png", "speedup.png")
+MARKERS = (RUN_FILE, "report.json", GENERATIONS)  # any of them: the directory holds an evaluation run
+WHAT = "evaluation run"
 # settings that change what a generation line holds: a resumed run must share them
 _RESUME_KEYS = ("target", "prompts", "dataset", "raw", "all_turns", "dtype", "device", "max_new_tokens",
                 "num_draft_tokens", "temperature", "top_p", "top_k", "seed", "hf_pld_tokens", "compile")
@@ -205,8 +218,15 @@ def settings_hash(settings: dict) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def check_out_dir(out: str | Path, overwrite: bool = False) -> Path:
+    """Fail (runtime.outputs.OutputPathError) unless `out` is new, empty or an evaluation run."""
+    return prepare_output_dir(out, MARKERS, overwrite, what=WHAT, resume=True)
+
+
 def prepare_out_dir(out: Path, settings: dict, overwrite: bool) -> None:
-    """Create `out`, or check that the run it holds used `settings` (or clear it with overwrite)."""
+    """Create `out`, or check that the run it holds used `settings` (or clear it with overwrite:
+    the run's own files only). A file or a directory that holds no evaluation run is refused."""
+    out = check_out_dir(out, overwrite)
     out.mkdir(parents=True, exist_ok=True)
     run_file = out / RUN_FILE
     if overwrite:
@@ -391,7 +411,23 @@ def versions() -> dict:
 
 
 def run_eval(cfg: EvalConfig, command: str | None = None, progress: bool = True) -> dict:
-    """Run (or resume) an evaluation; writes the files in `cfg.out` and returns the report dict."""
+    """Run (or resume) an evaluation; writes the files in `cfg.out` and returns the report dict.
+
+    Fails at once (runtime.outputs.OutputPathError) when `cfg.out` is a file, a directory that
+    holds no evaluation run, or the directory of a run still going on (its lock)."""
+    out = check_out_dir(cfg.out, cfg.overwrite)
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        with output_lock(out, "specdec eval"):
+            return _run_locked(cfg, out, command, progress)
+    except BaseException:
+        if created and not any(out.iterdir()):
+            out.rmdir()  # bad input found before anything was written: leave no empty directory behind
+        raise
+
+
+def _run_locked(cfg: EvalConfig, out: Path, command: str | None, progress: bool) -> dict:
     import runtime
     from specdec.report import build_report, write_report
 
@@ -404,23 +440,32 @@ def run_eval(cfg: EvalConfig, command: str | None = None, progress: bool = True)
     settings = run_settings(cfg, eos, "raw" if cfg.raw else "chat")
     if not cfg.raw:
         encode(tokenizer, [prompts[0].turns[0]], [], raw=False)  # fails early without a chat template
-    out = Path(cfg.out)
     prepare_out_dir(out, settings, cfg.overwrite)
     digest = settings_hash(settings)
     path = out / GENERATIONS
-    done = {(r["id"], r["method"]) for r in read_generations(path, digest)}
-    todo = [(p, s) for p in prompts for s in specs if (p.id, s.name) not in done]
+    previous = read_generations(path, digest)
+    skipped = {r["id"] for r in previous if r.get("skipped")}  # prompts that did not fit: never retried
+    done = {(r["id"], r["method"]) for r in previous}
+    todo = [(p, s) for p in prompts if p.id not in skipped for s in specs if (p.id, s.name) not in done]
     runner = Runner(cfg, tokenizer, eos)
     pending = {s.name for _, s in todo}
-    for spec in specs:  # warm-up: untimed, unrecorded generations on the first prompt
+    for spec in specs:  # warm-up: untimed, unrecorded generations on the first prompt that fits
         if spec.name in pending:
             for _ in range(cfg.warmup):
-                runner.decode(spec, encode(tokenizer, [prompts[0].turns[0]], [], cfg.raw), cfg.seed)
+                _warm_up(runner, spec, [p for p in prompts if p.id not in skipped])
     with path.open("a", encoding="utf-8") as fh, \
             progress_bar(total=len(todo), desc="eval", unit="gen", disable=not progress) as bar:
         for prompt, spec in todo:  # prompt-major: all methods on prompt 1, then prompt 2, ...
             bar.set_postfix_str(f"{prompt.id} {spec.name}", refresh=False)
-            rec = runner.run_prompt(spec, prompt)
+            if prompt.id in skipped:  # an earlier method found it too long
+                bar.update()
+                continue
+            try:
+                rec = runner.run_prompt(spec, prompt)
+            except ContextLengthError as err:
+                skipped.add(prompt.id)
+                rec = {"id": prompt.id, "category": prompt.category, "method": spec.name, "skipped": str(err)}
+                bar.write(f"specdec eval: skipping prompt {prompt.id}: {err}", file=sys.stderr)
             rec["settings_hash"] = digest
             fh.write(json.dumps(rec) + "\n")
             fh.flush()
@@ -433,13 +478,24 @@ def run_eval(cfg: EvalConfig, command: str | None = None, progress: bool = True)
     return report
 
 
+def _warm_up(runner: Runner, spec: MethodSpec, prompts: list[Prompt]) -> None:
+    """One untimed generation of `spec` on the first of `prompts` whose first turn fits the context."""
+    for prompt in prompts:
+        try:
+            runner.decode(spec, encode(runner.tokenizer, [prompt.turns[0]], [], runner.cfg.raw), runner.cfg.seed)
+            return
+        except ContextLengthError:
+            continue
+
+
 def register(subparsers) -> argparse.ArgumentParser:
     """Add the `eval` subcommand to an argparse subparsers object."""
     d = {f.name: f.default for f in dataclasses.fields(EvalConfig)}
     p = subparsers.add_parser(
         "eval", help="compare decoding methods: acceptance (tau) and speed on a prompt set",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, help="output directory (re-running with it resumes)")
+    p.add_argument("--out", required=True, help="output directory: new, empty, or an earlier run's (re-running "
+                   "with it resumes; a directory specdec did not write is refused)")
     p.add_argument("--methods", default=d["methods"],
                    help="comma-separated methods: plain, draft:X, ngram, hybrid:X, medusa:PATH, hf, "
                         "hf-assisted:X, hf-pld; draft/ngram/hybrid take @K for their own draft length, "
@@ -483,7 +539,8 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="draft models score only the N most frequent tokens (FR-Spec; a multiple of "
                    "16, e.g. 65536 of qwen's 151936): a cheaper LM head for the draft, output still "
                    "lossless (default: 0 = the full vocabulary)")
-    p.add_argument("--overwrite", action="store_true", help="discard a run already in --out")
+    p.add_argument("--overwrite", action="store_true", help="discard a run already in --out (its own files "
+                   "only; other files there are never deleted)")
     p.set_defaults(func=main)
     return p
 

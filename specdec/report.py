@@ -3,7 +3,11 @@
 report.json layout:
 
     {"tau_convention": ..., "command": ..., "versions": {...}, "settings": {...},
-     "methods": {NAME: {"overall": GROUP, "categories": {CATEGORY: GROUP}}}}
+     "methods": {NAME: {"overall": GROUP, "categories": {CATEGORY: GROUP}}},
+     "skipped": [{"id", "reason"}]}
+
+skipped: prompts that did not fit a model's context (generation lines with a "skipped" reason);
+they count for no method, so every method is measured on the same prompts.
 
 GROUP: num_prompts, new_tokens, tau (= mean_accepted_tokens), acceptance_rate,
 per_position_acceptance, tokens_per_second (median over prompts of per-prompt tokens/s),
@@ -85,10 +89,15 @@ def build_report(records: list[dict], settings: dict, methods: list[str], prompt
                  command: str, versions: dict) -> dict:
     """report.json content from generation lines (only `methods` x `prompt_ids` are used)."""
     wanted = set(prompt_ids)
+    reasons: dict[str, str] = {}
+    for r in records:
+        if r.get("skipped") and r["id"] in wanted:
+            reasons.setdefault(r["id"], r["skipped"])
+    skipped = [{"id": i, "reason": reasons[i]} for i in prompt_ids if i in reasons]
     by_method: dict[str, dict[str, dict]] = {m: {} for m in methods}
     category: dict[str, str] = {}
     for r in records:
-        if r["method"] in by_method and r["id"] in wanted:
+        if r["method"] in by_method and r["id"] in wanted and r["id"] not in reasons:
             by_method[r["method"]][r["id"]] = r
             category[r["id"]] = r["category"]
     ordered = [i for i in prompt_ids if i in category]
@@ -103,7 +112,7 @@ def build_report(records: list[dict], settings: dict, methods: list[str], prompt
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "settings": {**settings, "k": settings.get("num_draft_tokens"), "methods": methods,
                          "num_prompts": len(ordered)},
-            "methods": out_methods}
+            "methods": out_methods, "skipped": skipped}
 
 
 def _fmt(v, digits: int = 2) -> str:
@@ -148,6 +157,11 @@ def render_markdown(report: dict) -> str:
              "measured in this run; paired = geometric mean over prompts of the per-prompt tok/s "
              "ratio to the first method (the comparison between methods); matches plain = fraction "
              "of prompts whose output tokens equal plain decoding's.", ""]
+    skipped = report.get("skipped") or []
+    if skipped:
+        lines += [f"Skipped {len(skipped)} prompt{'s' if len(skipped) > 1 else ''} that did not fit the context "
+                  "(not scored for any method): " + "; ".join(f"`{s['id']}` ({s['reason']})" for s in skipped) + ".",
+                  ""]
     lines += _table(report, "Overall", None)
     cats = sorted({c for m in report["methods"].values() for c in m["categories"]})
     if len(cats) > 1:

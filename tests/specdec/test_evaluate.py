@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +18,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTra
 import runtime
 import specdec
 from distill import attach_medusa, save_medusa
+from runtime.outputs import OutputLockedError, OutputPathError, output_lock
 from specdec import evaluate
 from specdec.evaluate import EvalConfig, MethodSpec, Runner, SettingsMismatchError, parse_methods, run_eval
 from specdec.prompts import encode
@@ -281,3 +285,88 @@ def test_all_turns_conversation(workdir: Path, monkeypatch):
     assert first["new_tokens"] == sum(len(x) for x in first["output_ids"])
     assert report["methods"]["hf"]["overall"]["matches_plain"] == 1.0
     assert set(report["methods"]["plain"]["categories"]) == {"writing", "coding"}
+
+
+LONG = {"prompt": " ".join(f"w{i % 100}" for i in range(600)), "category": "code", "id": "long"}
+
+
+def test_a_prompt_longer_than_the_context_is_skipped_recorded_and_not_retried(workdir: Path, monkeypatch):
+    prompts = _write_jsonl(workdir / "with_long.jsonl", [LONG, *PROMPTS[:2]])  # the first one: warm-up skips it too
+    cfg = EvalConfig(out=str(workdir / "long"), methods="plain,ngram", target=str(workdir / "ckpt"),
+                     prompts=str(prompts), dtype="float32", max_new_tokens=6)
+    report = run_eval(cfg, progress=False)
+    assert report["skipped"] and report["skipped"][0]["id"] == "long"
+    assert "exceeds the model's 512 positions" in report["skipped"][0]["reason"]
+    assert report["settings"]["num_prompts"] == 2
+    assert all(m["overall"]["num_prompts"] == 2 for m in report["methods"].values())
+    lines = [json.loads(x) for x in (workdir / "long" / "generations.jsonl").read_text().splitlines()]
+    assert [(r["id"], r.get("skipped") is not None) for r in lines][0] == ("long", True)
+    assert [(r["id"], r["method"]) for r in lines[1:]] == [(p, m) for p in ("p0", "p1") for m in ("plain", "ngram")]
+    md = (workdir / "long" / "report.md").read_text()
+    assert "Skipped 1 prompt that did not fit the context" in md and "`long`" in md
+    calls = _count_decodes(monkeypatch)
+    again = run_eval(cfg, progress=False)  # resume: nothing left, the long prompt is not tried again
+    assert calls == [] and again["skipped"] == report["skipped"]
+
+
+def test_out_must_be_new_empty_or_an_evaluation_run(workdir: Path, tmp_path: Path):
+    base = dict(methods="plain", target=str(workdir / "ckpt"), prompts=str(workdir / "prompts.jsonl"),
+                dtype="float32", max_new_tokens=4, limit=1, warmup=0)
+    (tmp_path / "file").write_text("mine")
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "notes.txt").write_text("keep me")
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    with pytest.raises(OutputPathError, match="file exists and is not a directory"):
+        run_eval(EvalConfig(out=str(tmp_path / "file"), **base), progress=False)
+    for overwrite in (False, True):
+        with pytest.raises(OutputPathError, match="home is a non-empty directory that specdec did not write"):
+            run_eval(EvalConfig(out=str(tmp_path / "home"), overwrite=overwrite, **base), progress=False)
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "home"]
+    # --overwrite discards a run's own files only: a file the user put beside them stays
+    run = tmp_path / "run"
+    run_eval(EvalConfig(out=str(run), **base), progress=False)
+    (run / "notes.txt").write_text("keep me")
+    run_eval(EvalConfig(out=str(run), overwrite=True, **{**base, "max_new_tokens": 3}), progress=False)
+    assert (run / "notes.txt").read_text() == "keep me" and not (run / ".lock").exists()
+    # bad input found before anything is written leaves no empty directory behind
+    with pytest.raises(FileNotFoundError):
+        run_eval(EvalConfig(out=str(tmp_path / "new"), **{**base, "prompts": str(tmp_path / "none.jsonl")}),
+                 progress=False)
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_second_eval_on_the_same_out_fails_at_once(workdir: Path, tmp_path: Path):
+    out = tmp_path / "busy"
+    out.mkdir()
+    cfg = EvalConfig(out=str(out), methods="plain", target=str(workdir / "ckpt"),
+                     prompts=str(workdir / "prompts.jsonl"), dtype="float32", max_new_tokens=4, limit=1, warmup=0)
+    with output_lock(out, "specdec eval"):
+        with pytest.raises(OutputLockedError, match=rf"busy is in use by another specdec eval \(pid {os.getpid()}\)"):
+            run_eval(cfg, progress=False)
+        assert sorted(p.name for p in out.iterdir()) == [".lock"]  # the holder's lock, nothing else written
+    (out / ".lock").write_text("999999999\n")  # left by a killed run: taken over
+    assert run_eval(cfg, progress=False)["settings"]["num_prompts"] == 1
+
+
+def _specdec(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "specdec.cli", *argv], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[2], env={**os.environ, "SPECDEC_DEBUG": ""})
+
+
+def test_cli_bad_out_and_busy_out_are_one_line_errors(workdir: Path, tmp_path: Path):
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "notes.txt").write_text("keep me")
+    (tmp_path / "busy").mkdir()
+    args = ["--target", str(workdir / "ckpt"), "--prompts", str(workdir / "prompts.jsonl"), "--methods", "plain"]
+    with output_lock(tmp_path / "busy", "specdec eval"):
+        for out, message in [("home", "home is a non-empty directory that specdec did not write"),
+                             ("busy", "busy is in use by another specdec eval")]:
+            proc = _specdec("eval", "--out", str(tmp_path / out), "--overwrite", *args)
+            assert proc.returncode == 2, proc.stderr
+            first = proc.stderr.splitlines()[0]
+            assert first.startswith("specdec eval: error: ") and message in first, proc.stderr
+            assert "Traceback" not in proc.stderr
+    assert (tmp_path / "home" / "notes.txt").read_text() == "keep me"
+    assert sorted(p.name for p in (tmp_path / "home").iterdir()) == ["notes.txt"]
+    assert list((tmp_path / "busy").iterdir()) == []
