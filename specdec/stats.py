@@ -97,4 +97,6 @@ class AcceptanceStats:
         keys = ("target_forwards", "drafted_tokens", "accepted_tokens", "generated_tokens",
                 "position_drafted", "position_accepted", "wall_s", "ttft_s", "tpot_s", "draft_s",
                 "verify_s", "num_calls")
-        return cls(**{k: d[k] for k in keys if k in d})
+        # lists are copied: merging into the result must not change `d` (a report merges the same
+        # generation records once overall and once per category)
+        return cls(**{k: list(d[k]) if isinstance(d[k], list) else d[k] for k in keys if k in d})
