@@ -2,12 +2,37 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
 from runtime.errors import UnsupportedModelError
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+# Most positions a config may declare: the rotary tables are built for all of them (2**20 covers
+# the longest-context Llama / Qwen2 releases, 1M tokens), so a typo such as 10**12 fails here
+# instead of asking for terabytes when the model first runs.
+MAX_POSITIONS = 1 << 20
+_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+          "head_dim", "max_position_embeddings")
+# the Hugging Face config keys from_hf reads sizes from
+HF_SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "max_position_embeddings")
+
+
+def check_model_type(model_type: Any) -> None:
+    """UnsupportedModelError unless `model_type` is a family the runtime implements."""
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} is not implemented by the specdec runtime (supported: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}). Load it with transformers "
+            "(AutoModelForCausalLM.from_pretrained) and pass that model to specdec.generate: "
+            "runtime.HFAdapter wraps any PreTrainedModel (a slower path).")
+
+
+def is_size(value: Any) -> bool:
+    """Whether `value` is an integer >= 1 (a bool is not)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
 
 
 @dataclass(frozen=True)
@@ -30,24 +55,29 @@ class ModelConfig:
     hf_config: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim", "max_position_embeddings"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}")
+        for name in _SIZES:
+            value = getattr(self, name)
+            if not is_size(value):
+                raise ValueError(f"ModelConfig.{name} must be an integer >= 1, got {value!r}")
+            object.__setattr__(self, name, int(value))
+        if self.max_position_embeddings > MAX_POSITIONS:
+            raise ValueError(f"ModelConfig.max_position_embeddings is {self.max_position_embeddings}, more than "
+                             f"the {MAX_POSITIONS} (2**20) positions the runtime supports (its rotary tables "
+                             "hold every position); lower it to the context the model was trained for")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                              f"({self.num_kv_heads}) for grouped-query attention")
 
     @classmethod
     def from_hf(cls, hf_config: Any) -> "ModelConfig":
-        """Build from a `transformers` config; raises UnsupportedModelError for other families."""
+        """Build from a `transformers` config; raises UnsupportedModelError for other families and
+        ValueError for sizes that are not positive integers."""
         model_type = getattr(hf_config, "model_type", None)
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise UnsupportedModelError(
-                f"model_type {model_type!r} is not implemented by the specdec runtime (supported: "
-                f"{', '.join(SUPPORTED_MODEL_TYPES)}). Load it with transformers "
-                "(AutoModelForCausalLM.from_pretrained) and pass that model to specdec.generate: "
-                "runtime.HFAdapter wraps any PreTrainedModel (a slower path).")
+        check_model_type(model_type)
+        for key in HF_SIZE_KEYS:  # before any arithmetic on them (hidden_size // 0 ...)
+            value = getattr(hf_config, key, None)
+            if not is_size(value):
+                raise ValueError(f"{key} must be an integer >= 1, got {value!r}")
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
         if model_type == "qwen2":
