@@ -1,4 +1,5 @@
-"""Which floating-point type a device multiplies fast: bf16 where it is native, float32 elsewhere.
+"""Devices: whether one exists here (`check_device`), and which floating-point type it multiplies
+fast: bf16 where it is native, float32 elsewhere.
 
 bf16 halves the bytes a decoding step reads, but only hardware with bf16 arithmetic (CUDA GPUs
 of compute capability 8.0+, CPUs with AVX-512 BF16 or AMX, which oneDNN reports) computes with
@@ -37,3 +38,28 @@ def native_bf16(device: torch.device | str = "cpu") -> bool:
 def batch_dtype(device: torch.device | str = "cpu") -> torch.dtype:
     """The dtype for batched (compute-bound) work on `device`: bf16 where native, else float32."""
     return torch.bfloat16 if native_bf16(device) else torch.float32
+
+
+def check_device(device: torch.device | str) -> torch.device:
+    """`device` as a torch.device, or ValueError saying why the runtime cannot use it: a name torch
+    does not know ('banana'), a CUDA device on a machine without one (or past its GPU count), or
+    another device type this machine does not have."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"unknown device {str(device)!r}; use cpu, cuda or cuda:N") from err
+    if dev.type == "cpu":
+        return dev
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {str(device)!r} was asked for, but no CUDA GPU is available; use --device cpu")
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise ValueError(f"device {str(device)!r} does not exist: this machine has {count} CUDA GPU(s), "
+                             f"cuda:0 to cuda:{count - 1}")
+        return dev
+    backend = getattr(torch, dev.type, None)
+    if not (callable(getattr(backend, "is_available", None)) and backend.is_available()):
+        raise ValueError(f"device {str(device)!r} was asked for, but no {dev.type} device is available; use "
+                         "--device cpu")
+    return dev
