@@ -2,17 +2,28 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from runtime.config import ModelConfig
+from runtime.config import HF_SIZE_KEYS, ModelConfig, check_model_type, is_size
 from runtime.errors import CheckpointError
+from runtime.hardware import check_device
 from runtime.model import Transformer
+from runtime.validate import (
+    HF_LAYOUT,
+    check_tensors,
+    model_config,
+    read_headers,
+    read_json,
+    refuse_remote_code,
+    safetensors_files,
+    tensor_infos,
+)
 
 # Hugging Face parameter names (per layer) -> ours; fused entries list their parts in order.
 _LAYER_MAP = {
@@ -65,27 +76,38 @@ def _from_hub(repo_id: str) -> Path:
 
 
 def read_hf_config(ckpt: Path) -> Any:
-    """The `transformers` config of a checkpoint directory."""
+    """The `transformers` config of a checkpoint directory of a family the runtime implements.
+
+    Before transformers reads anything: config.json must be a JSON object, a checkpoint that asks
+    to run its own code (`auto_map`) is refused, and so is an unsupported `model_type`
+    (UnsupportedModelError). transformers then parses it with trust_remote_code=False; what it
+    rejects becomes a CheckpointError naming the file.
+    """
     from transformers import AutoConfig
 
-    if not (ckpt / "config.json").is_file():
+    path = Path(ckpt) / "config.json"
+    if not path.is_file():
         raise CheckpointError(f"{ckpt} has no config.json; it is not a Hugging Face checkpoint directory")
-    return AutoConfig.from_pretrained(ckpt)
+    raw = read_json(path)
+    refuse_remote_code(ckpt)
+    check_model_type(raw.get("model_type"))
+    for key in HF_SIZE_KEYS:  # transformers divides by some of them while parsing
+        if key in raw and not is_size(raw[key]):
+            raise CheckpointError(f"{path}: {key} must be an integer >= 1, got {raw[key]!r}")
+    try:
+        return AutoConfig.from_pretrained(ckpt, trust_remote_code=False)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, ArithmeticError,
+            StrictDataclassError) as err:  # what transformers' config classes raise on bad values
+        raise CheckpointError(f"{path} is not a valid {raw.get('model_type')} config ({type(err).__name__}: "
+                              f"{err})") from err
 
 
 def read_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
     """All tensors of a checkpoint dir: model.safetensors, a sharded index, or weights-only .bin."""
-    index = ckpt / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [ckpt / s for s in shards]
-    else:
-        files = sorted(ckpt.glob("*.safetensors"))
+    files = safetensors_files(ckpt)
     if files:
         state: dict[str, torch.Tensor] = {}
         for f in files:
-            if not f.is_file():
-                raise CheckpointError(f"{index} lists shard {f.name}, which is missing from {ckpt}")
             try:
                 state.update(load_file(f))
             except (SafetensorError, OSError) as err:
@@ -128,8 +150,13 @@ def to_runtime_state(hf_state: dict[str, torch.Tensor], cfg: ModelConfig) -> dic
 
 def from_hf_state(hf_state: dict[str, torch.Tensor], hf_config: Any, dtype: torch.dtype = torch.float32,
                   device: torch.device | str = "cpu", attention: str | None = None) -> Transformer:
-    """Build a Transformer on `meta` and assign the given Hugging Face tensors to it."""
-    cfg = ModelConfig.from_hf(hf_config)
+    """Build a Transformer on `meta` and assign the given Hugging Face tensors to it.
+
+    The tensors are checked against the config first (layer count, shapes, floating dtypes:
+    `runtime.validate.check_tensors`), so a config that disagrees with them builds nothing.
+    """
+    cfg = model_config(hf_config)
+    check_tensors(cfg, tensor_infos(hf_state), HF_LAYOUT)
     with torch.device("meta"):
         model = Transformer(cfg, attention=attention)
     state = to_runtime_state(hf_state, cfg)
@@ -164,17 +191,29 @@ def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.bfloat16,
     dense_prompts: a compressed checkpoint's quantized linears also keep a dense `dtype` copy
     for prompts (`runtime.qlinear.keep_dense_for_prompts`: a CPU draft's prefill several times
     faster, at the dense model's memory); no effect on a dense checkpoint.
+    device: "cpu", "cuda" or "cuda:N"; a ValueError before anything is read when this machine lacks
+    it (`runtime.hardware.check_device`).
+
+    Nothing is built or run before the checkpoint is checked (`runtime.validate`): a checkpoint
+    that asks to run its own code (`auto_map`) or has an unsupported model_type raises
+    UnsupportedModelError; malformed JSON, shard paths outside the directory, unparsable
+    safetensors, a config whose layer count, widths, heads, vocabulary or positions disagree with
+    the weights' headers, integer or NaN weights raise CheckpointError naming the file.
     """
     if attention is not None and attention not in ("sdpa", "triton"):
         raise ValueError(f"attention must be 'sdpa' or 'triton', got {attention!r}")
+    device = check_device(device)
     ckpt = resolve(name_or_path)
     hf_config = read_hf_config(ckpt)
+    cfg = model_config(hf_config, ckpt)  # fail on a bad config before reading the weights
     if (ckpt / "compression.json").is_file():
         from runtime.compressed import load_compressed
 
         model = load_compressed(ckpt, hf_config, dtype=dtype, device=device, attention=attention)
     else:
-        ModelConfig.from_hf(hf_config)  # fail on an unsupported family before reading the weights
+        files = safetensors_files(ckpt)
+        if files:  # the headers against the config, before any weight is read
+            check_tensors(cfg, read_headers(files), HF_LAYOUT, ckpt)
         model = from_hf_state(read_state_dict(ckpt), hf_config, dtype=dtype, device=device,
                               attention=attention)
     model.source = ckpt  # lets a drafter compare tokenizers with its target
@@ -192,7 +231,8 @@ def load_tokenizer(name_or_path: str | Path):
     from transformers import AutoTokenizer
 
     ckpt = resolve(name_or_path)
+    refuse_remote_code(ckpt)
     try:
-        return AutoTokenizer.from_pretrained(ckpt)
+        return AutoTokenizer.from_pretrained(ckpt, trust_remote_code=False)
     except (OSError, ValueError) as err:
         raise CheckpointError(f"no usable tokenizer in {ckpt} ({err})") from err
