@@ -4,6 +4,7 @@
 that loader returns carries a GGUF quantizer and refuses to serialize, so the weights move into a
 plain model rebuilt from the same config, which is saved with `save_pretrained`. The tokenizer
 comes from the GGUF metadata. Tensor types are checked with `gguf.GGUFReader` before any work.
+transformers is always called with trust_remote_code=False: no code beside the GGUF is run.
 
 `convert_gguf(path, out_dir)` writes one directory; `gguf_to_checkpoint(path)` caches the result
 under `$SPECDEC_HOME/gguf/<stem>-<key>` (key: hash of path, size and mtime), built atomically.
@@ -15,6 +16,7 @@ import functools
 import gc
 import hashlib
 import json
+import re
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -25,8 +27,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from runtime.config import MAX_POSITIONS
 from runtime.errors import CheckpointError
 from runtime.progress import progress as progress_bar
+from runtime.validate import layer_span
 
 if TYPE_CHECKING:
     from tqdm.auto import tqdm
@@ -66,6 +70,7 @@ def inspect_gguf(gguf_path: Path) -> tuple[Counter, bool]:
     except (ValueError, OSError, IndexError, KeyError) as err:
         raise CheckpointError(f"{gguf_path} is not a readable GGUF file ({type(err).__name__}: {err}); "
                               "it may be truncated or corrupt: download it again") from err
+    check_gguf_sizes(reader, gguf_path)
     supported = supported_tensor_types()
     counts: Counter = Counter()
     for tensor in reader.tensors:
@@ -80,6 +85,34 @@ def inspect_gguf(gguf_path: Path) -> tuple[Counter, bool]:
     return counts, "tokenizer.ggml.model" in reader.fields
 
 
+def _field(reader, key: str):
+    field = reader.get_field(key)
+    return None if field is None else field.contents()
+
+
+def check_gguf_sizes(reader, gguf_path: Path) -> None:
+    """CheckpointError when a GGUF's metadata disagrees with its tensors in a way that would make
+    transformers build an oversized model: a block count other than the blocks stored, a context
+    length past runtime.config.MAX_POSITIONS, an embedding length other than the embedding's."""
+    arch = _field(reader, "general.architecture")
+    if not isinstance(arch, str):
+        return  # transformers rejects a GGUF without an architecture before building anything
+    count = _field(reader, f"{arch}.block_count")
+    blocks = sorted({int(m.group(1)) for t in reader.tensors if (m := re.match(r"blk\.(\d+)\.", t.name))})
+    if count is not None and (not isinstance(count, int) or blocks != list(range(count))):
+        raise CheckpointError(f"{gguf_path}: its metadata says {arch}.block_count={count!r}, but the file holds "
+                              f"{layer_span(blocks)}; the file is corrupt")
+    context = _field(reader, f"{arch}.context_length")
+    if context is not None and (not isinstance(context, int) or not 1 <= context <= MAX_POSITIONS):
+        raise CheckpointError(f"{gguf_path}: its metadata says {arch}.context_length={context!r}; the runtime "
+                              f"supports 1 to {MAX_POSITIONS} (2**20) positions")
+    width = _field(reader, f"{arch}.embedding_length")
+    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if width is not None and embed is not None and int(embed.shape[0]) != width:
+        raise CheckpointError(f"{gguf_path}: its metadata says {arch}.embedding_length={width!r}, but "
+                              f"token_embd.weight is {int(embed.shape[0])} wide; the file is corrupt")
+
+
 def _load_dense(gguf_path: Path, dtype: torch.dtype):
     """The GGUF's model dequantized by transformers, rebuilt as a plain (serializable) model."""
     from transformers import AutoModelForCausalLM, GgufConfig
@@ -87,7 +120,7 @@ def _load_dense(gguf_path: Path, dtype: torch.dtype):
     try:
         loaded, info = AutoModelForCausalLM.from_pretrained(
             str(gguf_path.parent), gguf_file=gguf_path.name, dtype=dtype, output_loading_info=True,
-            quantization_config=GgufConfig(gguf_file=gguf_path.name, dequantize=True))
+            quantization_config=GgufConfig(gguf_file=gguf_path.name, dequantize=True), trust_remote_code=False)
     except (ValueError, OSError, KeyError, RuntimeError) as err:
         raise CheckpointError(f"transformers could not load {gguf_path} ({type(err).__name__}: {err}); "
                               "check that the file is a complete GGUF of a supported architecture") from err
@@ -101,7 +134,7 @@ def _load_dense(gguf_path: Path, dtype: torch.dtype):
     state = loaded.state_dict()
     del loaded
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
     model.load_state_dict(state, assign=True, strict=True)
     del state
     model.tie_weights()
@@ -118,7 +151,8 @@ def _save_tokenizer(gguf_path: Path, out_dir: Path) -> str:
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                                  trust_remote_code=False)
     except (ValueError, OSError, KeyError) as err:
         raise CheckpointError(f"the tokenizer in {gguf_path} could not be rebuilt ({type(err).__name__}: "
                               f"{err})") from err
