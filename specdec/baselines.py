@@ -19,17 +19,27 @@ HF_MODES = ("hf", "hf-assisted", "hf-pld")
 
 def load_hf_model(name_or_path: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu",
                   eos_token_id: list[int] | None = None, pad_token_id: int | None = None):
-    """A transformers causal LM for a catalogue name, checkpoint dir, .gguf file or hub id."""
+    """A transformers causal LM for a catalogue name, checkpoint dir, .gguf file or hub id.
+
+    Like `runtime.load_model`, it refuses a device this machine lacks (ValueError) and a checkpoint
+    that asks to run its own code (`auto_map`: UnsupportedModelError), and never lets transformers
+    run such code (trust_remote_code=False).
+    """
     from transformers import AutoModelForCausalLM, GenerationConfig
     from transformers.utils import logging as hf_logging
 
+    from runtime.hardware import check_device
     from runtime.loading import resolve
+    from runtime.validate import refuse_remote_code
 
+    device = check_device(device)
+    ckpt = resolve(name_or_path)
+    refuse_remote_code(ckpt)
     # no bar of transformers' own: loading takes seconds and happens inside a run's one progress bar
     shown = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
-        model = AutoModelForCausalLM.from_pretrained(resolve(name_or_path), dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype, trust_remote_code=False)
     finally:
         if shown:
             hf_logging.enable_progress_bar()
