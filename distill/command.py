@@ -29,8 +29,12 @@ def _deadline(minutes: float | None) -> float | None:
 
 def cmd_data(args: argparse.Namespace) -> int:
     import runtime
-    from distill.selfdistill import generate_selfdistill, sharegpt_prompts
+    from distill.selfdistill import check_records_file, generate_selfdistill, sharegpt_prompts
+    from distill.train_medusa import check_cache_dir
 
+    check_records_file(args.out)  # bad output paths fail before the model loads
+    if args.hidden_cache:
+        check_cache_dir(args.hidden_cache)
     model = runtime.load_model(args.model, dtype=_dtype(args.dtype))
     tok = runtime.load_tokenizer(args.model)
     prompts = sharegpt_prompts(tok, split="calibration", limit=args.num_prompts,
@@ -48,15 +52,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     from distill.config_args import dataclass_from_args
     from distill.medusa import attach_medusa
     from distill.selfdistill import read_records
-    from distill.train_medusa import TrainConfig, cache_hidden_states, train_medusa
+    from distill.train_medusa import TrainConfig, cache_hidden_states, check_cache_dir, check_train_dir, train_medusa
 
     deadline = _deadline(args.max_minutes)
     cfg = dataclass_from_args(TrainConfig, args)  # checked before any loading
-    model = runtime.load_model(args.model, dtype=_dtype(args.dtype))
+    check_train_dir(args.out)  # so are the output directories and the data
+    cache_dir = check_cache_dir(args.hidden_cache or Path(args.out) / "hidden_cache")
     records = read_records(args.data)
     if not records:
-        raise SystemExit(f"no records in {args.data}; run `specdec medusa data` first")
-    cache_dir = Path(args.hidden_cache or Path(args.out) / "hidden_cache")
+        raise ValueError(f"no records in {args.data}; run `specdec medusa data` first")
+    model = runtime.load_model(args.model, dtype=_dtype(args.dtype))
     cache_hidden_states(model, records, cache_dir, args.num_heads, deadline=deadline)
     heads = attach_medusa(model, num_heads=args.num_heads, num_layers=args.num_layers,
                           shared_lm_head=not args.separate_lm_heads)
@@ -67,12 +72,13 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_tree(args: argparse.Namespace) -> int:
     import runtime
-    from distill.medusa import choose_tree, load_medusa, save_medusa
+    from distill.medusa import choose_tree, load_medusa, read_medusa_config, save_medusa
     from distill.train_medusa import data_vocab, head_accuracy, load_cached
     from specdec.tree import expected_length
 
     if args.data_vocab and not args.data_dir:
         raise ValueError("--data-vocab needs --data-dir: the hidden-state cache the heads were trained on")
+    read_medusa_config(args.heads)  # not a heads directory: fail before the model loads
     model = runtime.load_model(args.model, dtype=DTYPES[args.dtype])
     heads = load_medusa(args.heads, model, dtype=torch.float32)
     if args.data_vocab:
@@ -83,11 +89,11 @@ def cmd_tree(args: argparse.Namespace) -> int:
     elif heads.config.head_accuracy:
         table = [list(r) for r in heads.config.head_accuracy]
     else:
-        raise SystemExit(f"{args.heads} stores no measured accuracy; pass --data-dir with cached "
+        raise ValueError(f"{args.heads} stores no measured accuracy; pass --data-dir with cached "
                          "held-out hidden states")
     num_nodes = _pick_size(args, model, table) if args.num_nodes == "auto" else args.num_nodes
     paths = choose_tree(heads, table, num_nodes)
-    save_medusa(heads, args.heads)
+    save_medusa(heads, args.heads, overwrite=True)  # the heads read above, with their new tree
     print(f"tree of {len(paths)} nodes, expected accepted per step "
           f"{expected_length(paths, table):.3f}: {[list(p) for p in paths]}")
     return 0
@@ -174,7 +180,8 @@ def register(subparsers) -> None:
 
     d = sub.add_parser("data", help="the model's own answers to ShareGPT prompts (jsonl, resumable)")
     common(d, batched=True)
-    d.add_argument("--out", required=True, help="jsonl file to append to")
+    d.add_argument("--out", required=True, help="jsonl file to append to (new, or one this command wrote: "
+                   "another file is refused, never truncated)")
     d.add_argument("--num-prompts", type=int, default=pool["limit"],
                    help="ShareGPT calibration conversations read for prompts (default: %(default)s)")
     d.add_argument("--max-prompt-tokens", type=int, default=pool["max_prompt_tokens"],
@@ -196,7 +203,8 @@ def register(subparsers) -> None:
     t = sub.add_parser("train", help="cache hidden states, train heads (Medusa-1), pick their tree")
     common(t, batched=True)
     t.add_argument("--data", required=True, help="self-distillation jsonl (specdec medusa data)")
-    t.add_argument("--out", required=True, help="directory for the heads (distill.load_medusa)")
+    t.add_argument("--out", required=True, help="directory for the heads (distill.load_medusa): new, empty, or "
+                   "an earlier run's, which training resumes; a directory specdec did not write is refused")
     t.add_argument("--hidden-cache", default=None, help="default: OUT/hidden_cache")
     attach = {k: v.default for k, v in inspect.signature(attach_medusa).parameters.items()}
     t.add_argument("--num-heads", type=int, default=attach["num_heads"],

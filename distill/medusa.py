@@ -6,6 +6,10 @@ they are not shared, and `vocab`, the token ids the heads guess among, when rest
 `medusa_config.json` (shapes, the shared-LM-head mode, the guess-vocabulary size, the candidate
 tree and the per-head accuracy it was built from). Both are written atomically.
 The shared LM head is never saved: it is the base model's own `lm_head`.
+
+`save_medusa` writes into a new or empty directory, or one that holds heads (or the training
+state of `specdec medusa train`); replacing heads needs `overwrite=True` (runtime.outputs' rule:
+a file, or a directory specdec did not write, is refused).
 """
 
 from __future__ import annotations
@@ -18,12 +22,17 @@ import torch
 from safetensors.torch import save_file
 
 from runtime.atomic import atomic_write
+from runtime.outputs import prepare_output_dir
 from specdec.medusa import MedusaConfig, MedusaHeads
 from specdec.medusa_io import CONFIG, WEIGHTS, load_medusa, read_medusa_config
 from specdec.tree import Path as TreePath
 from specdec.tree import build_tree
 
-__all__ = ["attach_medusa", "choose_tree", "save_medusa", "load_medusa", "read_medusa_config", "CONFIG", "WEIGHTS"]
+__all__ = ["attach_medusa", "choose_tree", "save_medusa", "load_medusa", "read_medusa_config", "CONFIG", "WEIGHTS",
+           "HEADS_MARKERS"]
+
+# a directory holding one of these is a Medusa heads directory (or one `specdec medusa train` is filling)
+HEADS_MARKERS = (CONFIG, "checkpoint/trainer.json")
 
 
 def attach_medusa(model, num_heads: int = 4, num_layers: int = 1, shared_lm_head: bool = True,
@@ -51,10 +60,11 @@ def choose_tree(heads: MedusaHeads, table: Sequence[Sequence[float]], num_nodes:
     return heads.config.tree
 
 
-def save_medusa(heads: MedusaHeads, path: str | Path) -> Path:
+def save_medusa(heads: MedusaHeads, path: str | Path, overwrite: bool = False) -> Path:
     """Write the heads to directory `path` (created if needed); returns it. Their config, tree and
-    accuracy table included, is saved as it is."""
-    path = Path(path)
+    accuracy table included, is saved as it is. `path` must be new, empty or a Medusa directory;
+    heads already there are replaced only with `overwrite=True` (OutputPathError otherwise)."""
+    path = prepare_output_dir(path, HEADS_MARKERS, overwrite, what="Medusa heads directory")
     path.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in heads.state_dict().items()}
     atomic_write(path / WEIGHTS, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))

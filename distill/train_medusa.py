@@ -29,15 +29,41 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from distill.config_args import at_least, check_fields
-from distill.medusa import choose_tree, save_medusa
+from distill.medusa import CONFIG, choose_tree, save_medusa
 from runtime.atomic import atomic_write
 from runtime.hardware import native_bf16
+from runtime.outputs import OutputPathError, prepare_output_dir
 from runtime.progress import progress
 from specdec.medusa import MedusaHeads
 from specdec.tree import expected_length
 
 IGNORE = -100
 MANIFEST = "manifest.json"
+CACHE = "hidden-state cache"
+# files that mark a Medusa training directory (`specdec medusa train --out`, the recipes' OUT):
+# one of them there and training resumes in it; a non-empty directory without them is refused
+TRAIN_MARKERS = (CONFIG, "checkpoint/trainer.json", f"hidden_cache/{MANIFEST}", "selfdistill.jsonl", "budget.json")
+
+
+def check_train_dir(out_dir: str | Path) -> Path:
+    """Fail (OutputPathError) unless `out_dir` is new, empty or a Medusa training directory."""
+    return prepare_output_dir(out_dir, TRAIN_MARKERS, what="Medusa training directory", resume=True)
+
+
+def check_cache_dir(cache_dir: str | Path) -> Path:
+    """Fail (OutputPathError) unless `cache_dir` is new, empty or a hidden-state cache."""
+    cache_dir = prepare_output_dir(cache_dir, MANIFEST, what=CACHE, resume=True)
+    path = cache_dir / MANIFEST
+    if path.is_file():
+        try:
+            manifest = json.loads(path.read_text())
+            ok = isinstance(manifest, dict) and {"num_heads", "hidden_size", "records_done", "shards"} <= set(manifest)
+        except (OSError, ValueError):
+            ok = False
+        if not ok:
+            raise OutputPathError(f"{path} is not the manifest of a {CACHE} written by specdec; choose a new or "
+                                  "empty directory for the cache")
+    return cache_dir
 
 
 def _write_json(path: Path, obj) -> None:
@@ -66,7 +92,7 @@ class HiddenCacheWriter:
 
     def __init__(self, out_dir: str | Path, num_heads: int, hidden_size: int, heldout_every: int = 20,
                  shard_positions: int = 32768, dtype: torch.dtype = torch.bfloat16) -> None:
-        self.out_dir = Path(out_dir)
+        self.out_dir = check_cache_dir(out_dir)
         for split in ("train", "heldout"):
             (self.out_dir / split).mkdir(parents=True, exist_ok=True)
         path = self.out_dir / MANIFEST
@@ -414,6 +440,7 @@ def train_medusa(heads: MedusaHeads, data_dir: str | Path, out_dir: str | Path,
 
     Writes to `out_dir`: the heads (distill.save_medusa; their tree built from the held-out
     accuracy), `checkpoint/` (resumed from when `resume`), `loss.png` and `metrics.json`.
+    `out_dir` must be new, empty or a Medusa training directory (TRAIN_MARKERS), else OutputPathError.
     deadline: a time.monotonic() value at which training stops early (evaluation still runs); the
     cosine learning-rate decay then follows the larger of steps done and time spent, so a run cut
     by its deadline still ends annealed; the checkpoint keeps the training seconds spent, so a
@@ -424,7 +451,7 @@ def train_medusa(heads: MedusaHeads, data_dir: str | Path, out_dir: str | Path,
     """
     from accelerate import Accelerator
 
-    out_dir = Path(out_dir)
+    out_dir = check_train_dir(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     K = heads.num_heads
     hidden, targets = load_cached(data_dir, "train", K)
@@ -501,7 +528,7 @@ def train_medusa(heads: MedusaHeads, data_dir: str | Path, out_dir: str | Path,
         heads.restrict_vocab(vocab)
     table = head_accuracy(heads, hidden_ho, targets_ho, config.topk)
     paths = choose_tree(heads, table, config.tree_nodes)
-    save_medusa(heads, out_dir)
+    save_medusa(heads, out_dir, overwrite=True)  # this job's own heads (a resumed run saves them again)
     if losses:
         _plot(losses, out_dir / "loss.png")
     metrics = {

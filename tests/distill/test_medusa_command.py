@@ -3,6 +3,10 @@ tree; training flags derived from TrainConfig; the argument types the recipes sh
 
 import argparse
 import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -121,3 +125,42 @@ def test_data_and_train_default_to_the_hardwares_batch_dtype_and_tree_to_bf16(mo
         monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda n=native: n)
         assert _dtype("auto") == expected
     assert _dtype("float16") == torch.float16
+
+
+def _specdec(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "specdec.cli", *argv], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[2], env={**os.environ, "SPECDEC_DEBUG": ""})
+
+
+def test_medusa_commands_refuse_paths_specdec_did_not_write_before_loading_anything(tmp_path, capsys, monkeypatch):
+    """data / train / tree fail with one line and exit status 2 (the model does not even exist);
+    nothing outside the output path changes and the user's files are untouched."""
+    monkeypatch.delenv("SPECDEC_DEBUG", raising=False)
+    (tmp_path / "notes.txt").write_text("line one\nno newline at the end")
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "notes.txt").write_text("keep me")
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    model = ["--model", str(tmp_path / "no-such-model")]
+    proc = _specdec("medusa", "data", *model, "--out", str(tmp_path / "notes.txt"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.splitlines()[0].startswith("specdec medusa: error: ")
+    assert "notes.txt exists and is not a self-distillation jsonl" in proc.stderr.splitlines()[0]
+    proc = _specdec("medusa", "train", *model, "--data", str(tmp_path / "sd.jsonl"), "--out", str(tmp_path / "home"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    first = proc.stderr.splitlines()[0]
+    assert first.startswith("specdec medusa: error: ") and "home is a non-empty directory that specdec did" in first
+    cases = [(["data", *model, "--out", str(tmp_path / "sd.jsonl"), "--hidden-cache", str(tmp_path / "home")],
+              "home is a non-empty directory that specdec did not write"),
+             (["train", *model, "--data", str(tmp_path / "sd.jsonl"), "--out", str(tmp_path / "notes.txt")],
+              "notes.txt exists and is not a directory"),
+             (["train", *model, "--data", str(tmp_path / "notes.txt"), "--out", str(tmp_path / "new")],
+              "notes.txt is not a self-distillation jsonl"),
+             (["train", *model, "--data", str(tmp_path / "sd.jsonl"), "--out", str(tmp_path / "new")],
+              "no records in"),
+             (["tree", *model, "--heads", str(tmp_path / "home")], "home is not a Medusa heads directory")]
+    for argv, message in cases:
+        assert main(["medusa", *argv]) == 2
+        first = capsys.readouterr().err.splitlines()[0]
+        assert first.startswith("specdec medusa: error: ") and message in first, (argv, first)
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["home", "notes.txt"]

@@ -10,6 +10,7 @@ import distill
 import specdec
 from runtime.errors import CheckpointError
 from runtime.loading import from_hf_state
+from runtime.outputs import OutputPathError
 
 
 def other_model(hidden=64, vocab=128):
@@ -94,3 +95,27 @@ def test_load_refuses_weights_that_disagree_with_the_config(tiny_model, tmp_path
     (tmp_path / "medusa_config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="not a specdec Medusa config"):
         distill.load_medusa(tmp_path, tiny_model)
+
+
+def _snapshot(root) -> dict:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_save_writes_only_where_heads_may_go_and_replaces_heads_only_on_request(tiny_model, tmp_path):
+    heads = distill.attach_medusa(tiny_model, num_heads=2)
+    (tmp_path / "file").write_text("mine")
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "notes.txt").write_text("keep me")
+    before = _snapshot(tmp_path)
+    for overwrite in (False, True):
+        with pytest.raises(OutputPathError, match="file exists and is not a directory"):
+            distill.save_medusa(heads, tmp_path / "file", overwrite=overwrite)
+        with pytest.raises(OutputPathError, match="home is a non-empty directory that specdec did not write"):
+            distill.save_medusa(heads, tmp_path / "home", overwrite=overwrite)
+    assert _snapshot(tmp_path) == before
+    distill.save_medusa(heads, tmp_path / "h")
+    with pytest.raises(OutputPathError, match=r"h already holds a Medusa heads directory.*--overwrite"):
+        distill.save_medusa(heads, tmp_path / "h")
+    (tmp_path / "h" / "notes.txt").write_text("mine")
+    distill.save_medusa(heads, tmp_path / "h", overwrite=True)
+    assert (tmp_path / "h" / "notes.txt").read_text() == "mine"  # heads files replaced, nothing else touched

@@ -8,6 +8,7 @@ import torch
 import specdec
 from distill.selfdistill import chat_prompt_ids, generate_selfdistill, is_code_prompt, read_records, stop_token_ids
 from distill.train_medusa import cache_hidden_states, load_cached
+from runtime.outputs import OutputPathError
 
 
 def test_chat_prompt_and_stop_tokens(word_tokenizer):
@@ -80,3 +81,24 @@ def test_hidden_states_kept_during_generation_equal_a_second_pass(tiny_model, wo
     other = read_records(out)[::-1] + read_records(out)  # more records; the 25th is not the cache's last
     with pytest.raises(ValueError, match="belongs to other data"):
         cache_hidden_states(tiny_model, other, cache, num_heads=2)
+
+
+def test_a_file_or_directory_specdec_did_not_write_is_never_appended_to_or_truncated(tiny_model, word_tokenizer,
+                                                                                     tmp_path):
+    prompts = [(0, chat_prompt_ids(word_tokenizer, "w1 w2"))]
+    notes = tmp_path / "notes.txt"
+    notes.write_text("line one\nno newline at the end")  # _drop_torn_tail would cut this last line
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "manifest.json").write_text('{"name": "my web app"}')
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    with pytest.raises(OutputPathError, match="notes.txt exists and is not a self-distillation jsonl"):
+        generate_selfdistill(tiny_model, word_tokenizer, notes, prompts, max_new_tokens=4)
+    with pytest.raises(OutputPathError, match="home is a directory"):
+        generate_selfdistill(tiny_model, word_tokenizer, tmp_path / "home", prompts, max_new_tokens=4)
+    with pytest.raises(OutputPathError, match="is not the manifest of a hidden-state cache"):
+        generate_selfdistill(tiny_model, word_tokenizer, tmp_path / "sd.jsonl", prompts, max_new_tokens=4,
+                             hidden_cache=tmp_path / "home")
+    with pytest.raises(ValueError, match="notes.txt is not a self-distillation jsonl"):
+        read_records(notes)
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["home", "notes.txt"]

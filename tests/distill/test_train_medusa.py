@@ -23,6 +23,7 @@ from distill.train_medusa import (
     medusa_loss,
     teacher_probs,
 )
+from runtime.outputs import OutputPathError
 
 
 @pytest.fixture(scope="module")
@@ -243,3 +244,16 @@ def test_training_with_feature_noise_still_learns_and_differs_from_none(tiny_mod
         runs[noise] = metrics
     assert runs[0.1]["top1_accuracy"][0] > 0.3, runs[0.1]["top1_accuracy"]
     assert runs[0.1]["final_loss"] != runs[0.0]["final_loss"]
+
+
+def test_training_refuses_a_directory_specdec_did_not_write_before_any_work(tiny_model, tmp_path):
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "notes.txt").write_text("keep me")
+    (tmp_path / "file").write_text("mine")
+    heads = distill.attach_medusa(tiny_model, num_heads=1)
+    with pytest.raises(OutputPathError, match="home is a non-empty directory that specdec did not write"):
+        distill.train_medusa(heads, tmp_path / "no-cache", tmp_path / "home")  # the cache is not even read
+    with pytest.raises(OutputPathError, match="file exists and is not a directory"):
+        distill.train_medusa(heads, tmp_path / "no-cache", tmp_path / "file")
+    assert sorted(p.name for p in (tmp_path / "home").iterdir()) == ["notes.txt"]
+    assert (tmp_path / "file").read_text() == "mine"
