@@ -20,7 +20,7 @@ from runtime.errors import CheckpointError, UnsupportedModelError
 from runtime.hardware import check_device
 from runtime.loading import from_hf_state
 from runtime.model import Transformer
-from runtime.tiny import tiny_hf_config, tiny_model
+from runtime.tiny import tiny_hf_config, tiny_model, tiny_pair
 
 
 def _refuse_to_build(*args, **kwargs):
@@ -137,6 +137,24 @@ def test_a_layer_count_the_weights_do_not_have_fails_before_building(tiny_llama,
     cfg = tiny_hf_config(num_hidden_layers=100_000)
     _raises(CheckpointError, lambda: from_hf_state(tiny_llama.state_dict(), cfg), "the config says",
             "num_hidden_layers=100000")
+
+
+@pytest.mark.parametrize("key, value, phrase", [
+    ("num_hidden_layers", 100_000, "block_count=100000, but the file holds 2 layers (0..1)"),
+    ("max_position_embeddings", 2**21, "context_length=2097152; the runtime supports 1 to 1048576"),
+])
+def test_gguf_metadata_is_checked_against_its_tensors_before_transformers(gguf_writer, tmp_path, monkeypatch,
+                                                                          key, value, phrase):
+    import transformers
+
+    from runtime.gguf import convert_gguf
+
+    _, hf = tiny_pair("llama")
+    setattr(hf.config, key, value)  # the metadata now disagrees with the 2 blocks written
+    gguf_writer(hf, tmp_path / "bad.gguf")
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", None)  # must not be reached
+    _raises(CheckpointError, lambda: convert_gguf(tmp_path / "bad.gguf", tmp_path / "out", progress=False),
+            f"{tmp_path / 'bad.gguf'}: its metadata says llama.{phrase}")
 
 
 @pytest.mark.parametrize("change, tensor, keys", [
