@@ -13,6 +13,7 @@ against plain decoding per problem with `specdec eval` (OUT/eval/report.json).
 from __future__ import annotations
 
 from medusa_smollm2 import parser, pipeline
+from recipe_errors import run
 
 # about 1 conversation in 9 of the calibration split opens with a code question, so the pool reads
 # 120 conversations per budget minute (60 ran out of prompts before the data phase ended); 64 rows
@@ -38,4 +39,4 @@ if __name__ == "__main__":
     p.add_argument("--all-prompts", dest="code_prompts", action="store_false",
                    help="train on every ShareGPT prompt, not only code questions")
     args = p.parse_args()
-    pipeline(args, args.model, "humaneval", raw_eval=False)
+    run(lambda: pipeline(args, args.model, "humaneval", raw_eval=False))

@@ -16,7 +16,8 @@ restarted run goes on against the same budget: OUT/budget.json holds the minutes
    the heads in OUT/speed_tree whose tree has that many nodes ("auto": the size that times fastest
    on this machine, OUT/speed_tree/tree_cost.json).
 `--eval-only` runs step 3 alone on the heads already in --out. `pipeline()` is shared with
-recipes/medusa_qwen_coder_1_5b.py.
+recipes/medusa_qwen_coder_1_5b.py. --out must be new, empty or a run of these recipes (which it
+resumes): a file, or a directory specdec did not write, is refused before any work.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import time
 from pathlib import Path
 
 import torch
+from recipe_errors import run
 
 import distill
 import runtime
@@ -40,13 +42,17 @@ from distill.command import parse_num_nodes, parse_share, parse_sizes
 from distill.config_args import add_dataclass_args, dataclass_from_args
 from distill.medusa import choose_tree
 from distill.selfdistill import generate_selfdistill, is_code_prompt, read_records, sharegpt_prompts, stop_token_ids
-from distill.train_medusa import TrainConfig, cache_hidden_states
+from distill.train_medusa import TRAIN_MARKERS, TrainConfig, cache_hidden_states
 from runtime.atomic import atomic_write_text
 from runtime.hardware import DTYPES, native_bf16
+from runtime.outputs import prepare_output_dir
 from specdec.evaluate import EvalConfig, run_eval
 from specdec.medusa import MedusaHeads
 from specdec.prompts import encode, load_prompts
 from specdec.tree_cost import cost_report, describe, measure_trees
+
+# files that mark a run directory of these recipes: with one of them, --out is resumed
+RUN_MARKERS = (*TRAIN_MARKERS, "metrics.json", "train_run.json", "tau.json", "summary.json")
 
 
 def tau_on_prompts(model, heads, rows: list[torch.Tensor], max_new_tokens: int, eos: list[int]) -> dict:
@@ -85,7 +91,7 @@ def speed_tree(args: argparse.Namespace, model, heads: MedusaHeads, row: torch.T
         nodes = report["chosen_nodes"]
     choose_tree(heads, table, nodes)
     dest = out / "speed_tree"
-    distill.save_medusa(heads, dest)
+    distill.save_medusa(heads, dest, overwrite=True)  # this recipe's own copy, rebuilt on every run
     if report is not None:
         atomic_write_text(dest / "tree_cost.json", json.dumps(report, indent=1))
     print(f"[speed] tree of {nodes} nodes ({dest})", flush=True)
@@ -118,8 +124,8 @@ def train(args: argparse.Namespace, model, tok, out: Path, budget: RunBudget) ->
     train_min = budget.minutes()
     print(f"[train] {metrics['steps']}/{metrics['planned_steps']} steps, top-1 accuracy "
           f"{[round(a, 3) for a in metrics['top1_accuracy']]}, {train_min:.1f} min", flush=True)
-    (out / "train_run.json").write_text(json.dumps({"command": shlex.join(["python"] + sys.argv),
-                                                    "args": vars(args), "train_minutes": train_min}, indent=1))
+    atomic_write_text(out / "train_run.json", json.dumps({"command": shlex.join(["python"] + sys.argv),
+                                                          "args": vars(args), "train_minutes": train_min}, indent=1))
     return records, metrics, train_min
 
 
@@ -135,7 +141,7 @@ def pipeline(args: argparse.Namespace, model_name: str, eval_dataset: str, raw_e
         torch.set_num_threads(args.threads)
     if args.dtype == "auto":
         args.dtype = "bfloat16" if native_bf16() else "float32"
-    out = Path(args.out)
+    out = prepare_output_dir(args.out, RUN_MARKERS, what="Medusa recipe run directory", resume=True)
     if args.eval_only and not (out / "metrics.json").is_file():
         raise SystemExit(f"--eval-only: {out} holds no trained heads (no metrics.json); run the recipe "
                          "without --eval-only first, or point --out at a finished run")
@@ -190,7 +196,7 @@ def _run(args: argparse.Namespace, model_name: str, eval_dataset: str, raw_eval:
     rows = [torch.tensor(encode(tok, [p.turns[0]], [], raw_eval)) for p in eval_prompts]
     tau = tau_on_prompts(model, heads, rows, args.eval_tokens, eos)
     tau.update({"train_minutes": train_min, "dataset": eval_dataset, "dtype": eval_dtype})
-    (out / "tau.json").write_text(json.dumps(tau, indent=1))
+    atomic_write_text(out / "tau.json", json.dumps(tau, indent=1))
     print(f"[tau] {tau['tau']:.3f} on {len(rows)} {eval_dataset} prompts, matches plain "
           f"{tau['matches_plain']:.2f}", flush=True)
 
@@ -217,7 +223,7 @@ def _run(args: argparse.Namespace, model_name: str, eval_dataset: str, raw_eval:
                "speed": {name: {k: m["overall"][k] for k in ("tau", "tokens_per_second", "speedup_vs_plain",
                                                              "matches_plain")}
                          for name, m in speed["methods"].items()} if speed is not None else None}
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    atomic_write_text(out / "summary.json", json.dumps(summary, indent=1))
     print(json.dumps(summary, indent=1))
     return summary
 
@@ -294,4 +300,4 @@ DEFAULTS = {"out": "runs/medusa_smollm2", "max_minutes": 20.0, "answer_tokens": 
 TRAIN = {"vocab": "data", "epochs": 3, "tree_nodes": 64}
 
 if __name__ == "__main__":
-    pipeline(parser(DEFAULTS, TRAIN).parse_args(), "smollm2-135m-instruct", "sharegpt", raw_eval=False)
+    run(lambda: pipeline(parser(DEFAULTS, TRAIN).parse_args(), "smollm2-135m-instruct", "sharegpt", raw_eval=False))

@@ -17,10 +17,13 @@ from pathlib import Path
 
 import torch
 from quant_common import add_calib_source
+from recipe_errors import run
 
 import quant
 import runtime
+from runtime.atomic import atomic_write_text
 from runtime.hardware import DTYPES
+from runtime.outputs import check_output_file
 
 
 def configs(group_size: int) -> dict[str, quant.config.Config]:
@@ -46,6 +49,14 @@ def configs(group_size: int) -> dict[str, quant.config.Config]:
     }
 
 
+def _is_benchmark_json(path: Path) -> bool:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and {"model", "rows"} <= set(data)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
@@ -68,6 +79,8 @@ def main() -> None:
     unknown = [n for n in names if n != "dense" and n not in table]
     if unknown:
         raise SystemExit(f"unknown configs {unknown}; choose from dense, {', '.join(table)}")
+    if args.out:  # a directory, or a file this recipe did not write, fails before any work
+        check_output_file(args.out, what="quant benchmark JSON", looks_like=_is_benchmark_json)
     dtype = DTYPES[args.dtype]
     torch.set_num_threads(args.threads)
     tok = runtime.load_tokenizer(args.model)
@@ -91,13 +104,10 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
         if args.out:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            tmp = args.out.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"model": args.model, "dtype": args.dtype, "n_calib": args.n_calib,
-                                       "calib_source": args.calib_source, "windows": args.windows,
-                                       "group_size": args.group_size,
-                                       "n_eval": args.n_eval, "seq_len": args.seq_len, "rows": rows}, indent=1))
-            tmp.replace(args.out)
+            atomic_write_text(args.out, json.dumps({"model": args.model, "dtype": args.dtype, "n_calib": args.n_calib,
+                                                    "calib_source": args.calib_source, "windows": args.windows,
+                                                    "group_size": args.group_size, "n_eval": args.n_eval,
+                                                    "seq_len": args.seq_len, "rows": rows}, indent=1))
     print("\n| config | ppl ShareGPT held-out | ppl stdlib | MiB in memory | compress s |\n|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['config']} | {r['ppl_sharegpt']:.3f} | {r['ppl_stdlib']:.3f} | {r['bytes'] / 2**20:.1f} | "
@@ -105,4 +115,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

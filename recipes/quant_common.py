@@ -1,6 +1,9 @@
 """Shared steps of the quant_* / compress_* recipes: compress, save, report perplexity and size, run `specdec eval`.
 
-Default output root: $SPECDEC_HOME/compressed (default ~/.cache/specdec/compressed).
+Default output root: $SPECDEC_HOME/compressed (default ~/.cache/specdec/compressed). The root holds
+one directory per checkpoint and the recipes' JSON summaries; `check_outputs` checks every one of
+them before any work (runtime.outputs' rule: a checkpoint directory is new, empty, or with
+--overwrite a checkpoint of an earlier run; nothing else is ever replaced).
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ import torch
 
 import quant
 import runtime
+from quant.checkpoint import check_compressed_out
+from runtime.atomic import atomic_write_text
+from runtime.outputs import OutputPathError, check_output_file
 
 
 def recipe_args(description: str, calib_source: str = "sharegpt") -> argparse.Namespace:
@@ -32,7 +38,39 @@ def recipe_args(description: str, calib_source: str = "sharegpt") -> argparse.Na
     ap.add_argument("--eval-limit", type=int, default=20, help="HumanEval prompts for specdec eval")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--skip-eval", action="store_true", help="stop before the specdec eval step")
+    add_overwrite(ap)
     return ap.parse_args()
+
+
+def add_overwrite(ap: argparse.ArgumentParser) -> None:
+    """The --overwrite option of every compression recipe."""
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace the checkpoints an earlier run of this recipe left in --out (never anything else)")
+
+
+def _is_rows_json(path: Path) -> bool:
+    try:
+        return isinstance(json.loads(path.read_text()), list)
+    except (OSError, ValueError):
+        return False
+
+
+def check_outputs(root: Path, checkpoints: list[Path], summary: Path, overwrite: bool) -> None:
+    """Fail now, before any work, when the recipe could not write its outputs: `root` a file, a
+    checkpoint directory that is not new, empty or (with `overwrite`) a compressed checkpoint, or a
+    summary path that holds something other than a recipe's JSON rows."""
+    root = root.expanduser()
+    if root.exists() and not root.is_dir():
+        raise OutputPathError(f"{root} exists and is not a directory; --out is the directory that receives the "
+                              "checkpoints: choose a directory path")
+    for ckpt in checkpoints:
+        check_compressed_out(ckpt, overwrite)
+    check_output_file(summary, what="recipe summary (JSON rows)", looks_like=_is_rows_json)
+
+
+def write_summary(path: Path, rows: list[dict]) -> None:
+    """The recipe's rows as JSON, written atomically."""
+    atomic_write_text(path, json.dumps(rows, indent=1))
 
 
 def add_calib_source(ap: argparse.ArgumentParser, default: str) -> None:
@@ -64,13 +102,14 @@ def report(name: str, model, evals: dict[str, torch.Tensor], ckpt: Path | None, 
 
 
 def compress_and_save(model_name: str, steps: list, calibration: torch.Tensor | None, out: Path, tok,
-                      evals: dict[str, torch.Tensor]) -> dict:
-    """Load `model_name` in bf16, apply the configs in order, save to `out`, report."""
+                      evals: dict[str, torch.Tensor], overwrite: bool = False) -> dict:
+    """Load `model_name` in bf16, apply the configs in order, save to `out` (a checkpoint already
+    there replaced only with `overwrite`), report."""
     model = runtime.load_model(model_name, dtype=torch.bfloat16)
     t0 = time.perf_counter()
     quant.apply_recipe(model, quant.Recipe(tuple(steps)), calibration)
     took = time.perf_counter() - t0
-    quant.save_compressed(model, out, tokenizer=tok)
+    quant.save_compressed(model, out, tokenizer=tok, overwrite=overwrite)
     return report(out.name, model, evals, out, took)
 
 

@@ -13,10 +13,17 @@
 
 from __future__ import annotations
 
-import json
-
 import torch
-from quant_common import compress_and_save, eval_windows, recipe_args, report, specdec_eval
+from quant_common import (
+    check_outputs,
+    compress_and_save,
+    eval_windows,
+    recipe_args,
+    report,
+    specdec_eval,
+    write_summary,
+)
+from recipe_errors import run
 
 import quant
 import runtime
@@ -28,15 +35,17 @@ def main() -> None:
     # code calibration: GPTQ of the 0.5B calibrated on code is the one calibration measured at or
     # below NF4 on both chat and code perplexity (BENCHMARKS.md section 3)
     args = recipe_args(__doc__.splitlines()[0], calib_source="code")
+    int8_dir, int4_dir = args.out / "qwen2.5-coder-0.5b-int8", args.out / "qwen2.5-coder-0.5b-int4-gptq"
+    summary = args.out / "qwen2.5-coder-0.5b-drafts.json"
+    check_outputs(args.out, [int8_dir, int4_dir], summary, args.overwrite)
     tok = runtime.load_tokenizer(MODEL)
     evals = eval_windows(tok, args.n_eval, args.seq_len)
     calib = quant.calibration_batches(tok, args.calib_source, n_samples=args.n_calib, seq_len=args.seq_len)
     rows = [report("dense-bf16", runtime.load_model(MODEL, dtype=torch.bfloat16), evals, None, 0.0)]
-    int8_dir, int4_dir = args.out / "qwen2.5-coder-0.5b-int8", args.out / "qwen2.5-coder-0.5b-int4-gptq"
-    rows.append(compress_and_save(MODEL, [quant.Int8WeightOnly()], None, int8_dir, tok, evals))
+    rows.append(compress_and_save(MODEL, [quant.Int8WeightOnly()], None, int8_dir, tok, evals, args.overwrite))
     gptq = quant.Int4WeightOnly(group_size=128, method="gptq", act_order=True)
-    rows.append(compress_and_save(MODEL, [gptq], calib, int4_dir, tok, evals))
-    (args.out / "qwen2.5-coder-0.5b-drafts.json").write_text(json.dumps(rows, indent=1))
+    rows.append(compress_and_save(MODEL, [gptq], calib, int4_dir, tok, evals, args.overwrite))
+    write_summary(summary, rows)
 
     # ---- last step: end-to-end speculative decoding with the 1.5B target (specdec eval) ----
     if not args.skip_eval:
@@ -46,4 +55,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -164,3 +164,16 @@ def test_medusa_commands_refuse_paths_specdec_did_not_write_before_loading_anyth
         assert first.startswith("specdec medusa: error: ") and message in first, (argv, first)
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["home", "notes.txt"]
+
+
+def test_the_medusa_recipe_refuses_a_directory_it_did_not_write_in_one_line(tmp_path):
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "notes.txt").write_text("keep me")
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "medusa_smollm2.py"
+    proc = subprocess.run([sys.executable, str(recipe), "--out", str(tmp_path / "home"), "--max-minutes", "1"],
+                          capture_output=True, text=True, timeout=300, cwd=recipe.parents[1],
+                          env={**os.environ, "SPECDEC_DEBUG": ""})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    first = proc.stderr.splitlines()[0]
+    assert first.startswith("medusa_smollm2: error: ") and "home is a non-empty directory that specdec did" in first
+    assert sorted(p.name for p in (tmp_path / "home").iterdir()) == ["notes.txt"]
