@@ -101,14 +101,15 @@ def write_output_dir(path: str | Path, write: Callable[[Path], object], marker: 
     without that list, the files this output writes); otherwise OutputPathError, and nothing moves.
     """
     path = prepare_output_dir(path, marker, overwrite, what=what)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    real = path.resolve() if path.is_symlink() else path  # a link to a directory: write where it points
+    real.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{real.name}.", suffix=".tmp", dir=real.parent))
     try:
         write(tmp)
         files = sorted({*os.listdir(tmp), marker})
         (tmp / marker).write_text(json.dumps({**meta, "files": files}, indent=1))
         prepare_output_dir(path, marker, overwrite, what=what)  # again: `write` may have taken minutes
-        _install(tmp, path, marker, files, what)
+        _install(tmp, real, marker, files, what)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return path
@@ -136,7 +137,11 @@ def _install(tmp: Path, path: Path, marker: str, files: list[str], what: str) ->
                               "replaces an output only when nothing else is in it: move them out, or choose another "
                               "directory (nothing was written, moved or deleted)")
     old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=path.parent))
-    os.rename(path, old)  # onto an empty directory: atomic on POSIX
+    try:
+        os.rename(path, old)  # onto an empty directory: atomic on POSIX
+    except OSError:
+        old.rmdir()
+        raise
     try:
         os.rename(tmp, path)
     except OSError:

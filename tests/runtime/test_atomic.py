@@ -116,3 +116,13 @@ def test_output_lock_refuses_a_second_holder_and_takes_over_a_dead_ones(tmp_path
     assert not (tmp_path / LOCK).exists()
     with output_lock(tmp_path):  # released: free again
         pass
+
+
+def test_a_link_to_an_empty_directory_receives_the_output_and_stays_a_link(tmp_path):
+    (tmp_path / "scratch").mkdir()
+    (tmp_path / "out").symlink_to(tmp_path / "scratch")
+    write_output_dir(tmp_path / "out", _write(["a"]), "m.json", {})
+    assert (tmp_path / "out").is_symlink() and sorted(os.listdir(tmp_path / "scratch")) == ["a", "m.json"]
+    write_output_dir(tmp_path / "out", _write(["b"]), "m.json", {}, overwrite=True)
+    assert (tmp_path / "out").is_symlink() and sorted(os.listdir(tmp_path / "out")) == ["b", "m.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "scratch"]
