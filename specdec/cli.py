@@ -45,8 +45,8 @@ def _generate(args: argparse.Namespace) -> int:
     import runtime
     import specdec
 
+    model = runtime.load_model(args.model, dtype=DTYPES[args.dtype], device=args.device)  # checked first
     tok = runtime.load_tokenizer(args.model)
-    model = runtime.load_model(args.model, dtype=DTYPES[args.dtype])
     if args.raw or not getattr(tok, "chat_template", None):
         ids = tok(args.prompt, return_tensors="pt").input_ids
     else:
@@ -57,9 +57,10 @@ def _generate(args: argparse.Namespace) -> int:
         draft = "ngram"
     elif args.draft:
         parts = args.draft.split("+")
-        loaded = ["ngram" if p == "ngram" else runtime.load_model(p, dtype=DTYPES[args.dtype]) for p in parts]
+        loaded = ["ngram" if p == "ngram" else runtime.load_model(p, dtype=DTYPES[args.dtype], device=args.device)
+                  for p in parts]
         draft = loaded if len(loaded) > 1 else loaded[0]
-    gen = torch.Generator().manual_seed(args.seed)
+    gen = torch.Generator(device=model.device).manual_seed(args.seed)
     out = specdec.generate(model, ids, draft=draft, max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                            num_draft_tokens=args.num_draft_tokens, eos_token_id=tok.eos_token_id,
@@ -112,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draft: 'ngram', a model (name/dir), or several joined by '+' tried in order "
                         "(e.g. 'ngram+qwen2.5-coder-0.5b-instruct'); omit for plain decoding")
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
