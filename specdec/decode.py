@@ -78,6 +78,9 @@ def decode(target, drafter: Drafter | None, state: RowState, num_draft_tokens: i
         t_draft = time.perf_counter()
         tree = drafter.propose(state.sequences(), k, active) if drafter is not None and k > 0 \
             else DraftTree.empty(B)
+        _check_proposal(drafter, tree, B, k)
+        if tree.num_nodes > int(tree.lens.max()):  # score no column that no row may accept
+            tree = tree.truncate(int(tree.lens.max()))
         t_verify = time.perf_counter()
         stats.draft_s += t_verify - t_draft
         depths = tree.depths()  # (B, N)
@@ -91,17 +94,20 @@ def decode(target, drafter: Drafter | None, state: RowState, num_draft_tokens: i
             path = verdict.paths[b]
             deepest = int(depths[b][valid[b]].max()) if bool(valid[b].any()) else 0  # drafts on the longest path
             reached = len(path) + int(bool(valid[b][tree.parents[b] == (path[-1] if path else -1)].any()))
+            emitted = state.emit(b, tree.tokens[b, path].tolist() + [int(verdict.next_tokens[b])])
+            accepted = len(path)
+            if emitted <= accepted:  # an eos among the accepted drafts ended the row: count up to it
+                deepest = reached = accepted = emitted
             stats.target_forwards += 1
             stats.drafted_tokens += deepest
-            stats.accepted_tokens += len(path)
+            stats.accepted_tokens += accepted
             stats.record_positions([1] * reached + [0] * (deepest - reached),
-                                   [1] * len(path) + [0] * (deepest - len(path)))
-            emitted = state.emit(b, tree.tokens[b, path].tolist() + [int(verdict.next_tokens[b])])
+                                   [1] * accepted + [0] * (deepest - accepted))
             stats.generated_tokens += emitted
             if hidden is not None:
                 hidden[b].extend(hid[b, [0] + [1 + i for i in path]][:emitted])
             if auto is not None:
-                auto.observe(len(path), int(valid[b].sum()), k + 1, target_s)
+                auto.observe(len(path), int(valid[b].sum()), tree.num_nodes + 1, target_s)
         _keep_paths(cache, start_len, verdict, active)
         if drafter is not None:
             drafter.commit(Accepted(state.sequences(), verdict.paths, hid if drafter.needs_hidden else None))
@@ -111,6 +117,18 @@ def decode(target, drafter: Drafter | None, state: RowState, num_draft_tokens: i
     per_row = max(len(n) for n in state.new)
     stats.tpot_s = (stats.wall_s - stats.ttft_s) / (per_row - 1) if per_row > 1 else 0.0
     return stats
+
+
+def _check_proposal(drafter: Drafter | None, tree: DraftTree, batch_size: int, k: int) -> None:
+    """Fail fast, naming the drafter, when a proposal does not fit the batch or the caches."""
+    if drafter is None:
+        return
+    if tree.batch_size != batch_size:
+        raise ValueError(f"drafter {drafter.name!r} proposed {tree.batch_size} rows for a batch of {batch_size}")
+    if tree.num_nodes > drafter.max_nodes(k):
+        raise ValueError(f"drafter {drafter.name!r} proposed {tree.num_nodes} nodes, more than its max_nodes({k}) = "
+                         f"{drafter.max_nodes(k)} the caches were sized for; make Drafter.max_nodes return the "
+                         "most nodes propose() can return")
 
 
 def _score(target, cache, pending: torch.Tensor, tree: DraftTree, depths: torch.Tensor,

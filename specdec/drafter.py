@@ -44,7 +44,7 @@ class DraftTree:
     parents: torch.Tensor
     lens: torch.Tensor
     q: torch.Tensor | None = None
-    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+    _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.tokens.shape != self.parents.shape or self.tokens.dim() != 2:
@@ -56,7 +56,7 @@ class DraftTree:
             raise ValueError(f"DraftTree.q must be (B, N, V) with (B, N) = {tuple(self.tokens.shape)}, "
                              f"got {tuple(self.q.shape)}")
         n = self.tokens.shape[1]
-        if n and bool(((self.parents < -1) | (self.parents >= torch.arange(n))).any()):
+        if n and bool(((self.parents < -1) | (self.parents >= torch.arange(n, device=self.parents.device))).any()):
             raise ValueError("DraftTree.parents must satisfy -1 <= parents[b, i] < i (a parent precedes "
                              "its children)")
 
@@ -73,6 +73,14 @@ class DraftTree:
     def empty(cls, batch_size: int) -> "DraftTree":
         """No drafts (plain decoding)."""
         return cls.chain(torch.zeros(batch_size, 0, dtype=torch.long), torch.zeros(batch_size, dtype=torch.long))
+
+    def truncate(self, n: int) -> "DraftTree":
+        """The first n nodes (valid nodes are a prefix, and parents precede children)."""
+        tree = DraftTree(self.tokens[:, :n], self.parents[:, :n], self.lens.clamp(max=n),
+                         None if self.q is None else self.q[:, :n])
+        if self._cache.get("chain"):
+            tree._cache["chain"] = True
+        return tree
 
     @property
     def batch_size(self) -> int:
@@ -130,7 +138,8 @@ class Accepted:
 
     seqs: every row's committed sequence (prompt + emitted tokens; the last one is the next
         root, not yet scored by the target).
-    paths: per row, the accepted draft nodes (indices into the step's DraftTree), root first.
+    paths: per row, the accepted draft nodes (indices into the step's DraftTree), from the
+        root's child down (the root itself is not a node).
     hidden (B, 1 + N, C) or None: the target's final hidden states over [root, nodes] of the
         step, when the drafter asked for them (`Drafter.needs_hidden`); the state that chose the
         next root is hidden[b, 1 + paths[b][-1]] (hidden[b, 0] when the path is empty).

@@ -63,6 +63,9 @@ def generate(target, input_ids, draft=None, max_new_tokens: int = 128, temperatu
         raise ValueError("the target scores a restricted vocabulary (specdec.draft_vocab.restrict_vocab): "
                          "such a model can only draft; pass the full model as the target")
     target = as_runtime_model(target)
+    if generator is not None and generator.device.type != target.device.type:
+        raise ValueError(f"the generator is on {generator.device} but the target runs on {target.device}; "
+                         f"create it with torch.Generator(device={str(target.device)!r})")
     rows, as_tensor = normalize_prompts(input_ids, attention_mask, pad_token_id)
     state = RowState(rows, max_new_tokens, eos_set(eos_token_id))
     drafter = None if draft is None else make_drafter(draft, target, temperature, top_k, top_p, generator)

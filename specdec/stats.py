@@ -4,8 +4,11 @@ Convention (used in every report): tau = `mean_accepted_tokens` = tokens emitted
 forward pass, the bonus / correction token included. Plain decoding has tau = 1; with k drafts
 per step tau lies in [1, k + 1]. The prefill forward counts as a target forward (it emits the
 first token). Counts are summed over rows: a forward that serves B active rows counts B times.
-`acceptance_rate` = accepted / drafted draft tokens. `per_position_acceptance[i]` =
-P(draft i accepted | drafts before i accepted), i from 0.
+`acceptance_rate` = accepted / drafted draft tokens, where a step drafts as many tokens as its
+longest valid path holds (a chain: its length; a tree: its depth); when an eos among the
+accepted drafts ends a row, that step counts drafted, reached and accepted positions up to the
+eos only (a perfect draft keeps an acceptance rate of 1).
+`per_position_acceptance[i]` = P(draft i accepted | drafts before i accepted), i from 0.
 """
 
 from __future__ import annotations

@@ -12,10 +12,10 @@ always precedes its children and siblings are ordered by rank (best guess first)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
-from runtime.attention import block_mask_keys
 from specdec.drafter import DraftTree
 
 Path = tuple[int, ...]
@@ -37,12 +37,11 @@ def normalize_paths(paths) -> tuple[Path, ...]:
 
 @dataclass(frozen=True)
 class Tree:
-    """A sparse candidate tree (root implicit) and the index tables verification needs."""
+    """A sparse candidate tree (root implicit) and its index tables."""
 
     paths: tuple[Path, ...]
     parent: tuple[int, ...] = field(init=False)
     depth: tuple[int, ...] = field(init=False)
-    children: tuple[tuple[int, ...], ...] = field(init=False)
     topk: tuple[int, ...] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -51,13 +50,10 @@ class Tree:
         paths = normalize_paths(self.paths)
         index = {(): 0}
         parent, depth = [-1], [0]
-        children: list[list[int]] = [[]]
         for i, p in enumerate(paths, start=1):
             index[p] = i
             parent.append(index[p[:-1]])
             depth.append(len(p))
-            children.append([])
-            children[index[p[:-1]]].append(i)
         max_depth = max(depth)
         topk = [0] * max_depth
         for p in paths:
@@ -65,7 +61,6 @@ class Tree:
         object.__setattr__(self, "paths", paths)
         object.__setattr__(self, "parent", tuple(parent))
         object.__setattr__(self, "depth", tuple(depth))
-        object.__setattr__(self, "children", tuple(tuple(c) for c in children))
         object.__setattr__(self, "topk", tuple(topk))
 
     @property
@@ -78,24 +73,15 @@ class Tree:
         """Draft tokens on the longest path: the number of Medusa heads the tree uses."""
         return len(self.topk)
 
-    def ancestors(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        """(N, N) bool: [i, j] is True when node j is node i or one of its ancestors."""
-        n = self.num_nodes
-        anc = torch.zeros(n, n, dtype=torch.bool)
-        for i in range(n):
-            j = i
-            while j >= 0:
-                anc[i, j] = True
-                j = self.parent[j]
-        return anc.to(device)
-
-    def path_to(self, node: int) -> list[int]:
-        """Nodes from the root's first child down to `node` (the root excluded)."""
-        out = []
-        while node > 0:
-            out.append(node)
-            node = self.parent[node]
-        return out[::-1]
+    @cached_property
+    def layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The tree as draft nodes (the root excluded; node i is tree node i + 1), computed once:
+        parents (N-1,) with -1 = the root, depths (N-1,), and the (N, N) ancestor mask over
+        [root, nodes] (the DraftTree's block_mask)."""
+        n = self.num_nodes - 1
+        parents = torch.tensor(self.parent[1:], dtype=torch.long) - 1
+        tree = DraftTree(torch.zeros(1, n, dtype=torch.long), parents[None], torch.tensor([n]))
+        return parents, tree.depths()[0], tree.block_mask()[0]
 
 
 def expected_length(paths, accuracy: list[list[float]]) -> float:
@@ -134,37 +120,17 @@ def build_tree(accuracy: list[list[float]], num_nodes: int) -> tuple[Path, ...]:
     return normalize_paths(chosen)
 
 
-def tree_positions(tree: Tree, lengths: torch.Tensor, max_position: int | None = None) -> torch.Tensor:
-    """(B, N) rope positions of the tree tokens: each row's length plus the node depth."""
-    depth = torch.tensor(tree.depth, device=lengths.device)
-    pos = lengths[:, None] + depth[None]  # (B, N)
-    return pos.clamp(max=max_position) if max_position is not None else pos
-
-
-def tree_mask(tree: Tree, lengths: torch.Tensor, num_keys: int, anc: torch.Tensor | None = None,
-              window: int | None = None) -> torch.Tensor:
-    """(B, N, S) bool attention mask for the tree written at slots lengths[b] .. lengths[b]+N-1.
-
-    Node i of row b sees the row's cached prefix [0, lengths[b]) and the slots of its own
-    ancestors (itself included); every other slot (other branches, other rows' padding) is hidden.
-    (The decode loop passes the (N, N) ancestor block to the model as `block_mask` instead, which
-    builds the same mask, or runs compiled.)
-    """
-    n = tree.num_nodes
-    anc = tree.ancestors(lengths.device) if anc is None else anc  # (N, N)
-    positions = tree_positions(tree, lengths)  # (B, N)
-    return block_mask_keys(lengths, anc.expand(len(lengths), n, n), num_keys, positions, window)
-
-
 def draft_tree(tree: Tree, guesses: list[torch.Tensor], rows: list[int] | None = None) -> DraftTree:
     """The heads' guesses laid out on `tree` as a DraftTree (the root excluded: draft node i is
     tree node i + 1). guesses[d]: (B, k_d) head d's top-k tokens, best first, k_d >= tree.topk[d].
     rows: the rows that draft (default all; the others get no valid node)."""
     tokens = torch.stack([guesses[len(p) - 1][:, p[-1]] for p in tree.paths], dim=1).cpu()  # (B, N)
     B, n = tokens.shape
-    parents = (torch.tensor(tree.parent[1:]) - 1)[None].expand(B, n).contiguous()  # (B, N): root = -1
+    parents, depths, mask = tree.layout  # the same every step: views, not copies
     lens = torch.full((B,), n, dtype=torch.long)
     if rows is not None:
         lens.zero_()
         lens[rows] = n
-    return DraftTree(tokens, parents, lens)
+    draft = DraftTree(tokens, parents[None].expand(B, n), lens)
+    draft._cache.update(depths=depths[None].expand(B, n), block_mask=mask[None].expand(B, n + 1, n + 1))
+    return draft

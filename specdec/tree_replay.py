@@ -82,11 +82,15 @@ def replay_row(tree: Tree, ranks: torch.Tensor, new_tokens: int, counts: ReplayC
         while len(prefix) < depth and prefix + (int(ranks[i, len(prefix)]),) in paths:
             prefix += (int(ranks[i, len(prefix)]),)
         a = len(prefix)
-        for d in range(a + (1 if prefix in parents and a < depth else 0)):
+        tried, kept = a + (1 if prefix in parents and a < depth else 0), a
+        step = min(a + 1, new_tokens - emitted)  # tokens emitted: an eos may end the row inside the path
+        if step <= a:  # as the decode loop counts it: drafts up to the eos
+            tried = kept = step
+        for d in range(tried):
             counts.attempted[d] += 1
-        for d in range(a):
+        for d in range(kept):
             counts.accepted[d] += 1
-        counts.generated_tokens += min(a + 1, new_tokens - emitted)
+        counts.generated_tokens += step
         counts.target_forwards += 1
         emitted += a + 1
         i += 1 + a

@@ -33,8 +33,8 @@ from specdec.sampling import check_finite, probs_from_logits
 
 @dataclass
 class Verdict:
-    """Per row: the accepted draft nodes, root first (indices into the DraftTree), and the token
-    that follows them (B,), on the CPU."""
+    """Per row: the accepted draft nodes from the root's child down (indices into the DraftTree;
+    the root is not a node), and the token that follows them (B,), on the CPU."""
 
     paths: list[list[int]]
     next_tokens: torch.Tensor
@@ -108,8 +108,8 @@ def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(mass > 0, residual / mass.clamp(min=1e-30), p)
 
 
-# choose(p, row, children, tokens) -> index into children of the accepted child, or None; it may
-# leave p edited to the residual the next token is drawn from
+# choose(p, row, children, tokens, generator) -> index into children of the accepted child, or
+# None; it may leave p edited to the residual the next token is drawn from
 Choice = Callable[[torch.Tensor, int, list[int], list[int], torch.Generator | None], int | None]
 
 

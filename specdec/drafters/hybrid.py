@@ -42,9 +42,12 @@ class HybridDrafter(Drafter):
             if not todo:
                 break
             tree = d.propose(seqs, k, todo)
+            if not tree.is_chain:
+                raise ValueError(f"{d.name} proposed a tree; a list of drafters combines chains only")
             for b in todo:
-                if tree.lens[b] > 0:
-                    tokens[b], lens[b], owner[b] = tree.tokens[b], tree.lens[b], tree
+                n = int(tree.lens[b])
+                if n > 0:
+                    tokens[b, :n], lens[b], owner[b] = tree.tokens[b, :n], n, tree
             todo = [b for b in todo if b not in owner]
         sampled = [t.q for t in owner.values() if t.q is not None]
         if not sampled:
@@ -52,5 +55,5 @@ class HybridDrafter(Drafter):
         q = torch.nn.functional.one_hot(tokens, sampled[0].shape[-1]).float()  # (B, k, V): one-hot rows stay
         for b, tree in owner.items():
             if tree.q is not None:
-                q[b] = tree.q[b]
+                q[b, :tree.q.shape[1]] = tree.q[b]
         return DraftTree.chain(tokens, lens, q)

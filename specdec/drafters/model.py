@@ -94,16 +94,16 @@ class ModelDrafter(Drafter):
         tokens = torch.zeros(B, k, dtype=torch.long)  # (B, k)
         sampled = self.temperature > 0
         ids = self.output_ids
-        q = torch.zeros(B, k, self.model.config.vocab_size if ids is not None else logits.shape[-1]) \
-            if sampled else None
+        vocab = self.model.config.vocab_size if ids is not None else logits.shape[-1]
+        q = torch.zeros(B, k, vocab, device=logits.device) if sampled else None  # (B, k, V) on the draft's device
         for i in range(k):
-            if sampled:
+            if sampled:  # drawn where the draft runs, with the caller's generator (same device)
                 probs = probs_from_logits(logits, self.temperature, self.top_k, self.top_p)  # (B, V|N)
-                col = torch.multinomial(probs.cpu(), 1, generator=self.generator).squeeze(1)
+                col = torch.multinomial(probs, 1, generator=self.generator).squeeze(1).cpu()
                 if ids is None:
-                    q[:, i] = probs.cpu()
+                    q[:, i] = probs
                 else:
-                    q[:, i, ids] = probs.cpu()  # zero outside the draft's vocabulary
+                    q[:, i, ids.to(probs.device)] = probs  # zero outside the draft's vocabulary
             else:
                 col = logits.argmax(-1).cpu()
             nxt = col if ids is None else ids[col]

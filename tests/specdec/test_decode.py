@@ -8,6 +8,7 @@ import torch
 
 import specdec
 from runtime.tiny import tiny_model, tiny_pair
+from specdec.drafter import Drafter, DraftTree
 from specdec.drafters import VocabularyMismatchError
 from tests.specdec.conftest import V
 
@@ -174,3 +175,40 @@ def test_a_draft_with_a_shorter_context_drafts_only_where_it_fits(target):
     out = specdec.generate(target, rows, draft=short, max_new_tokens=16, num_draft_tokens=3)
     assert _same(out.sequences, plain.sequences)
     assert out.stats.drafted_tokens > 0
+
+
+def test_an_eos_inside_accepted_drafts_ends_the_counts_there(target):
+    """A perfect draft (the target itself) keeps acceptance 1.0 when an eos cuts a step's path,
+    and no more drafts are counted accepted than tokens were emitted."""
+    rows = _rows(seed=1, lengths=(5,))
+    new = specdec.generate(target, rows, max_new_tokens=20).sequences[0][rows[0].numel():].tolist()
+    # steps emit new tokens 1-6, 7-12, ... (5 drafts + 1): an eos at one of a step's first 4 drafts
+    j = next(j for j in range(7, 20) if (j - 1) % 6 < 4 and new[j] not in new[:j])
+    out = specdec.generate(target, rows, draft=target, max_new_tokens=20, num_draft_tokens=5, eos_token_id=new[j])
+    s = out.stats
+    assert s.generated_tokens == j + 1 and s.drafted_tokens > 0
+    assert s.acceptance_rate == 1.0 and set(s.per_position_acceptance) == {1.0}
+    assert s.accepted_tokens <= s.generated_tokens - 1  # the prefill's token is no draft
+
+
+def test_a_proposal_larger_than_max_nodes_is_refused_at_once(target):
+    class Greedy(Drafter):
+        name = "greedy"
+
+        def propose(self, seqs, k, rows):  # k + 2 nodes, but max_nodes(k) is k
+            return DraftTree.chain(torch.zeros(len(seqs), k + 2, dtype=torch.long), torch.full((len(seqs),), k + 2))
+
+    with pytest.raises(ValueError, match=r"proposed 5 nodes, more than its max_nodes\(3\)"):
+        specdec.generate(target, _rows(), draft=Greedy(), max_new_tokens=8, num_draft_tokens=3)
+
+
+def test_a_list_of_drafters_refuses_a_tree(target):
+    class Fork(Drafter):
+        name = "fork"
+
+        def propose(self, seqs, k, rows):
+            B = len(seqs)
+            return DraftTree(torch.zeros(B, 2, dtype=torch.long), torch.full((B, 2), -1), torch.full((B,), 2))
+
+    with pytest.raises(ValueError, match="fork proposed a tree"):
+        specdec.generate(target, _rows(), draft=[Fork(), "ngram"], max_new_tokens=8, num_draft_tokens=2)

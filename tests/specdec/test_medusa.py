@@ -8,7 +8,7 @@ import specdec
 from runtime.loading import from_hf_state
 from specdec.medusa import MedusaConfig, MedusaHeads
 from specdec.sampling import probs_from_logits
-from specdec.tree import Tree, draft_tree, tree_mask, tree_positions
+from specdec.tree import Tree, draft_tree
 from specdec.verify import verify
 
 
@@ -214,8 +214,8 @@ def test_compaction_leaves_the_cache_equal_to_a_fresh_prefill(model):
                torch.stack([full[b][lens[b] + 3:lens[b] + 4] + 1 for b in range(2)]) % 128]
     draft = draft_tree(tree, guesses)
     tokens = torch.cat([root[:, None], draft.tokens], dim=1)  # (B, N): the root, then the nodes
-    mask = tree_mask(tree, lens, int(lens.max()) + tree.num_nodes)
-    logits = model(tokens, tree_positions(tree, lens), cache, mask=mask)
+    positions = lens[:, None] + torch.tensor(tree.depth)[None]  # (B, N)
+    logits = model(tokens, positions, cache, block_mask=draft.block_mask())
     verdict = verify(logits, draft, torch.ones_like(draft.tokens, dtype=torch.bool), 0.0)
     keep = torch.zeros(2, 4, dtype=torch.long)
     count = torch.zeros(2, dtype=torch.long)

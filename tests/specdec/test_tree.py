@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from runtime.loading import from_hf_state
-from specdec.tree import Tree, build_tree, draft_tree, expected_length, normalize_paths, tree_mask, tree_positions
+from specdec.tree import Tree, build_tree, draft_tree, expected_length, normalize_paths
 
 
 @pytest.fixture(scope="module")
@@ -30,10 +30,9 @@ def test_tree_tables():
     assert tree.num_nodes == 7 and tree.max_depth == 3
     assert tree.parent == (-1, 0, 0, 1, 1, 2, 3)
     assert tree.depth == (0, 1, 1, 2, 2, 2, 3)
-    assert tree.children[0] == (1, 2) and tree.children[1] == (3, 4) and tree.children[6] == ()
     assert tree.topk == (2, 2, 1)
-    assert tree.path_to(6) == [1, 3, 6]
-    anc = tree.ancestors()
+    parents, depths, anc = tree.layout  # as draft nodes: tree node i + 1 is draft node i
+    assert parents.tolist() == [-1, -1, 0, 0, 1, 2] and depths.tolist() == [1, 1, 2, 2, 2, 3]
     assert anc[6].nonzero().flatten().tolist() == [0, 1, 3, 6]
 
 
@@ -59,11 +58,12 @@ def test_tree_mask_matches_running_each_path_alone(model):
         padded[b, :p.numel()] = p
     model(padded, torch.arange(7)[None].expand(2, -1), cache)
     cache.rollback(lens)
-    mask = tree_mask(tree, lens, int(lens.max()) + tree.num_nodes)
-    logits = model(tokens, tree_positions(tree, lens), cache, mask=mask)  # (B, N, V)
+    parents, _, anc = tree.layout
+    positions = lens[:, None] + torch.tensor(tree.depth)[None]  # (B, N)
+    logits = model(tokens, positions, cache, block_mask=anc[None].expand(2, -1, -1))  # (B, N, V)
     for b in range(2):
-        for leaf in (i for i in range(tree.num_nodes) if not tree.children[i]):
-            path = [0] + tree.path_to(leaf)
+        for leaf in (i for i in range(len(parents)) if i not in parents.tolist()):
+            path = anc[1 + leaf].nonzero().flatten().tolist()  # the root, then the nodes down to the leaf
             seq = torch.cat([prompts[b], tokens[b, path]])
             ref = model(seq[None], torch.arange(seq.numel())[None], None)[0, prompts[b].numel():]
             torch.testing.assert_close(logits[b, path], ref, rtol=1e-4, atol=1e-4)
@@ -76,5 +76,5 @@ def test_draft_tree_lays_guesses_out_in_node_order_with_the_tree_mask():
     # nodes (0,), (1,), (0, 0), (1, 0), (0, 0, 0): head 0 ranks 0, 1; head 1 rank 0 twice; head 2
     assert draft.tokens.tolist() == [[10, 11, 12, 12, 13], [20, 21, 22, 22, 23]]
     assert draft.parents[0].tolist() == [-1, -1, 0, 1, 2] and draft.lens.tolist() == [0, 5]
-    assert torch.equal(draft.block_mask()[1], tree.ancestors())
+    assert torch.equal(draft.block_mask()[1], tree.layout[2])
     assert draft.depths()[0].tolist() == list(tree.depth[1:])
