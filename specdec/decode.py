@@ -95,15 +95,7 @@ def decode(target, drafter: Drafter | None, state: RowState, num_draft_tokens: i
             deepest = int(depths[b][valid[b]].max()) if bool(valid[b].any()) else 0  # drafts on the longest path
             reached = len(path) + int(bool(valid[b][tree.parents[b] == (path[-1] if path else -1)].any()))
             emitted = state.emit(b, tree.tokens[b, path].tolist() + [int(verdict.next_tokens[b])])
-            accepted = len(path)
-            if emitted <= accepted:  # an eos among the accepted drafts ended the row: count up to it
-                deepest = reached = accepted = emitted
-            stats.target_forwards += 1
-            stats.drafted_tokens += deepest
-            stats.accepted_tokens += accepted
-            stats.record_positions([1] * reached + [0] * (deepest - reached),
-                                   [1] * accepted + [0] * (deepest - accepted))
-            stats.generated_tokens += emitted
+            stats.record_step(deepest, reached, len(path), emitted)
             if hidden is not None:
                 hidden[b].extend(hid[b, [0] + [1 + i for i in path]][:emitted])
             if auto is not None:

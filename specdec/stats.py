@@ -16,6 +16,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+def step_counts(drafted: int, reached: int, accepted: int, emitted: int) -> tuple[int, int, int]:
+    """A step's (drafted, reached, accepted) as counted: when an eos among the accepted drafts
+    ended the row (emitted <= accepted), all three stop at the eos."""
+    return (emitted,) * 3 if emitted <= accepted else (drafted, reached, accepted)
+
+
 @dataclass
 class AcceptanceStats:
     """Counters and timings of speculative (or plain) decoding; `merge` aggregates runs."""
@@ -49,6 +55,16 @@ class AcceptanceStats:
     @property
     def tokens_per_second(self) -> float:
         return self.generated_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    def record_step(self, drafted: int, reached: int, accepted: int, emitted: int) -> None:
+        """One row's verification step: `drafted` drafts on its longest valid path, `reached` of
+        them looked at, `accepted` accepted, `emitted` tokens emitted (the target's one included)."""
+        drafted, reached, accepted = step_counts(drafted, reached, accepted, emitted)
+        self.target_forwards += 1
+        self.drafted_tokens += drafted
+        self.accepted_tokens += accepted
+        self.generated_tokens += emitted
+        self.record_positions([1] * reached + [0] * (drafted - reached), [1] * accepted + [0] * (drafted - accepted))
 
     def record_positions(self, drafted: list[int], accepted: list[int]) -> None:
         """Add per-position counts: drafted[i] drafts reached position i, accepted[i] passed."""

@@ -22,6 +22,7 @@ import torch
 
 import specdec
 from specdec.medusa import MedusaHeads
+from specdec.stats import step_counts
 from specdec.tree import Tree
 
 
@@ -82,10 +83,9 @@ def replay_row(tree: Tree, ranks: torch.Tensor, new_tokens: int, counts: ReplayC
         while len(prefix) < depth and prefix + (int(ranks[i, len(prefix)]),) in paths:
             prefix += (int(ranks[i, len(prefix)]),)
         a = len(prefix)
-        tried, kept = a + (1 if prefix in parents and a < depth else 0), a
+        tried = a + (1 if prefix in parents and a < depth else 0)
         step = min(a + 1, new_tokens - emitted)  # tokens emitted: an eos may end the row inside the path
-        if step <= a:  # as the decode loop counts it: drafts up to the eos
-            tried = kept = step
+        _, tried, kept = step_counts(tried, tried, a, step)  # as the decode loop counts it
         for d in range(tried):
             counts.attempted[d] += 1
         for d in range(kept):
