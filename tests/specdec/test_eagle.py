@@ -1,0 +1,210 @@
+"""EAGLE-3 heads: shapes, the draft vocabulary maps, the speculators format (round trip, bad
+input) and the target's auxiliary hidden states."""
+
+import json
+
+import pytest
+import torch
+
+import specdec
+from runtime.errors import CheckpointError
+from runtime.tiny import tiny_model
+from specdec.eagle import Eagle3Config, Eagle3Head, default_aux_layers
+
+V = 64
+
+
+@pytest.fixture(scope="module")
+def deep():
+    return tiny_model("llama", seed=3, vocab_size=V, num_hidden_layers=6)
+
+
+def head_for(target, draft_vocab=32, seed=0, **kw):
+    torch.manual_seed(seed)
+    head = Eagle3Head(Eagle3Config.from_target(target, draft_vocab_size=draft_vocab, target_name="tiny", **kw))
+    head.set_draft_vocab(torch.arange(draft_vocab) * (V // draft_vocab))  # every other id for 32
+    return head
+
+
+def test_config_takes_the_targets_shape_and_default_layers(deep):
+    cfg = Eagle3Config.from_target(deep, draft_vocab_size=32)
+    assert (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (64, 4, 2, 16)
+    assert cfg.aux_layers == default_aux_layers(6) == (2, 3, 3)
+    assert cfg.rope_parameters["rope_theta"] == 10000.0 and not cfg.norm_before_residual
+
+
+@pytest.mark.parametrize("change,match", [({"aux_layers": (2, 3)}, "3 layer ids"),
+                                          ({"aux_layers": (2, 3, 6)}, "3 layer ids"),
+                                          ({"draft_vocab_size": V + 1}, "exceeds"),
+                                          ({"num_kv_heads": 3}, "multiple"),
+                                          ({"hidden_size": 0}, "hidden_size")])
+def test_config_validates_on_construction(deep, change, match):
+    fields = Eagle3Config.from_target(deep, draft_vocab_size=32).to_dict() | change
+    with pytest.raises(ValueError, match=match):
+        Eagle3Config(**fields)
+
+
+def test_head_shapes_and_cache_match_the_uncached_forward(deep):
+    head = head_for(deep)
+    B, T, C = 2, 7, 64
+    g = torch.Generator().manual_seed(0)
+    aux, ids = torch.randn(B, T, 3 * C, generator=g), torch.randint(0, V, (B, T), generator=g)
+    pos = torch.arange(1, T + 1)[None].expand(B, -1)
+    fused = head.fuse(aux)
+    assert fused.shape == (B, T, C)
+    logits, hidden = head(fused, deep.embed(ids), pos)
+    assert logits.shape == (B, T, 32) and hidden.shape == (B, T, C)
+    cache = head.new_cache(B, 16)
+    first = head(fused[:, :4], deep.embed(ids[:, :4]), pos[:, :4], cache)
+    rest = head(fused[:, 4:], deep.embed(ids[:, 4:]), pos[:, 4:], cache)
+    assert cache.lengths.tolist() == [T, T]
+    torch.testing.assert_close(torch.cat([first[0], rest[0]], 1), logits)
+    torch.testing.assert_close(torch.cat([first[1], rest[1]], 1), hidden)
+
+
+def test_the_head_has_the_speculators_tensor_names(deep):
+    names = set(head_for(deep).state_dict())
+    assert names == {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} | {
+        f"layers.0.{n}.weight" for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm",
+                                         "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                         "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+    head = head_for(deep)
+    assert head.layers[0].self_attn.q_proj.weight.shape == (64, 128)  # q/k/v read [embedding, fused]
+    assert head.layers[0].self_attn.k_proj.weight.shape == (32, 128)  # the target's GQA shape
+
+
+def test_draft_vocabulary_maps(deep):
+    head = head_for(deep, draft_vocab=16)
+    ids = torch.tensor([0, 3, 5, 8, 13, 21, 22, 30, 31, 40, 41, 50, 55, 60, 62, 63])
+    head.set_draft_vocab(ids)
+    assert head.d2t.dtype == torch.int64 and head.t2d.dtype == torch.bool
+    assert torch.equal(head.target_ids(torch.arange(16)), ids)
+    assert torch.equal(head.d2t, ids - torch.arange(16))
+    assert head.t2d.sum() == 16 and bool(head.t2d[ids].all())
+    for bad in (ids.flip(0), ids[:-1], torch.cat([ids[:-1], torch.tensor([64])])):
+        with pytest.raises(ValueError, match="strictly increasing"):
+            head.set_draft_vocab(bad)
+
+
+def test_save_load_round_trip_in_the_speculators_format(deep, tmp_path):
+    head = head_for(deep, norm_before_residual=True)
+    specdec.save_eagle(head, tmp_path / "h")
+    raw = json.loads((tmp_path / "h" / "config.json").read_text())
+    assert raw["speculators_model_type"] == "eagle3" and raw["architectures"] == ["Eagle3Speculator"]
+    assert raw["draft_vocab_size"] == 32 and raw["target_hidden_size"] == 64
+    assert raw["eagle_aux_hidden_state_layer_ids"] == [2, 3, 3] and raw["norm_before_residual"] is True
+    layer = raw["transformer_layer_config"]
+    assert layer["model_type"] == "llama" and layer["num_attention_heads"] == 4 and layer["vocab_size"] == V
+    spec = raw["speculators_config"]
+    assert spec["algorithm"] == "eagle3" and spec["default_proposal_method"] == "greedy"
+    assert spec["proposal_methods"][0]["proposal_type"] == "greedy" and spec["verifier"]["name_or_path"] == "tiny"
+    loaded = specdec.load_eagle(tmp_path / "h", deep)
+    assert loaded.config == head.config and not loaded.training
+    ref, got = head.state_dict(), loaded.state_dict()
+    assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
+
+
+def test_the_speculators_package_parses_our_config(deep, tmp_path):
+    """Only where the real `speculators` package is installed (it is not a dependency)."""
+    pytest.importorskip("speculators")
+    from speculators import SpeculatorModelConfig
+
+    specdec.save_eagle(head_for(deep), tmp_path / "h")
+    cfg = SpeculatorModelConfig.from_pretrained(str(tmp_path / "h"))
+    assert type(cfg).__name__ == "Eagle3SpeculatorConfig"
+    assert cfg.draft_vocab_size == 32 and cfg.eagle_aux_hidden_state_layer_ids == [2, 3, 3]
+    assert cfg.transformer_layer_config.hidden_size == 64 and cfg.norm_before_residual is False
+    assert cfg.speculators_config.default_proposal_method == "greedy"
+
+
+def _edit_config(path, **changes):
+    raw = json.loads((path / "config.json").read_text())
+    for key, value in changes.items():
+        if "." in key:
+            outer, inner = key.split(".")
+            raw[outer][inner] = value
+        else:
+            raw[key] = value
+    (path / "config.json").write_text(json.dumps(raw))
+
+
+@pytest.mark.parametrize("changes,match", [
+    ({"target_hidden_size": 32}, "hidden size is 64"),
+    ({"transformer_layer_config.hidden_size": 32}, "hidden size is 64"),
+    ({"transformer_layer_config.vocab_size": 99}, "vocabulary"),
+    ({"eagle_aux_hidden_state_layer_ids": [2, 3, 6]}, "each in 0..5"),
+    ({"eagle_aux_hidden_state_layer_ids": [2, 3]}, "3 layer ids"),
+    ({"speculators_model_type": "eagle"}, "not 'eagle3'"),
+    ({"draft_vocab_size": 16}, "shape")])
+def test_bad_configs_fail_naming_the_problem(deep, tmp_path, changes, match):
+    specdec.save_eagle(head_for(deep), tmp_path)
+    _edit_config(tmp_path, **changes)
+    with pytest.raises(CheckpointError, match=match):
+        specdec.load_eagle(tmp_path, deep)
+
+
+def test_corrupt_or_missing_files_fail_naming_them(deep, tmp_path):
+    with pytest.raises(CheckpointError, match="not an EAGLE-3 head directory"):
+        specdec.load_eagle(tmp_path, deep)
+    specdec.save_eagle(head_for(deep), tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="config.json cannot be read as JSON"):
+        specdec.load_eagle(tmp_path, deep)
+    specdec.save_eagle(head_for(deep), tmp_path)
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(tmp_path / "model.safetensors"))
+    del state["layers.0.hidden_norm.weight"]
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"missing \['layers.0.hidden_norm.weight'\]"):
+        specdec.load_eagle(tmp_path, deep)
+    (tmp_path / "model.safetensors").write_bytes(b"\x00" * 10)
+    with pytest.raises(CheckpointError, match="corrupt or truncated"):
+        specdec.load_eagle(tmp_path, deep)
+
+
+def test_inconsistent_vocabulary_maps_are_refused(deep, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    specdec.save_eagle(head_for(deep), tmp_path)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    state["t2d"] = ~state["t2d"]
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="t2d"):
+        specdec.load_eagle(tmp_path, deep)
+
+
+def test_a_head_for_another_model_is_refused(deep, tmp_path):
+    specdec.save_eagle(head_for(deep), tmp_path)
+    other = tiny_model("llama", seed=0, vocab_size=V, hidden_size=32, num_hidden_layers=6)
+    with pytest.raises(CheckpointError, match="hidden size is 32"):
+        specdec.load_eagle(tmp_path, other)
+    shallow = tiny_model("llama", seed=0, vocab_size=V, num_hidden_layers=3)
+    with pytest.raises(CheckpointError, match="each in 0..2"):
+        specdec.load_eagle(tmp_path, shallow)
+
+
+def test_aux_states_are_the_inputs_of_the_named_layers(deep):
+    """forward(return_aux=True) returns the states entering each named layer (vLLM's numbering:
+    layer i's input, 0 = the embedding), chained by hand with run_block, on the eager path."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, V, (2, 9), generator=g)
+    pos = torch.arange(9)[None].expand(2, -1)
+    with torch.no_grad():
+        states = [deep.embed(ids)]
+        for i in range(6):
+            states.append(deep.run_block(i, states[-1], pos))
+        with deep.aux_outputs((2, 3, 5)):
+            logits, hidden, aux = deep(ids, pos, deep.new_cache(2, 16), return_hidden=True, return_aux=True)
+            only = deep(ids, pos, None, return_aux=True)
+        plain = deep(ids, pos, None)
+    assert deep.aux_layers == ()
+    assert aux.shape == (2, 9, 3 * 64)
+    torch.testing.assert_close(aux, torch.cat([states[2], states[3], states[5]], -1))
+    torch.testing.assert_close(only[1], aux)
+    torch.testing.assert_close(logits, plain)
+    with pytest.raises(ValueError, match="aux_outputs"):
+        deep(ids, pos, None, return_aux=True)
+    with pytest.raises(ValueError, match="0..5"):
+        with deep.aux_outputs((1, 6, 2)):
+            pass
