@@ -46,6 +46,20 @@ def decode(target, drafter: Drafter | None, state: RowState, num_draft_tokens: i
     hidden: a list of B empty lists that receive, per row, the target's final hidden state (C,)
     behind each emitted token (the state whose logits chose it).
     """
+    layers = drafter.hidden_layers if drafter is not None else ()
+    if not layers:
+        return _decode(target, drafter, state, num_draft_tokens, temperature, top_k, top_p, generator, hidden)
+    if not hasattr(target, "aux_outputs"):
+        raise ValueError(f"drafter {drafter.name!r} reads the target's layers {tuple(layers)}, which only a runtime "
+                         "Transformer returns (runtime.load_model), not a transformers model")
+    with target.aux_outputs(layers):
+        return _decode(target, drafter, state, num_draft_tokens, temperature, top_k, top_p, generator, hidden)
+
+
+def _decode(target, drafter: Drafter | None, state: RowState, num_draft_tokens: int | str,
+            temperature: float, top_k: int, top_p: float, generator: torch.Generator | None,
+            hidden: list[list[torch.Tensor]] | None) -> AcceptanceStats:
+    """`decode`, with the target's aux layers (if any) already being collected."""
     k_max, auto = draft_length(num_draft_tokens, target, drafter)
     cfg = target.config
     slack = 1 + (drafter.max_nodes(k_max) if drafter is not None else 0)
@@ -55,11 +69,15 @@ def decode(target, drafter: Drafter | None, state: RowState, num_draft_tokens: i
     if state.all_done:
         return stats
     want_hidden = hidden is not None or (drafter is not None and drafter.needs_hidden)
+    want_aux = drafter is not None and bool(drafter.hidden_layers)
     B = len(state.prompts)
     start = time.perf_counter()
     cache = target.new_cache(B, max_len)
-    out = prefill(target, state.prompts, cache, return_hidden=want_hidden)
-    logits, h = out if want_hidden else (out, None)  # (B, V), (B, C)
+    if want_aux:
+        logits, h, aux = _prefill_aux(target, state.prompts, cache)  # (B, V), (B, C), (B, T, nC)
+    else:
+        out = prefill(target, state.prompts, cache, return_hidden=want_hidden)
+        logits, h = out if want_hidden else (out, None)  # (B, V), (B, C)
     pending = select_next(logits, temperature, top_k, top_p, generator).cpu()  # (B,)
     for b in state.active():
         stats.target_forwards += 1
@@ -68,7 +86,7 @@ def decode(target, drafter: Drafter | None, state: RowState, num_draft_tokens: i
             hidden[b].append(h[b])
     stats.ttft_s = time.perf_counter() - start
     if drafter is not None:
-        drafter.begin(state.prompts, max_len, h)
+        drafter.begin(state.prompts, max_len, aux if want_aux else h)
     while not state.all_done:
         active = state.active()
         budget = torch.zeros(B, dtype=torch.long)  # drafts a row may still use: one token is always emitted
@@ -86,7 +104,8 @@ def decode(target, drafter: Drafter | None, state: RowState, num_draft_tokens: i
         depths = tree.depths()  # (B, N)
         valid = (torch.arange(tree.num_nodes)[None] < tree.lens[:, None]) & (depths <= budget[:, None])
         start_len = cache.lengths.clone()  # (B,)
-        logits, hid = _score(target, cache, pending, tree, depths, want_hidden)  # (B, 1+N, V), (B, 1+N, C)
+        # (B, 1+N, V), (B, 1+N, C), (B, 1+N, nC)
+        logits, hid, aux = _score(target, cache, pending, tree, depths, want_hidden, want_aux)
         verdict = verify(logits, tree, valid, temperature, top_k, top_p, generator,
                          drafter.typical if drafter is not None else None)
         target_s = time.perf_counter() - t_verify
@@ -102,7 +121,8 @@ def decode(target, drafter: Drafter | None, state: RowState, num_draft_tokens: i
                 auto.observe(len(path), int(valid[b].sum()), tree.num_nodes + 1, target_s)
         _keep_paths(cache, start_len, verdict, active)
         if drafter is not None:
-            drafter.commit(Accepted(state.sequences(), verdict.paths, hid if drafter.needs_hidden else None))
+            told = aux if want_aux else hid if drafter.needs_hidden else None
+            drafter.commit(Accepted(state.sequences(), verdict.paths, told))
         pending = verdict.next_tokens
         stats.verify_s += time.perf_counter() - t_verify
     stats.wall_s = time.perf_counter() - start
@@ -123,10 +143,26 @@ def _check_proposal(drafter: Drafter | None, tree: DraftTree, batch_size: int, k
                          "most nodes propose() can return")
 
 
-def _score(target, cache, pending: torch.Tensor, tree: DraftTree, depths: torch.Tensor,
-           want_hidden: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _prefill_aux(target, rows: list[torch.Tensor], cache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`specdec.rows.prefill` inside `aux_outputs`: the logits (B, V) and final hidden state (B, C)
+    of each row's last prompt token, and the aux states of every prompt position (B, T, nC)."""
+    device = target.device
+    lens = torch.tensor([r.numel() for r in rows], device=device)  # (B,)
+    tokens = torch.zeros(len(rows), int(lens.max()), dtype=torch.long, device=device)  # (B, T)
+    for b, r in enumerate(rows):
+        tokens[b, :r.numel()] = r.to(device)
+    positions = torch.arange(tokens.shape[1], device=device)[None].expand(len(rows), -1)  # (B, T)
+    logits, hidden, aux = target(tokens, positions, cache, return_hidden=True, return_aux=True,
+                                 logits_idx=(lens - 1)[:, None])
+    cache.rollback(lens)  # drop the padding slots: causal masking kept them out of real rows
+    return logits[:, 0], hidden[torch.arange(len(rows), device=device), lens - 1], aux
+
+
+def _score(target, cache, pending: torch.Tensor, tree: DraftTree, depths: torch.Tensor, want_hidden: bool,
+           want_aux: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """One target forward over [root, nodes] of every row -> logits (B, 1+N, V) and, when asked,
-    the final hidden states (B, 1+N, C). A chain is causal; a tree attends along its branches."""
+    the final hidden states (B, 1+N, C) and the aux layers' states (B, 1+N, nC). A chain is causal;
+    a tree attends along its branches."""
     device = target.device
     block = torch.cat([pending[:, None], tree.tokens], dim=1).to(device)  # (B, 1+N)
     offsets = torch.cat([torch.zeros(tree.batch_size, 1, dtype=torch.long), depths], dim=1).to(device)
@@ -134,8 +170,11 @@ def _score(target, cache, pending: torch.Tensor, tree: DraftTree, depths: torch.
     # outputs are discarded, so the clamp changes nothing that is kept
     positions = (cache.lengths[:, None] + offsets).clamp(max=target.config.max_position_embeddings - 1)
     block_mask = None if tree.is_chain else tree.block_mask().to(device)  # (B, 1+N, 1+N)
-    out = target(block, positions, cache, block_mask=block_mask, return_hidden=want_hidden)
-    return out if want_hidden else (out, None)
+    if not want_aux:  # (a transformers target's adapter knows no return_aux)
+        out = target(block, positions, cache, block_mask=block_mask, return_hidden=want_hidden)
+        return (out, None, None) if not want_hidden else (out[0], out[1], None)
+    out = target(block, positions, cache, block_mask=block_mask, return_hidden=want_hidden, return_aux=True)
+    return out[0], out[1] if want_hidden else None, out[-1]
 
 
 def _keep_paths(cache, start: torch.Tensor, verdict: Verdict, active: list[int]) -> None:

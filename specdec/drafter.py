@@ -142,7 +142,9 @@ class Accepted:
         root's child down (the root itself is not a node).
     hidden (B, 1 + N, C) or None: the target's final hidden states over [root, nodes] of the
         step, when the drafter asked for them (`Drafter.needs_hidden`); the state that chose the
-        next root is hidden[b, 1 + paths[b][-1]] (hidden[b, 0] when the path is empty).
+        next root is hidden[b, 1 + paths[b][-1]] (hidden[b, 0] when the path is empty). For a
+        drafter with `hidden_layers`, the states entering those target layers instead
+        (B, 1 + N, len(hidden_layers) * C), from the same verification forward.
     """
 
     seqs: list[torch.Tensor]
@@ -179,6 +181,10 @@ class Drafter(ABC):
     adaptive: True when `propose(k)` drafts (up to) k tokens, so `num_draft_tokens="auto"` may
         tune k per step from `draft_cost`; False for a fixed tree, which ignores k.
     needs_hidden: True when `begin` and `commit` need the target's final hidden states.
+    hidden_layers: target layer ids (vLLM's numbering: layer i's input, 0 = the embedding) whose
+        states `begin` and `commit` get instead of the final ones (an EAGLE-3 head's three layers);
+        the loop collects them in the target's own forwards (`Transformer.aux_outputs`), so they
+        cost no extra target pass. Empty: none.
     typical: a TypicalAcceptance to verify sampled steps with (lossy), None for lossless
         rejection sampling.
     """
@@ -186,6 +192,7 @@ class Drafter(ABC):
     name: str = "drafter"
     adaptive: bool = True
     needs_hidden: bool = False
+    hidden_layers: tuple[int, ...] = ()
     typical: TypicalAcceptance | None = None
 
     def max_nodes(self, k: int) -> int:
@@ -194,7 +201,9 @@ class Drafter(ABC):
 
     def begin(self, prompts: list[torch.Tensor], max_len: int, hidden: torch.Tensor | None) -> None:
         """Start a generation: the prompts (1-D each), the target's cache length per row, and
-        (with needs_hidden) the target's hidden state (B, C) at each prompt's last token."""
+        (with needs_hidden) the target's hidden state (B, C) at each prompt's last token, or (with
+        hidden_layers) the states of those layers at every prompt position (B, T, len * C), rows
+        right-padded to the longest prompt T."""
 
     @abstractmethod
     def propose(self, seqs: list[torch.Tensor], k: int, rows: list[int]) -> DraftTree:

@@ -267,6 +267,19 @@ class Eagle3Head(nn.Module):
         return KVCache(1, batch_size, cfg.num_kv_heads, max_seq_len, cfg.head_dim, dtype=self.dtype,
                        device=self.device)
 
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits (..., Vd) of the head's output hidden states (..., C)."""
+        return self.lm_head(self.norm(hidden))
+
+    def step(self, hidden: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor,
+             cache: KVCache | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`forward` without the LM head: the layer's output hidden state (B, T, C)."""
+        cos, sin = self.rope()(positions, self.dtype)
+        out = self.layers[0](hidden, embeds, cos, sin, cache, mask)  # (B, T, C)
+        if cache is not None:
+            cache.lengths += hidden.shape[1]
+        return out
+
     def forward(self, hidden: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor,
                 cache: KVCache | None = None, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One head step over T positions -> draft-vocabulary logits (B, T, Vd) and the layer's output
@@ -278,8 +291,5 @@ class Eagle3Head(nn.Module):
         go to slots cache.lengths[b] + t and the lengths advance by T; `mask` (B, T, S) bool over the
         first S slots (the new ones included) says what each position sees, None = causal.
         """
-        cos, sin = self.rope()(positions, self.dtype)
-        out = self.layers[0](hidden, embeds, cos, sin, cache, mask)  # (B, T, C)
-        if cache is not None:
-            cache.lengths += hidden.shape[1]
-        return self.lm_head(self.norm(out)), out
+        out = self.step(hidden, embeds, positions, cache, mask)
+        return self.logits(out), out
