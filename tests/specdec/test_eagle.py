@@ -208,3 +208,32 @@ def test_aux_states_are_the_inputs_of_the_named_layers(deep):
     with pytest.raises(ValueError, match="0..5"):
         with deep.aux_outputs((1, 6, 2)):
             pass
+
+
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+def test_the_decoder_layer_equals_the_speculators_one(deep, norm_before_residual):
+    """Only where the real `speculators` package is installed: its Eagle3 first layer, loaded with
+    our layers.0.* tensors, computes what ours does (input order [embedding, fused], norms, residual)."""
+    pytest.importorskip("speculators")
+    from speculators.models.eagle3.model_definitions import LlamaDecoderEagle3FirstLayer
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    head = head_for(deep, norm_before_residual=norm_before_residual)
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.dim() == 1:  # norms away from 1, so that each one matters
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.3)
+    cfg = LlamaConfig(**head.config.layer_config())
+    cfg._attn_implementation = "sdpa"
+    ref = LlamaDecoderEagle3FirstLayer(cfg, 0, norm_before_residual=norm_before_residual).eval()
+    ref.load_state_dict({k.removeprefix("layers.0."): v for k, v in head.state_dict().items()
+                         if k.startswith("layers.0.")}, strict=True)
+    g = torch.Generator().manual_seed(0)
+    fused, embeds = torch.randn(2, 7, 64, generator=g), torch.randn(2, 7, 64, generator=g)
+    pos = torch.arange(3, 10)[None].expand(2, -1)
+    with torch.no_grad():
+        want = ref(torch.cat([embeds, fused], -1), attention_mask=None, position_ids=pos,
+                   position_embeddings=LlamaRotaryEmbedding(cfg)(fused, pos))
+        got = head.step(fused, embeds, pos)
+    torch.testing.assert_close(got, want)
