@@ -18,6 +18,9 @@ training-time test) unrolls the head on its own outputs.
     head = Eagle3Head(Eagle3Config.from_target(target, draft_vocab_size=32768))
     fused = head.fuse(aux)                                             # (B, T, C)
     logits, hidden = head(fused, target.embed(tokens), positions)      # (B, T, Vd), (B, T, C)
+
+Training-time test unrolls steps over one `UnrollCache`: step s reads the previous step's output
+hidden states, the embeddings of the tokens one further on and positions + s.
 """
 
 from __future__ import annotations
@@ -137,6 +140,32 @@ class Eagle3Config:
         return out
 
 
+class UnrollCache:
+    """The keys and values of earlier unrolled steps for training-time test, kept by concatenation
+    (no in-place writes, so gradients flow through every step); holds steps of T positions each.
+
+    Without a mask, step s (0-based) of a position t sees step 0 at positions <= t and steps
+    1..s at position t only: EAGLE-3's training-time-test attention (each unrolled draft extends
+    its own position's branch)."""
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None  # (B, Hkv, S, D)
+        self.v: torch.Tensor | None = None
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add one step's k, v (B, Hkv, T, D); returns every step's keys and values (B, Hkv, S, D)."""
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        return self.k, self.v
+
+    @staticmethod
+    def mask(T: int, steps: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """(T, steps * T) bool: the training-time-test mask of step `steps` - 1 (see the class)."""
+        t, j = torch.arange(T, device=device), torch.arange(steps * T, device=device)
+        block, col = j // T, j % T
+        return torch.where(block[None] == 0, col[None] <= t[:, None], col[None] == t[:, None])
+
+
 class Eagle3Attention(nn.Module):
     """Grouped-query attention whose q/k/v read 2C ([embedding, fused]); the head's one cache layer."""
 
@@ -148,16 +177,20 @@ class Eagle3Attention(nn.Module):
         self.v_proj = nn.Linear(2 * cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None,
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | UnrollCache | None,
                 mask: torch.Tensor | None) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # (B, Hq, T, D)
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        prefix = torch.zeros(B, dtype=torch.long, device=x.device)
         if cache is None:
-            prefix = torch.zeros(B, dtype=torch.long, device=x.device)
             keys, values = k, v
+        elif isinstance(cache, UnrollCache):
+            keys, values = cache.append(k, v)  # (B, Hkv, S, D)
+            if mask is None:
+                mask = UnrollCache.mask(T, keys.shape[2] // T, x.device)[None].expand(B, T, -1)  # (B, T, S)
         else:
             cache.check_room(T)
             prefix = cache.lengths.clone()  # (B,)
@@ -197,7 +230,7 @@ class Eagle3Layer(nn.Module):
         self.mlp = Eagle3MLP(cfg)
 
     def forward(self, hidden: torch.Tensor, embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: KVCache | None, mask: torch.Tensor | None) -> torch.Tensor:
+                cache: KVCache | UnrollCache | None, mask: torch.Tensor | None) -> torch.Tensor:
         normed = self.hidden_norm(hidden)
         residual = normed if self.norm_before_residual else hidden
         x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # (B, T, 2C)
@@ -272,24 +305,27 @@ class Eagle3Head(nn.Module):
         return self.lm_head(self.norm(hidden))
 
     def step(self, hidden: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor,
-             cache: KVCache | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+             cache: KVCache | UnrollCache | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
         """`forward` without the LM head: the layer's output hidden state (B, T, C)."""
         cos, sin = self.rope()(positions, self.dtype)
         out = self.layers[0](hidden, embeds, cos, sin, cache, mask)  # (B, T, C)
-        if cache is not None:
+        if isinstance(cache, KVCache):
             cache.lengths += hidden.shape[1]
         return out
 
     def forward(self, hidden: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor,
-                cache: KVCache | None = None, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                cache: KVCache | UnrollCache | None = None,
+                mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One head step over T positions -> draft-vocabulary logits (B, T, Vd) and the layer's output
         hidden state (B, T, C), the `hidden` input of the next unrolled step.
 
         hidden (B, T, C): `fuse(aux)` of the target's states behind the previous tokens, or the head's
         own previous output; embeds (B, T, C): the target's embedding of the tokens at `positions`
-        (B, T). Without a cache: causal attention over the T positions. With one: the keys and values
-        go to slots cache.lengths[b] + t and the lengths advance by T; `mask` (B, T, S) bool over the
-        first S slots (the new ones included) says what each position sees, None = causal.
+        (B, T). Without a cache: causal attention over the T positions. With a KVCache (drafting):
+        the keys and values go to slots cache.lengths[b] + t and the lengths advance by T; `mask`
+        (B, T, S) bool over the first S slots (the new ones included) says what each position sees,
+        None = causal. With an UnrollCache (training-time test, autograd-safe): this step's keys and
+        values join the earlier steps'; None = EAGLE-3's unrolled mask (`UnrollCache.mask`).
         """
         out = self.step(hidden, embeds, positions, cache, mask)
         return self.logits(out), out

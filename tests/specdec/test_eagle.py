@@ -237,3 +237,30 @@ def test_the_decoder_layer_equals_the_speculators_one(deep, norm_before_residual
                    position_embeddings=LlamaRotaryEmbedding(cfg)(fused, pos))
         got = head.step(fused, embeds, pos)
     torch.testing.assert_close(got, want)
+
+
+def test_unrolled_steps_train_through_an_unroll_cache(deep):
+    """Training-time test: three unrolled steps over an UnrollCache compute what the drafting
+    KVCache computes with EAGLE-3's unrolled mask, and gradients reach fc through every step."""
+    from specdec.eagle import UnrollCache
+
+    head = head_for(deep)
+    B, T = 2, 5
+    g = torch.Generator().manual_seed(2)
+    aux, ids = torch.randn(B, T, 3 * 64, generator=g), torch.randint(0, V, (B, T + 2), generator=g)
+    pos = torch.arange(1, T + 1)[None].expand(B, -1)
+    assert UnrollCache.mask(2, 2).tolist() == [[True, False, True, False], [True, True, False, True]]
+    with torch.no_grad():
+        embeds = [deep.embed(ids[:, s:s + T]) for s in range(3)]
+    unroll, kv = UnrollCache(), head.new_cache(B, 3 * T)
+    hidden = ref_hidden = head.fuse(aux)
+    loss = 0.0
+    for s in range(3):
+        logits, hidden = head(hidden, embeds[s], pos + s, unroll)
+        with torch.no_grad():
+            mask = UnrollCache.mask(T, s + 1)[None].expand(B, -1, -1)
+            ref_logits, ref_hidden = head(ref_hidden, embeds[s], pos + s, kv, mask)
+        torch.testing.assert_close(logits.detach(), ref_logits)
+        loss = loss + 0.8 ** s * logits.logsumexp(-1).mean()
+    loss.backward()
+    assert head.fc.weight.grad is not None and bool(head.fc.weight.grad.abs().sum() > 0)
