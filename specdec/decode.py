@@ -73,11 +73,11 @@ def _decode(target, drafter: Drafter | None, state: RowState, num_draft_tokens: 
     B = len(state.prompts)
     start = time.perf_counter()
     cache = target.new_cache(B, max_len)
-    if want_aux:
-        logits, h, aux = _prefill_aux(target, state.prompts, cache)  # (B, V), (B, C), (B, T, nC)
-    else:
-        out = prefill(target, state.prompts, cache, return_hidden=want_hidden)
-        logits, h = out if want_hidden else (out, None)  # (B, V), (B, C)
+    out = prefill(target, state.prompts, cache, return_hidden=want_hidden, return_aux=want_aux)
+    out = out if isinstance(out, tuple) else (out,)
+    logits = out[0]  # (B, V)
+    h = out[1] if want_hidden else None  # (B, C)
+    aux = out[-1] if want_aux else None  # (B, T, nC)
     pending = select_next(logits, temperature, top_k, top_p, generator).cpu()  # (B,)
     for b in state.active():
         stats.target_forwards += 1
@@ -141,21 +141,6 @@ def _check_proposal(drafter: Drafter | None, tree: DraftTree, batch_size: int, k
         raise ValueError(f"drafter {drafter.name!r} proposed {tree.num_nodes} nodes, more than its max_nodes({k}) = "
                          f"{drafter.max_nodes(k)} the caches were sized for; make Drafter.max_nodes return the "
                          "most nodes propose() can return")
-
-
-def _prefill_aux(target, rows: list[torch.Tensor], cache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`specdec.rows.prefill` inside `aux_outputs`: the logits (B, V) and final hidden state (B, C)
-    of each row's last prompt token, and the aux states of every prompt position (B, T, nC)."""
-    device = target.device
-    lens = torch.tensor([r.numel() for r in rows], device=device)  # (B,)
-    tokens = torch.zeros(len(rows), int(lens.max()), dtype=torch.long, device=device)  # (B, T)
-    for b, r in enumerate(rows):
-        tokens[b, :r.numel()] = r.to(device)
-    positions = torch.arange(tokens.shape[1], device=device)[None].expand(len(rows), -1)  # (B, T)
-    logits, hidden, aux = target(tokens, positions, cache, return_hidden=True, return_aux=True,
-                                 logits_idx=(lens - 1)[:, None])
-    cache.rollback(lens)  # drop the padding slots: causal masking kept them out of real rows
-    return logits[:, 0], hidden[torch.arange(len(rows), device=device), lens - 1], aux
 
 
 def _score(target, cache, pending: torch.Tensor, tree: DraftTree, depths: torch.Tensor, want_hidden: bool,

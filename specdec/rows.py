@@ -122,10 +122,12 @@ def eos_set(eos_token_id: int | list[int] | None) -> frozenset[int]:
         raise ValueError(f"eos_token_id must be a token id (int) or a list of ids, got {eos_token_id!r}") from err
 
 
-def prefill(model, rows: list[torch.Tensor], cache, return_hidden: bool = False):
+def prefill(model, rows: list[torch.Tensor], cache, return_hidden: bool = False, return_aux: bool = False):
     """Run the prompts (right-padded) through `model` into `cache`; rows keep their true lengths.
 
-    Returns the logits of each row's last prompt token (B, V) (and its hidden state (B, C)).
+    Returns the logits of each row's last prompt token (B, V), then, when asked, its final hidden
+    state (B, C) and the states of the model's aux layers at every prompt position (B, T, nC)
+    (`Transformer.aux_outputs`; padding positions past a row's length hold padding).
     """
     device = model.device
     lens = torch.tensor([r.numel() for r in rows], device=device)  # (B,)
@@ -134,10 +136,14 @@ def prefill(model, rows: list[torch.Tensor], cache, return_hidden: bool = False)
     for b, r in enumerate(rows):
         tokens[b, :r.numel()] = r.to(device)
     positions = torch.arange(T, device=device)[None].expand(len(rows), -1)  # (B, T)
-    out = model(tokens, positions, cache, return_hidden=return_hidden, logits_idx=(lens - 1)[:, None])
+    extra = {"return_aux": True} if return_aux else {}  # (a transformers adapter knows no return_aux)
+    out = model(tokens, positions, cache, return_hidden=return_hidden, logits_idx=(lens - 1)[:, None], **extra)
     cache.rollback(lens)  # drop the padding slots: causal masking kept them out of real rows
+    if not (return_hidden or return_aux):
+        return out[:, 0]
+    result = [out[0][:, 0]]
     if return_hidden:
-        logits, hidden = out
-        last_hidden = hidden[torch.arange(len(rows), device=device), lens - 1]  # (B, C)
-        return logits[:, 0], last_hidden
-    return out[:, 0]
+        result.append(out[1][torch.arange(len(rows), device=device), lens - 1])  # (B, C)
+    if return_aux:
+        result.append(out[-1])  # (B, T, nC)
+    return tuple(result)
