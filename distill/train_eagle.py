@@ -1,0 +1,466 @@
+"""EAGLE-3 training (Li et al. 2025): one head on a frozen target, with training-time test.
+
+1. Features: `distill.eagle_cache.cache_eagle_states` runs the target once over the
+   self-distillation records (its own answers, distill.selfdistill) and caches, per record, the
+   states entering its three aux layers at every position and the final-norm states at the answer
+   positions (resumable, like the Medusa cache).
+2. Draft vocabulary: the `draft_vocab_size` most frequent tokens of the target's answers in the
+   training split (ties: lower id first; ids never seen fill up a vocabulary larger than what the
+   answers use), set through `Eagle3Head.set_draft_vocab`. With `init_from_target` the head's
+   `lm_head` starts as the target's LM head rows of those ids and its `norm` as the target's final
+   norm, as speculators initialises it.
+3. Training-time test (`unroll`): step 0 at position t reads fuse(aux[t - 1]) and the embedding of
+   token t (the alignment of specdec.eagle); step s > 0 at the same row reads the head's own
+   output of step s - 1 there, the embedding of token t + s at position t + s, and attends through
+   one `UnrollCache` (step 0 causally, later steps their own position), so the head learns from
+   inputs like those it drafts from.
+4. Loss (`ttt_loss`): sum_s decay^s CE_s, where CE_s is the mean over the rows whose step-s
+   prediction is an answer token (position t + s from the last prompt token to the last answer
+   token but one) of -sum_v p_v log q_v: p = softmax(h W_d^T), the target's next-token
+   distribution restricted to the draft vocabulary and renormalised (h the cached final-norm
+   state at position t + s, W_d the target's LM head rows of the draft ids), q = softmax of the
+   head's logits. Per-depth accuracy: argmax q == argmax p.
+5. `train_eagle`: AdamW, linear warm-up then cosine decay (and the deadline-aware schedule of
+   distill.train_medusa), gradient clipping, `accelerate` for device and mixed precision, a
+   progress bar, atomic checkpoints every `checkpoint_every` steps (OUT/checkpoint: the head in
+   the speculators format via specdec.save_eagle, optimizer.pt of tensors only, and
+   eagle_trainer.json) resumed from, held-out per-depth accuracy, OUT/loss.png and
+   OUT/metrics.json, and the head itself in OUT (specdec.load_eagle(OUT, target)).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from distill.config_args import at_least, check_fields
+from distill.eagle_cache import MANIFEST, EagleSplit, cache_eagle_states, load_split, read_manifest
+from distill.selfdistill import read_records
+from distill.train_medusa import _lr_at, _time_progress
+from runtime.atomic import atomic_write, atomic_write_text
+from runtime.hardware import native_bf16
+from runtime.outputs import prepare_output_dir
+from runtime.progress import progress
+from specdec.eagle import Eagle3Config, Eagle3Head, UnrollCache, default_aux_layers
+from specdec.eagle_io import read_eagle_config, save_eagle
+
+CHECKPOINT = "checkpoint"
+TRAINER = "eagle_trainer.json"
+CACHE_DIR = "eagle_cache"
+# files that mark an EAGLE-3 training directory (`specdec eagle train --out`, the recipes' OUT): one of
+# them there and training resumes in it; a non-empty directory without them is refused
+TRAIN_MARKERS = (f"{CHECKPOINT}/{TRAINER}", f"{CACHE_DIR}/{MANIFEST}", "selfdistill.jsonl", "budget.json")
+SAVE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def check_train_dir(out_dir: str | Path) -> Path:
+    """Fail (OutputPathError) unless `out_dir` is new, empty or an EAGLE-3 training directory."""
+    return prepare_output_dir(out_dir, TRAIN_MARKERS, what="EAGLE-3 training directory", resume=True)
+
+
+def _positive(value: float) -> None:
+    if value <= 0:
+        raise ValueError(f"must be > 0, got {value}")
+
+
+def _decay_check(value: float) -> None:
+    if not 0 < value <= 1:
+        raise ValueError(f"must be in (0, 1], got {value}")
+
+
+def _aux_check(value: str) -> None:
+    if value and not re.fullmatch(r"\s*\d+\s*,\s*\d+\s*,\s*\d+\s*", value):
+        raise ValueError(f"must be three comma-separated layer ids such as 2,14,25 (empty: 2, L // 2, L - 3), "
+                         f"got {value!r}")
+
+
+@dataclass(frozen=True)
+class EagleTrainConfig:
+    """EAGLE-3 training hyper-parameters: the one declaration of their defaults.
+
+    `specdec eagle train` and the EAGLE recipes derive their flags from these fields
+    (`distill.config_args`); each field's `help` is the flag's help text. ttt_steps 3, decay 0.8,
+    gradient clipping 0.5 and the 32k draft vocabulary follow EAGLE-3 / speculators; lr and
+    batch_tokens are starting points for a CPU budget, not tuned values.
+    """
+
+    ttt_steps: int = field(default=3, metadata={
+        "help": "training-time test: unrolled steps per position; step s > 0 reads the head's own output of step "
+                "s - 1 and predicts s tokens further", "check": at_least(1)})
+    draft_vocab_size: int = field(default=32768, metadata={
+        "help": "tokens the head scores: the most frequent of the target's own answers (capped at the target's "
+                "vocabulary)", "check": at_least(1)})
+    aux_layers: str = field(default="", metadata={
+        "help": "the three target layers whose input states the head reads, e.g. 2,14,25 (empty: 2, L // 2, L - 3)",
+        "check": _aux_check})
+    norm_before_residual: bool = field(default=False, metadata={
+        "help": "the decoder layer's residual is the normed fused state instead of the fused state"})
+    init_from_target: bool = field(default=True, metadata={
+        "help": "start the head's LM head from the target's rows of the draft ids and its norm from the "
+                "target's final norm"})
+    epochs: int = field(default=4, metadata={"help": "passes over the cached training records", "check": at_least(1)})
+    lr: float = field(default=5e-4, metadata={"help": "peak AdamW learning rate (warm-up, then cosine decay)",
+                                              "check": _positive})
+    batch_tokens: int = field(default=2048, metadata={
+        "help": "padded tokens (rows x longest record) per training step; a longer record is a step alone",
+        "check": at_least(1)})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay", "check": at_least(0)})
+    decay: float = field(default=0.8, metadata={"help": "loss weight of unrolled step s is decay**s",
+                                                "check": _decay_check})
+    warmup_steps: int = field(default=20, metadata={"help": "steps of linear learning-rate warm-up",
+                                                    "check": at_least(0)})
+    max_grad_norm: float = field(default=0.5, metadata={"help": "gradient clipping: largest total gradient norm",
+                                                        "check": _positive})
+    checkpoint_every: int = field(default=100, metadata={"help": "steps between resumable checkpoints",
+                                                         "check": at_least(1)})
+    heldout_every: int = field(default=20, metadata={
+        "help": "every N-th record is held out of training and measures per-depth accuracy (fixed per cache)",
+        "check": at_least(2)})
+    mixed_precision: str = field(default="auto", metadata={
+        "help": "autocast mode of training; auto: bf16 where the hardware multiplies it natively, else float32",
+        "choices": ("auto", "no", "bf16", "fp16")})
+    save_dtype: str = field(default="bfloat16", metadata={"help": "dtype of the saved head (checkpoints: float32)",
+                                                          "choices": tuple(SAVE_DTYPES)})
+    seed: int = field(default=0, metadata={"help": "seed of the head's initialisation and the record order"})
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+    def autocast_mode(self, device: torch.device) -> str:
+        """accelerate's mixed_precision for training on `device` ("auto" resolved)."""
+        if self.mixed_precision != "auto":
+            return self.mixed_precision
+        return "bf16" if native_bf16(device) else "no"
+
+    def layers(self, num_layers: int) -> tuple[int, int, int]:
+        """The aux layers for a target of `num_layers` layers (the default when `aux_layers` is empty)."""
+        if not self.aux_layers:
+            return default_aux_layers(num_layers)
+        return tuple(int(x) for x in self.aux_layers.split(","))
+
+
+def answer_vocab(answer_tokens: torch.Tensor, vocab_size: int, size: int) -> torch.Tensor:
+    """The `size` most frequent ids of `answer_tokens` (M,), sorted; ties and unseen ids by lower id."""
+    counts = torch.bincount(answer_tokens.flatten(), minlength=vocab_size)[:vocab_size]  # (V,)
+    order = torch.sort(counts, descending=True, stable=True).indices
+    return order[:size].sort().values
+
+
+def lm_head_rows(target, token_ids: torch.Tensor) -> torch.Tensor:
+    """The target's LM head rows of `token_ids` (Vd,) as float32 (Vd, C) (quantized heads dequantized)."""
+    from runtime.qlinear import QuantizedLinear
+
+    head = target.lm_head
+    weight = head.dequantize(torch.float32) if isinstance(head, QuantizedLinear) else head.weight.detach()
+    return weight[token_ids.to(weight.device)].float()
+
+
+def soft_targets(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The target's next-token distribution over the draft vocabulary, renormalised: softmax of its
+    logits at the draft ids, (n, Vd), from final-norm states (n, C) and LM head rows (Vd, C)."""
+    return (hidden.float() @ weight.float().T).softmax(-1)
+
+
+def ttt_loss(logits: list[torch.Tensor], teacher: list[torch.Tensor],
+             decay: float) -> tuple[torch.Tensor, list[float | None], list[float | None]]:
+    """sum_s decay^s CE(teacher[s], logits[s]) for per-step logits and soft targets (n_s, Vd), each
+    CE the mean over its rows of -sum_v p_v log q_v. Returns the loss, CE per step and the accuracy
+    per step (argmax agreement); a step without rows adds 0 and reports None."""
+    loss = logits[0].new_zeros((), dtype=torch.float32)
+    ce, acc = [], []
+    for s, (q, p) in enumerate(zip(logits, teacher)):
+        if q.shape[0] == 0:
+            ce.append(None)
+            acc.append(None)
+            continue
+        ce_s = -(p * q.float().log_softmax(-1)).sum(-1).mean()
+        loss = loss + decay ** s * ce_s
+        ce.append(float(ce_s.detach()))
+        acc.append(float((q.detach().argmax(-1) == p.argmax(-1)).float().mean()))
+    return loss, ce, acc
+
+
+@dataclass
+class Batch:
+    """Records padded for `unroll`; index i of the last three stands for position i + 1.
+
+    aux (B, T, 3C): the aux states at positions 0..T-1 (T = longest record - 1); tokens (B, T + k);
+    teacher (B, T + k, C): final-norm states where `valid` (B, T + k) marks a loss position."""
+
+    aux: torch.Tensor
+    tokens: torch.Tensor
+    teacher: torch.Tensor
+    valid: torch.Tensor
+
+
+def make_batch(split: EagleSplit, ids: list[int], steps: int) -> Batch:
+    """Records `ids` of `split`, right-padded, for `steps` unrolled steps."""
+    recs = [split.record(i) for i in ids]
+    T = max(r[2].numel() for r in recs) - 1
+    B, C = len(recs), split.hidden.shape[1]
+    aux = split.aux.new_zeros(B, T, 3 * C)  # (B, T, 3C)
+    tokens = torch.zeros(B, T + steps, dtype=torch.long)  # (B, T + k)
+    teacher = split.hidden.new_zeros(B, T + steps, C)  # (B, T + k, C)
+    valid = torch.zeros(B, T + steps, dtype=torch.bool)  # (B, T + k)
+    for b, (a, h, t, P) in enumerate(recs):
+        L = t.numel()
+        aux[b, :L - 1] = a[:L - 1]
+        tokens[b, :L - 1] = t[1:]
+        lo = P - 2  # the index of position P - 1, the first loss position (hidden row 0)
+        rows = h[max(0, -lo):]  # position 0 has no step: it has no aux state before it
+        lo = max(lo, 0)
+        teacher[b, lo:L - 2] = rows
+        valid[b, lo:L - 2] = True
+    return Batch(aux, tokens, teacher, valid)
+
+
+def unroll(head: Eagle3Head, embed, batch: Batch, steps: int) -> list[torch.Tensor]:
+    """Training-time test over `batch`: `steps` head steps on one UnrollCache, step s > 0 reading the
+    previous step's outputs. Returns per step the draft logits (n_s, Vd) at its loss positions."""
+    device = head.device
+    B, T, _ = batch.aux.shape
+    hidden = head.fuse(batch.aux.to(device, head.dtype))  # (B, T, C)
+    positions = torch.arange(1, T + 1, device=device)[None].expand(B, -1)  # (B, T)
+    last = head.config.max_position_embeddings - 1
+    cache, out = UnrollCache(), []
+    for s in range(steps):
+        with torch.no_grad():
+            embeds = embed(batch.tokens[:, s:s + T].to(device)).to(head.dtype)  # (B, T, C)
+        hidden = head.step(hidden, embeds, (positions + s).clamp(max=last), cache)  # (B, T, C)
+        out.append(head.logits(hidden[batch.valid[:, s:s + T].to(device)]))  # (n_s, Vd)
+    return out
+
+
+def batch_teacher(batch: Batch, weight: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """Per step the soft targets (n_s, Vd) at the loss positions `unroll` scores."""
+    T = batch.aux.shape[1]
+    return [soft_targets(batch.teacher[:, s:s + T][batch.valid[:, s:s + T]].to(weight.device), weight)
+            for s in range(steps)]
+
+
+def group_records(order: list[int], lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    """Consecutive records of `order` grouped so that rows x (longest length - 1) <= batch_tokens."""
+    batches, cur, longest = [], [], 0
+    for i in order:
+        n = lengths[i] - 1
+        if cur and max(longest, n) * (len(cur) + 1) > batch_tokens:
+            batches.append(cur)
+            cur, longest = [], 0
+        cur.append(i)
+        longest = max(longest, n)
+    return batches + ([cur] if cur else [])
+
+
+def epoch_batches(lengths: list[int], batch_tokens: int, seed: int, epoch: int, window: int = 32) -> list[list[int]]:
+    """One epoch's batches: records shuffled by a generator seeded with seed + epoch, then sorted by
+    length within windows of `window` records (less padding), then grouped."""
+    order = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    order = [i for lo in range(0, len(order), window) for i in sorted(order[lo:lo + window], key=lengths.__getitem__)]
+    return group_records(order, lengths, batch_tokens)
+
+
+@torch.no_grad()
+def evaluate(head: Eagle3Head, embed, split: EagleSplit, weight: torch.Tensor, steps: int, decay: float,
+             batch_tokens: int = 2048) -> dict:
+    """Held-out CE and accuracy per unrolled step (position-weighted means) and the weighted loss."""
+    ce_sum, hits, count = torch.zeros(steps), torch.zeros(steps), torch.zeros(steps)
+    lengths = split.lengths.tolist()
+    for ids in group_records(sorted(range(len(lengths)), key=lengths.__getitem__), lengths, batch_tokens):
+        batch = make_batch(split, ids, steps)
+        for s, (q, p) in enumerate(zip(unroll(head, embed, batch, steps), batch_teacher(batch, weight, steps))):
+            ce_sum[s] += float(-(p * q.float().log_softmax(-1)).sum())
+            hits[s] += float((q.argmax(-1) == p.argmax(-1)).sum())
+            count[s] += q.shape[0]
+    ce = (ce_sum / count.clamp(min=1)).tolist()
+    return {"loss": sum(decay ** s * c for s, c in enumerate(ce)), "ce_per_step": ce,
+            "accuracy_per_step": (hits / count.clamp(min=1)).tolist(), "positions_per_step": count.long().tolist()}
+
+
+def _smooth(values: list[float]) -> tuple[list[int], list[float]]:
+    w = max(1, len(values) // 50)
+    x = torch.tensor(values, dtype=torch.float64)
+    return list(range(w - 1, len(values))), x.unfold(0, w, 1).nanmean(-1).tolist()
+
+
+def _plot(losses: list[float], accuracy: list[list[float | None]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5))
+    left.plot(losses, lw=0.6, alpha=0.4, label="batch")
+    left.plot(*_smooth(losses), lw=1.5, label="running mean")
+    left.set(xlabel="step", ylabel="sum_s 0.8^s CE_s", title="EAGLE-3 training loss")
+    left.legend()
+    for s in range(len(accuracy[0])):
+        right.plot(*_smooth([float("nan") if a[s] is None else a[s] for a in accuracy]), lw=1.2, label=f"depth {s}")
+    right.set(xlabel="step", ylabel="argmax agreement with the target", title="per-depth accuracy (training)")
+    right.legend()
+    fig.tight_layout()
+    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110))
+    plt.close(fig)
+
+
+def _save_checkpoint(ckpt: Path, head: Eagle3Head, opt, state: dict) -> None:
+    """The head (speculators format), the optimizer's tensors, then the trainer state (last: it names
+    the step the others belong to)."""
+    save_eagle(head, ckpt)
+    atomic_write(ckpt / "optimizer.pt", lambda tmp: torch.save(opt.state_dict(), tmp))
+    atomic_write_text(ckpt / TRAINER, json.dumps(state))
+
+
+def _feature_dir(target, data, config: EagleTrainConfig, out_dir: Path | None, scratch: Path,
+                 deadline: float | None) -> Path:
+    """The feature cache to train on: `data` itself when it is one, else the records it names
+    (a jsonl path or a list of records) cached into OUT/eagle_cache (or `scratch` without OUT)."""
+    if isinstance(data, (str, Path)) and (Path(data) / MANIFEST).is_file():
+        return Path(data)
+    records = read_records(data) if isinstance(data, (str, Path)) else list(data)
+    if not records:
+        raise ValueError(f"no self-distillation records in {data if isinstance(data, (str, Path)) else 'data'}; "
+                         "run `specdec eagle data` first")
+    cache = (out_dir if out_dir is not None else scratch) / CACHE_DIR
+    return cache_eagle_states(target, records, cache, config.layers(target.config.num_layers),
+                              heldout_every=config.heldout_every, deadline=deadline)
+
+
+def train_eagle(target, data, config: EagleTrainConfig = EagleTrainConfig(), out_dir: str | Path | None = None, *,
+                deadline: float | None = None, resume: bool = True) -> Eagle3Head:
+    """Train an EAGLE-3 head for runtime model `target` (frozen) and return it (float32, eval mode).
+
+    data: a feature cache directory (distill.eagle_cache), or self-distillation records (a jsonl
+    path or a list of {"id", "prompt_ids", "output_ids"}) that are cached first into
+    OUT/eagle_cache (a temporary directory without `out_dir`). out_dir: new, empty or an EAGLE-3
+    training directory (TRAIN_MARKERS; else OutputPathError); it receives the checkpoints (resumed
+    from when `resume`), the head (specdec.load_eagle(out_dir, target)), loss.png and
+    metrics.json. Without it nothing is saved. deadline: a time.monotonic() value at which caching
+    and training stop early (held-out evaluation and saving still run); see distill.train_medusa.
+    """
+    from accelerate import Accelerator
+
+    if out_dir is not None:
+        out_dir = check_train_dir(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="eagle-features-") as scratch:
+        data_dir = _feature_dir(target, data, config, out_dir, Path(scratch), deadline)
+        layers = config.layers(target.config.num_layers)
+        manifest = read_manifest(data_dir)
+        if tuple(manifest["aux_layers"]) != layers or manifest["hidden_size"] != target.config.hidden_size:
+            raise ValueError(f"{data_dir} caches aux layers {manifest['aux_layers']} of hidden size "
+                             f"{manifest['hidden_size']}; this head reads layers {list(layers)} of hidden size "
+                             f"{target.config.hidden_size}: use another cache")
+        train = load_split(data_dir, "train")
+        heldout = load_split(data_dir, "heldout") if manifest["shards"]["heldout"] else None
+
+    V, device, k = target.config.vocab_size, target.device, config.ttt_steps
+    with torch.random.fork_rng(devices=[]):  # the head's initialisation, without touching the global RNG
+        torch.manual_seed(config.seed)
+        head = Eagle3Head(Eagle3Config.from_target(
+            target, draft_vocab_size=min(config.draft_vocab_size, V), aux_layers=layers,
+            norm_before_residual=config.norm_before_residual)).to(device)
+    head.set_draft_vocab(answer_vocab(train.answer_tokens(), V, head.config.draft_vocab_size))
+    if config.init_from_target:
+        with torch.no_grad():
+            head.lm_head.weight.copy_(lm_head_rows(target, head.target_ids(torch.arange(head.config.draft_vocab_size))))
+            head.norm.weight.copy_(target.norm.weight.float())
+    acc = Accelerator(cpu=device.type == "cpu", mixed_precision=config.autocast_mode(device))
+    head.train().requires_grad_(True)
+    params = list(head.parameters())
+    opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+    ckpt = out_dir / CHECKPOINT if out_dir is not None else None
+    step, losses, accuracy, before = 0, [], [], 0.0  # before: training seconds of earlier runs of this job
+    if resume and ckpt is not None and (ckpt / TRAINER).is_file():
+        if read_eagle_config(ckpt, target) != head.config:
+            raise ValueError(f"{ckpt} holds a head of another shape (draft vocabulary, aux layers or "
+                             f"norm_before_residual) than this configuration asks for; use another output directory")
+        head.load_state_dict(load_file(str(ckpt / "model.safetensors")))  # its draft vocabulary included
+        opt.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True))
+        meta = json.loads((ckpt / TRAINER).read_text())
+        step, losses, accuracy, before = meta["step"], meta["losses"], meta["accuracy"], meta["train_seconds"]
+    draft_ids = head.target_ids(torch.arange(head.config.draft_vocab_size, device=head.d2t.device))
+    weight = lm_head_rows(target, draft_ids).to(acc.device)  # (Vd, C): the teacher's LM head rows
+    model_h, opt = acc.prepare(head, opt)
+    lengths = train.lengths.tolist()
+    schedule = [b for e in range(config.epochs) for b in epoch_batches(lengths, config.batch_tokens, config.seed, e)]
+    total = len(schedule)
+    bar = progress(total=total, initial=min(step, total), desc="training EAGLE-3 head", unit="step")
+    t_start = time.monotonic()
+
+    def seconds() -> float:
+        return before + time.monotonic() - t_start
+
+    def state() -> dict:
+        return {"step": step, "planned_steps": total, "losses": losses, "accuracy": accuracy,
+                "train_seconds": seconds(), "config": asdict(config)}
+
+    try:
+        while step < total:
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            batch = make_batch(train, schedule[step], k)
+            done = step / total  # with a deadline, the schedule also follows the time spent
+            if deadline is not None:
+                done = max(done, _time_progress(seconds(), deadline - time.monotonic()))
+            for g in opt.param_groups:
+                g["lr"] = _lr_at(step, done, config)
+            with acc.autocast():
+                logits = unroll(head, target.embed, batch, k)
+            with torch.no_grad():
+                teacher = batch_teacher(batch, weight, k)
+            loss, _, hits = ttt_loss(logits, teacher, config.decay)
+            opt.zero_grad(set_to_none=True)
+            acc.backward(loss)
+            acc.clip_grad_norm_(params, config.max_grad_norm)
+            opt.step()
+            step += 1
+            losses.append(float(loss.detach()))
+            accuracy.append(hits)
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
+            bar.update(1)
+            if ckpt is not None and step % config.checkpoint_every == 0:
+                _save_checkpoint(ckpt, head, opt, state())
+    finally:  # also when stopped (Ctrl-C, SIGTERM): the steps done so far are kept
+        bar.close()
+        if ckpt is not None:
+            _save_checkpoint(ckpt, head, opt, state())
+    head = acc.unwrap_model(model_h).eval().requires_grad_(False)
+    if out_dir is None:
+        return head
+    held = evaluate(head, target.embed, heldout, weight, k, config.decay, config.batch_tokens) if heldout else None
+    save_eagle(copy.deepcopy(head).to(SAVE_DTYPES[config.save_dtype]), out_dir, speculative_tokens=k)
+    if losses:
+        _plot(losses, accuracy, out_dir / "loss.png")
+    vocab = torch.zeros(V, dtype=torch.bool)
+    vocab[draft_ids.cpu()] = True
+    recent = accuracy[-50:]
+    metrics = {
+        "steps": step, "planned_steps": total, "train_records": len(train), "train_positions": train.num_positions,
+        "heldout_positions": heldout.num_positions if heldout else 0,
+        "draft_vocab_size": head.config.draft_vocab_size, "aux_layers": list(layers),
+        "draft_vocab_coverage": {"train": float(vocab[train.answer_tokens()].float().mean()),
+                                 "heldout": float(vocab[heldout.answer_tokens()].float().mean()) if heldout else None},
+        "final_loss": sum(losses[-50:]) / len(losses[-50:]) if losses else None,
+        "train_accuracy_per_step": [_mean([a[s] for a in recent]) for s in range(k)],
+        "heldout": held, "train_seconds": seconds(), "config": asdict(config),
+    }
+    atomic_write_text(out_dir / "metrics.json", json.dumps(metrics, indent=1))
+    return head
+
+
+def _mean(values: list[float | None]) -> float | None:
+    kept = [v for v in values if v is not None]
+    return sum(kept) / len(kept) if kept else None
+
+
+def read_metrics(out_dir: str | Path) -> dict:
+    """The metrics.json a finished `train_eagle` wrote to `out_dir`."""
+    return json.loads((Path(out_dir) / "metrics.json").read_text())

@@ -1,0 +1,263 @@
+"""EAGLE-3 training: the feature cache, the soft targets, the unrolled loss, learning, checkpoint /
+resume, configuration checks and the `specdec eagle` commands, on tiny random targets."""
+
+import importlib
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+import distill
+import specdec
+from distill.eagle_cache import EagleSplit, cache_eagle_states, load_split
+from distill.train_eagle import (
+    EagleTrainConfig,
+    answer_vocab,
+    batch_teacher,
+    lm_head_rows,
+    make_batch,
+    soft_targets,
+    ttt_loss,
+    unroll,
+)
+from distill.train_medusa import cache_hidden_states
+from runtime.outputs import OutputPathError
+from runtime.tiny import tiny_model
+from specdec.eagle import Eagle3Config, Eagle3Head
+
+V, LAYERS = 128, (1, 2, 3)
+FAST = dict(draft_vocab_size=96, aux_layers="1,2,3", lr=3e-3, batch_tokens=256, warmup_steps=3,
+            mixed_precision="no", heldout_every=5)
+
+
+@pytest.fixture(scope="module")
+def target():
+    """A 4-layer random target whose LM head is scaled up so that its next-token distributions are
+    peaked (a random model's are nearly uniform: nothing to learn)."""
+    model = tiny_model("llama", seed=0, vocab_size=V, num_hidden_layers=4)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30)
+    return model
+
+
+@pytest.fixture(scope="module")
+def records():
+    """Answers that walk a fixed permutation of 80 tokens after a random prompt."""
+    g = torch.Generator().manual_seed(0)
+    perm = torch.randperm(80, generator=g)
+    out = []
+    for i in range(40):
+        prompt = torch.randint(0, V, (int(torch.randint(2, 8, (), generator=g)),), generator=g).tolist()
+        x, answer = int(torch.randint(0, 80, (), generator=g)), []
+        for _ in range(int(torch.randint(10, 30, (), generator=g))):
+            answer.append(x)
+            x = int(perm[x])
+        out.append({"id": i, "prompt_ids": prompt, "output_ids": answer})
+    return out
+
+
+@pytest.fixture(scope="module")
+def features(target, records, tmp_path_factory):
+    return cache_eagle_states(target, records, tmp_path_factory.mktemp("features"), LAYERS, heldout_every=5,
+                              dtype=torch.float32)
+
+
+def test_soft_targets_are_the_targets_distribution_restricted_to_the_draft_vocabulary():
+    hidden = torch.tensor([[1.0, 2.0]])  # (1, C)
+    lm_head = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [-1.0, 0.0]])  # (V, C): logits 1, 2, 3, -1
+    ids = torch.tensor([0, 2])
+    p = soft_targets(hidden, lm_head[ids])
+    e1, e3 = torch.exp(torch.tensor(1.0)), torch.exp(torch.tensor(3.0))
+    torch.testing.assert_close(p, torch.tensor([[e1 / (e1 + e3), e3 / (e1 + e3)]]))
+    full = (hidden @ lm_head.T).softmax(-1)[0]
+    torch.testing.assert_close(p[0], full[ids] / full[ids].sum())  # renormalised restriction
+
+
+def test_lm_head_rows_are_the_targets(target):
+    ids = torch.tensor([3, 7, 100])
+    torch.testing.assert_close(lm_head_rows(target, ids), target.lm_head.weight[ids].float())
+
+
+def test_the_unrolled_loss_weighs_step_s_by_decay_to_the_s():
+    g = torch.Generator().manual_seed(0)
+    logits = [torch.randn(5, 7, generator=g, requires_grad=True) for _ in range(3)]
+    teacher = [torch.randn(5, 7, generator=g).softmax(-1) for _ in range(3)]
+    teacher[1] = F.one_hot(torch.tensor([0, 1, 2, 3, 4]), 7).float()
+    loss, ce, acc = ttt_loss(logits, teacher, 0.8)
+    with torch.no_grad():
+        ref = [-(p * q.log_softmax(-1)).sum(-1).mean() for q, p in zip(logits, teacher)]
+    assert ce == pytest.approx([float(r) for r in ref], rel=1e-5)
+    assert float(ref[1]) == pytest.approx(float(F.cross_entropy(logits[1].detach(), torch.arange(5))), rel=1e-5)
+    assert loss.item() == pytest.approx(float(ref[0] + 0.8 * ref[1] + 0.64 * ref[2]), rel=1e-5)
+    assert acc[1] == pytest.approx(float((logits[1].argmax(-1) == torch.arange(5)).float().mean()))
+    empty = ttt_loss([logits[0], logits[1][:0]], [teacher[0], teacher[1][:0]], 0.8)
+    assert empty[1][1] is None and empty[2][1] is None and empty[0].item() == pytest.approx(ce[0], rel=1e-5)
+
+
+def test_the_draft_vocabulary_is_the_most_frequent_answer_tokens():
+    tokens = torch.tensor([5, 5, 5, 9, 9, 7, 3, 3, 1])
+    assert answer_vocab(tokens, 12, 3).tolist() == [3, 5, 9]  # 5 x3, 9 x2, 3 x2; sorted ids
+    assert answer_vocab(tokens, 12, 2).tolist() == [3, 5]  # 9 and 3 tie: the lower id is kept
+    assert answer_vocab(tokens, 12, 7).tolist() == [0, 1, 2, 3, 5, 7, 9]  # unseen ids fill up by lower id
+
+
+def test_cached_features_are_the_targets_and_the_cache_resumes(target, records, features, tmp_path):
+    train, held = load_split(features, "train"), load_split(features, "heldout")
+    assert len(held) == 8 and len(train) == 32  # records 0, 5, 10, ... are held out
+    assert held.num_positions == sum(len(records[i]["output_ids"]) for i in range(0, 40, 5))
+    aux, hidden, tokens, P = train.record(1)  # record 2
+    r = records[2]
+    seq = torch.tensor(r["prompt_ids"] + r["output_ids"])
+    with torch.no_grad(), target.aux_outputs(LAYERS):
+        _, ref_h, ref_aux = target(seq[None], torch.arange(seq.numel())[None], None, return_hidden=True,
+                                   return_aux=True)
+    assert P == len(r["prompt_ids"]) and torch.equal(tokens, seq)
+    torch.testing.assert_close(aux, ref_aux[0], rtol=1e-4, atol=1e-4)  # (L, 3C)
+    torch.testing.assert_close(hidden, ref_h[0, P - 1:-1], rtol=1e-4, atol=1e-4)  # (n, C)
+    assert torch.equal(train.answer_tokens(), torch.tensor(
+        [t for i in range(40) if i % 5 for t in records[i]["output_ids"]]))
+    # resume: a run stopped by its deadline keeps whole records; the same call finishes the job
+    cache_eagle_states(target, records[:13], tmp_path / "c", LAYERS, heldout_every=5, batch_tokens=64,
+                       shard_tokens=50, dtype=torch.float32)
+    manifest = json.loads((tmp_path / "c" / "manifest.json").read_text())
+    assert manifest["records_done"] == 13 and len(manifest["shards"]["train"]) > 1
+    cache_eagle_states(target, records, tmp_path / "c", LAYERS, heldout_every=5, dtype=torch.float32,
+                       deadline=0.0)  # past: nothing new
+    assert json.loads((tmp_path / "c" / "manifest.json").read_text())["records_done"] == 13
+    cache_eagle_states(target, records, tmp_path / "c", LAYERS, heldout_every=5, dtype=torch.float32)
+    again = load_split(tmp_path / "c", "train")
+    assert torch.equal(again.tokens, train.tokens) and torch.equal(again.lengths, train.lengths)
+    torch.testing.assert_close(again.aux, train.aux)
+    with pytest.raises(ValueError, match="belongs to other data"):
+        cache_eagle_states(target, records[1:], tmp_path / "c", LAYERS, heldout_every=5)
+    with pytest.raises(ValueError, match="aux layers"):
+        cache_eagle_states(target, records, tmp_path / "c", (0, 1, 2), heldout_every=5)
+    cache_hidden_states(target, records[:2], tmp_path / "medusa", num_heads=1)
+    with pytest.raises(OutputPathError, match="Medusa hidden-state cache is another format"):
+        cache_eagle_states(target, records, tmp_path / "medusa", LAYERS)
+
+
+def test_a_batch_aligns_each_step_with_the_token_and_the_distribution_it_predicts():
+    """Record of L = 6 tokens, prompt of 3: step s at row j (position j + 1) reads token j + 1 + s and
+    is scored against the target's state at position j + 1 + s, for positions 2..4 (the last prompt
+    token to the last answer token but one)."""
+    L, P, C = 6, 3, 1
+    pos = torch.arange(L, dtype=torch.float32)
+    split = EagleSplit(aux=pos[:, None].repeat(1, 3 * C), hidden=pos[P - 1:L - 1, None],
+                       tokens=torch.arange(10, 10 + L), lengths=torch.tensor([L]), prompt_lengths=torch.tensor([P]))
+    b = make_batch(split, [0], steps=3)
+    T = L - 1
+    assert b.aux[0, :, 0].tolist() == [0, 1, 2, 3, 4]  # step 0 at position j + 1 reads the states at j
+    for s in range(3):
+        assert b.tokens[0, s:s + T].tolist() == [10 + j + 1 + s if j + 1 + s < L else 0 for j in range(T)]
+        valid = b.valid[0, s:s + T]
+        assert [j + 1 + s for j in range(T) if valid[j]] == [q for q in range(P - 1, L - 1) if q >= 1 + s]
+        assert b.teacher[0, s:s + T][valid][:, 0].tolist() == [float(q) for q in range(max(P - 1, 1 + s), L - 1)]
+
+
+def test_step_zero_of_the_unroll_is_the_heads_forward_at_the_drafting_alignment(target, features):
+    split = load_split(features, "train")
+    torch.manual_seed(0)
+    head = Eagle3Head(Eagle3Config.from_target(target, draft_vocab_size=V, aux_layers=LAYERS))
+    batch = make_batch(split, [0, 1], steps=2)
+    with torch.no_grad():
+        steps = unroll(head, target.embed, batch, 2)
+        aux, _, tokens, _ = split.record(0)
+        L = tokens.numel()
+        ref, _ = head(head.fuse(aux[None, :L - 1]), target.embed(tokens[None, 1:]), torch.arange(1, L)[None])
+    assert [s.shape[1] for s in steps] == [V, V]
+    n0 = int(batch.valid[0, :batch.aux.shape[1]].sum())
+    torch.testing.assert_close(steps[0][:n0], ref[0][batch.valid[0, :L - 1]])
+    teacher = batch_teacher(batch, lm_head_rows(target, torch.arange(V)), 2)
+    assert [t.shape for t in teacher] == [s.shape for s in steps]
+    with torch.no_grad():
+        _, ref_h = target(tokens[None], torch.arange(L)[None], None, return_hidden=True)
+    P = split.record(0)[3]
+    full = (ref_h[0, P - 1:L - 1] @ target.lm_head.weight.T).softmax(-1)  # the target's own next-token law
+    torch.testing.assert_close(teacher[0][:L - P], full, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("change,match", [({"ttt_steps": 0}, "ttt_steps must be >= 1"),
+                                          ({"draft_vocab_size": 0}, "draft_vocab_size must be >= 1"),
+                                          ({"decay": 0.0}, "decay must be in"),
+                                          ({"lr": 0.0}, "lr must be > 0"),
+                                          ({"max_grad_norm": -1.0}, "max_grad_norm must be > 0"),
+                                          ({"batch_tokens": 0}, "batch_tokens must be >= 1"),
+                                          ({"aux_layers": "1,2"}, "three comma-separated"),
+                                          ({"heldout_every": 1}, "heldout_every must be >= 2"),
+                                          ({"mixed_precision": "fp8"}, "mixed_precision must be one of"),
+                                          ({"save_dtype": "int8"}, "save_dtype must be one of")])
+def test_bad_configs_are_rejected(change, match):
+    with pytest.raises(ValueError, match=match):
+        EagleTrainConfig(**change)
+
+
+def test_aux_layers_default_to_eagle3s_and_are_checked_against_the_target(target, records, tmp_path):
+    assert EagleTrainConfig().layers(28) == (2, 14, 25) and EagleTrainConfig(aux_layers="1, 2,3").layers(4) == LAYERS
+    with pytest.raises(ValueError, match="0..3"):
+        distill.train_eagle(target, records[:6], EagleTrainConfig(aux_layers="1,2,9"), tmp_path / "out")
+
+
+def test_training_lowers_the_loss_and_saves_a_head_that_drafts_losslessly(target, records, features, tmp_path):
+    cfg = EagleTrainConfig(epochs=6, **FAST)
+    head = distill.train_eagle(target, features, cfg, tmp_path / "out")
+    out = tmp_path / "out"
+    trainer = json.loads((out / "checkpoint" / "eagle_trainer.json").read_text())
+    losses = trainer["losses"]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["steps"] == metrics["planned_steps"] == len(losses) == trainer["step"] > 10
+    assert sum(losses[-3:]) / 3 < 0.5 * sum(losses[:3]) / 3, losses
+    assert len(trainer["accuracy"][0]) == 3 and len(metrics["heldout"]["accuracy_per_step"]) == 3
+    assert metrics["draft_vocab_size"] == 96 and metrics["draft_vocab_coverage"]["train"] == 1.0  # 80 tokens used
+    assert (out / "loss.png").stat().st_size > 1000
+    assert not head.training and head.config.draft_vocab_size == 96
+    loaded = specdec.load_eagle(out, target)
+    assert loaded.config == head.config and loaded.fc.weight.dtype == torch.float32  # the target's dtype
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"  # save_dtype
+    assert torch.equal(loaded.d2t, head.d2t)
+    rows = [torch.tensor(r["prompt_ids"]) for r in records[:3]]
+    drafted = specdec.generate(target, rows, draft=loaded, max_new_tokens=12)
+    plain = specdec.generate(target, rows, max_new_tokens=12)
+    assert all(torch.equal(a, b) for a, b in zip(drafted.sequences, plain.sequences))
+
+
+def test_a_stopped_run_resumes_to_the_state_of_an_uninterrupted_one(target, features, tmp_path, monkeypatch):
+    te = importlib.import_module("distill.train_eagle")
+    cfg = EagleTrainConfig(epochs=2, checkpoint_every=4, **FAST)
+    distill.train_eagle(target, features, cfg, tmp_path / "whole")
+    calls, loss = [], te.ttt_loss
+
+    def interrupted(*a, **k):  # Ctrl-C during the 7th step
+        calls.append(1)
+        if len(calls) == 7:
+            raise KeyboardInterrupt
+        return loss(*a, **k)
+
+    monkeypatch.setattr(te, "ttt_loss", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        distill.train_eagle(target, features, cfg, tmp_path / "parts")
+    first = json.loads((tmp_path / "parts" / "checkpoint" / "eagle_trainer.json").read_text())
+    assert first["step"] == 6 and len(first["losses"]) == 6
+    monkeypatch.setattr(te, "ttt_loss", loss)
+    distill.train_eagle(target, features, cfg, tmp_path / "parts")
+    a = json.loads((tmp_path / "whole" / "checkpoint" / "eagle_trainer.json").read_text())
+    b = json.loads((tmp_path / "parts" / "checkpoint" / "eagle_trainer.json").read_text())
+    assert a["step"] == b["step"] > 6 and a["losses"] == pytest.approx(b["losses"], rel=1e-6)
+    wa = load_file(str(tmp_path / "whole" / "checkpoint" / "model.safetensors"))
+    wb = load_file(str(tmp_path / "parts" / "checkpoint" / "model.safetensors"))
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="another shape"):  # a checkpoint of another head is not resumed
+        distill.train_eagle(target, features, EagleTrainConfig(epochs=2, **{**FAST, "draft_vocab_size": 64}),
+                            tmp_path / "parts")
+
+
+def test_training_refuses_a_directory_specdec_did_not_write(target, features, tmp_path):
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "notes.txt").write_text("keep me")
+    with pytest.raises(OutputPathError, match="did not write"):
+        distill.train_eagle(target, features, EagleTrainConfig(), tmp_path / "home")
+    assert sorted(p.name for p in (tmp_path / "home").iterdir()) == ["notes.txt"]
