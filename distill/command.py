@@ -156,15 +156,38 @@ def parse_num_nodes(value: str) -> int | str:
     return value if value == "auto" else _int_at_least(value, 1, "--num-nodes", " (or 'auto')")
 
 
+def add_data_args(p: argparse.ArgumentParser) -> None:
+    """The options of a self-distillation data command (`medusa data`, `eagle data`) that `cmd_data`
+    reads besides the model, its dtype, --hidden-cache and --num-heads; defaults are
+    generate_selfdistill's and sharegpt_prompts'."""
+    from distill.selfdistill import generate_selfdistill, sharegpt_prompts
+
+    gen = {k: v.default for k, v in inspect.signature(generate_selfdistill).parameters.items()}
+    pool = {k: v.default for k, v in inspect.signature(sharegpt_prompts).parameters.items()}
+    p.add_argument("--out", required=True, help="jsonl file to append to (new, or one this command wrote: "
+                   "another file is refused, never truncated)")
+    p.add_argument("--num-prompts", type=int, default=pool["limit"],
+                   help="ShareGPT calibration conversations read for prompts (default: %(default)s)")
+    p.add_argument("--max-prompt-tokens", type=int, default=pool["max_prompt_tokens"],
+                   help="longer opening turns are skipped (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=gen["max_new_tokens"],
+                   help="answer length cap (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=gen["batch_size"],
+                   help="prompts answered per batch (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=gen["temperature"], help="0 = greedy answers")
+    p.add_argument("--seed", type=int, default=gen["seed"], help="seed of sampled answers")
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="start no new batch after this many minutes (the same command resumes)")
+
+
 def register(subparsers) -> None:
     """Add `medusa data|train|tree` to the `specdec` CLI."""
     from distill.config_args import add_dataclass_args
     from distill.medusa import attach_medusa
-    from distill.selfdistill import generate_selfdistill, sharegpt_prompts
+    from distill.selfdistill import generate_selfdistill
     from distill.train_medusa import TrainConfig
 
     gen = {k: v.default for k, v in inspect.signature(generate_selfdistill).parameters.items()}
-    pool = {k: v.default for k, v in inspect.signature(sharegpt_prompts).parameters.items()}
     medusa = subparsers.add_parser("medusa", help="Medusa heads: self-distillation data, training, trees")
     sub = medusa.add_subparsers(dest="medusa_command", required=True)
 
@@ -180,20 +203,7 @@ def register(subparsers) -> None:
 
     d = sub.add_parser("data", help="the model's own answers to ShareGPT prompts (jsonl, resumable)")
     common(d, batched=True)
-    d.add_argument("--out", required=True, help="jsonl file to append to (new, or one this command wrote: "
-                   "another file is refused, never truncated)")
-    d.add_argument("--num-prompts", type=int, default=pool["limit"],
-                   help="ShareGPT calibration conversations read for prompts (default: %(default)s)")
-    d.add_argument("--max-prompt-tokens", type=int, default=pool["max_prompt_tokens"],
-                   help="longer opening turns are skipped (default: %(default)s)")
-    d.add_argument("--max-new-tokens", type=int, default=gen["max_new_tokens"],
-                   help="answer length cap (default: %(default)s)")
-    d.add_argument("--batch-size", type=int, default=gen["batch_size"],
-                   help="prompts answered per batch (default: %(default)s)")
-    d.add_argument("--temperature", type=float, default=gen["temperature"], help="0 = greedy answers")
-    d.add_argument("--seed", type=int, default=gen["seed"], help="seed of sampled answers")
-    d.add_argument("--max-minutes", type=float, default=None,
-                   help="start no new batch after this many minutes (the same command resumes)")
+    add_data_args(d)
     d.add_argument("--hidden-cache", default=None,
                    help="also store the hidden states that generation computes in this directory, so "
                         "`specdec medusa train --hidden-cache DIR` skips its second pass over the answers")

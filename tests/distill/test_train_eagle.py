@@ -261,3 +261,57 @@ def test_training_refuses_a_directory_specdec_did_not_write(target, features, tm
     with pytest.raises(OutputPathError, match="did not write"):
         distill.train_eagle(target, features, EagleTrainConfig(), tmp_path / "home")
     assert sorted(p.name for p in (tmp_path / "home").iterdir()) == ["notes.txt"]
+
+
+def test_the_eagle_commands_explain_themselves(capsys):
+    from specdec.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["eagle", "train", "--help"])
+    text = capsys.readouterr().out
+    assert "training-time test" in text and "speculators format" in text and "eagle:OUT" in text
+    for flag in ("--target", "--data", "--out", "--cache", "--ttt-steps", "--draft-vocab-size", "--aux-layers",
+                 "--max-grad-norm", "--max-minutes", "--mixed-precision"):
+        assert flag in text
+    with pytest.raises(SystemExit):
+        main(["eagle", "data", "--help"])
+    text = capsys.readouterr().out
+    assert "--target" in text and "--max-new-tokens" in text and "--hidden-cache" not in text
+
+
+def test_a_bad_flag_fails_before_anything_loads(tmp_path, capsys):
+    from specdec.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["eagle", "train", "--target", str(tmp_path / "none"), "--data", str(tmp_path / "none.jsonl"),
+              "--out", str(tmp_path / "out"), "--ttt-steps", "0"])
+    assert "--ttt-steps" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_eagle_train_end_to_end_on_a_tiny_checkpoint(records, tmp_path, capsys, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    import runtime
+    from runtime.tiny import tiny_hf_config
+    from specdec.cli import main
+
+    monkeypatch.delenv("SPECDEC_DEBUG", raising=False)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(tiny_hf_config(num_hidden_layers=4)).save_pretrained(tmp_path / "tiny")
+    data = tmp_path / "records.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records[:20]))
+    argv = ["eagle", "train", "--target", str(tmp_path / "tiny"), "--dtype", "float32", "--data", str(data),
+            "--out", str(tmp_path / "head"), "--draft-vocab-size", "64", "--epochs", "2", "--batch-tokens", "256",
+            "--mixed-precision", "no", "--heldout-every", "5", "--aux-layers", "1,2,3"]
+    assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["steps"] == summary["planned_steps"] > 0 and len(summary["heldout_accuracy_per_step"]) == 3
+    target = runtime.load_model(tmp_path / "tiny", dtype=torch.float32)
+    head = specdec.load_eagle(tmp_path / "head", target)
+    assert head.config.aux_layers == LAYERS and head.config.draft_vocab_size == 64
+    assert main(argv) == 0  # the same command again: nothing left to do, the head is saved again
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["steps"] == summary["steps"]
+    assert main(argv[:-2] + ["--aux-layers", "0,1,2"]) == 2  # the cache holds other layers
+    assert "aux layers" in capsys.readouterr().err

@@ -1,0 +1,94 @@
+"""`specdec eagle ...` subcommands: data (the target's own answers) and train (feature cache + EAGLE-3 training).
+
+`register(subparsers)` adds them to the `specdec` CLI; each parser sets `func(args) -> int`.
+`eagle data` is `medusa data` (distill.command.cmd_data) without Medusa's hidden-state cache;
+`eagle train` derives its training flags from the fields of `EagleTrainConfig` (distill.config_args).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from distill.command import _deadline, _dtype, add_data_args, cmd_data
+from runtime.hardware import DTYPES
+
+TRAIN_DESCRIPTION = """\
+Train an EAGLE-3 draft head for TARGET on its own answers (--data, from `specdec eagle data`).
+
+The target runs once over every record and the states entering three of its layers (low, middle,
+high) and its final hidden states are cached on disk (OUT/eagle_cache or --cache; resumable).
+The head (one decoder layer over the fused states and the next token's embedding, and an LM head
+over the --draft-vocab-size most frequent answer tokens) then learns the target's next-token
+distribution with training-time test: --ttt-steps unrolled steps, each later one reading the head's
+own previous output, weighted --decay**s. OUT receives the head in the speculators format (what vLLM
+loads; `specdec eval --methods eagle:OUT`, specdec.load_eagle), checkpoints (the same command
+resumes), loss.png and metrics.json (per-depth held-out accuracy)."""
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    import runtime
+    from distill.config_args import dataclass_from_args
+    from distill.eagle_cache import cache_eagle_states, check_eagle_cache_dir
+    from distill.selfdistill import read_records
+    from distill.train_eagle import CACHE_DIR, EagleTrainConfig, check_train_dir, read_metrics, train_eagle
+
+    deadline = _deadline(args.max_minutes)
+    cfg = dataclass_from_args(EagleTrainConfig, args)  # checked before any loading
+    out = check_train_dir(args.out)  # so are the output directories and the data
+    cache_dir = check_eagle_cache_dir(args.cache or out / CACHE_DIR)
+    records = read_records(args.data)
+    if not records:
+        raise ValueError(f"no records in {args.data}; run `specdec eagle data` first")
+    target = runtime.load_model(args.target, dtype=_dtype(args.dtype))
+    cache_eagle_states(target, records, cache_dir, cfg.layers(target.config.num_layers),
+                       heldout_every=cfg.heldout_every, deadline=deadline)
+    train_eagle(target, cache_dir, cfg, out, deadline=deadline)
+    metrics = read_metrics(out)
+    held = metrics["heldout"] or {}
+    print(json.dumps({"steps": metrics["steps"], "planned_steps": metrics["planned_steps"],
+                      "heldout_accuracy_per_step": held.get("accuracy_per_step"), "head": str(Path(out))}))
+    return 0
+
+
+def _target_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", dest="model", metavar="TARGET", required=True,
+                   help="the target: catalogue name or checkpoint directory")
+    p.add_argument("--dtype", default="auto", choices=["auto", *sorted(DTYPES)],
+                   help="target dtype (default auto: bfloat16 where the hardware multiplies it natively, float32 "
+                        "elsewhere, e.g. on AVX2-only CPUs)")
+
+
+def register(subparsers) -> None:
+    """Add `eagle data|train` to the `specdec` CLI."""
+    from distill.config_args import add_dataclass_args
+    from distill.train_eagle import EagleTrainConfig
+
+    eagle = subparsers.add_parser("eagle", help="EAGLE-3 draft heads: self-distillation data, training",
+                                  description="EAGLE-3 draft heads (Li et al. 2025) for a runtime target.")
+    sub = eagle.add_subparsers(dest="eagle_command", required=True)
+
+    d = sub.add_parser("data", help="the target's own answers to ShareGPT prompts (jsonl, resumable)",
+                       description="Append the target's answers to ShareGPT calibration prompts to a jsonl file "
+                                   "(the records `specdec eagle train --data` reads; the same file as "
+                                   "`specdec medusa data` writes). The same command resumes.")
+    _target_args(d)
+    add_data_args(d)
+    d.set_defaults(func=cmd_data, hidden_cache=None, num_heads=1)
+
+    t = sub.add_parser("train", help="cache the target's features, train an EAGLE-3 head (training-time test)",
+                       description=TRAIN_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    t.add_argument("--target", dest="target", required=True, help="the target: catalogue name or checkpoint directory")
+    t.add_argument("--dtype", default="auto", choices=["auto", *sorted(DTYPES)],
+                   help="target dtype (default auto: bfloat16 where the hardware multiplies it natively, float32 "
+                        "elsewhere); the head trains in float32 under --mixed-precision")
+    t.add_argument("--data", required=True, help="self-distillation jsonl (specdec eagle data)")
+    t.add_argument("--out", required=True, help="directory for the head, checkpoints and reports: new, empty, or an "
+                   "earlier run's, which training resumes; a directory specdec did not write is refused")
+    t.add_argument("--cache", default=None, help="feature cache directory (default: OUT/eagle_cache)")
+    add_dataclass_args(t.add_argument_group("training (EagleTrainConfig)"), EagleTrainConfig)
+    t.add_argument("--max-minutes", type=float, default=None,
+                   help="stop caching and training after this many minutes; the head is still evaluated and "
+                        "saved, and the same command resumes")
+    t.set_defaults(func=cmd_train)
