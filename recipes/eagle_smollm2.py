@@ -1,0 +1,201 @@
+"""Recipe: an EAGLE-3 head for smollm2-135m-instruct, trained on this CPU, then evaluated.
+
+    python recipes/eagle_smollm2.py --out runs/eagle_smollm2 --max-minutes 30
+
+Steps, all inside the --max-minutes budget (each step resumes when the run is restarted with the
+same command, and the restarted run goes on against the same budget: OUT/budget.json holds the
+minutes spent):
+1. self-distillation data: the target's greedy answers to ShareGPT calibration prompts
+   (OUT/selfdistill.jsonl, distill.generate_selfdistill) until `data_frac` of the budget;
+2. the target's aux-layer and final states over those records (OUT/eagle_cache), then EAGLE-3
+   training with training-time test (distill.train_eagle) until `train_frac` of the budget
+   (default: all but `eval_minutes`); the head is saved in OUT in the speculators format
+   (`specdec.load_eagle(OUT, target)`), with OUT/metrics.json (per-depth held-out accuracy) and
+   OUT/loss.png;
+3. evaluation with `specdec eval`, methods --baselines and `eagle:OUT`, on held-out prompts
+   (OUT/eval/report.json: tau, per-depth acceptance, tokens/s, speedups, equality with plain
+   decoding), summarised in OUT/summary.json.
+`--eval-only` runs step 3 alone on the head already in --out. `pipeline()` is shared with
+recipes/eagle_qwen_coder_1_5b.py. --out must be new, empty or a run of these recipes (which it
+resumes): a file, or a directory specdec did not write, is refused before any work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+from recipe_errors import run
+
+import distill
+import runtime
+from distill.budget import RunBudget
+from distill.code_prompts import function_prompts, interleave
+from distill.command import parse_share
+from distill.config_args import add_dataclass_args, dataclass_from_args
+from distill.eagle_cache import cache_eagle_states
+from distill.selfdistill import generate_selfdistill, is_code_prompt, read_records, sharegpt_prompts
+from distill.train_eagle import CACHE_DIR, TRAIN_MARKERS, EagleTrainConfig
+from runtime.atomic import atomic_write_text
+from runtime.hardware import DTYPES, native_bf16
+from runtime.outputs import prepare_output_dir
+from specdec.evaluate import EvalConfig, run_eval
+
+# files that mark a run directory of these recipes: with one of them, --out is resumed
+RUN_MARKERS = (*TRAIN_MARKERS, "metrics.json", "summary.json")
+
+
+def train(args: argparse.Namespace, model, tok, out: Path, budget: RunBudget) -> tuple[list[dict], dict, float]:
+    """Self-distillation data, feature cache and head training, each until its deadline."""
+    limit = args.num_prompts or round(args.prompts_per_minute * args.max_minutes)
+    prompts = sharegpt_prompts(tok, split="calibration", limit=limit, max_prompt_tokens=args.max_prompt_tokens,
+                               keep=is_code_prompt if getattr(args, "code_prompts", False) else None)
+    if args.function_share > 0:  # HumanEval-shaped prompts from this machine's Python sources
+        stubs = function_prompts(tok, max_prompt_tokens=args.max_prompt_tokens, cache=out / "function_stubs.json")
+        print(f"[data] {len(stubs)} function stubs, {len(prompts)} ShareGPT prompts, "
+              f"{args.function_share:.0%} stubs", flush=True)
+        prompts = interleave(stubs, prompts, args.function_share)
+    n = generate_selfdistill(model, tok, out / "selfdistill.jsonl", prompts, max_new_tokens=args.answer_tokens,
+                             batch_size=args.generation_batch, deadline=budget.at(args.data_frac))
+    records = read_records(out / "selfdistill.jsonl")
+    print(f"[data] {n} answers, {sum(len(r['output_ids']) for r in records)} tokens, "
+          f"{budget.minutes():.1f} min", flush=True)
+    cfg = dataclass_from_args(EagleTrainConfig, args)
+    deadline = budget.at(args.train_frac)
+    cache = cache_eagle_states(model, records, out / CACHE_DIR, cfg.layers(model.config.num_layers),
+                               heldout_every=cfg.heldout_every, deadline=deadline)
+    distill.train_eagle(model, cache, cfg, out, deadline=deadline)
+    metrics = json.loads((out / "metrics.json").read_text())
+    train_min = budget.minutes()
+    held = metrics["heldout"] or {}
+    print(f"[train] {metrics['steps']}/{metrics['planned_steps']} steps, held-out per-depth accuracy "
+          f"{[round(a, 3) for a in held.get('accuracy_per_step', [])]}, {train_min:.1f} min", flush=True)
+    return records, metrics, train_min
+
+
+def pipeline(args: argparse.Namespace, model_name: str, eval_dataset: str, raw_eval: bool) -> dict:
+    """Data -> feature cache -> training -> evaluation, bounded by args.max_minutes; a restarted run
+    resumes every step and goes on against the same budget (OUT/budget.json)."""
+    start = time.monotonic()
+    if args.train_frac is None:  # keep eval_minutes for the evaluation, but on a short budget give
+        # training at least half of what the data phase leaves
+        args.train_frac = max(1 - args.eval_minutes / args.max_minutes, (1 + args.data_frac) / 2)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.dtype == "auto":
+        args.dtype = "bfloat16" if native_bf16() else "float32"
+    out = prepare_output_dir(args.out, RUN_MARKERS, what="EAGLE-3 recipe run directory", resume=True)
+    if args.eval_only and not (out / "metrics.json").is_file():
+        raise SystemExit(f"--eval-only: {out} holds no trained head (no metrics.json); run the recipe without "
+                         "--eval-only first, or point --out at a finished run")
+    out.mkdir(parents=True, exist_ok=True)
+    budget = None if args.eval_only else RunBudget(out / "budget.json", args.max_minutes)
+    # `kill` (SIGTERM) stops the run like Ctrl-C: the cache, a training checkpoint and the budget
+    # are written, and the same command resumes it
+    previous = signal.signal(signal.SIGTERM, _stop)
+    try:
+        return _run(args, model_name, eval_dataset, raw_eval, out, budget, start)
+    finally:
+        if budget is not None:
+            budget.close()
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _stop(signum: int, frame) -> None:
+    """SIGTERM: unwind like Ctrl-C (finally blocks write what they hold); a second one waits."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sys.exit(128 + signum)
+
+
+def _run(args: argparse.Namespace, model_name: str, eval_dataset: str, raw_eval: bool, out: Path,
+         budget: RunBudget | None, start: float) -> dict:
+    """The pipeline's steps (budget None: --eval-only)."""
+    if budget is not None and budget.spent_before:
+        print(f"[budget] resuming {out}: {budget.spent_before:.1f} of {args.max_minutes:g} minutes already spent "
+              "(budget.json)", flush=True)
+    if args.eval_only:
+        metrics, train_min = json.loads((out / "metrics.json").read_text()), None
+        records = read_records(out / "selfdistill.jsonl")
+    else:
+        model = runtime.load_model(model_name, dtype=DTYPES[args.dtype])
+        records, metrics, train_min = train(args, model, runtime.load_tokenizer(model_name), out, budget)
+        del model
+    eval_dtype = args.eval_dtype or args.dtype
+    methods = ",".join([*filter(None, args.baselines.split(",")), f"eagle:{out}"])
+    cfg = EvalConfig(out=str(out / "eval"), methods=methods, target=model_name, dataset=eval_dataset,
+                     limit=args.eval_prompts, raw=raw_eval, dtype=eval_dtype, max_new_tokens=args.eval_tokens,
+                     overwrite=True)
+    report = run_eval(cfg, command=shlex.join([sys.executable] + sys.argv))
+    speed = {name: {k: m["overall"].get(k) for k in ("tau", "per_position_acceptance", "tokens_per_second",
+                                                     "speedup_vs_plain", "matches_plain")}
+             for name, m in report["methods"].items()}
+    for name, row in speed.items():
+        print(f"[eval] {name}: {json.dumps(row)}", flush=True)
+    minutes = budget.minutes() if budget is not None else (time.monotonic() - start) / 60
+    summary = {"command": shlex.join(["python"] + sys.argv), "args": vars(args), "minutes": minutes,
+               "train_minutes": train_min, "records": len(records), "train_positions": metrics["train_positions"],
+               "heldout_accuracy_per_step": (metrics["heldout"] or {}).get("accuracy_per_step"),
+               "eval_dataset": eval_dataset, "eval": speed}
+    atomic_write_text(out / "summary.json", json.dumps(summary, indent=1))
+    print(json.dumps(summary, indent=1))
+    return summary
+
+
+def parser(defaults: dict, train: dict, doc: str = __doc__) -> argparse.ArgumentParser:
+    """The recipes' shared options; `defaults` holds the recipe's own settings, `train` the
+    EagleTrainConfig values it uses instead of the library's (every other training flag defaults to
+    EagleTrainConfig's), `doc` the calling recipe's module docstring (its first paragraph becomes
+    --help's description)."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--out", default=defaults["out"], help="directory for data, cache, head, reports")
+    p.add_argument("--max-minutes", type=float, default=defaults["max_minutes"],
+                   help="budget of data, training and evaluation together, across restarts (default: %(default)s)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="target dtype of generation and feature caching (default auto: bfloat16 where the CPU or "
+                        "GPU multiplies it natively, float32 elsewhere; runtime.hardware)")
+    p.add_argument("--eval-dtype", default=None, choices=["bfloat16", "float32"],
+                   help="dtype of the evaluation (default: --dtype); float32 makes greedy EAGLE output "
+                        "bit-comparable with plain decoding")
+    p.add_argument("--eval-only", action="store_true", help="skip data and training: evaluate the head in --out")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="ShareGPT calibration conversations read for prompts (default "
+                        f"{defaults['prompts_per_minute']} per minute of --max-minutes)")
+    p.add_argument("--max-prompt-tokens", type=int, default=256)
+    p.add_argument("--function-share", type=parse_share, default=defaults["function_share"],
+                   help="share of the prompts that are function stubs cut from this machine's Python sources "
+                        "(distill.code_prompts); 0 = ShareGPT only")
+    p.add_argument("--answer-tokens", type=int, default=defaults["answer_tokens"], help="answer length cap")
+    p.add_argument("--batch-size", dest="generation_batch", type=int, default=defaults["batch_size"],
+                   help="rows per self-distillation batch (--batch-tokens: tokens per training step)")
+    p.add_argument("--data-frac", type=float, default=defaults["data_frac"],
+                   help="fraction of the budget for self-distillation data")
+    p.add_argument("--train-frac", type=float, default=None,
+                   help="fraction of the budget by which caching and training end (default: all but --eval-minutes)")
+    p.add_argument("--eval-minutes", type=float, default=defaults["eval_minutes"],
+                   help="minutes kept for the evaluation when --train-frac is not given")
+    p.add_argument("--eval-prompts", type=int, default=defaults["eval_prompts"])
+    p.add_argument("--eval-tokens", type=int, default=defaults["eval_tokens"])
+    p.add_argument("--baselines", default=defaults["baselines"],
+                   help="`specdec eval` methods run beside eagle:OUT, comma-separated (default: %(default)s)")
+    p.set_defaults(prompts_per_minute=defaults["prompts_per_minute"])
+    add_dataclass_args(p.add_argument_group("head training (EagleTrainConfig)"), EagleTrainConfig, defaults=train)
+    return p
+
+
+# starting points, not measured settings: half the budget for answers (the head learns from the
+# target's own text), 12 held-out ShareGPT prompts for the evaluation (the issue's smollm2 target)
+DEFAULTS = {"out": "runs/eagle_smollm2", "max_minutes": 30.0, "answer_tokens": 128, "batch_size": 64,
+            "prompts_per_minute": 1500, "data_frac": 0.45, "eval_minutes": 5.0, "eval_prompts": 12,
+            "eval_tokens": 96, "function_share": 0.0, "baselines": "plain"}
+# a 16k draft vocabulary: smollm2's LM head has 49k rows, and its answers on a CPU budget use far fewer
+TRAIN = {"draft_vocab_size": 16384, "epochs": 8}
+
+if __name__ == "__main__":
+    run(lambda: pipeline(parser(DEFAULTS, TRAIN).parse_args(), "smollm2-135m-instruct", "sharegpt", raw_eval=False))
