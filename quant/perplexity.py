@@ -12,11 +12,12 @@ from runtime.progress import progress as progress_bar
 
 
 @torch.no_grad()
-def perplexity(model: nn.Module, batches: torch.Tensor, batch_size: int = 1, progress: bool = False) -> float:
+def perplexity(model: nn.Module, batches: torch.Tensor, batch_size: int = 1, progress: bool = True) -> float:
     """Perplexity of `model` on LongTensor (B, T) windows, each scored on its own (no cache).
 
     Every window predicts its tokens 1..T-1 from the ones before; the NLL is summed over all
     predicted tokens of all windows and divided by their count (token-weighted mean).
+    progress: a bar over the batches (`runtime.progress`; off with progress=False).
     """
     if batches.dim() != 2 or batches.dtype != torch.long or batches.shape[1] < 2:
         raise ValueError(f"batches must be a LongTensor (B, T) with T >= 2, got {batches.dtype} "

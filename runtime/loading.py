@@ -180,7 +180,7 @@ def from_hf_state(hf_state: dict[str, torch.Tensor], hf_config: Any, dtype: torc
 
 def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.bfloat16,
                device: torch.device | str = "cpu", attention: str | None = None,
-               compile: bool = False, dense_prompts: bool = False) -> torch.nn.Module:
+               compile: bool = False) -> torch.nn.Module:
     """Load a model for generation.
 
     name_or_path: a catalogue name (`runtime.CATALOGUE`), a local Hugging Face checkpoint
@@ -188,9 +188,6 @@ def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.bfloat16,
     a .gguf file, or a hub id when the hub is reachable. attention: "sdpa" | "triton" | None
     (None = triton on CUDA when available, sdpa otherwise). compile: `Transformer.compile_decode`
     the model (faster decode steps; the first step of each shape compiles).
-    dense_prompts: a compressed checkpoint's quantized linears also keep a dense `dtype` copy
-    for prompts (`runtime.qlinear.keep_dense_for_prompts`: a CPU draft's prefill several times
-    faster, at the dense model's memory); no effect on a dense checkpoint.
     device: "cpu", "cuda" or "cuda:N"; a ValueError before anything is read when this machine lacks
     it (`runtime.hardware.check_device`).
 
@@ -217,10 +214,6 @@ def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.bfloat16,
         model = from_hf_state(read_state_dict(ckpt), hf_config, dtype=dtype, device=device,
                               attention=attention)
     model.source = ckpt  # lets a drafter compare tokenizers with its target
-    if dense_prompts:
-        from runtime.qlinear import keep_dense_for_prompts
-
-        keep_dense_for_prompts(model, dtype)
     if compile:
         model.compile_decode()
     return model

@@ -6,16 +6,21 @@ match), `to_tensors()` / `from_tensors(tensors, meta)` (the exact tensors a comp
 checkpoint stores) and `meta()` (the JSON-ready shape description). `quant` builds them
 offline; `runtime.compressed` rebuilds them from a checkpoint without re-quantizing.
 
-Execution paths, chosen by measurement on the 2-core CPU this project targets (one thread,
-bf16 activations, a 9728x896 weight): bf16 `F.linear` 1.09 ms per token row,
-`_weight_int8pack_mm` 0.53 ms, `_weight_int4pack_mm_for_cpu` 0.43 ms. The packed kernels cost
-~0.11 ms per further row (2 threads: 40 rows 4.5 ms, 512 rows 56-61 ms), while the dense path
-must first dequantize the whole weight (2 threads: 55 ms for INT4, 33 ms for INT8, before its
-1 ms matmul). So calls of up to `PACKED_MAX_ROWS` rows (decode steps, verification blocks and
-prompts of ordinary length) use the packed kernels (INT4: when out_features is a multiple of
-16), and only longer ones (long prompts, perplexity windows) dequantize. A lower limit sends
-ordinary prompts down the dequantizing path: at 8 rows a 40-token prompt costs the INT4 0.5B
-~1.8 s (docs/experiments/2026-11-22-quantized-drafts.md).
+Kernel choice on the CPU, by row count and dtype (INT8 and INT4; `packed_max_rows`):
+
+- few rows (decode steps, verification blocks): PyTorch's packed weight-only kernels
+  (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`). They read the weight once per call,
+  but their cost grows with every row, and in float32 they are 10-20x slower than in bf16 even
+  for one row, so float32 activations are rounded to bf16 at the boundary for this path (the
+  result is float32 again; tolerance: bf16 rounding of the activations);
+- many rows (prompts, perplexity windows, long trees): `_tiled`, which dequantizes a tile of
+  output channels at a time into a scratch buffer of about `TILE_BYTES` and calls the dense GEMM
+  on it, in the activations' own dtype (float32 stays exact to the dequantized weight).
+
+No dense copy of the weight outlives a call. The crossover rows per (format, dtype) are in
+`PACKED_MAX_ROWS`, measured with `benchmarks/quant_rows.py` (BENCHMARKS.md, "Quantized models
+on long inputs"). 2:4 formats run a masked dense weight on the CPU (there is no faster CPU 2:4
+kernel); NF4 and LLM.int8 run bitsandbytes.
 """
 
 from __future__ import annotations
@@ -27,39 +32,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Above this many rows per call the packed CPU kernels lose to dequantize + dense matmul
-# (measured crossover: ~300 rows for INT8, ~500 for INT4).
-PACKED_MAX_ROWS = 256
+# Calls with more rows than this run `_tiled` (dequantize + dense GEMM); fewer run the packed
+# kernel. Measured on a 2-core AMD EPYC with AVX-512-BF16 (no AMX), 2 threads, by
+# `benchmarks/quant_rows.py` on the MLP shapes of qwen2.5-coder-0.5b and smollm2.
+PACKED_MAX_ROWS: dict[tuple[str, torch.dtype], int] = {
+    ("int8", torch.bfloat16): 16, ("int8", torch.float32): 16,
+    ("int4", torch.bfloat16): 32, ("int4", torch.float32): 32,
+}
+# Scratch per tile of `_tiled`: a few MB, so the dequantized tile is still in cache when the GEMM
+# reads it, and enough output channels per tile that the GEMM runs at full speed.
+TILE_BYTES = 4 << 20
 _INT8_KERNEL_ALIGN = 16  # bytes `_weight_int8pack_mm` needs (measured: offsets 1, 4, 8 crash, 16 and 32 run)
 
 
-# With a dense copy (keep_dense_for_prompts), calls of this many tokens per row use it: more
-# than a decode step or a verification block of k <= 14 drafts, which keep the packed kernels.
-DENSE_COPY_MIN_TOKENS = 16
-
-
-def keep_dense_for_prompts(model: nn.Module, dtype: torch.dtype) -> int:
-    """Give the quantized linears of `model` a dense `dtype` copy of their weight, used for calls
-    of DENSE_COPY_MIN_TOKENS tokens per row or more (prompts); returns the bytes added.
-
-    A speed-for-memory trade for a quantized draft on the CPU: the packed kernels cost per row
-    (INT4, 2 threads, a 9728x896 weight: 4.3 ms for 40 rows, 21.5 ms for 200) where a bf16
-    matmul costs 1.0 / 2.4 ms, so without the copy a draft's prompt prefill takes longer than the
-    bf16 target's (docs/experiments/2026-11-22-quantized-drafts.md).
-    Decode steps keep the packed kernels. 2:4 layers are skipped (on the CPU they already run
-    dense). Not for a target whose outputs must equal its plain decoding exactly: its long
-    verification blocks would take the dense path and plain decoding the packed one. Call it
-    before `runtime.compile_decode`.
-    """
-    if getattr(model, "compiled", False):
-        raise ValueError("keep_dense_for_prompts before runtime.compile_decode: compiled programs "
-                         "hold the weights as they were")
-    added = 0
-    for module in model.modules():
-        if isinstance(module, QuantizedLinear) and not isinstance(module, Sparse24Linear):
-            module.prompt_weight = module.dequantize(dtype).contiguous()  # (out, in)
-            added += module.prompt_weight.numel() * module.prompt_weight.element_size()
-    return added
+def packed_max_rows(fmt: str, dtype: torch.dtype) -> int:
+    """Most rows per call that still take the packed CPU kernel of format `fmt` in `dtype`."""
+    return PACKED_MAX_ROWS.get((fmt, dtype), PACKED_MAX_ROWS.get((fmt, torch.bfloat16), 0))
 
 
 def _rows(x: torch.Tensor) -> int:
@@ -67,7 +55,7 @@ def _rows(x: torch.Tensor) -> int:
 
 
 class QuantizedLinear(nn.Module, abc.ABC):
-    """Common part: sizes, optional bias, the dense fallback and the tensor/meta protocol."""
+    """Common part: sizes, optional bias, the tiled dense path and the tensor/meta protocol."""
 
     FORMAT = ""
 
@@ -75,16 +63,9 @@ class QuantizedLinear(nn.Module, abc.ABC):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
-        # (out, in) dense copy for prompts, see keep_dense_for_prompts; a buffer so that it moves
-        # with the module, not persistent: checkpoints store the packed format only
-        self.register_buffer("prompt_weight", None, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (..., T, in) -> (..., T, out): the format's own path, or the dense copy for calls of
-        DENSE_COPY_MIN_TOKENS tokens per row or more when `keep_dense_for_prompts` made one."""
-        if (self.prompt_weight is not None and x.dim() >= 2 and x.shape[-2] >= DENSE_COPY_MIN_TOKENS
-                and self.prompt_weight.dtype == x.dtype):
-            return F.linear(x, self.prompt_weight, self._bias(x))
+        """x (..., T, in) -> (..., T, out)."""
         return self._forward(x)
 
     @abc.abstractmethod
@@ -94,6 +75,11 @@ class QuantizedLinear(nn.Module, abc.ABC):
     @abc.abstractmethod
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The dense (out, in) weight this module represents."""
+
+    def dequantize_rows(self, start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
+        """Write output channels [start, stop) of the dense weight into `out` (stop - start, in)
+        and return it. Formats with a fast slice override this."""
+        return out.copy_(self.dequantize(out.dtype)[start:stop])
 
     @abc.abstractmethod
     def storage(self) -> dict[str, torch.Tensor]:
@@ -114,6 +100,36 @@ class QuantizedLinear(nn.Module, abc.ABC):
     def nbytes(self) -> int:
         """Bytes of the stored tensors (what the weight costs in memory and on disk)."""
         return sum(t.numel() * t.element_size() for t in self.to_tensors().values())
+
+    def _packed_cpu(self, x: torch.Tensor) -> bool:
+        """Whether a CPU call on x takes the packed kernel (few rows) rather than `_tiled`.
+
+        Compiled programs (`runtime.compile_decode`: steps of a few tokens per row) keep the packed
+        kernel at every row count: Inductor would fold a dequantized tile into a dense constant,
+        a dense copy of the weight per program."""
+        return torch.compiler.is_compiling() or _rows(x) <= packed_max_rows(self.FORMAT, x.dtype)
+
+    def _tiled(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., in) @ W^T with W dequantized `tile` output channels at a time into one scratch
+        buffer: the dense GEMM's speed without a dense copy of W."""
+        N, K = self.out_features, self.in_features
+        x2 = x.reshape(-1, K)  # (M, K)
+        tile = max(1, min(N, TILE_BYTES // (K * x.element_size())))
+        scratch = torch.empty(tile * K, dtype=x.dtype, device=x.device)
+        y = torch.empty(N, x2.shape[0], dtype=x.dtype, device=x.device)  # (N, M): tiles are row blocks
+        for start in range(0, N, tile):
+            stop = min(N, start + tile)
+            w = self.dequantize_rows(start, stop, scratch[:(stop - start) * K].view(stop - start, K))
+            torch.mm(w, x2.t(), out=y[start:stop])
+        y = y.t().reshape(*x.shape[:-1], N)
+        return y if self.bias is None else y + self._bias(x)
+
+    def _packed(self, x: torch.Tensor, kernel) -> torch.Tensor:
+        """Run `kernel(x2 (M, K)) -> (M, N)` in bf16 for float32 x (the packed kernels' float32
+        path is 10-20x slower), then restore x's shape, dtype and the bias."""
+        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16 if x.dtype == torch.float32 else x.dtype)
+        y = kernel(x2.contiguous()).to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self._bias(x)
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.dequantize(x.dtype), self._bias(x))
@@ -153,17 +169,23 @@ class Int8Linear(QuantizedLinear):
     def from_tensors(cls, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> "Int8Linear":
         return cls(tensors["qweight"], tensors["scales"], tensors.get("bias"))
 
+    def dequantize_rows(self, start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
+        out.copy_(self.qweight[start:stop])
+        return out.mul_(self.scales[start:stop, None].to(out.dtype))
+
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu" and _rows(x) <= PACKED_MAX_ROWS:
-            x2 = x.reshape(-1, self.in_features).contiguous()
-            y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales.to(x.dtype))
-            y = y.view(*x.shape[:-1], self.out_features)
-            return y if self.bias is None else y + self._bias(x)
         if x.device.type == "cuda":
             # (x @ q^T) * s: the int8 weight is converted tile by tile inside the matmul
             y = F.linear(x, self.qweight.to(x.dtype)) * self.scales.to(x.dtype)
             return y if self.bias is None else y + self._bias(x)
-        return self._dense(x)
+        if x.device.type != "cpu":
+            return self._dense(x)
+        return self.packed_kernel(x) if self._packed_cpu(x) else self._tiled(x)
+
+    def packed_kernel(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., in) -> (..., out) through `_weight_int8pack_mm` on the CPU, whatever the rows."""
+        return self._packed(x, lambda x2: torch.ops.aten._weight_int8pack_mm(x2, self.qweight,
+                                                                             self.scales.to(x2.dtype)))
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -245,20 +267,34 @@ class Int4Linear(QuantizedLinear):
             self._sz = (key, sz)
         return self._sz[1]
 
+    def dequantize_rows(self, start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
+        # w = q * s + (z - 8 s): the codes are written straight into `out`, then scaled in place
+        t, p = stop - start, self.qweight[start:stop]  # (t, K/2) uint8
+        codes = out.view(t, self.in_features // 2, 2)
+        codes[..., 0] = p & 0x0F
+        codes[..., 1] = p >> 4
+        s, z = self.scales[start:stop].to(torch.float32), self.zeros[start:stop].to(torch.float32)
+        groups = out.view(t, -1, self.group_size)  # (t, K/G, G)
+        groups.mul_(s.to(out.dtype)[..., None]).add_((z - 8 * s).to(out.dtype)[..., None])
+        return out
+
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        cpu_ok = x.device.type == "cpu" and self.out_features % 16 == 0 and _rows(x) <= PACKED_MAX_ROWS
-        cuda_ok = (x.device.type == "cuda" and x.dtype == torch.bfloat16 and self.out_features % 8 == 0
-                   and self.in_features % (self.group_size * 8) == 0)
-        if not (cpu_ok or cuda_ok):
+        if x.device.type == "cuda" and x.dtype == torch.bfloat16 and self.out_features % 8 == 0 \
+                and self.in_features % (self.group_size * 8) == 0:
+            x2 = x.reshape(-1, self.in_features).contiguous()
+            y = torch.ops.aten._weight_int4pack_mm(x2, self._packed_for_kernel(x.device), self.group_size,
+                                                   self._scales_and_zeros(x.dtype))
+            y = y.view(*x.shape[:-1], self.out_features)
+            return y if self.bias is None else y + self._bias(x)
+        if x.device.type != "cpu":
             return self._dense(x)
-        x2 = x.reshape(-1, self.in_features).contiguous()
-        packed, sz = self._packed_for_kernel(x.device), self._scales_and_zeros(x.dtype)
-        if cpu_ok:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, self.group_size, sz)
-        else:
-            y = torch.ops.aten._weight_int4pack_mm(x2, packed, self.group_size, sz)
-        y = y.view(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self._bias(x)
+        # the CPU kernel needs out_features % 16 == 0
+        return self.packed_kernel(x) if self.out_features % 16 == 0 and self._packed_cpu(x) else self._tiled(x)
+
+    def packed_kernel(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., in) -> (..., out) through `_weight_int4pack_mm_for_cpu`, whatever the rows."""
+        return self._packed(x, lambda x2: torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x2, self._packed_for_kernel(x.device), self.group_size, self._scales_and_zeros(x2.dtype)))
 
 
 def pack_24_indices(idx: torch.Tensor) -> torch.Tensor:

@@ -111,7 +111,4 @@ def _select_rows(head: nn.Module, ids: torch.Tensor, dtype: torch.dtype) -> nn.M
         new.weight = nn.Parameter(weight[ids], requires_grad=False)  # (N, in)
         if bias is not None:
             new.bias = nn.Parameter(bias, requires_grad=False)
-        return new
-    if head.prompt_weight is not None:
-        new.prompt_weight = head.prompt_weight[ids]
     return new

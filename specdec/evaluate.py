@@ -9,6 +9,7 @@ generations. Methods (`--methods`, comma-separated):
     ngram            draft = "ngram"                                    (prompt lookup)
     hybrid:X         draft = ["ngram", runtime.load_model(X)]
     medusa:PATH      draft = specdec.medusa_io.load_medusa(PATH, target)
+    eagle:PATH       draft = specdec.load_eagle(PATH, target)           (EAGLE-3 head, dynamic tree)
     hf               transformers generate() on the same checkpoint and dtype
     hf-assisted:X    transformers assisted generation, assistant_model = X
     hf-pld           transformers prompt lookup (prompt_lookup_num_tokens)
@@ -65,8 +66,8 @@ from specdec.options import check_sampling, parse_draft_length
 from specdec.prompts import DATASETS, Prompt, encode, load_prompts
 from specdec.stats import AcceptanceStats
 
-METHOD_KINDS = ("plain", "draft", "ngram", "hybrid", "medusa", "hf", "hf-assisted", "hf-pld")
-_NEEDS_ARG = ("draft", "hybrid", "medusa", "hf-assisted")
+METHOD_KINDS = ("plain", "draft", "ngram", "hybrid", "medusa", "eagle", "hf", "hf-assisted", "hf-pld")
+_NEEDS_ARG = ("draft", "hybrid", "medusa", "eagle", "hf-assisted")
 _DRAFTING = ("draft", "ngram", "hybrid")  # methods whose draft length k applies
 DTYPES = {name: hardware.DTYPES[name] for name in ("bfloat16", "float32")}  # the dtypes runs are measured in
 GENERATIONS, RUN_FILE = "generations.jsonl", "run.json"
@@ -77,7 +78,7 @@ WHAT = "evaluation run"
 _RESUME_KEYS = ("target", "prompts", "dataset", "raw", "all_turns", "dtype", "device", "max_new_tokens",
                 "num_draft_tokens", "temperature", "top_p", "top_k", "seed", "hf_pld_tokens", "compile")
 # later options, part of the resume settings only when set (runs made before them still resume)
-_RESUME_IF_SET = ("dense_prompts", "draft_vocab")
+_RESUME_IF_SET = ("draft_vocab",)
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,7 @@ class MethodSpec:
         kind, _, arg = base.partition(":")
         if kind not in METHOD_KINDS:
             raise ValueError(f"unknown method {text!r}; choose from plain, draft:NAME_OR_PATH, ngram, "
-                             "hybrid:NAME_OR_PATH, medusa:PATH, hf, hf-assisted:NAME_OR_PATH, hf-pld "
+                             "hybrid:NAME_OR_PATH, medusa:PATH, eagle:PATH, hf, hf-assisted:NAME_OR_PATH, hf-pld "
                              "(drafting methods take @K for their own draft length, e.g. ngram@3)")
         if kind in _NEEDS_ARG and not arg:
             raise ValueError(f"method {kind!r} needs a model: write {kind}:NAME_OR_PATH")
@@ -150,7 +151,6 @@ class EvalConfig:
     hf_pld_tokens: int = 10
     threads: int | None = None
     compile: bool = False
-    dense_prompts: bool = False
     draft_vocab: int = 0
     overwrite: bool = False
 
@@ -291,19 +291,17 @@ class Runner:
             name, dtype=self.cfg.torch_dtype, device=self.cfg.device, compile=self.cfg.compile))
 
     def _draft_model(self, name: str):
-        """The draft model `name`: with --dense-prompts or --draft-vocab N a copy of its own (the
-        target never takes either), the vocabulary restricted before the model is compiled."""
+        """The draft model `name`: with --draft-vocab N a copy of its own (the target never takes
+        it), the vocabulary restricted before the model is compiled."""
         cfg = self.cfg
-        if not (cfg.dense_prompts or cfg.draft_vocab):
+        if not cfg.draft_vocab:
             return self._runtime_model(name)
 
         def load():
             from specdec.draft_vocab import restrict_vocab
 
-            model = self._runtime.load_model(name, dtype=cfg.torch_dtype, device=cfg.device,
-                                             dense_prompts=cfg.dense_prompts)
-            if cfg.draft_vocab:
-                restrict_vocab(model, self._frequent_tokens(model.config.vocab_size))
+            model = self._runtime.load_model(name, dtype=cfg.torch_dtype, device=cfg.device)
+            restrict_vocab(model, self._frequent_tokens(model.config.vocab_size))
             return self._runtime.compile_decode(model) if cfg.compile else model
 
         return self._cached(("draft", name), load)
@@ -335,6 +333,12 @@ class Runner:
             from specdec.medusa_io import load_medusa
 
             return self._cached(("medusa", spec.arg), lambda: load_medusa(spec.arg, self.target))
+        if spec.kind == "eagle":
+            from specdec.drafters.eagle import EagleDrafter
+            from specdec.eagle_io import load_eagle
+
+            return self._cached(("eagle", spec.arg), lambda: EagleDrafter(load_eagle(spec.arg, self.target),
+                                                                          self.target))
         raise ValueError(f"{spec.name} is not a specdec method")
 
     def hf_generator(self, spec: MethodSpec) -> HFGenerator:
@@ -497,7 +501,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output directory: new, empty, or an earlier run's (re-running "
                    "with it resumes; a directory specdec did not write is refused)")
     p.add_argument("--methods", default=d["methods"],
-                   help="comma-separated methods: plain, draft:X, ngram, hybrid:X, medusa:PATH, hf, "
+                   help="comma-separated methods: plain, draft:X, ngram, hybrid:X, medusa:PATH, eagle:PATH, hf, "
                         "hf-assisted:X, hf-pld; draft/ngram/hybrid take @K for their own draft length, "
                         "e.g. ngram@3, draft:X@auto (default: %(default)s)")
     p.add_argument("--target", default=d["target"], help="target model: catalogue name, checkpoint dir, "
@@ -531,10 +535,6 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true", help="runtime.compile_decode the target and the "
                    "draft models of the specdec methods (torch.compile; transformers baselines stay "
                    "as transformers runs them); compiling happens in the untimed warm-up")
-    p.add_argument("--dense-prompts", action="store_true", help="quantized draft checkpoints (e.g. an "
-                   "INT4 draft) keep a dense copy of their weights for prompts: their prefill runs at "
-                   "bf16 speed instead of the per-row cost of the packed kernels, at the dense model's "
-                   "memory")
     p.add_argument("--draft-vocab", type=int, default=d["draft_vocab"], metavar="N",
                    help="draft models score only the N most frequent tokens (FR-Spec; a multiple of "
                    "16, e.g. 65536 of qwen's 151936): a cheaper LM head for the draft, output still "

@@ -39,11 +39,13 @@ def test_loads_packed_tensors_as_stored(tmp_path):
     assert model.compression_recipe == [{"type": "Int8WeightOnly"}]
 
 
-def test_dense_prompts_gives_quantized_layers_a_dense_copy(tmp_path):
+def test_a_loaded_compressed_model_holds_only_its_packed_weights(tmp_path):
     _write(tmp_path)
-    w2 = runtime.load_model(tmp_path, dtype=torch.float32, dense_prompts=True).layers[0].mlp.w2
-    assert torch.equal(w2.prompt_weight, w2.dequantize(torch.float32))
-    assert runtime.load_model(tmp_path, dtype=torch.float32).layers[0].mlp.w2.prompt_weight is None
+    w2 = runtime.load_model(tmp_path, dtype=torch.float32).layers[0].mlp.w2
+    assert {name for name, _ in w2.named_buffers()} == set(w2.storage())
+    x = torch.randn(1, 300, w2.in_features)  # a long prompt's rows: dequantized tile by tile, not kept
+    assert torch.allclose(w2(x), torch.nn.functional.linear(x, w2.dequantize(torch.float32)), rtol=1e-5, atol=1e-5)
+    assert {name for name, _ in w2.named_buffers()} == set(w2.storage())
 
 
 def test_newer_version_missing_tensors_and_bad_meta_are_clear_errors(tmp_path):

@@ -80,7 +80,11 @@ def workdir(tmp_path_factory) -> Path:
     eos_id = next(t for i, t in enumerate(out) if i >= 3 and t not in out[:i] and t > 3)
     tiny_checkpoint(root / "ckpt", eos_id=eos_id)
     _write_jsonl(root / "prompts.jsonl", PROMPTS)
-    save_medusa(attach_medusa(runtime.load_model(root / "ckpt", dtype=torch.float32), num_heads=2), root / "heads")
+    target = runtime.load_model(root / "ckpt", dtype=torch.float32)
+    save_medusa(attach_medusa(target, num_heads=2), root / "heads")
+    torch.manual_seed(0)  # the head's random initialisation
+    specdec.save_eagle(specdec.Eagle3Head(specdec.Eagle3Config.from_target(target, aux_layers=(0, 1, 1))),
+                       root / "eagle")
     return root
 
 
@@ -99,15 +103,16 @@ def _base_args(workdir: Path, out: Path, *extra: str) -> list[str]:
 def run_dir(workdir: Path) -> Path:
     out = workdir / "run"
     ck = workdir / "ckpt"  # draft = target: every drafted token is accepted
-    methods = f"plain,ngram,draft:{ck},hybrid:{ck},medusa:{workdir / 'heads'},hf,hf-assisted:{ck},hf-pld"
+    methods = (f"plain,ngram,draft:{ck},hybrid:{ck},medusa:{workdir / 'heads'},eagle:{workdir / 'eagle'},hf,"
+               f"hf-assisted:{ck},hf-pld")
     args = _cli(_base_args(workdir, out, "--methods", methods, "--limit", "3"))
     assert args.func(args) == 0
     return out
 
 
 def test_parse_methods():
-    specs = parse_methods("plain, draft:some/dir ,ngram,hybrid:m,medusa:heads,hf,hf-assisted:m,hf-pld")
-    assert [s.kind for s in specs] == ["plain", "draft", "ngram", "hybrid", "medusa", "hf", "hf-assisted",
+    specs = parse_methods("plain, draft:some/dir ,ngram,hybrid:m,medusa:heads,eagle:e,hf,hf-assisted:m,hf-pld")
+    assert [s.kind for s in specs] == ["plain", "draft", "ngram", "hybrid", "medusa", "eagle", "hf", "hf-assisted",
                                        "hf-pld"]
     assert specs[1] == MethodSpec("draft:some/dir", "draft", "some/dir")
     assert parse_methods("ngram@3,draft:d@auto")[1] == MethodSpec("draft:d@auto", "draft", "d", "auto")
@@ -167,7 +172,7 @@ def test_end_to_end_files_and_report(run_dir: Path):
         assert (run_dir / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     lines = [json.loads(x) for x in (run_dir / "generations.jsonl").read_text().splitlines()]
     methods = list(json.loads((run_dir / "report.json").read_text())["methods"])
-    assert len(methods) == 8
+    assert len(methods) == 9
     assert [(r["id"], r["method"]) for r in lines] == [(p, m) for p in ("p0", "p1", "p2") for m in methods]
     report = json.loads((run_dir / "report.json").read_text())
     assert "bonus" in report["tau_convention"] and "bonus" in (run_dir / "report.md").read_text()
@@ -192,7 +197,7 @@ def test_end_to_end_files_and_report(run_dir: Path):
     draft = by_kind["draft"]["overall"]
     assert draft["acceptance_rate"] == 1.0 and set(draft["per_position_acceptance"]) == {1.0}
     assert draft["tau"] > 2.0 and len(draft["per_position_acceptance"]) == 5
-    for kind in ("ngram", "hybrid", "medusa"):
+    for kind in ("ngram", "hybrid", "medusa", "eagle"):
         o = by_kind[kind]["overall"]
         assert o["tau"] >= 1.0 and o["stats"]["drafted_tokens"] > 0 and o["per_position_acceptance"]
     ratio = plain["overall"]["tokens_per_second"] / hf["overall"]["tokens_per_second"]
