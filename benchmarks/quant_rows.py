@@ -13,9 +13,9 @@ it compares within one run:
 - crossover: one MLP weight of the model per format (INT8, INT4 g64), per dtype and row count:
   the packed kernel against `_tiled` (ms); prints the first row count where `_tiled` wins.
 - forward: a T-token forward (no cache) of the dense model and of its INT8 and INT4 g64 (RTN)
-  copies, float32 and bf16: median seconds and the ratio to dense.
-- verify: the INT4 g128 (RTN, LM head too) copy of the model, compiled: one decode step against
-  one 8-token verification block on a cache of the prompt (ms, median).
+  copies (minmax grid), float32 and bf16: median seconds and the ratio to dense.
+- verify: the INT4 g128 (RTN, minmax grid, LM head too) copy of the model, compiled, in --dtypes:
+  one decode step against one 8-token verification block on a cache of the prompt (ms, median).
 - memory: resident memory an INT4 g64 copy adds to the process (after a T-token forward) against
   the bytes of its tensors.
 Random activations and RTN weights: no calibration data needed. The CPU's flags decide which
@@ -88,8 +88,9 @@ def _quantized(name: str, dtype: torch.dtype, variant: str, include_lm_head: boo
         quant.quantize_(model, quant.Int8WeightOnly(include_lm_head=include_lm_head), progress=False)
     elif variant.startswith("int4"):
         group = int(variant.split("-g")[1]) if "-g" in variant else 64
-        quant.quantize_(model, quant.Int4WeightOnly(group_size=group, include_lm_head=include_lm_head),
-                        progress=False)
+        # the minmax grid: RTN with the default mse grid search takes minutes on a 2-core CPU
+        quant.quantize_(model, quant.Int4WeightOnly(group_size=group, include_lm_head=include_lm_head,
+                                                    grid="minmax"), progress=False)
     return model
 
 
@@ -121,9 +122,11 @@ def forward(models: list[str], tokens: int, rounds: int) -> list[dict]:
 
 
 @torch.no_grad()
-def verify(model: str, block: int, rounds: int, prompt_tokens: int = 64) -> list[dict]:
+def verify(model: str, block: int, rounds: int, prompt_tokens: int = 64, dtypes: tuple[str, ...] = ("bfloat16",)) \
+        -> list[dict]:
     out = []
-    for dname, dtype in DTYPES.items():
+    for dname in dtypes:
+        dtype = DTYPES[dname]
         m = _quantized(model, dtype, "int4-g128", include_lm_head=True).compile_decode()
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(0, m.config.vocab_size, (1, prompt_tokens + block), generator=g)
@@ -160,23 +163,42 @@ def _rss() -> int:
 
 @torch.no_grad()
 def memory(model: str, tokens: int) -> list[dict]:
+    """Quantize `model` to INT4 g64, save it compressed, then load it in a fresh process and measure
+    what it adds there (this process's RSS still holds the dense copy it quantized)."""
+    import subprocess
+    import sys
+    import tempfile
+
+    import quant
+
+    with tempfile.TemporaryDirectory() as tmp:
+        quant.save_compressed(_quantized(model, torch.bfloat16, "int4"), tmp)
+        gc.collect()
+        out = subprocess.run([sys.executable, __file__, "--part", "memory-load", "--model", tmp,
+                              "--tokens", str(tokens)], check=True, capture_output=True, text=True).stdout
+    row = {"model": model, **json.loads(out.strip().splitlines()[-1])}
+    print(f"{model} INT4 g64 bf16: resident +{row['rss_added_bytes'] / 2**20:.1f} MiB, tensors "
+          f"{row['tensor_bytes'] / 2**20:.1f} MiB ({row['ratio']:.2f}x)", flush=True)
+    return [row]
+
+
+@torch.no_grad()
+def memory_load(path: str, tokens: int) -> None:
+    """(--part memory-load, run by `memory`) RSS added by loading compressed checkpoint `path` and
+    running a `tokens`-token forward, against the bytes of its tensors; prints one JSON line."""
     gc.collect()
     before = _rss()
-    m = _quantized(model, torch.bfloat16, "int4")
-    gc.collect()
+    m = load_model(path, dtype=torch.bfloat16)
     m(torch.zeros(1, tokens, dtype=torch.long), torch.arange(tokens)[None], None)
     gc.collect()
     added = _rss() - before
-    tensors = {t.data_ptr(): t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()]}
-    size = sum(tensors.values())
-    print(f"{model} INT4 g64 bf16: resident +{added / 2**20:.1f} MiB, tensors {size / 2**20:.1f} MiB "
-          f"({added / size:.2f}x)", flush=True)
-    return [{"model": model, "rss_added_bytes": added, "tensor_bytes": size, "ratio": added / size}]
+    size = sum({t.data_ptr(): t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()]}.values())
+    print(json.dumps({"rss_added_bytes": added, "tensor_bytes": size, "ratio": added / size}))
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--part", required=True, choices=["crossover", "forward", "verify", "memory"])
+    p.add_argument("--part", required=True, choices=["crossover", "forward", "verify", "memory", "memory-load"])
     p.add_argument("--model", default="qwen2.5-coder-0.5b-instruct", help="catalogue name or checkpoint")
     p.add_argument("--models", default="smollm2-135m-instruct,qwen2.5-coder-0.5b-instruct",
                    help="comma-separated models (--part forward)")
@@ -184,6 +206,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=256, help="tokens of the forward (--part forward, memory)")
     p.add_argument("--block", type=int, default=8, help="verification block size (--part verify)")
     p.add_argument("--rounds", type=int, default=5, help="timed rounds (medians)")
+    p.add_argument("--dtypes", default="bfloat16", help="comma-separated (--part verify)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", default=None, help="also write the figures to this file")
     args = p.parse_args()
@@ -193,9 +216,12 @@ def main() -> None:
     elif args.part == "forward":
         res = forward(args.models.split(","), args.tokens, args.rounds)
     elif args.part == "verify":
-        res = verify(args.model, args.block, args.rounds)
-    else:
+        res = verify(args.model, args.block, args.rounds, dtypes=tuple(args.dtypes.split(",")))
+    elif args.part == "memory":
         res = memory(args.model, args.tokens)
+    else:
+        memory_load(args.model, args.tokens)
+        return
     if args.json:
         atomic_write_text(args.json, json.dumps({"part": args.part, "threads": args.threads, "results": res}, indent=1))
 
