@@ -8,14 +8,16 @@ offline; `runtime.compressed` rebuilds them from a checkpoint without re-quantiz
 
 Kernel choice on the CPU, by row count and dtype (INT8 and INT4; `packed_max_rows`):
 
-- few rows (decode steps, verification blocks): PyTorch's packed weight-only kernels
+- few rows (decode steps, verification blocks) in bf16: PyTorch's packed weight-only kernels
   (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`). They read the weight once per call,
-  but their cost grows with every row, and in float32 they are 10-20x slower than in bf16 even
-  for one row, so float32 activations are rounded to bf16 at the boundary for this path (the
-  result is float32 again; tolerance: bf16 rounding of the activations);
-- many rows (prompts, perplexity windows, long trees): `_tiled`, which dequantizes a tile of
-  output channels at a time into a scratch buffer of about `TILE_BYTES` and calls the dense GEMM
-  on it, in the activations' own dtype (float32 stays exact to the dequantized weight).
+  but their cost grows with every row;
+- many rows (prompts, perplexity windows, long trees), and every float32 call: `_tiled`, which
+  dequantizes a tile of output channels at a time into a scratch buffer of about `TILE_BYTES` and
+  calls the dense GEMM on it, in the activations' own dtype. The packed kernels' float32 path is
+  10-20x slower than their bf16 one (3.6 ms for one row of a 4864x896 INT8 weight, about what
+  `_tiled` costs), and rounding float32 activations to bf16 for them would be 20x faster but
+  would break what float32 is for here: outputs equal to the dequantized model's (quality
+  tables, exact losslessness checks), so float32 stays exact.
 
 No dense copy of the weight outlives a call. The crossover rows per (format, dtype) are in
 `PACKED_MAX_ROWS`, measured with `benchmarks/quant_rows.py` (BENCHMARKS.md, "Quantized models
@@ -36,8 +38,7 @@ from torch import nn
 # kernel. Measured on a 2-core AMD EPYC with AVX-512-BF16 (no AMX), 2 threads, by
 # `benchmarks/quant_rows.py` on the MLP shapes of qwen2.5-coder-0.5b and smollm2.
 PACKED_MAX_ROWS: dict[tuple[str, torch.dtype], int] = {
-    ("int8", torch.bfloat16): 24, ("int8", torch.float32): 48,
-    ("int4", torch.bfloat16): 96, ("int4", torch.float32): 128,
+    ("int8", torch.bfloat16): 24, ("int4", torch.bfloat16): 96,
 }
 # Scratch per tile of `_tiled`: a few MB, so the dequantized tile is still in cache when the GEMM
 # reads it, and enough output channels per tile that the GEMM runs at full speed.
@@ -46,8 +47,9 @@ _INT8_KERNEL_ALIGN = 16  # bytes `_weight_int8pack_mm` needs (measured: offsets 
 
 
 def packed_max_rows(fmt: str, dtype: torch.dtype) -> int:
-    """Most rows per call that still take the packed CPU kernel of format `fmt` in `dtype`."""
-    return PACKED_MAX_ROWS.get((fmt, dtype), PACKED_MAX_ROWS.get((fmt, torch.bfloat16), 0))
+    """Most rows per call that still take the packed CPU kernel of format `fmt` in `dtype` (0: none,
+    as for float32)."""
+    return PACKED_MAX_ROWS.get((fmt, dtype), 0)
 
 
 def _rows(x: torch.Tensor) -> int:
@@ -142,10 +144,8 @@ class QuantizedLinear(nn.Module, abc.ABC):
         return self.dequantize_rows(start, stop, out)
 
     def _packed(self, x: torch.Tensor, kernel) -> torch.Tensor:
-        """Run `kernel(x2 (M, K)) -> (M, N)` in bf16 for float32 x (the packed kernels' float32
-        path is 10-20x slower), then restore x's shape, dtype and the bias."""
-        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16 if x.dtype == torch.float32 else x.dtype)
-        y = kernel(x2.contiguous()).to(x.dtype).view(*x.shape[:-1], self.out_features)
+        """Run `kernel(x2 (M, K)) -> (M, N)`, then restore x's shape and add the bias."""
+        y = kernel(x.reshape(-1, self.in_features).contiguous()).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self._bias(x)
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
