@@ -31,22 +31,13 @@ import statistics
 import time
 
 import torch
+from cpu_gqa_attention import median_ms
 
 from runtime.atomic import atomic_write_text
 from runtime.loading import load_model, read_hf_config, resolve
 from runtime.qlinear import Int4Linear, Int8Linear, pack_int4, packed_max_rows
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def _median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
 
 
 def _modules(out_f: int, in_f: int, g: torch.Generator) -> dict[str, torch.nn.Module]:
@@ -68,8 +59,8 @@ def crossover(model: str, rows: list[int], repeats: int) -> list[dict]:
                 won = None
                 for r in rows:
                     x = torch.randn(r, shape[1], generator=g).to(dtype)
-                    packed = _median_ms(lambda: mod.packed_kernel(x), repeats)
-                    tiled = _median_ms(lambda: mod._tiled(x), repeats)
+                    packed = median_ms(lambda: mod.packed_kernel(x), repeats)
+                    tiled = median_ms(lambda: mod._tiled(x), repeats)
                     if won is None and tiled < packed:
                         won = r
                     out.append({"format": fmt, "dtype": dname, "shape": list(shape), "rows": r,

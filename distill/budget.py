@@ -4,19 +4,28 @@
 already spent (read from `path`, a small JSON file) and rewrites that file every `every`
 seconds while the job runs, so a job stopped at any point (Ctrl-C, a killed machine) and started
 again goes on against the same budget instead of a fresh one. Deadlines are time.monotonic()
-values, as the pipelines' `deadline=` parameters take them.
+values, as the pipelines' `deadline=` parameters take them. `run_budgeted` is the frame the
+training recipes (Medusa, EAGLE-3) run their steps in.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import signal
+import sys
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+import torch
 
 from runtime.atomic import atomic_write_text
+from runtime.hardware import native_bf16
+from runtime.outputs import prepare_output_dir
 
 
 class RunBudget:
@@ -80,3 +89,42 @@ class RunBudget:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _stop(signum: int, frame) -> None:
+    """SIGTERM: unwind like Ctrl-C (finally blocks write what they hold); a second one waits."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sys.exit(128 + signum)
+
+
+def run_budgeted(args: Any, markers: tuple[str, ...], what: str, product: str,
+                 steps: Callable[[Path, RunBudget | None], dict]) -> dict:
+    """The frame the training recipes share: settle args (the training share of the budget, torch
+    threads, dtype "auto"), check --out (`runtime.outputs`: new, empty or a run with `markers`,
+    which is resumed) and --eval-only (OUT/metrics.json must hold the trained `product`), then run
+    `steps(out, budget)` with a `RunBudget` in OUT/budget.json (None for --eval-only) and SIGTERM
+    unwinding like Ctrl-C, so that what a step holds is written and the same command resumes.
+
+    args: the recipe's namespace (out, max_minutes, data_frac, train_frac, eval_minutes, threads,
+    dtype, eval_only).
+    """
+    if args.train_frac is None:  # keep eval_minutes for the evaluation, but on a short budget give
+        # training at least half of what the data phase leaves
+        args.train_frac = max(1 - args.eval_minutes / args.max_minutes, (1 + args.data_frac) / 2)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.dtype == "auto":
+        args.dtype = "bfloat16" if native_bf16() else "float32"
+    out = prepare_output_dir(args.out, markers, what=what, resume=True)
+    if args.eval_only and not (out / "metrics.json").is_file():
+        raise SystemExit(f"--eval-only: {out} holds no trained {product} (no metrics.json); run the recipe "
+                         "without --eval-only first, or point --out at a finished run")
+    out.mkdir(parents=True, exist_ok=True)
+    budget = None if args.eval_only else RunBudget(out / "budget.json", args.max_minutes)
+    previous = signal.signal(signal.SIGTERM, _stop)
+    try:
+        return steps(out, budget)
+    finally:
+        if budget is not None:
+            budget.close()
+        signal.signal(signal.SIGTERM, previous)

@@ -32,7 +32,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from runtime.atomic import atomic_write, atomic_write_text
-from runtime.outputs import OutputPathError, prepare_output_dir
+from runtime.outputs import prepare_manifest_dir
 from runtime.progress import progress
 
 MANIFEST = "manifest.json"
@@ -43,18 +43,9 @@ SPLITS = ("train", "heldout")
 
 def check_eagle_cache_dir(cache_dir: str | Path) -> Path:
     """Fail (OutputPathError) unless `cache_dir` is new, empty or an EAGLE-3 feature cache."""
-    cache_dir = prepare_output_dir(cache_dir, MANIFEST, what=CACHE, resume=True)
-    path = cache_dir / MANIFEST
-    if path.is_file():
-        try:
-            manifest = json.loads(path.read_text())
-            ok = isinstance(manifest, dict) and manifest.get("format") == FORMAT
-        except (OSError, ValueError):
-            ok = False
-        if not ok:
-            raise OutputPathError(f"{path} is not the manifest of an {CACHE} written by specdec (a Medusa "
-                                  "hidden-state cache is another format); choose a new or empty directory")
-    return cache_dir
+    return prepare_manifest_dir(cache_dir, MANIFEST, CACHE, lambda m: m.get("format") == FORMAT,
+                                f"is not the manifest of an {CACHE} written by specdec (a Medusa hidden-state "
+                                "cache is another format); choose a new or empty directory")
 
 
 class EagleCacheWriter:

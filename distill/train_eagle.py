@@ -44,7 +44,7 @@ from safetensors.torch import load_file
 from distill.config_args import at_least, check_fields
 from distill.eagle_cache import MANIFEST, EagleSplit, cache_eagle_states, load_split, read_manifest
 from distill.selfdistill import read_records
-from distill.train_medusa import _lr_at, _time_progress
+from distill.train_medusa import set_lr
 from runtime.atomic import atomic_write, atomic_write_text
 from runtime.hardware import native_bf16
 from runtime.outputs import prepare_output_dir
@@ -407,11 +407,7 @@ def train_eagle(target, data, config: EagleTrainConfig = EagleTrainConfig(), out
             if deadline is not None and time.monotonic() > deadline:
                 break
             batch = make_batch(train, schedule[step], k)
-            done = step / total  # with a deadline, the schedule also follows the time spent
-            if deadline is not None:
-                done = max(done, _time_progress(seconds(), deadline - time.monotonic()))
-            for g in opt.param_groups:
-                g["lr"] = _lr_at(step, done, config)
+            set_lr(opt, step, total, seconds(), deadline, config)
             with acc.autocast():
                 logits = unroll(head, target.embed, batch, k)
             with torch.no_grad():

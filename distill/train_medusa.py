@@ -32,7 +32,7 @@ from distill.config_args import at_least, check_fields
 from distill.medusa import CONFIG, choose_tree, save_medusa
 from runtime.atomic import atomic_write
 from runtime.hardware import native_bf16
-from runtime.outputs import OutputPathError, prepare_output_dir
+from runtime.outputs import prepare_manifest_dir, prepare_output_dir
 from runtime.progress import progress
 from specdec.medusa import MedusaHeads
 from specdec.tree import expected_length
@@ -52,18 +52,9 @@ def check_train_dir(out_dir: str | Path) -> Path:
 
 def check_cache_dir(cache_dir: str | Path) -> Path:
     """Fail (OutputPathError) unless `cache_dir` is new, empty or a hidden-state cache."""
-    cache_dir = prepare_output_dir(cache_dir, MANIFEST, what=CACHE, resume=True)
-    path = cache_dir / MANIFEST
-    if path.is_file():
-        try:
-            manifest = json.loads(path.read_text())
-            ok = isinstance(manifest, dict) and {"num_heads", "hidden_size", "records_done", "shards"} <= set(manifest)
-        except (OSError, ValueError):
-            ok = False
-        if not ok:
-            raise OutputPathError(f"{path} is not the manifest of a {CACHE} written by specdec; choose a new or "
-                                  "empty directory for the cache")
-    return cache_dir
+    return prepare_manifest_dir(
+        cache_dir, MANIFEST, CACHE, lambda m: {"num_heads", "hidden_size", "records_done", "shards"} <= set(m),
+        f"is not the manifest of a {CACHE} written by specdec; choose a new or empty directory for the cache")
 
 
 def _write_json(path: Path, obj) -> None:
@@ -416,6 +407,18 @@ def _lr_at(step: int, done: float, cfg: TrainConfig) -> float:
     return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, done)))
 
 
+def set_lr(opt: torch.optim.Optimizer, step: int, total: int, seconds: float, deadline: float | None,
+           cfg) -> None:
+    """Give every parameter group of `opt` the schedule's rate at `step` of `total` (`_lr_at`); with a
+    deadline (time.monotonic()), the decay also follows the training `seconds` spent against the time
+    left (`_time_progress`). cfg: a config with lr and warmup_steps (TrainConfig, EagleTrainConfig)."""
+    done = step / total
+    if deadline is not None:
+        done = max(done, _time_progress(seconds, deadline - time.monotonic()))
+    for g in opt.param_groups:
+        g["lr"] = _lr_at(step, done, cfg)
+
+
 def _time_progress(seconds: float, left: float) -> float:
     """How far a deadline-bound cosine decay has gone: the training seconds spent so far (earlier
     runs of a resumed job included) over those plus the seconds left to the deadline. A resumed
@@ -503,11 +506,7 @@ def train_medusa(heads: MedusaHeads, data_dir: str | Path, out_dir: str | Path,
             if config.soft_targets:
                 with acc.autocast():
                     teacher = teacher_probs(heads, hidden, idx, vocab)  # (K, n, V')
-            done = step / total  # with a deadline, the schedule also follows the time spent
-            if deadline is not None:
-                done = max(done, _time_progress(seconds(), deadline - time.monotonic()))
-            for g in opt.param_groups:
-                g["lr"] = _lr_at(step, done, config)
+            set_lr(opt, step, total, seconds(), deadline, config)
             with acc.autocast():
                 logits = heads.head_logits(heads.features(h), vocab)  # (K, n, V or V')
             loss, _ = medusa_loss(logits, t, config.decay, teacher)

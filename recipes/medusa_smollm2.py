@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import signal
 import sys
 import time
 from pathlib import Path
@@ -36,7 +35,7 @@ from recipe_errors import run
 import distill
 import runtime
 import specdec
-from distill.budget import RunBudget
+from distill.budget import RunBudget, run_budgeted
 from distill.code_prompts import function_prompts, interleave
 from distill.command import parse_num_nodes, parse_share, parse_sizes
 from distill.config_args import add_dataclass_args, dataclass_from_args
@@ -44,8 +43,7 @@ from distill.medusa import choose_tree
 from distill.selfdistill import generate_selfdistill, is_code_prompt, read_records, sharegpt_prompts, stop_token_ids
 from distill.train_medusa import TRAIN_MARKERS, TrainConfig, cache_hidden_states
 from runtime.atomic import atomic_write_text
-from runtime.hardware import DTYPES, native_bf16
-from runtime.outputs import prepare_output_dir
+from runtime.hardware import DTYPES
 from specdec.evaluate import EvalConfig, run_eval
 from specdec.medusa import MedusaHeads
 from specdec.prompts import encode, load_prompts
@@ -133,35 +131,8 @@ def pipeline(args: argparse.Namespace, model_name: str, eval_dataset: str, raw_e
     """Data -> hidden-state cache -> training -> evaluation, bounded by args.max_minutes; a restarted
     run resumes every step and goes on against the same budget (OUT/budget.json)."""
     start = time.monotonic()
-    if args.train_frac is None:  # keep eval_minutes for the evaluation, but on a short budget
-        # give training at least half of what the data phase leaves
-        args.train_frac = max(1 - args.eval_minutes / args.max_minutes, (1 + args.data_frac) / 2)
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.dtype == "auto":
-        args.dtype = "bfloat16" if native_bf16() else "float32"
-    out = prepare_output_dir(args.out, RUN_MARKERS, what="Medusa recipe run directory", resume=True)
-    if args.eval_only and not (out / "metrics.json").is_file():
-        raise SystemExit(f"--eval-only: {out} holds no trained heads (no metrics.json); run the recipe "
-                         "without --eval-only first, or point --out at a finished run")
-    out.mkdir(parents=True, exist_ok=True)
-    budget = None if args.eval_only else RunBudget(out / "budget.json", args.max_minutes)
-    # `kill` (SIGTERM) stops the run like Ctrl-C: buffered hidden states, a training checkpoint and
-    # the budget are written, and the same command resumes it
-    previous = signal.signal(signal.SIGTERM, _stop)
-    try:
-        return _run(args, model_name, eval_dataset, raw_eval, out, budget, start)
-    finally:
-        if budget is not None:
-            budget.close()
-        signal.signal(signal.SIGTERM, previous)
-
-
-def _stop(signum: int, frame) -> None:
-    """SIGTERM: unwind like Ctrl-C (finally blocks write what they hold); a second one waits."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    sys.exit(128 + signum)
+    return run_budgeted(args, RUN_MARKERS, "Medusa recipe run directory", "heads",
+                        lambda out, budget: _run(args, model_name, eval_dataset, raw_eval, out, budget, start))
 
 
 def _run(args: argparse.Namespace, model_name: str, eval_dataset: str, raw_eval: bool, out: Path,

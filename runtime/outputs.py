@@ -57,6 +57,24 @@ def find_marker(path: str | Path, marker: str | Sequence[str]) -> str | None:
     return next((m for m in _markers(marker) if (path / m).exists()), None)
 
 
+def prepare_manifest_dir(path: str | Path, manifest: str, what: str, accepts: Callable[[dict], bool],
+                         refusal: str) -> Path:
+    """`prepare_output_dir(path, manifest, what=what, resume=True)` for a directory marked by the JSON
+    file `manifest` (a cache), which must also be one this kind of directory writes when it exists:
+    `accepts(parsed manifest)`, else OutputPathError "<manifest path> <refusal>"."""
+    path = prepare_output_dir(path, manifest, what=what, resume=True)
+    file = path / manifest
+    if file.is_file():
+        try:
+            data = json.loads(file.read_text())
+            ok = isinstance(data, dict) and accepts(data)
+        except (OSError, ValueError):
+            ok = False
+        if not ok:
+            raise OutputPathError(f"{file} {refusal}")
+    return path
+
+
 def prepare_output_dir(path: str | Path, marker: str | Sequence[str], overwrite: bool = False, *,
                        what: str = "specdec output", resume: bool = False) -> Path:
     """Check that `path` may receive a `what` (whose marker file(s) are `marker`); create nothing.
