@@ -1,12 +1,15 @@
 """distill: offline training of drafts. Medusa heads (attach, self-distillation data, training, save/load) and
-EAGLE-3 heads (feature cache, training-time-test training)."""
+EAGLE-3 heads (feature cache, training-time-test training); recovery of 2:4-sparse models by
+distillation (`recover`)."""
 
 from distill.eagle_cache import cache_eagle_states
 from distill.medusa import attach_medusa, choose_tree, load_medusa, read_medusa_config, save_medusa
+from distill.recover import RecoverConfig, recover
 from distill.selfdistill import generate_selfdistill, read_records, sharegpt_prompts
 from distill.train_eagle import EagleTrainConfig, train_eagle
 from distill.train_medusa import TrainConfig, cache_hidden_states, head_accuracy, train_medusa
 
 __all__ = ["attach_medusa", "choose_tree", "load_medusa", "save_medusa", "read_medusa_config", "train_medusa",
            "TrainConfig", "cache_hidden_states", "head_accuracy", "generate_selfdistill",
-           "read_records", "sharegpt_prompts", "train_eagle", "EagleTrainConfig", "cache_eagle_states"]
+           "read_records", "sharegpt_prompts", "train_eagle", "EagleTrainConfig", "cache_eagle_states",
+           "recover", "RecoverConfig"]

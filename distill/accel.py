@@ -1,0 +1,92 @@
+"""Several processes: what the training loops of distill/ share to run unchanged under `accelerate launch`.
+
+    accelerate launch --num_processes 8 -m specdec.cli medusa train ...   # 8 GPUs, NCCL
+    accelerate launch --cpu --num_processes 2 recipes/recover_smollm2_24.py ...   # 2 CPU processes, gloo
+
+One process is the same as before: the Accelerator is a plain device holder and every helper
+here is the identity. With N processes accelerate wraps the trained module in DDP:
+
+- `Forward` routes a loop's training forward through one module call, so that DDP (which
+  synchronises gradients only for work done inside its own `forward`) sees it even where the loop
+  calls several methods of the trained module.
+- `local_part` gives each process its contiguous slice of the global batch (the batch the config
+  names stays the global one) and the weight that makes DDP's mean of the per-process gradients
+  the gradient of the global batch's mean loss, whatever the slice sizes; a process whose slice
+  is empty still runs a step (on one item, weight 0) so that no all-reduce is left waiting.
+- `global_mean` is the logged loss of the whole batch; `synced_clock` makes every process take
+  the main process's view of the time budget, so they stop at the same step and follow the same
+  deadline-aware learning-rate schedule (parameters stay identical across replicas).
+Only the main process writes checkpoints, plots and metrics (`acc.is_main_process`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class Forward(nn.Module):
+    """`Forward(module, fn)(*args)` = `fn(module, *args)`, a training step's forward as one call of a
+    module that owns `module`'s parameters (what accelerate's DDP wrapper needs to sync them)."""
+
+    def __init__(self, module: nn.Module, fn: Callable[..., Any]) -> None:
+        super().__init__()
+        self.module = module
+        self.fn = fn
+
+    def forward(self, *args, **kwargs):
+        return self.fn(self.module, *args, **kwargs)
+
+
+def local_part(n: int, acc) -> tuple[slice, float]:
+    """This process's part of a global batch of `n` items: a slice of it and the loss weight.
+
+    The slices are contiguous and cover the batch (sizes differ by at most one). weight =
+    n_local * num_processes / n, so that the mean over processes of weight * (mean loss over the
+    local items), which DDP's gradient averaging computes, is the mean over all n items. An empty
+    slice becomes the first item with weight 0.
+    """
+    if n < 1:
+        raise ValueError(f"a training batch needs at least one item, got {n}")
+    world, rank = acc.num_processes, acc.process_index
+    lo, hi = rank * n // world, (rank + 1) * n // world
+    if hi == lo:
+        return slice(0, 1), 0.0
+    return slice(lo, hi), (hi - lo) * world / n
+
+
+def local_items(items: Sequence, acc) -> tuple[Sequence, float]:
+    """`local_part` applied to a list (e.g. the record ids of one batch): (this process's items, weight)."""
+    part, weight = local_part(len(items), acc)
+    return items[part], weight
+
+
+def global_mean(value: torch.Tensor, acc) -> float:
+    """The mean over processes of a scalar tensor (each process's weighted loss): the global batch's loss."""
+    if acc.num_processes == 1:
+        return float(value.detach())
+    return float(acc.reduce(value.detach().float().reshape(1), reduction="mean"))
+
+
+def synced_clock(acc, seconds: float, deadline: float | None) -> tuple[float, float | None, bool]:
+    """(training seconds, deadline, stop) as the main process sees them, on every process.
+
+    seconds: this process's training seconds so far; deadline: its time.monotonic() deadline (None:
+    none). stop is True when the main process is past the deadline. With one process (or no
+    deadline) the values are returned as they are.
+    """
+    if deadline is None:
+        return seconds, None, False
+    if acc.num_processes == 1:
+        return seconds, deadline, time.monotonic() > deadline
+    from accelerate.utils import broadcast
+
+    now = time.monotonic()
+    t = torch.tensor([seconds, deadline - now], dtype=torch.float64, device=acc.device)
+    t = broadcast(t, from_process=0)
+    left = float(t[1])
+    return float(t[0]), now + left, left < 0
