@@ -3,8 +3,8 @@
 from specdec.drafter import Accepted, Drafter, DraftTree
 from specdec.eagle import Eagle3Config, Eagle3Head
 from specdec.eagle_io import load_eagle, save_eagle
-from specdec.generate import GenerateOutput, generate
+from specdec.generate import GenerateOutput, generate, stream
 from specdec.stats import AcceptanceStats
 
-__all__ = ["generate", "GenerateOutput", "AcceptanceStats", "Drafter", "DraftTree", "Accepted",
+__all__ = ["generate", "stream", "GenerateOutput", "AcceptanceStats", "Drafter", "DraftTree", "Accepted",
            "Eagle3Config", "Eagle3Head", "save_eagle", "load_eagle"]

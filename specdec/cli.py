@@ -60,12 +60,14 @@ def _generate(args: argparse.Namespace) -> int:
         loaded = ["ngram" if p == "ngram" else runtime.load_model(p, dtype=DTYPES[args.dtype], device=args.device)
                   for p in parts]
         draft = loaded if len(loaded) > 1 else loaded[0]
+    from transformers import TextStreamer
+
     gen = torch.Generator(device=model.device).manual_seed(args.seed)
+    # the text is printed as each step accepts it
     out = specdec.generate(model, ids, draft=draft, max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                            num_draft_tokens=args.num_draft_tokens, eos_token_id=tok.eos_token_id,
-                           generator=gen)
-    print(tok.decode(out.sequences[0, ids.shape[1]:], skip_special_tokens=True))
+                           generator=gen, streamer=TextStreamer(tok, skip_prompt=True, skip_special_tokens=True))
     print()
     print(format_stats(out.stats))
     return 0
@@ -106,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_fetch)
 
     p = sub.add_parser("generate", help="generate a completion, plainly or speculatively",
-                       description="Generate one completion and print it with its acceptance stats.")
+                       description="Generate one completion, printing it as it is accepted, then its acceptance stats.")
     p.add_argument("--model", default=DEFAULT_MODEL, help="catalogue name, checkpoint dir, .gguf or hub id")
     p.add_argument("--prompt", required=True, help="the prompt text")
     p.add_argument("--draft", default=None,

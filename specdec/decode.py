@@ -6,18 +6,26 @@ target forward scores [root, nodes] (causal for a chain, the tree's ancestor mas
 the accepted path (a length change for a chain, an in-place compaction for a tree) and the
 drafter is told what was accepted. Plain decoding is the same loop with no drafts. Rows advance
 independently; a finished row is carried along but writes nothing that stays in the cache.
+
+`DecodeLoop` holds that state over the rows of one cache: `prefill` starts every row at once
+(`generate()`), `admit` starts one row in a free slot while the others run (the serving engine,
+`specdec.engine`), and `step` is the one draft + verify step both call. Every row has its own
+`RowSampling`: rows that share one are verified together, greedy rows always together.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 
 from runtime.compile import DECODE_STATIC_TOKENS
 from specdec.autok import AutoK
 from specdec.drafter import Accepted, Drafter, DraftTree
-from specdec.rows import RowState, check_lengths, prefill
+from specdec.rows import CacheRow, RowState, check_lengths, prefill
 from specdec.sampling import select_next
 from specdec.stats import AcceptanceStats
 from specdec.verify import Verdict, verify
@@ -26,6 +34,23 @@ MAX_DRAFT_TOKENS = 16
 # "auto" on a compiled target: verification blocks of 2..8 tokens share one compiled program
 # (runtime.compile.static_tokens); 9..16 would compile another, with its own frozen weights.
 MAX_DRAFT_TOKENS_COMPILED = DECODE_STATIC_TOKENS - 1
+
+
+@dataclass(frozen=True, eq=False)
+class RowSampling:
+    """How one row picks its tokens: greedy at temperature 0, else sampled with top_k / top_p and
+    `generator` (every random choice of the row: its own, so its output does not depend on the
+    other rows)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    generator: torch.Generator | None = None
+
+    @property
+    def key(self) -> tuple:
+        """Rows with equal keys are verified in one call: every greedy row shares one."""
+        return ("greedy",) if self.temperature == 0 else (self.temperature, self.top_k, self.top_p, id(self.generator))
 
 
 def draft_length(num_draft_tokens: int | str, target, drafter: Drafter | None) -> tuple[int, AutoK | None]:
@@ -38,61 +63,130 @@ def draft_length(num_draft_tokens: int | str, target, drafter: Drafter | None) -
     return num_draft_tokens, None
 
 
-def decode(target, drafter: Drafter | None, state: RowState, num_draft_tokens: int | str,
-           temperature: float, top_k: int, top_p: float, generator: torch.Generator | None,
-           hidden: list[list[torch.Tensor]] | None = None) -> AcceptanceStats:
-    """Generate every row of `state` (plain decoding when drafter is None); returns the stats.
+def cache_slack(target, drafter: Drafter | None, num_draft_tokens: int | str) -> int:
+    """Cache slots a row needs beyond prompt + new tokens: the root and the most nodes of a step."""
+    k_max, _ = draft_length(num_draft_tokens, target, drafter)
+    return 1 + (drafter.max_nodes(k_max) if drafter is not None else 0)
 
+
+class DecodeLoop:
+    """The decode state of the rows of one target cache (see the module docstring).
+
+    sampling: one RowSampling for every row, or one per row (None for a row not in use).
     hidden: a list of B empty lists that receive, per row, the target's final hidden state (C,)
     behind each emitted token (the state whose logits chose it).
     """
-    layers = drafter.hidden_layers if drafter is not None else ()
-    if not layers:
-        return _decode(target, drafter, state, num_draft_tokens, temperature, top_k, top_p, generator, hidden)
-    if not hasattr(target, "aux_outputs"):
-        raise ValueError(f"drafter {drafter.name!r} reads the target's layers {tuple(layers)}, which only a runtime "
-                         "Transformer returns (runtime.load_model), not a transformers model")
-    with target.aux_outputs(layers):
-        return _decode(target, drafter, state, num_draft_tokens, temperature, top_k, top_p, generator, hidden)
 
+    def __init__(self, target, drafter: Drafter | None, state: RowState, cache, num_draft_tokens: int | str,
+                 sampling: RowSampling | list[RowSampling | None],
+                 hidden: list[list[torch.Tensor]] | None = None) -> None:
+        layers = drafter.hidden_layers if drafter is not None else ()
+        if layers and not hasattr(target, "aux_outputs"):
+            raise ValueError(f"drafter {drafter.name!r} reads the target's layers {tuple(layers)}, which only a "
+                             "runtime Transformer returns (runtime.load_model), not a transformers model")
+        self.target, self.drafter, self.state, self.cache, self.hidden = target, drafter, state, cache, hidden
+        B = len(state.prompts)
+        self.uniform = isinstance(sampling, RowSampling)
+        self.sampling = [sampling] * B if self.uniform else list(sampling)
+        self.k_max, self.auto = draft_length(num_draft_tokens, target, drafter)
+        self.want_hidden = hidden is not None or (drafter is not None and drafter.needs_hidden)
+        self.want_aux = bool(layers)
+        self.pending = torch.zeros(B, dtype=torch.long)  # (B,): each row's next root, not yet scored
+        self.stats = AcceptanceStats(num_calls=1)
+        self.row_stats = [AcceptanceStats() for _ in range(B)]
 
-def _decode(target, drafter: Drafter | None, state: RowState, num_draft_tokens: int | str,
-            temperature: float, top_k: int, top_p: float, generator: torch.Generator | None,
-            hidden: list[list[torch.Tensor]] | None) -> AcceptanceStats:
-    """`decode`, with the target's aux layers (if any) already being collected."""
-    k_max, auto = draft_length(num_draft_tokens, target, drafter)
-    cfg = target.config
-    slack = 1 + (drafter.max_nodes(k_max) if drafter is not None else 0)
-    max_len = check_lengths(state.prompts, state.max_new_tokens, cfg.max_position_embeddings,
-                            cfg.vocab_size) + slack
-    stats = AcceptanceStats(num_calls=1)
-    if state.all_done:
-        return stats
-    want_hidden = hidden is not None or (drafter is not None and drafter.needs_hidden)
-    want_aux = drafter is not None and bool(drafter.hidden_layers)
-    B = len(state.prompts)
-    start = time.perf_counter()
-    cache = target.new_cache(B, max_len)
-    out = prefill(target, state.prompts, cache, return_hidden=want_hidden, return_aux=want_aux)
-    out = out if isinstance(out, tuple) else (out,)
-    logits = out[0]  # (B, V)
-    h = out[1] if want_hidden else None  # (B, C)
-    aux = out[-1] if want_aux else None  # (B, T, nC)
-    pending = select_next(logits, temperature, top_k, top_p, generator).cpu()  # (B,)
-    for b in state.active():
-        stats.target_forwards += 1
-        stats.generated_tokens += state.emit(b, [int(pending[b])])
-        if hidden is not None:
-            hidden[b].append(h[b])
-    stats.ttft_s = time.perf_counter() - start
-    if drafter is not None:
-        drafter.begin(state.prompts, max_len, aux if want_aux else h)
-    while not state.all_done:
+    def _aux(self) -> contextlib.AbstractContextManager:
+        """Collect the drafter's target layers during the forwards inside."""
+        return self.target.aux_outputs(self.drafter.hidden_layers) if self.want_aux else contextlib.nullcontext()
+
+    def _first_tokens(self, rows: list[int], out) -> list[list[int]]:
+        """Pick and emit each row's first token from a prefill's output (logits, [hidden], [aux])."""
+        logits, h = out[0], out[1] if self.want_hidden else None  # (R, V), (R, C)
+        first = self._select(logits, rows).cpu()  # (R,)
+        emitted = [[] for _ in self.state.prompts]
+        for i, b in enumerate(rows):
+            self.pending[b] = first[i]
+            if self.state.done[b]:
+                continue
+            self.stats.target_forwards += 1
+            self.row_stats[b].target_forwards += 1
+            n = self.state.emit(b, [int(first[i])])
+            self.stats.generated_tokens += n
+            self.row_stats[b].generated_tokens += n
+            emitted[b] = self.state.new[b][-n:]
+            if self.hidden is not None:
+                self.hidden[b].append(h[i])
+        return emitted
+
+    def _select(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """The next token of each of `rows` from its logits (R, V), by the row's own sampling."""
+        if self.uniform:
+            s = self.sampling[0]
+            return select_next(logits, s.temperature, s.top_k, s.top_p, s.generator)
+        out = torch.zeros(len(rows), dtype=torch.long, device=logits.device)
+        for i, b in enumerate(rows):
+            s = self.sampling[b]
+            out[i] = select_next(logits[i:i + 1], s.temperature, s.top_k, s.top_p, s.generator)[0]
+        return out
+
+    def prefill(self, max_len: int) -> list[list[int]]:
+        """Prefill every row in one forward, emit its first token and start the drafter (whose
+        rows get `max_len` cache slots); returns the tokens each row emitted."""
+        rows = list(range(len(self.state.prompts)))
+        with self._aux():
+            out = prefill(self.target, self.state.prompts, self.cache, return_hidden=self.want_hidden,
+                          return_aux=self.want_aux)
+        out = out if isinstance(out, tuple) else (out,)
+        emitted = self._first_tokens(rows, out)
+        if self.drafter is not None:
+            self.drafter.begin(self.state.prompts, max_len, out[-1] if self.want_aux else out[1] if
+                               self.want_hidden else None)
+        return emitted
+
+    def admit(self, row: int, prompt: torch.Tensor, max_new_tokens: int, eos: frozenset[int],
+              sampling: RowSampling) -> list[int]:
+        """Start `row` (a free slot) on `prompt` while the other rows keep their state: prefill of
+        that row only, into its slot of the cache (eagerly, so a compiled target compiles no
+        one-row program), then the drafter's `admit`. Returns the row's first token(s)."""
+        self.state.reset(row, prompt, max_new_tokens, eos)
+        self.sampling[row] = sampling
+        self.row_stats[row] = AcceptanceStats()
+        slot = CacheRow(self.cache, row)
+        slot.lengths.zero_()
+        with self._aux():
+            out = prefill(self.target, [prompt], slot, return_hidden=self.want_hidden, return_aux=self.want_aux,
+                          eager=getattr(self.target, "compiled", False))
+        out = out if isinstance(out, tuple) else (out,)
+        emitted = self._first_tokens([row], out)[row]
+        if self.drafter is not None:
+            told = out[-1][0] if self.want_aux else out[1][0] if self.want_hidden else None
+            self.drafter.admit(row, prompt, told)
+        return emitted
+
+    def release(self, row: int) -> None:
+        """End `row` and free its slot: its cache length drops to 0 and the drafter forgets it."""
+        self.state.free(row)
+        self.sampling[row] = None
+        self.cache.lengths[row] = 0
+        if self.drafter is not None:
+            self.drafter.release(row)
+
+    def step(self) -> list[list[int]]:
+        """One draft + verify step of every active row; returns the tokens each row emitted."""
+        with self._aux():
+            return self._step()
+
+    def _step(self) -> list[list[int]]:
+        state, drafter, cache, stats, auto = self.state, self.drafter, self.cache, self.stats, self.auto
+        B = len(state.prompts)
+        emitted = [[] for _ in range(B)]
         active = state.active()
+        if not active:
+            return emitted
         budget = torch.zeros(B, dtype=torch.long)  # drafts a row may still use: one token is always emitted
         for b in active:
-            budget[b] = state.max_new_tokens - len(state.new[b]) - 1
-        k = min(auto.choose(drafter.draft_cost) if auto is not None else k_max, int(budget.max()))
+            budget[b] = state.budget(b) - 1
+        k = min(auto.choose(drafter.draft_cost) if auto is not None else self.k_max, int(budget.max()))
         t_draft = time.perf_counter()
         tree = drafter.propose(state.sequences(), k, active) if drafter is not None and k > 0 \
             else DraftTree.empty(B)
@@ -105,29 +199,99 @@ def _decode(target, drafter: Drafter | None, state: RowState, num_draft_tokens: 
         valid = (torch.arange(tree.num_nodes)[None] < tree.lens[:, None]) & (depths <= budget[:, None])
         start_len = cache.lengths.clone()  # (B,)
         # (B, 1+N, V), (B, 1+N, C), (B, 1+N, nC)
-        logits, hid, aux = _score(target, cache, pending, tree, depths, want_hidden, want_aux)
-        verdict = verify(logits, tree, valid, temperature, top_k, top_p, generator,
-                         drafter.typical if drafter is not None else None)
+        logits, hid, aux = _score(self.target, cache, self.pending, tree, depths, self.want_hidden, self.want_aux)
+        verdict = self._verify(logits, tree, valid, active)
         target_s = time.perf_counter() - t_verify
         for b in active:
             path = verdict.paths[b]
             deepest = int(depths[b][valid[b]].max()) if bool(valid[b].any()) else 0  # drafts on the longest path
             reached = len(path) + int(bool(valid[b][tree.parents[b] == (path[-1] if path else -1)].any()))
-            emitted = state.emit(b, tree.tokens[b, path].tolist() + [int(verdict.next_tokens[b])])
-            stats.record_step(deepest, reached, len(path), emitted)
-            if hidden is not None:
-                hidden[b].extend(hid[b, [0] + [1 + i for i in path]][:emitted])
+            n = state.emit(b, tree.tokens[b, path].tolist() + [int(verdict.next_tokens[b])])
+            emitted[b] = state.new[b][-n:]
+            stats.record_step(deepest, reached, len(path), n)
+            self.row_stats[b].record_step(deepest, reached, len(path), n)
+            if self.hidden is not None:
+                self.hidden[b].extend(hid[b, [0] + [1 + i for i in path]][:n])
             if auto is not None:
                 auto.observe(len(path), int(valid[b].sum()), tree.num_nodes + 1, target_s)
         _keep_paths(cache, start_len, verdict, active)
         if drafter is not None:
-            told = aux if want_aux else hid if drafter.needs_hidden else None
+            told = aux if self.want_aux else hid if drafter.needs_hidden else None
             drafter.commit(Accepted(state.sequences(), verdict.paths, told))
-        pending = verdict.next_tokens
+        self.pending = verdict.next_tokens
         stats.verify_s += time.perf_counter() - t_verify
+        return emitted
+
+    def _verify(self, logits: torch.Tensor, tree: DraftTree, valid: torch.Tensor, active: list[int]) -> Verdict:
+        """Verify every row by its own sampling: the whole batch in one call when every row shares
+        one RowSampling, else one call per group of active rows with equal keys."""
+        typical = self.drafter.typical if self.drafter is not None else None
+        if self.uniform:
+            s = self.sampling[0]
+            return verify(logits, tree, valid, s.temperature, s.top_k, s.top_p, s.generator, typical)
+        groups: dict[tuple, list[int]] = {}
+        for b in active:
+            groups.setdefault(self.sampling[b].key, []).append(b)
+        B = tree.batch_size
+        paths: list[list[int]] = [[] for _ in range(B)]
+        next_tokens = torch.zeros(B, dtype=torch.long)
+        for rows in groups.values():
+            s, idx = self.sampling[rows[0]], torch.tensor(rows)
+            part = verify(logits[idx.to(logits.device)], _tree_rows(tree, idx), valid[idx], s.temperature,
+                          s.top_k, s.top_p, s.generator, typical)
+            for i, b in enumerate(rows):
+                paths[b] = part.paths[i]
+            next_tokens[idx] = part.next_tokens
+        return Verdict(paths, next_tokens)
+
+
+def _tree_rows(tree: DraftTree, idx: torch.Tensor) -> DraftTree:
+    """The trees of rows `idx` (R,) of a batch's DraftTree."""
+    part = DraftTree(tree.tokens[idx], tree.parents[idx], tree.lens[idx],
+                     None if tree.q is None else tree.q[idx.to(tree.q.device)])
+    if tree.is_chain:
+        part._cache["chain"] = True
+    return part
+
+
+def decode_steps(target, drafter: Drafter | None, state: RowState, num_draft_tokens: int | str,
+                 sampling: RowSampling, stats: AcceptanceStats,
+                 hidden: list[list[torch.Tensor]] | None = None) -> Iterator[list[list[int]]]:
+    """Generate every row of `state`, yielding the tokens each row emitted at each step (the
+    prefill's first tokens first); `stats` (a fresh AcceptanceStats) receives the counts and
+    timings. Plain decoding when drafter is None."""
+    cfg = target.config
+    max_len = check_lengths(state.prompts, state.max_new_tokens, cfg.max_position_embeddings,
+                            cfg.vocab_size) + cache_slack(target, drafter, num_draft_tokens)
+    if state.all_done:
+        return
+    start = time.perf_counter()
+    cache = target.new_cache(len(state.prompts), max_len)
+    loop = DecodeLoop(target, drafter, state, cache, num_draft_tokens, sampling, hidden)
+    loop.stats = stats
+    emitted = loop.prefill(max_len)
+    stats.ttft_s = time.perf_counter() - start
+    yield emitted
+    while not state.all_done:
+        yield loop.step()
     stats.wall_s = time.perf_counter() - start
     per_row = max(len(n) for n in state.new)
     stats.tpot_s = (stats.wall_s - stats.ttft_s) / (per_row - 1) if per_row > 1 else 0.0
+
+
+def decode(target, drafter: Drafter | None, state: RowState, num_draft_tokens: int | str,
+           temperature: float, top_k: int, top_p: float, generator: torch.Generator | None,
+           hidden: list[list[torch.Tensor]] | None = None,
+           on_tokens: Callable[[list[list[int]]], None] | None = None) -> AcceptanceStats:
+    """Generate every row of `state` (plain decoding when drafter is None); returns the stats.
+
+    hidden: see DecodeLoop. on_tokens: called with the tokens each row emitted, at every step.
+    """
+    stats = AcceptanceStats(num_calls=1)
+    sampling = RowSampling(temperature, top_k, top_p, generator)
+    for emitted in decode_steps(target, drafter, state, num_draft_tokens, sampling, stats, hidden):
+        if on_tokens is not None:
+            on_tokens(emitted)
     return stats
 
 

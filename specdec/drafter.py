@@ -14,6 +14,11 @@ A decoding step, for a batch of rows:
    sequences, so it can roll its own state back (a draft model's cache) or advance it (the
    hidden state Medusa heads read next).
 
+The serving engine (`specdec.engine`) reuses the rows of one batch for request after request:
+it calls `reserve(batch_size, max_len)` once instead of `begin`, then `admit(row, prompt, hidden)`
+when a request takes a free row and `release(row)` when it leaves; the other rows keep drafting.
+A drafter that cannot do this raises NotImplementedError (the defaults), naming itself.
+
 A new drafter is one file: a subclass of `Drafter` that implements `propose` (and `begin` /
 `commit` when it keeps state). `specdec.drafters.make_drafter` turns generate()'s `draft=`
 argument into a drafter; an instance of a `Drafter` subclass passes through unchanged.
@@ -204,6 +209,24 @@ class Drafter(ABC):
         (with needs_hidden) the target's hidden state (B, C) at each prompt's last token, or (with
         hidden_layers) the states of those layers at every prompt position (B, T, len * C), rows
         right-padded to the longest prompt T."""
+
+    def reserve(self, batch_size: int, max_len: int) -> None:
+        """Make room for `batch_size` rows, all free, of up to `max_len` target cache slots each
+        (the engine's start, instead of `begin`); rows are then filled by `admit`."""
+        raise NotImplementedError(f"drafter {self.name!r} ({type(self).__name__}) cannot serve rows that join and "
+                                  "leave a running batch: implement reserve / admit / release, or serve with "
+                                  "another drafter")
+
+    def admit(self, row: int, prompt: torch.Tensor, hidden: torch.Tensor | None) -> None:
+        """Start free row `row` on `prompt` (1-D) while the other rows keep their state; hidden as
+        in `begin`, for this row only: (C,) with needs_hidden, (T, len * C) with hidden_layers."""
+        raise NotImplementedError(f"drafter {self.name!r} ({type(self).__name__}) cannot admit a row into a "
+                                  "running batch: implement reserve / admit / release, or serve with another drafter")
+
+    def release(self, row: int) -> None:
+        """Forget row `row`: it is free until the next `admit`."""
+        raise NotImplementedError(f"drafter {self.name!r} ({type(self).__name__}) cannot release a row of a "
+                                  "running batch: implement reserve / admit / release, or serve with another drafter")
 
     @abstractmethod
     def propose(self, seqs: list[torch.Tensor], k: int, rows: list[int]) -> DraftTree:

@@ -1,12 +1,20 @@
-"""specdec.generate: plain or speculative decoding through one entry point."""
+"""specdec.generate: plain or speculative decoding through one entry point; specdec.stream: the
+same decoding as an iterator of the tokens each step accepts.
+
+Streaming follows transformers' streamer protocol: `generate(..., streamer=s)` calls
+`s.put(prompt_ids)` once with the (1, T) prompt, then `s.put(new_ids)` with the tokens of each
+step as it accepts them, and `s.end()` at the end, so `transformers.TextStreamer` and
+`TextIteratorStreamer` work as with transformers' own generate (one row only, as there).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
-from specdec.decode import decode
+from specdec.decode import RowSampling, decode, decode_steps
 from specdec.drafters import make_drafter
 from specdec.options import check_sampling, parse_draft_length
 from specdec.rows import RowState, eos_set, normalize_prompts
@@ -41,7 +49,7 @@ def generate(target, input_ids, draft=None, max_new_tokens: int = 128, temperatu
              top_p: float = 1.0, top_k: int = 0, num_draft_tokens: int | str = 5,
              eos_token_id: int | list[int] | None = None, generator: torch.Generator | None = None,
              pad_token_id: int | None = None, return_hidden: bool = False,
-             attention_mask: torch.Tensor | None = None) -> GenerateOutput:
+             attention_mask: torch.Tensor | None = None, streamer=None) -> GenerateOutput:
     """Generate up to `max_new_tokens` per row, plainly (draft=None) or speculatively.
 
     target: a runtime model or a transformers PreTrainedModel. input_ids: LongTensor [B, T] or a
@@ -56,21 +64,29 @@ def generate(target, input_ids, draft=None, max_new_tokens: int = 128, temperatu
     applied identically to draft and target. generator: the torch.Generator for every random
     choice. eos_token_id: one id or several. return_hidden: also return the target's hidden
     states behind each new token (what Medusa heads train on, see distill.selfdistill).
+    streamer: a transformers-style streamer (`put` / `end`, e.g. `TextStreamer(tok)`) that gets
+    the prompt, then each step's accepted tokens as they come; one row only.
     """
-    check_sampling(temperature, top_p, top_k)
     num_draft_tokens = parse_draft_length(num_draft_tokens)
-    if getattr(target, "output_ids", None) is not None:
-        raise ValueError("the target scores a restricted vocabulary (specdec.draft_vocab.restrict_vocab): "
-                         "such a model can only draft; pass the full model as the target")
-    target = as_runtime_model(target)
-    if generator is not None and generator.device.type != target.device.type:
-        raise ValueError(f"the generator is on {generator.device} but the target runs on {target.device}; "
-                         f"create it with torch.Generator(device={str(target.device)!r})")
-    rows, as_tensor = normalize_prompts(input_ids, attention_mask, pad_token_id)
-    state = RowState(rows, max_new_tokens, eos_set(eos_token_id))
-    drafter = None if draft is None else make_drafter(draft, target, temperature, top_k, top_p, generator)
+    target, drafter, state, as_tensor = _prepare(target, input_ids, draft, max_new_tokens, temperature, top_p,
+                                                 top_k, num_draft_tokens, eos_token_id, generator, pad_token_id,
+                                                 attention_mask)
+    rows = state.prompts
+    if streamer is not None and len(rows) != 1:
+        raise ValueError(f"a streamer follows one row, but input_ids holds {len(rows)}; stream one prompt per "
+                         "call, or serve several with specdec.engine.Engine")
     hidden = [[] for _ in rows] if return_hidden else None
-    stats = decode(target, drafter, state, num_draft_tokens, temperature, top_k, top_p, generator, hidden)
+    on_tokens = None
+    if streamer is not None:
+        streamer.put(rows[0][None])  # (1, T), as transformers does
+
+        def on_tokens(emitted: list[list[int]]) -> None:
+            if emitted[0]:
+                streamer.put(torch.tensor(emitted[0], dtype=torch.long))  # (n,): the step's accepted tokens
+    stats = decode(target, drafter, state, num_draft_tokens, temperature, top_k, top_p, generator, hidden,
+                   on_tokens)
+    if streamer is not None:
+        streamer.end()
     seqs = state.sequences()
     if hidden is not None:  # per row (n, C): the states that chose its n new tokens
         empty = torch.zeros(0, target.config.hidden_size, dtype=target.dtype, device=target.device)
@@ -83,3 +99,55 @@ def generate(target, input_ids, draft=None, max_new_tokens: int = 128, temperatu
             out[b, :s.numel()] = s
         return GenerateOutput(out, stats, hidden)
     return GenerateOutput(seqs, stats, hidden)
+
+
+def _prepare(target, input_ids, draft, max_new_tokens: int, temperature: float, top_p: float, top_k: int,
+             num_draft_tokens: int | str, eos_token_id, generator: torch.Generator | None,
+             pad_token_id: int | None, attention_mask: torch.Tensor | None):
+    """Checked arguments of generate() / stream() -> (target, drafter, RowState, as_tensor)."""
+    check_sampling(temperature, top_p, top_k)
+    if getattr(target, "output_ids", None) is not None:
+        raise ValueError("the target scores a restricted vocabulary (specdec.draft_vocab.restrict_vocab): "
+                         "such a model can only draft; pass the full model as the target")
+    target = as_runtime_model(target)
+    if generator is not None and generator.device.type != target.device.type:
+        raise ValueError(f"the generator is on {generator.device} but the target runs on {target.device}; "
+                         f"create it with torch.Generator(device={str(target.device)!r})")
+    rows, as_tensor = normalize_prompts(input_ids, attention_mask, pad_token_id)
+    state = RowState(rows, max_new_tokens, eos_set(eos_token_id))
+    drafter = None if draft is None else make_drafter(draft, target, temperature, top_k, top_p, generator)
+    return target, drafter, state, as_tensor
+
+
+def stream(target, input_ids, draft=None, max_new_tokens: int = 128, temperature: float = 0.0,
+           top_p: float = 1.0, top_k: int = 0, num_draft_tokens: int | str = 5,
+           eos_token_id: int | list[int] | None = None,
+           generator: torch.Generator | None = None) -> Iterator[list[int]]:
+    """generate() as an iterator: yields, step by step, the new token ids of one prompt that each
+    step accepted (the first token, then 1 to k + 1 per speculative step; empty steps are
+    skipped). Arguments as generate(); input_ids holds one prompt ((T,), (1, T) or a list of one).
+    The arguments are checked at the call; decoding runs as the iterator is consumed.
+
+        for ids in specdec.stream(model, prompt_ids, draft="ngram", eos_token_id=tok.eos_token_id):
+            print(tok.decode(ids), end="", flush=True)
+    """
+    num_draft_tokens = parse_draft_length(num_draft_tokens)
+    target, drafter, state, _ = _prepare(target, input_ids, draft, max_new_tokens, temperature, top_p, top_k,
+                                         num_draft_tokens, eos_token_id, generator, None, None)
+    if len(state.prompts) != 1:
+        raise ValueError(f"stream() follows one prompt, but input_ids holds {len(state.prompts)}; serve several "
+                         "with specdec.engine.Engine")
+    stats = AcceptanceStats(num_calls=1)
+    steps = decode_steps(target, drafter, state, num_draft_tokens, RowSampling(temperature, top_k, top_p, generator),
+                         stats)
+
+    def tokens() -> Iterator[list[int]]:
+        while True:
+            with torch.inference_mode():  # per step: the caller's code between steps keeps its own mode
+                emitted = next(steps, None)
+            if emitted is None:
+                return
+            if emitted[0]:
+                yield emitted[0]
+
+    return tokens()

@@ -1,4 +1,10 @@
-"""Batch bookkeeping shared by every decoding loop: prompts in, per-row outputs, stopping, prefill."""
+"""Batch bookkeeping shared by every decoding loop: prompts in, per-row outputs, stopping, prefill.
+
+A row is a slot of the target's static KV cache (`runtime.cache.KVCache`). `generate()` fills
+every row at once; the serving engine (`specdec.engine`) reuses a row for one request after
+another: `RowState.reset` / `RowState.free` and `CacheRow`, a view of one row of the cache whose
+writes land in the shared buffers.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from runtime.cache import KVCache
 from runtime.errors import ContextLengthError
 
 
@@ -74,29 +81,51 @@ def check_lengths(rows: list[torch.Tensor], max_new_tokens: int, max_positions: 
 
 @dataclass
 class RowState:
-    """Generated tokens and stopping state of each row."""
+    """Generated tokens and stopping state of each row.
+
+    Every row starts with `max_new_tokens` and the stop tokens `eos`; `reset` gives one row a new
+    prompt with its own limit and stop tokens (the engine admitting a request), `free` ends it."""
 
     prompts: list[torch.Tensor]
     max_new_tokens: int
     eos: frozenset[int]
     new: list[list[int]] = field(init=False)
     done: list[bool] = field(init=False)
+    limits: list[int] = field(init=False)
+    stops: list[frozenset[int]] = field(init=False)
 
     def __post_init__(self) -> None:
         self.new = [[] for _ in self.prompts]
         self.done = [self.max_new_tokens == 0 for _ in self.prompts]
+        self.limits = [self.max_new_tokens for _ in self.prompts]
+        self.stops = [self.eos for _ in self.prompts]
+
+    def reset(self, row: int, prompt: torch.Tensor, max_new_tokens: int, eos: frozenset[int]) -> None:
+        """Start `row` over with `prompt` (1-D), its own token limit and stop tokens."""
+        self.prompts[row], self.new[row] = prompt, []
+        self.limits[row], self.stops[row] = max_new_tokens, eos
+        self.done[row] = max_new_tokens == 0
+
+    def free(self, row: int) -> None:
+        """End `row`: it emits nothing more (its slot may be reset for another prompt)."""
+        self.done[row] = True
 
     def emit(self, row: int, tokens: list[int]) -> int:
-        """Append tokens to a row up to eos / max_new_tokens; returns how many were kept."""
+        """Append tokens to a row up to eos / its token limit; returns how many were kept."""
         kept = 0
+        new, stops, limit = self.new[row], self.stops[row], self.limits[row]
         for t in tokens:
             if self.done[row]:
                 break
-            self.new[row].append(t)
+            new.append(t)
             kept += 1
-            if t in self.eos or len(self.new[row]) >= self.max_new_tokens:
+            if t in stops or len(new) >= limit:
                 self.done[row] = True
         return kept
+
+    def budget(self, row: int) -> int:
+        """Tokens `row` may still emit."""
+        return self.limits[row] - len(self.new[row])
 
     @property
     def all_done(self) -> bool:
@@ -107,6 +136,18 @@ class RowState:
 
     def sequences(self) -> list[torch.Tensor]:
         return [torch.cat([p, torch.tensor(n, dtype=torch.long)]) for p, n in zip(self.prompts, self.new)]
+
+
+class CacheRow(KVCache):
+    """Row `row` of a KVCache as a cache of one row: views of its buffers and of its length, so
+    a forward through it (a newcomer's prefill) writes into the shared cache and allocates nothing."""
+
+    def __init__(self, cache: KVCache, row: int) -> None:  # no KVCache.__init__: nothing is allocated
+        if not 0 <= row < cache.batch_size:
+            raise ValueError(f"row {row} is outside the cache's {cache.batch_size} rows")
+        self.k = cache.k[:, row:row + 1]  # (L, 1, H, S_max, D)
+        self.v = cache.v[:, row:row + 1]
+        self.lengths = cache.lengths[row:row + 1]  # (1,)
 
 
 def eos_set(eos_token_id: int | list[int] | None) -> frozenset[int]:
@@ -122,12 +163,15 @@ def eos_set(eos_token_id: int | list[int] | None) -> frozenset[int]:
         raise ValueError(f"eos_token_id must be a token id (int) or a list of ids, got {eos_token_id!r}") from err
 
 
-def prefill(model, rows: list[torch.Tensor], cache, return_hidden: bool = False, return_aux: bool = False):
+def prefill(model, rows: list[torch.Tensor], cache, return_hidden: bool = False, return_aux: bool = False,
+            eager: bool = False):
     """Run the prompts (right-padded) through `model` into `cache`; rows keep their true lengths.
 
     Returns the logits of each row's last prompt token (B, V), then, when asked, its final hidden
     state (B, C) and the states of the model's aux layers at every prompt position (B, T, nC)
     (`Transformer.aux_outputs`; padding positions past a row's length hold padding).
+    eager: run the forward eagerly even on a compiled model (an explicit causal mask; the cache
+    rows must be empty), so a one-row prefill compiles no program of its own batch size.
     """
     device = model.device
     lens = torch.tensor([r.numel() for r in rows], device=device)  # (B,)
@@ -137,6 +181,10 @@ def prefill(model, rows: list[torch.Tensor], cache, return_hidden: bool = False,
         tokens[b, :r.numel()] = r.to(device)
     positions = torch.arange(T, device=device)[None].expand(len(rows), -1)  # (B, T)
     extra = {"return_aux": True} if return_aux else {}  # (a transformers adapter knows no return_aux)
+    if eager:
+        if bool(cache.lengths.any()):
+            raise ValueError("an eager prefill writes into empty cache rows; reset their lengths first")
+        extra["mask"] = torch.ones(T, T, dtype=torch.bool, device=device).tril()[None].expand(len(rows), -1, -1)
     out = model(tokens, positions, cache, return_hidden=return_hidden, logits_idx=(lens - 1)[:, None], **extra)
     cache.rollback(lens)  # drop the padding slots: causal masking kept them out of real rows
     if not (return_hidden or return_aux):

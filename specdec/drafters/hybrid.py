@@ -28,6 +28,18 @@ class HybridDrafter(Drafter):
         for d in self.drafters:
             d.begin(prompts, max_len, hidden)
 
+    def reserve(self, batch_size: int, max_len: int) -> None:
+        for d in self.drafters:
+            d.reserve(batch_size, max_len)
+
+    def admit(self, row: int, prompt: torch.Tensor, hidden: torch.Tensor | None) -> None:
+        for d in self.drafters:
+            d.admit(row, prompt, hidden)
+
+    def release(self, row: int) -> None:
+        for d in self.drafters:
+            d.release(row)
+
     def commit(self, accepted: Accepted) -> None:
         for d in self.drafters:
             d.commit(accepted)

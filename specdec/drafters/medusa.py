@@ -35,12 +35,23 @@ class MedusaDrafter(Drafter):
         self.typical = (TypicalAcceptance(heads.typical_epsilon, heads.typical_delta)
                         if heads.acceptance == "typical" else None)
         self.hidden: torch.Tensor | None = None  # (B, C): the state behind each row's last token
+        self.hidden_dtype, self.hidden_device = target.dtype, target.device
 
     def max_nodes(self, k: int) -> int:
         return self.tree.num_nodes - 1
 
     def begin(self, prompts: list[torch.Tensor], max_len: int, hidden: torch.Tensor | None) -> None:
         self.hidden = hidden
+
+    def reserve(self, batch_size: int, max_len: int) -> None:
+        C = self.heads.config.hidden_size
+        self.hidden = torch.zeros(batch_size, C, dtype=self.hidden_dtype, device=self.hidden_device)  # (B, C)
+
+    def admit(self, row: int, prompt: torch.Tensor, hidden: torch.Tensor | None) -> None:
+        self.hidden[row] = hidden
+
+    def release(self, row: int) -> None:
+        """Nothing to forget: a free row's state is overwritten by its next admit."""
 
     def propose(self, seqs: list[torch.Tensor], k: int, rows: list[int]) -> DraftTree:
         return draft_tree(self.tree, self.heads.guesses(self.hidden, self.tree.topk), rows)

@@ -14,8 +14,10 @@ from pathlib import Path
 
 import torch
 
+from runtime.cache import KVCache
 from runtime.errors import SpecdecError
 from specdec.drafter import Accepted, Drafter, DraftTree
+from specdec.rows import CacheRow, prefill
 from specdec.sampling import check_finite, probs_from_logits
 
 
@@ -46,6 +48,26 @@ class ModelDrafter(Drafter):
         # the other rows of that batched call are right-padded to it (a draft's cache is small)
         self.cache = self.model.new_cache(len(prompts), 2 * max_len)
         self.fed = [p[:0] for p in prompts]
+
+    def reserve(self, batch_size: int, max_len: int) -> None:
+        self.begin([torch.zeros(0, dtype=torch.long)] * batch_size, max_len, None)
+        if not isinstance(self.cache, KVCache):
+            raise NotImplementedError("a transformers draft model cannot serve rows that join a running batch; "
+                                      "load the draft with runtime.load_model")
+
+    def admit(self, row: int, prompt: torch.Tensor, hidden: torch.Tensor | None) -> None:
+        """Prefill the prompt into the row's slot of the draft's cache (a view: nothing is
+        allocated; eagerly, so a compiled draft compiles no one-row program)."""
+        slot = CacheRow(self.cache, row)
+        slot.lengths.zero_()
+        self.fed[row] = prompt[:0]
+        if prompt.numel() <= self.model.config.max_position_embeddings:  # else the row drafts nothing
+            prefill(self.model, [prompt], slot, eager=getattr(self.model, "compiled", False))
+            self.fed[row] = prompt
+
+    def release(self, row: int) -> None:
+        self.fed[row] = self.fed[row][:0]
+        self.cache.lengths[row] = 0
 
     def commit(self, accepted: Accepted) -> None:
         """Roll the cache back to the longest prefix it shares with the committed sequences."""

@@ -18,6 +18,15 @@ class NgramDrafter(Drafter):
             raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         self.max_n, self.min_n = max_n, min_n
 
+    def reserve(self, batch_size: int, max_len: int) -> None:
+        """Nothing to keep: the lookup reads the committed sequences."""
+
+    def admit(self, row: int, prompt: torch.Tensor, hidden: torch.Tensor | None) -> None:
+        """Nothing to prefill."""
+
+    def release(self, row: int) -> None:
+        """Nothing to forget."""
+
     def lookup(self, seq: torch.Tensor, k: int) -> torch.Tensor:
         """Up to k tokens that followed the latest earlier occurrence of seq's last n-gram."""
         L = seq.numel()
