@@ -19,7 +19,8 @@ from specdec.options import parse_draft_length
 DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 # modules that add their own subcommands with register(subparsers)
-COMMAND_MODULES = ("specdec.evaluate", "specdec.bench", "quant.command", "distill.command", "distill.eagle_command")
+COMMAND_MODULES = ("specdec.evaluate", "specdec.bench", "quant.command", "distill.command", "distill.eagle_command",
+                   "specdec.serve_command")
 
 
 def _fetch(args: argparse.Namespace) -> int:

@@ -1,0 +1,119 @@
+"""`specdec serve`: load a target and its drafter, then serve them over OpenAI-compatible HTTP.
+
+    specdec serve --model qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct \\
+        --max-batch 4 --port 8000
+
+Drafters: `--draft NAME_OR_PATH` (a draft model), `--draft ngram` (prompt lookup), several joined
+by '+' tried in order (`--draft ngram+NAME`), `--eagle PATH` (EAGLE-3 head) or `--medusa PATH`
+(Medusa heads); none = plain decoding. Requests join the running batch between steps
+(`specdec.engine.Engine`, at most --max-batch rows). The address is checked and the models loaded
+before the server starts, so a taken port or a bad model path fails at once with one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import socket
+
+from runtime.hardware import DTYPES
+
+
+def check_address(host: str, port: int) -> None:
+    """Fail fast (before any model loads) when host:port cannot be bound."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as err:
+            hint = "another process listens there: pick another --port" if err.errno == errno.EADDRINUSE \
+                else "check --host and --port"
+            raise ValueError(f"cannot listen on {host}:{port} ({err.strerror}); {hint}") from err
+
+
+def load_drafter(args: argparse.Namespace, target):
+    """The `draft` argument of the Engine for --draft / --eagle / --medusa (None = plain decoding)."""
+    import runtime
+
+    dtype = DTYPES[args.dtype]
+    if args.eagle:
+        from specdec.eagle_io import load_eagle
+
+        print(f"loading EAGLE-3 head {args.eagle}", flush=True)
+        return load_eagle(args.eagle, target)
+    if args.medusa:
+        from specdec.medusa_io import load_medusa
+
+        print(f"loading Medusa heads {args.medusa}", flush=True)
+        return load_medusa(args.medusa, target)
+    if not args.draft:
+        return None
+    drafts = []
+    for part in args.draft.split("+"):
+        if part == "ngram":
+            drafts.append("ngram")
+            continue
+        print(f"loading draft model {part} ({args.dtype}, {args.device}{', compiled' if args.compile else ''})",
+              flush=True)
+        drafts.append(runtime.load_model(part, dtype=dtype, device=args.device, compile=args.compile))
+    return drafts if len(drafts) > 1 else drafts[0]
+
+
+def main(args: argparse.Namespace) -> int:
+    """Entry point of `specdec serve`: check the address, load, then serve until interrupted."""
+    import runtime
+    from specdec.engine import Engine
+    from specdec.evaluate import eos_ids
+    from specdec.server import create_app, serve
+
+    if args.max_batch < 1:
+        raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
+    check_address(args.host, args.port)
+    print(f"loading target {args.model} ({args.dtype}, {args.device}{', compiled' if args.compile else ''})",
+          flush=True)
+    target = runtime.load_model(args.model, dtype=DTYPES[args.dtype], device=args.device, compile=args.compile)
+    tokenizer = runtime.load_tokenizer(args.model)
+    draft = load_drafter(args, target)
+    eos = eos_ids(args.model, tokenizer)
+    engine = Engine(target, draft, max_batch=args.max_batch, max_len=args.max_len,
+                    num_draft_tokens=args.num_draft_tokens, eos_token_id=eos or None)
+    name = args.served_model_name or args.model
+    drafter = args.draft or (f"eagle:{args.eagle}" if args.eagle else f"medusa:{args.medusa}" if args.medusa
+                             else "none (plain decoding)")
+    print(f"serving {name!r} on http://{args.host}:{args.port}/v1 (drafter {drafter}, max batch {args.max_batch}, "
+          f"eos ids {eos})", flush=True)
+    serve(create_app(engine, tokenizer, name, max_model_len=args.max_len), host=args.host, port=args.port,
+          log_level=args.log_level)
+    return 0
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    """Add the `serve` subcommand to an argparse subparsers object."""
+    from specdec.cli import DEFAULT_MODEL, draft_length_arg
+
+    p = subparsers.add_parser("serve", help="serve a model over OpenAI-compatible HTTP with continuous batching",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=DEFAULT_MODEL, help="target: catalogue name, checkpoint dir, .gguf or hub id "
+                   "(default: %(default)s)")
+    drafter = p.add_mutually_exclusive_group()
+    drafter.add_argument("--draft", default=None, help="a draft model (name or dir), 'ngram', or several joined "
+                         "by '+' tried in order (e.g. 'ngram+qwen2.5-coder-0.5b-instruct'); omit for plain decoding")
+    drafter.add_argument("--eagle", default=None, metavar="PATH", help="an EAGLE-3 head directory")
+    drafter.add_argument("--medusa", default=None, metavar="PATH", help="a Medusa heads directory")
+    p.add_argument("--max-batch", type=int, default=4, help="rows decoded together (default: %(default)s)")
+    p.add_argument("--max-len", type=int, default=None, help="prompt + generated tokens per request (default: the "
+                   "model's context)")
+    p.add_argument("--num-draft-tokens", type=draft_length_arg, default=5, help="drafts per step (default: "
+                   "%(default)s)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, loopback "
+                   "only; 0.0.0.0 exposes the server to the network)")
+    p.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES), help="(default: %(default)s)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the decode steps of the target and "
+                   "draft models (the first request of each shape compiles)")
+    p.add_argument("--served-model-name", default=None, help="the model name requests must use (default: --model)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (default: %(default)s)")
+    p.set_defaults(func=main)
+    return p

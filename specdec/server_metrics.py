@@ -1,0 +1,54 @@
+"""Prometheus metrics of `specdec serve` (GET /metrics), in a registry of their own per server.
+
+Per request, as the client sees it: time to first token (arrival to the first streamed token),
+time per output token (first to last token over the tokens after the first), prompt and generated
+token counters (tokens/s is `rate(specdec_generated_tokens_total[1m])`), requests by finish
+reason. Read from the engine at each scrape: queue length, running rows, and the acceptance
+rate and tau (tokens per target forward, bonus token included) of everything decoded so far.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+class ServerMetrics:
+    """The server's metrics; `engine` is read at each `render()`."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("specdec_time_to_first_token_seconds", "Arrival to first generated token",
+                              buckets=_TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram("specdec_time_per_output_token_seconds", "Per token after the first",
+                              buckets=_TPOT_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("specdec_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.generated_tokens = Counter("specdec_generated_tokens", "Tokens generated", registry=r)
+        self.requests = Counter("specdec_requests", "Finished requests", ["finish_reason"], registry=r)
+        self.rejected = Counter("specdec_rejected_requests", "Requests refused with a 4xx error", ["code"],
+                                registry=r)
+        self.waiting = Gauge("specdec_queue_length", "Requests waiting for a batch row", registry=r)
+        self.running = Gauge("specdec_running_rows", "Batch rows decoding now", registry=r)
+        self.acceptance = Gauge("specdec_acceptance_rate", "Accepted / drafted tokens so far", registry=r)
+        self.tau = Gauge("specdec_tau", "Tokens per target forward so far (bonus token included)", registry=r)
+
+    def finished(self, finish_reason: str, ttft_s: float | None, tpot_s: float | None) -> None:
+        """Record one finished request (its tokens were counted as they came)."""
+        self.requests.labels(finish_reason=finish_reason).inc()
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s)
+        if tpot_s is not None:
+            self.tpot.observe(tpot_s)
+
+    def render(self) -> tuple[bytes, str]:
+        """(Prometheus text exposition, its content type), the engine gauges read now."""
+        self.waiting.set(self.engine.waiting)
+        self.running.set(self.engine.running)
+        stats = self.engine.metrics
+        self.acceptance.set(float(stats.get("acceptance_rate", 0.0)))
+        self.tau.set(float(stats.get("mean_accepted_tokens", stats.get("tau", 0.0))))
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

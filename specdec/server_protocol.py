@@ -1,0 +1,253 @@
+"""The OpenAI wire format of `specdec serve`: request checks, error bodies, responses and stream chunks.
+
+`parse_completion` / `parse_chat` turn a decoded JSON body into a `GenerationRequest` or raise
+`APIError`, whose `body()` is OpenAI's error object `{"error": {"message", "type", "param",
+"code"}}` and whose `status` the HTTP reply carries. Parameters the server does not implement
+(n > 1, logprobs, echo, stop sequences, penalties, ...) are refused by name with a 400 instead of
+being ignored silently; unknown extra fields are ignored, as OpenAI-compatible servers do.
+
+`IncrementalText` turns a growing list of token ids into text deltas for streaming: it decodes the
+whole list each time and holds back a trailing partial UTF-8 character ("\\ufffd").
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+# parameter -> the values it may take here (its OpenAI default, or an equivalent)
+_UNSUPPORTED = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False), "logprobs": (None, False, 0),
+                "top_logprobs": (None, 0), "suffix": (None, ""), "stop": (None, [], ""),
+                "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
+                "tools": (None, []), "response_format": (None, {"type": "text"})}
+_ROLES = ("system", "user", "assistant")
+
+
+class APIError(Exception):
+    """A request the server refuses: HTTP `status` and OpenAI's error fields."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One checked request: the prompt as ids (chat template already applied) and its settings.
+
+    max_tokens None = as many as the context leaves. chat: answer as chat.completion(.chunk)
+    objects; include_usage: a streamed reply ends with a usage chunk (stream_options)."""
+
+    model: str
+    prompt_ids: tuple[int, ...]
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stream: bool
+    include_usage: bool
+    chat: bool
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise APIError(400, "the prompt is empty after tokenization; send at least one token", "prompt")
+
+
+def _check_type(body: dict, name: str, types: tuple[type, ...], what: str):
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) and bool not in types or not isinstance(value, types):
+        raise APIError(400, f"'{name}' must be {what}, got {value!r}", name, "invalid_type")
+    return value
+
+
+def _common(body: dict, served_model: str) -> dict:
+    """The settings both endpoints share, checked; raises APIError naming the first bad field."""
+    if "model" not in body or body["model"] is None:
+        raise APIError(400, f"missing required parameter 'model'; this server serves {served_model!r}",
+                       "model", "missing_required_parameter")
+    model = _check_type(body, "model", (str,), "a string")
+    if model != served_model:
+        raise APIError(404, f"the model {model!r} does not exist; this server serves {served_model!r} "
+                       "(GET /v1/models lists it)", "model", "model_not_found")
+    for name, allowed in _UNSUPPORTED.items():
+        if name in body and body[name] not in allowed:
+            raise APIError(400, f"'{name}' = {body[name]!r} is not supported by specdec serve; leave it out "
+                           f"(supported: model, prompt/messages, max_tokens, temperature, top_p, top_k, seed, "
+                           f"stream, stream_options)", name, "unsupported_parameter")
+    temperature = _check_type(body, "temperature", (int, float), "a number between 0 and 2")
+    temperature = 1.0 if temperature is None else float(temperature)
+    if not 0.0 <= temperature <= 2.0:
+        raise APIError(400, f"'temperature' must be between 0 and 2 (0 = greedy), got {temperature}",
+                       "temperature", "invalid_value")
+    top_p = _check_type(body, "top_p", (int, float), "a number in (0, 1]")
+    top_p = 1.0 if top_p is None else float(top_p)
+    if not 0.0 < top_p <= 1.0:
+        raise APIError(400, f"'top_p' must be in (0, 1], got {top_p}", "top_p", "invalid_value")
+    top_k = _check_type(body, "top_k", (int,), "an integer >= 0 (0 = off)") or 0
+    if top_k < 0:
+        raise APIError(400, f"'top_k' must be >= 0 (0 = off), got {top_k}", "top_k", "invalid_value")
+    seed = _check_type(body, "seed", (int,), "an integer")
+    stream = _check_type(body, "stream", (bool,), "true or false") or False
+    options = _check_type(body, "stream_options", (dict,), "an object like {\"include_usage\": true}") or {}
+    include_usage = options.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise APIError(400, f"'stream_options.include_usage' must be true or false, got {include_usage!r}",
+                       "stream_options", "invalid_type")
+    return dict(model=model, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stream=stream,
+                include_usage=include_usage)
+
+
+def _max_tokens(body: dict, names: tuple[str, ...], default: int | None) -> int | None:
+    for name in names:
+        value = _check_type(body, name, (int,), "a positive integer")
+        if value is None:
+            continue
+        if value < 1:
+            raise APIError(400, f"'{name}' must be at least 1, got {value}", name, "invalid_value")
+        return value
+    return default
+
+
+def _is_ids(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                           for t in value)
+
+
+def parse_completion(body: dict, served_model: str, tokenizer, vocab_size: int) -> GenerationRequest:
+    """A /v1/completions body: `prompt` is a string, a list of token ids, or a one-element list of
+    either (OpenAI's batch form with one prompt). max_tokens defaults to 16, as OpenAI's does."""
+    common = _common(body, served_model)
+    if "prompt" not in body or body["prompt"] is None:
+        raise APIError(400, "missing required parameter 'prompt' (a string or a list of token ids)", "prompt",
+                       "missing_required_parameter")
+    prompt = body["prompt"]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise APIError(400, "'prompt' is empty; send some text or token ids", "prompt", "invalid_value")
+        ids = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+    elif _is_ids(prompt):
+        bad = [t for t in prompt if not 0 <= t < vocab_size]
+        if bad:
+            raise APIError(400, f"'prompt' holds token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}",
+                           "prompt", "invalid_value")
+        ids = prompt
+    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise APIError(400, f"'prompt' holds {len(prompt)} prompts; send one prompt per request (requests "
+                       "are batched on the server)", "prompt", "invalid_value")
+    else:
+        raise APIError(400, f"'prompt' must be a string or a non-empty list of token ids, got "
+                       f"{type(prompt).__name__}", "prompt", "invalid_type")
+    return GenerationRequest(prompt_ids=tuple(ids), max_tokens=_max_tokens(body, ("max_tokens",), 16),
+                             chat=False, **common)
+
+
+def _message_text(message, index: int) -> tuple[str, str]:
+    where = f"messages[{index}]"
+    if not isinstance(message, dict):
+        raise APIError(400, f"'{where}' must be an object with 'role' and 'content'", "messages", "invalid_type")
+    role, content = message.get("role"), message.get("content")
+    if role not in _ROLES:
+        raise APIError(400, f"'{where}.role' must be one of {', '.join(_ROLES)}, got {role!r}", "messages",
+                       "invalid_value")
+    if isinstance(content, list):  # content parts: only text parts
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in content):
+            raise APIError(400, f"'{where}.content' parts must all be {{\"type\": \"text\", \"text\": ...}}; "
+                           "this server takes text only", "messages", "invalid_value")
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise APIError(400, f"'{where}.content' must be a string, got {type(content).__name__}", "messages",
+                       "invalid_type")
+    return role, content
+
+
+def parse_chat(body: dict, served_model: str, tokenizer) -> GenerationRequest:
+    """A /v1/chat/completions body: the messages through the tokenizer's chat template with a
+    generation prompt. max_tokens (or max_completion_tokens) defaults to what the context leaves."""
+    common = _common(body, served_model)
+    messages = body.get("messages")
+    if messages is None:
+        raise APIError(400, "missing required parameter 'messages' (a list of {role, content})", "messages",
+                       "missing_required_parameter")
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, "'messages' must be a non-empty list of {role, content} objects", "messages",
+                       "invalid_value")
+    if not getattr(tokenizer, "chat_template", None):
+        raise APIError(400, "the served model's tokenizer has no chat template; use /v1/completions",
+                       "messages", "chat_template_missing")
+    turns = [dict(zip(("role", "content"), _message_text(m, i))) for i, m in enumerate(messages)]
+    text = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return GenerationRequest(prompt_ids=tuple(ids), max_tokens=_max_tokens(body, ("max_completion_tokens",
+                                                                                   "max_tokens"), None),
+                             chat=True, **common)
+
+
+class IncrementalText:
+    """Text deltas of a growing token list (special tokens skipped)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.ids, self.sent = tokenizer, [], ""
+
+    def add(self, new_ids: list[int], final: bool) -> str:
+        """Append ids; return the text not sent yet (a trailing partial character waits unless final)."""
+        self.ids.extend(new_ids)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if not final and text.endswith("\ufffd"):
+            return ""
+        delta = text[len(self.sent):] if text.startswith(self.sent) else ""
+        self.sent = text if text.startswith(self.sent) else self.sent
+        return delta
+
+
+def new_id(chat: bool) -> str:
+    return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def response(req: GenerationRequest, rid: str, created: int, text: str, finish_reason: str,
+             completion_tokens: int) -> dict:
+    """The whole (not streamed) reply: a text_completion or a chat.completion object."""
+    if req.chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": finish_reason}
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    return {"id": rid, "object": "chat.completion" if req.chat else "text_completion", "created": created,
+            "model": req.model, "choices": [choice], "usage": usage(len(req.prompt_ids), completion_tokens)}
+
+
+def chunk(req: GenerationRequest, rid: str, created: int, text: str | None, finish_reason: str | None = None,
+          role: bool = False) -> dict:
+    """One stream chunk. Chat: `role` opens the reply with the assistant role; text None = no content key."""
+    if req.chat:
+        delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model,
+                "choices": [choice]}
+    choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+    return {"id": rid, "object": "text_completion", "created": created, "model": req.model, "choices": [choice]}
+
+
+def usage_chunk(req: GenerationRequest, rid: str, created: int, completion_tokens: int) -> dict:
+    """The last chunk of a stream with stream_options.include_usage: no choices, the usage."""
+    return {"id": rid, "object": "chat.completion.chunk" if req.chat else "text_completion", "created": created,
+            "model": req.model, "choices": [], "usage": usage(len(req.prompt_ids), completion_tokens)}
+
+
+def now() -> int:
+    return int(time.time())
