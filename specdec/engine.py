@@ -1,0 +1,323 @@
+"""Continuous batching of speculative decoding: requests join and leave a running batch.
+
+The engine keeps one target KV cache of `max_batch` rows for its whole life (a per-row slot
+pool: `runtime.cache.KVCache` is preallocated [B, H_kv, S_max, D] with a length per row, so a
+slot is a row) and one `specdec.decode.DecodeLoop` over it, the loop `generate()` runs. Each
+`step()`:
+
+1. retires cancelled requests and admits waiting ones into free rows: the newcomer's prompt is
+   prefilled into its row only (`CacheRow`, a view of the shared buffers: nothing is allocated)
+   and the drafter admits it (`Drafter.admit`: its own cache slot, hidden state, ...);
+2. runs one draft + verify step of every running row together (`DecodeLoop.step`), each row with
+   its own sampling settings and torch.Generator (rows with equal settings are verified in one
+   call; greedy rows stay exactly greedy);
+3. retires rows that hit a stop token or their token limit: the row's cache length drops to 0
+   and the drafter releases it, so the slot takes the next request at the next step.
+
+Free rows ride along as finished rows (they write nothing that stays), so the batch keeps its
+`max_batch` rows and a compiled target runs the same programs at every step. Drafts are greedy
+(the draft model decodes argmax tokens): verification stays lossless for sampled rows (a
+deterministic draft is a one-hot q) and a row's random draws come from its own generator only,
+so a seeded request gives the same output whatever else is running.
+
+One thread calls `step()` (or `run_until_done()`); `submit` and `cancel` may come from any
+thread. Listeners (`on_tokens`) run on the stepping thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from runtime.cache import KVCache
+from runtime.errors import ContextLengthError
+from specdec.decode import DecodeLoop, RowSampling, cache_slack
+from specdec.drafters import make_drafter
+from specdec.generate import as_runtime_model
+from specdec.options import check_sampling, parse_draft_length
+from specdec.rows import RowState, eos_set
+from specdec.stats import AcceptanceStats
+
+DEFAULT_MAX_LEN = 4096  # cache positions per row when max_len is not given (capped by the model's)
+_RECENT = 1024  # finished requests whose TTFT / TPOT feed the latency percentiles of `metrics`
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One request's decoding settings: greedy at temperature 0, else sampled with top_k / top_p
+    from the request's own torch.Generator seeded with `seed` (None: a fresh random seed).
+    stop_token_ids end the request (finish_reason "stop") besides the engine's eos ids."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        check_sampling(self.temperature, self.top_p, self.top_k)
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed < 2 ** 63):
+            raise ValueError(f"seed must be None or an integer in [0, 2**63), got {self.seed!r}")
+        stops = self.stop_token_ids
+        if not isinstance(stops, (tuple, list)) or any(isinstance(t, bool) or not isinstance(t, int) or t < 0
+                                                        for t in stops):
+            raise ValueError(f"stop_token_ids must be a tuple of token ids (ints >= 0), got {stops!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(stops))
+
+
+@dataclass(eq=False)
+class Request:
+    """One submitted request, updated by the engine's stepping thread.
+
+    tokens: the new tokens so far. finish_reason: None while waiting or running, then "stop" (a
+    stop token, kept as the last token), "length" (max_new_tokens) or "cancelled". ttft_s:
+    submit to first token; tpot_s: per token after the first; target_forwards / drafted /
+    accepted: this request's share of the verification steps (AcceptanceStats' conventions).
+    """
+
+    id: str
+    prompt: torch.Tensor
+    params: SamplingParams
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    target_forwards: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    submitted_at: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    on_tokens: Callable[[Request, list[int]], None] | None = field(default=None, repr=False)
+    generator: torch.Generator | None = field(default=None, repr=False)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def tau(self) -> float:
+        """Tokens per target forward of this request (bonus token included)."""
+        return len(self.tokens) / self.target_forwards if self.target_forwards else 0.0
+
+
+class Engine:
+    """Continuous batching of speculative (or plain) decoding; see the module docstring.
+
+    target: a runtime Transformer (compiled or not). draft: as generate()'s `draft` (None, a
+    model, "ngram", Medusa heads, an EAGLE-3 head, a list = hybrid, or a Drafter whose
+    admit / release are implemented). max_batch: rows decoded together. max_len: prompt + new
+    tokens a request may reach (default: the model's positions, at most DEFAULT_MAX_LEN); the
+    cache is sized for it once. eos_token_id: stop ids every request gets.
+    """
+
+    def __init__(self, target, draft=None, *, max_batch: int = 4, max_len: int | None = None,
+                 num_draft_tokens: int | str = 5, eos_token_id: int | list[int] | None = None) -> None:
+        target = as_runtime_model(target)
+        positions = target.config.max_position_embeddings
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+        max_len = min(positions, DEFAULT_MAX_LEN) if max_len is None else max_len
+        if isinstance(max_len, bool) or not isinstance(max_len, int) or not 2 <= max_len <= positions:
+            raise ValueError(f"max_len must be an integer in [2, {positions}] (the model's positions), got {max_len!r}")
+        num_draft_tokens = parse_draft_length(num_draft_tokens)
+        self.target, self.max_batch, self.max_len = target, max_batch, max_len
+        self.eos = eos_set(eos_token_id)
+        self.drafter = None if draft is None else make_drafter(draft, target)
+        room = max_len + cache_slack(target, self.drafter, num_draft_tokens)
+        cache = target.new_cache(max_batch, room)
+        if not isinstance(cache, KVCache):
+            raise ValueError("the engine serves a runtime Transformer (runtime.load_model); a transformers model's "
+                             "cache has no rows to share")
+        state = RowState([torch.zeros(0, dtype=torch.long) for _ in range(max_batch)], 0, self.eos)
+        self.loop = DecodeLoop(target, self.drafter, state, cache, num_draft_tokens, [None] * max_batch)
+        if self.drafter is not None:
+            self.drafter.reserve(max_batch, room)
+        self.slots: list[Request | None] = [None] * max_batch
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._live: dict[str, Request] = {}
+        self._cancel: set[str] = set()
+        self._lock = threading.RLock()  # re-entrant: a listener may submit or cancel
+        self._counts = collections.Counter()
+        self._ttft: collections.deque[float] = collections.deque(maxlen=_RECENT)
+        self._tpot: collections.deque[float] = collections.deque(maxlen=_RECENT)
+
+    @property
+    def waiting(self) -> int:
+        """Requests queued for a free row."""
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        """Rows decoding a request now."""
+        return sum(r is not None for r in self.slots)
+
+    def submit(self, prompt_ids, params: SamplingParams = SamplingParams(), *,
+               on_tokens: Callable[[Request, list[int]], None] | None = None,
+               request_id: str | None = None) -> Request:
+        """Queue a request (thread-safe); it joins the batch at a coming step. prompt_ids: (T,) or
+        (1, T) token ids, or a list of ints. on_tokens(request, new_ids) is called on the stepping
+        thread with the tokens each step accepted, then once with [] when the request finishes
+        (not after a cancel). Checked before queueing: a prompt that does not fit max_len raises
+        ContextLengthError, bad ids or settings ValueError."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a specdec.engine.SamplingParams, got {type(params).__name__}")
+        prompt = self._check_prompt(prompt_ids, params)
+        generator = None
+        if params.temperature > 0:
+            generator = torch.Generator(device=self.target.device)
+            if params.seed is None:
+                generator.seed()
+            else:
+                generator.manual_seed(params.seed)
+        req = Request(request_id or uuid.uuid4().hex, prompt, params, on_tokens=on_tokens, generator=generator)
+        with self._lock:
+            if req.id in self._live:
+                raise ValueError(f"request id {req.id!r} is already waiting or running; use a unique id")
+            self._live[req.id] = req
+            self._waiting.append(req)
+            self._counts["requests_total"] += 1
+        return req
+
+    def _check_prompt(self, prompt_ids, params: SamplingParams) -> torch.Tensor:
+        """The prompt as a 1-D LongTensor on the CPU, checked against the model and max_len."""
+        prompt = torch.as_tensor(prompt_ids)
+        if prompt.dim() == 2 and prompt.shape[0] == 1:
+            prompt = prompt[0]
+        if prompt.dim() != 1 or prompt.numel() == 0:
+            raise ValueError(f"a prompt is a non-empty 1-D sequence of token ids, got shape {tuple(prompt.shape)}")
+        if prompt.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"a prompt holds integer token ids, got {prompt.dtype}")
+        vocab = self.target.config.vocab_size
+        lo, hi = int(prompt.min()), int(prompt.max())
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"the prompt holds token id {hi if hi >= vocab else lo}, outside the model's "
+                             f"vocabulary [0, {vocab})")
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"stop token id {bad[0]} is outside the model's vocabulary [0, {vocab})")
+        need = prompt.numel() + params.max_new_tokens
+        if need > self.max_len:
+            raise ContextLengthError(f"prompt ({prompt.numel()} tokens) + max_new_tokens ({params.max_new_tokens}) = "
+                                     f"{need} exceeds the engine's max_len ({self.max_len}); shorten the prompt, "
+                                     "lower max_new_tokens or start the engine with a larger max_len")
+        return prompt.long().cpu()
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancel a waiting or running request (thread-safe): it is retired at the next step with
+        finish_reason "cancelled" and its listener is not called again. False if unknown or done."""
+        with self._lock:
+            if request_id not in self._live:
+                return False
+            self._cancel.add(request_id)
+            return True
+
+    def step(self) -> list[Request]:
+        """One scheduler step (see the module docstring); returns the requests it finished."""
+        finished: list[Request] = []
+        with self._lock:
+            cancel, self._cancel = self._cancel, set()
+            for req in [r for r in self._waiting if r.id in cancel]:
+                self._waiting.remove(req)
+                self._finish(req, "cancelled", finished)
+            free = [b for b, r in enumerate(self.slots) if r is None or r.id in cancel]
+            admitted = [self._waiting.popleft() for _ in range(min(len(free), len(self._waiting)))]
+        for b, req in enumerate(self.slots):
+            if req is not None and req.id in cancel:
+                self._retire(b, "cancelled", finished)
+        with torch.inference_mode():
+            for req in admitted:
+                self._admit(self.slots.index(None), req, finished)
+            emitted = self.loop.step()
+        now = time.perf_counter()
+        for b, req in enumerate(self.slots):
+            if req is not None and emitted[b]:
+                self._deliver(req, b, emitted[b], now)
+        for b, req in enumerate(self.slots):
+            if req is not None and self.loop.state.done[b]:
+                last = req.tokens[-1] if req.tokens else None
+                self._retire(b, "stop" if last in self.loop.state.stops[b] else "length", finished)
+        self._counts["steps"] += 1
+        return finished
+
+    def run_until_done(self) -> None:
+        """step() until no request is waiting or running."""
+        while self.waiting or self.running:
+            self.step()
+
+    def _admit(self, row: int, req: Request, finished: list[Request]) -> None:
+        """Prefill `req` into free row `row` (its first token is emitted there)."""
+        self.slots[row] = req
+        if req.params.max_new_tokens == 0:
+            self._retire(row, "length", finished)
+            return
+        p = req.params
+        sampling = RowSampling(p.temperature, p.top_k, p.top_p, req.generator)
+        first = self.loop.admit(row, req.prompt, p.max_new_tokens, self.eos | frozenset(p.stop_token_ids), sampling)
+        self._deliver(req, row, first, time.perf_counter())
+
+    def _deliver(self, req: Request, row: int, new: list[int], now: float) -> None:
+        """Hand a step's tokens to the request and its listener."""
+        if req.first_token_at is None:
+            req.first_token_at, req.ttft_s = now, now - req.submitted_at
+        req.tokens.extend(new)
+        s = self.loop.row_stats[row]
+        req.target_forwards, req.drafted, req.accepted = s.target_forwards, s.drafted_tokens, s.accepted_tokens
+        if req.on_tokens is not None:
+            req.on_tokens(req, list(new))
+
+    def _retire(self, row: int, reason: str, finished: list[Request]) -> None:
+        """Finish the request in `row` and free the row."""
+        req = self.slots[row]
+        self.slots[row] = None
+        self.loop.release(row)
+        self._finish(req, reason, finished)
+
+    def _finish(self, req: Request, reason: str, finished: list[Request]) -> None:
+        """Mark `req` finished and, unless cancelled, tell its listener (outside the lock)."""
+        req.finish_reason, req.finished_at = reason, time.perf_counter()
+        n = len(req.tokens)
+        if req.first_token_at is not None:
+            req.tpot_s = (req.finished_at - req.first_token_at) / (n - 1) if n > 1 else 0.0
+        with self._lock:
+            self._live.pop(req.id, None)
+            self._counts["requests_finished"] += 1
+            self._counts[f"finished_{reason}"] += 1
+            if reason != "cancelled" and req.first_token_at is not None:
+                self._ttft.append(req.ttft_s)
+                self._tpot.append(req.tpot_s)
+        finished.append(req)
+        if reason != "cancelled" and req.on_tokens is not None:
+            req.on_tokens(req, [])
+
+    @property
+    def metrics(self) -> dict:
+        """Counters since the start: requests (total, finished, by finish reason), queue and rows,
+        steps, and the acceptance figures of every row's verification steps (AcceptanceStats'
+        conventions: tau = generated tokens per target forward, per row), and p50 / p95 TTFT and
+        TPOT of the last finished requests."""
+        s: AcceptanceStats = self.loop.stats
+        out = {"requests_total": 0, "requests_finished": 0, "finished_stop": 0, "finished_length": 0,
+               "finished_cancelled": 0, "steps": 0}
+        with self._lock:
+            out.update(self._counts)
+            recent = {"ttft_s": sorted(self._ttft), "tpot_s": sorted(self._tpot)}
+        out.update(waiting=self.waiting, running=self.running, max_batch=self.max_batch,
+                   generated_tokens=s.generated_tokens, target_forwards=s.target_forwards, drafted=s.drafted_tokens,
+                   accepted=s.accepted_tokens, tau=s.mean_accepted_tokens, mean_accepted_tokens=s.mean_accepted_tokens,
+                   acceptance_rate=s.acceptance_rate, per_position_acceptance=s.per_position_acceptance,
+                   draft_s=s.draft_s, verify_s=s.verify_s)
+        for name, ordered in recent.items():
+            for q in (50, 95):
+                out[f"{name}_p{q}"] = ordered[min(len(ordered) - 1, q * len(ordered) // 100)] if ordered else 0.0
+        return out
