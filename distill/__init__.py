@@ -2,6 +2,7 @@
 EAGLE-3 heads (feature cache, training-time-test training); recovery of 2:4-sparse models by
 distillation (`recover`)."""
 
+from distill.draft import DistillConfig, distill_draft
 from distill.eagle_cache import cache_eagle_states
 from distill.medusa import attach_medusa, choose_tree, load_medusa, read_medusa_config, save_medusa
 from distill.recover import RecoverConfig, recover
@@ -12,4 +13,4 @@ from distill.train_medusa import TrainConfig, cache_hidden_states, head_accuracy
 __all__ = ["attach_medusa", "choose_tree", "load_medusa", "save_medusa", "read_medusa_config", "train_medusa",
            "TrainConfig", "cache_hidden_states", "head_accuracy", "generate_selfdistill",
            "read_records", "sharegpt_prompts", "train_eagle", "EagleTrainConfig", "cache_eagle_states",
-           "recover", "RecoverConfig"]
+           "recover", "RecoverConfig", "distill_draft", "DistillConfig"]

@@ -1,0 +1,197 @@
+"""distill.distill_draft on tiny random models: data, training, checkpoints and resume, LoRA, the
+saved draft (loads, quantizes, stays lossless), two processes under accelerate, the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import runtime
+import specdec
+from distill.divergence import masked_divergence
+from distill.draft import DistillConfig, distill_draft
+from distill.onpolicy import batch_source, make_batch, sample_answers
+from runtime.tiny import tiny_model
+
+ROOT = Path(__file__).resolve().parents[2]
+FAST = dict(lr=3e-3, max_new_tokens=12, mixed_precision="no", eval_every=100, eval_tokens=12, warmup_steps=2)
+
+
+def _prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 9) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 128, (int(torch.randint(lo, hi, (), generator=gen)),), generator=gen).tolist()
+            for _ in range(n)]
+
+
+def _pair():
+    return tiny_model("llama", seed=0), tiny_model("llama", seed=1)
+
+
+def _heldout_gap(target, draft, prompts: list[list[int]], kind: str = "fkl") -> float:
+    """Divergence of the draft from the target on the target's greedy answers to `prompts`."""
+    answers = sample_answers(target, prompts, 12, 0.0, torch.Generator())
+    b = make_batch(prompts, answers)
+    with torch.no_grad():
+        t = target(b.tokens, b.positions, None, logits_idx=b.idx)
+        s = draft(b.tokens, b.positions, None, logits_idx=b.idx)
+    return float(masked_divergence(s, t, b.valid, kind))
+
+
+def test_make_batch_scores_exactly_the_answer_positions():
+    b = make_batch([[5, 6, 7], [8]], [[9, 10], [11, 12, 13]], pad_id=0)
+    assert b.tokens.tolist() == [[5, 6, 7, 9, 10], [8, 11, 12, 13, 0]]
+    assert b.idx.tolist() == [[2, 3, 3], [0, 1, 2]]  # position t predicts token t + 1
+    assert b.valid.tolist() == [[True, True, False], [True, True, True]]
+    assert b.answer_tokens == 5
+    empty = make_batch([[5, 6]], [[]])
+    assert empty.answer_tokens == 0
+
+
+def test_on_policy_answers_are_the_drafts_own_samples():
+    target, draft = _pair()
+    prompts = _prompts(3)
+    assert batch_source("on-policy", 0.5, torch.Generator()) == "draft"
+    assert batch_source("target", 0.5, torch.Generator()) == "target"
+    a = sample_answers(draft, prompts, 10, 1.0, torch.Generator().manual_seed(7))
+    b = sample_answers(draft, prompts, 10, 1.0, torch.Generator().manual_seed(7))
+    c = sample_answers(draft, prompts, 10, 1.0, torch.Generator().manual_seed(8))
+    assert a == b and a != c  # the explicit generator decides every sample
+    greedy = sample_answers(draft, prompts, 10, 0.0, torch.Generator())
+    for p, ans in zip(prompts, greedy):  # greedy on-policy answers are the draft's argmax continuations
+        ids = torch.tensor([p + ans])
+        with torch.no_grad():
+            logits = draft(ids, torch.arange(ids.shape[1])[None], None)
+        assert logits[0, len(p) - 1:-1].argmax(-1).tolist() == ans
+    draws = [batch_source("mixed", 0.25, g) for g in [torch.Generator().manual_seed(0)] for _ in range(400)]
+    assert 0.18 < draws.count("draft") / 400 < 0.32
+
+
+@pytest.mark.parametrize("data,divergence", [("on-policy", "fkl"), ("target", "tvd"), ("mixed", "jsd"),
+                                             ("on-policy", "rkl")])
+def test_distillation_moves_the_draft_toward_the_target(data, divergence):
+    target, draft = _pair()
+    train, held = _prompts(24, seed=1), _prompts(6, seed=2)
+    before = _heldout_gap(target, draft, held)
+    cfg = DistillConfig(data=data, divergence=divergence, steps=15, **FAST)
+    out = distill_draft(target, draft, train, cfg)
+    assert out is draft and not any(p.requires_grad for p in out.parameters())
+    assert _heldout_gap(target, out, held) < 0.8 * before
+
+
+def test_output_loads_quantizes_and_stays_lossless(tmp_path):
+    import quant
+
+    target, draft = _pair()
+    prompts = _prompts(12)
+    cfg = DistillConfig(steps=4, eval_every=2, **{k: v for k, v in FAST.items() if k != "eval_every"})
+    distill_draft(target, draft, prompts, cfg, tmp_path / "out", heldout=prompts[:3])
+    metrics = json.loads((tmp_path / "out" / "distill_metrics.json").read_text())
+    assert [e["step"] for e in metrics["heldout"]] == [0, 2, 4]  # the undistilled draft, then every 2 steps
+    assert all(1.0 <= e["tau"] <= cfg.eval_draft_tokens + 1 for e in metrics["heldout"])
+    assert (tmp_path / "out" / "distill.png").stat().st_size > 0
+    loaded = runtime.load_model(tmp_path / "out", dtype=torch.float32)
+    for name, t in loaded.state_dict().items():  # saved in bf16
+        assert torch.equal(t, draft.state_dict()[name].to(torch.bfloat16).float()), name
+    rows = [torch.tensor(p) for p in _prompts(4, seed=5)]
+    plain = specdec.generate(target, rows, max_new_tokens=20)
+    spec = specdec.generate(target, rows, draft=loaded, max_new_tokens=20)
+    assert [s.tolist() for s in spec.sequences] == [s.tolist() for s in plain.sequences]
+    quant.quantize_(loaded, quant.Int8WeightOnly())
+    again = specdec.generate(target, rows, draft=loaded, max_new_tokens=20)
+    assert [s.tolist() for s in again.sequences] == [s.tolist() for s in plain.sequences]
+
+
+def test_resume_after_an_interruption_gives_the_uninterrupted_result(tmp_path):
+    target, _ = _pair()
+    prompts = _prompts(16)
+    cfg = DistillConfig(steps=6, checkpoint_every=2, **FAST)
+    whole = distill_draft(target, tiny_model("llama", seed=1), prompts, cfg, tmp_path / "whole")
+    distill_draft(target, tiny_model("llama", seed=1), prompts, cfg, tmp_path / "parts", stop_after=3)
+    assert json.loads((tmp_path / "parts" / "distill_checkpoint" / "latest.json").read_text())["step"] == 3
+    resumed = distill_draft(target, tiny_model("llama", seed=1), prompts, cfg, tmp_path / "parts")
+    for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=name)
+    losses = [json.loads((tmp_path / d / "distill_metrics.json").read_text())["losses"] for d in ("whole", "parts")]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-4)
+
+
+def test_resume_refuses_another_configuration(tmp_path):
+    target, _ = _pair()
+    prompts = _prompts(8)
+    distill_draft(target, tiny_model("llama", seed=1), prompts, DistillConfig(steps=2, **FAST), tmp_path / "o",
+                  stop_after=1)
+    with pytest.raises(ValueError, match="other trainable weights"):
+        distill_draft(target, tiny_model("llama", seed=1), prompts, DistillConfig(steps=2, lora=True, **FAST),
+                      tmp_path / "o")
+
+
+def test_lora_trains_adapters_and_merges_them_back():
+    target, draft = _pair()
+    original = {k: v.clone() for k, v in draft.state_dict().items()}
+    held = _prompts(6, seed=2)
+    before = _heldout_gap(target, draft, held)
+    out = distill_draft(target, draft, _prompts(24, seed=1), DistillConfig(steps=15, lora=True, **{**FAST, "lr": 1e-2}))
+    state = out.state_dict()
+    assert set(state) == set(original)  # plain linears again: no adapter left
+    assert torch.equal(state["embed.weight"], original["embed.weight"])  # only the adapted linears moved
+    assert not torch.equal(state["layers.0.attn.wqkv.weight"], original["layers.0.attn.wqkv.weight"])
+    assert _heldout_gap(target, out, held) < 0.9 * before
+
+
+def test_frozen_embeddings_stay_fixed():
+    target, draft = _pair()
+    embed = draft.embed.weight.detach().clone()
+    distill_draft(target, draft, _prompts(8), DistillConfig(steps=2, freeze_embeddings=True, **FAST))
+    assert torch.equal(draft.embed.weight, embed)
+
+
+def test_bad_inputs_are_refused():
+    target = tiny_model("llama", seed=0)
+    with pytest.raises(ValueError, match="share its target's vocabulary"):
+        distill_draft(target, tiny_model("llama", seed=1, vocab_size=96), _prompts(2))
+    with pytest.raises(ValueError, match="no training prompts"):
+        distill_draft(target, tiny_model("llama", seed=1), [])
+    with pytest.raises(ValueError, match=r"DistillConfig.divergence must be one of"):
+        DistillConfig(divergence="kl")
+
+
+_TWO_PROCESS_SCRIPT = """
+import json, sys, torch
+from distill.draft import DistillConfig, distill_draft
+from runtime.tiny import tiny_model
+gen = torch.Generator().manual_seed(0)
+prompts = [torch.randint(3, 128, (6,), generator=gen).tolist() for _ in range(16)]
+cfg = DistillConfig(data="target", steps=4, batch_size=int(sys.argv[2]), lr=3e-3, max_new_tokens=10,
+                    mixed_precision="no", warmup_steps=1, checkpoint_every=100)
+distill_draft(tiny_model("llama", seed=0), tiny_model("llama", seed=1), prompts, cfg, sys.argv[1])
+"""
+
+
+def test_two_processes_match_one_at_the_same_global_batch(tmp_path):
+    script = tmp_path / "run.py"
+    script.write_text(textwrap.dedent(_TWO_PROCESS_SCRIPT))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, str(script), str(tmp_path / "one"), "4"], check=True, env=env, timeout=120)
+    # accelerate's --cpu launcher starts several processes only through MPI; its torchrun launcher
+    # (--multi_gpu) starts two, and distill_draft's Accelerator(cpu=True) joins them over gloo
+    subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                    "--main_process_port", str(port), "--mixed_precision", "no", str(script), str(tmp_path / "two"),
+                    "2"], check=True, env=env, timeout=180)
+    one, two = (json.loads((tmp_path / d / "distill_metrics.json").read_text()) for d in ("one", "two"))
+    assert (one["processes"], two["processes"]) == (1, 2)
+    assert two["losses"] == pytest.approx(one["losses"], rel=1e-3)
+    a = runtime.load_model(tmp_path / "one", dtype=torch.float32)
+    b = runtime.load_model(tmp_path / "two", dtype=torch.float32)
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+        torch.testing.assert_close(x, y, rtol=2e-2, atol=2e-3, msg=name)  # both saved in bf16
