@@ -65,14 +65,26 @@ def _write_common(tmp: Path, hf_config: Any, tokenizer: Any) -> None:
         tokenizer.save_pretrained(str(tmp))
 
 
-def save_compressed(model: nn.Module, out_dir: str | Path, tokenizer: Any = None, overwrite: bool = False) -> Path:
+FORMATS = ("specdec", "compressed-tensors")
+
+
+def save_compressed(model: nn.Module, out_dir: str | Path, tokenizer: Any = None, overwrite: bool = False,
+                    format: str = "specdec") -> Path:
     """Write `model` (compressed by quantize_ / sparsify_) to `out_dir`; `runtime.load_model(out_dir)` restores it.
 
-    Files: model.safetensors (packed tensors `<module>.<name>`, dense tensors by runtime name),
-    compression.json (format version, the recipe, per-module formats, the list of files), config.json
-    and the tokenizer when given. `out_dir` must be new or empty; `overwrite=True` replaces a
-    compressed checkpoint there (and nothing else).
+    format "specdec" (default) files: model.safetensors (packed tensors `<module>.<name>`, dense
+    tensors by runtime name), compression.json (format version, the recipe, per-module formats, the
+    list of files), config.json and the tokenizer when given; every format round-trips bit-exactly.
+    format "compressed-tensors": a pack-quantized Hugging Face checkpoint that transformers and vLLM
+    load too (INT8 / INT4 only; see `quant.compressed_tensors`). `out_dir` must be new or empty;
+    `overwrite=True` replaces a previous output of the same format there (and nothing else).
     """
+    if format not in FORMATS:
+        raise ValueError(f"save_compressed format must be one of {FORMATS}, got {format!r}")
+    if format == "compressed-tensors":
+        from quant.compressed_tensors import save_compressed_tensors
+
+        return save_compressed_tensors(model, out_dir, tokenizer=tokenizer, overwrite=overwrite)
     check_compressed_out(out_dir, overwrite)
     qmods = compressed_modules(model)
     if not qmods:
@@ -99,14 +111,23 @@ def save_compressed(model: nn.Module, out_dir: str | Path, tokenizer: Any = None
     return write_output_dir(out_dir, write, COMPRESSED_MARKER, meta, overwrite, what=COMPRESSED)
 
 
-def dense_hf_state(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """Hugging Face-named dense tensors (q/k/v and gate/up split again; compressed linears dequantized)."""
+def dense_hf_state(model: nn.Module, dtype: torch.dtype | None = None,
+                   skip: set[str] | frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
+    """Hugging Face-named dense tensors (q/k/v and gate/up split again; compressed linears dequantized).
+
+    skip: runtime linear names (e.g. "layers.0.attn.wqkv") whose weights are left out (their biases
+    stay): an export that stores them in another form."""
     cfg = model.config
     dtype = dtype or model.dtype
 
-    def weight(mod: nn.Module) -> torch.Tensor:
+    def weight(mod: nn.Module) -> torch.Tensor | None:
+        if any(mod is model.get_submodule(name) for name in skip):
+            return None
         w = mod.dequantize(dtype) if isinstance(mod, QuantizedLinear) else mod.weight.to(dtype)
         return w.detach().cpu()
+
+    def split(w: torch.Tensor | None, sizes: list[int]) -> list[torch.Tensor | None]:
+        return [None] * len(sizes) if w is None else list(w.split(sizes, 0))
 
     q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     out = {"model.embed_tokens.weight": model.embed.weight.to(dtype).cpu(),
@@ -117,16 +138,16 @@ def dense_hf_state(model: nn.Module, dtype: torch.dtype | None = None) -> dict[s
         p = f"model.layers.{i}."
         out[p + "input_layernorm.weight"] = layer.attn_norm.weight.to(dtype).cpu()
         out[p + "post_attention_layernorm.weight"] = layer.mlp_norm.weight.to(dtype).cpu()
-        for part, t in zip("qkv", weight(layer.attn.wqkv).split([q_size, kv_size, kv_size], 0)):
+        for part, t in zip("qkv", split(weight(layer.attn.wqkv), [q_size, kv_size, kv_size])):
             out[p + f"self_attn.{part}_proj.weight"] = t
         if layer.attn.wqkv.bias is not None:
             for part, t in zip("qkv", layer.attn.wqkv.bias.to(dtype).cpu().split([q_size, kv_size, kv_size], 0)):
                 out[p + f"self_attn.{part}_proj.bias"] = t
         out[p + "self_attn.o_proj.weight"] = weight(layer.attn.wo)
-        gate, up = weight(layer.mlp.w13).split(cfg.intermediate_size, 0)
+        gate, up = split(weight(layer.mlp.w13), [cfg.intermediate_size] * 2)
         out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = gate, up
         out[p + "mlp.down_proj.weight"] = weight(layer.mlp.w2)
-    return {k: v.contiguous().clone() for k, v in out.items()}
+    return {k: v.contiguous().clone() for k, v in out.items() if v is not None}
 
 
 def export_dense(model: nn.Module, out_dir: str | Path, tokenizer: Any = None,

@@ -10,6 +10,7 @@ from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from runtime.compressed_tensors import is_compressed_tensors, load_compressed_tensors
 from runtime.config import HF_SIZE_KEYS, ModelConfig, check_model_type, is_size
 from runtime.errors import CheckpointError
 from runtime.hardware import check_device
@@ -184,7 +185,8 @@ def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.bfloat16,
     """Load a model for generation.
 
     name_or_path: a catalogue name (`runtime.CATALOGUE`), a local Hugging Face checkpoint
-    directory (single or sharded safetensors, or a directory written by `quant.save_compressed`),
+    directory (single or sharded safetensors, a directory written by `quant.save_compressed`, or a
+    compressed-tensors pack-quantized checkpoint: `runtime.compressed_tensors`),
     a .gguf file, or a hub id when the hub is reachable. attention: "sdpa" | "triton" | None
     (None = triton on CUDA when available, sdpa otherwise). compile: `Transformer.compile_decode`
     the model (faster decode steps; the first step of each shape compiles).
@@ -207,6 +209,8 @@ def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.bfloat16,
         from runtime.compressed import load_compressed
 
         model = load_compressed(ckpt, hf_config, dtype=dtype, device=device, attention=attention)
+    elif is_compressed_tensors(hf_config):
+        model = load_compressed_tensors(ckpt, hf_config, dtype=dtype, device=device, attention=attention)
     else:
         files = safetensors_files(ckpt)
         if files:  # the headers against the config, before any weight is read
