@@ -18,6 +18,7 @@ the answer tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -89,3 +90,31 @@ def make_batch(prompts: list[list[int]], answers: list[list[int]], pad_id: int =
         valid[b, :n] = True
     positions = torch.arange(T)[None].expand(B, -1).contiguous()  # (B, T)
     return DistillBatch(tokens, positions, idx, valid)
+
+
+def training_prompts(tokenizer, num_prompts: int = 2000, max_prompt_tokens: int = 256, code_share: float = 0.25,
+                     stub_cache: str | Path | None = None) -> list[tuple[int, list[int]]]:
+    """Chat and code prompts to distil on: opening user turns of the first `num_prompts` ShareGPT
+    *calibration* conversations, interleaved with function stubs cut from this machine's Python
+    sources (HumanEval-shaped, distill.code_prompts) at `code_share`; each fits `max_prompt_tokens`
+    once formatted with the chat template. stub_cache: a JSON file keeping the stubs between runs."""
+    from distill.code_prompts import function_prompts, interleave
+    from distill.selfdistill import sharegpt_prompts
+
+    chat = sharegpt_prompts(tokenizer, split="calibration", limit=num_prompts, max_prompt_tokens=max_prompt_tokens)
+    if code_share <= 0:
+        return chat
+    stubs = function_prompts(tokenizer, limit=round(len(chat) * code_share / max(1e-9, 1 - code_share)) + 1,
+                             max_prompt_tokens=max_prompt_tokens, cache=stub_cache)
+    return interleave(stubs, chat, code_share)
+
+
+def heldout_prompts(tokenizer, count: int = 8, max_prompt_tokens: int = 256) -> list[list[int]]:
+    """`count` prompts for the held-out acceptance measurement: the *last* usable opening turns of
+    ShareGPT's held-out slice, so evaluations (which read that slice from its start) score others."""
+    from distill.selfdistill import sharegpt_prompts
+
+    if count < 1:
+        return []
+    return [ids for _, ids in sharegpt_prompts(tokenizer, split="heldout", limit=None,
+                                               max_prompt_tokens=max_prompt_tokens)[-count:]]

@@ -20,7 +20,7 @@ DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 # modules that add their own subcommands with register(subparsers)
 COMMAND_MODULES = ("specdec.evaluate", "specdec.bench", "quant.command", "distill.command", "distill.eagle_command",
-                   "specdec.serve_command")
+                   "specdec.serve_command", "distill.distill_command")
 
 
 def _fetch(args: argparse.Namespace) -> int:

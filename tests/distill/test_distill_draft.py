@@ -195,3 +195,23 @@ def test_two_processes_match_one_at_the_same_global_batch(tmp_path):
     b = runtime.load_model(tmp_path / "two", dtype=torch.float32)
     for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
         torch.testing.assert_close(x, y, rtol=2e-2, atol=2e-3, msg=name)  # both saved in bf16
+
+
+def test_cli_flags_come_from_the_config_and_the_command_takes_more_subcommands():
+    import dataclasses
+
+    from distill.distill_command import distill_subparsers
+    from specdec.cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["distill", "draft", "--target", "t", "--draft", "d", "--out", "o"])
+    for f in dataclasses.fields(DistillConfig):
+        assert getattr(args, f.name) == f.default, f.name  # CLI defaults are the function's
+    args = parser.parse_args(["distill", "draft", "--target", "t", "--draft", "d", "--out", "o", "--divergence",
+                              "tvd", "--data", "mixed", "--lora", "--beta", "0.1"])
+    assert (args.divergence, args.data, args.lora, args.beta) == ("tvd", "mixed", True, 0.1)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["distill", "draft", "--target", "t", "--draft", "d", "--out", "o", "--beta", "2"])
+    top = parser._subparsers._group_actions[0]  # another pipeline adds its subcommand to the same command
+    distill_subparsers(top).add_parser("other").set_defaults(func=lambda a: 0)
+    assert parser.parse_args(["distill", "other"]).distill_command == "other"
