@@ -1,4 +1,16 @@
-"""Read Medusa heads from a heads directory (safetensors + JSON), with checks against the model.
+"""Read Medusa heads from a heads directory, with checks against the model.
+
+Three layouts, told apart by the keys of their config (never by file names):
+
+- ours (`medusa_config.json` with "format": "specdec-medusa", weights `medusa.safetensors`);
+- vLLM's Medusa draft model (`config.json` with `num_heads`, `num_hidden_layers`; tensors
+  `blocks.{i}.layers.{j}.weight/bias`, `lm_heads.{i}.weight` (only `lm_heads.0.weight` when
+  `original_lm_head`), `token_map` when `truncated_vocab_size` < `vocab_size`), which
+  `distill.save_medusa(..., format="vllm")` writes;
+- the original Medusa code's (FasterDecoding/Medusa: `config.json` with `medusa_num_heads`,
+  `medusa_num_layers`; tensors `[medusa_head.]{i}.{j}.linear.weight/bias` for the residual blocks and
+  `[medusa_head.]{i}.{num_layers}.weight` for each head's LM head, in a safetensors file or a
+  weights-only PyTorch file).
 
 Loading is an online concern (`specdec eval --methods medusa:DIR`), so it lives in `specdec`;
 `distill.medusa` writes these directories and re-exports `load_medusa`.
@@ -20,6 +32,9 @@ from specdec.medusa import MedusaConfig, MedusaHeads
 
 WEIGHTS = "medusa.safetensors"
 CONFIG = "medusa_config.json"
+HF_CONFIG = "config.json"  # the config file of the vLLM and the original Medusa layouts
+VLLM_KEYS = ("num_heads", "num_hidden_layers")
+ORIGINAL_KEYS = ("medusa_num_heads", "medusa_num_layers")
 
 
 def read_medusa_config(path: str | Path) -> MedusaConfig:
@@ -84,12 +99,46 @@ def check_medusa_tensors(config: MedusaConfig, tensors: Mapping[str, TensorInfo]
             raise CheckpointError(f"{name} in {weights} is stored as {info.dtype}; re-save the heads")
 
 
+def medusa_layout(path: str | Path) -> str:
+    """"specdec", "vllm" or "original": the layout of heads directory `path`, from its config's keys."""
+    path = Path(path)
+    if (path / CONFIG).is_file():
+        return "specdec"
+    if not (path / HF_CONFIG).is_file():
+        raise CheckpointError(f"{path} is not a Medusa heads directory: it has neither {CONFIG} (specdec) nor "
+                              f"{HF_CONFIG} (vLLM or original Medusa layout)")
+    raw = read_json(path / HF_CONFIG)
+    if all(k in raw for k in VLLM_KEYS):
+        return "vllm"
+    if all(k in raw for k in ORIGINAL_KEYS):
+        return "original"
+    raise CheckpointError(f"{path / HF_CONFIG} describes no Medusa heads: it needs {' and '.join(VLLM_KEYS)} (vLLM "
+                          f"layout) or {' and '.join(ORIGINAL_KEYS)} (original Medusa layout)")
+
+
 def load_medusa(path: str | Path, model, dtype: torch.dtype | None = None,
                 shared_lm_head: bool | None = None) -> MedusaHeads:
-    """Load heads saved by `save_medusa` for `model` (on its device, in `dtype`, default the
-    model's). Fails with CheckpointError when the heads were trained for another hidden size or
-    vocabulary, or when `shared_lm_head` is given and differs from the saved mode."""
+    """Load heads for `model` (on its device, in `dtype`, default the model's) from a directory in
+    any of the three layouts (`medusa_layout`). Fails with CheckpointError when the heads were
+    trained for another hidden size or vocabulary, or when `shared_lm_head` is given and differs
+    from the saved mode."""
+    layout = medusa_layout(path)
+    if layout != "specdec":
+        config, state = read_foreign_heads(path, layout, model)
+        return _build(config, state, path, model, dtype, shared_lm_head)
     config = read_medusa_config(path)
+    _check_model(config, path, model, shared_lm_head)
+    weights = Path(path) / WEIGHTS
+    check_medusa_tensors(config, read_headers([weights]), path)  # before any head is built
+    try:
+        state = load_file(str(weights))
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{weights} is corrupt or truncated ({e}); re-save the heads") from e
+    check_finite(state, weights)
+    return _build(config, state, path, model, dtype, shared_lm_head)
+
+
+def _check_model(config: MedusaConfig, path: str | Path, model, shared_lm_head: bool | None) -> None:
     cfg = model.config
     if config.hidden_size != cfg.hidden_size:
         raise CheckpointError(f"the Medusa heads in {path} expect hidden size {config.hidden_size}, "
@@ -102,19 +151,136 @@ def load_medusa(path: str | Path, model, dtype: torch.dtype | None = None,
         raise CheckpointError(f"the Medusa heads in {path} were saved with shared_lm_head="
                               f"{config.shared_lm_head}, but shared_lm_head={shared_lm_head} was asked "
                               "for; drop the argument or load other heads")
-    weights = Path(path) / WEIGHTS
-    check_medusa_tensors(config, read_headers([weights]), path)  # before any head is built
-    try:
-        state = load_file(str(weights))
-    except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"{weights} is corrupt or truncated ({e}); re-save the heads") from e
-    check_finite(state, weights)
+
+
+def _build(config: MedusaConfig, state: dict[str, torch.Tensor], path: str | Path, model, dtype: torch.dtype | None,
+           shared_lm_head: bool | None) -> MedusaHeads:
+    """MedusaHeads of `config` bound to `model`'s LM head, holding `state` (our tensor names)."""
+    _check_model(config, path, model, shared_lm_head)
     heads = MedusaHeads(config, model.lm_head)
     heads.load_state_dict(state)
     if heads.vocab is not None:
         try:  # the stored guess vocabulary gets the checks restrict_vocab makes
             heads.restrict_vocab(heads.vocab)
         except ValueError as e:
-            raise CheckpointError(f"{Path(path) / WEIGHTS}: its guess vocabulary is invalid ({e}); "
-                                  "re-save the heads") from e
+            raise CheckpointError(f"{path}: its guess vocabulary is invalid ({e}); re-save the heads") from e
     return heads.to(device=model.device, dtype=dtype or model.dtype).eval().requires_grad_(False)
+
+
+# --------------------------------------------------------------------- the vLLM and original layouts
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the weight files in `path`: *.safetensors, else weights-only *.pt / *.bin."""
+    files = sorted(path.glob("*.safetensors"))
+    loader = load_file
+    if not files:
+        files = sorted([*path.glob("*.pt"), *path.glob("*.bin")])
+        loader = _load_weights_only
+    if not files:
+        raise CheckpointError(f"{path} has a Medusa config but no weights (*.safetensors, *.pt or *.bin)")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            part = loader(str(f))
+        except Exception as e:  # safetensors and torch.load raise many types on corrupt files
+            raise CheckpointError(f"{f} is corrupt or truncated, or not a weights-only file ({type(e).__name__}: "
+                                  f"{e})") from e
+        if not isinstance(part, dict) or not all(isinstance(v, torch.Tensor) for v in part.values()):
+            raise CheckpointError(f"{f} does not hold a flat dictionary of tensors")
+        state.update(part)
+    check_finite({k: v for k, v in state.items() if v.is_floating_point()}, path)
+    return state
+
+
+def _load_weights_only(f: str) -> dict[str, torch.Tensor]:
+    return torch.load(f, map_location="cpu", weights_only=True)
+
+
+def _int(raw: dict, key: str, where: Path) -> int:
+    value = raw.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise CheckpointError(f"{where}: {key} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def _expect(state: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]], where: Path) -> None:
+    """CheckpointError unless `state` holds exactly the tensors `expected`, with those shapes."""
+    if set(state) != set(expected):
+        missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+        raise CheckpointError(f"the weights in {where} do not match its config (missing {missing[:3]}, unexpected "
+                              f"{extra[:3]}); the files are from different saves")
+    for name, shape in expected.items():
+        if tuple(state[name].shape) != shape:
+            raise CheckpointError(f"{name} in {where} has shape {tuple(state[name].shape)}, the config says {shape}")
+
+
+def _lm_heads(weights: list[torch.Tensor], model) -> tuple[bool, dict[str, torch.Tensor]]:
+    """(shared, our lm_heads tensors): shared when every head's LM head is the model's own."""
+    base = model.lm_head.weight.detach().to("cpu", torch.float32)
+    if all(torch.equal(w.to(torch.float32), base) for w in weights):
+        return True, {}
+    return False, {f"lm_heads.{i}.weight": w for i, w in enumerate(weights)}
+
+
+def read_foreign_heads(path: str | Path, layout: str, model) -> tuple[MedusaConfig, dict[str, torch.Tensor]]:
+    """(MedusaConfig, tensors in our names) of a heads directory in the "vllm" or "original" layout.
+
+    LM heads equal to the model's own become the shared LM head; others are kept per head. Residual
+    blocks without a bias (vLLM's `medusa_fc_bias: false`) get a zero bias, which computes the same."""
+    path = Path(path)
+    raw = read_json(path / HF_CONFIG)
+    state = _read_tensors(path)
+    C, V = model.config.hidden_size, model.config.vocab_size
+    extra = raw.get("specdec") if isinstance(raw.get("specdec"), dict) else {}
+    if layout == "vllm":
+        K, L = _int(raw, "num_heads", path), _int(raw, "num_hidden_layers", path)
+        C, V = _int(raw, "hidden_size", path), _int(raw, "vocab_size", path)
+        bias = bool(raw.get("medusa_fc_bias", False))
+        shared_file = bool(raw.get("original_lm_head", False))
+        truncated = raw.get("truncated_vocab_size") or V
+        expected = {f"blocks.{i}.layers.{j}.{t}": (C, C) if t == "weight" else (C,)
+                    for i in range(K) for j in range(L) for t in (("weight", "bias") if bias else ("weight",))}
+        expected.update({f"lm_heads.{i}.weight": (V, C) for i in range(1 if shared_file else K)})
+        if truncated < V:
+            expected["token_map"] = (truncated,)
+        _expect(state, expected, path)
+        ours = {}
+        for i in range(K):
+            for j in range(L):
+                w = state[f"blocks.{i}.layers.{j}.weight"]
+                ours[f"blocks.{i}.{j}.linear.weight"] = w
+                zero = torch.zeros(C, dtype=w.dtype)
+                ours[f"blocks.{i}.{j}.linear.bias"] = state.get(f"blocks.{i}.layers.{j}.bias", zero)
+        lm = [state[f"lm_heads.{0 if shared_file else i}.weight"] for i in range(K)]
+        vocab = state["token_map"].to(torch.long) if truncated < V else None
+    else:
+        K, L = _int(raw, "medusa_num_heads", path), _int(raw, "medusa_num_layers", path)
+        state = {k.removeprefix("medusa_head."): v for k, v in state.items()}
+        if "0.0.linear.weight" in state:
+            C = state["0.0.linear.weight"].shape[1]
+        if f"0.{L}.weight" in state:
+            V = state[f"0.{L}.weight"].shape[0]
+        expected = {f"{i}.{j}.linear.{t}": (C, C) if t == "weight" else (C,)
+                    for i in range(K) for j in range(L) for t in ("weight", "bias")}
+        expected.update({f"{i}.{L}.weight": (V, C) for i in range(K)})
+        _expect(state, expected, path)
+        ours = {f"blocks.{i}.{j}.linear.{t}": state[f"{i}.{j}.linear.{t}"]
+                for i in range(K) for j in range(L) for t in ("weight", "bias")}
+        lm = [state[f"{i}.{L}.weight"] for i in range(K)]
+        vocab = None
+    if (C, V) != (model.config.hidden_size, model.config.vocab_size):
+        raise CheckpointError(f"the Medusa heads in {path} are for hidden size {C} and {V} tokens, the model has "
+                              f"{model.config.hidden_size} and {model.config.vocab_size}: they were trained for "
+                              "another model")
+    shared, lm_state = _lm_heads(lm, model)
+    ours.update(lm_state)
+    if vocab is not None:
+        ours["vocab"] = vocab
+    tree, acc = extra.get("tree"), extra.get("head_accuracy")
+    try:
+        config = MedusaConfig(C, V, num_heads=K, num_layers=L, shared_lm_head=shared,
+                              tree=tuple(tuple(p) for p in tree) if tree else None,
+                              head_accuracy=tuple(tuple(r) for r in acc) if acc else None,
+                              guess_vocab=0 if vocab is None else vocab.numel())
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{path / HF_CONFIG} is malformed ({e})") from e
+    return config, ours
