@@ -88,6 +88,25 @@ class EagleDrafter(Drafter):
         self.last = torch.zeros(len(prompts), self.head.config.hidden_size, dtype=self.head.dtype,
                                 device=self.head.device)
 
+    def reserve(self, batch_size: int, max_len: int) -> None:
+        t = self.tree
+        # twice the target's length: a newcomer's catch-up over its whole prompt pads the other rows to it
+        room = 2 * max_len + (t.depth - 1) * t.top_k + t.depth + 2
+        self.cache = self.head.new_cache(batch_size, room)
+        C = self.head.config.hidden_size
+        empty = torch.zeros(0, 3 * C, dtype=self.head.dtype, device=self.head.device)
+        self.pending = [empty] * batch_size
+        self.last = torch.zeros(batch_size, C, dtype=self.head.dtype, device=self.head.device)
+
+    def admit(self, row: int, prompt: torch.Tensor, hidden: torch.Tensor | None) -> None:
+        """The row's prompt states (T, 3C) wait for the next catch-up, as `begin`'s do."""
+        self.cache.lengths[row] = 0
+        self.pending[row] = hidden[:prompt.numel()]
+
+    def release(self, row: int) -> None:
+        self.cache.lengths[row] = 0
+        self.pending[row] = self.pending[row][:0]
+
     def propose(self, seqs: list[torch.Tensor], k: int, rows: list[int]) -> DraftTree:
         self._catch_up(seqs, rows)
         return self._grow(seqs, rows)

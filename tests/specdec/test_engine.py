@@ -28,6 +28,14 @@ def _alone(target, draft, prompt, max_new, eos=None):
     return out.sequences[0][prompt.numel():].tolist()
 
 
+def _same_drafting(target, draft, req):
+    """The request drafted and accepted what generate() alone does: the drafter's row state
+    (its cache slot, pending states) was admitted and kept right, not just the target's."""
+    out = specdec.generate(target, [req.prompt], draft=draft, max_new_tokens=req.params.max_new_tokens)
+    return (req.target_forwards, req.drafted, req.accepted) == (
+        out.stats.target_forwards, out.stats.drafted_tokens, out.stats.accepted_tokens)
+
+
 def _draft(which, random_draft):
     return {"plain": None, "ngram": "ngram", "draft": random_draft, "hybrid": ["ngram", random_draft]}[which]
 
@@ -50,6 +58,7 @@ def test_requests_joining_mid_flight_equal_generate_alone(target, random_draft, 
     for req, p, m in zip(reqs, prompts, limits):
         assert req.finish_reason == "length" and len(req.tokens) == m
         assert req.tokens == _alone(target, draft, p, m)
+        assert _same_drafting(target, draft, req)
     metrics = engine.metrics
     assert metrics["requests_finished"] == 6 and metrics["finished_length"] == 6
     assert metrics["generated_tokens"] == sum(limits)
@@ -230,6 +239,7 @@ def test_medusa_rows_join_mid_flight(target):
     engine.run_until_done()
     for req in reqs:
         assert req.tokens == _alone(target, heads, req.prompt, req.params.max_new_tokens)
+        assert _same_drafting(target, heads, req)
 
 
 def test_a_drafter_without_admit_is_refused_by_name(target):
@@ -241,3 +251,45 @@ def test_a_drafter_without_admit_is_refused_by_name(target):
 
     with pytest.raises(NotImplementedError, match="'fixed'"):
         Engine(target, Fixed())
+
+
+def test_eagle_rows_join_mid_flight():
+    from runtime.tiny import tiny_model
+    from specdec.eagle import Eagle3Config, Eagle3Head
+
+    deep = tiny_model("llama", seed=5, vocab_size=V, num_hidden_layers=6)
+    torch.manual_seed(0)
+    head = Eagle3Head(Eagle3Config.from_target(deep, draft_vocab_size=32))
+    head.set_draft_vocab(torch.arange(32) * 2)
+    engine = Engine(deep, head, max_batch=2)
+    prompts = _prompts([6, 10, 4], seed=10)
+    reqs = [engine.submit(prompts[0], SamplingParams(max_new_tokens=14))]
+    engine.step()
+    engine.step()
+    reqs += [engine.submit(p, SamplingParams(max_new_tokens=9)) for p in prompts[1:]]
+    engine.run_until_done()
+    for req in reqs:
+        assert req.tokens == _alone(deep, head, req.prompt, req.params.max_new_tokens)
+        assert _same_drafting(deep, head, req)
+    assert engine.metrics["drafted"] > 0
+
+
+def test_a_compiled_target_keeps_the_batch_and_its_programs(target):
+    """On a compile_decode target every step runs the compiled program at max_batch rows (free rows
+    ride along), admissions prefill eagerly (no one-row program), and the output equals generate()."""
+    from runtime import compile_decode
+    from runtime.tiny import tiny_model
+
+    compiled = compile_decode(tiny_model("llama", seed=0, vocab_size=V))  # the fixture's weights
+    shapes = []
+    step = compiled.compiled_step
+    compiled.compiled_step = lambda *a: shapes.append(tuple(a[0].shape)) or step(*a)
+    engine = Engine(compiled, "ngram", max_batch=2, max_len=64)
+    prompts = _prompts([5, 9, 4], seed=11)
+    reqs = [engine.submit(prompts[0], SamplingParams(max_new_tokens=12))]
+    engine.step()
+    reqs += [engine.submit(p, SamplingParams(max_new_tokens=8)) for p in prompts[1:]]
+    engine.run_until_done()
+    for req in reqs:
+        assert req.tokens == _alone(target, "ngram", req.prompt, req.params.max_new_tokens)
+    assert shapes and {b for b, _ in shapes} == {2}
