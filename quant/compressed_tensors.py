@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -83,7 +84,7 @@ def align_zero_points(model: nn.Module) -> dict[str, Any]:
         if bool(exact.all()):
             continue
         moved += int((~exact).sum())
-        codes, scales, zeros = _aligned_int4(mod, zp)
+        codes, zeros = _aligned_int4(mod, zp)
         old = mod.dequantize(torch.float32)
         mod.qweight.copy_(pack_int4(codes.to(torch.int32) + 8))
         mod.zeros = zeros  # float32: -zp * s is exact there, not always in bf16
@@ -91,25 +92,23 @@ def align_zero_points(model: nn.Module) -> dict[str, Any]:
         new = mod.dequantize(torch.float32)
         signal += float(old.double().pow(2).sum())
         noise += float((old - new).double().pow(2).sum())
-    sqnr = float("inf") if noise == 0 else 10 * torch.log10(torch.tensor(signal / noise)).item()
+    sqnr = float("inf") if noise == 0 else 10 * math.log10(signal / noise)
     return {"groups": groups, "moved": moved, "sqnr_db": sqnr}
 
 
-def _aligned_int4(mod: Int4Linear, zp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Signed codes (N, K) int8, scales (N, G) and float32 zeros of `mod` on integer zero points `zp`."""
+def _aligned_int4(mod: Int4Linear, zp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Signed codes (N, K) int8 and float32 zeros (N, G) of `mod` moved onto integer zero points `zp`."""
     N, K, G = mod.out_features, mod.in_features, mod.group_size
     s = mod.scales.to(torch.float32)
     w = mod.dequantize(torch.float32).view(N, K // G, G)
     codes = torch.round(w / s[..., None] + zp[..., None].to(torch.float32)).clamp(-8, 7)  # (N, K/G, G)
-    return codes.view(N, K).to(torch.int8), mod.scales, (-zp.to(torch.float32) * s)
+    return codes.view(N, K).to(torch.int8), -zp.to(torch.float32) * s
 
 
 def ct_tensors(mod: QuantizedLinear) -> tuple[WeightScheme, dict[str, torch.Tensor], int] | None:
     """(scheme, {"codes" (N, K) int8, "scale" (N, G), "zero_point" (N, G) int8 | absent}, groups moved
     off a float zero point) for a module compressed-tensors can hold packed; None for the others."""
     if isinstance(mod, Int8Linear):
-        if int(mod.qweight.min()) < -128:
-            return None
         scheme = WeightScheme(8, "channel", True, None, None)
         return scheme, {"codes": mod.qweight, "scale": mod.scales[:, None]}, 0
     if isinstance(mod, Int4Linear):
@@ -117,7 +116,7 @@ def ct_tensors(mod: QuantizedLinear) -> tuple[WeightScheme, dict[str, torch.Tens
         if bool(exact.all()):
             codes = (mod.codes() - 8).to(torch.int8)
         else:
-            codes, _, _ = _aligned_int4(mod, zp)
+            codes, _ = _aligned_int4(mod, zp)
         symmetric = not bool(zp.any())
         scheme = WeightScheme(4, "group", symmetric, mod.group_size, None)
         out = {"codes": codes, "scale": mod.scales}
