@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from distill.accel import Forward, global_mean, local_items, synced_clock
 from distill.config_args import at_least, check_fields
 from distill.eagle_cache import MANIFEST, EagleSplit, cache_eagle_states, load_split, read_manifest
 from distill.selfdistill import read_records
@@ -345,13 +346,18 @@ def train_eagle(target, data, config: EagleTrainConfig = EagleTrainConfig(), out
     metrics.json. Without it nothing is saved. deadline: a time.monotonic() value at which caching
     and training stop early (held-out evaluation and saving still run); see distill.train_medusa.
     """
-    from accelerate import Accelerator
+    from accelerate import Accelerator, PartialState
 
     if out_dir is not None:
         out_dir = check_train_dir(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="eagle-features-") as scratch:
-        data_dir = _feature_dir(target, data, config, out_dir, Path(scratch), deadline)
+    state = PartialState()
+    with tempfile.TemporaryDirectory(prefix="eagle-features-") as scratch, state.main_process_first():
+        # several processes: the main one fills OUT/eagle_cache, the others then only read it
+        # (each fills its own scratch cache when there is no OUT)
+        reader = not state.is_main_process and out_dir is not None
+        data_dir = _feature_dir(target, data, config, out_dir, Path(scratch),
+                                time.monotonic() if reader else deadline)
         layers = config.layers(target.config.num_layers)
         manifest = read_manifest(data_dir)
         if tuple(manifest["aux_layers"]) != layers or manifest["hidden_size"] != target.config.hidden_size:
@@ -388,11 +394,12 @@ def train_eagle(target, data, config: EagleTrainConfig = EagleTrainConfig(), out
         step, losses, accuracy, before = meta["step"], meta["losses"], meta["accuracy"], meta["train_seconds"]
     draft_ids = head.target_ids(torch.arange(head.config.draft_vocab_size, device=head.d2t.device))
     weight = lm_head_rows(target, draft_ids).to(acc.device)  # (Vd, C): the teacher's LM head rows
-    model_h, opt = acc.prepare(head, opt)
+    model_h, opt = acc.prepare(Forward(head, unroll), opt)  # one module call: DDP syncs its gradients
     lengths = train.lengths.tolist()
     schedule = [b for e in range(config.epochs) for b in epoch_batches(lengths, config.batch_tokens, config.seed, e)]
     total = len(schedule)
-    bar = progress(total=total, initial=min(step, total), desc="training EAGLE-3 head", unit="step")
+    bar = progress(total=total, initial=min(step, total), desc="training EAGLE-3 head", unit="step",
+                   disable=not acc.is_local_main_process)
     t_start = time.monotonic()
 
     def seconds() -> float:
@@ -404,32 +411,37 @@ def train_eagle(target, data, config: EagleTrainConfig = EagleTrainConfig(), out
 
     try:
         while step < total:
-            if deadline is not None and time.monotonic() > deadline:
+            secs, dl, stop = synced_clock(acc, seconds(), deadline)  # every process stops at the same step
+            if stop:
                 break
-            batch = make_batch(train, schedule[step], k)
-            set_lr(opt, step, total, seconds(), deadline, config)
+            ids, share = local_items(schedule[step], acc)  # this process's records of the global batch
+            batch = make_batch(train, ids, k)
+            set_lr(opt, step, total, secs, dl, config)
             with acc.autocast():
-                logits = unroll(head, target.embed, batch, k)
+                logits = model_h(target.embed, batch, k)
             with torch.no_grad():
                 teacher = batch_teacher(batch, weight, k)
             loss, _, hits = ttt_loss(logits, teacher, config.decay)
+            if share != 1.0:
+                loss = loss * share
             opt.zero_grad(set_to_none=True)
             acc.backward(loss)
             acc.clip_grad_norm_(params, config.max_grad_norm)
             opt.step()
             step += 1
-            losses.append(float(loss.detach()))
+            losses.append(global_mean(loss, acc))
             accuracy.append(hits)
             bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
             bar.update(1)
-            if ckpt is not None and step % config.checkpoint_every == 0:
+            if ckpt is not None and step % config.checkpoint_every == 0 and acc.is_main_process:
                 _save_checkpoint(ckpt, head, opt, state())
     finally:  # also when stopped (Ctrl-C, SIGTERM): the steps done so far are kept
         bar.close()
-        if ckpt is not None:
+        if ckpt is not None and acc.is_main_process:
             _save_checkpoint(ckpt, head, opt, state())
-    head = acc.unwrap_model(model_h).eval().requires_grad_(False)
-    if out_dir is None:
+    head = acc.unwrap_model(model_h).module.eval().requires_grad_(False)
+    if out_dir is None or not acc.is_main_process:  # only the main process evaluates and writes
+        acc.wait_for_everyone()
         return head
     held = evaluate(head, target.embed, heldout, weight, k, config.decay, config.batch_tokens) if heldout else None
     save_eagle(copy.deepcopy(head).to(SAVE_DTYPES[config.save_dtype]), out_dir, speculative_tokens=k)
@@ -449,6 +461,7 @@ def train_eagle(target, data, config: EagleTrainConfig = EagleTrainConfig(), out
         "heldout": held, "train_seconds": seconds(), "config": asdict(config),
     }
     atomic_write_text(out_dir / "metrics.json", json.dumps(metrics, indent=1))
+    acc.wait_for_everyone()
     return head
 
 

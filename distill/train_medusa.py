@@ -28,6 +28,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from distill.accel import Forward, global_mean, local_part, synced_clock
 from distill.config_args import at_least, check_fields
 from distill.medusa import CONFIG, choose_tree, save_medusa
 from runtime.atomic import atomic_write
@@ -427,6 +428,11 @@ def _time_progress(seconds: float, left: float) -> float:
     return seconds / max(1e-9, seconds + max(0.0, left))
 
 
+def _head_logits(heads: MedusaHeads, h: torch.Tensor, vocab: torch.Tensor | None) -> torch.Tensor:
+    """The training forward: logits (K, n, V or V') of every head from hidden states h (n, C)."""
+    return heads.head_logits(heads.features(h), vocab)
+
+
 def _save_checkpoint(ckpt: Path, heads: MedusaHeads, opt, step: int, losses: list[float],
                      seconds: float) -> None:
     ckpt.mkdir(parents=True, exist_ok=True)
@@ -480,10 +486,11 @@ def train_medusa(heads: MedusaHeads, data_dir: str | Path, out_dir: str | Path,
         remap[vocab] = torch.arange(vocab.numel())
         targets = torch.where(targets == IGNORE, targets, remap[targets.clamp(min=0)])
         vocab = vocab.to(acc.device)
-    model_h, opt = acc.prepare(heads, opt)
+    model_h, opt = acc.prepare(Forward(heads, _head_logits), opt)  # one module call: DDP syncs its gradients
     per_epoch = math.ceil(hidden.shape[0] / config.batch_size)
     total = per_epoch * config.epochs
-    bar = progress(total=total, initial=step, desc="training Medusa heads", unit="step")
+    bar = progress(total=total, initial=step, desc="training Medusa heads", unit="step",
+                   disable=not acc.is_local_main_process)
     noise_gen = torch.Generator(acc.device).manual_seed(config.seed + step)  # a resumed run draws anew
     model_h.train()
     t_start = time.monotonic()
@@ -493,42 +500,49 @@ def train_medusa(heads: MedusaHeads, data_dir: str | Path, out_dir: str | Path,
 
     try:
         while step < total:
-            if deadline is not None and time.monotonic() > deadline:
+            secs, dl, stop = synced_clock(acc, seconds(), deadline)  # every process stops at the same step
+            if stop:
                 break
             epoch, b = divmod(step, per_epoch)
             order = torch.randperm(hidden.shape[0], generator=torch.Generator().manual_seed(config.seed + epoch))
-            idx = order[b * config.batch_size:(b + 1) * config.batch_size]
+            idx = order[b * config.batch_size:(b + 1) * config.batch_size]  # the global batch
             h = hidden[idx].to(acc.device, torch.float32)  # (n, C)
-            if config.feature_noise:
+            if config.feature_noise:  # drawn for the global batch: the same noise whatever the processes
                 h = h + _noise(h, config.feature_noise, noise_gen)
+            part, weight = local_part(idx.numel(), acc)  # this process's rows of the batch
+            idx, h = idx[part], h[part]
             t = targets[idx].to(acc.device)
             teacher = None
             if config.soft_targets:
                 with acc.autocast():
                     teacher = teacher_probs(heads, hidden, idx, vocab)  # (K, n, V')
-            set_lr(opt, step, total, seconds(), deadline, config)
+            set_lr(opt, step, total, secs, dl, config)
             with acc.autocast():
-                logits = heads.head_logits(heads.features(h), vocab)  # (K, n, V or V')
+                logits = model_h(h, vocab)  # (K, n, V or V')
             loss, _ = medusa_loss(logits, t, config.decay, teacher)
+            if weight != 1.0:
+                loss = loss * weight
             opt.zero_grad(set_to_none=True)
             acc.backward(loss)
             opt.step()
             step += 1
-            losses.append(float(loss.detach()))
+            losses.append(global_mean(loss, acc))
             bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)  # drawn with the update, at its interval
             bar.update(1)
-            if step % config.checkpoint_every == 0:
+            if step % config.checkpoint_every == 0 and acc.is_main_process:
                 _save_checkpoint(ckpt, heads, opt, step, losses, seconds())
     finally:  # also when stopped (Ctrl-C, SIGTERM): the steps done so far are kept
         bar.close()
-        _save_checkpoint(ckpt, heads, opt, step, losses, seconds())
-    heads = acc.unwrap_model(model_h).eval().requires_grad_(False)
+        if acc.is_main_process:
+            _save_checkpoint(ckpt, heads, opt, step, losses, seconds())
+    heads = acc.unwrap_model(model_h).module.eval().requires_grad_(False)
     if vocab is not None:  # the heads learned to rank these tokens only: they guess among them
         heads.restrict_vocab(vocab)
     table = head_accuracy(heads, hidden_ho, targets_ho, config.topk)
     paths = choose_tree(heads, table, config.tree_nodes)
-    save_medusa(heads, out_dir, overwrite=True)  # this job's own heads (a resumed run saves them again)
-    if losses:
+    if acc.is_main_process:
+        save_medusa(heads, out_dir, overwrite=True)  # this job's own heads (a resumed run saves them again)
+    if losses and acc.is_main_process:
         _plot(losses, out_dir / "loss.png")
     metrics = {
         "steps": step, "planned_steps": total, "train_positions": int(hidden.shape[0]),
@@ -541,5 +555,7 @@ def train_medusa(heads: MedusaHeads, data_dir: str | Path, out_dir: str | Path,
         "train_vocab": int(vocab.numel()) if vocab is not None else heads.config.vocab_size,
         "config": asdict(config),
     }
-    _write_json(out_dir / "metrics.json", metrics)
+    if acc.is_main_process:
+        _write_json(out_dir / "metrics.json", metrics)
+    acc.wait_for_everyone()
     return metrics
