@@ -19,6 +19,8 @@ times faster in float32, while a single row still decodes faster in bf16.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 # the --dtype names every command accepts (some restrict them further), and their torch types
@@ -33,6 +35,28 @@ def native_bf16(device: torch.device | str = "cpu") -> bool:
     if device.type == "cpu":
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     return True
+
+
+# the CPU flags that decide which dtype and kernels are fast (written next to every figure)
+SPEED_FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2")
+
+
+def cpu_summary() -> dict:
+    """The CPU's model name, core count and its SPEED_FLAGS present (Linux /proc/cpuinfo; model
+    "unknown" and no flags elsewhere)."""
+    model, flags = "unknown", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model == "unknown":
+                    model = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    return {"model": model, "cores": os.cpu_count(), "flags": [f for f in SPEED_FLAGS if f in flags],
+            "native_bf16": native_bf16("cpu")}
 
 
 def batch_dtype(device: torch.device | str = "cpu") -> torch.dtype:

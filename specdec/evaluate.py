@@ -411,7 +411,7 @@ def versions() -> dict:
     return {"torch": torch.__version__, "transformers": transformers.__version__,
             "specdec": importlib.metadata.version("specdec"), "python": platform.python_version(),
             "platform": platform.platform(), "cpu_count": os.cpu_count(),
-            "torch_threads": torch.get_num_threads()}
+            "torch_threads": torch.get_num_threads(), "cpu": hardware.cpu_summary()}
 
 
 def run_eval(cfg: EvalConfig, command: str | None = None, progress: bool = True) -> dict:
