@@ -11,8 +11,8 @@ Each step (`distill_draft`):
 3. AdamW on every trainable weight of the draft (full fine-tuning; `freeze_embeddings` keeps the
    embedding, and a tied LM head with it, fixed) or on LoRA adapters (`lora`, via peft; merged
    into the weights before saving), linear warm-up then cosine decay (the deadline-aware schedule
-   of distill.train_medusa), gradient clipping. `accelerate` holds the device, mixed precision
-   and gradient accumulation, so the same loop runs under `accelerate launch --num_processes N`
+   of distill.train_medusa), gradient clipping, bf16 autocast of the draft's forward where the
+   hardware multiplies bf16 natively. `accelerate` holds the device and gradient accumulation, so the same loop runs under `accelerate launch --num_processes N`
    (DDP: each process its own rows; each process's loss is weighted by its share of the step's answer
    tokens, so the averaged gradient and the logged loss are those of the mean over all of them, and
    every process follows the main process's clock: distill.accel).
@@ -118,7 +118,7 @@ class DistillConfig:
     lora_alpha: float = field(default=32.0, metadata={"help": "LoRA alpha (scale alpha / rank)", "check": _positive})
     mixed_precision: str = field(default="auto", metadata={
         "help": "autocast mode of the draft's training forward; auto: bf16 where the hardware multiplies it "
-                "natively, else float32", "choices": ("auto", "no", "bf16", "fp16")})
+                "natively, else float32", "choices": ("auto", "no", "bf16")})
     checkpoint_every: int = field(default=25, metadata={"help": "steps between resumable checkpoints",
                                                         "check": at_least(1)})
     eval_every: int = field(default=25, metadata={"help": "steps between held-out acceptance measurements",
@@ -135,7 +135,7 @@ class DistillConfig:
         check_fields(self)
 
     def autocast_mode(self, device: torch.device) -> str:
-        """accelerate's mixed_precision for training on `device` ("auto" resolved)."""
+        """The autocast mode of training on `device`, "bf16" or "no" ("auto" resolved)."""
         if self.mixed_precision != "auto":
             return self.mixed_precision
         return "bf16" if native_bf16(device) else "no"
@@ -327,8 +327,10 @@ def distill_draft(target, draft, prompts, config: DistillConfig = DistillConfig(
     if out_dir is not None:
         out_dir = check_distill_dir(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-    acc = Accelerator(cpu=draft.device.type == "cpu", mixed_precision=config.autocast_mode(draft.device),
-                      gradient_accumulation_steps=config.grad_accum)
+    # autocast is applied here rather than through accelerate's process-wide mixed-precision state, which
+    # refuses a second setting in one process (a test suite, --compare-divergences)
+    acc = Accelerator(cpu=draft.device.type == "cpu", gradient_accumulation_steps=config.grad_accum)
+    bf16 = config.autocast_mode(draft.device) == "bf16"
     draft.train().requires_grad_(not config.lora)
     if config.lora:
         _add_lora(draft, config)  # peft leaves only the adapters trainable
@@ -346,7 +348,10 @@ def distill_draft(target, draft, prompts, config: DistillConfig = DistillConfig(
         if saved is not None:
             step, losses, evals, before = saved["step"], saved["losses"], saved["evals"], saved["train_seconds"]
     model, opt = acc.prepare(draft, opt)
-    raw = acc.unwrap_model(model)
+    # under `accelerate launch --mixed_precision`, accelerate wraps the forward in autocast; without that
+    # wrapper, generation (on-policy samples, held-out acceptance) runs in the draft's own dtype and only
+    # the training forward autocasts
+    raw = acc.unwrap_model(model, keep_fp32_wrapper=False)
     device, n, world = acc.device, len(train_prompts), acc.num_processes
     per_micro = config.batch_size * world
 
@@ -396,7 +401,7 @@ def distill_draft(target, draft, prompts, config: DistillConfig = DistillConfig(
                 with torch.no_grad():
                     teacher = target(batch.tokens, batch.positions, None, logits_idx=batch.idx)  # (B, N, V)
                 with acc.accumulate(model):
-                    with acc.autocast():
+                    with torch.autocast(acc.device.type, dtype=torch.bfloat16, enabled=bf16):
                         student = model(batch.tokens, batch.positions, None, logits_idx=batch.idx)  # (B, N, V)
                     loss = masked_divergence(student, teacher, batch.valid, config.divergence, config.temperature,
                                              config.beta) * _token_weight(batch.answer_tokens, acc)

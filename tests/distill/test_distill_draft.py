@@ -86,6 +86,13 @@ def test_distillation_moves_the_draft_toward_the_target(data, divergence):
     assert _heldout_gap(target, out, held) < 0.8 * before
 
 
+def test_bf16_autocast_trains_a_float32_draft_on_its_own_samples():
+    target, draft = _pair()
+    cfg = DistillConfig(steps=2, **{**FAST, "mixed_precision": "bf16"})
+    out = distill_draft(target, draft, _prompts(8), cfg, heldout=_prompts(2, seed=3))
+    assert out.dtype == torch.float32
+
+
 def test_output_loads_quantizes_and_stays_lossless(tmp_path):
     import quant
 
