@@ -211,9 +211,11 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int | None = N
                                 top_k=req.top_k, seed=req.seed)
         progress = _Progress(arrival=time.perf_counter())
 
-        def post(item) -> None:
-            if not loop.is_closed():
+        def post(item) -> None:  # on the engine thread; it must not raise there
+            try:
                 loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the event loop has closed: the server is shutting down, nobody listens
+                return
 
         def on_tokens(request, new_ids: list[int]) -> None:  # on the engine thread
             t = time.perf_counter()

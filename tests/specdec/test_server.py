@@ -226,8 +226,13 @@ def test_models_health_and_metrics(served):
     for name in ("specdec_time_to_first_token_seconds_bucket", "specdec_time_per_output_token_seconds_bucket",
                  "specdec_queue_length", "specdec_running_rows", "specdec_acceptance_rate", "specdec_tau"):
         assert name in text
-    generated = float(re.search(r"^specdec_generated_tokens_total ([0-9.e+]+)$", text, re.M).group(1))
-    assert generated >= 4
+    def value(name: str) -> float:
+        return float(re.search(rf"^{name} ([0-9.e+]+)$", text, re.M).group(1))
+
+    assert value("specdec_generated_tokens_total") >= 4
+    assert value("specdec_time_to_first_token_seconds_count") >= 1
+    assert value("specdec_time_per_output_token_seconds_count") >= 1
+    assert 0 < value("specdec_tau") and 0 <= value("specdec_acceptance_rate") <= 1
 
 
 def test_concurrent_requests_all_finish_once(served):
