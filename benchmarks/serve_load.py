@@ -42,7 +42,7 @@ import torch
 import runtime
 import specdec
 from runtime.atomic import atomic_write_text
-from runtime.hardware import DTYPES
+from runtime.hardware import DTYPES, cpu_summary
 from specdec.engine import Engine
 from specdec.evaluate import eos_ids, versions
 from specdec.prompts import encode, humaneval_prompts, sharegpt_prompts
@@ -273,7 +273,7 @@ def main() -> None:
                                                                        [len(p) for p in prompts]},
               "modes": modes, "ratios": {"continuous_vs_one_at_a_time": tps["continuous"] / tps["one_at_a_time"],
                                          "continuous_vs_static": tps["continuous"] / tps["static"]},
-              "versions": versions()}
+              "versions": versions(), "cpu": cpu_summary()}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "serve_load.json", json.dumps(report, indent=2))
