@@ -298,3 +298,25 @@ def test_serve_fails_fast_on_a_taken_port(served, capsys, monkeypatch):
     monkeypatch.delenv("SPECDEC_DEBUG", raising=False)
     assert cli_main(["serve", "--model", "unused", "--port", str(served[0].port)]) == 2
     assert "pick another --port" in capsys.readouterr().err
+
+
+@pytest.mark.real_model
+def test_openai_client_streams_from_smollm2_as_generate_decodes():
+    """The real byte-level tokenizer and chat template: streamed text (non-ASCII too) equals generate()."""
+    from specdec.evaluate import eos_ids
+
+    name = "smollm2-135m-instruct"
+    target = runtime.load_model(name, dtype=torch.float32)
+    tok = runtime.load_tokenizer(name)
+    eos = eos_ids(name, tok)
+    engine = Engine(target, "ngram", max_batch=2, max_len=512, eos_token_id=eos)
+    messages = [{"role": "user", "content": "Repeat exactly: こんにちは 世界"}]  # characters split over tokens
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = tok(ids, add_special_tokens=False)["input_ids"]
+    out = specdec.generate(target, [torch.tensor(ids)], max_new_tokens=32, eos_token_id=eos)
+    want = tok.decode(out.sequences[0][len(ids):], skip_special_tokens=True)
+    with ServerThread(create_app(engine, tok, name)) as server:
+        stream = client(server).chat.completions.create(model=name, messages=messages, max_tokens=32,
+                                                        temperature=0, stream=True)
+        got = "".join(ch.choices[0].delta.content or "" for ch in stream)
+    assert got == want and "こんにちは" in got and "\ufffd" not in got
