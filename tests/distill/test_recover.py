@@ -1,5 +1,6 @@
 """distill.recover: the 2:4 mask survives training and the compressed round trip, KD lowers the gap, resume."""
 
+import argparse
 import copy
 import json
 
@@ -9,7 +10,9 @@ import torch
 import distill
 import quant
 import runtime
+from distill.config_args import dataclass_from_args
 from distill.recover import MaskedSparse24, RecoverConfig, kd_loss, window_perplexity
+from distill.recover_command import add_recover_parser, cmd_recover
 from runtime.qlinear import Sparse24Linear, unpack_24_indices
 from runtime.tiny import tiny_model
 
@@ -158,3 +161,13 @@ def test_recover_refuses_bad_input(teacher):
         distill.recover(_student(teacher), teacher, torch.zeros(4, 8), RecoverConfig(**CFG))
     with pytest.raises(ValueError, match="RecoverConfig.micro_batch"):
         RecoverConfig(micro_batch=0)
+
+
+def test_recover_command_flags_are_the_configs():
+    sub = argparse.ArgumentParser(prog="specdec distill").add_subparsers()
+    p = add_recover_parser(sub)
+    args = p.parse_args(["--student", "s", "--teacher", "t", "--out", "o", "--lr", "2e-4", "--no-train-norms"])
+    assert args.func is cmd_recover
+    assert dataclass_from_args(RecoverConfig, args) == RecoverConfig(lr=2e-4, train_norms=False)
+    with pytest.raises(SystemExit):
+        p.parse_args(["--student", "s", "--teacher", "t", "--out", "o", "--micro-batch", "0"])
