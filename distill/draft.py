@@ -12,10 +12,11 @@ Each step (`distill_draft`):
    embedding, and a tied LM head with it, fixed) or on LoRA adapters (`lora`, via peft; merged
    into the weights before saving), linear warm-up then cosine decay (the deadline-aware schedule
    of distill.train_medusa), gradient clipping, bf16 autocast of the draft's forward where the
-   hardware multiplies bf16 natively. `accelerate` holds the device and gradient accumulation, so the same loop runs under `accelerate launch --num_processes N`
-   (DDP: each process its own rows; each process's loss is weighted by its share of the step's answer
-   tokens, so the averaged gradient and the logged loss are those of the mean over all of them, and
-   every process follows the main process's clock: distill.accel).
+   hardware multiplies bf16 natively. `accelerate` holds the device and gradient accumulation, so
+   the same loop runs under `accelerate launch --num_processes N` (DDP: each process its own
+   rows; each process's loss is weighted by its share of the step's answer tokens, so the
+   averaged gradient and the logged loss are those of the mean over all of them, and every
+   process follows the main process's clock: distill.accel).
 
 Every `eval_every` steps the main process measures held-out acceptance: greedy speculative
 decoding of the target with the draft on the held-out prompts (`specdec.generate`; tau and the

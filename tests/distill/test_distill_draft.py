@@ -222,3 +222,13 @@ def test_cli_flags_come_from_the_config_and_the_command_takes_more_subcommands()
     top = parser._subparsers._group_actions[0]  # another pipeline adds its subcommand to the same command
     distill_subparsers(top).add_parser("other").set_defaults(func=lambda a: 0)
     assert parser.parse_args(["distill", "other"]).distill_command == "other"
+
+
+def test_recipe_refuses_a_foreign_output_directory_before_any_work(tmp_path):
+    (tmp_path / "mine.txt").write_text("not specdec's")
+    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "distill_qwen05_draft.py"), "--out", str(tmp_path),
+                           "--max-minutes", "1"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 2
+    assert "distill_qwen05_draft: error:" in proc.stderr and "did not write" in proc.stderr
+    assert (tmp_path / "mine.txt").read_text() == "not specdec's" and len(list(tmp_path.iterdir())) == 1

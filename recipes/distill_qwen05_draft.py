@@ -1,0 +1,207 @@
+"""Recipe: distil the qwen2.5-coder-0.5b-instruct draft toward qwen2.5-coder-1.5b-instruct (DistillSpec), then
+evaluate it against the undistilled draft in one `specdec eval` run.
+
+    python recipes/distill_qwen05_draft.py --out runs/distill_qwen05 --max-minutes 180
+    python recipes/distill_qwen05_draft.py --out runs/distill_compare --compare-divergences --compare-minutes 10
+
+Steps, all inside the --max-minutes budget (a restart with the same command resumes each step
+and goes on against the same budget: OUT/budget.json holds the minutes spent):
+1. distillation (distill.distill_draft) on chat prompts (ShareGPT calibration) and HumanEval-shaped
+   function stubs from this machine's Python sources, with held-out acceptance measured on the last
+   prompts of ShareGPT's held-out slice, until `train_frac` of the budget (default: all but
+   --eval-minutes); the draft goes to OUT/draft (`draft:OUT/draft`), with distill.png and
+   distill_metrics.json;
+2. one `specdec eval` run (OUT/eval/report.json) over --eval-prompts ShareGPT held-out prompts and as
+   many HumanEval problems (chat template), greedy, --eval-tokens new tokens, compiled, with methods
+   plain, draft:<undistilled>@auto, draft:OUT/draft@auto and hf; OUT/summary.json holds tau and
+   speed per method and category.
+--eval-only runs step 2 alone on the draft already in OUT/draft.
+
+--compare-divergences instead trains every divergence (fkl, rkl, jsd, tvd) with every data source
+(on-policy, target, mixed), each from the undistilled draft for --compare-minutes of wall clock
+(equal CPU time on one machine), and tabulates held-out tau and acceptance rate before and after
+in OUT/compare.md and OUT/compare.json; each run (OUT/compare/<divergence>-<data>) resumes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+from recipe_errors import run
+
+import runtime
+from distill.budget import RunBudget, run_budgeted
+from distill.config_args import add_dataclass_args, dataclass_from_args
+from distill.distill_command import add_prompt_args
+from distill.divergence import DIVERGENCES
+from distill.draft import METRICS, DistillConfig, distill_draft
+from distill.onpolicy import DATA_SOURCES, heldout_prompts, training_prompts
+from distill.selfdistill import stop_token_ids
+from runtime.atomic import atomic_write_text
+from runtime.hardware import DTYPES
+from specdec.evaluate import EvalConfig, run_eval
+from specdec.prompts import load_prompts
+
+TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
+# files that mark a run directory of this recipe: with one of them, --out is resumed
+RUN_MARKERS = ("budget.json", "summary.json", "compare.json", f"draft/{METRICS}")
+
+
+def _distil(args: argparse.Namespace, cfg: DistillConfig, target, tok, prompts, held, out: Path,
+            deadline: float | None) -> dict:
+    """One distillation of a fresh copy of the undistilled draft into `out`; its metrics."""
+    draft = runtime.load_model(args.draft, dtype=torch.float32)
+    distill_draft(target, draft, prompts, cfg, out, heldout=held, tokenizer=tok, eos_token_id=stop_token_ids(tok),
+                  deadline=deadline)
+    return json.loads((out / METRICS).read_text())
+
+
+def _eval_prompts(out: Path, count: int) -> Path:
+    """OUT/eval_prompts.jsonl: the first `count` ShareGPT held-out prompts and HumanEval problems."""
+    path = out / "eval_prompts.jsonl"
+    rows = [{"id": p.id, "category": p.category, "prompt": p.turns[0]}
+            for dataset in ("sharegpt", "humaneval") for p in load_prompts(dataset=dataset, limit=count)]
+    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def evaluate(args: argparse.Namespace, out: Path, fresh: bool) -> dict:
+    """The one `specdec eval` run of step 2 (resumed unless the draft was trained again: `fresh`)."""
+    methods = ["plain", f"draft:{args.draft}@auto", f"draft:{out / 'draft'}@auto", "hf"]
+    cfg = EvalConfig(out=str(out / "eval"), methods=",".join(methods), target=args.target,
+                     prompts=str(_eval_prompts(out, args.eval_prompts)), dtype=args.eval_dtype or args.dtype,
+                     max_new_tokens=args.eval_new_tokens, compile=not args.no_compile, overwrite=fresh)
+    report = run_eval(cfg, command=shlex.join([sys.executable] + sys.argv))
+    keys = ("tau", "acceptance_rate", "tokens_per_second", "speedup_vs_plain", "speedup_vs_hf", "matches_plain")
+    table = {}
+    for name, m in report["methods"].items():
+        parts = {"overall": m["overall"], **m["categories"]}
+        table[name] = {part: {k: row.get(k) for k in keys} for part, row in parts.items()}
+    return table
+
+
+def _run(args: argparse.Namespace, out: Path, budget: RunBudget | None, start: float) -> dict:
+    if budget is not None and budget.spent_before:
+        print(f"[budget] resuming {out}: {budget.spent_before:.1f} of {args.max_minutes:g} minutes already spent",
+              flush=True)
+    metrics, fresh = None, False
+    if not args.eval_only:
+        tok = runtime.load_tokenizer(args.draft)
+        prompts = training_prompts(tok, args.num_prompts, args.max_prompt_tokens, args.code_share,
+                                   stub_cache=out / "function_stubs.json" if args.code_share > 0 else None)
+        held = heldout_prompts(tok, args.heldout_prompts, args.max_prompt_tokens)
+        print(f"[data] {len(prompts)} training prompts, {len(held)} held-out prompts", flush=True)
+        target = runtime.load_model(args.target, dtype=DTYPES[args.dtype])
+        before = budget.minutes()
+        metrics = _distil(args, dataclass_from_args(DistillConfig, args), target, tok, prompts, held, out / "draft",
+                          budget.at(args.train_frac))
+        fresh = budget.minutes() - before > 0.5
+        evals = metrics["heldout"]
+        tau = f"held-out tau {evals[0]['tau']:.3f} -> {evals[-1]['tau']:.3f}, " if evals else ""
+        print(f"[train] {metrics['steps']}/{metrics['planned_steps']} steps, final loss {metrics['final_loss']}, "
+              f"{tau}{budget.minutes():.1f} min", flush=True)
+        del target
+    elif not (out / "draft" / METRICS).is_file():
+        raise SystemExit(f"--eval-only: {out}/draft holds no distilled draft; run the recipe without --eval-only")
+    table = evaluate(args, out, fresh)
+    for name, parts in table.items():
+        print(f"[eval] {name}: {json.dumps(parts)}", flush=True)
+    minutes = budget.minutes() if budget is not None else (time.monotonic() - start) / 60
+    summary = {"command": shlex.join(["python"] + sys.argv), "args": vars(args), "minutes": minutes,
+               "heldout_during_training": (metrics or json.loads((out / "draft" / METRICS).read_text()))["heldout"],
+               "eval": table}
+    atomic_write_text(out / "summary.json", json.dumps(summary, indent=1))
+    return summary
+
+
+def compare(args: argparse.Namespace, out: Path, budget: RunBudget | None) -> dict:
+    """Every divergence x data source for --compare-minutes each; OUT/compare.md and compare.json."""
+    tok = runtime.load_tokenizer(args.draft)
+    prompts = training_prompts(tok, args.num_prompts, args.max_prompt_tokens, args.code_share,
+                               stub_cache=out / "function_stubs.json" if args.code_share > 0 else None)
+    held = heldout_prompts(tok, args.heldout_prompts, args.max_prompt_tokens)
+    target = runtime.load_model(args.target, dtype=DTYPES[args.dtype])
+    rows = []
+    for divergence in DIVERGENCES:
+        for data in DATA_SOURCES:
+            run_dir = out / "compare" / f"{divergence}-{data}"
+            cfg = dataclass_from_args(DistillConfig, args, divergence=divergence, data=data)
+            if (run_dir / METRICS).is_file():
+                metrics = json.loads((run_dir / METRICS).read_text())
+            else:
+                with RunBudget(run_dir / "budget.json", args.compare_minutes) as clock:
+                    metrics = _distil(args, cfg, target, tok, prompts, held, run_dir, clock.at(1.0))
+            first, last = metrics["heldout"][0], metrics["heldout"][-1]
+            rows.append({"divergence": divergence, "data": data, "steps": metrics["steps"],
+                         "train_minutes": metrics["train_seconds"] / 60, "tau_before": first["tau"],
+                         "tau_after": last["tau"], "acceptance_before": first["acceptance_rate"],
+                         "acceptance_after": last["acceptance_rate"]})
+            print(f"[compare] {json.dumps(rows[-1])}", flush=True)
+    lines = ["| divergence | data | steps | minutes | held-out tau (before -> after) | acceptance rate |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {r['divergence']} | {r['data']} | {r['steps']} | {r['train_minutes']:.1f} | "
+              f"{r['tau_before']:.3f} -> {r['tau_after']:.3f} | "
+              f"{r['acceptance_before']:.3f} -> {r['acceptance_after']:.3f} |" for r in rows]
+    command = shlex.join(["python"] + sys.argv)
+    atomic_write_text(out / "compare.md", f"`{command}`\n\n" + "\n".join(lines) + "\n")
+    result = {"command": command, "rows": rows}
+    atomic_write_text(out / "compare.json", json.dumps(result, indent=1))
+    print("\n".join(lines))
+    return result
+
+
+def main() -> dict:
+    args = parser().parse_args()
+    start = time.monotonic()
+    args.data_frac = 0.0  # no data phase: the answers are sampled during training
+    if args.compare_divergences:
+        if args.heldout_prompts < 1:
+            raise ValueError("--compare-divergences tabulates held-out acceptance: give --heldout-prompts >= 1")
+        args.eval_minutes = 0.0
+        args.max_minutes = max(args.max_minutes, args.compare_minutes * len(DIVERGENCES) * len(DATA_SOURCES))
+        return run_budgeted(args, RUN_MARKERS, "draft distillation recipe directory", "draft",
+                            lambda out, budget: compare(args, out, budget))
+    return run_budgeted(args, RUN_MARKERS, "draft distillation recipe directory", "draft",
+                        lambda out, budget: _run(args, out, budget, start))
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="runs/distill_qwen05", help="directory for the draft, checkpoints and reports")
+    p.add_argument("--max-minutes", type=float, default=180.0,
+                   help="budget of training and evaluation together, across restarts (default: %(default)s)")
+    p.add_argument("--target", default=TARGET, help="the target (default: %(default)s)")
+    p.add_argument("--draft", default=DRAFT, help="the draft to distil (default: %(default)s)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="target dtype of training (default auto: bfloat16 where it is native, else float32)")
+    p.add_argument("--eval-dtype", default=None, choices=["bfloat16", "float32"],
+                   help="dtype of the evaluation (default: --dtype)")
+    p.add_argument("--eval-only", action="store_true", help="skip training: evaluate the draft in OUT/draft")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    p.add_argument("--train-frac", type=float, default=None,
+                   help="fraction of the budget by which training ends (default: all but --eval-minutes)")
+    p.add_argument("--eval-minutes", type=float, default=25.0,
+                   help="minutes kept for the evaluation when --train-frac is not given (default: %(default)s)")
+    p.add_argument("--eval-prompts", type=int, default=20, help="prompts per dataset (ShareGPT, HumanEval)")
+    p.add_argument("--eval-tokens", dest="eval_new_tokens", type=int, default=128,
+                   help="new tokens per evaluation prompt (--heldout-tokens: per held-out prompt during training)")
+    p.add_argument("--no-compile", action="store_true", help="evaluate without torch.compile")
+    p.add_argument("--compare-divergences", action="store_true",
+                   help="train every divergence x data source for --compare-minutes each and tabulate held-out "
+                        "acceptance, instead of the recipe's single run")
+    p.add_argument("--compare-minutes", type=float, default=10.0, help="wall-clock minutes per compared run")
+    add_prompt_args(p)
+    add_dataclass_args(p.add_argument_group("distillation (DistillConfig)"), DistillConfig,
+                       flags={"eval_tokens": "--heldout-tokens", "eval_every": "--heldout-every",
+                              "eval_draft_tokens": "--heldout-draft-tokens"})
+    return p
+
+
+if __name__ == "__main__":
+    run(main)
