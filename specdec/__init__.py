@@ -1,10 +1,13 @@
-"""specdec: speculative decoding on the runtime engine. `generate`, drafters, verification, stats."""
+"""specdec: speculative decoding on the runtime engine. `generate`, `stream`, the continuous-batching
+`Engine`, drafters, verification, stats."""
 
 from specdec.drafter import Accepted, Drafter, DraftTree
 from specdec.eagle import Eagle3Config, Eagle3Head
 from specdec.eagle_io import load_eagle, save_eagle
+from specdec.engine import Engine, Request, SamplingParams
 from specdec.generate import GenerateOutput, generate, stream
 from specdec.stats import AcceptanceStats
 
-__all__ = ["generate", "stream", "GenerateOutput", "AcceptanceStats", "Drafter", "DraftTree", "Accepted",
+__all__ = ["generate", "stream", "GenerateOutput", "Engine", "SamplingParams", "Request",
+           "AcceptanceStats", "Drafter", "DraftTree", "Accepted",
            "Eagle3Config", "Eagle3Head", "save_eagle", "load_eagle"]

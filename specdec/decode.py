@@ -143,25 +143,30 @@ class DecodeLoop:
                                self.want_hidden else None)
         return emitted
 
-    def admit(self, row: int, prompt: torch.Tensor, max_new_tokens: int, eos: frozenset[int],
-              sampling: RowSampling) -> list[int]:
-        """Start `row` (a free slot) on `prompt` while the other rows keep their state: prefill of
-        that row only, into its slot of the cache (eagerly, so a compiled target compiles no
-        one-row program), then the drafter's `admit`. Returns the row's first token(s)."""
-        self.state.reset(row, prompt, max_new_tokens, eos)
-        self.sampling[row] = sampling
-        self.row_stats[row] = AcceptanceStats()
-        slot = CacheRow(self.cache, row)
-        slot.lengths.zero_()
+    def admit(self, rows: list[int], prompts: list[torch.Tensor], limits: list[int], stops: list[frozenset[int]],
+              sampling: list[RowSampling]) -> list[list[int]]:
+        """Start free `rows` (consecutive slots) on `prompts` while the other rows keep their state:
+        one prefill of those rows only, into their slots of the cache (eagerly, so a compiled
+        target compiles no program of their count), then the drafter's `admit` per row, each row
+        with its own token limit, stop tokens and sampling. Returns each row's first token(s)."""
+        if rows != list(range(rows[0], rows[0] + len(rows))):
+            raise ValueError(f"admit takes consecutive rows (one prefill through a view of them), got {rows}")
+        for b, prompt, limit, stop, s in zip(rows, prompts, limits, stops, sampling):
+            self.state.reset(b, prompt, limit, stop)
+            self.sampling[b] = s
+            self.row_stats[b] = AcceptanceStats()
+        slots = CacheRow(self.cache, rows[0], len(rows))
+        slots.lengths.zero_()
         with self._aux():
-            out = prefill(self.target, [prompt], slot, return_hidden=self.want_hidden, return_aux=self.want_aux,
+            out = prefill(self.target, prompts, slots, return_hidden=self.want_hidden, return_aux=self.want_aux,
                           eager=getattr(self.target, "compiled", False))
         out = out if isinstance(out, tuple) else (out,)
-        emitted = self._first_tokens([row], out)[row]
+        emitted = self._first_tokens(rows, out)
         if self.drafter is not None:
-            told = out[-1][0] if self.want_aux else out[1][0] if self.want_hidden else None
-            self.drafter.admit(row, prompt, told)
-        return emitted
+            for i, (b, prompt) in enumerate(zip(rows, prompts)):
+                told = out[-1][i] if self.want_aux else out[1][i] if self.want_hidden else None
+                self.drafter.admit(b, prompt, told)
+        return [emitted[b] for b in rows]
 
     def release(self, row: int) -> None:
         """End `row` and free its slot: its cache length drops to 0 and the drafter forgets it."""

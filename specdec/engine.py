@@ -5,9 +5,10 @@ pool: `runtime.cache.KVCache` is preallocated [B, H_kv, S_max, D] with a length 
 slot is a row) and one `specdec.decode.DecodeLoop` over it, the loop `generate()` runs. Each
 `step()`:
 
-1. retires cancelled requests and admits waiting ones into free rows: the newcomer's prompt is
-   prefilled into its row only (`CacheRow`, a view of the shared buffers: nothing is allocated)
-   and the drafter admits it (`Drafter.admit`: its own cache slot, hidden state, ...);
+1. retires cancelled requests and admits waiting ones into free rows: the newcomers' prompts are
+   prefilled into their rows only (`CacheRow`, a view of the shared buffers: nothing is
+   allocated; one forward per run of consecutive free rows) and the drafter admits each
+   (`Drafter.admit`: its own cache slot, hidden state, ...);
 2. runs one draft + verify step of every running row together (`DecodeLoop.step`), each row with
    its own sampling settings and torch.Generator (rows with equal settings are verified in one
    call; greedy rows stay exactly greedy);
@@ -41,7 +42,7 @@ from specdec.decode import DecodeLoop, RowSampling, cache_slack
 from specdec.drafters import make_drafter
 from specdec.generate import as_runtime_model
 from specdec.options import check_sampling, parse_draft_length
-from specdec.rows import RowState, eos_set
+from specdec.rows import RowState, eos_set, runs
 from specdec.stats import AcceptanceStats
 
 DEFAULT_MAX_LEN = 4096  # cache positions per row when max_len is not given (capped by the model's)
@@ -236,8 +237,7 @@ class Engine:
             if req is not None and req.id in cancel:
                 self._retire(b, "cancelled", finished)
         with torch.inference_mode():
-            for req in admitted:
-                self._admit(self.slots.index(None), req, finished)
+            self._admit(admitted, finished)
             emitted = self.loop.step()
         now = time.perf_counter()
         for b, req in enumerate(self.slots):
@@ -255,16 +255,23 @@ class Engine:
         while self.waiting or self.running:
             self.step()
 
-    def _admit(self, row: int, req: Request, finished: list[Request]) -> None:
-        """Prefill `req` into free row `row` (its first token is emitted there)."""
-        self.slots[row] = req
-        if req.params.max_new_tokens == 0:
-            self._retire(row, "length", finished)
-            return
-        p = req.params
-        sampling = RowSampling(p.temperature, p.top_k, p.top_p, req.generator)
-        first = self.loop.admit(row, req.prompt, p.max_new_tokens, self.eos | frozenset(p.stop_token_ids), sampling)
-        self._deliver(req, row, first, time.perf_counter())
+    def _admit(self, admitted: list[Request], finished: list[Request]) -> None:
+        """Give each request a free row and prefill them, one forward per run of consecutive rows
+        (all rows at once when the engine starts); each emits its first token there."""
+        free = [b for b, r in enumerate(self.slots) if r is None][:len(admitted)]
+        for b, req in zip(free, admitted):
+            self.slots[b] = req
+        for b in free:
+            if self.slots[b].params.max_new_tokens == 0:
+                self._retire(b, "length", finished)
+        for run in runs([b for b in free if self.slots[b] is not None]):
+            reqs = [self.slots[b] for b in run]
+            sampling = [RowSampling(r.params.temperature, r.params.top_k, r.params.top_p, r.generator) for r in reqs]
+            first = self.loop.admit(run, [r.prompt for r in reqs], [r.params.max_new_tokens for r in reqs],
+                                    [self.eos | frozenset(r.params.stop_token_ids) for r in reqs], sampling)
+            now = time.perf_counter()
+            for b, req, new in zip(run, reqs, first):
+                self._deliver(req, b, new, now)
 
     def _deliver(self, req: Request, row: int, new: list[int], now: float) -> None:
         """Hand a step's tokens to the request and its listener."""

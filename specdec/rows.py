@@ -139,15 +139,27 @@ class RowState:
 
 
 class CacheRow(KVCache):
-    """Row `row` of a KVCache as a cache of one row: views of its buffers and of its length, so
-    a forward through it (a newcomer's prefill) writes into the shared cache and allocates nothing."""
+    """Rows [row, row + count) of a KVCache as a cache of their own: views of its buffers and
+    lengths, so a forward through it (newcomers' prefill) writes into the shared cache and
+    allocates nothing."""
 
-    def __init__(self, cache: KVCache, row: int) -> None:  # no KVCache.__init__: nothing is allocated
-        if not 0 <= row < cache.batch_size:
-            raise ValueError(f"row {row} is outside the cache's {cache.batch_size} rows")
-        self.k = cache.k[:, row:row + 1]  # (L, 1, H, S_max, D)
-        self.v = cache.v[:, row:row + 1]
-        self.lengths = cache.lengths[row:row + 1]  # (1,)
+    def __init__(self, cache: KVCache, row: int, count: int = 1) -> None:  # no KVCache.__init__: no allocation
+        if not (0 <= row and count >= 1 and row + count <= cache.batch_size):
+            raise ValueError(f"rows [{row}, {row + count}) are outside the cache's {cache.batch_size} rows")
+        self.k = cache.k[:, row:row + count]  # (L, count, H, S_max, D)
+        self.v = cache.v[:, row:row + count]
+        self.lengths = cache.lengths[row:row + count]  # (count,)
+
+
+def runs(rows: list[int]) -> list[list[int]]:
+    """Sorted rows split into runs of consecutive rows ([0, 1, 3] -> [[0, 1], [3]])."""
+    out: list[list[int]] = []
+    for r in sorted(rows):
+        if out and out[-1][-1] == r - 1:
+            out[-1].append(r)
+        else:
+            out.append([r])
+    return out
 
 
 def eos_set(eos_token_id: int | list[int] | None) -> frozenset[int]:

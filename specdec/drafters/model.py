@@ -17,7 +17,7 @@ import torch
 from runtime.cache import KVCache
 from runtime.errors import SpecdecError
 from specdec.drafter import Accepted, Drafter, DraftTree
-from specdec.rows import CacheRow, prefill
+from specdec.rows import CacheRow, prefill, runs
 from specdec.sampling import check_finite, probs_from_logits
 
 
@@ -39,6 +39,7 @@ class ModelDrafter(Drafter):
         self.output_ids = getattr(model, "output_ids", None)  # (N,) or None
         self.cache = None
         self.fed: list[torch.Tensor] = []  # tokens held in the cache, per row
+        self.admitted: dict[int, torch.Tensor] = {}  # row -> prompt admitted but not prefilled yet
         # measured seconds (EMA) of a step's first forward (it feeds what the target accepted,
         # up to k + 1 tokens) and of each further one-token forward: see draft_cost
         self.first_s = self.step_s = 0.0
@@ -48,6 +49,7 @@ class ModelDrafter(Drafter):
         # the other rows of that batched call are right-padded to it (a draft's cache is small)
         self.cache = self.model.new_cache(len(prompts), 2 * max_len)
         self.fed = [p[:0] for p in prompts]
+        self.admitted = {}
 
     def reserve(self, batch_size: int, max_len: int) -> None:
         self.begin([torch.zeros(0, dtype=torch.long)] * batch_size, max_len, None)
@@ -56,18 +58,29 @@ class ModelDrafter(Drafter):
                                       "load the draft with runtime.load_model")
 
     def admit(self, row: int, prompt: torch.Tensor, hidden: torch.Tensor | None) -> None:
-        """Prefill the prompt into the row's slot of the draft's cache (a view: nothing is
-        allocated; eagerly, so a compiled draft compiles no one-row program)."""
-        slot = CacheRow(self.cache, row)
-        slot.lengths.zero_()
+        """Queue the prompt: the next `propose` prefills it into the row's slot of the draft's cache,
+        in one forward with the rows admitted alongside (views of the cache: nothing is allocated;
+        eagerly, so a compiled draft compiles no program of their count)."""
+        self.cache.lengths[row] = 0
         self.fed[row] = prompt[:0]
-        if prompt.numel() <= self.model.config.max_position_embeddings:  # else the row drafts nothing
-            prefill(self.model, [prompt], slot, eager=getattr(self.model, "compiled", False))
-            self.fed[row] = prompt
+        self.admitted[row] = prompt
 
     def release(self, row: int) -> None:
+        self.admitted.pop(row, None)
         self.fed[row] = self.fed[row][:0]
         self.cache.lengths[row] = 0
+
+    def _prefill_admitted(self) -> None:
+        """Prefill the prompts `admit` queued, one forward per run of consecutive rows (a prompt
+        longer than the draft's context is not read: that row drafts nothing)."""
+        fits = {b: p for b, p in self.admitted.items() if p.numel() <= self.model.config.max_position_embeddings}
+        self.admitted = {}
+        for run in runs(list(fits)):
+            prompts = [fits[b] for b in run]
+            prefill(self.model, prompts, CacheRow(self.cache, run[0], len(run)),
+                    eager=getattr(self.model, "compiled", False))
+            for b, p in zip(run, prompts):
+                self.fed[b] = p
 
     def commit(self, accepted: Accepted) -> None:
         """Roll the cache back to the longest prefix it shares with the committed sequences."""
@@ -100,6 +113,8 @@ class ModelDrafter(Drafter):
         return logits
 
     def propose(self, seqs: list[torch.Tensor], k: int, rows: list[int]) -> DraftTree:
+        if self.admitted:
+            self._prefill_admitted()
         t0 = time.perf_counter()
         B = len(seqs)
         # a row whose k drafts would pass the draft's own context gets none (the target decodes it)
