@@ -13,6 +13,8 @@ here is the identity. With N processes accelerate wraps the trained module in DD
   names stays the global one) and the weight that makes DDP's mean of the per-process gradients
   the gradient of the global batch's mean loss, whatever the slice sizes; a process whose slice
   is empty still runs a step (on one item, weight 0) so that no all-reduce is left waiting.
+- `count_weights` does the same for losses that are means over a varying number of rows per
+  group (EAGLE-3's unrolled steps), with one all-reduce of the row counts.
 - `global_mean` is the logged loss of the whole batch; `synced_clock` makes every process take
   the main process's view of the time budget, so they stop at the same step and follow the same
   deadline-aware learning-rate schedule (parameters stay identical across replicas).
@@ -63,6 +65,18 @@ def local_items(items: Sequence, acc) -> tuple[Sequence, float]:
     """`local_part` applied to a list (e.g. the record ids of one batch): (this process's items, weight)."""
     part, weight = local_part(len(items), acc)
     return items[part], weight
+
+
+def count_weights(counts: Sequence[int], acc) -> list[float] | None:
+    """Loss weights for per-group means over rows (e.g. the unrolled steps of EAGLE-3): group g's
+    weight is its local row count * num_processes / its row count over all processes, so DDP's
+    mean of the weighted per-process losses is the loss of the global batch. None with one process
+    (no weighting). One all-reduce of len(counts) numbers."""
+    if acc.num_processes == 1:
+        return None
+    local = torch.tensor([float(c) for c in counts], device=acc.device)
+    total = acc.reduce(local.clone(), reduction="sum")
+    return (local * acc.num_processes / total.clamp(min=1)).tolist()
 
 
 def global_mean(value: torch.Tensor, acc) -> float:

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from distill.accel import Forward, global_mean, local_items, synced_clock
+from distill.accel import Forward, count_weights, global_mean, local_items, synced_clock
 from distill.config_args import at_least, check_fields
 from distill.eagle_cache import MANIFEST, EagleSplit, cache_eagle_states, load_split, read_manifest
 from distill.selfdistill import read_records
@@ -170,11 +170,12 @@ def soft_targets(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (hidden.float() @ weight.float().T).softmax(-1)
 
 
-def ttt_loss(logits: list[torch.Tensor], teacher: list[torch.Tensor],
-             decay: float) -> tuple[torch.Tensor, list[float | None], list[float | None]]:
+def ttt_loss(logits: list[torch.Tensor], teacher: list[torch.Tensor], decay: float,
+             step_weights: list[float] | None = None) -> tuple[torch.Tensor, list[float | None], list[float | None]]:
     """sum_s decay^s CE(teacher[s], logits[s]) for per-step logits and soft targets (n_s, Vd), each
     CE the mean over its rows of -sum_v p_v log q_v. Returns the loss, CE per step and the accuracy
-    per step (argmax agreement); a step without rows adds 0 and reports None."""
+    per step (argmax agreement); a step without rows adds 0 and reports None. step_weights: a
+    factor per step on its CE (distill.accel.count_weights, for several processes)."""
     loss = logits[0].new_zeros((), dtype=torch.float32)
     ce, acc = [], []
     for s, (q, p) in enumerate(zip(logits, teacher)):
@@ -183,7 +184,7 @@ def ttt_loss(logits: list[torch.Tensor], teacher: list[torch.Tensor],
             acc.append(None)
             continue
         ce_s = -(p * q.float().log_softmax(-1)).sum(-1).mean()
-        loss = loss + decay ** s * ce_s
+        loss = loss + decay ** s * (ce_s if step_weights is None else step_weights[s] * ce_s)
         ce.append(float(ce_s.detach()))
         acc.append(float((q.detach().argmax(-1) == p.argmax(-1)).float().mean()))
     return loss, ce, acc
@@ -421,9 +422,9 @@ def train_eagle(target, data, config: EagleTrainConfig = EagleTrainConfig(), out
                 logits = model_h(target.embed, batch, k)
             with torch.no_grad():
                 teacher = batch_teacher(batch, weight, k)
-            loss, _, hits = ttt_loss(logits, teacher, config.decay)
-            if share != 1.0:
-                loss = loss * share
+            # several processes: each step's CE weighted by this process's share of that step's rows
+            weights = count_weights([q.shape[0] if share else 0 for q in logits], acc)
+            loss, _, hits = ttt_loss(logits, teacher, config.decay, weights)
             opt.zero_grad(set_to_none=True)
             acc.backward(loss)
             acc.clip_grad_norm_(params, config.max_grad_norm)

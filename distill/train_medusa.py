@@ -28,7 +28,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from distill.accel import Forward, global_mean, local_part, synced_clock
+from distill.accel import Forward, count_weights, global_mean, local_part, synced_clock
 from distill.config_args import at_least, check_fields
 from distill.medusa import CONFIG, choose_tree, save_medusa
 from runtime.atomic import atomic_write
@@ -333,10 +333,12 @@ class TrainConfig:
 
 
 def medusa_loss(logits: torch.Tensor, targets: torch.Tensor, decay: float,
-                teacher: torch.Tensor | None = None) -> tuple[torch.Tensor, list[float]]:
+                teacher: torch.Tensor | None = None,
+                head_weights: list[float] | None = None) -> tuple[torch.Tensor, list[float]]:
     """sum_i decay^i CE(logits[i], targets[:, i]) for logits (K, N, V), targets (N, K); a head with
     no target in the batch adds 0. teacher (K, N, V): probabilities to use as soft targets (the
-    cross-entropy against them) at the positions `targets` marks valid.
+    cross-entropy against them) at the positions `targets` marks valid. head_weights: a factor per
+    head on its CE (distill.accel.count_weights, for several processes).
 
     One cross-entropy over all K*N rows rather than one per head: indexing logits[i] per head made
     autograd build and sum K zero-filled (K, N, V) gradients, a third of a training step on the CPU.
@@ -352,6 +354,8 @@ def medusa_loss(logits: torch.Tensor, targets: torch.Tensor, decay: float,
     ce = torch.where(valid, ce, torch.zeros_like(ce)).view(K, N)
     per_head = ce.sum(1) / valid.view(K, N).sum(1).clamp(min=1)  # (K,)
     weights = decay ** torch.arange(K, dtype=torch.float32, device=logits.device)
+    if head_weights is not None:
+        weights = weights * torch.tensor(head_weights, dtype=torch.float32, device=logits.device)
     return (weights * per_head).sum(), per_head.detach().tolist()
 
 
@@ -519,9 +523,9 @@ def train_medusa(heads: MedusaHeads, data_dir: str | Path, out_dir: str | Path,
             set_lr(opt, step, total, secs, dl, config)
             with acc.autocast():
                 logits = model_h(h, vocab)  # (K, n, V or V')
-            loss, _ = medusa_loss(logits, t, config.decay, teacher)
-            if weight != 1.0:
-                loss = loss * weight
+            # several processes: each head's CE weighted by this process's share of its valid rows
+            counts = (t != IGNORE).sum(0).tolist() if weight else [0] * t.shape[1]
+            loss, _ = medusa_loss(logits, t, config.decay, teacher, count_weights(counts, acc))
             opt.zero_grad(set_to_none=True)
             acc.backward(loss)
             opt.step()
