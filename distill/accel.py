@@ -1,7 +1,10 @@
 """Several processes: what the training loops of distill/ share to run unchanged under `accelerate launch`.
 
-    accelerate launch --num_processes 8 -m specdec.cli medusa train ...   # 8 GPUs, NCCL
-    accelerate launch --cpu --num_processes 2 recipes/recover_smollm2_24.py ...   # 2 CPU processes, gloo
+    accelerate launch --multi_gpu --num_processes 8 -m specdec.cli medusa train ...   # 8 GPUs, NCCL
+    accelerate launch --multi_gpu --num_processes 2 recipes/recover_smollm2_24.py ...  # no GPU: 2 CPU processes, gloo
+
+(accelerate's `--cpu` launcher needs MPI for more than one process; without it each process
+would train alone. `--multi_gpu` on a machine without GPUs starts torch.distributed over gloo.)
 
 One process is the same as before: the Accelerator is a plain device holder and every helper
 here is the identity. With N processes accelerate wraps the trained module in DDP:
