@@ -48,6 +48,8 @@ def cmd_data(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from accelerate import PartialState
+
     import runtime
     from distill.config_args import dataclass_from_args
     from distill.medusa import attach_medusa
@@ -62,7 +64,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     if not records:
         raise ValueError(f"no records in {args.data}; run `specdec medusa data` first")
     model = runtime.load_model(args.model, dtype=_dtype(args.dtype))
-    cache_hidden_states(model, records, cache_dir, args.num_heads, deadline=deadline)
+    state = PartialState(cpu=model.device.type == "cpu")
+    with state.main_process_first():  # under accelerate launch the main process caches, the others read
+        cache_hidden_states(model, records, cache_dir, args.num_heads,
+                            deadline=deadline if state.is_main_process else time.monotonic())
     heads = attach_medusa(model, num_heads=args.num_heads, num_layers=args.num_layers,
                           shared_lm_head=not args.separate_lm_heads)
     metrics = train_medusa(heads, cache_dir, args.out, cfg, deadline=deadline)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 from distill.command import _deadline, _dtype, add_data_args, cmd_data
@@ -28,6 +29,8 @@ resumes), loss.png and metrics.json (per-depth held-out accuracy)."""
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from accelerate import PartialState
+
     import runtime
     from distill.config_args import dataclass_from_args
     from distill.eagle_cache import cache_eagle_states, check_eagle_cache_dir
@@ -42,8 +45,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     if not records:
         raise ValueError(f"no records in {args.data}; run `specdec eagle data` first")
     target = runtime.load_model(args.target, dtype=_dtype(args.dtype))
-    cache_eagle_states(target, records, cache_dir, cfg.layers(target.config.num_layers),
-                       heldout_every=cfg.heldout_every, deadline=deadline)
+    state = PartialState(cpu=target.device.type == "cpu")
+    with state.main_process_first():  # under accelerate launch the main process caches, the others read
+        cache_eagle_states(target, records, cache_dir, cfg.layers(target.config.num_layers),
+                           heldout_every=cfg.heldout_every,
+                           deadline=deadline if state.is_main_process else time.monotonic())
     train_eagle(target, cache_dir, cfg, out, deadline=deadline)
     metrics = read_metrics(out)
     held = metrics["heldout"] or {}

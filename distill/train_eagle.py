@@ -352,7 +352,7 @@ def train_eagle(target, data, config: EagleTrainConfig = EagleTrainConfig(), out
     if out_dir is not None:
         out_dir = check_train_dir(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-    state = PartialState()
+    state = PartialState(cpu=target.device.type == "cpu")  # as the Accelerator below will ask
     with tempfile.TemporaryDirectory(prefix="eagle-features-") as scratch, state.main_process_first():
         # several processes: the main one fills OUT/eagle_cache, the others then only read it
         # (each fills its own scratch cache when there is no OUT)

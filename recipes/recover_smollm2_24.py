@@ -159,7 +159,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     out = prepare_output_dir(args.out, MARKERS, what="recovery run", resume=True)
-    state = PartialState()
+    state = PartialState()  # one device per process: the GPU accelerate assigns it, else the CPU
     tok = runtime.load_tokenizer(MODEL)
     with state.main_process_first():
         if state.is_main_process:
@@ -172,8 +172,8 @@ def main() -> None:
         evals = load_file(str(out / "eval_windows.safetensors"))["windows"]
     evals = {src: evals[i::len(SETS)] for i, src in enumerate(SETS)}
     monitor = torch.cat([w[:1] for w in evals.values()])  # (2, T): the perplexity followed during training
-    teacher = runtime.load_model(MODEL, dtype=torch.bfloat16)
-    student = runtime.load_model(out / "sparse", dtype=torch.bfloat16)
+    teacher = runtime.load_model(MODEL, dtype=torch.bfloat16, device=state.device)
+    student = runtime.load_model(out / "sparse", dtype=torch.bfloat16, device=state.device)
     reserve = 1.5 * base["eval_seconds_per_model"] + 30  # final evaluation + save / load
     budget = RunBudget(out / "budget.json", args.max_minutes) if state.is_main_process else None
     try:
