@@ -12,10 +12,12 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from distill.accel import local_part
 from distill.eagle_cache import cache_eagle_states
 from distill.train_medusa import cache_hidden_states
 from runtime.tiny import tiny_model
@@ -112,3 +114,15 @@ def test_two_cpu_processes_match_one_at_the_same_global_batch(tmp_path):
         torch.testing.assert_close(torch.tensor(b[loop]), torch.tensor(a[loop]), rtol=1e-4, atol=1e-5,
                                    msg=lambda m, loop=loop: f"{loop}: {m}")
     assert _files(one) == _files(two)  # the second process wrote nothing of its own
+
+
+@pytest.mark.parametrize("n, world", [(8, 2), (7, 3), (2, 4)])
+def test_local_parts_cover_the_batch_and_weigh_to_its_mean(n, world):
+    losses = torch.arange(n, dtype=torch.float64) ** 2  # a loss per item
+    parts = [local_part(n, SimpleNamespace(num_processes=world, process_index=r)) for r in range(world)]
+    real = [p for p, w in parts if w > 0]
+    assert [i for p in real for i in range(n)[p]] == list(range(n))  # contiguous, in order, each item once
+    # DDP averages the processes' weighted local means: that must be the global mean
+    ddp = sum(w * float(losses[p].mean()) for p, w in parts) / world
+    assert ddp == pytest.approx(float(losses.mean()))
+    assert all(p == slice(0, 1) for p, w in parts if w == 0)  # an idle process still has an item to run
