@@ -1,9 +1,9 @@
 """`specdec distill ...`: distillation pipelines. `distill draft` runs distill.distill_draft (DistillSpec).
 
-`register(subparsers)` adds the `distill` command to the `specdec` CLI with its `draft`
-subcommand. Other distillation pipelines add their own subcommands to the same parser through
-`distill_subparsers(subparsers)`, which creates the `distill` command once and returns its
-sub-parsers. `distill draft` derives its training flags from the fields of `DistillConfig`
+`register(subparsers)` adds the `distill` command to the `specdec` CLI with its `draft` and
+`recover` (distill.recover_command) subcommands. Pipelines add their subcommands to the same
+parser through `distill_subparsers(subparsers)`, which creates the `distill` command once and
+returns its sub-parsers. `distill draft` derives its training flags from the fields of `DistillConfig`
 (distill.config_args), so its defaults are the function's.
 """
 
@@ -32,7 +32,8 @@ def distill_subparsers(subparsers) -> argparse._SubParsersAction:
     distillation pipeline adds its subcommand here (`distill_subparsers(sub).add_parser("recover")`)."""
     parser = subparsers.choices.get("distill")
     if parser is None:
-        parser = subparsers.add_parser("distill", help="distillation: align a draft to its target (draft), ...",
+        parser = subparsers.add_parser("distill", help="distillation: align a draft to its target (draft), recover "
+                                                       "a compressed model (recover)",
                                        description="Distillation pipelines (`specdec distill SUBCOMMAND --help`).")
         parser.subcommands = parser.add_subparsers(dest="distill_command", required=True, metavar="SUBCOMMAND")
     return parser.subcommands
@@ -87,11 +88,13 @@ def add_prompt_args(p: argparse.ArgumentParser) -> None:
 
 
 def register(subparsers) -> None:
-    """Add `distill draft` to the `specdec` CLI."""
+    """Add `distill draft` and `distill recover` (distill.recover_command) to the `specdec` CLI."""
     from distill.config_args import add_dataclass_args
     from distill.draft import DistillConfig
+    from distill.recover_command import add_recover_parser
 
-    d = distill_subparsers(subparsers).add_parser(
+    sub = distill_subparsers(subparsers)
+    d = sub.add_parser(
         "draft", help="DistillSpec: distil a draft model toward its target (on-policy KD)",
         description=DRAFT_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     d.add_argument("--target", required=True, help="the target: catalogue name or checkpoint directory")
@@ -108,3 +111,4 @@ def register(subparsers) -> None:
                    help="stop training after this many minutes; the draft is still saved, and the same command "
                         "resumes")
     d.set_defaults(func=cmd_draft)
+    add_recover_parser(sub)

@@ -189,12 +189,14 @@ def test_two_processes_match_one_at_the_same_global_batch(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, str(script), str(tmp_path / "one"), "4"], check=True, env=env, timeout=120)
-    # accelerate's --cpu launcher starts several processes only through MPI; its torchrun launcher
-    # (--multi_gpu) starts two, and distill_draft's Accelerator(cpu=True) joins them over gloo
-    subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                    "--main_process_port", str(port), "--mixed_precision", "no", str(script), str(tmp_path / "two"),
-                    "2"], check=True, env=env, timeout=180)
+    subprocess.run([sys.executable, str(script), str(tmp_path / "one"), "4"], check=True, env=env, timeout=300)
+    # `accelerate launch --cpu --num_processes 2` started a single process here (accelerate 1.15); its
+    # torchrun launcher (--multi_gpu) starts two, and distill_draft's Accelerator(cpu=True) joins them over gloo
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--main_process_port", str(port), "--mixed_precision", "no"]
+    run = subprocess.run([*launch, str(script), str(tmp_path / "two"), "2"], env=env, timeout=300,
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-4000:]
     one, two = (json.loads((tmp_path / d / "distill_metrics.json").read_text()) for d in ("one", "two"))
     assert (one["processes"], two["processes"]) == (1, 2)
     assert two["losses"] == pytest.approx(one["losses"], rel=1e-3)
@@ -220,6 +222,7 @@ def test_cli_flags_come_from_the_config_and_the_command_takes_more_subcommands()
     with pytest.raises(SystemExit):
         parser.parse_args(["distill", "draft", "--target", "t", "--draft", "d", "--out", "o", "--beta", "2"])
     top = parser._subparsers._group_actions[0]  # another pipeline adds its subcommand to the same command
+    assert {"draft", "recover"} <= set(distill_subparsers(top).choices)
     distill_subparsers(top).add_parser("other").set_defaults(func=lambda a: 0)
     assert parser.parse_args(["distill", "other"]).distill_command == "other"
 
