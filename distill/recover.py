@@ -85,7 +85,7 @@ class RecoverConfig:
                                                         "check": at_least(1)})
     mixed_precision: str = field(default="auto", metadata={
         "help": "autocast mode of training; auto: bf16 where the hardware multiplies it natively, else float32",
-        "choices": ("auto", "no", "bf16", "fp16")})
+        "choices": ("auto", "no", "bf16")})
     seed: int = field(default=0, metadata={"help": "seed of the window order"})
 
     def __post_init__(self) -> None:
@@ -276,7 +276,10 @@ def recover(student: nn.Module, teacher: nn.Module, data: torch.Tensor, config: 
     if out_dir is not None:
         out_dir = check_recover_dir(out_dir)
     device, dtype = student.device, student.dtype
-    acc = Accelerator(cpu=device.type == "cpu", mixed_precision=config.autocast_mode(device))
+    # bf16 autocast applied here, not through accelerate's process-wide mixed-precision state, which
+    # refuses a second setting in one process (another training loop run before this one)
+    acc = Accelerator(cpu=device.type == "cpu")
+    bf16 = config.autocast_mode(device) == "bf16"
     if out_dir is not None and acc.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
     unmask_sparse(student)
@@ -339,7 +342,7 @@ def recover(student: nn.Module, teacher: nn.Module, data: torch.Tensor, config: 
                 scale = weight * tokens.shape[0] / local.shape[0]
                 sync = acc.no_sync(model) if i < len(chunks) - 1 else nullcontext()
                 with sync:
-                    with acc.autocast():
+                    with torch.autocast(acc.device.type, dtype=torch.bfloat16, enabled=bf16):
                         logits = model(tokens, positions.expand_as(tokens), None)  # (b, T, V)
                     loss = kd_loss(logits, target, tokens, config.temperature, config.ce_weight) * scale
                     acc.backward(loss)

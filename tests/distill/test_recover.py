@@ -171,3 +171,15 @@ def test_recover_command_flags_are_the_configs():
     assert dataclass_from_args(RecoverConfig, args) == RecoverConfig(lr=2e-4, train_norms=False)
     with pytest.raises(SystemExit):
         p.parse_args(["--student", "s", "--teacher", "t", "--out", "o", "--micro-batch", "0"])
+
+
+def test_bf16_autocast_trains_and_keeps_the_mask(teacher):
+    student = _student(teacher)
+    masks = _masks(student)
+    before = {n: m.values.clone() for n, m in _sparse(student).items()}
+    metrics = distill.recover(student, teacher, _windows(16, 0), RecoverConfig(**{**CFG, "steps": 3,
+                                                                                  "mixed_precision": "bf16"}))
+    assert metrics["steps"] == 3 and all(torch.isfinite(torch.tensor(metrics["losses"])))
+    assert student.dtype == torch.float32
+    _assert_24(student, masks)
+    assert any(not torch.equal(before[n], m.values) for n, m in _sparse(student).items())
