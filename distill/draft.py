@@ -19,11 +19,11 @@ Each step (`distill_draft`):
    process follows the main process's clock: distill.accel).
 
 Every `eval_every` steps the main process measures held-out acceptance: greedy speculative
-decoding of the target with the draft on the held-out prompts (`specdec.generate`; tau and the
-acceptance rate of its AcceptanceStats). OUT receives atomic checkpoints every
-`checkpoint_every` steps (OUT/distill_checkpoint/step-N: the trainable weights as safetensors,
-optimizer.pt of tensors only, trainer.json; `latest.json` names the newest, written last), the
-distilled draft as a Hugging Face checkpoint (model.safetensors + config.json + tokenizer:
+decoding of the target with the draft (a copy in the target's dtype) on the held-out prompts
+(`specdec.generate`; tau and the acceptance rate of its AcceptanceStats). OUT receives atomic
+checkpoints every `checkpoint_every` steps (OUT/distill_checkpoint/step-N: the trainable weights
+as safetensors, optimizer.pt of tensors only, trainer.json; `latest.json` names the newest,
+written last), the distilled draft as a Hugging Face checkpoint (model.safetensors + config.json + tokenizer:
 `runtime.load_model(OUT)`, `specdec eval --methods draft:OUT`, `quant` compresses it),
 distill_metrics.json and distill.png (loss and held-out acceptance over the steps).
 """
@@ -362,9 +362,12 @@ def distill_draft(target, draft, prompts, config: DistillConfig = DistillConfig(
 
     def measure() -> None:
         if held_prompts and acc.is_main_process:
-            raw.eval()
-            evals.append({"step": step, **heldout_acceptance(target, raw, held_prompts, config, eos_token_id)})
+            # the draft as it will serve, in the target's dtype (a bf16 copy reads half the bytes of float32)
+            probe = raw if raw.dtype == target.dtype else copy.deepcopy(raw).to(target.dtype)
+            probe.eval()
+            evals.append({"step": step, **heldout_acceptance(target, probe, held_prompts, config, eos_token_id)})
             raw.train()
+            del probe
             bar.set_postfix(loss=f"{losses[-1]:.4f}" if losses else "-", tau=f"{evals[-1]['tau']:.2f}", refresh=False)
         acc.wait_for_everyone()
 
