@@ -293,3 +293,24 @@ def test_a_compiled_target_keeps_the_batch_and_its_programs(target):
     for req in reqs:
         assert req.tokens == _alone(target, "ngram", req.prompt, req.params.max_new_tokens)
     assert shapes and {b for b, _ in shapes} == {2}
+
+
+def test_a_cache_row_view_writes_into_the_shared_cache(target):
+    from specdec.rows import CacheRow, prefill, runs
+
+    assert runs([3, 0, 1, 5, 4]) == [[0, 1], [3, 4, 5]]
+    cache = target.new_cache(3, 32)
+    cache.lengths[:] = torch.tensor([5, 7, 2])
+    pool_k = cache.k.clone()
+    slot = CacheRow(cache, 1, 2)  # rows 1 and 2
+    slot.lengths.zero_()
+    prompts = _prompts([6, 4], seed=12)
+    logits = prefill(target, prompts, slot)  # (2, V)
+    assert cache.lengths.tolist() == [5, 6, 4]  # the view's lengths are the pool's
+    assert torch.equal(cache.k[:, 0], pool_k[:, 0])  # row 0 untouched
+    alone = target.new_cache(1, 32)
+    ref = prefill(target, prompts[:1], alone)
+    assert torch.allclose(logits[0], ref[0], atol=1e-5)
+    assert torch.allclose(cache.k[:, 1, :, :6], alone.k[:, 0, :, :6], atol=1e-6)
+    with pytest.raises(ValueError, match="outside"):
+        CacheRow(cache, 2, 2)
