@@ -17,6 +17,8 @@ int32 packed along the output dimension), `weight_shape`. Layouts (runtime.compr
   such group onto the nearest integer zero point in place (codes re-rounded, error <= scale / 2 per
   weight, reported as SQNR); the export does the same on its copy with a logged warning. After
   `align_zero_points` the export is exact: transformers, vLLM and specdec compute the same weights.
+  The move costs quality (smollm2, INT4 g64 RTN: perplexity 8.57 -> 13.94, dense 6.54; docs/exports.md);
+  INT8 exports are exact as they are.
   GPTQ with act_order here keeps groups in input order (static groups), so it is actorder "weight"
   and needs no g_idx.
 - 2:4 sparse linears (and any other format) are written dense: vLLM dropped the 2:4 sparse format
@@ -168,8 +170,9 @@ def build_export(model: nn.Module, dtype: torch.dtype | None = None) -> tuple[di
     if moved:
         log.warning("compressed-tensors export: %d INT4 groups have a zero point off the integer grid "
                     "compressed-tensors stores; they were moved to the nearest integer zero point (codes "
-                    "re-rounded, error <= scale / 2). Run quant.compressed_tensors.align_zero_points(model) "
-                    "before evaluating and exporting to make the export exact", moved)
+                    "re-rounded, error <= scale / 2; this costs quality, e.g. smollm2 INT4 g64 perplexity "
+                    "8.57 -> 13.94, docs/exports.md). Run quant.compressed_tensors.align_zero_points(model) "
+                    "before evaluating and exporting so that what you measure is what you export", moved)
     state = dense_hf_state(model, dtype, skip=set(packed_ours))
     by_scheme: dict[WeightScheme, list[str]] = defaultdict(list)
     for ours, (scheme, t) in packed_ours.items():
