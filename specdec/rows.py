@@ -93,8 +93,10 @@ class RowState:
     done: list[bool] = field(init=False)
     limits: list[int] = field(init=False)
     stops: list[frozenset[int]] = field(init=False)
+    seqs: list[torch.Tensor] = field(init=False)  # prompt + new per row, extended once per emit
 
     def __post_init__(self) -> None:
+        self.seqs = list(self.prompts)
         self.new = [[] for _ in self.prompts]
         self.done = [self.max_new_tokens == 0 for _ in self.prompts]
         self.limits = [self.max_new_tokens for _ in self.prompts]
@@ -102,7 +104,7 @@ class RowState:
 
     def reset(self, row: int, prompt: torch.Tensor, max_new_tokens: int, eos: frozenset[int]) -> None:
         """Start `row` over with `prompt` (1-D), its own token limit and stop tokens."""
-        self.prompts[row], self.new[row] = prompt, []
+        self.prompts[row], self.new[row], self.seqs[row] = prompt, [], prompt
         self.limits[row], self.stops[row] = max_new_tokens, eos
         self.done[row] = max_new_tokens == 0
 
@@ -121,6 +123,8 @@ class RowState:
             kept += 1
             if t in stops or len(new) >= limit:
                 self.done[row] = True
+        if kept:
+            self.seqs[row] = torch.cat([self.seqs[row], torch.tensor(new[-kept:], dtype=torch.long)])
         return kept
 
     def budget(self, row: int) -> int:
@@ -135,7 +139,8 @@ class RowState:
         return [b for b, d in enumerate(self.done) if not d]
 
     def sequences(self) -> list[torch.Tensor]:
-        return [torch.cat([p, torch.tensor(n, dtype=torch.long)]) for p, n in zip(self.prompts, self.new)]
+        """Every row's prompt + new tokens (kept up to date by `emit`: no per-call rebuild; read only)."""
+        return list(self.seqs)
 
 
 class CacheRow(KVCache):
