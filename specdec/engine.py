@@ -149,7 +149,8 @@ class Engine:
         self._live: dict[str, Request] = {}
         self._cancel: set[str] = set()
         self._lock = threading.RLock()  # re-entrant: a listener may submit or cancel
-        self._counts = collections.Counter()
+        self._counts = collections.Counter(requests_total=0, requests_finished=0, finished_stop=0,
+                                           finished_length=0, finished_cancelled=0, steps=0)
         self._ttft: collections.deque[float] = collections.deque(maxlen=_RECENT)
         self._tpot: collections.deque[float] = collections.deque(maxlen=_RECENT)
 
@@ -247,7 +248,8 @@ class Engine:
             if req is not None and self.loop.state.done[b]:
                 last = req.tokens[-1] if req.tokens else None
                 self._retire(b, "stop" if last in self.loop.state.stops[b] else "length", finished)
-        self._counts["steps"] += 1
+        with self._lock:  # metrics copies the counters under the lock from other threads
+            self._counts["steps"] += 1
         return finished
 
     def run_until_done(self) -> None:
@@ -314,8 +316,7 @@ class Engine:
         conventions: tau = generated tokens per target forward, per row), and p50 / p95 TTFT and
         TPOT of the last finished requests."""
         s: AcceptanceStats = self.loop.stats
-        out = {"requests_total": 0, "requests_finished": 0, "finished_stop": 0, "finished_length": 0,
-               "finished_cancelled": 0, "steps": 0}
+        out = {}
         with self._lock:
             out.update(self._counts)
             recent = {"ttft_s": sorted(self._ttft), "tpot_s": sorted(self._tpot)}
