@@ -109,8 +109,9 @@ def quantize_(model: nn.Module, config: Config, calibration: torch.Tensor | None
 
         def gptq(name: str, mod: nn.Linear, stats) -> nn.Module:
             res = solve(mod.weight, stats.H, damp=config.damp, block_size=config.block_size,
-                        group_size=config.group_size, act_order=config.act_order, grid=config.grid)
-            return int4_module(res.codes, res.scales, res.zeros, config.group_size, _bias(mod))
+                        group_size=config.group_size, act_order=config.act_order, grid=config.grid,
+                        zero_point=config.zero_point)
+            return int4_module(res.codes, res.scales, res.zeros, config.group_size, _bias(mod), config.zero_point)
 
         compress_layerwise(model, batches, targets, "hessian", gptq, "gptq", progress=progress)
     else:
@@ -125,7 +126,7 @@ def _round_to_nearest(mod: nn.Linear, cfg: Config) -> nn.Module:
     if isinstance(cfg, Int8WeightOnly):
         return int8_rtn(w, b)
     if isinstance(cfg, Int4WeightOnly):
-        return int4_rtn(w, cfg.group_size, b, cfg.grid)
+        return int4_rtn(w, cfg.group_size, b, cfg.grid, cfg.zero_point)
     if isinstance(cfg, NF4):
         return NF4Linear.quantize(w, b, cfg.blocksize, cfg.double_quant)
     return Int8MixedLinear.quantize(w, b, cfg.threshold)

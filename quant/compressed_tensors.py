@@ -11,14 +11,14 @@ int32 packed along the output dimension), `weight_shape`. Layouts (runtime.compr
 - `Int8Linear` (per-channel symmetric INT8) -> 8 bits, strategy "channel", symmetric: the same codes
   and scales, exactly.
 - `Int4Linear` (group-wise, w = (q - 8) * s + z) -> 4 bits, strategy "group": codes q - 8, the same
-  scales, and the integer zero point zp = -z / s. compressed-tensors stores zero points as integers;
-  our grids choose z as a float (zero = min + 8 * scale, the layout PyTorch's INT4 kernels take), so
-  a group whose z / s is not an integer cannot be stored as is. `align_zero_points(model)` moves each
-  such group onto the nearest integer zero point in place (codes re-rounded, error <= scale / 2 per
-  weight, reported as SQNR); the export does the same on its copy with a logged warning. After
-  `align_zero_points` the export is exact: transformers, vLLM and specdec compute the same weights.
-  The move costs quality (smollm2, INT4 g64 RTN: perplexity 8.57 -> 13.94, dense 6.54; docs/exports.md);
-  INT8 exports are exact as they are.
+  scales, and the integer zero point zp = -z / s. compressed-tensors stores zero points as integers.
+  A model quantized with `Int4WeightOnly(zero_point="integer")` (RTN or GPTQ) has them already
+  (z = -zp * s exactly, in float32), so its export is exact as it is. With float zeros (the form
+  PyTorch's INT4 kernels take, zero = min + 8 * scale) a group whose z / s is not an integer cannot be
+  stored as is: `align_zero_points(model)` moves each such group onto the nearest integer zero point in
+  place (codes re-rounded, error <= scale / 2 per weight, reported as SQNR); the export does the same
+  on its copy with a logged warning. The move costs quality (smollm2, INT4 g64 RTN: perplexity
+  8.57 -> 13.94, dense 6.54; docs/exports.md); INT8 exports are exact as they are.
   GPTQ with act_order here keeps groups in input order (static groups), so it is actorder "weight"
   and needs no g_idx.
 - 2:4 sparse linears (and any other format) are written dense: vLLM dropped the 2:4 sparse format
@@ -51,7 +51,7 @@ from runtime.compressed_tensors import (
     pack_int32,
 )
 from runtime.outputs import prepare_output_dir, write_output_dir
-from runtime.qlinear import Int4Linear, Int8Linear, QuantizedLinear, Sparse24Linear, pack_int4
+from runtime.qlinear import Int4Linear, Int8Linear, QuantizedLinear, Sparse24Linear, integer_zero_points, pack_int4
 
 log = logging.getLogger(__name__)
 
@@ -61,10 +61,8 @@ CT_VERSION = "0.20.0"  # the compressed-tensors release whose schema this writes
 
 def _zero_points(mod: Int4Linear) -> tuple[torch.Tensor, torch.Tensor]:
     """(integer zero points (N, G) int64 in [-8, 7], mask (N, G) of groups where -zp * s == z exactly)."""
-    s, z = mod.scales.to(torch.float32), mod.zeros.to(torch.float32)
-    zp = torch.round(-z / s).clamp(-8, 7)
-    exact = (-zp * s) == z
-    return zp.to(torch.int64), exact
+    z, exact = integer_zero_points(mod.scales, mod.zeros)
+    return z - 8, exact
 
 
 def align_zero_points(model: nn.Module) -> dict[str, Any]:
@@ -74,7 +72,8 @@ def align_zero_points(model: nn.Module) -> dict[str, Any]:
     Per group: zp = round(-z / s) clamped to [-8, 7], codes re-rounded to clamp(round(w / s + zp), -8, 7)
     from the current weights w, zeros set to -zp * s (stored in float32, where it is exact). Groups
     already on the lattice keep their codes. Returns {"groups", "moved", "sqnr_db"} (SQNR of the new
-    weights against the old, over the moved modules; inf when nothing moved).
+    weights against the old, over the moved modules; inf when nothing moved). Every Int4Linear is
+    marked zero_point="integer" afterwards. A model quantized with zero_point="integer" moves nothing.
     """
     groups = moved = 0
     signal = noise = 0.0
@@ -84,6 +83,7 @@ def align_zero_points(model: nn.Module) -> dict[str, Any]:
         zp, exact = _zero_points(mod)
         groups += exact.numel()
         if bool(exact.all()):
+            mod.zero_point = "integer"
             continue
         moved += int((~exact).sum())
         codes, zeros = _aligned_int4(mod, zp)
@@ -91,6 +91,7 @@ def align_zero_points(model: nn.Module) -> dict[str, Any]:
         mod.qweight.copy_(pack_int4(codes.to(torch.int32) + 8))
         mod.zeros = zeros  # float32: -zp * s is exact there, not always in bf16
         mod._sz = None
+        mod.zero_point = "integer"
         new = mod.dequantize(torch.float32)
         signal += float(old.double().pow(2).sum())
         noise += float((old - new).double().pow(2).sum())

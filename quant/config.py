@@ -16,6 +16,7 @@ GROUP_SIZES = (32, 64, 128, 256)
 NF4_BLOCKSIZES = (64, 128, 256, 512, 1024, 2048, 4096)
 INT4_GRIDS = ("mse", "minmax")
 GPTQ_GRIDS = (*INT4_GRIDS, "hmse")  # "hmse": weighted by the calibration Hessian's diagonal
+ZERO_POINTS = ("float", "integer")  # INT4 zero kinds (quant.grids.int4_grid)
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,11 @@ class Int4WeightOnly(ModuleFilter):
     with each weight's rounding error weighted by its input's mean square (diag of the
     calibration Hessian); it lowers the held-out layer-output error a little (BENCHMARKS.md
     section 3), perplexity within noise, so it is not a default.
+
+    zero_point "integer" picks, per group, an integer zero point z in [0, 15] (w = (q - z) * s, the
+    form GPTQ, AutoGPTQ and compressed-tensors store), so a compressed-tensors export holds the
+    weights exactly; "float" lets the zero be any bf16 value (a compressed-tensors export must then
+    move each group onto an integer zero point, quant.compressed_tensors.align_zero_points).
     """
 
     group_size: int = 128
@@ -63,6 +69,7 @@ class Int4WeightOnly(ModuleFilter):
     grid: str | None = None
     damp: float = 0.01
     block_size: int = 128
+    zero_point: str = "float"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -78,6 +85,9 @@ class Int4WeightOnly(ModuleFilter):
                              f"got {self.grid!r}")
         if self.act_order and self.method != "gptq":
             raise ValueError("Int4WeightOnly.act_order only applies to method='gptq'")
+        if self.zero_point not in ZERO_POINTS:
+            raise ValueError(f"Int4WeightOnly.zero_point must be one of {ZERO_POINTS} ('integer' exports to "
+                             f"compressed-tensors exactly), got {self.zero_point!r}")
         _check_damp(self)
         if self.block_size < 1 or self.block_size % 4:
             raise ValueError(f"Int4WeightOnly.block_size must be a positive multiple of 4, got {self.block_size}")

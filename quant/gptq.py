@@ -61,13 +61,15 @@ def _inverse_cholesky(H: torch.Tensor, damp: float) -> torch.Tensor:
 
 def solve(weight: torch.Tensor, H: torch.Tensor, *, damp: float = 0.01, block_size: int = 128,
           group_size: int | None = None, sparse24: bool = False, act_order: bool = False,
-          grid: str = "mse") -> SolverResult:
+          grid: str = "mse", zero_point: str = "float") -> SolverResult:
     """Quantize to INT4 (group_size set) and/or prune 2:4 (sparse24) one (N, K) weight with GPTQ feedback.
 
     `grid` picks each group's INT4 grid (quant.grids.int4_grid), from the group's weights as
     updated by the feedback so far when its first column is reached (static before any update
     with act_order). grid "hmse" is "mse" with each input's rounding error weighted by its
     diag(H) (the input's mean square), so a clip spares the weights that see the largest inputs.
+    `zero_point` "integer" restricts every grid to an integer zero point (int4_grid), so the error
+    feedback sees exactly the weights a compressed-tensors export stores.
     """
     if group_size is None and not sparse24:
         raise ValueError("solve() needs group_size (INT4), sparse24=True, or both")
@@ -87,7 +89,7 @@ def solve(weight: torch.Tensor, H: torch.Tensor, *, damp: float = 0.01, block_si
         zeros = torch.zeros(N, ngroups, device=W.device)
         if act_order:  # static groups: grids from the (unpermuted) weights before any update
             imp = torch.diag(H).view(ngroups, group_size) if grid == "hmse" else None
-            scales, zeros = int4_grid(W.view(N, ngroups, group_size), base_grid, imp)
+            scales, zeros = int4_grid(W.view(N, ngroups, group_size), base_grid, imp, zero_point)
         block_size = -(-max(block_size, group_size) // group_size) * group_size
     if perm is not None:
         W, H = W[:, perm], H[perm][:, perm]
@@ -113,7 +115,7 @@ def solve(weight: torch.Tensor, H: torch.Tensor, *, damp: float = 0.01, block_si
                 g = orig // group_size
                 if perm is None and orig % group_size == 0:
                     imp = torch.diag(H)[col:col + group_size] if grid == "hmse" else None
-                    scales[:, g], zeros[:, g] = int4_grid(W1[:, i:i + group_size], base_grid, imp)
+                    scales[:, g], zeros[:, g] = int4_grid(W1[:, i:i + group_size], base_grid, imp, zero_point)
                 c = int4_codes(w, scales[:, g], zeros[:, g])
                 codes[:, col] = c
                 q = int4_dequant(c, scales[:, g], zeros[:, g])

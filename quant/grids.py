@@ -2,13 +2,17 @@
 
 Scales and zeros are rounded to bfloat16 when they are chosen, so the grid used while
 quantizing (RTN or GPTQ) is exactly the grid the stored checkpoint and the kernels use.
+INT4 zeros come in two kinds (Int4WeightOnly.zero_point): "float" (any bf16 zero) and "integer"
+(w = (q - z) * s with an integer z in [0, 15], as compressed-tensors / GPTQ store it). An integer
+grid's zero in our kernel form, (8 - z) * s, is kept in float32, where it is exact (a bf16 scale
+times an integer of at most 4 bits fits float32's mantissa; bf16 would round it).
 """
 
 from __future__ import annotations
 
 import torch
 
-from quant.config import INT4_GRIDS
+from quant.config import INT4_GRIDS, ZERO_POINTS
 from runtime.qlinear import Int4Linear, Int8Linear, pack_int4
 
 GRID_DTYPE = torch.bfloat16
@@ -31,28 +35,46 @@ def _minmax_grid(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torc
     return scale.to(torch.float32), zero.to(torch.float32)
 
 
-def int4_grid(w: torch.Tensor, grid: str = "mse",
-              importance: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Asymmetric grid of each row of `w` (N, G): scale and zero (N,) in GRID_DTYPE precision.
+def _integer_grid(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Min-max grid of [min(lo, 0), max(hi, 0)] with an integer zero point z = round(-lo / s) in [0, 15]."""
+    lo, hi = lo.clamp(max=0), hi.clamp(min=0)
+    scale = ((hi - lo) / 15).clamp(min=1e-6).to(GRID_DTYPE).to(torch.float32)
+    z = torch.round(-lo / scale).clamp(0, 15)
+    return scale, (8 - z) * scale  # zero in the kernel form, exact in float32
+
+
+def int4_grid(w: torch.Tensor, grid: str = "mse", importance: torch.Tensor | None = None,
+              zero_point: str = "float") -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric grid of each row of `w` (N, G): scale and zero (N,) as float32.
 
     Dequantization is (q - 8) * scale + zero for codes q in [0, 15], so zero = min + 8 * scale.
     grid "minmax" spans [min, max] of the row. "mse" (after the GPTQ reference's `mse` option)
-    also tries the range shrunk about its midpoint to 0.99 ... 0.80 of its width and keeps, per
-    row, the grid with the smallest squared rounding error: clipping the rare extreme weights
-    buys a finer step for all the others. It is never worse than "minmax" (ratio 1 is the start).
+    also tries the range shrunk to 0.99 ... 0.80 of its width and keeps, per row, the grid with
+    the smallest squared rounding error: clipping the rare extreme weights buys a finer step for
+    all the others. It is never worse than "minmax" (ratio 1 is the start).
     `importance` (broadcast to w, e.g. GPTQ's diag(H) per input) weights each weight's error in
     that choice, so the clip spares the weights that see the largest inputs.
+    zero_point "float": scale and zero are bf16 values, the range shrinks about its midpoint.
+    "integer": the range is widened to contain 0 and shrinks towards 0 (as in the GPTQ reference),
+    the scale is a bf16 value and zero = (8 - z) * scale for an integer z in [0, 15] (float32, exact).
     """
     if grid not in INT4_GRIDS:
         raise ValueError(f"INT4 grid must be one of {INT4_GRIDS}, got {grid!r}")
+    if zero_point not in ZERO_POINTS:
+        raise ValueError(f"INT4 zero_point must be one of {ZERO_POINTS}, got {zero_point!r}")
     lo, hi = w.amin(dim=-1), w.amax(dim=-1)
-    best_scale, best_zero = _minmax_grid(lo, hi)
+    integer = zero_point == "integer"
+    make = _integer_grid if integer else _minmax_grid
+    best_scale, best_zero = make(lo, hi)
     if grid == "minmax":
         return best_scale, best_zero
     best_err = _rounding_error(w, best_scale, best_zero, importance)
     mid, half = (lo + hi) / 2, (hi - lo) / 2
     for ratio in GRID_SEARCH_RATIOS:
-        scale, zero = _minmax_grid(mid - ratio * half, mid + ratio * half)
+        if integer:  # about 0, which the grid must hold
+            scale, zero = make(ratio * lo, ratio * hi)
+        else:
+            scale, zero = make(mid - ratio * half, mid + ratio * half)
         err = _rounding_error(w, scale, zero, importance)
         better = err < best_err
         best_err = torch.where(better, err, best_err)
@@ -79,10 +101,11 @@ def int4_dequant(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -
 
 
 def int4_module(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-                bias: torch.Tensor | None) -> Int4Linear:
-    """Build the Int4Linear from (N, K) codes and (N, K/G) float32 scales / zeros."""
+                bias: torch.Tensor | None, zero_point: str = "float") -> Int4Linear:
+    """Build the Int4Linear from (N, K) codes and (N, K/G) float32 scales / zeros (integer zeros stay float32)."""
+    zero_dtype = torch.float32 if zero_point == "integer" else GRID_DTYPE
     return Int4Linear(pack_int4(codes.to(torch.int32)), scales.to(GRID_DTYPE).contiguous(),
-                      zeros.to(GRID_DTYPE).contiguous(), group_size, bias)
+                      zeros.to(zero_dtype).contiguous(), group_size, bias, zero_point=zero_point)
 
 
 def check_group_size(name: str, in_features: int, group_size: int) -> None:
@@ -92,13 +115,13 @@ def check_group_size(name: str, in_features: int, group_size: int) -> None:
 
 
 def int4_rtn(weight: torch.Tensor, group_size: int, bias: torch.Tensor | None = None,
-             grid: str = "mse") -> Int4Linear:
+             grid: str = "mse", zero_point: str = "float") -> Int4Linear:
     """Round-to-nearest INT4 with one grid (see int4_grid) per group of `group_size` inputs."""
     N, K = weight.shape
     w = weight.to(torch.float32).view(N, K // group_size, group_size)  # (N, K/G, G)
-    scale, zero = int4_grid(w, grid)  # (N, K/G)
+    scale, zero = int4_grid(w, grid, zero_point=zero_point)  # (N, K/G)
     codes = int4_codes(w, scale[..., None], zero[..., None]).view(N, K)
-    return int4_module(codes, scale, zero, group_size, bias)
+    return int4_module(codes, scale, zero, group_size, bias, zero_point)
 
 
 def mask_24(scores: torch.Tensor) -> torch.Tensor:

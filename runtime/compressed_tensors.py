@@ -307,7 +307,7 @@ def _int4_module(parts: list[PackedLinear], bias: torch.Tensor | None) -> Int4Li
     zeros = -zp.to(torch.float32) * scales.to(torch.float32)  # (N, K/G)
     if K % group:
         raise ValueError(f"group size {group} does not divide {K}")
-    return Int4Linear(pack_int4(codes), scales, zeros, group, bias)
+    return Int4Linear(pack_int4(codes), scales, zeros, group, bias, zero_point="integer")
 
 
 def _int8_module(parts: list[PackedLinear], bias: torch.Tensor | None) -> Int8Linear:

@@ -217,17 +217,28 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([low, high], dim=-1).flatten(-2).to(torch.int32)  # (N, K)
 
 
+def integer_zero_points(scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(z = round(8 - zeros / scales) clamped to [0, 15] as int64, mask where zeros == (8 - z) * scales exactly)."""
+    s, zf = scales.to(torch.float32), zeros.to(torch.float32)
+    z = torch.round(8 - zf / s).clamp(0, 15)
+    return z.to(torch.int64), (8 - z) * s == zf
+
+
 class Int4Linear(QuantizedLinear):
     """Group-wise asymmetric INT4: w[n, k] = (q[n, k] - 8) * scales[n, g] + zeros[n, g], g = k // G.
 
     This is the convention of PyTorch's `_weight_int4pack_mm*` ops (zero = min + 8 * scale),
     so the scales and zeros feed the kernels unchanged. Storage: two codes per byte.
+    zero_point "integer" says every group has an integer zero point z in [0, 15]: zeros = (8 - z) *
+    scales exactly (kept in float32; checked here), the form compressed-tensors stores. The kernels
+    round the zeros to the activation dtype (bf16: relative error <= 2^-9 of |zero|).
     """
 
     FORMAT = "int4"
+    ZERO_POINTS = ("float", "integer")
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-                 bias: torch.Tensor | None = None) -> None:
+                 bias: torch.Tensor | None = None, zero_point: str = "float") -> None:
         out_features, half = qweight.shape
         in_features = 2 * half
         if qweight.dtype != torch.uint8 or in_features % group_size:
@@ -237,8 +248,14 @@ class Int4Linear(QuantizedLinear):
         if scales.shape != groups or zeros.shape != groups:
             raise ValueError(f"Int4Linear scales/zeros must be {groups}, got {tuple(scales.shape)} and "
                              f"{tuple(zeros.shape)}")
+        if zero_point not in self.ZERO_POINTS:
+            raise ValueError(f"Int4Linear zero_point must be one of {self.ZERO_POINTS}, got {zero_point!r}")
+        if zero_point == "integer" and not bool(integer_zero_points(scales, zeros)[1].all()):
+            raise ValueError("Int4Linear(zero_point='integer') needs zeros == (8 - z) * scales for integers z in "
+                             "[0, 15], exactly (store such zeros in float32); use zero_point='float' otherwise")
         super().__init__(in_features, out_features, bias)
         self.group_size = group_size
+        self.zero_point = zero_point
         self.register_buffer("qweight", qweight)  # (N, K/2) uint8
         self.register_buffer("scales", scales)  # (N, K/G)
         self.register_buffer("zeros", zeros)  # (N, K/G)
@@ -258,12 +275,12 @@ class Int4Linear(QuantizedLinear):
         return {"qweight": self.qweight, "scales": self.scales, "zeros": self.zeros}
 
     def meta(self) -> dict[str, Any]:
-        return {**super().meta(), "group_size": self.group_size}
+        return {**super().meta(), "group_size": self.group_size, "zero_point": self.zero_point}
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> "Int4Linear":
         return cls(tensors["qweight"], tensors["scales"], tensors["zeros"], int(meta["group_size"]),
-                   tensors.get("bias"))
+                   tensors.get("bias"), zero_point=meta.get("zero_point", "float"))
 
     def _packed_for_kernel(self, device: torch.device) -> torch.Tensor:
         if self._kernel is None or self._kernel[0] != device:

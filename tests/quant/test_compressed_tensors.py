@@ -134,6 +134,43 @@ def test_unaligned_int4_export_warns_and_transformers_agrees_with_our_loader(cal
     assert torch.equal(_logits(back, ids), _logits(model, ids))  # the export held the aligned weights
 
 
+@pytest.mark.parametrize("cfg", [quant.Int4WeightOnly(group_size=32, zero_point="integer"),
+                                 quant.Int4WeightOnly(group_size=32, method="gptq", zero_point="integer")],
+                         ids=["rtn", "gptq"])
+def test_integer_zero_point_int4_export_is_exact_without_alignment(cfg, calib, tmp_path, caplog):
+    model, _ = tiny_pair("qwen2", seed=4)
+    quant.quantize_(model, cfg, calibration=calib, progress=False)
+    ids = _ids()
+    ours = _logits(model, ids)
+    report = align_zero_points(model)
+    assert report["moved"] == 0 and report["groups"] > 0
+    assert torch.equal(_logits(model, ids), ours)  # alignment changed nothing
+    with caplog.at_level(logging.WARNING, logger="quant.compressed_tensors"):
+        out = quant.save_compressed(model, tmp_path / "w4a16", format="compressed-tensors")
+    assert "align_zero_points" not in caplog.text
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    weights = qc["config_groups"]["group_0"]["weights"]
+    assert (weights["num_bits"], weights["group_size"], weights["symmetric"]) == (4, 32, False)
+    torch.testing.assert_close(_hf_logits(out, ids, dequantize=True), ours, **BF16_TOL)
+    back = runtime.load_model(out, dtype=torch.float32)
+    for name, mod in compressed_modules(model).items():
+        other = back.get_submodule(name)
+        assert isinstance(other, Int4Linear) and other.zero_point == mod.zero_point == "integer", name
+        assert torch.equal(other.qweight, mod.qweight) and torch.equal(other.dequantize(), mod.dequantize()), name
+    assert torch.equal(_logits(back, ids), ours)
+
+
+def test_integer_zero_points_survive_the_specdec_format(tmp_path):
+    model, _ = tiny_pair("llama", seed=6)
+    quant.quantize_(model, quant.Int4WeightOnly(group_size=32, zero_point="integer"), progress=False)
+    out = quant.save_compressed(model, tmp_path / "specdec")
+    back = runtime.load_model(out, dtype=torch.float32)
+    for name, mod in compressed_modules(model).items():
+        other = back.get_submodule(name)
+        assert other.zero_point == "integer" and torch.equal(other.zeros, mod.zeros), name
+    assert align_zero_points(back)["moved"] == 0
+
+
 def _foreign_checkpoint(tmp_path, g_idx: bool = False):
     """A W4A16 (MLP, symmetric, group 32) + W8A16 (attention, per channel) checkpoint written with the
     library's own compressor and config classes, as another tool would write it."""

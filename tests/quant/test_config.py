@@ -13,6 +13,7 @@ from quant.config import config_from_dict, config_to_dict
     (lambda: quant.Int4WeightOnly(method="awq"), "method"),
     (lambda: quant.Int4WeightOnly(act_order=True), "act_order"),
     (lambda: quant.Int4WeightOnly(method="gptq", damp=0.0), "damp"),
+    (lambda: quant.Int4WeightOnly(zero_point="int"), "zero_point"),
     (lambda: quant.NF4(blocksize=48), "blocksize"),
     (lambda: quant.Int8Mixed(threshold=0), "threshold"),
     (lambda: quant.SemiStructured24(method="random"), "method"),
@@ -41,7 +42,7 @@ def test_configs_are_frozen():
 
 @pytest.mark.parametrize("cfg", [quant.Int8WeightOnly(exclude=("layers.0.*",)),
                                  quant.Int4WeightOnly(group_size=64, method="gptq", act_order=True,
-                                                      include_lm_head=True),
+                                                      include_lm_head=True, zero_point="integer"),
                                  quant.NF4(double_quant=False), quant.Int8Mixed(threshold=4.0),
                                  quant.SemiStructured24(method="sparsegpt", int4_group_size=32)])
 def test_dict_round_trip(cfg):

@@ -72,3 +72,15 @@ def test_sparse_and_int4_together_keep_the_pattern():
 def test_mask_24_drops_the_two_lowest_of_each_four():
     scores = torch.tensor([[4.0, 1.0, 3.0, 2.0, 0.5, 0.1, 0.9, 0.7]])
     assert mask_24(scores).tolist() == [[False, True, False, True, True, True, False, False]]
+
+
+def test_gptq_with_integer_zero_points_stays_on_an_integer_grid_and_beats_rtn():
+    W, X, H = _problem()
+    rtn = int4_rtn(W, 32, zero_point="integer").dequantize()
+    g = torch.arange(128) // 32
+    for act_order in (False, True):
+        res = solve(W, H, group_size=32, act_order=act_order, block_size=32, zero_point="integer")
+        z = 8 - res.zeros / res.scales
+        assert torch.equal(z, z.round()) and torch.equal((8 - z) * res.scales, res.zeros)
+        assert torch.equal((res.codes - z[:, g]) * res.scales[:, g], res.weight)  # the feedback saw these weights
+        assert _err(W, res.weight, X) < 0.8 * _err(W, rtn, X)

@@ -65,3 +65,40 @@ def test_constant_and_one_sided_rows():
     err = _row_error(w, "mse")
     assert float(err[0]) < 1e-4  # a constant row is represented (to bf16 grid precision)
     assert torch.all(err <= _row_error(w, "minmax") + 1e-6)
+
+
+@pytest.mark.parametrize("grid", ["mse", "minmax"])
+def test_integer_zero_points_are_exact_integers_and_the_grid_holds_zero(grid):
+    w = torch.cat([_gaussian_rows(), torch.linspace(0.5, 1.0, 64)[None], torch.linspace(-2.0, -1.0, 64)[None]])
+    scale, zero = int4_grid(w, grid, zero_point="integer")
+    assert scale.dtype == zero.dtype == torch.float32
+    assert torch.equal(scale, scale.to(torch.bfloat16).float())  # the scale is a bf16 value
+    z = 8 - zero / scale
+    assert torch.equal(z, z.round()) and z.min() >= 0 and z.max() <= 15
+    assert torch.equal((8 - z) * scale, zero)  # (8 - z) * s is exact in float32
+    codes = int4_codes(w, scale[:, None], zero[:, None])
+    # our kernel form equals compressed-tensors' (q - z) * s bit for bit
+    assert torch.equal(int4_dequant(codes, scale[:, None], zero[:, None]), (codes - z[:, None]) * scale[:, None])
+
+
+def test_integer_zero_points_cost_little_weight_error_and_unknown_kind_raises():
+    w = _gaussian_rows()
+    for grid in ("mse", "minmax"):
+        s_f, z_f = int4_grid(w, grid)
+        s_i, z_i = int4_grid(w, grid, zero_point="integer")
+
+        def err(s, z):
+            return float((int4_dequant(int4_codes(w, s[:, None], z[:, None]), s[:, None], z[:, None]) - w)
+                         .square().sum())
+
+        assert err(s_f, z_f) < err(s_i, z_i) < 1.1 * err(s_f, z_f)  # measured: mse 1.035x, minmax 1.02x
+    with pytest.raises(ValueError, match="zero_point"):
+        int4_grid(w, "mse", zero_point="int")
+
+
+def test_rtn_with_integer_zero_points_builds_an_integer_int4_linear():
+    w = _gaussian_rows().view(64, 256)
+    mod = int4_rtn(w, 64, zero_point="integer")
+    assert mod.zero_point == "integer" and mod.zeros.dtype == torch.float32
+    assert mod.meta()["zero_point"] == "integer"
+    assert int4_rtn(w, 64).meta()["zero_point"] == "float"

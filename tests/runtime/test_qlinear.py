@@ -72,8 +72,17 @@ def _bnb(kind, N=96, K=128):
     return Int8MixedLinear.quantize(w, None, 6.0)
 
 
-MODULES = {"int8": _int8, "int4": _int4, "int4_n_not_16": lambda: _int4(N=40), "sparse24": lambda: _sparse()[0],
-           "sparse24_int4": _sparse_int4}
+def _int4_integer(N=96, K=128, G=32):
+    """Integer zero points z in [0, 15]: zeros = (8 - z) * s in float32 (not a bf16 value in general)."""
+    g = _gen(3)
+    codes = torch.randint(0, 16, (N, K), generator=g)
+    s = (torch.rand(N, K // G, generator=g) * 0.01 + 1e-3).to(torch.bfloat16)
+    z = torch.randint(0, 16, (N, K // G), generator=g)
+    return Int4Linear(pack_int4(codes), s, (8 - z) * s.float(), G, None, zero_point="integer")
+
+
+MODULES = {"int8": _int8, "int4": _int4, "int4_n_not_16": lambda: _int4(N=40), "int4_integer": _int4_integer,
+           "sparse24": lambda: _sparse()[0], "sparse24_int4": _sparse_int4}
 
 
 def test_int4_and_24_index_packing_round_trip():
@@ -168,6 +177,23 @@ def test_bad_construction_is_rejected():
         Int4Linear(torch.zeros(4, 16, dtype=torch.uint8), torch.ones(4, 2), torch.ones(4, 1), 16)
     with pytest.raises(ValueError, match="unknown quantized-linear format"):
         from_tensors({"format": "int3"}, {})
+    with pytest.raises(ValueError, match="zero_point"):
+        Int4Linear(torch.zeros(4, 8, dtype=torch.uint8), torch.ones(4, 1), torch.ones(4, 1), 16, zero_point="int")
+    with pytest.raises(ValueError, match=r"\(8 - z\) \* scales"):  # 0.25 / 0.5 is not an integer offset from 8
+        Int4Linear(torch.zeros(4, 8, dtype=torch.uint8), torch.full((4, 1), 0.5), torch.full((4, 1), 0.25), 16,
+                   zero_point="integer")
+
+
+def test_int4_integer_zero_points_dequantize_as_q_minus_z_and_old_meta_loads_as_float():
+    mod = _int4_integer()
+    z = 8 - mod.zeros / mod.scales.float()
+    q = mod.codes().float().view(96, 4, 32)
+    ref = ((q - z[..., None]) * mod.scales.float()[..., None]).view(96, 128)
+    assert torch.equal(mod.dequantize(), ref)
+    old = _int4()
+    meta = {k: v for k, v in old.meta().items() if k != "zero_point"}  # a checkpoint written before the field
+    assert from_tensors(meta, old.to_tensors()).zero_point == "float"
+    assert from_tensors(mod.meta(), mod.to_tensors()).zero_point == "integer"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
