@@ -50,6 +50,7 @@ from distill.onpolicy import DATA_SOURCES, batch_source, make_batch, sample_answ
 from distill.train_medusa import set_lr
 from runtime.atomic import atomic_write, atomic_write_text
 from runtime.hardware import native_bf16
+from runtime.hf_state import dense_hf_state
 from runtime.outputs import prepare_output_dir
 from runtime.progress import progress
 
@@ -261,8 +262,6 @@ def _load_checkpoint(root: Path, model, opt) -> dict | None:
 def save_draft(model, out_dir: str | Path, tokenizer=None, dtype: torch.dtype = torch.bfloat16) -> Path:
     """Write runtime model `model` into `out_dir` as a Hugging Face checkpoint (model.safetensors,
     config.json, the tokenizer when given), each file atomically, the config last."""
-    from quant.checkpoint import dense_hf_state
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     state = dense_hf_state(model, dtype)

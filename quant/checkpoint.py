@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from runtime.compressed import FORMAT_VERSION
+from runtime.hf_state import dense_hf_state, is_tied
 from runtime.outputs import prepare_output_dir, write_output_dir
 from runtime.qlinear import QuantizedLinear
 
@@ -27,11 +28,6 @@ EXPORT_MARKER, EXPORT = "specdec_export.json", "dense export"
 
 def compressed_modules(model: nn.Module) -> dict[str, QuantizedLinear]:
     return {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
-
-
-def _is_tied(model: nn.Module) -> bool:
-    head, embed = getattr(model, "lm_head", None), getattr(model, "embed", None)
-    return isinstance(head, nn.Linear) and embed is not None and head.weight is embed.weight
 
 
 def model_nbytes(model: nn.Module) -> int:
@@ -96,7 +92,7 @@ def save_compressed(model: nn.Module, out_dir: str | Path, tokenizer: Any = None
             tensors[f"{name}.{key}"] = t
     prefixes = tuple(n + "." for n in qmods)
     for key, t in model.state_dict().items():
-        if key.startswith(prefixes) or (key == "lm_head.weight" and _is_tied(model)):
+        if key.startswith(prefixes) or (key == "lm_head.weight" and is_tied(model)):
             continue
         tensors[key] = t
     tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
@@ -109,45 +105,6 @@ def save_compressed(model: nn.Module, out_dir: str | Path, tokenizer: Any = None
         _write_common(tmp, model.config.hf_config, tokenizer)
 
     return write_output_dir(out_dir, write, COMPRESSED_MARKER, meta, overwrite, what=COMPRESSED)
-
-
-def dense_hf_state(model: nn.Module, dtype: torch.dtype | None = None,
-                   skip: set[str] | frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
-    """Hugging Face-named dense tensors (q/k/v and gate/up split again; compressed linears dequantized).
-
-    skip: runtime linear names (e.g. "layers.0.attn.wqkv") whose weights are left out (their biases
-    stay): an export that stores them in another form."""
-    cfg = model.config
-    dtype = dtype or model.dtype
-
-    def weight(mod: nn.Module) -> torch.Tensor | None:
-        if any(mod is model.get_submodule(name) for name in skip):
-            return None
-        w = mod.dequantize(dtype) if isinstance(mod, QuantizedLinear) else mod.weight.to(dtype)
-        return w.detach().cpu()
-
-    def split(w: torch.Tensor | None, sizes: list[int]) -> list[torch.Tensor | None]:
-        return [None] * len(sizes) if w is None else list(w.split(sizes, 0))
-
-    q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    out = {"model.embed_tokens.weight": model.embed.weight.to(dtype).cpu(),
-           "model.norm.weight": model.norm.weight.to(dtype).cpu()}
-    if not _is_tied(model):
-        out["lm_head.weight"] = weight(model.lm_head)
-    for i, layer in enumerate(model.layers):
-        p = f"model.layers.{i}."
-        out[p + "input_layernorm.weight"] = layer.attn_norm.weight.to(dtype).cpu()
-        out[p + "post_attention_layernorm.weight"] = layer.mlp_norm.weight.to(dtype).cpu()
-        for part, t in zip("qkv", split(weight(layer.attn.wqkv), [q_size, kv_size, kv_size])):
-            out[p + f"self_attn.{part}_proj.weight"] = t
-        if layer.attn.wqkv.bias is not None:
-            for part, t in zip("qkv", layer.attn.wqkv.bias.to(dtype).cpu().split([q_size, kv_size, kv_size], 0)):
-                out[p + f"self_attn.{part}_proj.bias"] = t
-        out[p + "self_attn.o_proj.weight"] = weight(layer.attn.wo)
-        gate, up = split(weight(layer.mlp.w13), [cfg.intermediate_size] * 2)
-        out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = gate, up
-        out[p + "mlp.down_proj.weight"] = weight(layer.mlp.w2)
-    return {k: v.contiguous().clone() for k, v in out.items() if v is not None}
 
 
 def export_dense(model: nn.Module, out_dir: str | Path, tokenizer: Any = None,
