@@ -33,6 +33,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from runtime.hardware import native_bf16
+
+
+def autocast_mode(mixed_precision: str, device: torch.device) -> str:
+    """accelerate's mixed_precision for training on `device`: `mixed_precision` as given, except
+    "auto", which is "bf16" where the hardware multiplies bf16 natively (runtime.hardware.native_bf16)
+    and "no" (float32) elsewhere."""
+    if mixed_precision != "auto":
+        return mixed_precision
+    return "bf16" if native_bf16(device) else "no"
+
 
 class Forward(nn.Module):
     """`Forward(module, fn)(*args)` = `fn(module, *args)`, a training step's forward as one call of a

@@ -43,13 +43,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import specdec
-from distill.accel import global_mean, synced_clock
+from distill.accel import autocast_mode, global_mean, synced_clock
 from distill.config_args import at_least, check_fields
 from distill.divergence import DIVERGENCES, masked_divergence
 from distill.onpolicy import DATA_SOURCES, batch_source, make_batch, sample_answers
 from distill.train_medusa import set_lr
 from runtime.atomic import atomic_write, atomic_write_text
-from runtime.hardware import native_bf16
 from runtime.hf_state import dense_hf_state
 from runtime.outputs import prepare_output_dir
 from runtime.progress import progress
@@ -138,9 +137,7 @@ class DistillConfig:
 
     def autocast_mode(self, device: torch.device) -> str:
         """The autocast mode of training on `device`, "bf16" or "no" ("auto" resolved)."""
-        if self.mixed_precision != "auto":
-            return self.mixed_precision
-        return "bf16" if native_bf16(device) else "no"
+        return autocast_mode(self.mixed_precision, device)
 
 
 def check_distill_dir(out_dir: str | Path) -> Path:

@@ -36,11 +36,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from distill.accel import global_mean, local_part, synced_clock
+from distill.accel import autocast_mode, global_mean, local_part, synced_clock
 from distill.config_args import at_least, check_fields
 from distill.train_medusa import set_lr
 from runtime.atomic import atomic_write, atomic_write_text
-from runtime.hardware import native_bf16
 from runtime.outputs import prepare_output_dir
 from runtime.progress import progress
 from runtime.qlinear import QuantizedLinear, Sparse24Int4Linear, Sparse24Linear, unpack_24_indices
@@ -93,9 +92,7 @@ class RecoverConfig:
 
     def autocast_mode(self, device: torch.device) -> str:
         """accelerate's mixed_precision for training on `device` ("auto" resolved)."""
-        if self.mixed_precision != "auto":
-            return self.mixed_precision
-        return "bf16" if native_bf16(device) else "no"
+        return autocast_mode(self.mixed_precision, device)
 
 
 class MaskedSparse24(nn.Module):

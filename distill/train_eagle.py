@@ -41,13 +41,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from distill.accel import Forward, count_weights, global_mean, local_items, synced_clock
+from distill.accel import Forward, autocast_mode, count_weights, global_mean, local_items, synced_clock
 from distill.config_args import at_least, check_fields
 from distill.eagle_cache import MANIFEST, EagleSplit, cache_eagle_states, load_split, read_manifest
 from distill.selfdistill import read_records
 from distill.train_medusa import set_lr
 from runtime.atomic import atomic_write, atomic_write_text
-from runtime.hardware import native_bf16
 from runtime.outputs import prepare_output_dir
 from runtime.progress import progress
 from specdec.eagle import Eagle3Config, Eagle3Head, UnrollCache, default_aux_layers
@@ -137,9 +136,7 @@ class EagleTrainConfig:
 
     def autocast_mode(self, device: torch.device) -> str:
         """accelerate's mixed_precision for training on `device` ("auto" resolved)."""
-        if self.mixed_precision != "auto":
-            return self.mixed_precision
-        return "bf16" if native_bf16(device) else "no"
+        return autocast_mode(self.mixed_precision, device)
 
     def layers(self, num_layers: int) -> tuple[int, int, int]:
         """The aux layers for a target of `num_layers` layers (the default when `aux_layers` is empty)."""

@@ -28,11 +28,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from distill.accel import Forward, count_weights, global_mean, local_part, synced_clock
+from distill.accel import Forward, autocast_mode, count_weights, global_mean, local_part, synced_clock
 from distill.config_args import at_least, check_fields
 from distill.medusa import CONFIG, choose_tree, save_medusa
 from runtime.atomic import atomic_write
-from runtime.hardware import native_bf16
 from runtime.outputs import prepare_manifest_dir, prepare_output_dir
 from runtime.progress import progress
 from specdec.medusa import MedusaHeads
@@ -327,9 +326,7 @@ class TrainConfig:
 
     def autocast_mode(self, device: torch.device) -> str:
         """accelerate's mixed_precision for training on `device` ("auto" resolved)."""
-        if self.mixed_precision != "auto":
-            return self.mixed_precision
-        return "bf16" if native_bf16(device) else "no"
+        return autocast_mode(self.mixed_precision, device)
 
 
 def medusa_loss(logits: torch.Tensor, targets: torch.Tensor, decay: float,
