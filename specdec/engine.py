@@ -300,6 +300,7 @@ class Engine:
             req.tpot_s = (req.finished_at - req.first_token_at) / (n - 1) if n > 1 else 0.0
         with self._lock:
             self._live.pop(req.id, None)
+            self._cancel.discard(req.id)  # a cancel that raced the finish must not hit a later request of this id
             self._counts["requests_finished"] += 1
             self._counts[f"finished_{reason}"] += 1
             if reason != "cancelled" and req.first_token_at is not None:

@@ -138,6 +138,20 @@ def test_cancel_a_running_and_a_waiting_request(target, random_draft):
     assert engine.metrics["finished_cancelled"] == 2
 
 
+def test_a_cancel_that_races_the_finish_does_not_cancel_a_later_request_of_that_id(target):
+    """A cancel arriving during the step that finishes the request (here from its own listener)
+    is dropped with it: a later request that reuses the id runs to its end."""
+    engine = Engine(target, "ngram", max_batch=2)
+    prompt = _prompts([6], seed=12)[0]
+    first = engine.submit(prompt, SamplingParams(max_new_tokens=1), request_id="same",
+                          on_tokens=lambda r, new: new and engine.cancel(r.id))
+    engine.run_until_done()
+    assert first.finish_reason == "length"
+    again = engine.submit(prompt, SamplingParams(max_new_tokens=3), request_id="same")
+    engine.run_until_done()
+    assert again.finish_reason == "length" and again.tokens == _alone(target, "ngram", prompt, 3)
+
+
 def test_more_requests_than_rows_queue_and_reuse_the_slots(target):
     engine = Engine(target, "ngram", max_batch=2)
     prompts = _prompts([4, 9, 6, 3, 8], seed=6)
