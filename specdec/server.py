@@ -78,10 +78,10 @@ class EngineLoop:
     def submit(self, prompt_ids: list[int], params: SamplingParams, on_tokens, request_id: str,
                on_error: Callable[[Exception], None]):
         """Queue a request (the engine checks it first and raises ContextLengthError / ValueError)."""
-        if self.error is not None:
-            raise APIError(503, f"the engine stopped after an error ({self.error}); restart the server",
-                           type="server_error", code="engine_failed")
-        with self._cond:
+        with self._cond:  # under the lock: a step failing now either sees this request's failer or is seen here
+            if self.error is not None:
+                raise APIError(503, f"the engine stopped after an error ({self.error}); restart the server",
+                               type="server_error", code="engine_failed")
             self._failers[request_id] = on_error
         try:
             req = self.engine.submit(torch.tensor(prompt_ids, dtype=torch.long), params, on_tokens=on_tokens,
@@ -348,7 +348,9 @@ class ServerThread:
         deadline = time.monotonic() + timeout_s
         while not self.server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"the HTTP server did not start on {self.host}:{self.port}")
+                self.stop()  # a server still starting must not outlive the error
+                raise RuntimeError(f"the HTTP server did not start on {self.host}:{self.port} within {timeout_s} s; "
+                                   "see uvicorn's log above (a taken port or an address this machine does not have)")
             time.sleep(0.02)
         self.port = self.server.servers[0].sockets[0].getsockname()[1]
         return self

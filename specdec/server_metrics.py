@@ -49,6 +49,6 @@ class ServerMetrics:
         self.waiting.set(self.engine.waiting)
         self.running.set(self.engine.running)
         stats = self.engine.metrics
-        self.acceptance.set(float(stats.get("acceptance_rate", 0.0)))
-        self.tau.set(float(stats.get("mean_accepted_tokens", stats.get("tau", 0.0))))
+        self.acceptance.set(stats["acceptance_rate"])
+        self.tau.set(stats["tau"])
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

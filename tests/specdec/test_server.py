@@ -300,6 +300,15 @@ def test_serve_fails_fast_on_a_taken_port(served, capsys, monkeypatch):
     assert "pick another --port" in capsys.readouterr().err
 
 
+def test_a_server_thread_on_a_taken_port_fails_and_leaves_no_thread(served):
+    from fastapi import FastAPI
+
+    server = ServerThread(FastAPI(), port=served[0].port)
+    with pytest.raises(RuntimeError, match="did not start on 127.0.0.1"):
+        server.start(timeout_s=20)
+    assert not server._thread.is_alive()
+
+
 @pytest.mark.real_model
 def test_openai_client_streams_from_smollm2_as_generate_decodes():
     """The real byte-level tokenizer and chat template: streamed text (non-ASCII too) equals generate()."""
