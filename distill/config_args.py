@@ -34,6 +34,12 @@ def at_least(low: float) -> Callable[[float], None]:
     return check
 
 
+def positive(value: float) -> None:
+    """A `check` that accepts values > 0."""
+    if value <= 0:
+        raise ValueError(f"must be > 0, got {value}")
+
+
 def field_type(cls: type, field: dataclasses.Field) -> type:
     """The scalar type of `field` (bool, int, float or str); `X | None` gives X."""
     hint = typing.get_type_hints(cls)[field.name]

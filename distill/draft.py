@@ -44,7 +44,7 @@ from safetensors.torch import load_file, save_file
 
 import specdec
 from distill.accel import autocast_mode, global_mean, synced_clock
-from distill.config_args import at_least, check_fields
+from distill.config_args import at_least, check_fields, positive
 from distill.divergence import DIVERGENCES, masked_divergence
 from distill.onpolicy import DATA_SOURCES, batch_source, make_batch, sample_answers
 from distill.train_medusa import set_lr
@@ -60,11 +60,6 @@ METRICS = "distill_metrics.json"
 TRAIN_MARKERS = (f"{CHECKPOINTS}/{LATEST}", METRICS, "budget.json")
 SAVE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 LORA_TARGETS = ("wqkv", "wo", "w13", "w2")  # the runtime Transformer's linear layers
-
-
-def _positive(value: float) -> None:
-    if value <= 0:
-        raise ValueError(f"must be > 0, got {value}")
 
 
 def _unit(value: float) -> None:
@@ -93,7 +88,7 @@ class DistillConfig:
     beta: float = field(default=0.5, metadata={"help": "jsd: the teacher's weight in the mixture (0 = fkl, 1 = rkl)",
                                                "check": _unit})
     temperature: float = field(default=1.0, metadata={
-        "help": "distillation temperature: both distributions are softmax(logits / T)", "check": _positive})
+        "help": "distillation temperature: both distributions are softmax(logits / T)", "check": positive})
     sample_temperature: float = field(default=1.0, metadata={
         "help": "temperature of the draft's on-policy samples (0 = greedy)", "check": at_least(0)})
     target_temperature: float = field(default=0.0, metadata={
@@ -104,19 +99,19 @@ class DistillConfig:
     steps: int = field(default=300, metadata={"help": "optimizer steps planned (the schedule's length)",
                                               "check": at_least(1)})
     lr: float = field(default=1e-5, metadata={"help": "peak AdamW learning rate (warm-up, then cosine decay)",
-                                              "check": _positive})
+                                              "check": positive})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay", "check": at_least(0)})
     warmup_steps: int = field(default=10, metadata={"help": "steps of linear learning-rate warm-up",
                                                     "check": at_least(0)})
     max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping: largest total gradient norm",
-                                                        "check": _positive})
+                                                        "check": positive})
     freeze_embeddings: bool = field(default=False, metadata={
         "help": "keep the token embedding fixed (and a tied LM head with it)"})
     lora: bool = field(default=False, metadata={
         "help": "train LoRA adapters on the attention and MLP linears (peft) instead of every weight; merged "
                 "into the weights before saving"})
     lora_rank: int = field(default=16, metadata={"help": "LoRA rank", "check": at_least(1)})
-    lora_alpha: float = field(default=32.0, metadata={"help": "LoRA alpha (scale alpha / rank)", "check": _positive})
+    lora_alpha: float = field(default=32.0, metadata={"help": "LoRA alpha (scale alpha / rank)", "check": positive})
     mixed_precision: str = field(default="auto", metadata={
         "help": "autocast mode of the draft's training forward; auto: bf16 where the hardware multiplies it "
                 "natively, else float32", "choices": ("auto", "no", "bf16")})

@@ -42,7 +42,7 @@ import torch
 from safetensors.torch import load_file
 
 from distill.accel import Forward, autocast_mode, count_weights, global_mean, local_items, synced_clock
-from distill.config_args import at_least, check_fields
+from distill.config_args import at_least, check_fields, positive
 from distill.eagle_cache import MANIFEST, EagleSplit, cache_eagle_states, load_split, read_manifest
 from distill.selfdistill import read_records
 from distill.train_medusa import set_lr
@@ -64,11 +64,6 @@ SAVE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 def check_train_dir(out_dir: str | Path) -> Path:
     """Fail (OutputPathError) unless `out_dir` is new, empty or an EAGLE-3 training directory."""
     return prepare_output_dir(out_dir, TRAIN_MARKERS, what="EAGLE-3 training directory", resume=True)
-
-
-def _positive(value: float) -> None:
-    if value <= 0:
-        raise ValueError(f"must be > 0, got {value}")
 
 
 def _decay_check(value: float) -> None:
@@ -108,7 +103,7 @@ class EagleTrainConfig:
                 "target's final norm"})
     epochs: int = field(default=4, metadata={"help": "passes over the cached training records", "check": at_least(1)})
     lr: float = field(default=5e-4, metadata={"help": "peak AdamW learning rate (warm-up, then cosine decay)",
-                                              "check": _positive})
+                                              "check": positive})
     batch_tokens: int = field(default=2048, metadata={
         "help": "padded tokens (rows x longest record) per training step; a longer record is a step alone",
         "check": at_least(1)})
@@ -118,7 +113,7 @@ class EagleTrainConfig:
     warmup_steps: int = field(default=20, metadata={"help": "steps of linear learning-rate warm-up",
                                                     "check": at_least(0)})
     max_grad_norm: float = field(default=0.5, metadata={"help": "gradient clipping: largest total gradient norm",
-                                                        "check": _positive})
+                                                        "check": positive})
     checkpoint_every: int = field(default=100, metadata={"help": "steps between resumable checkpoints",
                                                          "check": at_least(1)})
     heldout_every: int = field(default=20, metadata={

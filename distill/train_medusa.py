@@ -29,7 +29,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from distill.accel import Forward, autocast_mode, count_weights, global_mean, local_part, synced_clock
-from distill.config_args import at_least, check_fields
+from distill.config_args import at_least, check_fields, positive
 from distill.medusa import CONFIG, choose_tree, save_medusa
 from runtime.atomic import atomic_write
 from runtime.outputs import prepare_manifest_dir, prepare_output_dir
@@ -253,11 +253,6 @@ def _decay_check(value: float) -> None:
         raise ValueError(f"must be in (0, 1], got {value}")
 
 
-def _positive(value: float) -> None:
-    if value <= 0:
-        raise ValueError(f"must be > 0, got {value}")
-
-
 @dataclass(frozen=True)
 class TrainConfig:
     """Medusa-1 training hyper-parameters: the one declaration of their defaults.
@@ -287,7 +282,7 @@ class TrainConfig:
     epochs: int = field(default=4, metadata={"help": "passes over the cached training positions",
                                              "check": at_least(1)})
     lr: float = field(default=2e-3, metadata={"help": "peak AdamW learning rate (warm-up, then cosine decay)",
-                                              "check": _positive})
+                                              "check": positive})
     batch_size: int = field(default=512, metadata={"help": "positions per training step", "check": at_least(1)})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay", "check": at_least(0)})
     decay: float = field(default=0.8, metadata={"help": "loss weight of head i is decay**i", "check": _decay_check})
