@@ -37,7 +37,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from distill.accel import autocast_mode, global_mean, local_part, synced_clock
-from distill.config_args import at_least, check_fields
+from distill.config_args import at_least, check_fields, positive
+from distill.divergence import token_divergence
 from distill.train_medusa import set_lr
 from runtime.atomic import atomic_write, atomic_write_text
 from runtime.outputs import prepare_output_dir
@@ -47,11 +48,6 @@ from runtime.qlinear import QuantizedLinear, Sparse24Int4Linear, Sparse24Linear,
 CHECKPOINT, TRAINER = "checkpoint", "recover_trainer.json"
 # files that mark a recovery directory: one of them there and training resumes in it
 RECOVER_MARKERS = (f"{CHECKPOINT}/{TRAINER}", "metrics.json", "budget.json")
-
-
-def _positive(value: float) -> None:
-    if value <= 0:
-        raise ValueError(f"must be > 0, got {value}")
 
 
 @dataclass(frozen=True)
@@ -66,13 +62,13 @@ class RecoverConfig:
         "help": "windows per forward pass: a step accumulates gradients over batch_size / processes / micro_batch "
                 "passes (lower it when memory is short)", "check": at_least(1)})
     lr: float = field(default=5e-5, metadata={"help": "peak AdamW learning rate (warm-up, then cosine decay)",
-                                              "check": _positive})
+                                              "check": positive})
     warmup_steps: int = field(default=20, metadata={"help": "steps of linear learning-rate warm-up",
                                                     "check": at_least(0)})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay", "check": at_least(0)})
-    max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping norm", "check": _positive})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping norm", "check": positive})
     temperature: float = field(default=1.0, metadata={"help": "distillation temperature of both distributions",
-                                                      "check": _positive})
+                                                      "check": positive})
     ce_weight: float = field(default=0.0, metadata={
         "help": "weight of the next-token cross-entropy on the data added to the KL (0 = pure distillation)",
         "check": at_least(0)})
@@ -164,9 +160,8 @@ def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, tokens: 
     positions 0 .. T-2 at temperature 1 (the KL covers every position).
     """
     V = student_logits.shape[-1]
-    logq = (student_logits.float() / temperature).log_softmax(-1).reshape(-1, V)  # (B*T, V)
-    logp = (teacher_logits.float() / temperature).log_softmax(-1).reshape(-1, V)  # (B*T, V)
-    kl = (logp.exp() * (logp - logq)).sum(-1).mean() * temperature ** 2
+    kl = token_divergence(student_logits.reshape(-1, V), teacher_logits.reshape(-1, V), "fkl",
+                          temperature).mean() * temperature ** 2  # over (B*T,) positions
     if not ce_weight:
         return kl
     ce = F.cross_entropy(student_logits[:, :-1].float().reshape(-1, V), tokens[:, 1:].reshape(-1))
