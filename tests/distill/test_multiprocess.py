@@ -1,5 +1,6 @@
-"""Several processes: Medusa, EAGLE-3 and recovery training under `accelerate launch --num_processes 2 --cpu`
-(DDP over gloo) give the losses of one process at the same global batch.
+"""Several processes: Medusa, EAGLE-3 and recovery training under `accelerate launch --multi_gpu
+--num_processes 2` (on a machine without GPUs: DDP over gloo) give the losses of one process at the
+same global batch.
 
 One job script (JOB) trains all three on tiny models and writes each loop's per-step losses; it runs
 once as a plain process and once under accelerate with two processes, each process then taking half
