@@ -69,8 +69,7 @@ def generate(target, input_ids, draft=None, max_new_tokens: int = 128, temperatu
     """
     num_draft_tokens = parse_draft_length(num_draft_tokens)
     target, drafter, state, as_tensor = _prepare(target, input_ids, draft, max_new_tokens, temperature, top_p,
-                                                 top_k, num_draft_tokens, eos_token_id, generator, pad_token_id,
-                                                 attention_mask)
+                                                 top_k, eos_token_id, generator, pad_token_id, attention_mask)
     rows = state.prompts
     if streamer is not None and len(rows) != 1:
         raise ValueError(f"a streamer follows one row, but input_ids holds {len(rows)}; stream one prompt per "
@@ -102,8 +101,8 @@ def generate(target, input_ids, draft=None, max_new_tokens: int = 128, temperatu
 
 
 def _prepare(target, input_ids, draft, max_new_tokens: int, temperature: float, top_p: float, top_k: int,
-             num_draft_tokens: int | str, eos_token_id, generator: torch.Generator | None,
-             pad_token_id: int | None, attention_mask: torch.Tensor | None):
+             eos_token_id, generator: torch.Generator | None, pad_token_id: int | None,
+             attention_mask: torch.Tensor | None):
     """Checked arguments of generate() / stream() -> (target, drafter, RowState, as_tensor)."""
     check_sampling(temperature, top_p, top_k)
     if getattr(target, "output_ids", None) is not None:
@@ -133,7 +132,7 @@ def stream(target, input_ids, draft=None, max_new_tokens: int = 128, temperature
     """
     num_draft_tokens = parse_draft_length(num_draft_tokens)
     target, drafter, state, _ = _prepare(target, input_ids, draft, max_new_tokens, temperature, top_p, top_k,
-                                         num_draft_tokens, eos_token_id, generator, None, None)
+                                         eos_token_id, generator, None, None)
     if len(state.prompts) != 1:
         raise ValueError(f"stream() follows one prompt, but input_ids holds {len(state.prompts)}; serve several "
                          "with specdec.engine.Engine")
