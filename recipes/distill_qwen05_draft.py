@@ -120,8 +120,9 @@ def _run(args: argparse.Namespace, out: Path, budget: RunBudget | None, start: f
     return summary
 
 
-def compare(args: argparse.Namespace, out: Path, budget: RunBudget | None) -> dict:
-    """Every divergence x data source for --compare-minutes each; OUT/compare.md and compare.json."""
+def compare(args: argparse.Namespace, out: Path) -> dict:
+    """Every divergence x data source for --compare-minutes each (each run its own budget); OUT/compare.md
+    and compare.json."""
     tok = runtime.load_tokenizer(args.draft)
     prompts = training_prompts(tok, args.num_prompts, args.max_prompt_tokens, args.code_share,
                                stub_cache=out / "function_stubs.json" if args.code_share > 0 else None)
@@ -166,7 +167,7 @@ def main() -> dict:
         args.eval_minutes = 0.0
         args.max_minutes = max(args.max_minutes, args.compare_minutes * len(DIVERGENCES) * len(DATA_SOURCES))
         return run_budgeted(args, RUN_MARKERS, "draft distillation recipe directory", "draft",
-                            lambda out, budget: compare(args, out, budget))
+                            lambda out, _budget: compare(args, out))
     return run_budgeted(args, RUN_MARKERS, "draft distillation recipe directory", "draft",
                         lambda out, budget: _run(args, out, budget, start))
 
