@@ -1,6 +1,6 @@
-"""distill: offline training of drafts. Medusa heads (attach, self-distillation data, training, save/load) and
-EAGLE-3 heads (feature cache, training-time-test training); recovery of 2:4-sparse models by
-distillation (`recover`)."""
+"""distill: offline training of drafts. Medusa heads (attach, self-distillation data, training, save/load),
+EAGLE-3 heads (feature cache, training-time-test training) and draft models (`distill_draft`,
+DistillSpec's on-policy KD); recovery of 2:4-sparse models by distillation (`recover`)."""
 
 from distill.draft import DistillConfig, distill_draft
 from distill.eagle_cache import cache_eagle_states
