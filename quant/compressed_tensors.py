@@ -172,8 +172,9 @@ def build_export(model: nn.Module, dtype: torch.dtype | None = None) -> tuple[di
         log.warning("compressed-tensors export: %d INT4 groups have a zero point off the integer grid "
                     "compressed-tensors stores; they were moved to the nearest integer zero point (codes "
                     "re-rounded, error <= scale / 2; this costs quality, e.g. smollm2 INT4 g64 perplexity "
-                    "8.57 -> 13.94, docs/exports.md). Run quant.compressed_tensors.align_zero_points(model) "
-                    "before evaluating and exporting so that what you measure is what you export", moved)
+                    "8.57 -> 13.94, docs/exports.md). Quantize with Int4WeightOnly(zero_point='integer') for an "
+                    "exact export, or run quant.compressed_tensors.align_zero_points(model) before evaluating and "
+                    "exporting so that what you measure is what you export", moved)
     state = dense_hf_state(model, dtype, skip=set(packed_ours))
     by_scheme: dict[WeightScheme, list[str]] = defaultdict(list)
     for ours, (scheme, t) in packed_ours.items():
