@@ -18,12 +18,13 @@ import torch
 from runtime.hardware import DTYPES, batch_dtype
 
 
-def _dtype(name: str) -> torch.dtype:
+def arg_dtype(name: str) -> torch.dtype:
     """--dtype as a torch dtype; "auto" is bf16 where it is native, else float32 (runtime.hardware)."""
     return batch_dtype() if name == "auto" else DTYPES[name]
 
 
-def _deadline(minutes: float | None) -> float | None:
+def deadline_after(minutes: float | None) -> float | None:
+    """The time.monotonic() deadline `minutes` from now (--max-minutes; None or 0: no deadline)."""
     return time.monotonic() + 60 * minutes if minutes else None
 
 
@@ -35,13 +36,13 @@ def cmd_data(args: argparse.Namespace) -> int:
     check_records_file(args.out)  # bad output paths fail before the model loads
     if args.hidden_cache:
         check_cache_dir(args.hidden_cache)
-    model = runtime.load_model(args.model, dtype=_dtype(args.dtype))
+    model = runtime.load_model(args.model, dtype=arg_dtype(args.dtype))
     tok = runtime.load_tokenizer(args.model)
     prompts = sharegpt_prompts(tok, split="calibration", limit=args.num_prompts,
                                max_prompt_tokens=args.max_prompt_tokens)
     n = generate_selfdistill(model, tok, args.out, prompts, max_new_tokens=args.max_new_tokens,
                              batch_size=args.batch_size, temperature=args.temperature, seed=args.seed,
-                             deadline=_deadline(args.max_minutes), hidden_cache=args.hidden_cache,
+                             deadline=deadline_after(args.max_minutes), hidden_cache=args.hidden_cache,
                              num_heads=args.num_heads)
     print(f"{n} records in {args.out}")
     return 0
@@ -56,14 +57,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     from distill.selfdistill import read_records
     from distill.train_medusa import TrainConfig, cache_hidden_states, check_cache_dir, check_train_dir, train_medusa
 
-    deadline = _deadline(args.max_minutes)
+    deadline = deadline_after(args.max_minutes)
     cfg = dataclass_from_args(TrainConfig, args)  # checked before any loading
     check_train_dir(args.out)  # so are the output directories and the data
     cache_dir = check_cache_dir(args.hidden_cache or Path(args.out) / "hidden_cache")
     records = read_records(args.data)
     if not records:
         raise ValueError(f"no records in {args.data}; run `specdec medusa data` first")
-    model = runtime.load_model(args.model, dtype=_dtype(args.dtype))
+    model = runtime.load_model(args.model, dtype=arg_dtype(args.dtype))
     state = PartialState(cpu=model.device.type == "cpu")
     with state.main_process_first():  # under accelerate launch the main process caches, the others read
         cache_hidden_states(model, records, cache_dir, args.num_heads,

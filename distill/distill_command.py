@@ -43,20 +43,20 @@ def cmd_draft(args: argparse.Namespace) -> int:
     import torch
 
     import runtime
-    from distill.command import _deadline, _dtype
+    from distill.command import arg_dtype, deadline_after
     from distill.config_args import dataclass_from_args
     from distill.draft import METRICS, DistillConfig, check_distill_dir, distill_draft
     from distill.onpolicy import heldout_prompts, training_prompts
     from distill.selfdistill import stop_token_ids
 
-    deadline = _deadline(args.max_minutes)
+    deadline = deadline_after(args.max_minutes)
     cfg = dataclass_from_args(DistillConfig, args)  # checked before any loading
     out = check_distill_dir(args.out)  # so is the output directory
     tok = runtime.load_tokenizer(args.draft)
     prompts = training_prompts(tok, args.num_prompts, args.max_prompt_tokens, args.code_share,
                                stub_cache=out / "function_stubs.json" if args.code_share > 0 else None)
     held = heldout_prompts(tok, args.heldout_prompts, args.max_prompt_tokens)
-    target = runtime.load_model(args.target, dtype=_dtype(args.dtype))
+    target = runtime.load_model(args.target, dtype=arg_dtype(args.dtype))
     draft = runtime.load_model(args.draft, dtype=torch.float32)  # trained in float32 under --mixed-precision
     distill_draft(target, draft, prompts, cfg, out, heldout=held, tokenizer=tok, eos_token_id=stop_token_ids(tok),
                   deadline=deadline)

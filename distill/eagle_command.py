@@ -12,7 +12,7 @@ import json
 import time
 from pathlib import Path
 
-from distill.command import _deadline, _dtype, add_data_args, cmd_data
+from distill.command import add_data_args, arg_dtype, cmd_data, deadline_after
 from runtime.hardware import DTYPES
 
 TRAIN_DESCRIPTION = """\
@@ -37,14 +37,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     from distill.selfdistill import read_records
     from distill.train_eagle import CACHE_DIR, EagleTrainConfig, check_train_dir, read_metrics, train_eagle
 
-    deadline = _deadline(args.max_minutes)
+    deadline = deadline_after(args.max_minutes)
     cfg = dataclass_from_args(EagleTrainConfig, args)  # checked before any loading
     out = check_train_dir(args.out)  # so are the output directories and the data
     cache_dir = check_eagle_cache_dir(args.cache or out / CACHE_DIR)
     records = read_records(args.data)
     if not records:
         raise ValueError(f"no records in {args.data}; run `specdec eagle data` first")
-    target = runtime.load_model(args.target, dtype=_dtype(args.dtype))
+    target = runtime.load_model(args.target, dtype=arg_dtype(args.dtype))
     state = PartialState(cpu=target.device.type == "cpu")
     with state.main_process_first():  # under accelerate launch the main process caches, the others read
         cache_eagle_states(target, records, cache_dir, cfg.layers(target.config.num_layers),

@@ -33,11 +33,11 @@ def cmd_recover(args: argparse.Namespace) -> int:
 
     import quant
     import runtime
-    from distill.command import _deadline, _dtype
+    from distill.command import arg_dtype, deadline_after
     from distill.config_args import dataclass_from_args
     from distill.recover import RecoverConfig, check_recover_dir, recover
 
-    deadline = _deadline(args.max_minutes)
+    deadline = deadline_after(args.max_minutes)
     cfg = dataclass_from_args(RecoverConfig, args)  # checked before any loading
     out = check_recover_dir(args.out)  # so is the output directory
     tok = runtime.load_tokenizer(args.teacher)
@@ -45,8 +45,8 @@ def cmd_recover(args: argparse.Namespace) -> int:
     half = max(1, args.heldout // 2)
     held = torch.cat([quant.eval_batches(tok, src, n_samples=n, seq_len=args.seq_len)
                       for src, n in (("sharegpt", args.heldout - half), ("stdlib", half)) if n])  # (M, T)
-    teacher = runtime.load_model(args.teacher, dtype=_dtype(args.dtype))
-    student = runtime.load_model(args.student, dtype=_dtype(args.dtype))
+    teacher = runtime.load_model(args.teacher, dtype=arg_dtype(args.dtype))
+    student = runtime.load_model(args.student, dtype=arg_dtype(args.dtype))
     metrics = recover(student, teacher, train, cfg, out, heldout=held, deadline=deadline)
     if PartialState().is_main_process:
         quant.save_compressed(student, out / "model", tokenizer=tok, overwrite=True)

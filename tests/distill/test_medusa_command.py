@@ -112,7 +112,7 @@ def test_train_flags_set_the_config_and_reject_bad_values_by_flag(capsys):
 
 
 def test_data_and_train_default_to_the_hardwares_batch_dtype_and_tree_to_bf16(monkeypatch):
-    from distill.command import _dtype
+    from distill.command import arg_dtype
     from specdec.cli import build_parser
 
     parser = build_parser()
@@ -123,8 +123,8 @@ def test_data_and_train_default_to_the_hardwares_batch_dtype_and_tree_to_bf16(mo
     assert parser.parse_args(["medusa", "tree", "--model", "m", "--heads", "h"]).dtype == "bfloat16"  # decode timing
     for native, expected in ((True, torch.bfloat16), (False, torch.float32)):
         monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda n=native: n)
-        assert _dtype("auto") == expected
-    assert _dtype("float16") == torch.float16
+        assert arg_dtype("auto") == expected
+    assert arg_dtype("float16") == torch.float16
 
 
 def _specdec(*argv: str) -> subprocess.CompletedProcess:
