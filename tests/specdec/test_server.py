@@ -23,6 +23,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 import runtime
 import specdec
 from specdec.cli import main as cli_main
+from specdec.drafters.ngram import NgramDrafter
 from specdec.engine import Engine
 from specdec.server import ServerThread, create_app
 
@@ -298,6 +299,27 @@ def test_serve_fails_fast_on_a_taken_port(served, capsys, monkeypatch):
     monkeypatch.delenv("SPECDEC_DEBUG", raising=False)
     assert cli_main(["serve", "--model", "unused", "--port", str(served[0].port)]) == 2
     assert "pick another --port" in capsys.readouterr().err
+
+
+class _FailingDrafter(NgramDrafter):
+    """An n-gram drafter whose proposals fail: the engine's step raises on the engine thread."""
+
+    def propose(self, seqs, k, rows):
+        raise RuntimeError("drafter exploded")
+
+
+def test_a_failed_step_answers_its_request_500_and_later_ones_503(ckpt):
+    target = runtime.load_model(ckpt, dtype=torch.float32)
+    tok = runtime.load_tokenizer(ckpt)
+    engine = Engine(target, _FailingDrafter(), max_batch=2, max_len=64, eos_token_id=tok.eos_token_id)
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}
+    with ServerThread(create_app(engine, tok, MODEL)) as server:
+        status, payload = post(server, "/v1/completions", body)
+        assert status == 500 and "drafter exploded" in payload["error"]["message"]
+        assert payload["error"]["code"] == "engine_failed"
+        status, payload = post(server, "/v1/completions", body)
+        assert status == 503 and "restart the server" in payload["error"]["message"]
+        assert get(server, "/health")[0] == 503
 
 
 def test_a_server_thread_on_a_taken_port_fails_and_leaves_no_thread(served):
