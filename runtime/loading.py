@@ -172,7 +172,12 @@ def from_hf_state(hf_state: dict[str, torch.Tensor], hf_config: Any, dtype: torc
     for name, tensor in state.items():
         if not torch.isfinite(tensor).all():
             raise CheckpointError(f"tensor {name} holds NaN or inf values; the checkpoint is corrupt")
-    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
+    # a tensor taken as is from a safetensors file would stay a view of its memory map, which keeps
+    # every page of the file resident (RssFile: +3.6 GB for the 1.5B): copy those into the model's own memory
+    mapped = {id(t) for t in hf_state.values()}
+    for name in list(state):
+        tensor = state.pop(name)
+        state[name] = tensor.to(device=device, dtype=dtype, copy=id(tensor) in mapped)
     model.load_state_dict(state, assign=True, strict=False)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight
