@@ -1,12 +1,12 @@
 """Compiled short forwards (decode steps, draft verification): `Transformer.compile_decode`.
 
 Decoding runs thousands of forwards of 1..k+1 tokens; each is dozens of small ATen calls per
-layer plus one matmul per weight. `torch.compile` with Inductor's weight freezing turns that into
-one generated C++ program per shape whose linears use oneDNN with prepacked weights (AMX on CPUs
-that have it). On a 2-core Xeon with AMX (`spr-amx` in BENCHMARKS.md section 1), compiled
-decoding runs qwen2.5-coder-1.5b-instruct bf16 at 6.9 tok/s instead of 5.0, smollm2-135m-instruct
-bf16 at 44.8 instead of 28.7 and float32 at 34.6 instead of 29.3; the measurements behind the
-design below are in docs/experiments/2026-11-21-compiled-decode-step.md.
+layer plus one matmul per weight. `torch.compile` (Inductor) turns that into one generated C++
+program per shape that fuses the small ops and calls oneDNN for the linears. On a 2-core Xeon
+with AMX (`spr-amx` in BENCHMARKS.md section 1), compiled decoding (then with frozen weights)
+runs qwen2.5-coder-1.5b-instruct bf16 at 6.9 tok/s instead of 5.0, smollm2-135m-instruct bf16 at
+44.8 instead of 28.7 and float32 at 34.6 instead of 29.3; the measurements behind the design below
+are in docs/experiments/2026-11-21-compiled-decode-step.md.
 
 `Transformer.compile_decode()` (or `runtime.compile_decode(model)`) stores the compiled
 `Transformer.static_step` as `model.compiled_step`; `Transformer.forward` runs through it every
@@ -24,7 +24,7 @@ forwards take a program (`Transformer._static_fits`), and at which size:
   DECODE_STATIC_TOKENS (8) tokens, padded to 1 or 8 and its logits gathered from the program's
   output; a 2-token feed after the prompt (a draft's catch-up) has a 2-token program of its own.
   Longer ones (a prompt of more than 8 tokens) run eagerly rather than compile a 16- or 32-token
-  program with another weight copy;
+  program (a minute-long compile per shape);
 - a Medusa tree step, with a `block_mask` (B, N, N) (which tree tokens each one sees) and no
   selected logits, of up to MAX_BLOCK_TOKENS (256) tokens, at its own size N, unpadded (a tree
   keeps its size for a whole generation), unless a sliding window cuts into a row.
@@ -33,13 +33,21 @@ Everything else runs eagerly: a forward without a cache, one with a full (B, T, 
 causal forward of more than 32 tokens (more than 8 with selected logits), a tree step of more
 than 256 tokens or one that a sliding window cuts. So one generation with k <= 7 draft tokens
 compiles every program it needs (1 and 8 tokens, 2 for a draft's feeds, a tree's size) in its
-first steps, and a warm-up run is enough. Each program holds its own frozen copy of the weights
-(+3.1 GB for the 1.5B bf16 model) for the life of the process. Every program also returns the
-final hidden states (`return_hidden`: Medusa heads, self-distillation data).
+first steps, and a warm-up run is enough. Every program also returns the final hidden states
+(`return_hidden`: Medusa heads, self-distillation data).
 
-Freezing treats the weights as constants: compile after the weights are final, and use the model
-for inference only (`torch.inference_mode`, as `specdec.generate` runs). The first call of each
-shape compiles (about a minute for a 1.5B model on 2 cores); later calls reuse it.
+Weights: by default every program reads the model's own weight tensors, so all block and batch
+sizes share one copy: the 1.5B bf16 model with 12 programs compiled (batch 1-4 x 1, 8 and 16
+tokens) resides in 1.20x its weights + KV caches, +0.31 GB for the 12 programs
+(benchmarks/compiled_memory.py, BENCHMARKS.md section 6). `freeze_weights=True` has Inductor fold
+them into each program as prepacked constants instead: a full copy per program (+3.6 GB each for
+the 1.5B), for no measured step-time gain on an AVX-512-BF16 CPU (qwen2.5-coder-0.5b bf16: 119.3
+vs 118.4 ms a decode step, 151.7 vs 149.1 ms an 8-token block, frozen vs shared, alternating in one
+process); on an AMX CPU the prepacked path measured ~145 ms against ~200 ms eager for the 1.5B
+step (docs/experiments/2026-11-21-compiled-decode-step.md), so compare there before choosing.
+Use a compiled model for inference only (`torch.inference_mode`, as `specdec.generate` runs). The
+first call of each shape compiles (about a minute for a 1.5B model on 2 cores; Inductor's cache
+makes later processes faster); later calls reuse it.
 """
 
 from __future__ import annotations
@@ -79,8 +87,8 @@ def static_tokens(num_tokens: int, selected: bool = False) -> int:
 
 
 def compile_step(step: Step, device: torch.device, cpp_wrapper: bool = True,
-                 max_autotune: bool | None = None) -> Step:
-    """`torch.compile` a model's `static_step` (on `device`) with frozen weights: the function that
+                 max_autotune: bool | None = None, freeze_weights: bool = False) -> Step:
+    """`torch.compile` a model's `static_step` (on `device`): the function that
     `Transformer.compile_decode` stores as `compiled_step`. Options as `compile_decode`."""
     cxx = torch._inductor.config.cpp.cxx  # what Inductor's CPU backend invokes ($CXX when torch loaded)
     candidates = [c for c in (cxx if isinstance(cxx, tuple) else (cxx,)) if c]
@@ -99,7 +107,7 @@ def compile_step(step: Step, device: torch.device, cpp_wrapper: bool = True,
         torch._dynamo.mark_dynamic(v, 3)
         # freezing set through torch.compile(options=...) does not reach Inductor's freezing pass
         # (the step is no faster), so the config is patched around each call instead
-        with torch._inductor.config.patch(freezing=True, cpp_wrapper=cpp_wrapper, **autotune), \
+        with torch._inductor.config.patch(freezing=freeze_weights, cpp_wrapper=cpp_wrapper, **autotune), \
                 torch._dynamo.config.patch(automatic_dynamic_shapes=False):
             return compiled(tokens, positions, k, v, lengths, block_mask)
 
@@ -107,15 +115,15 @@ def compile_step(step: Step, device: torch.device, cpp_wrapper: bool = True,
 
 
 def compile_decode(model: torch.nn.Module, cpp_wrapper: bool = True,
-                   max_autotune: bool | None = None) -> torch.nn.Module:
+                   max_autotune: bool | None = None, freeze_weights: bool = False) -> torch.nn.Module:
     """Compile `model`'s short forwards in place and return the model: `model.compile_decode(...)`.
 
     model: a runtime Transformer (also a compressed one); anything else is a TypeError.
-    cpp_wrapper, max_autotune: see `Transformer.compile_decode`.
+    cpp_wrapper, max_autotune, freeze_weights: see `Transformer.compile_decode`.
     """
     from runtime.model import Transformer
 
     if not isinstance(model, Transformer):
         raise TypeError(f"compile_decode takes a runtime Transformer (runtime.load_model), got "
                         f"{type(model).__name__}")
-    return model.compile_decode(cpp_wrapper=cpp_wrapper, max_autotune=max_autotune)
+    return model.compile_decode(cpp_wrapper=cpp_wrapper, max_autotune=max_autotune, freeze_weights=freeze_weights)

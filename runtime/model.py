@@ -168,7 +168,8 @@ class Transformer(nn.Module):
                               self.config.max_position_embeddings, self.device)
         return self._rope
 
-    def compile_decode(self, cpp_wrapper: bool = True, max_autotune: bool | None = None) -> Transformer:
+    def compile_decode(self, cpp_wrapper: bool = True, max_autotune: bool | None = None,
+                       freeze_weights: bool = False) -> Transformer:
         """Compile this model's short forwards in place and return the model (`runtime.compile`).
 
         Sets `compiled_step` to the `torch.compile`d `static_step`. cpp_wrapper: let Inductor call
@@ -177,10 +178,13 @@ class Transformer(nn.Module):
         template, which covers the packed INT8 / INT4 weight-only matmuls) and keep the fastest per
         shape, compiling several times longer; None leaves Inductor's setting alone. Outputs equal
         the eager model's up to floating-point reassociation (float32: ~1e-6 relative; bf16: bf16
-        rounding), so greedy tokens can differ from the eager model's only at near-ties. Compile
-        after the weights are final: the programs hold them as constants.
+        rounding), so greedy tokens can differ from the eager model's only at near-ties.
+        freeze_weights: False (default) lets every program read the model's own weights, so all
+        block and batch sizes share one copy; True has Inductor fold them into each program as
+        prepacked constants (a full copy per program, +3.1 GB for the 1.5B bf16 model; compile
+        after the weights are final). The step-time cost of sharing is measured in BENCHMARKS.md.
         """
-        self.compiled_step = compile_step(self.static_step, self.device, cpp_wrapper, max_autotune)
+        self.compiled_step = compile_step(self.static_step, self.device, cpp_wrapper, max_autotune, freeze_weights)
         return self
 
     @contextmanager

@@ -240,7 +240,7 @@ def register(subparsers) -> argparse.ArgumentParser:
                    "(default: torch's default, one per core; on a CPU shared with other jobs 1 avoids "
                    "OpenMP barrier stalls)")
     p.add_argument("--compile", action="store_true", help="also time this runtime with "
-                   "runtime.compile_decode (torch.compile, Inductor weight freezing) in the same run; "
+                   "runtime.compile_decode (torch.compile, Inductor) in the same run; "
                    "compiling happens in the untimed warm-up")
     p.add_argument("--json", default=d["json"], help="also write the full result to this JSON file")
     p.set_defaults(func=main)
