@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import shlex
 import sys
 import time
@@ -41,6 +40,7 @@ from distill.budget import RunBudget
 from distill.config_args import add_dataclass_args, dataclass_from_args
 from distill.recover import RECOVER_MARKERS, RecoverConfig
 from runtime.atomic import atomic_write, atomic_write_text
+from runtime.hardware import cpu_summary
 from runtime.outputs import prepare_output_dir
 from runtime.qlinear import Sparse24Linear
 
@@ -189,6 +189,7 @@ def main() -> None:
     finally:
         if budget is not None:
             budget.close()
+    cpu = cpu_summary()
     report = {
         "model": MODEL, "baseline": base, "recovered": recovered,
         "gap_recovered": {s: _gap(base["dense"][s], base["sparse"][s], recovered[s]) for s in SETS},
@@ -196,7 +197,8 @@ def main() -> None:
         "train_windows": int(train.shape[0]), "sparse_linears_checked": n_sparse,
         "recovery_minutes": round(minutes, 2), "max_minutes": args.max_minutes, "processes": state.num_processes,
         "config": metrics["config"], "command": shlex.join([sys.executable, *sys.argv]),
-        "machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}",
+        "machine": f"{cpu['model']} ({cpu['cores']} cores; {', '.join(cpu['flags']) or 'no AVX2'}), "
+                   f"{torch.get_num_threads()} threads, torch {torch.__version__}",
         "monitor_eval_windows": int(monitor.shape[0]), "heldout_windows_per_set": args.n_eval,
     }
     atomic_write_text(out / "report.json", json.dumps(report, indent=1))
