@@ -336,8 +336,15 @@ class ServerThread:
         self.host = host
         self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                                     lifespan="on", timeout_graceful_shutdown=5))
-        self._thread = threading.Thread(target=self.server.run, name="specdec-http", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="specdec-http", daemon=True)
         self.port = port
+        self._exit_code: int | str | None = None
+
+    def _run(self) -> None:
+        try:
+            self.server.run()
+        except SystemExit as err:  # uvicorn exits when startup fails (e.g. a taken port); start() reports it
+            self._exit_code = err.code
 
     @property
     def url(self) -> str:
@@ -349,8 +356,10 @@ class ServerThread:
         while not self.server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 self.stop()  # a server still starting must not outlive the error
-                raise RuntimeError(f"the HTTP server did not start on {self.host}:{self.port} within {timeout_s} s; "
-                                   "see uvicorn's log above (a taken port or an address this machine does not have)")
+                why = f"uvicorn exited with status {self._exit_code}" if self._exit_code is not None \
+                    else f"not within {timeout_s} s"
+                raise RuntimeError(f"the HTTP server did not start on {self.host}:{self.port} ({why}); see uvicorn's "
+                                   "log above (a taken port or an address this machine does not have)")
             time.sleep(0.02)
         self.port = self.server.servers[0].sockets[0].getsockname()[1]
         return self
