@@ -118,11 +118,6 @@ class MaskedSparse24(nn.Module):
         return Sparse24Linear(self.values.detach().to(dtype).contiguous(), self.indices.clone(), bias)
 
 
-def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent, _, leaf = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, leaf, module)
-
-
 def unmask_sparse(model: nn.Module) -> dict[str, MaskedSparse24]:
     """Replace every Sparse24Linear of `model` by a MaskedSparse24 in place; returns them by name.
 
@@ -137,7 +132,7 @@ def unmask_sparse(model: nn.Module) -> dict[str, MaskedSparse24]:
                              "values (Sparse24Linear); sparsify without int4_group_size, recover, then quantize")
         if isinstance(mod, Sparse24Linear):
             found[name] = MaskedSparse24(mod).to(mod.values.device)
-            _set_module(model, name, found[name])
+            model.set_submodule(name, found[name])
     if not found:
         raise ValueError("the student has no 2:4-sparse linears; prune it first with "
                          "quant.sparsify_(model, quant.SemiStructured24(...))")
@@ -148,7 +143,7 @@ def mask_sparse(model: nn.Module, dtype: torch.dtype) -> None:
     """Turn every MaskedSparse24 of `model` back into a Sparse24Linear (values in `dtype`) in place."""
     for name, mod in list(model.named_modules()):
         if isinstance(mod, MaskedSparse24):
-            _set_module(model, name, mod.to_sparse(dtype))
+            model.set_submodule(name, mod.to_sparse(dtype))
 
 
 def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, tokens: torch.Tensor,

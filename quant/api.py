@@ -55,11 +55,6 @@ def _record(model: nn.Module, cfg: Config) -> None:
     model.compression_recipe = recipe
 
 
-def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent, _, leaf = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, leaf, module)
-
-
 def _need_calibration(cfg: Config, calibration: torch.Tensor | None, what: str) -> torch.Tensor:
     if calibration is None:
         raise ValueError(f"{what} needs calibration windows: pass calibration=quant.calibration_batches(tok, ...)")
@@ -116,7 +111,7 @@ def quantize_(model: nn.Module, config: Config, calibration: torch.Tensor | None
         compress_layerwise(model, batches, targets, "hessian", gptq, "gptq", progress=progress)
     else:
         for name, mod in targets.items():
-            _set_module(model, name, _round_to_nearest(mod, config))
+            model.set_submodule(name, _round_to_nearest(mod, config))
     _record(model, config)
     return model
 
@@ -161,7 +156,7 @@ def sparsify_(model: nn.Module, config: SemiStructured24, calibration: torch.Ten
     if config.method == "magnitude":
         for name, mod in targets.items():
             w = mod.weight.detach()
-            _set_module(model, name, _sparse_module(w, mask_24(w.abs().float()), _bias(mod), w.dtype))
+            model.set_submodule(name, _sparse_module(w, mask_24(w.abs().float()), _bias(mod), w.dtype))
     elif config.method == "wanda":
         batches = _need_calibration(config, calibration, "SemiStructured24(method='wanda')")
 

@@ -33,11 +33,6 @@ class NormAccumulator:
         return self.sq.sqrt()
 
 
-def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent, _, leaf = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, leaf, module)
-
-
 def collect_stats(modules: dict[str, nn.Linear], kind: str, run: Callable[[], None]) -> dict[str, object]:
     """Run `run()` with hooks that accumulate `kind` ("hessian" | "norms") for every module's input."""
     stats: dict[str, object] = {}
@@ -81,11 +76,11 @@ def compress_layerwise(model: Transformer, batches: torch.Tensor, targets: dict[
         if mine:
             stats = collect_stats(mine, kind, lambda: forward(i, update=False))
             for name, mod in mine.items():
-                _set_module(model, name, compress(name, mod, stats[name]))
+                model.set_submodule(name, compress(name, mod, stats[name]))
         forward(i, update=True)
     if "lm_head" in targets:
         head = targets["lm_head"]
         acc = (HessianAccumulator if kind == "hessian" else NormAccumulator)(head.in_features, device)
         for x in xs:  # the head's input; running the head itself would materialise (n, T, V) logits
             acc.add(model.norm(x))
-        _set_module(model, "lm_head", compress("lm_head", head, acc))
+        model.set_submodule("lm_head", compress("lm_head", head, acc))

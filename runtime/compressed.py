@@ -92,11 +92,6 @@ def _rebuild(name: str, mod_meta: dict[str, Any], local: dict[str, torch.Tensor]
     return module
 
 
-def _set_module(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
-    parent, _, leaf = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, leaf, module)
-
-
 def load_compressed(ckpt: Path, hf_config: Any, dtype: torch.dtype = torch.bfloat16,
                     device: torch.device | str = "cpu", attention: str | None = None) -> Transformer:
     """The Transformer of a compressed checkpoint dir; dense tensors in `dtype`, packed ones as stored.
@@ -126,7 +121,7 @@ def load_compressed(ckpt: Path, hf_config: Any, dtype: torch.dtype = torch.bfloa
         local = {k[len(prefix):]: v.to(device) for k, v in tensors.items() if k.startswith(prefix)}
         if not local:
             raise CheckpointError(f"{ckpt} lists compressed module {name} but stores none of its tensors")
-        _set_module(model, name, _rebuild(name, mod_meta, local, linear, meta_path))
+        model.set_submodule(name, _rebuild(name, mod_meta, local, linear, meta_path))
     dense = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in dense.items()}
     tie = cfg.tie_word_embeddings and "lm_head" not in modules
     if tie:

@@ -327,11 +327,6 @@ def to_runtime_module(parts: list[PackedLinear], bias: torch.Tensor | None) -> Q
 
 
 # --------------------------------------------------------------------------------------------- loading
-def _set_module(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
-    parent, _, leaf = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, leaf, module)
-
-
 def load_compressed_tensors(ckpt: Path, hf_config: Any, dtype: torch.dtype = torch.bfloat16,
                             device: torch.device | str = "cpu", attention: str | None = None) -> Transformer:
     """The Transformer of a compressed-tensors pack-quantized checkpoint directory.
@@ -405,7 +400,7 @@ def load_compressed_tensors(ckpt: Path, hf_config: Any, dtype: torch.dtype = tor
                                   f"the config implies {tuple(linear.weight.shape)}; the config does not belong to "
                                   "these weights")
         runtime_state.pop(f"{ours}.weight", None)
-        _set_module(model, ours, module.to(device))
+        model.set_submodule(ours, module.to(device))
     tie = cfg.tie_word_embeddings and "lm_head" not in modules
     if tie:
         runtime_state.pop("lm_head.weight", None)
