@@ -81,7 +81,8 @@ class Request:
     """One submitted request, updated by the engine's stepping thread.
 
     tokens: the new tokens so far. finish_reason: None while waiting or running, then "stop" (a
-    stop token, kept as the last token), "length" (max_new_tokens) or "cancelled". ttft_s:
+    stop token, kept as the last token, or `cancel(id, "stop")`), "length" (max_new_tokens) or
+    "cancelled". ttft_s:
     submit to first token; tpot_s: per token after the first; target_forwards / drafted /
     accepted: this request's share of the verification steps (AcceptanceStats' conventions).
     """
@@ -147,7 +148,7 @@ class Engine:
         self.slots: list[Request | None] = [None] * max_batch
         self._waiting: collections.deque[Request] = collections.deque()
         self._live: dict[str, Request] = {}
-        self._cancel: set[str] = set()
+        self._cancel: dict[str, str] = {}  # request id -> the finish reason it is retired with
         self._lock = threading.RLock()  # re-entrant: a listener may submit or cancel
         self._counts = collections.Counter(requests_total=0, requests_finished=0, finished_stop=0,
                                            finished_length=0, finished_cancelled=0, steps=0)
@@ -215,28 +216,33 @@ class Engine:
                                      "lower max_new_tokens or start the engine with a larger max_len")
         return prompt.long().cpu()
 
-    def cancel(self, request_id: str) -> bool:
+    def cancel(self, request_id: str, reason: str = "cancelled") -> bool:
         """Cancel a waiting or running request (thread-safe): it is retired at the next step with
-        finish_reason "cancelled" and its listener is not called again. False if unknown or done."""
+        finish_reason `reason`. "cancelled" (the client went away): its listener is not called
+        again; "stop" (the caller found a stop condition of its own, e.g. a stop string in the
+        text): it finishes as at a stop token, listener included. Tokens of steps that ran
+        before the retirement stay in `tokens`. False if unknown or done."""
+        if reason not in ("cancelled", "stop"):
+            raise ValueError(f"a request is cancelled with reason 'cancelled' or 'stop', got {reason!r}")
         with self._lock:
             if request_id not in self._live:
                 return False
-            self._cancel.add(request_id)
+            self._cancel[request_id] = reason
             return True
 
     def step(self) -> list[Request]:
         """One scheduler step (see the module docstring); returns the requests it finished."""
         finished: list[Request] = []
         with self._lock:
-            cancel, self._cancel = self._cancel, set()
+            cancel, self._cancel = self._cancel, {}
             for req in [r for r in self._waiting if r.id in cancel]:
                 self._waiting.remove(req)
-                self._finish(req, "cancelled", finished)
+                self._finish(req, cancel[req.id], finished)
             free = [b for b, r in enumerate(self.slots) if r is None or r.id in cancel]
             admitted = [self._waiting.popleft() for _ in range(min(len(free), len(self._waiting)))]
         for b, req in enumerate(self.slots):
             if req is not None and req.id in cancel:
-                self._retire(b, "cancelled", finished)
+                self._retire(b, cancel[req.id], finished)
         with torch.inference_mode():
             self._admit(admitted, finished)
             emitted = self.loop.step()
@@ -300,7 +306,7 @@ class Engine:
             req.tpot_s = (req.finished_at - req.first_token_at) / (n - 1) if n > 1 else 0.0
         with self._lock:
             self._live.pop(req.id, None)
-            self._cancel.discard(req.id)  # a cancel that raced the finish must not hit a later request of this id
+            self._cancel.pop(req.id, None)  # a cancel that raced the finish must not hit a later request of this id
             self._counts["requests_finished"] += 1
             self._counts[f"finished_{reason}"] += 1
             if reason != "cancelled" and req.first_token_at is not None:

@@ -87,8 +87,7 @@ def verify_chain_sampling(logits: torch.Tensor, tree: DraftTree, valid: torch.Te
     p = probs_from_logits(logits, temperature, top_k, top_p)  # (B, k+1, V)
     p_draft = p[:, :k].gather(-1, drafts[..., None]).squeeze(-1)  # (B, k): p(x_i)
     q_draft = torch.ones_like(p_draft) if q is None else q.gather(-1, drafts[..., None]).squeeze(-1)
-    u = torch.rand(B, k, generator=generator,
-                   device=generator.device if generator is not None else device).to(device)
+    u = _uniforms(valid, generator, device)  # (B, k)
     accepted = _leading((u * q_draft < p_draft) & valid.to(device))  # (B,)
     rows = torch.arange(B, device=device)
     at = p[rows, accepted]  # (B, V): target distribution where the chain stopped
@@ -99,6 +98,20 @@ def verify_chain_sampling(logits: torch.Tensor, tree: DraftTree, valid: torch.Te
         at = torch.where(rejected[:, None], _residual(at, q_at), at)
     nxt = torch.multinomial(at, 1, generator=generator).squeeze(1).cpu()
     return Verdict([list(range(a)) for a in accepted.tolist()], nxt)
+
+
+def _uniforms(valid: torch.Tensor, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """(B, k) uniforms for the valid nodes, row by row (1 elsewhere): a row draws as many numbers as
+    it has drafts, however long the batch's longest draft is, so a seeded row samples the same
+    tokens whatever rows run beside it."""
+    B, k = valid.shape
+    u = torch.ones(B, k, device=device)
+    source = generator.device if generator is not None else device
+    for b in range(B):
+        n = int(valid[b].sum())
+        if n:
+            u[b, valid[b].to(device)] = torch.rand(n, generator=generator, device=source).to(device)
+    return u
 
 
 def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -138,6 +138,27 @@ def test_cancel_a_running_and_a_waiting_request(target, random_draft):
     assert engine.metrics["finished_cancelled"] == 2
 
 
+def test_a_cancel_with_reason_stop_finishes_the_request_as_stopped(target):
+    """cancel(id, "stop") (a caller's own stop condition, e.g. a stop string) retires the row as
+    a stop token would: finish_reason "stop", the listener's final call, the stop counter; the row
+    serves the next request."""
+    engine = Engine(target, "ngram", max_batch=1)
+    prompts = _prompts([6, 5], seed=13)
+    finals = []
+    req = engine.submit(prompts[0], SamplingParams(max_new_tokens=30), request_id="a",
+                        on_tokens=lambda r, new: not new and finals.append(r.finish_reason))
+    engine.step()
+    assert engine.cancel("a", "stop")
+    engine.step()
+    assert req.finish_reason == "stop" and finals == ["stop"] and 1 <= len(req.tokens) < 30
+    assert engine.metrics["finished_stop"] == 1 and engine.metrics["finished_cancelled"] == 0
+    with pytest.raises(ValueError, match="'cancelled' or 'stop'"):
+        engine.cancel("a", "length")
+    nxt = engine.submit(prompts[1], SamplingParams(max_new_tokens=4))
+    engine.run_until_done()
+    assert nxt.tokens == _alone(target, "ngram", prompts[1], 4)
+
+
 def test_a_cancel_that_races_the_finish_does_not_cancel_a_later_request_of_that_id(target):
     """A cancel arriving during the step that finishes the request (here from its own listener)
     is dropped with it: a later request that reuses the id runs to its end."""
@@ -168,11 +189,15 @@ def test_more_requests_than_rows_queue_and_reuse_the_slots(target):
     assert engine.metrics["requests_total"] == engine.metrics["requests_finished"] == 5
 
 
-def test_sampled_requests_follow_their_own_seed(target, random_draft):
+@pytest.mark.parametrize("which", ["draft", "ngram"])
+def test_sampled_requests_follow_their_own_seed(target, random_draft, which):
+    """Also with n-gram drafts, whose length differs per row: a row draws random numbers for its
+    own drafts only, not for the padding up to the batch's longest draft."""
     prompts = _prompts([6, 9, 5], seed=7)
+    draft = _draft(which, random_draft)
 
     def run(companions, seed, max_batch=3):
-        engine = Engine(target, random_draft, max_batch=max_batch)
+        engine = Engine(target, draft, max_batch=max_batch)
         req = engine.submit(prompts[0], SamplingParams(max_new_tokens=16, temperature=0.9, seed=seed))
         others = [engine.submit(p, SamplingParams(max_new_tokens=12, temperature=t, seed=s))
                   for p, (t, s) in zip(prompts[1:], companions)]
@@ -182,7 +207,7 @@ def test_sampled_requests_follow_their_own_seed(target, random_draft):
     alone, _ = run([], seed=11)
     mixed, others = run([(0.0, None), (1.3, 5)], seed=11)
     assert alone == mixed  # the same seed gives the same tokens whatever else runs
-    assert others[0].tokens == _alone(target, random_draft, prompts[1], 12)  # a greedy row stays greedy
+    assert others[0].tokens == _alone(target, draft, prompts[1], 12)  # a greedy row stays greedy
     assert run([], seed=12)[0] != alone
 
 
