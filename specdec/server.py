@@ -97,9 +97,9 @@ class EngineLoop:
         with self._cond:
             self._failers.pop(request_id, None)
 
-    def cancel(self, request_id: str) -> bool:
+    def cancel(self, request_id: str, reason: str = "cancelled") -> bool:
         self.done(request_id)
-        return self.engine.cancel(request_id)
+        return self.engine.cancel(request_id, reason)
 
     def _busy(self) -> bool:
         return self.engine.waiting + self.engine.running > 0
@@ -137,6 +137,52 @@ class _Progress:
 
     def tpot(self) -> float | None:
         return None if self.count < 2 else (self.last - self.first) / (self.count - 1)
+
+
+class _Choices:
+    """The choices of one request as their tokens arrive: text (cut at a stop string), finish
+    reason, token count. A choice whose text reaches a stop string is retired in the engine
+    with reason "stop" (`finish(id)`); `close` cancels the unfinished ones (`cancel(ids)`)."""
+
+    def __init__(self, req: GenerationRequest, cids: list[str], tokenizer, incremental: bool,
+                 finish: Callable[[str], object], cancel: Callable[[list[str]], None]) -> None:
+        self.cids, self.incremental = cids, incremental or bool(req.stop)
+        self.finish, self.cancel = finish, cancel
+        self.texts = [IncrementalText(tokenizer, req.stop) for _ in cids]
+        self.reasons: list[str | None] = [None] * len(cids)
+        self.tokens = 0
+
+    def add(self, item) -> tuple[int, str, str | None] | None:
+        """One queue item: (choice, text delta, finish reason or None), or None for a
+        finished choice's late item. Without stop strings a whole reply decodes at the end."""
+        i, new_ids, finished, reason = item
+        if self.reasons[i] is not None:
+            return None
+        self.tokens += len(new_ids)
+        text = self.texts[i]
+        if self.incremental or finished:
+            delta = text.add(new_ids, finished)
+        else:
+            delta = text.extend(new_ids)
+        if text.stopped:
+            if not finished:
+                self.finish(self.cids[i])
+            finished, reason = True, "stop"
+        if finished:
+            self.reasons[i] = reason
+        return i, delta, self.reasons[i]
+
+    @property
+    def done(self) -> bool:
+        return all(r is not None for r in self.reasons)
+
+    def close(self) -> None:
+        """Cancel the choices still running (the client went away, or the reply failed)."""
+        self.cancel([cid for cid, r in zip(self.cids, self.reasons) if r is None])
+
+
+def _failed(item: Exception) -> APIError:
+    return APIError(500, f"generation failed: {item}", type="server_error", code="engine_failed")
 
 
 def _sse(obj: dict | str) -> str:
@@ -196,7 +242,9 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int | None = N
                   "POST /v1/chat/completions, GET /health, GET /metrics"
         return _error_response(APIError(err.status_code, message, code=str(err.status_code)), metrics)
 
-    def submit(req: GenerationRequest, rid: str, queue: asyncio.Queue, loop: asyncio.AbstractEventLoop):
+    def submit(req: GenerationRequest, rid: str, queue: asyncio.Queue, loop: asyncio.AbstractEventLoop) -> list[str]:
+        """Queue the request's n choices (one engine request each); their engine request ids.
+        Each step's tokens of choice i reach `queue` as (i, new_ids, finished, finish_reason)."""
         n = len(req.prompt_ids)
         if n >= max_model_len:
             raise APIError(400, f"the prompt has {n} tokens; this model's context is {max_model_len} tokens "
@@ -207,9 +255,6 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int | None = N
                            f"model's context is {max_model_len} tokens: ask for at most {max_model_len - n}",
                            "max_tokens", "context_length_exceeded")
         max_tokens = req.max_tokens if req.max_tokens is not None else max_model_len - n
-        params = SamplingParams(max_new_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                                top_k=req.top_k, seed=req.seed)
-        progress = _Progress(arrival=time.perf_counter())
 
         def post(item) -> None:  # on the engine thread; it must not raise there
             try:
@@ -217,35 +262,55 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int | None = N
             except RuntimeError:  # the event loop has closed: the server is shutting down, nobody listens
                 return
 
-        def on_tokens(request, new_ids: list[int]) -> None:  # on the engine thread
-            t = time.perf_counter()
-            if new_ids:
-                metrics.generated_tokens.inc(len(new_ids))
-                progress.first = t if progress.first is None else progress.first
-                progress.last, progress.count = t, progress.count + len(new_ids)
-            reason = request.finish_reason
-            if request.finished:
-                loop_runner.done(rid)
-                if reason != "cancelled":
-                    metrics.finished(reason, progress.ttft(), progress.tpot())
-            post((list(new_ids), request.finished, reason))
+        def listener(index: int, cid: str):
+            progress = _Progress(arrival=time.perf_counter())
 
+            def on_tokens(request, new_ids: list[int]) -> None:  # on the engine thread
+                t = time.perf_counter()
+                if new_ids:
+                    metrics.generated_tokens.inc(len(new_ids))
+                    progress.first = t if progress.first is None else progress.first
+                    progress.last, progress.count = t, progress.count + len(new_ids)
+                reason = request.finish_reason
+                if request.finished:
+                    loop_runner.done(cid)
+                    if reason != "cancelled":
+                        metrics.finished(reason, progress.ttft(), progress.tpot())
+                post((index, list(new_ids), request.finished, reason))
+
+            return on_tokens
+
+        cids = [rid] if req.n == 1 else [f"{rid}-{i}" for i in range(req.n)]
+        for i, cid in enumerate(cids):
+            seed = None if req.seed is None else (req.seed + i) % 2 ** 63
+            params = SamplingParams(max_new_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                                    top_k=req.top_k, seed=seed)
+            try:
+                loop_runner.submit(list(req.prompt_ids), params, listener(i, cid), cid, on_error=post)
+            except BaseException as err:
+                cancel(cids[:i])  # the choices queued before this one
+                if isinstance(err, ContextLengthError):
+                    raise APIError(400, str(err), "max_tokens", "context_length_exceeded") from err
+                if isinstance(err, ValueError):
+                    raise APIError(400, str(err), None, "invalid_value") from err
+                raise
+            metrics.prompt_tokens.inc(n)
+        return cids
+
+    def cancel(cids: list[str]) -> None:
+        for cid in cids:
+            if loop_runner.cancel(cid):
+                metrics.requests.labels(finish_reason="cancelled").inc()
+
+    def choices_of(req: GenerationRequest, cids: list[str], incremental: bool) -> _Choices:
+        return _Choices(req, cids, tokenizer, incremental, finish=lambda cid: loop_runner.cancel(cid, "stop"),
+                        cancel=cancel)
+
+    async def plain(request: Request, req: GenerationRequest, rid: str, cids: list[str],
+                    queue: asyncio.Queue) -> JSONResponse:
+        choices = choices_of(req, cids, incremental=False)
         try:
-            loop_runner.submit(list(req.prompt_ids), params, on_tokens, rid, on_error=post)
-        except ContextLengthError as err:
-            raise APIError(400, str(err), "max_tokens", "context_length_exceeded") from err
-        except ValueError as err:
-            raise APIError(400, str(err), None, "invalid_value") from err
-        metrics.prompt_tokens.inc(len(req.prompt_ids))
-
-    def cancel(rid: str) -> None:
-        if loop_runner.cancel(rid):
-            metrics.requests.labels(finish_reason="cancelled").inc()
-
-    async def plain(request: Request, req: GenerationRequest, rid: str, queue: asyncio.Queue) -> JSONResponse:
-        tokens, finished = [], False
-        try:
-            while True:
+            while not choices.done:
                 try:
                     item = await asyncio.wait_for(queue.get(), _DISCONNECT_POLL_S)
                 except asyncio.TimeoutError:
@@ -253,51 +318,48 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int | None = N
                         return JSONResponse({}, status_code=499)
                     continue
                 if isinstance(item, Exception):
-                    raise APIError(500, f"generation failed: {item}", type="server_error", code="engine_failed")
-                new_ids, finished, reason = item
-                tokens.extend(new_ids)
-                if finished:
-                    text = tokenizer.decode(tokens, skip_special_tokens=True)
-                    return JSONResponse(response(req, rid, now(), text, reason, len(tokens)))
+                    raise _failed(item)
+                choices.add(item)
+            return JSONResponse(response(req, rid, now(), [(t.sent, r) for t, r in zip(choices.texts, choices.reasons)],
+                                         choices.tokens))
         finally:
-            if not finished:
-                cancel(rid)
+            choices.close()
 
-    def streamed(req: GenerationRequest, rid: str, queue: asyncio.Queue) -> StreamingResponse:
+    def streamed(req: GenerationRequest, rid: str, cids: list[str], queue: asyncio.Queue) -> StreamingResponse:
         async def events():
-            created, text, count, finished = now(), IncrementalText(tokenizer), 0, False
+            created, choices = now(), choices_of(req, cids, incremental=True)
             try:
                 if req.chat:
-                    yield _sse(chunk(req, rid, created, None, role=True))
-                while not finished:
+                    for i in range(req.n):
+                        yield _sse(chunk(req, rid, created, None, role=True, index=i))
+                while not choices.done:
                     item = await queue.get()
                     if isinstance(item, Exception):
-                        err = APIError(500, f"generation failed: {item}", type="server_error", code="engine_failed")
-                        yield _sse(err.body())
+                        yield _sse(_failed(item).body())
                         break
-                    new_ids, finished, reason = item
-                    count += len(new_ids)
-                    delta = text.add(new_ids, finished)
+                    added = choices.add(item)
+                    if added is None:
+                        continue
+                    i, delta, reason = added
                     if delta:
-                        yield _sse(chunk(req, rid, created, delta))
-                    if finished:
-                        yield _sse(chunk(req, rid, created, None, finish_reason=reason))
-                        if req.include_usage:
-                            yield _sse(usage_chunk(req, rid, created, count))
+                        yield _sse(chunk(req, rid, created, delta, index=i))
+                    if reason is not None:
+                        yield _sse(chunk(req, rid, created, None, finish_reason=reason, index=i))
+                if choices.done and req.include_usage:
+                    yield _sse(usage_chunk(req, rid, created, choices.tokens))
                 yield _sse("[DONE]")
             finally:
-                if not finished:
-                    cancel(rid)
+                choices.close()
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def generate(request: Request, req: GenerationRequest):
         loop, queue, rid = asyncio.get_running_loop(), asyncio.Queue(), new_id(req.chat)
-        submit(req, rid, queue, loop)
+        cids = submit(req, rid, queue, loop)
         if req.stream:
-            return streamed(req, rid, queue)
-        return await plain(request, req, rid, queue)
+            return streamed(req, rid, cids, queue)
+        return await plain(request, req, rid, cids, queue)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

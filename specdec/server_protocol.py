@@ -3,11 +3,12 @@
 `parse_completion` / `parse_chat` turn a decoded JSON body into a `GenerationRequest` or raise
 `APIError`, whose `body()` is OpenAI's error object `{"error": {"message", "type", "param",
 "code"}}` and whose `status` the HTTP reply carries. Parameters the server does not implement
-(n > 1, logprobs, echo, stop sequences, penalties, ...) are refused by name with a 400 instead of
-being ignored silently; unknown extra fields are ignored, as OpenAI-compatible servers do.
+(best_of, logprobs, echo, penalties, ...) are refused by name with a 400 instead of being ignored
+silently; unknown extra fields are ignored, as OpenAI-compatible servers do.
 
 `IncrementalText` turns a growing list of token ids into text deltas for streaming: it decodes the
-whole list each time and holds back a trailing partial UTF-8 character ("\\ufffd").
+whole list each time, holds back a trailing partial UTF-8 character ("\\ufffd"), and ends the text
+before the first stop string (`stop`), holding back a tail that may still become one.
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ import uuid
 from dataclasses import dataclass
 
 # parameter -> the values it may take here (its OpenAI default, or an equivalent)
-_UNSUPPORTED = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False), "logprobs": (None, False, 0),
-                "top_logprobs": (None, 0), "suffix": (None, ""), "stop": (None, [], ""),
+_UNSUPPORTED = {"best_of": (None, 1), "echo": (None, False), "logprobs": (None, False, 0),
+                "top_logprobs": (None, 0), "suffix": (None, ""),
                 "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
                 "tools": (None, []), "response_format": (None, {"type": "text"})}
 _ROLES = ("system", "user", "assistant")
+MAX_STOP = 4  # stop strings per request, as OpenAI allows
+MAX_N = 16  # choices per request: each is one row of the batch
 
 
 class APIError(Exception):
@@ -41,7 +44,9 @@ class GenerationRequest:
     """One checked request: the prompt as ids (chat template already applied) and its settings.
 
     max_tokens None = as many as the context leaves. chat: answer as chat.completion(.chunk)
-    objects; include_usage: a streamed reply ends with a usage chunk (stream_options)."""
+    objects; include_usage: a streamed reply ends with a usage chunk (stream_options). n: choices
+    sampled for the prompt (each one engine request; with a seed, choice i uses seed + i). stop:
+    strings that end a choice's text (left out of it; finish_reason "stop")."""
 
     model: str
     prompt_ids: tuple[int, ...]
@@ -53,6 +58,8 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     chat: bool
+    n: int = 1
+    stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -80,7 +87,7 @@ def _common(body: dict, served_model: str) -> dict:
     for name, allowed in _UNSUPPORTED.items():
         if name in body and body[name] not in allowed:
             raise APIError(400, f"'{name}' = {body[name]!r} is not supported by specdec serve; leave it out "
-                           f"(supported: model, prompt/messages, max_tokens, temperature, top_p, top_k, seed, "
+                           f"(supported: model, prompt/messages, max_tokens, temperature, top_p, top_k, seed, n, stop, "
                            f"stream, stream_options)", name, "unsupported_parameter")
     temperature = _check_type(body, "temperature", (int, float), "a number between 0 and 2")
     temperature = 1.0 if temperature is None else float(temperature)
@@ -101,8 +108,25 @@ def _common(body: dict, served_model: str) -> dict:
     if not isinstance(include_usage, bool):
         raise APIError(400, f"'stream_options.include_usage' must be true or false, got {include_usage!r}",
                        "stream_options", "invalid_type")
+    n = _check_type(body, "n", (int,), f"an integer in [1, {MAX_N}]")
+    n = 1 if n is None else n
+    if not 1 <= n <= MAX_N:
+        raise APIError(400, f"'n' must be in [1, {MAX_N}] (choices per request), got {n}", "n", "invalid_value")
     return dict(model=model, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stream=stream,
-                include_usage=include_usage)
+                include_usage=include_usage, n=n, stop=_stop(body.get("stop")))
+
+
+def _stop(value) -> tuple[str, ...]:
+    """`stop`: None, a string, or a list of up to MAX_STOP non-empty strings."""
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise APIError(400, f"'stop' must be a string or a list of strings, got {value!r}", "stop", "invalid_type")
+    if len(stops) > MAX_STOP or not all(stops):
+        raise APIError(400, f"'stop' takes at most {MAX_STOP} non-empty strings, got {stops!r}", "stop",
+                       "invalid_value")
+    return tuple(dict.fromkeys(stops))
 
 
 def _max_tokens(body: dict, names: tuple[str, ...], default: int | None) -> int | None:
@@ -194,20 +218,42 @@ def parse_chat(body: dict, served_model: str, tokenizer) -> GenerationRequest:
 
 
 class IncrementalText:
-    """Text deltas of a growing token list (special tokens skipped)."""
+    """Text deltas of a growing token list (special tokens skipped), cut at the first stop string.
 
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer, self.ids, self.sent = tokenizer, [], ""
+    `stopped` turns true once the text holds a stop string: the text ends before it, and later
+    ids are ignored. Until then a tail of the text that begins a stop string is held back (so a
+    stop string split across steps never reaches the client)."""
+
+    def __init__(self, tokenizer, stop: tuple[str, ...] = ()) -> None:
+        self.tokenizer, self.stop, self.ids, self.sent, self.stopped = tokenizer, stop, [], "", False
 
     def add(self, new_ids: list[int], final: bool) -> str:
-        """Append ids; return the text not sent yet (a trailing partial character waits unless final)."""
+        """Append ids; return the text not sent yet (a trailing partial character, or a possible
+        start of a stop string, waits unless final)."""
+        if self.stopped:
+            return ""
         self.ids.extend(new_ids)
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if not final and text.endswith("\ufffd"):
+        if not text.startswith(self.sent):  # a re-decode changed text already sent: send nothing until it settles
             return ""
-        delta = text[len(self.sent):] if text.startswith(self.sent) else ""
-        self.sent = text if text.startswith(self.sent) else self.sent
+        hits = [i for i in (text.find(s, len(self.sent)) for s in self.stop) if i >= 0]
+        if hits:
+            text, final, self.stopped = text[:min(hits)], True, True
+        if not final:
+            if text.endswith("\ufffd"):
+                return ""
+            text = text[:len(text) - self._held(text)]
+        delta, self.sent = text[len(self.sent):], max(text, self.sent, key=len)
         return delta
+
+    def extend(self, new_ids: list[int]) -> str:
+        """Append ids without decoding (a reply sent whole decodes once, at its last `add`); ""."""
+        self.ids.extend(new_ids)
+        return ""
+
+    def _held(self, text: str) -> int:
+        """Length of the longest tail of `text` that is a proper prefix of a stop string."""
+        return max((k for s in self.stop for k in range(len(s) - 1, 0, -1) if text.endswith(s[:k])), default=0)
 
 
 def new_id(chat: bool) -> str:
@@ -219,27 +265,30 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def response(req: GenerationRequest, rid: str, created: int, text: str, finish_reason: str,
+def response(req: GenerationRequest, rid: str, created: int, choices: list[tuple[str, str]],
              completion_tokens: int) -> dict:
-    """The whole (not streamed) reply: a text_completion or a chat.completion object."""
+    """The whole (not streamed) reply: a text_completion or a chat.completion object with one
+    choice per (text, finish_reason)."""
     if req.chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish_reason}
+        out = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                "finish_reason": reason} for i, (text, reason) in enumerate(choices)]
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        out = [{"index": i, "text": text, "logprobs": None, "finish_reason": reason}
+               for i, (text, reason) in enumerate(choices)]
     return {"id": rid, "object": "chat.completion" if req.chat else "text_completion", "created": created,
-            "model": req.model, "choices": [choice], "usage": usage(len(req.prompt_ids), completion_tokens)}
+            "model": req.model, "choices": out, "usage": usage(len(req.prompt_ids), completion_tokens)}
 
 
 def chunk(req: GenerationRequest, rid: str, created: int, text: str | None, finish_reason: str | None = None,
-          role: bool = False) -> dict:
-    """One stream chunk. Chat: `role` opens the reply with the assistant role; text None = no content key."""
+          role: bool = False, index: int = 0) -> dict:
+    """One stream chunk of choice `index`. Chat: `role` opens the choice with the assistant role;
+    text None = no content key."""
     if req.chat:
         delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model,
                 "choices": [choice]}
-    choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+    choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
     return {"id": rid, "object": "text_completion", "created": created, "model": req.model, "choices": [choice]}
 
 

@@ -3,7 +3,8 @@
 A uvicorn server on a free loopback port serves a tiny random Llama (float32, n-gram drafter,
 batches of up to 4). Greedy answers must equal specdec.generate on the prompt alone; bad requests
 get OpenAI's error JSON with a 4xx status and the server keeps serving; concurrent requests all
-finish once; a client that drops its stream cancels its request.
+finish once; a client that drops its stream cancels its request; stop strings end the text before
+them; n choices are rows of the batch, choice i sampled as a request with seed + i.
 """
 
 from __future__ import annotations
@@ -169,6 +170,52 @@ def test_a_seed_makes_sampling_repeatable(served):
     assert texts[0] == texts[1]
 
 
+def test_stop_strings_end_the_text_before_them_plain_and_streamed(served):
+    server, target, tok, _ = served
+    c = client(server)
+    full = tok.decode(greedy(target, tok(PROMPTS[1])["input_ids"], 20, tok.eos_token_id), skip_special_tokens=True)
+    words = full.split()
+    assert len(words) >= 6, full
+    stop = f"{words[3]} {words[4]}"
+    want = full[:full.find(stop)]
+    got = c.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=20, temperature=0, stop=[stop, "zzz"])
+    assert (got.choices[0].text, got.choices[0].finish_reason) == (want, "stop")
+    assert got.usage.completion_tokens < 20
+    chunks = list(c.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=20, temperature=0, stop=stop,
+                                       stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    got = c.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=20, temperature=0, stop="not in it")
+    assert got.choices[0].text == full
+
+
+def test_n_choices_are_rows_of_the_batch_and_each_follows_its_seed(served):
+    server, target, tok, _ = served
+    c = client(server)
+    got = c.completions.create(model=MODEL, prompt=PROMPTS[6], max_tokens=8, temperature=1.0, seed=11, n=3)
+    assert [ch.index for ch in got.choices] == [0, 1, 2]
+    alone = [c.completions.create(model=MODEL, prompt=PROMPTS[6], max_tokens=8, temperature=1.0, seed=11 + i)
+             for i in range(3)]
+    assert [ch.text for ch in got.choices] == [a.choices[0].text for a in alone]
+    assert got.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    assert got.usage.prompt_tokens == alone[0].usage.prompt_tokens
+
+    messages = [{"role": "user", "content": PROMPTS[7]}]
+    whole = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=1.0, seed=3, n=2)
+    texts = {0: "", 1: ""}
+    finish = {}
+    for ch in c.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=1.0, seed=3, n=2,
+                                        stream=True):
+        choice = ch.choices[0]
+        texts[choice.index] += choice.delta.content or ""
+        if choice.finish_reason:
+            finish[choice.index] = choice.finish_reason
+    assert texts == {ch.index: ch.message.content for ch in whole.choices}
+    assert finish == {ch.index: ch.finish_reason for ch in whole.choices}
+    greedy_two = c.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=5, temperature=0, n=2)
+    assert greedy_two.choices[0].text == greedy_two.choices[1].text
+
+
 GOOD = {"model": MODEL, "prompt": "hello world", "max_tokens": 4, "temperature": 0}
 BAD = [  # (path, body, status, param, code)
     ("/v1/completions", {**GOOD, "model": "gpt-4"}, 404, "model", "model_not_found"),
@@ -191,7 +238,9 @@ BAD = [  # (path, body, status, param, code)
     ("/v1/completions", {**GOOD, "temperature": 3}, 400, "temperature", "invalid_value"),
     ("/v1/completions", {**GOOD, "temperature": "hot"}, 400, "temperature", "invalid_type"),
     ("/v1/completions", {**GOOD, "top_p": 0}, 400, "top_p", "invalid_value"),
-    ("/v1/completions", {**GOOD, "n": 2}, 400, "n", "unsupported_parameter"),
+    ("/v1/completions", {**GOOD, "n": 0}, 400, "n", "invalid_value"),
+    ("/v1/completions", {**GOOD, "best_of": 2}, 400, "best_of", "unsupported_parameter"),
+    ("/v1/completions", {**GOOD, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "invalid_value"),
     ("/v1/completions", {**GOOD, "prompt": ["a", "b"]}, 400, "prompt", "invalid_value"),
     ("/v1/nothing", GOOD, 404, None, "404"),
 ]
