@@ -21,7 +21,8 @@ here is the identity. With N processes accelerate wraps the trained module in DD
 - `global_mean` is the logged loss of the whole batch; `synced_clock` makes every process take
   the main process's view of the time budget, so they stop at the same step and follow the same
   deadline-aware learning-rate schedule (parameters stay identical across replicas).
-Only the main process writes checkpoints, plots and metrics (`acc.is_main_process`).
+Only the main process writes checkpoints, plots and metrics (`acc.is_main_process`);
+`close_process_group` ends the process group when a command or recipe is done.
 """
 
 from __future__ import annotations
@@ -34,6 +35,14 @@ import torch
 from torch import nn
 
 from runtime.hardware import native_bf16
+
+
+def close_process_group() -> None:
+    """End torch.distributed's process group if this process joined one (under `accelerate launch`):
+    gloo's threads must stop before the interpreter does, or it can abort at exit after the work is
+    written. A no-op in a single process; the CLI and the recipes call it on their way out."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def autocast_mode(mixed_precision: str, device: torch.device) -> str:

@@ -1,5 +1,6 @@
 """How a recipe ends on bad input: one line `RECIPE: error: ...` on stderr and exit status 2, as the
-`specdec` CLI does (SPECDEC_DEBUG=1 shows the traceback instead)."""
+`specdec` CLI does (SPECDEC_DEBUG=1 shows the traceback instead); under `accelerate launch` it
+ends the process group on the way out."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from distill.accel import close_process_group
 from runtime.errors import SpecdecError
 
 
@@ -22,3 +24,5 @@ def run(main: Callable[[], object]) -> None:
         name = Path(sys.argv[0]).stem
         print(f"{name}: error: {' '.join(str(err).split())}", file=sys.stderr)
         sys.exit(2)
+    finally:
+        close_process_group()  # under `accelerate launch`

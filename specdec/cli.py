@@ -161,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
             text = f"{type(err).__name__}: {text} (SPECDEC_DEBUG=1 shows the traceback)"
         print(f"specdec {args.command}: error: {text}", file=sys.stderr)
         return 2
+    finally:
+        from distill.accel import close_process_group
+
+        close_process_group()  # under `accelerate launch`
 
 
 if __name__ == "__main__":

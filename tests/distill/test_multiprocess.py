@@ -28,10 +28,9 @@ import copy, json, sys
 from pathlib import Path
 
 import torch
-from accelerate import PartialState
-
 import distill
 import quant
+from distill.accel import close_process_group
 from distill.recover import RecoverConfig
 from distill.train_eagle import EagleTrainConfig
 from distill.train_medusa import TrainConfig
@@ -59,7 +58,7 @@ student = quant.sparsify_(copy.deepcopy(teacher), quant.SemiStructured24(method=
 windows = torch.randint(0, 128, (32, 24), generator=torch.Generator().manual_seed(0))
 distill.recover(student, teacher, windows, RecoverConfig(steps=6, batch_size=8, micro_batch=2, lr=1e-2,
                 warmup_steps=2, mixed_precision="no"), out / "recover")
-PartialState().destroy_process_group()  # gloo's threads end before the interpreter (else an abort at exit)
+close_process_group()  # as the CLI and the recipes end: gloo's threads stop before the interpreter
 '''
 
 V = 128
