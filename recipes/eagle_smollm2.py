@@ -12,7 +12,8 @@ minutes spent):
    (default: all but `eval_minutes`); the head is saved in OUT in the speculators format
    (`specdec.load_eagle(OUT, target)`), with OUT/metrics.json (per-depth held-out accuracy) and
    OUT/loss.png;
-3. evaluation with `specdec eval`, methods --baselines and `eagle:OUT`, on held-out prompts
+3. evaluation with `specdec eval`, methods --baselines and `eagle:OUT@TREE` (--eagle-tree: the
+   tree's nodes, default auto: the size that is fastest on this machine), on held-out prompts
    (OUT/eval/report.json: tau, per-depth acceptance, tokens/s, speedups, equality with plain
    decoding), summarised in OUT/summary.json.
 `--eval-only` runs step 3 alone on the head already in --out. `pipeline()` is shared with
@@ -42,6 +43,7 @@ from distill.selfdistill import generate_selfdistill, is_code_prompt, read_recor
 from distill.train_eagle import CACHE_DIR, TRAIN_MARKERS, EagleTrainConfig
 from runtime.atomic import atomic_write_text
 from runtime.hardware import DTYPES
+from specdec.cli import draft_length_arg
 from specdec.evaluate import EvalConfig, run_eval
 
 # files that mark a run directory of these recipes: with one of them, --out is resumed
@@ -98,7 +100,7 @@ def _run(args: argparse.Namespace, model_name: str, eval_dataset: str, raw_eval:
         records, metrics, train_min = train(args, model, runtime.load_tokenizer(model_name), out, budget)
         del model
     eval_dtype = args.eval_dtype or args.dtype
-    methods = ",".join([*filter(None, args.baselines.split(",")), f"eagle:{out}"])
+    methods = ",".join([*filter(None, args.baselines.split(",")), f"eagle:{out}@{args.eagle_tree}"])
     cfg = EvalConfig(out=str(out / "eval"), methods=methods, target=model_name, dataset=eval_dataset,
                      limit=args.eval_prompts, raw=raw_eval, dtype=eval_dtype, max_new_tokens=args.eval_tokens,
                      overwrite=True)
@@ -155,6 +157,9 @@ def parser(defaults: dict, train: dict, doc: str = __doc__) -> argparse.Argument
     p.add_argument("--eval-tokens", type=int, default=defaults["eval_tokens"])
     p.add_argument("--baselines", default=defaults["baselines"],
                    help="`specdec eval` methods run beside eagle:OUT, comma-separated (default: %(default)s)")
+    p.add_argument("--eagle-tree", type=draft_length_arg, default="auto", metavar="N|auto",
+                   help="nodes of the evaluated draft tree (1-64), or auto: time the sizes on this machine first "
+                        "(default: %(default)s)")
     p.set_defaults(prompts_per_minute=defaults["prompts_per_minute"])
     add_dataclass_args(p.add_argument_group("head training (EagleTrainConfig)"), EagleTrainConfig, defaults=train)
     return p

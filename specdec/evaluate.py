@@ -16,7 +16,10 @@ generations. Methods (`--methods`, comma-separated):
 
 draft, ngram and hybrid take an optional `@K` suffix, their own draft length (an integer or
 auto) in place of `--num-draft-tokens`: `draft:X@3,draft:X@7,draft:X@auto` compares draft
-lengths in one alternating run.
+lengths in one alternating run. For eagle, `@N` is the number of nodes the dynamic tree keeps
+(default 48; depth 5, top-k 8) and `@auto` times tree sizes on this machine before the run
+(specdec.eagle_auto, on the first prompt that fits) and writes the measurement to
+`tree_auto.json`.
 
 Every method counts the new tokens after the prompt, up to and including eos, and is timed
 around the whole call (prefill included); tokens/s per prompt = new tokens / wall seconds.
@@ -68,10 +71,10 @@ from specdec.stats import AcceptanceStats
 
 METHOD_KINDS = ("plain", "draft", "ngram", "hybrid", "medusa", "eagle", "hf", "hf-assisted", "hf-pld")
 _NEEDS_ARG = ("draft", "hybrid", "medusa", "eagle", "hf-assisted")
-_DRAFTING = ("draft", "ngram", "hybrid")  # methods whose draft length k applies
+_DRAFTING = ("draft", "ngram", "hybrid", "eagle")  # methods that take @K (eagle: the tree's nodes)
 DTYPES = {name: hardware.DTYPES[name] for name in ("bfloat16", "float32")}  # the dtypes runs are measured in
 GENERATIONS, RUN_FILE = "generations.jsonl", "run.json"
-_OUTPUTS = (GENERATIONS, RUN_FILE, "report.json", "report.md", "acceptance.png", "speedup.png")
+_OUTPUTS = (GENERATIONS, RUN_FILE, "report.json", "report.md", "acceptance.png", "speedup.png", "tree_auto.json")
 MARKERS = (RUN_FILE, "report.json", GENERATIONS)  # any of them: the directory holds an evaluation run
 WHAT = "evaluation run"
 # settings that change what a generation line holds: a resumed run must share them
@@ -101,7 +104,8 @@ class MethodSpec:
         if kind not in METHOD_KINDS:
             raise ValueError(f"unknown method {text!r}; choose from plain, draft:NAME_OR_PATH, ngram, "
                              "hybrid:NAME_OR_PATH, medusa:PATH, eagle:PATH, hf, hf-assisted:NAME_OR_PATH, hf-pld "
-                             "(drafting methods take @K for their own draft length, e.g. ngram@3)")
+                             "(drafting methods take @K for their own draft length, e.g. ngram@3; eagle:PATH@N "
+                             "its tree's nodes)")
         if kind in _NEEDS_ARG and not arg:
             raise ValueError(f"method {kind!r} needs a model: write {kind}:NAME_OR_PATH")
         if kind not in _NEEDS_ARG and arg:
@@ -276,6 +280,8 @@ class Runner:
         self.cfg, self.tokenizer, self.eos = cfg, tokenizer, eos
         self._runtime = runtime
         self._models: dict[tuple[str, str], object] = {}
+        self.calibration: list[Prompt] = []  # prompts an `@auto` EAGLE-3 tree is measured on (the first that fits)
+        self.tree_auto: dict[str, dict] = {}  # method name -> specdec.eagle_auto's record
 
     def _cached(self, key: tuple[str, str], load):
         if key not in self._models:
@@ -334,12 +340,29 @@ class Runner:
 
             return self._cached(("medusa", spec.arg), lambda: load_medusa(spec.arg, self.target))
         if spec.kind == "eagle":
-            from specdec.drafters.eagle import EagleDrafter
-            from specdec.eagle_io import load_eagle
-
-            return self._cached(("eagle", spec.arg), lambda: EagleDrafter(load_eagle(spec.arg, self.target),
-                                                                          self.target))
+            return self._cached(("eagle", spec.name), lambda: self._eagle(spec))
         raise ValueError(f"{spec.name} is not a specdec method")
+
+    def _eagle(self, spec: MethodSpec):
+        """The EAGLE-3 drafter of `eagle:PATH[@N|@auto]` (the head loaded once per path)."""
+        from specdec.drafters.eagle import EagleDrafter, EagleTreeConfig
+        from specdec.eagle_auto import auto_tree, describe
+        from specdec.eagle_io import load_eagle
+
+        head = self._cached(("eagle-head", spec.arg), lambda: load_eagle(spec.arg, self.target))
+        k = spec.num_draft_tokens
+        if k != "auto":
+            return EagleDrafter(head, self.target, EagleTreeConfig() if k is None else EagleTreeConfig(total_tokens=k))
+        for prompt in self.calibration:
+            ids = encode(self.tokenizer, [prompt.turns[0]], [], self.cfg.raw)
+            try:
+                tree, record = auto_tree(self.target, head, [torch.tensor(ids)])
+            except ContextLengthError:
+                continue
+            print(describe(record), file=sys.stderr, flush=True)
+            self.tree_auto[spec.name] = {"prompt": prompt.id, **record}
+            return EagleDrafter(head, self.target, tree)
+        raise ContextLengthError(f"{spec.name}: no prompt of the run fits the context to measure tree sizes on")
 
     def hf_generator(self, spec: MethodSpec) -> HFGenerator:
         assistant = self._hf_model(spec.arg) if spec.kind == "hf-assisted" else None
@@ -452,6 +475,7 @@ def _run_locked(cfg: EvalConfig, out: Path, command: str | None, progress: bool)
     done = {(r["id"], r["method"]) for r in previous}
     todo = [(p, s) for p in prompts if p.id not in skipped for s in specs if (p.id, s.name) not in done]
     runner = Runner(cfg, tokenizer, eos)
+    runner.calibration = [p for p in prompts if p.id not in skipped]
     pending = {s.name for _, s in todo}
     for spec in specs:  # warm-up: untimed, unrecorded generations on the first prompt that fits
         if spec.name in pending:
@@ -474,6 +498,8 @@ def _run_locked(cfg: EvalConfig, out: Path, command: str | None, progress: bool)
             fh.write(json.dumps(rec) + "\n")
             fh.flush()
             bar.update()
+    if runner.tree_auto:
+        atomic_write_text(out / "tree_auto.json", json.dumps(runner.tree_auto, indent=1))
     records = read_generations(path, digest)
     report = build_report(records, settings, [s.name for s in specs], [p.id for p in prompts],
                           command=command if command is not None else command_line("eval", cfg),
@@ -503,7 +529,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--methods", default=d["methods"],
                    help="comma-separated methods: plain, draft:X, ngram, hybrid:X, medusa:PATH, eagle:PATH, hf, "
                         "hf-assisted:X, hf-pld; draft/ngram/hybrid take @K for their own draft length, "
-                        "e.g. ngram@3, draft:X@auto (default: %(default)s)")
+                        "e.g. ngram@3, draft:X@auto, and eagle @N for its tree's nodes or @auto to time tree "
+                        "sizes first (default: %(default)s)")
     p.add_argument("--target", default=d["target"], help="target model: catalogue name, checkpoint dir, "
                    ".gguf or hub id (default: %(default)s)")
     src = p.add_mutually_exclusive_group(required=True)

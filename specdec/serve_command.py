@@ -4,8 +4,9 @@
         --max-batch 4 --port 8000
 
 Drafters: `--draft NAME_OR_PATH` (a draft model), `--draft ngram` (prompt lookup), several joined
-by '+' tried in order (`--draft ngram+NAME`), `--eagle PATH` (EAGLE-3 head) or `--medusa PATH`
-(Medusa heads); none = plain decoding. Requests join the running batch between steps
+by '+' tried in order (`--draft ngram+NAME`), `--eagle PATH` (EAGLE-3 head; `--eagle-tree N` keeps
+N tree nodes, `auto` times tree sizes on this machine at start-up) or `--medusa PATH` (Medusa
+heads); none = plain decoding. Requests join the running batch between steps
 (`specdec.engine.Engine`, at most --max-batch rows). The address is checked and the models loaded
 before the server starts, so a taken port or a bad model path fails at once with one line.
 """
@@ -37,10 +38,7 @@ def load_drafter(args: argparse.Namespace, target):
 
     dtype = DTYPES[args.dtype]
     if args.eagle:
-        from specdec.eagle_io import load_eagle
-
-        print(f"loading EAGLE-3 head {args.eagle}", flush=True)
-        return load_eagle(args.eagle, target)
+        return _eagle_drafter(args, target)
     if args.medusa:
         from specdec.medusa_io import load_medusa
 
@@ -57,6 +55,34 @@ def load_drafter(args: argparse.Namespace, target):
               flush=True)
         drafts.append(runtime.load_model(part, dtype=dtype, device=args.device, compile=args.compile))
     return drafts if len(drafts) > 1 else drafts[0]
+
+
+# the prompt `--eagle-tree auto` times tree sizes on (a server has no prompt set of its own)
+CALIBRATION_PROMPT = ("Write a Python function that returns the longest palindromic substring of a string, "
+                      "with a docstring and a few doctests.")
+
+
+def _eagle_drafter(args: argparse.Namespace, target):
+    """The EAGLE-3 drafter of --eagle with --eagle-tree / --eagle-depth / --eagle-top-k."""
+    import torch
+
+    import runtime
+    from specdec.drafters.eagle import EagleDrafter, EagleTreeConfig
+    from specdec.eagle_io import load_eagle
+    from specdec.prompts import encode
+
+    print(f"loading EAGLE-3 head {args.eagle}", flush=True)
+    head = load_eagle(args.eagle, target)
+    if args.eagle_tree != "auto":
+        return EagleDrafter(head, target, EagleTreeConfig(args.eagle_depth, args.eagle_top_k, args.eagle_tree))
+    from specdec.eagle_auto import auto_tree, describe
+
+    tok = runtime.load_tokenizer(args.model)
+    ids = encode(tok, [CALIBRATION_PROMPT], [], raw=not getattr(tok, "chat_template", None))
+    print("timing EAGLE-3 tree sizes on this machine (--eagle-tree auto)", flush=True)
+    tree, record = auto_tree(target, head, [torch.tensor(ids)], depth=args.eagle_depth, top_k=args.eagle_top_k)
+    print(describe(record), flush=True)
+    return EagleDrafter(head, target, tree)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -100,6 +126,12 @@ def register(subparsers) -> argparse.ArgumentParser:
                          "by '+' tried in order (e.g. 'ngram+qwen2.5-coder-0.5b-instruct'); omit for plain decoding")
     drafter.add_argument("--eagle", default=None, metavar="PATH", help="an EAGLE-3 head directory")
     drafter.add_argument("--medusa", default=None, metavar="PATH", help="a Medusa heads directory")
+    p.add_argument("--eagle-tree", type=draft_length_arg, default=48, metavar="N|auto",
+                   help="--eagle: nodes the dynamic tree keeps (1-64), or auto to time sizes on this machine at "
+                        "start-up (small trees win on a CPU; default: %(default)s)")
+    p.add_argument("--eagle-depth", type=int, default=5, help="--eagle: levels of the tree (default: %(default)s)")
+    p.add_argument("--eagle-top-k", type=int, default=8, help="--eagle: children per expanded node and nodes "
+                   "expanded per level (default: %(default)s)")
     p.add_argument("--max-batch", type=int, default=4, help="rows decoded together (default: %(default)s)")
     p.add_argument("--max-len", type=int, default=None, help="prompt + generated tokens per request (default: the "
                    "model's context)")

@@ -117,11 +117,29 @@ def test_parse_methods():
     assert specs[1] == MethodSpec("draft:some/dir", "draft", "some/dir")
     assert parse_methods("ngram@3,draft:d@auto")[1] == MethodSpec("draft:d@auto", "draft", "d", "auto")
     assert parse_methods("draft:/u@corp/ckpt")[0] == MethodSpec("draft:/u@corp/ckpt", "draft", "/u@corp/ckpt")
+    assert parse_methods("eagle:e@8,eagle:e@auto")[0] == MethodSpec("eagle:e@8", "eagle", "e", 8)
     for bad, msg in [("beam", "unknown method"), ("draft", "needs a model"), ("ngram:x", "takes no argument"),
                      ("hf@3", "draft length"), ("ngram@0", "between 1 and 64"), ("ngram@65", "between 1 and 64"),
                      ("plain,plain", "repeat"), ("hf-assisted:a,hf-assisted:b", "at most one"), (" , ", "no methods")]:
         with pytest.raises(ValueError, match=msg):
             parse_methods(bad)
+
+
+def test_eagle_tree_nodes_per_method_and_auto(workdir, tmp_path):
+    """eagle:PATH@N keeps N tree nodes; @auto times the sizes first and records them in tree_auto.json."""
+    head = workdir / "eagle"
+    args = _cli(_base_args(workdir, tmp_path / "e", "--methods", f"plain,eagle:{head}@3,eagle:{head}@auto",
+                           "--limit", "2"))
+    assert args.func(args) == 0
+    rows = [json.loads(line) for line in (tmp_path / "e" / "generations.jsonl").read_text().splitlines()]
+    plain = {r["id"]: r["output_ids"] for r in rows if r["method"] == "plain"}
+    for r in rows:
+        assert r["output_ids"] == plain[r["id"]]
+    three = [r["stats"] for r in rows if r["method"] == f"eagle:{head}@3"]
+    assert all(0 < s["drafted_tokens"] <= 3 * s["target_forwards"] for s in three)
+    auto = json.loads((tmp_path / "e" / "tree_auto.json").read_text())[f"eagle:{head}@auto"]
+    assert auto["prompt"] == "p0" and auto["chosen_total_tokens"] in [t["total_tokens"] for t in auto["trees"]]
+    assert len(auto["trees"]) > 3
 
 
 def test_per_method_draft_length(workdir, tmp_path):

@@ -9,6 +9,7 @@ them; n choices are rows of the batch, choice i sampled as a request with seed +
 
 from __future__ import annotations
 
+import argparse
 import http.client
 import json
 import re
@@ -24,8 +25,11 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 import runtime
 import specdec
 from specdec.cli import main as cli_main
+from specdec.drafters import EagleTreeConfig
 from specdec.drafters.ngram import NgramDrafter
 from specdec.engine import Engine
+from specdec.serve_command import load_drafter
+from specdec.serve_command import register as register_serve
 from specdec.server import ServerThread, create_app
 
 openai = pytest.importorskip("openai")
@@ -335,6 +339,24 @@ def test_a_client_that_drops_its_stream_cancels_the_request(served):
         time.sleep(0.05)
     assert engine.running == 0 and engine.waiting == 0
     assert post(server, "/v1/completions", GOOD)[0] == 200
+
+
+def test_serve_builds_the_eagle_tree_from_its_flags(ckpt, tmp_path, capsys):
+    target = runtime.load_model(ckpt, dtype=torch.float32)
+    torch.manual_seed(0)
+    specdec.save_eagle(specdec.Eagle3Head(specdec.Eagle3Config.from_target(target, aux_layers=(0, 1, 1))),
+                       tmp_path / "eagle")
+    parser = argparse.ArgumentParser(prog="specdec")
+    register_serve(parser.add_subparsers(dest="command"))
+    base = ["serve", "--model", str(ckpt), "--eagle", str(tmp_path / "eagle"), "--eagle-depth", "3",
+            "--eagle-top-k", "2"]
+    drafter = load_drafter(parser.parse_args([*base, "--eagle-tree", "6"]), target)
+    assert drafter.tree == EagleTreeConfig(3, 2, 6)
+    drafter = load_drafter(parser.parse_args([*base, "--eagle-tree", "auto"]), target)
+    assert drafter.tree.total_tokens in (2, 4, 8)  # the sizes a 3 x 2 tree (10 candidates) can hold
+    assert "chosen: " in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        parser.parse_args([*base, "--eagle-tree", "0"])
 
 
 def test_serve_fails_fast_on_a_bad_model_path(tmp_path, capsys, monkeypatch):
