@@ -1,6 +1,7 @@
 """Load test of `specdec serve` on loopback: continuous batching against one-at-a-time and static batches.
 
     python benchmarks/serve_load.py --out runs/serve_load                      # 1.5B + 0.5B draft, bf16
+    python benchmarks/serve_load.py --min-tokens 32 --out runs/serve_load_mixed  # answers of 32-128 tokens
     python benchmarks/serve_load.py --model smollm2-135m-instruct --draft ngram --max-tokens 48 \\
         --out runs/serve_load_quick                                           # a quick run
 
@@ -15,6 +16,10 @@ target + drafter loaded once:
 (c) static batches: specdec.generate on the requests in arrival order, `concurrency` at a time; a
     batch starts when its last request has arrived and the previous batch is done, and returns
     when its slowest row ends.
+
+Each request asks for --max-tokens tokens, or, with --min-tokens, for a number drawn uniformly from
+[--min-tokens, --max-tokens] (seeded): clients that want answers of different lengths, the
+workload continuous batching is for (a static batch runs until its longest request is done).
 
 Reported per mode: aggregate tokens/s (generated tokens / first arrival to last answer), the
 ratios (a)/(b) and (a)/(c), p50 / p95 TTFT (arrival to first token; for (c) the batch's prefill
@@ -81,6 +86,14 @@ def load_prompts(tok, n: int, max_prompt_tokens: int) -> list[list[int]]:
     return out
 
 
+def token_limits(n: int, low: int | None, high: int, seed: int) -> list[int]:
+    """max_tokens of each request: `high` for all, or uniform in [low, high] (seeded)."""
+    if low is None:
+        return [high] * n
+    rng = random.Random(seed + 1)
+    return [rng.randint(low, high) for _ in range(n)]
+
+
 def arrivals(n: int, interval: float, kind: str, seed: int) -> list[float]:
     """Arrival offsets (s) of n requests: Poisson with mean gap `interval`, or every `interval`."""
     rng = random.Random(seed)
@@ -121,7 +134,7 @@ def stream_request(port: int, ids: list[int], max_tokens: int, res: Result) -> N
         conn.close()
 
 
-def run_server_mode(engine: Engine, tok, prompts: list[list[int]], offsets: list[float], max_tokens: int,
+def run_server_mode(engine: Engine, tok, prompts: list[list[int]], offsets: list[float], limits: list[int],
                     concurrency: int, sequential: bool) -> tuple[list[Result], float]:
     """Serve the requests through HTTP; returns the results and the start time of the schedule."""
     with ServerThread(create_app(engine, tok, MODEL_NAME)) as server:
@@ -132,7 +145,7 @@ def run_server_mode(engine: Engine, tok, prompts: list[list[int]], offsets: list
 
         def client(i: int) -> None:
             with slots:
-                stream_request(server.port, prompts[i], max_tokens, results[i])
+                stream_request(server.port, prompts[i], limits[i], results[i])
 
         threads = []
         for i, off in enumerate(offsets):
@@ -148,9 +161,10 @@ def run_server_mode(engine: Engine, tok, prompts: list[list[int]], offsets: list
     return results, start
 
 
-def run_static(target, draft, prompts: list[list[int]], offsets: list[float], max_tokens: int, batch: int,
+def run_static(target, draft, prompts: list[list[int]], offsets: list[float], limits: list[int], batch: int,
                eos: list[int], num_draft_tokens: int) -> tuple[list[Result], float]:
-    """Static batches of `batch` requests in arrival order through specdec.generate."""
+    """Static batches of `batch` requests in arrival order through specdec.generate, each batch
+    decoding up to its largest max_tokens (a row's answer is cut at its own)."""
     specdec.generate(target, [torch.tensor(p[:8]) for p in prompts[:batch]], draft=draft, max_new_tokens=4,
                      num_draft_tokens=num_draft_tokens, eos_token_id=eos)  # warm-up of the batch shapes
     start = time.perf_counter()
@@ -160,10 +174,11 @@ def run_static(target, draft, prompts: list[list[int]], offsets: list[float], ma
         time.sleep(max(0.0, results[rows[-1]].arrival - time.perf_counter()))
         begin = time.perf_counter()
         out = specdec.generate(target, [torch.tensor(prompts[i]) for i in rows], draft=draft,
-                               max_new_tokens=max_tokens, num_draft_tokens=num_draft_tokens, eos_token_id=eos)
+                               max_new_tokens=max(limits[i] for i in rows), num_draft_tokens=num_draft_tokens,
+                               eos_token_id=eos)
         end = time.perf_counter()
         for r, i in enumerate(rows):
-            new = out.sequences[r][len(prompts[i]):].tolist()
+            new = out.sequences[r][len(prompts[i]):len(prompts[i]) + limits[i]].tolist()
             results[i].ids, results[i].tokens = new, len(new)
             results[i].first, results[i].done = begin + out.stats.ttft_s, end
             results[i].response_id = f"static-{i}"
@@ -207,10 +222,11 @@ def markdown(report: dict) -> str:
                     f"{m['lost']} | {m['duplicated']} | {m['matches_single_request']}/{m['requests']} |")
     r = report["ratios"]
     s = report["settings"]
+    limit = s["max_tokens"] if s["min_tokens"] is None else f"{s['min_tokens']}-{s['max_tokens']} (uniform per request)"
     return "\n".join([f"# specdec serve load test ({s['model']} + {s['draft']}, {s['dtype']})", "",
                       f"`{report['command']}`", "",
                       f"{s['requests']} requests ({s['arrival']} arrivals, mean gap {s['interval']} s, seed "
-                      f"{s['seed']}), at most {s['concurrency']} in flight, max_tokens {s['max_tokens']}, greedy.",
+                      f"{s['seed']}), at most {s['concurrency']} in flight, max_tokens {limit}, greedy.",
                       "", *rows, "",
                       f"continuous / one at a time: **{r['continuous_vs_one_at_a_time']:.2f}x** (target >= 2x); "
                       f"continuous / static batches: **{r['continuous_vs_static']:.2f}x** (target >= 1.5x)", ""])
@@ -225,7 +241,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--concurrency", type=int, default=4, help="requests in flight = --max-batch of (a) = static "
                     "batch size of (c) (default: %(default)s)")
-    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=128, help="max_tokens of every request (default: %(default)s)")
+    ap.add_argument("--min-tokens", type=int, default=None, help="draw each request's max_tokens uniformly from "
+                    "[--min-tokens, --max-tokens] (seeded; default: all --max-tokens)")
     ap.add_argument("--max-prompt-tokens", type=int, default=512, help="skip longer prompts (default: %(default)s)")
     ap.add_argument("--arrival", default="poisson", choices=["poisson", "fixed"])
     ap.add_argument("--interval", type=float, default=1.0, help="mean seconds between arrivals (default: "
@@ -237,6 +255,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.requests < 1 or args.concurrency < 1 or args.max_tokens < 1 or args.interval < 0:
         ap.error("--requests, --concurrency and --max-tokens must be >= 1 and --interval >= 0")
+    if args.min_tokens is not None and not 1 <= args.min_tokens <= args.max_tokens:
+        ap.error(f"--min-tokens must be in [1, --max-tokens = {args.max_tokens}], got {args.min_tokens}")
 
     dtype = DTYPES[args.dtype]
     print(f"loading {args.model} and draft {args.draft} ({args.dtype})", flush=True)
@@ -248,29 +268,29 @@ def main() -> None:
     eos = eos_ids(args.model, tok)
     prompts = load_prompts(tok, args.requests, args.max_prompt_tokens)
     offsets = arrivals(args.requests, args.interval, args.arrival, args.seed)
+    limits = token_limits(args.requests, args.min_tokens, args.max_tokens, args.seed)
     max_len = max(len(p) for p in prompts) + args.max_tokens
 
     print(f"single-request outputs of {len(prompts)} prompts (the reference, and a warm-up)", flush=True)
-    refs = [specdec.generate(target, [torch.tensor(p)], draft=draft, max_new_tokens=args.max_tokens,
+    refs = [specdec.generate(target, [torch.tensor(p)], draft=draft, max_new_tokens=n,
                              num_draft_tokens=args.num_draft_tokens, eos_token_id=eos).sequences[0][len(p):].tolist()
-            for p in prompts]
+            for p, n in zip(prompts, limits)]
     modes = []
     for name, batch, sequential in (("continuous", args.concurrency, False), ("one_at_a_time", 1, True)):
         print(f"mode {name}: server with --max-batch {batch}", flush=True)
         engine = Engine(target, draft, max_batch=batch, max_len=max_len, num_draft_tokens=args.num_draft_tokens,
                         eos_token_id=eos)
-        results, start = run_server_mode(engine, tok, prompts, offsets, args.max_tokens, args.concurrency,
-                                         sequential)
+        results, start = run_server_mode(engine, tok, prompts, offsets, limits, args.concurrency, sequential)
         modes.append(summarize(name, results, start, refs, tok))
         del engine
     print(f"mode static: specdec.generate on batches of {args.concurrency}", flush=True)
-    results, start = run_static(target, draft, prompts, offsets, args.max_tokens, args.concurrency, eos,
+    results, start = run_static(target, draft, prompts, offsets, limits, args.concurrency, eos,
                                 args.num_draft_tokens)
     modes.append(summarize("static", results, start, refs, tok))
 
     tps = {m["mode"]: m["tokens_per_second"] for m in modes}
-    report = {"command": " ".join(["python", *sys.argv]), "settings": {**vars(args), "prompt_tokens":
-                                                                       [len(p) for p in prompts]},
+    report = {"command": " ".join(["python", *sys.argv]),
+              "settings": {**vars(args), "prompt_tokens": [len(p) for p in prompts], "max_tokens_per_request": limits},
               "modes": modes, "ratios": {"continuous_vs_one_at_a_time": tps["continuous"] / tps["one_at_a_time"],
                                          "continuous_vs_static": tps["continuous"] / tps["static"]},
               "versions": versions(), "cpu": cpu_summary()}
