@@ -15,32 +15,15 @@ forward of tens of tokens costs about one plain step, and the largest trees do.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from specdec.drafter import Accepted
 from specdec.drafters.eagle import EagleDrafter, EagleTreeConfig
 from specdec.eagle import Eagle3Head
 from specdec.generate import generate
-from specdec.tree_cost import step_seconds
+from specdec.tree_cost import TreeCost, best_tree, cost_report, step_seconds
 
 SIZES = (2, 4, 8, 12, 16, 24, 32, 48, 64)  # tree nodes tried by auto (those a depth x top_k tree can hold)
-
-
-@dataclass(frozen=True)
-class EagleTreeCost:
-    """One tree size on this machine: the measured step and the replayed acceptance."""
-
-    total_tokens: int
-    step_s: float  # seconds per decoding step with this tree (head drafting included)
-    vs_plain: float  # step_s / plain step
-    expected_tau: float  # 1 + mean accepted drafts per step, replayed from the largest tree's run
-    expected_speedup: float  # expected_tau / vs_plain
-
-    def to_dict(self) -> dict:
-        return {"total_tokens": self.total_tokens, "step_ms": self.step_s * 1e3, "vs_plain": self.vs_plain,
-                "expected_tau": self.expected_tau, "expected_speedup": self.expected_speedup}
 
 
 class _Recording(EagleDrafter):
@@ -64,8 +47,9 @@ def replay_tau(paths: list[list[int]], total_tokens: int) -> float:
 
 def measure_eagle_trees(target, head: Eagle3Head, rows: list[torch.Tensor], sizes: tuple[int, ...] = SIZES,
                         depth: int = 5, top_k: int = 8, tokens: int = 32,
-                        repeats: int = 1) -> tuple[float, list[EagleTreeCost]]:
-    """(plain step seconds, one EagleTreeCost per size): acceptance replayed from greedy runs of
+                        repeats: int = 1) -> tuple[float, list[TreeCost]]:
+    """(plain step seconds, one specdec.tree_cost.TreeCost per size, `nodes` the tree's total_tokens
+    and `heads_s` the head's drafting): acceptance replayed from greedy runs of
     `tokens` tokens on every prompt of `rows` (1-D ids) with the largest size, step costs timed on
     the first prompt (the fastest of `repeats`, after a warm-up). Sizes larger than a tree of this
     depth and top_k can hold are left out."""
@@ -84,36 +68,29 @@ def measure_eagle_trees(target, head: Eagle3Head, rows: list[torch.Tensor], size
     out = []
     for n in fits:
         drafter = EagleDrafter(head, target, EagleTreeConfig(depth, top_k, n))
-        step = min(step_seconds(target, rows[0], tokens, drafter)[0] for _ in range(repeats))
+        step, in_head = min(step_seconds(target, rows[0], tokens, drafter) for _ in range(repeats))
         tau = replay_tau(recorder.paths, n)
-        out.append(EagleTreeCost(total_tokens=n, step_s=step, vs_plain=step / plain, expected_tau=tau,
-                                 expected_speedup=tau * plain / step))
+        out.append(TreeCost(nodes=n, step_s=step, heads_s=in_head, vs_plain=step / plain, expected_tau=tau,
+                            expected_speedup=tau * plain / step))
     return plain, out
-
-
-def best_size(costs: list[EagleTreeCost]) -> EagleTreeCost:
-    """The size with the highest expected speed (ties: the smaller tree)."""
-    if not costs:
-        raise ValueError("no tree sizes were measured")
-    return max(costs, key=lambda c: (c.expected_speedup, -c.total_tokens))
 
 
 def auto_tree(target, head: Eagle3Head, rows: list[torch.Tensor], depth: int = 5, top_k: int = 8,
               sizes: tuple[int, ...] = SIZES, tokens: int = 32) -> tuple[EagleTreeConfig, dict]:
-    """The tree `auto` picks on this machine for these prompts, and a JSON-ready record of the
-    measurement (plain step, every size, the chosen one)."""
+    """The tree `auto` picks on this machine for these prompts (the highest expected speed, ties to
+    the smaller tree), and a JSON-ready record of the measurement (`specdec.tree_cost.cost_report`
+    plus depth and top_k; `trees[i].nodes` is a size's total_tokens)."""
     plain, costs = measure_eagle_trees(target, head, rows, sizes, depth, top_k, tokens)
-    best = best_size(costs)
-    record = {"threads": torch.get_num_threads(), "plain_step_ms": plain * 1e3, "depth": depth, "top_k": top_k,
-              "trees": [c.to_dict() for c in costs], "chosen_total_tokens": best.total_tokens}
-    return EagleTreeConfig(depth, top_k, best.total_tokens), record
+    best = best_tree(costs)
+    return EagleTreeConfig(depth, top_k, best.nodes), {"depth": depth, "top_k": top_k, **cost_report(plain, costs)}
 
 
 def describe(record: dict) -> str:
     """An `auto_tree` record as printable lines."""
     lines = [f"EAGLE-3 tree auto (depth {record['depth']}, top_k {record['top_k']}): plain step "
              f"{record['plain_step_ms']:.0f} ms"]
-    lines += [f"  {t['total_tokens']:3d} nodes: step {t['step_ms']:.0f} ms = {t['vs_plain']:.2f}x plain, expected tau "
-              f"{t['expected_tau']:.2f}, expected speed {t['expected_speedup']:.2f}x plain" for t in record["trees"]]
-    lines.append(f"  chosen: {record['chosen_total_tokens']} nodes")
+    lines += [f"  {t['nodes']:3d} nodes: step {t['step_ms']:.0f} ms (head {t['heads_ms']:.0f}) = {t['vs_plain']:.2f}x "
+              f"plain, expected tau {t['expected_tau']:.2f}, expected speed {t['expected_speedup']:.2f}x plain"
+              for t in record["trees"]]
+    lines.append(f"  chosen: {record['chosen_nodes']} nodes")
     return "\n".join(lines)

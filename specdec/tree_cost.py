@@ -24,7 +24,7 @@ class TreeCost:
 
     nodes: int
     step_s: float  # seconds per decoding step with this tree
-    heads_s: float  # of which in the Medusa heads
+    heads_s: float  # of which in the heads (Medusa heads, or an EAGLE-3 head drafting its tree)
     vs_plain: float  # step_s / plain step
     expected_tau: float  # 1 + expected accepted draft tokens per step (held-out accuracy)
     expected_speedup: float  # expected_tau / vs_plain

@@ -8,7 +8,7 @@ import torch
 import specdec
 from runtime.tiny import tiny_model
 from specdec.drafters import EagleDrafter, EagleTreeConfig
-from specdec.eagle_auto import _Recording, auto_tree, best_size, describe, measure_eagle_trees, replay_tau
+from specdec.eagle_auto import _Recording, auto_tree, describe, measure_eagle_trees, replay_tau
 from tests.specdec.drafters.test_eagle_drafter import prompts, random_head
 
 V = 64
@@ -59,11 +59,11 @@ def test_auto_times_every_size_and_picks_the_highest_expected_speed(deep):
     head = random_head(deep)
     rows = prompts(2, seed=3, lo=4, hi=12)
     tree, record = auto_tree(deep, head, rows, depth=3, top_k=4, sizes=(2, 8, 64), tokens=10)
-    assert [t["total_tokens"] for t in record["trees"]] == [2, 8]  # 64 exceeds the 36 candidates of 3 x 4
-    best = max(record["trees"], key=lambda t: (t["expected_speedup"], -t["total_tokens"]))
-    assert tree == EagleTreeConfig(3, 4, best["total_tokens"]) and record["chosen_total_tokens"] == tree.total_tokens
+    assert [t["nodes"] for t in record["trees"]] == [2, 8]  # 64 exceeds the 36 candidates of 3 x 4
+    best = max(record["trees"], key=lambda t: (t["expected_speedup"], -t["nodes"]))
+    assert tree == EagleTreeConfig(3, 4, best["nodes"]) and record["chosen_nodes"] == tree.total_tokens
     for t in record["trees"]:
-        assert t["step_ms"] > 0 and t["expected_tau"] >= 1
+        assert t["step_ms"] > t["heads_ms"] > 0 and t["expected_tau"] >= 1
         assert t["expected_speedup"] == pytest.approx(t["expected_tau"] / t["vs_plain"])
     assert "chosen: " in describe(record)
     out = specdec.generate(deep, rows[:1], draft=EagleDrafter(head, deep, tree), max_new_tokens=12)
@@ -79,5 +79,3 @@ def test_bad_sizes_and_inputs_are_refused(deep):
         measure_eagle_trees(deep, head, rows, sizes=(0, 4))
     with pytest.raises(ValueError, match="tokens >= 2"):
         measure_eagle_trees(deep, head, rows, tokens=1)
-    with pytest.raises(ValueError, match="no tree sizes"):
-        best_size([])

@@ -138,7 +138,7 @@ def test_eagle_tree_nodes_per_method_and_auto(workdir, tmp_path):
     three = [r["stats"] for r in rows if r["method"] == f"eagle:{head}@3"]
     assert all(0 < s["drafted_tokens"] <= 3 * s["target_forwards"] for s in three)
     auto = json.loads((tmp_path / "e" / "tree_auto.json").read_text())[f"eagle:{head}@auto"]
-    assert auto["prompt"] == "p0" and auto["chosen_total_tokens"] in [t["total_tokens"] for t in auto["trees"]]
+    assert auto["prompt"] == "p0" and auto["chosen_nodes"] in [t["nodes"] for t in auto["trees"]]
     assert len(auto["trees"]) > 3
 
 
