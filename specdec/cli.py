@@ -146,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     from runtime.errors import SpecdecError
 
     args = build_parser().parse_args(argv)
+    import torch.distributed as dist
+
+    joined = dist.is_available() and dist.is_initialized()  # a caller's own process group stays theirs
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
@@ -162,9 +165,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"specdec {args.command}: error: {text}", file=sys.stderr)
         return 2
     finally:
-        from distill.accel import close_process_group
+        if not joined and dist.is_available() and dist.is_initialized():  # the command ran under accelerate launch
+            from distill.accel import close_process_group
 
-        close_process_group()  # under `accelerate launch`
+            close_process_group()
 
 
 if __name__ == "__main__":

@@ -19,7 +19,9 @@ Free rows ride along as finished rows (they write nothing that stays), so the ba
 `max_batch` rows and a compiled target runs the same programs at every step. Drafts are greedy
 (the draft model decodes argmax tokens): verification stays lossless for sampled rows (a
 deterministic draft is a one-hot q) and a row's random draws come from its own generator only,
-so a seeded request gives the same output whatever else is running.
+so a seeded request gives the same output whatever else is running (with a fixed
+num_draft_tokens: under "auto" one AutoK picks k for the whole batch, so a row's draft length, and
+with it its draws, depends on the others).
 
 One thread calls `step()` (or `run_until_done()`); `submit` and `cancel` may come from any
 thread. Listeners (`on_tokens`) run on the stepping thread.

@@ -98,8 +98,9 @@ class EngineLoop:
             self._failers.pop(request_id, None)
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> bool:
+        cancelled = self.engine.cancel(request_id, reason)
         self.done(request_id)
-        return self.engine.cancel(request_id, reason)
+        return cancelled
 
     def _busy(self) -> bool:
         return self.engine.waiting + self.engine.running > 0
@@ -150,7 +151,6 @@ class _Choices:
         self.finish, self.cancel = finish, cancel
         self.texts = [IncrementalText(tokenizer, req.stop) for _ in cids]
         self.reasons: list[str | None] = [None] * len(cids)
-        self.tokens = 0
 
     def add(self, item) -> tuple[int, str, str | None] | None:
         """One queue item: (choice, text delta, finish reason or None), or None for a
@@ -158,7 +158,6 @@ class _Choices:
         i, new_ids, finished, reason = item
         if self.reasons[i] is not None:
             return None
-        self.tokens += len(new_ids)
         text = self.texts[i]
         if self.incremental or finished:
             delta = text.add(new_ids, finished)
@@ -175,6 +174,15 @@ class _Choices:
     @property
     def done(self) -> bool:
         return all(r is not None for r in self.reasons)
+
+    @property
+    def tokens(self) -> int:
+        """Completion tokens of every choice (a stopped one's up to the token that completed its stop string)."""
+        return sum(t.tokens for t in self.texts)
+
+    def response_choices(self) -> list[tuple[str, str]]:
+        """(text, finish reason) of every finished choice."""
+        return [(t.text, r) for t, r in zip(self.texts, self.reasons)]
 
     def close(self) -> None:
         """Cancel the choices still running (the client went away, or the reply failed)."""
@@ -275,7 +283,7 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int | None = N
                 if request.finished:
                     loop_runner.done(cid)
                     if reason != "cancelled":
-                        metrics.finished(reason, progress.ttft(), progress.tpot())
+                        metrics.finished(progress.ttft(), progress.tpot())
                 post((index, list(new_ids), request.finished, reason))
 
             return on_tokens
@@ -299,8 +307,7 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int | None = N
 
     def cancel(cids: list[str]) -> None:
         for cid in cids:
-            if loop_runner.cancel(cid):
-                metrics.requests.labels(finish_reason="cancelled").inc()
+            loop_runner.cancel(cid)
 
     def choices_of(req: GenerationRequest, cids: list[str], incremental: bool) -> _Choices:
         return _Choices(req, cids, tokenizer, incremental, finish=lambda cid: loop_runner.cancel(cid, "stop"),
@@ -310,18 +317,23 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int | None = N
                     queue: asyncio.Queue) -> JSONResponse:
         choices = choices_of(req, cids, incremental=False)
         try:
+            polled = time.monotonic()
             while not choices.done:
+                item = None
                 try:
                     item = await asyncio.wait_for(queue.get(), _DISCONNECT_POLL_S)
                 except asyncio.TimeoutError:
+                    pass
+                if time.monotonic() - polled >= _DISCONNECT_POLL_S:  # also while tokens keep coming (n choices)
+                    polled = time.monotonic()
                     if await request.is_disconnected():
                         return JSONResponse({}, status_code=499)
+                if item is None:
                     continue
                 if isinstance(item, Exception):
                     raise _failed(item)
                 choices.add(item)
-            return JSONResponse(response(req, rid, now(), [(t.sent, r) for t, r in zip(choices.texts, choices.reasons)],
-                                         choices.tokens))
+            return JSONResponse(response(req, rid, now(), choices.response_choices(), choices.tokens))
         finally:
             choices.close()
 

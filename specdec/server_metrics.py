@@ -2,17 +2,37 @@
 
 Per request, as the client sees it: time to first token (arrival to the first streamed token),
 time per output token (first to last token over the tokens after the first), prompt and generated
-token counters (tokens/s is `rate(specdec_generated_tokens_total[1m])`), requests by finish
-reason. Read from the engine at each scrape: queue length, running rows, and the acceptance
+token counters (tokens/s is `rate(specdec_generated_tokens_total[1m])`). Read from the engine
+at each scrape: requests by finish reason (the engine's own count, so a request a client drops
+while its last step finishes it counts once), queue length, running rows, and the acceptance
 rate and tau (tokens per target forward, bonus token included) of everything decoded so far.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+FINISH_REASONS = ("stop", "length", "cancelled")
+
+
+class _Requests(Collector):
+    """specdec_requests_total{finish_reason}: the engine's counts of finished requests."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def collect(self):
+        family = CounterMetricFamily("specdec_requests", "Finished requests", labels=["finish_reason"])
+        counts = self.engine.metrics
+        for reason in FINISH_REASONS:
+            family.add_metric([reason], counts.get(f"finished_{reason}", 0))
+        yield family
 
 
 class ServerMetrics:
@@ -28,7 +48,7 @@ class ServerMetrics:
                               buckets=_TPOT_BUCKETS, registry=r)
         self.prompt_tokens = Counter("specdec_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generated_tokens = Counter("specdec_generated_tokens", "Tokens generated", registry=r)
-        self.requests = Counter("specdec_requests", "Finished requests", ["finish_reason"], registry=r)
+        r.register(_Requests(engine))
         self.rejected = Counter("specdec_rejected_requests", "Requests refused with a 4xx error", ["code"],
                                 registry=r)
         self.waiting = Gauge("specdec_queue_length", "Requests waiting for a batch row", registry=r)
@@ -36,9 +56,8 @@ class ServerMetrics:
         self.acceptance = Gauge("specdec_acceptance_rate", "Accepted / drafted tokens so far", registry=r)
         self.tau = Gauge("specdec_tau", "Tokens per target forward so far (bonus token included)", registry=r)
 
-    def finished(self, finish_reason: str, ttft_s: float | None, tpot_s: float | None) -> None:
-        """Record one finished request (its tokens were counted as they came)."""
-        self.requests.labels(finish_reason=finish_reason).inc()
+    def finished(self, ttft_s: float | None, tpot_s: float | None) -> None:
+        """Record the latencies of one finished request (its tokens were counted as they came)."""
         if ttft_s is not None:
             self.ttft.observe(ttft_s)
         if tpot_s is not None:

@@ -220,25 +220,35 @@ def parse_chat(body: dict, served_model: str, tokenizer) -> GenerationRequest:
 class IncrementalText:
     """Text deltas of a growing token list (special tokens skipped), cut at the first stop string.
 
-    `stopped` turns true once the text holds a stop string: the text ends before it, and later
-    ids are ignored. Until then a tail of the text that begins a stop string is held back (so a
-    stop string split across steps never reaches the client)."""
+    `text` is the whole text so far, cut before the first stop string (what a reply sent whole
+    carries); `sent` is what `add` has returned; `tokens` counts the ids behind `text`: all of them,
+    or up to and including the one that completed the stop string (what `usage` counts).
+    `stopped` turns true once a stop string appeared; later ids are ignored. Until then a tail of
+    the text that begins a stop string is held back, so a stop string split across steps never
+    reaches the client."""
 
     def __init__(self, tokenizer, stop: tuple[str, ...] = ()) -> None:
-        self.tokenizer, self.stop, self.ids, self.sent, self.stopped = tokenizer, stop, [], "", False
+        self.tokenizer, self.stop, self.ids = tokenizer, stop, []
+        self.text = self.sent = ""
+        self.tokens, self.stopped = 0, False
 
     def add(self, new_ids: list[int], final: bool) -> str:
         """Append ids; return the text not sent yet (a trailing partial character, or a possible
         start of a stop string, waits unless final)."""
         if self.stopped:
             return ""
+        before = len(self.ids)
         self.ids.extend(new_ids)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if not text.startswith(self.sent):  # a re-decode changed text already sent: send nothing until it settles
+        text = self._decode(self.ids)
+        cut = self._first_stop(text)
+        if cut is not None:
+            text, final, self.stopped = text[:cut], True, True
+            self.tokens = self._tokens_to_stop(before)
+        else:
+            self.tokens = len(self.ids)
+        self.text = text
+        if not text.startswith(self.sent):  # a re-decode changed text already sent: it cannot be streamed in order
             return ""
-        hits = [i for i in (text.find(s, len(self.sent)) for s in self.stop) if i >= 0]
-        if hits:
-            text, final, self.stopped = text[:min(hits)], True, True
         if not final:
             if text.endswith("\ufffd"):
                 return ""
@@ -249,7 +259,23 @@ class IncrementalText:
     def extend(self, new_ids: list[int]) -> str:
         """Append ids without decoding (a reply sent whole decodes once, at its last `add`); ""."""
         self.ids.extend(new_ids)
+        self.tokens = len(self.ids)
         return ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _first_stop(self, text: str) -> int | None:
+        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        return min(hits) if hits else None
+
+    def _tokens_to_stop(self, lo: int) -> int:
+        """The fewest ids whose text holds a stop string (the first `lo` ids' text held none)."""
+        hi = len(self.ids)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if self._first_stop(self._decode(self.ids[:mid])) is not None else (mid, hi)
+        return hi
 
     def _held(self, text: str) -> int:
         """Length of the longest tail of `text` that is a proper prefix of a stop string."""

@@ -101,16 +101,15 @@ def verify_chain_sampling(logits: torch.Tensor, tree: DraftTree, valid: torch.Te
 
 
 def _uniforms(valid: torch.Tensor, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
-    """(B, k) uniforms for the valid nodes, row by row (1 elsewhere): a row draws as many numbers as
-    it has drafts, however long the batch's longest draft is, so a seeded row samples the same
-    tokens whatever rows run beside it."""
+    """(B, k) uniforms for each row's valid drafts (a prefix of a chain; 1 after it), row by row: a
+    row draws as many numbers as it has drafts, however long the batch's longest draft is, so with
+    a fixed draft length a seeded row samples the same tokens whatever rows run beside it."""
     B, k = valid.shape
     u = torch.ones(B, k, device=device)
     source = generator.device if generator is not None else device
-    for b in range(B):
-        n = int(valid[b].sum())
+    for b, n in enumerate(valid.sum(-1).tolist()):
         if n:
-            u[b, valid[b].to(device)] = torch.rand(n, generator=generator, device=source).to(device)
+            u[b, :n] = torch.rand(n, generator=generator, device=source).to(device)
     return u
 
 

@@ -43,6 +43,19 @@ def test_stop_strings_cut_the_stream_at_the_first_one_whatever_the_steps(chars, 
     assert _streamed(chars, ids, ("away!",), step) == (text, False)
 
 
+def test_text_and_token_count_end_at_the_token_that_completes_the_stop_string(chars):
+    text = "the cat sat. then the dog ran away."
+    for step in (1, 4, len(text)):
+        inc = IncrementalText(chars, ("dog", "sat."))
+        ids = _ids(chars, text)
+        for i in range(0, len(ids), step):
+            inc.add(ids[i:i + step], False)
+        assert (inc.text, inc.tokens, inc.stopped) == ("the cat ", len("the cat sat."), True)
+    whole = IncrementalText(chars)
+    whole.extend(_ids(chars, text[:10]))
+    assert whole.add(_ids(chars, text[10:]), True) == text and (whole.text, whole.tokens) == (text, len(text))
+
+
 def test_a_held_back_tail_is_not_sent_until_it_cannot_be_a_stop_string(chars):
     text = IncrementalText(chars, ("cats",))
     assert text.add(_ids(chars, "a ca"), False) == "a "
