@@ -1,23 +1,21 @@
 """`auto` for the EAGLE-3 draft tree: the number of tree nodes that gives the most tokens per second
 on this machine.
 
-For a fixed depth and top_k the dynamic tree's candidates do not depend on `total_tokens`, and the
-kept nodes come in score order with parents before children (specdec.drafters.eagle), so the tree
-of N nodes is the first N nodes of any larger one. One greedy run with the largest size therefore
-replays every smaller size: a step whose accepted path holds the nodes i1 < i2 < ... would have
-accepted, with N nodes, those below N. Expected tau(N) = 1 + their mean count per step. The cost
-of a step of each size (head drafting and the target's tree forward) is timed on the same prompt
-(`specdec.tree_cost.step_seconds`), and the chosen size maximises tau(N) / step(N), which is the
-Medusa `--num-nodes auto` rule (specdec.tree_cost) with a replayed tau in place of the heads'
-accuracy table. On a CPU a tree forward grows with its nodes, so small trees win; on a GPU a
-forward of tens of tokens costs about one plain step, and the largest trees do.
+Greedy speculative decoding is lossless, so every tree size decodes the same text from the same
+prompts: each size runs on them, and its tau (tokens per decoding step after the prefill) and step
+cost (head drafting plus the target's tree forward) are measured on that one text, a paired
+comparison. The chosen size maximises tau / (step / plain step), the Medusa `--num-nodes auto`
+rule (`specdec.tree_cost`, whose TreeCost records each size). (Replaying every size from one run
+with the largest tree would be cheaper, since a tree of N nodes is the first N nodes of a larger
+one, but it is biased: the large tree's steps under-sample the easy stretches it crosses fast.)
+On a CPU a tree forward grows with its nodes, so small trees win; on a GPU a forward of tens of
+tokens costs about one plain step, and the larger trees do.
 """
 
 from __future__ import annotations
 
 import torch
 
-from specdec.drafter import Accepted
 from specdec.drafters.eagle import EagleDrafter, EagleTreeConfig
 from specdec.eagle import Eagle3Head
 from specdec.generate import generate
@@ -26,33 +24,28 @@ from specdec.tree_cost import TreeCost, best_tree, cost_report, step_seconds
 SIZES = (2, 4, 8, 12, 16, 24, 32, 48, 64)  # tree nodes tried by auto (those a depth x top_k tree can hold)
 
 
-class _Recording(EagleDrafter):
-    """An EagleDrafter that keeps every accepted path (node indices, in score order)."""
-
-    def __init__(self, head: Eagle3Head, target, tree: EagleTreeConfig) -> None:
-        super().__init__(head, target, tree)
-        self.paths: list[list[int]] = []
-
-    def commit(self, accepted: Accepted) -> None:
-        self.paths.extend(list(p) for p in accepted.paths)
-        super().commit(accepted)
-
-
-def replay_tau(paths: list[list[int]], total_tokens: int) -> float:
-    """1 + mean accepted drafts per step had the tree kept only its first `total_tokens` nodes."""
-    if not paths:
-        raise ValueError("no verification steps to replay: decode at least two tokens")
-    return 1.0 + sum(sum(i < total_tokens for i in p) for p in paths) / len(paths)
+def _decode(target, drafter: EagleDrafter, rows: list[torch.Tensor], tokens: int) -> tuple[float, float, float]:
+    """(seconds per step after the prefill, of which in the head, tokens per such step) of greedy
+    decoding `tokens` tokens of every prompt in `rows`."""
+    steps = new = 0
+    wall = draft = 0.0
+    for row in rows:
+        s = generate(target, [row], draft=drafter, max_new_tokens=tokens).stats
+        steps += s.target_forwards - 1
+        new += s.generated_tokens - 1  # the prefill's token is no step's
+        wall += s.wall_s - s.ttft_s
+        draft += s.draft_s
+    steps = max(steps, 1)
+    return wall / steps, draft / steps, new / steps
 
 
 def measure_eagle_trees(target, head: Eagle3Head, rows: list[torch.Tensor], sizes: tuple[int, ...] = SIZES,
                         depth: int = 5, top_k: int = 8, tokens: int = 32,
                         repeats: int = 1) -> tuple[float, list[TreeCost]]:
-    """(plain step seconds, one specdec.tree_cost.TreeCost per size, `nodes` the tree's total_tokens
-    and `heads_s` the head's drafting): acceptance replayed from greedy runs of
-    `tokens` tokens on every prompt of `rows` (1-D ids) with the largest size, step costs timed on
-    the first prompt (the fastest of `repeats`, after a warm-up). Sizes larger than a tree of this
-    depth and top_k can hold are left out."""
+    """(plain step seconds on rows[0], one specdec.tree_cost.TreeCost per size: `nodes` the tree's
+    total_tokens, `heads_s` the head's drafting, `expected_tau` the measured tokens per step), each
+    size decoding `tokens` tokens of every prompt of `rows` (1-D ids), the fastest of `repeats`,
+    after a warm-up. Sizes larger than a tree of this depth and top_k can hold are left out."""
     most = EagleTreeConfig(depth, top_k, 1).candidates
     fits = sorted({n for n in sizes if n <= most})
     if not fits or fits[0] < 1:
@@ -60,16 +53,13 @@ def measure_eagle_trees(target, head: Eagle3Head, rows: list[torch.Tensor], size
                          f"top_k-{top_k} tree), got {sizes}")
     if not rows or tokens < 2 or repeats < 1:
         raise ValueError(f"need prompts, tokens >= 2 and repeats >= 1, got {len(rows)} prompts, {tokens} and {repeats}")
-    recorder = _Recording(head, target, EagleTreeConfig(depth, top_k, fits[-1]))
-    for row in rows:
-        generate(target, [row], draft=recorder, max_new_tokens=tokens)  # also the warm-up
+    _decode(target, EagleDrafter(head, target, EagleTreeConfig(depth, top_k, fits[-1])), rows[:1], 4)  # warm-up
     step_seconds(target, rows[0], 4)
     plain = min(step_seconds(target, rows[0], tokens)[0] for _ in range(repeats))
     out = []
     for n in fits:
         drafter = EagleDrafter(head, target, EagleTreeConfig(depth, top_k, n))
-        step, in_head = min(step_seconds(target, rows[0], tokens, drafter) for _ in range(repeats))
-        tau = replay_tau(recorder.paths, n)
+        step, in_head, tau = min(_decode(target, drafter, rows, tokens) for _ in range(repeats))
         out.append(TreeCost(nodes=n, step_s=step, heads_s=in_head, vs_plain=step / plain, expected_tau=tau,
                             expected_speedup=tau * plain / step))
     return plain, out
@@ -90,7 +80,7 @@ def describe(record: dict) -> str:
     lines = [f"EAGLE-3 tree auto (depth {record['depth']}, top_k {record['top_k']}): plain step "
              f"{record['plain_step_ms']:.0f} ms"]
     lines += [f"  {t['nodes']:3d} nodes: step {t['step_ms']:.0f} ms (head {t['heads_ms']:.0f}) = {t['vs_plain']:.2f}x "
-              f"plain, expected tau {t['expected_tau']:.2f}, expected speed {t['expected_speedup']:.2f}x plain"
+              f"plain, tau {t['expected_tau']:.2f}, expected speed {t['expected_speedup']:.2f}x plain"
               for t in record["trees"]]
     lines.append(f"  chosen: {record['chosen_nodes']} nodes")
     return "\n".join(lines)
