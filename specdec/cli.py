@@ -53,15 +53,11 @@ def _generate(args: argparse.Namespace) -> int:
     else:
         ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}],
                                       add_generation_prompt=True, return_tensors="pt", return_dict=True).input_ids
-    draft = None
-    if args.draft == "ngram":
-        draft = "ngram"
-    elif args.draft:
-        parts = args.draft.split("+")
-        loaded = ["ngram" if p == "ngram" else runtime.load_model(p, dtype=DTYPES[args.dtype], device=args.device)
-                  for p in parts]
-        draft = loaded if len(loaded) > 1 else loaded[0]
     from transformers import TextStreamer
+
+    from specdec.serve_command import load_drafter
+
+    draft = load_drafter(args, model)
 
     gen = torch.Generator(device=model.device).manual_seed(args.seed)
     # the text is printed as each step accepts it
@@ -112,9 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Generate one completion, printing it as it is accepted, then its acceptance stats.")
     p.add_argument("--model", default=DEFAULT_MODEL, help="catalogue name, checkpoint dir, .gguf or hub id")
     p.add_argument("--prompt", required=True, help="the prompt text")
-    p.add_argument("--draft", default=None,
-                   help="draft: 'ngram', a model (name/dir), or several joined by '+' tried in order "
-                        "(e.g. 'ngram+qwen2.5-coder-0.5b-instruct'); omit for plain decoding")
+    from specdec.serve_command import add_drafter_args
+
+    add_drafter_args(p)
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=128)

@@ -6,7 +6,7 @@
 Drafters: `--draft NAME_OR_PATH` (a draft model), `--draft ngram` (prompt lookup), several joined
 by '+' tried in order (`--draft ngram+NAME`), `--eagle PATH` (EAGLE-3 head; `--eagle-tree N` keeps
 N tree nodes, `auto` times tree sizes on this machine at start-up) or `--medusa PATH` (Medusa
-heads); none = plain decoding. Requests join the running batch between steps
+heads); none = plain decoding. Loading a drafter reports on stderr (`specdec generate` shares it). Requests join the running batch between steps
 (`specdec.engine.Engine`, at most --max-batch rows). The address is checked and the models loaded
 before the server starts, so a taken port or a bad model path fails at once with one line.
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import errno
 import socket
+import sys
 
 from runtime.hardware import DTYPES
 
@@ -33,7 +34,8 @@ def check_address(host: str, port: int) -> None:
 
 
 def load_drafter(args: argparse.Namespace, target):
-    """The `draft` argument of the Engine for --draft / --eagle / --medusa (None = plain decoding)."""
+    """The `draft` argument of the Engine (and of generate()) for --draft / --eagle / --medusa (None =
+    plain decoding)."""
     import runtime
 
     dtype = DTYPES[args.dtype]
@@ -42,7 +44,7 @@ def load_drafter(args: argparse.Namespace, target):
     if args.medusa:
         from specdec.medusa_io import load_medusa
 
-        print(f"loading Medusa heads {args.medusa}", flush=True)
+        print(f"loading Medusa heads {args.medusa}", file=sys.stderr, flush=True)
         return load_medusa(args.medusa, target)
     if not args.draft:
         return None
@@ -51,9 +53,10 @@ def load_drafter(args: argparse.Namespace, target):
         if part == "ngram":
             drafts.append("ngram")
             continue
-        print(f"loading draft model {part} ({args.dtype}, {args.device}{', compiled' if args.compile else ''})",
-              flush=True)
-        drafts.append(runtime.load_model(part, dtype=dtype, device=args.device, compile=args.compile))
+        compile_ = getattr(args, "compile", False)
+        print(f"loading draft model {part} ({args.dtype}, {args.device}{', compiled' if compile_ else ''})",
+              file=sys.stderr, flush=True)
+        drafts.append(runtime.load_model(part, dtype=dtype, device=args.device, compile=compile_))
     return drafts if len(drafts) > 1 else drafts[0]
 
 
@@ -71,7 +74,7 @@ def _eagle_drafter(args: argparse.Namespace, target):
     from specdec.eagle_io import load_eagle
     from specdec.prompts import encode
 
-    print(f"loading EAGLE-3 head {args.eagle}", flush=True)
+    print(f"loading EAGLE-3 head {args.eagle}", file=sys.stderr, flush=True)
     head = load_eagle(args.eagle, target)
     if args.eagle_tree != "auto":
         return EagleDrafter(head, target, EagleTreeConfig(args.eagle_depth, args.eagle_top_k, args.eagle_tree))
@@ -79,9 +82,9 @@ def _eagle_drafter(args: argparse.Namespace, target):
 
     tok = runtime.load_tokenizer(args.model)
     ids = encode(tok, [CALIBRATION_PROMPT], [], raw=not getattr(tok, "chat_template", None))
-    print("timing EAGLE-3 tree sizes on this machine (--eagle-tree auto)", flush=True)
+    print("timing EAGLE-3 tree sizes on this machine (--eagle-tree auto)", file=sys.stderr, flush=True)
     tree, record = auto_tree(target, head, [torch.tensor(ids)], depth=args.eagle_depth, top_k=args.eagle_top_k)
-    print(describe(record), flush=True)
+    print(describe(record), file=sys.stderr, flush=True)
     return EagleDrafter(head, target, tree)
 
 
@@ -113,6 +116,24 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_drafter_args(p: argparse.ArgumentParser) -> None:
+    """--draft / --eagle / --medusa and the EAGLE-3 tree's options (`load_drafter` reads them;
+    `specdec generate` shares them)."""
+    from specdec.cli import draft_length_arg
+
+    drafter = p.add_mutually_exclusive_group()
+    drafter.add_argument("--draft", default=None, help="a draft model (name or dir), 'ngram', or several joined "
+                         "by '+' tried in order (e.g. 'ngram+qwen2.5-coder-0.5b-instruct'); omit for plain decoding")
+    drafter.add_argument("--eagle", default=None, metavar="PATH", help="an EAGLE-3 head directory")
+    drafter.add_argument("--medusa", default=None, metavar="PATH", help="a Medusa heads directory")
+    p.add_argument("--eagle-tree", type=draft_length_arg, default=48, metavar="N|auto",
+                   help="--eagle: nodes the dynamic tree keeps (1-64), or auto to time sizes on this machine first "
+                        "(small trees win on a CPU; default: %(default)s)")
+    p.add_argument("--eagle-depth", type=int, default=5, help="--eagle: levels of the tree (default: %(default)s)")
+    p.add_argument("--eagle-top-k", type=int, default=8, help="--eagle: children per expanded node and nodes "
+                   "expanded per level (default: %(default)s)")
+
+
 def register(subparsers) -> argparse.ArgumentParser:
     """Add the `serve` subcommand to an argparse subparsers object."""
     from specdec.cli import DEFAULT_MODEL, draft_length_arg
@@ -121,17 +142,7 @@ def register(subparsers) -> argparse.ArgumentParser:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=DEFAULT_MODEL, help="target: catalogue name, checkpoint dir, .gguf or hub id "
                    "(default: %(default)s)")
-    drafter = p.add_mutually_exclusive_group()
-    drafter.add_argument("--draft", default=None, help="a draft model (name or dir), 'ngram', or several joined "
-                         "by '+' tried in order (e.g. 'ngram+qwen2.5-coder-0.5b-instruct'); omit for plain decoding")
-    drafter.add_argument("--eagle", default=None, metavar="PATH", help="an EAGLE-3 head directory")
-    drafter.add_argument("--medusa", default=None, metavar="PATH", help="a Medusa heads directory")
-    p.add_argument("--eagle-tree", type=draft_length_arg, default=48, metavar="N|auto",
-                   help="--eagle: nodes the dynamic tree keeps (1-64), or auto to time sizes on this machine at "
-                        "start-up (small trees win on a CPU; default: %(default)s)")
-    p.add_argument("--eagle-depth", type=int, default=5, help="--eagle: levels of the tree (default: %(default)s)")
-    p.add_argument("--eagle-top-k", type=int, default=8, help="--eagle: children per expanded node and nodes "
-                   "expanded per level (default: %(default)s)")
+    add_drafter_args(p)
     p.add_argument("--max-batch", type=int, default=4, help="rows decoded together (default: %(default)s)")
     p.add_argument("--max-len", type=int, default=None, help="prompt + generated tokens per request (default: the "
                    "model's context)")

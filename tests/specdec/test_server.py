@@ -357,9 +357,24 @@ def test_serve_builds_the_eagle_tree_from_its_flags(ckpt, tmp_path, capsys):
     assert drafter.tree == EagleTreeConfig(3, 2, 6)
     drafter = load_drafter(parser.parse_args([*base, "--eagle-tree", "auto"]), target)
     assert drafter.tree.total_tokens in (2, 4, 8)  # the sizes a 3 x 2 tree (10 candidates) can hold
-    assert "chosen: " in capsys.readouterr().out
+    assert "chosen: " in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parser.parse_args([*base, "--eagle-tree", "0"])
+
+
+def test_generate_cli_drafts_with_an_eagle_head_or_medusa_heads(ckpt, tmp_path, capsys):
+    target = runtime.load_model(ckpt, dtype=torch.float32)
+    tok = runtime.load_tokenizer(ckpt)
+    torch.manual_seed(0)
+    specdec.save_eagle(specdec.Eagle3Head(specdec.Eagle3Config.from_target(target, aux_layers=(0, 1, 1))),
+                       tmp_path / "eagle")
+    want = tok.decode(greedy(target, chat_ids(tok, PROMPTS[3]), 8, tok.eos_token_id), skip_special_tokens=True)
+    base = ["generate", "--model", str(ckpt), "--prompt", PROMPTS[3], "--dtype", "float32", "--max-new-tokens", "8"]
+    for extra in (["--eagle", str(tmp_path / "eagle"), "--eagle-tree", "4"], ["--draft", "ngram"], []):
+        capsys.readouterr()
+        assert cli_main([*base, *extra]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith(want) and "| tau" in out  # the streamed text (greedy = plain), then the stats
 
 
 def test_serve_fails_fast_on_a_bad_model_path(tmp_path, capsys, monkeypatch):
