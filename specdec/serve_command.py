@@ -6,9 +6,10 @@
 Drafters: `--draft NAME_OR_PATH` (a draft model), `--draft ngram` (prompt lookup), several joined
 by '+' tried in order (`--draft ngram+NAME`), `--eagle PATH` (EAGLE-3 head; `--eagle-tree N` keeps
 N tree nodes, `auto` times tree sizes on this machine at start-up) or `--medusa PATH` (Medusa
-heads); none = plain decoding. Loading a drafter reports on stderr (`specdec generate` shares it). Requests join the running batch between steps
-(`specdec.engine.Engine`, at most --max-batch rows). The address is checked and the models loaded
-before the server starts, so a taken port or a bad model path fails at once with one line.
+heads); none = plain decoding. Loading a drafter reports on stderr (`specdec generate` shares it).
+Requests join the running batch between steps (`specdec.engine.Engine`, at most --max-batch rows).
+The address is checked and the models loaded before the server starts, so a taken port or a bad
+model path fails at once with one line.
 """
 
 from __future__ import annotations
