@@ -98,7 +98,7 @@ def _stop(signum: int, frame) -> None:
 
 
 def run_budgeted(args: Any, markers: tuple[str, ...], what: str, product: str,
-                 steps: Callable[[Path, RunBudget | None], dict]) -> dict:
+                 steps: Callable[[Path, RunBudget | None], dict], trained: str = "metrics.json") -> dict:
     """The frame the training recipes share: settle args (the training share of the budget, torch
     threads, dtype "auto"), check --out (`runtime.outputs`: new, empty or a run with `markers`,
     which is resumed) and --eval-only (OUT/metrics.json must hold the trained `product`), then run
@@ -106,7 +106,8 @@ def run_budgeted(args: Any, markers: tuple[str, ...], what: str, product: str,
     unwinding like Ctrl-C, so that what a step holds is written and the same command resumes.
 
     args: the recipe's namespace (out, max_minutes, data_frac, train_frac, eval_minutes, threads,
-    dtype, eval_only).
+    dtype, eval_only). trained: the file (relative to OUT) a finished training writes, which
+    --eval-only needs.
     """
     if args.train_frac is None:  # keep eval_minutes for the evaluation, but on a short budget give
         # training at least half of what the data phase leaves
@@ -116,8 +117,8 @@ def run_budgeted(args: Any, markers: tuple[str, ...], what: str, product: str,
     if args.dtype == "auto":
         args.dtype = "bfloat16" if native_bf16() else "float32"
     out = prepare_output_dir(args.out, markers, what=what, resume=True)
-    if args.eval_only and not (out / "metrics.json").is_file():
-        raise SystemExit(f"--eval-only: {out} holds no trained {product} (no metrics.json); run the recipe "
+    if args.eval_only and not (out / trained).is_file():
+        raise SystemExit(f"--eval-only: {out} holds no trained {product} (no {trained}); run the recipe "
                          "without --eval-only first, or point --out at a finished run")
     out.mkdir(parents=True, exist_ok=True)
     budget = None if args.eval_only else RunBudget(out / "budget.json", args.max_minutes)

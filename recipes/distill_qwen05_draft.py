@@ -107,8 +107,6 @@ def _run(args: argparse.Namespace, out: Path, budget: RunBudget | None, start: f
         print(f"[train] {metrics['steps']}/{metrics['planned_steps']} steps, final loss {metrics['final_loss']}, "
               f"{tau}{budget.minutes():.1f} min", flush=True)
         del target
-    elif not (out / "draft" / METRICS).is_file():
-        raise SystemExit(f"--eval-only: {out}/draft holds no distilled draft; run the recipe without --eval-only")
     table = evaluate(args, out, fresh)
     for name, parts in table.items():
         print(f"[eval] {name}: {json.dumps(parts)}", flush=True)
@@ -169,7 +167,7 @@ def main() -> dict:
         return run_budgeted(args, RUN_MARKERS, "draft distillation recipe directory", "draft",
                             lambda out, _budget: compare(args, out))
     return run_budgeted(args, RUN_MARKERS, "draft distillation recipe directory", "draft",
-                        lambda out, budget: _run(args, out, budget, start))
+                        lambda out, budget: _run(args, out, budget, start), trained=f"draft/{METRICS}")
 
 
 def parser() -> argparse.ArgumentParser:

@@ -2,10 +2,11 @@
 
 import json
 import time
+from types import SimpleNamespace
 
 import pytest
 
-from distill.budget import RunBudget
+from distill.budget import RunBudget, run_budgeted
 
 
 def test_a_restarted_job_goes_on_against_the_same_budget(tmp_path):
@@ -43,3 +44,20 @@ def test_bad_budgets_and_progress_files_are_refused(tmp_path):
     (tmp_path / "b.json").write_text('{"minutes": 3}')
     with pytest.raises(ValueError, match="b.json is not a budget file"):
         RunBudget(tmp_path / "b.json", max_minutes=5)
+
+
+def test_eval_only_needs_the_file_the_recipe_trains(tmp_path):
+    """--eval-only checks the recipe's own product file (e.g. the distillation recipe's
+    draft/distill_metrics.json), and then runs the steps without a budget."""
+    args = SimpleNamespace(out=str(tmp_path / "run"), max_minutes=10.0, data_frac=0.0, train_frac=None,
+                           eval_minutes=2.0, threads=0, dtype="float32", eval_only=True)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "budget.json").write_text('{"spent_minutes": 1.0, "max_minutes": 10.0}')
+    with pytest.raises(SystemExit, match="no draft/metrics.json"):
+        run_budgeted(args, ("budget.json",), "a test run", "draft", lambda out, budget: {},
+                     trained="draft/metrics.json")
+    (tmp_path / "run" / "draft").mkdir()
+    (tmp_path / "run" / "draft" / "metrics.json").write_text("{}")
+    seen = run_budgeted(args, ("budget.json",), "a test run", "draft", lambda out, budget: {"budget": budget},
+                        trained="draft/metrics.json")
+    assert seen == {"budget": None}
