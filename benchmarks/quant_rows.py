@@ -16,8 +16,8 @@ it compares within one run:
   copies (minmax grid), float32 and bf16: median seconds and the ratio to dense.
 - verify: the INT4 g128 (RTN, minmax grid, LM head too) copy of the model, compiled, in --dtypes:
   one decode step against one 8-token verification block on a cache of the prompt (ms, median).
-- memory: resident memory an INT4 g64 copy adds to the process (after a T-token forward) against
-  the bytes of its tensors.
+- memory: resident memory an INT4 g64 copy adds to a fresh process (after a 1-token and after a
+  T-token forward) against the bytes of its tensors.
 Random activations and RTN weights: no calibration data needed. The CPU's flags decide which
 dtype is fast (`runtime.hardware`); write them next to the figures.
 """
@@ -113,12 +113,13 @@ def forward(models: list[str], tokens: int, rounds: int) -> list[dict]:
 
 
 @torch.no_grad()
-def verify(model: str, block: int, rounds: int, prompt_tokens: int = 64, dtypes: tuple[str, ...] = ("bfloat16",)) \
-        -> list[dict]:
+def verify(model: str, block: int, rounds: int, prompt_tokens: int = 64, dtypes: tuple[str, ...] = ("bfloat16",),
+           max_autotune: bool = False, freeze: bool = False) -> list[dict]:
     out = []
     for dname in dtypes:
         dtype = DTYPES[dname]
-        m = _quantized(model, dtype, "int4-g128", include_lm_head=True).compile_decode()
+        m = _quantized(model, dtype, "int4-g128", include_lm_head=True)
+        m.compile_decode(max_autotune=max_autotune or None, freeze_weights=freeze)
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(0, m.config.vocab_size, (1, prompt_tokens + block), generator=g)
         cache = m.new_cache(1, prompt_tokens + block + 8)
@@ -138,9 +139,10 @@ def verify(model: str, block: int, rounds: int, prompt_tokens: int = 64, dtypes:
                 step(t)
                 times[t].append(time.perf_counter() - a)
         one, blk = statistics.median(times[1]) * 1e3, statistics.median(times[block]) * 1e3
-        out.append({"model": model, "dtype": dname, "decode_ms": one, "block": block, "block_ms": blk,
-                    "ratio": blk / one})
-        print(f"{model} INT4 g128 compiled {dname}: decode step {one:.1f} ms, {block}-token block {blk:.1f} ms "
+        out.append({"model": model, "dtype": dname, "max_autotune": max_autotune, "freeze_weights": freeze,
+                    "decode_ms": one, "block": block, "block_ms": blk, "ratio": blk / one})
+        how = "compiled" + " max-autotune" * max_autotune + " frozen" * freeze
+        print(f"{model} INT4 g128 {how} {dname}: decode step {one:.1f} ms, {block}-token block {blk:.1f} ms "
               f"({blk / one:.2f}x)", flush=True)
         del m
         gc.collect()
@@ -168,23 +170,38 @@ def memory(model: str, tokens: int) -> list[dict]:
         out = subprocess.run([sys.executable, __file__, "--part", "memory-load", "--model", tmp,
                               "--tokens", str(tokens)], check=True, capture_output=True, text=True).stdout
     row = {"model": model, **json.loads(out.strip().splitlines()[-1])}
-    print(f"{model} INT4 g64 bf16: resident +{row['rss_added_bytes'] / 2**20:.1f} MiB, tensors "
-          f"{row['tensor_bytes'] / 2**20:.1f} MiB ({row['ratio']:.2f}x)", flush=True)
+    print(f"{model} INT4 g64 bf16: tensors {row['tensor_bytes'] / 2**20:.1f} MiB; resident +"
+          f"{row['rss_added_bytes_1'] / 2**20:.1f} MiB ({row['ratio_1']:.2f}x) after a 1-token forward, +"
+          f"{row[f'rss_added_bytes_{tokens}'] / 2**20:.1f} MiB ({row[f'ratio_{tokens}']:.2f}x) after a "
+          f"{tokens}-token forward", flush=True)
     return [row]
 
 
 @torch.no_grad()
 def memory_load(path: str, tokens: int) -> None:
     """(--part memory-load, run by `memory`) RSS added by loading compressed checkpoint `path` and
-    running a `tokens`-token forward, against the bytes of its tensors; prints one JSON line."""
+    running a 1-token then a `tokens`-token forward, against the bytes of its tensors; prints one
+    JSON line. A tiny INT4 model runs the same forwards first, so the pages of PyTorch's own code
+    that the first calls bring in are not counted as the model's."""
+    import quant
+    from runtime.tiny import tiny_model
+
+    warm = tiny_model(dtype=torch.bfloat16, hidden_size=128, intermediate_size=256)
+    quant.quantize_(warm, quant.Int4WeightOnly(group_size=64, grid="minmax"), progress=False)
+    for t in (1, tokens):
+        warm(torch.zeros(1, t, dtype=torch.long), torch.arange(t)[None], None)
+    del warm
     gc.collect()
     before = _rss()
     m = load_model(path, dtype=torch.bfloat16)
-    m(torch.zeros(1, tokens, dtype=torch.long), torch.arange(tokens)[None], None)
-    gc.collect()
-    added = _rss() - before
     size = sum({t.data_ptr(): t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()]}.values())
-    print(json.dumps({"rss_added_bytes": added, "tensor_bytes": size, "ratio": added / size}))
+    row: dict = {"tensor_bytes": size}
+    for t in (1, tokens):
+        m(torch.zeros(1, t, dtype=torch.long), torch.arange(t)[None], None)
+        gc.collect()
+        row[f"rss_added_bytes_{t}"] = _rss() - before
+        row[f"ratio_{t}"] = row[f"rss_added_bytes_{t}"] / size
+    print(json.dumps(row))
 
 
 def main() -> None:
@@ -198,6 +215,10 @@ def main() -> None:
     p.add_argument("--block", type=int, default=8, help="verification block size (--part verify)")
     p.add_argument("--rounds", type=int, default=5, help="timed rounds (medians)")
     p.add_argument("--dtypes", default="bfloat16", help="comma-separated (--part verify)")
+    p.add_argument("--max-autotune", action="store_true",
+                   help="--part verify: compile with Inductor's GEMM templates too (compile_decode(max_autotune=True))")
+    p.add_argument("--freeze", action="store_true",
+                   help="--part verify: fold the weights into the programs (compile_decode(freeze_weights=True))")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", default=None, help="also write the figures to this file")
     args = p.parse_args()
@@ -207,7 +228,8 @@ def main() -> None:
     elif args.part == "forward":
         res = forward(args.models.split(","), args.tokens, args.rounds)
     elif args.part == "verify":
-        res = verify(args.model, args.block, args.rounds, dtypes=tuple(args.dtypes.split(",")))
+        res = verify(args.model, args.block, args.rounds, dtypes=tuple(args.dtypes.split(",")),
+                     max_autotune=args.max_autotune, freeze=args.freeze)
     elif args.part == "memory":
         res = memory(args.model, args.tokens)
     else:

@@ -88,7 +88,7 @@ def align_zero_points(model: nn.Module) -> dict[str, Any]:
         moved += int((~exact).sum())
         codes, zeros = _aligned_int4(mod, zp)
         old = mod.dequantize(torch.float32)
-        mod.qweight.copy_(pack_int4(codes.to(torch.int32) + 8))
+        mod.set_qweight(pack_int4(codes.to(torch.int32) + 8))
         mod.zeros = zeros  # float32: -zp * s is exact there, not always in bf16
         mod._sz = None
         mod.zero_point = "integer"

@@ -118,11 +118,14 @@ def load_compressed(ckpt: Path, hf_config: Any, dtype: torch.dtype = torch.bfloa
     for name, mod_meta in modules.items():
         linear = _linear(model, name, meta_path)
         prefix = name + "."
-        local = {k[len(prefix):]: v.to(device) for k, v in tensors.items() if k.startswith(prefix)}
+        local = {k[len(prefix):]: v.to(device, copy=True) for k, v in tensors.items() if k.startswith(prefix)}
         if not local:
             raise CheckpointError(f"{ckpt} lists compressed module {name} but stores none of its tensors")
         model.set_submodule(name, _rebuild(name, mod_meta, local, linear, meta_path))
-    dense = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in dense.items()}
+    # copies, not views of the file's memory map: a view keeps every page of the file resident
+    # (as `runtime.loading` does for dense checkpoints), beside what the modules derive from it
+    dense = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype, copy=True)
+             for k, v in dense.items()}
     tie = cfg.tie_word_embeddings and "lm_head" not in modules
     if tie:
         dense.pop("lm_head.weight", None)

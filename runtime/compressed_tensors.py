@@ -404,7 +404,8 @@ def load_compressed_tensors(ckpt: Path, hf_config: Any, dtype: torch.dtype = tor
     tie = cfg.tie_word_embeddings and "lm_head" not in modules
     if tie:
         runtime_state.pop("lm_head.weight", None)
-    runtime_state = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype)
+    # copies: a view of the safetensors memory map would keep the whole file resident
+    runtime_state = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype, copy=True)
                      for k, v in runtime_state.items() if v is not None}
     model.load_state_dict(runtime_state, assign=True, strict=False)
     if tie:

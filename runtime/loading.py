@@ -14,6 +14,7 @@ from runtime.compressed_tensors import is_compressed_tensors, load_compressed_te
 from runtime.config import HF_SIZE_KEYS, ModelConfig, check_model_type, is_size
 from runtime.errors import CheckpointError
 from runtime.hardware import check_device
+from runtime.heap import release_freed_memory
 from runtime.model import Transformer
 from runtime.validate import (
     HF_LAYOUT,
@@ -222,6 +223,7 @@ def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.bfloat16,
             check_tensors(cfg, read_headers(files), HF_LAYOUT, ckpt)
         model = from_hf_state(read_state_dict(ckpt), hf_config, dtype=dtype, device=device,
                               attention=attention)
+    release_freed_memory()  # the load's temporaries (`runtime.heap`)
     model.source = ckpt  # lets a drafter compare tokenizers with its target
     if compile:
         model.compile_decode()

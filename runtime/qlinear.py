@@ -28,6 +28,7 @@ kernel); NF4 and LLM.int8 run bitsandbytes.
 from __future__ import annotations
 
 import abc
+import functools
 from typing import Any
 
 import torch
@@ -117,7 +118,8 @@ class QuantizedLinear(nn.Module, abc.ABC):
         N = self.out_features
         x2 = self._tile_inputs(x.reshape(-1, self.in_features))  # (M, K')
         K = x2.shape[1]
-        tile = max(1, min(N, TILE_BYTES // (K * x.element_size())))
+        align = self._tile_align()
+        tile = max(align, min(N, TILE_BYTES // (K * x.element_size())) // align * align)
         scratch = torch.empty(tile * K, dtype=x.dtype, device=x.device)
         # bf16: each tile's GEMM writes its column block of y (M, N) in place; float32: its row block
         # of y^T (N, M), transposed once at the end (measured faster for each dtype on 2-core EPYC)
@@ -133,6 +135,10 @@ class QuantizedLinear(nn.Module, abc.ABC):
         y = (y.t() if rows_out else y).reshape(*x.shape[:-1], N)
         return y if self.bias is None else y + self._bias(x)
 
+    def _tile_align(self) -> int:
+        """Output channels per tile are a multiple of this (the format's storage blocks)."""
+        return 1
+
     def _tile_inputs(self, x2: torch.Tensor) -> torch.Tensor:
         """The (M, K') left operand of `_tiled`'s GEMMs for activations x2 (M, K): x2 itself, unless
         the format appends columns that its `_tile_weight` rows multiply."""
@@ -140,7 +146,8 @@ class QuantizedLinear(nn.Module, abc.ABC):
 
     def _tile_weight(self, start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
         """The (stop - start, K') right operand of `_tiled` for output channels [start, stop): the
-        dense rows, or what matches the format's `_tile_inputs`."""
+        dense rows, or what matches the format's `_tile_inputs`; `out` is a (stop - start, K') view
+        of the scratch, and the result may be that scratch filled as a transposed (K', t) matrix."""
         return self.dequantize_rows(start, stop, out)
 
     def _packed(self, x: torch.Tensor, kernel) -> torch.Tensor:
@@ -217,6 +224,35 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([low, high], dim=-1).flatten(-2).to(torch.int32)  # (N, K)
 
 
+@functools.cache
+def cpu_int4_block() -> int:
+    """Output channels per block of the CPU INT4 kernel's packed weight, 0 if its layout is not the
+    one `Int4Linear` reads.
+
+    `_convert_weight_to_int4pack_for_cpu` stores the (N, K) codes in blocks of B output channels
+    (64 with AVX-512, 32 otherwise), each block (K, B/2) bytes whose byte j holds channel j in the
+    low nibble and channel j + B/2 in the high one. Checked once against the op on random codes,
+    so a PyTorch build that packs otherwise makes `Int4Linear` keep both layouts instead."""
+    N, K = 192, 64
+    codes = torch.randint(0, 16, (N, K), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    for block in (64, 32, 16):
+        if torch.equal(packed, to_cpu_int4_blocks(pack_int4(codes), block)):
+            return block
+    return 0
+
+
+def to_cpu_int4_blocks(qweight: torch.Tensor, block: int) -> torch.Tensor:
+    """(N, K/2) `pack_int4` codes -> (N, K/2) uint8 in the CPU kernel's layout of `block`-channel
+    blocks (`cpu_int4_block`), through uint8 temporaries only (the op itself takes int32 codes, 8x
+    the bytes: 0.9 GB for qwen2.5-coder-1.5b's LM head)."""
+    N, half = qweight.shape
+    codes = torch.stack([qweight & 0x0F, qweight >> 4], dim=-1).view(N // block, block, 2 * half)  # (N/B, B, K)
+    blocks = codes.transpose(1, 2)  # (N/B, K, B)
+    # (an elementwise result keeps its inputs' transposed strides: contiguous() is not a no-op here)
+    return (blocks[..., :block // 2] | (blocks[..., block // 2:] << 4)).contiguous().view(N, half)
+
+
 def integer_zero_points(scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(z = round(8 - zeros / scales) clamped to [0, 15] as int64, mask where zeros == (8 - z) * scales exactly)."""
     s, zf = scales.to(torch.float32), zeros.to(torch.float32)
@@ -256,14 +292,42 @@ class Int4Linear(QuantizedLinear):
         super().__init__(in_features, out_features, bias)
         self.group_size = group_size
         self.zero_point = zero_point
-        self.register_buffer("qweight", qweight)  # (N, K/2) uint8
         self.register_buffer("scales", scales)  # (N, K/G)
         self.register_buffer("zeros", zeros)  # (N, K/G)
         self._kernel: tuple[torch.device, torch.Tensor] | None = None
         self._sz: tuple[tuple[torch.device, torch.dtype], torch.Tensor] | None = None
+        self.set_qweight(qweight)
+
+    def set_qweight(self, qweight: torch.Tensor) -> None:
+        """Store the (N, K/2) codes (`pack_int4` layout). On the CPU, when the packed kernel's
+        blocks tile the output channels, only the kernel's own layout is kept (`packed`, one
+        copy of the codes); otherwise `packed` holds `qweight` itself and the kernel's layout is
+        built on first use next to it."""
+        block = cpu_int4_block()
+        self.block = block if qweight.device.type == "cpu" and block and self.out_features % block == 0 else 0
+        if self.block:
+            qweight = to_cpu_int4_blocks(qweight, self.block)
+        self.register_buffer("packed", qweight)  # (N, K/2) uint8: `pack_int4` layout, or the kernel's (self.block)
+        self._kernel = None
+
+    @property
+    def qweight(self) -> torch.Tensor:
+        """The (N, K/2) codes in the `pack_int4` layout (what checkpoints store); a new tensor when
+        the module keeps the kernel's layout: write through `set_qweight`."""
+        if not self.block:
+            return self.packed
+        return pack_int4(self._block_codes())
+
+    def _block_codes(self) -> torch.Tensor:
+        """(N, K) uint8 codes from the kernel's layout."""
+        K, B = self.in_features, self.block
+        p = self.packed.view(-1, K, B // 2)  # (N/B, K, B/2): byte j holds channels j and j + B/2
+        codes = torch.cat([p & 0x0F, p >> 4], dim=-1)  # (N/B, K, B)
+        return codes.transpose(1, 2).reshape(self.out_features, K)
 
     def codes(self) -> torch.Tensor:
-        return unpack_int4(self.qweight)  # (N, K) int32
+        """(N, K) int32 codes in [0, 15]."""
+        return self._block_codes().to(torch.int32) if self.block else unpack_int4(self.packed)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         q = self.codes().to(torch.float32).view(self.out_features, -1, self.group_size)  # (N, K/G, G)
@@ -283,6 +347,8 @@ class Int4Linear(QuantizedLinear):
                    tensors.get("bias"), zero_point=meta.get("zero_point", "float"))
 
     def _packed_for_kernel(self, device: torch.device) -> torch.Tensor:
+        if self.block and self.packed.device == device:
+            return self.packed
         if self._kernel is None or self._kernel[0] != device:
             if device.type == "cpu":
                 packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(self.codes(), 1)
@@ -301,17 +367,6 @@ class Int4Linear(QuantizedLinear):
             self._sz = (key, sz)
         return self._sz[1]
 
-    def dequantize_rows(self, start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
-        # w = q * s + (z - 8 s): the codes are written straight into `out`, then scaled in place
-        t, p = stop - start, self.qweight[start:stop]  # (t, K/2) uint8
-        codes = out.view(t, self.in_features // 2, 2)
-        codes[..., 0] = p & 0x0F
-        codes[..., 1] = p >> 4
-        s, z = self.scales[start:stop].to(torch.float32), self.zeros[start:stop].to(torch.float32)
-        groups = out.view(t, -1, self.group_size)  # (t, K/G, G)
-        groups.mul_(s.to(out.dtype)[..., None]).add_((z - 8 * s).to(out.dtype)[..., None])
-        return out
-
     # `_tiled` splits w = (q - 8) * s + z: the GEMM's operands are [x, group sums of x] (M, K + K/G)
     # and [(q - 8) * s, z] (N, K + K/G), so the zero points cost K/G more columns instead of a pass
     # over every tile (at 256 bf16 rows of a 4864x896 weight: 1.4 instead of 2.2 ms of dequantizing,
@@ -320,8 +375,13 @@ class Int4Linear(QuantizedLinear):
         sums = x2.view(x2.shape[0], -1, self.group_size).sum(-1, dtype=torch.float32)  # (M, K/G)
         return torch.cat([x2, sums.to(x2.dtype)], dim=1)  # (M, K + K/G)
 
+    def _tile_align(self) -> int:
+        return self.block or 1
+
     def _tile_weight(self, start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
-        K, p = self.in_features, self.qweight[start:stop]  # (t, K/2) uint8
+        if self.block:
+            return self._tile_weight_blocks(start, stop, out)
+        K, p = self.in_features, self.packed[start:stop]  # (t, K/2) uint8
         t = stop - start
         codes = out[:, :K].view(t, K // 2, 2)
         codes[..., 0] = (p & 0x0F).view(torch.int8) - 8
@@ -329,6 +389,31 @@ class Int4Linear(QuantizedLinear):
         out[:, :K].view(t, -1, self.group_size).mul_(self.scales[start:stop].to(out.dtype)[..., None])
         out[:, K:] = self.zeros[start:stop]
         return out
+
+    def _tile_weight_blocks(self, start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
+        """`_tile_weight` from the kernel's layout (whole blocks of B channels, each (K, B/2) bytes).
+
+        bf16 fills the scratch as the transposed operand (K', t), where a block is one run of B
+        values per input (the GEMM then takes it as is); float32 fills it as (t, K'), because its
+        GEMM measured slower on the transposed operand (smollm2 MLP, 256 rows: 6.9 against 6.0 ms)
+        while the bf16 one did not."""
+        K, B, t = self.in_features, self.block, stop - start
+        p = self.packed[start:stop].view(t // B, K, B // 2)  # (t/B, K, B/2)
+        s, z = self.scales[start:stop].to(out.dtype), self.zeros[start:stop]  # (t, K/G) each
+        if out.dtype == torch.float32:
+            codes, p = out[:, :K].view(t // B, B, K), p.transpose(1, 2)  # (t/B, B, K), (t/B, B/2, K)
+            codes[:, :B // 2] = (p & 0x0F).view(torch.int8) - 8
+            codes[:, B // 2:] = (p >> 4).view(torch.int8) - 8
+            out[:, :K].view(t, -1, self.group_size).mul_(s[..., None])
+            out[:, K:] = z
+            return out
+        w_t = out.view(-1).view(out.shape[1], t)  # (K', t)
+        codes, p = w_t[:K].view(K, t // B, B), p.transpose(0, 1)  # (K, t/B, B), (K, t/B, B/2)
+        codes[..., :B // 2] = (p & 0x0F).view(torch.int8) - 8
+        codes[..., B // 2:] = (p >> 4).view(torch.int8) - 8
+        w_t[:K].view(-1, self.group_size, t).mul_(s.t().contiguous()[:, None])
+        w_t[K:] = z.t()
+        return w_t.t()
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cuda" and x.dtype == torch.bfloat16 and self.out_features % 8 == 0 \

@@ -1,6 +1,8 @@
 """runtime.compressed: loading a hand-written compressed checkpoint, and its error cases."""
 
+import gc
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -61,3 +63,15 @@ def test_newer_version_missing_tensors_and_bad_meta_are_clear_errors(tmp_path):
     _write(tmp_path, drop="layers.0.mlp.w2.scales")
     with pytest.raises(runtime.CheckpointError, match="layers.0.mlp.w2 .* is malformed"):
         runtime.load_model(tmp_path)
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/self/maps (Linux)")
+def test_a_loaded_compressed_model_does_not_keep_its_file_mapped(tmp_path):
+    """Tensors left as views of the safetensors memory map would keep the whole file resident
+    beside the modules' own copies (an INT4 module rebuilds its codes in the kernel's layout)."""
+    _write(tmp_path)
+    model = runtime.load_model(tmp_path, dtype=torch.float32)
+    gc.collect()
+    maps = Path("/proc/self/maps").read_text()
+    assert str(tmp_path / "model.safetensors") not in maps
+    assert model.layers[0].mlp.w2.qweight.is_contiguous()

@@ -81,7 +81,10 @@ def _int4_integer(N=96, K=128, G=32):
     return Int4Linear(pack_int4(codes), s, (8 - z) * s.float(), G, None, zero_point="integer")
 
 
-MODULES = {"int8": _int8, "int4": _int4, "int4_n_not_16": lambda: _int4(N=40), "int4_integer": _int4_integer,
+# "int4" (96 channels) keeps the `pack_int4` layout beside the kernel's; "int4_blocks" (192: whole
+# kernel blocks on the CPU) keeps only the kernel's
+MODULES = {"int8": _int8, "int4": _int4, "int4_blocks": lambda: _int4(N=192), "int4_n_not_16": lambda: _int4(N=40),
+           "int4_integer": _int4_integer,
            "sparse24": lambda: _sparse()[0], "sparse24_int4": _sparse_int4}
 
 
@@ -94,7 +97,7 @@ def test_int4_and_24_index_packing_round_trip():
     assert torch.equal(unpack_24_indices(pack_24_indices(idx)), idx)
 
 
-PACKED = ("int8", "int4")  # the formats with a packed CPU kernel for few rows
+PACKED = ("int8", "int4", "int4_blocks")  # modules with a packed CPU kernel for few rows
 
 
 @pytest.mark.parametrize("name", list(MODULES))
@@ -115,7 +118,7 @@ def test_the_packed_and_the_tiled_paths_agree_at_every_row_count(name, dtype, mo
     """Rows on both sides of the crossover, tiles smaller than the weight (several per call)."""
     monkeypatch.setattr(qlinear, "TILE_BYTES", 40 * 128 * 4)  # 40 output channels of 96 per float32 tile
     mod = MODULES[name]()
-    limit = qlinear.packed_max_rows(name, dtype)
+    limit = qlinear.packed_max_rows(mod.FORMAT, dtype)
     for rows in (1, limit, limit + 1, 3 * limit):
         x = torch.randn(rows, 128, generator=_gen(rows)).to(dtype)  # (rows, K)
         dense = F.linear(x.double(), mod.dequantize(torch.float64), mod.bias.double())
@@ -125,8 +128,10 @@ def test_the_packed_and_the_tiled_paths_agree_at_every_row_count(name, dtype, mo
         assert torch.equal(mod(x), tiled) == (rows > limit)
 
 
-def test_tiled_path_in_float32_equals_the_dense_product():
-    mod = _int4()
+@pytest.mark.parametrize("name", ["int4", "int4_blocks"])
+def test_tiled_path_in_float32_equals_the_dense_product(name, monkeypatch):
+    monkeypatch.setattr(qlinear, "TILE_BYTES", 40 * 128 * 4)  # several tiles
+    mod = MODULES[name]()
     x = torch.randn(2, 300, 128, generator=_gen(3))  # (B, T, K): many rows, float32
     ref = F.linear(x, mod.dequantize(torch.float32), mod.bias)
     assert torch.allclose(mod(x), ref, rtol=1e-5, atol=1e-5)
@@ -141,6 +146,19 @@ def test_bitsandbytes_formats_match_dequantized_reference(kind, dtype, min_db):
     x = torch.randn(3, 128, generator=_gen(8)).to(dtype)
     ref = x.double() @ mod.dequantize(torch.float64).T
     assert sqnr_db(ref, mod(x)) >= min_db
+
+
+@pytest.mark.parametrize("N", [64, 192])  # one block, several
+def test_int4_in_whole_kernel_blocks_keeps_one_copy_of_the_codes(N):
+    codes = torch.randint(0, 16, (N, 128), generator=_gen(7))
+    mod = Int4Linear(pack_int4(codes), torch.ones(N, 2), torch.zeros(N, 2), 64)
+    assert mod.block == qlinear.cpu_int4_block() > 0 and mod.packed.is_contiguous()
+    assert torch.equal(mod.codes(), codes.to(torch.int32)) and torch.equal(mod.qweight, pack_int4(codes))
+    assert set(mod.state_dict()) == {"packed", "scales", "zeros"}
+    mod(torch.randn(1, 128, generator=_gen(8)).to(torch.bfloat16))  # the packed kernel reads `packed` itself
+    assert mod._kernel is None
+    mod.set_qweight(pack_int4(15 - codes))
+    assert torch.equal(mod.codes(), (15 - codes).to(torch.int32))
 
 
 def test_int4_dequantize_follows_the_kernel_convention():
