@@ -347,8 +347,8 @@ class Int4Linear(QuantizedLinear):
                    tensors.get("bias"), zero_point=meta.get("zero_point", "float"))
 
     def _packed_for_kernel(self, device: torch.device) -> torch.Tensor:
-        if self.block and self.packed.device == device:
-            return self.packed
+        if self.block and device.type == "cpu" and self.packed.device == device:
+            return self.packed  # already the CPU kernel's layout (moved to CUDA, it is converted below)
         if self._kernel is None or self._kernel[0] != device:
             if device.type == "cpu":
                 packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(self.codes(), 1)
