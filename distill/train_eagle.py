@@ -234,10 +234,14 @@ def unroll(head: Eagle3Head, embed, batch: Batch, steps: int) -> list[torch.Tens
 
 
 def batch_teacher(batch: Batch, weight: torch.Tensor, steps: int) -> list[torch.Tensor]:
-    """Per step the soft targets (n_s, Vd) at the loss positions `unroll` scores."""
+    """Per step the soft targets (n_s, Vd) at the loss positions `unroll` scores. Step s scores the
+    positions of step 0 shifted by s, so each position's distribution is computed once and the
+    steps gather their rows (the (n, C) x (C, Vd) product costs as much as the head's LM head)."""
     T = batch.aux.shape[1]
-    return [soft_targets(batch.teacher[:, s:s + T][batch.valid[:, s:s + T]].to(weight.device), weight)
-            for s in range(steps)]
+    probs = soft_targets(batch.teacher[batch.valid].to(weight.device), weight)  # (n, Vd)
+    row = torch.full(batch.valid.shape, -1, dtype=torch.long)  # (B, T + k): row of probs, -1 = no loss
+    row[batch.valid] = torch.arange(probs.shape[0])
+    return [probs[row[:, s:s + T][batch.valid[:, s:s + T]].to(probs.device)] for s in range(steps)]
 
 
 def group_records(order: list[int], lengths: list[int], batch_tokens: int) -> list[list[int]]:

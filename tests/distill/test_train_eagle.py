@@ -170,8 +170,12 @@ def test_step_zero_of_the_unroll_is_the_heads_forward_at_the_drafting_alignment(
     assert [s.shape[1] for s in steps] == [V, V]
     n0 = int(batch.valid[0, :batch.aux.shape[1]].sum())
     torch.testing.assert_close(steps[0][:n0], ref[0][batch.valid[0, :L - 1]])
-    teacher = batch_teacher(batch, lm_head_rows(target, torch.arange(V)), 2)
+    weight = lm_head_rows(target, torch.arange(V))
+    teacher = batch_teacher(batch, weight, 2)
     assert [t.shape for t in teacher] == [s.shape for s in steps]
+    T = batch.aux.shape[1]
+    for s in range(2):  # each step's rows: the distributions at its own shifted loss positions
+        torch.testing.assert_close(teacher[s], soft_targets(batch.teacher[:, s:s + T][batch.valid[:, s:s + T]], weight))
     with torch.no_grad():
         _, ref_h = target(tokens[None], torch.arange(L)[None], None, return_hidden=True)
     P = split.record(0)[3]
