@@ -36,14 +36,23 @@ def cmd_data(args: argparse.Namespace) -> int:
     check_records_file(args.out)  # bad output paths fail before the model loads
     if args.hidden_cache:
         check_cache_dir(args.hidden_cache)
+    eagle_cache, eagle = getattr(args, "eagle_cache", None), None  # `eagle data --cache`
+    if eagle_cache:
+        from distill.eagle_cache import check_eagle_cache_dir
+        from distill.train_eagle import EagleTrainConfig
+
+        eagle = EagleTrainConfig(aux_layers=args.aux_layers, heldout_every=args.heldout_every)  # checked here
+        check_eagle_cache_dir(eagle_cache)
     model = runtime.load_model(args.model, dtype=arg_dtype(args.dtype))
+    layers = eagle.layers(model.config.num_layers) if eagle is not None else None
     tok = runtime.load_tokenizer(args.model)
     prompts = sharegpt_prompts(tok, split="calibration", limit=args.num_prompts,
                                max_prompt_tokens=args.max_prompt_tokens)
     n = generate_selfdistill(model, tok, args.out, prompts, max_new_tokens=args.max_new_tokens,
                              batch_size=args.batch_size, temperature=args.temperature, seed=args.seed,
                              deadline=deadline_after(args.max_minutes), hidden_cache=args.hidden_cache,
-                             num_heads=args.num_heads)
+                             num_heads=args.num_heads, eagle_cache=eagle_cache, aux_layers=layers,
+                             heldout_every=eagle.heldout_every if eagle is not None else 20)
     print(f"{n} records in {args.out}")
     return 0
 

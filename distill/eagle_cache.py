@@ -1,7 +1,10 @@
 """The EAGLE-3 feature cache: what one frozen target pass over self-distillation records gives a head.
 
-`cache_eagle_states` runs the target once per record (prompt + the target's own answer, no
-gradients) with its aux layers enabled (`Transformer.aux_outputs`) and stores, per record:
+The states come from the generation of the records itself (`distill.generate_selfdistill` with
+`eagle_cache`, through `specdec.generate(aux_layers=...)`: no second pass), or, for records
+generated without it, from `cache_eagle_states`, which runs the target once per record (prompt +
+the target's own answer, no gradients) with its aux layers enabled (`Transformer.aux_outputs`).
+Either way it stores, per record:
 
 - `aux` (L, 3C): the states entering the three aux layers at every position of the sequence
   (what `Eagle3Head.fuse` reads), L = prompt + answer tokens;
@@ -91,11 +94,15 @@ class EagleCacheWriter:
                              "new cache directory")
 
     def add(self, record: dict, aux: torch.Tensor, hidden: torch.Tensor) -> None:
-        """aux (L, 3C): the aux states at every position of prompt + answer; hidden (n, C): the
-        final-norm states at the last prompt token and every answer token but the last. A record
-        with no answer (or no prompt) stores nothing but still counts."""
+        """aux (L, 3C): the aux states at every position of prompt + answer, or (L - 1, 3C) without
+        the last answer token's (generation never runs that token: `specdec.generate(aux_layers=)`;
+        no training step reads it, and it is stored as zeros); hidden (n, C): the final-norm states
+        at the last prompt token and every answer token but the last. A record with no answer (or no
+        prompt) stores nothing but still counts."""
         P, n = len(record["prompt_ids"]), len(record["output_ids"])
         if n and P:
+            if aux.shape[0] == P + n - 1:
+                aux = torch.cat([aux, aux.new_zeros(1, aux.shape[1])])
             if aux.shape[0] != P + n or hidden.shape[0] != n:
                 raise ValueError(f"record {record.get('id')}: {aux.shape[0]} aux / {hidden.shape[0]} hidden states "
                                  f"for {P} prompt and {n} answer tokens")

@@ -1,7 +1,8 @@
 """`specdec eagle ...` subcommands: data (the target's own answers) and train (feature cache + EAGLE-3 training).
 
 `register(subparsers)` adds them to the `specdec` CLI; each parser sets `func(args) -> int`.
-`eagle data` is `medusa data` (distill.command.cmd_data) without Medusa's hidden-state cache;
+`eagle data` is `medusa data` (distill.command.cmd_data) with an EAGLE-3 feature cache (--cache) in
+place of Medusa's hidden-state cache;
 `eagle train` derives its training flags from the fields of `EagleTrainConfig` (distill.config_args).
 """
 
@@ -78,9 +79,21 @@ def register(subparsers) -> None:
     d = sub.add_parser("data", help="the target's own answers to ShareGPT prompts (jsonl, resumable)",
                        description="Append the target's answers to ShareGPT calibration prompts to a jsonl file "
                                    "(the records `specdec eagle train --data` reads; the same file as "
-                                   "`specdec medusa data` writes). The same command resumes.")
+                                   "`specdec medusa data` writes). With --cache, the target's aux-layer and final "
+                                   "states are stored from the same forwards, so `eagle train --cache` needs no second "
+                                   "pass. "
+                                   "The same command resumes.")
     _target_args(d)
     add_data_args(d)
+    defaults = EagleTrainConfig()
+    d.add_argument("--cache", dest="eagle_cache", default=None,
+                   help="EAGLE-3 feature cache directory that receives the target's aux-layer and final states from "
+                        "the generation's own forwards (pass it as `eagle train --cache`: training then needs no "
+                        "second pass over the answers)")
+    d.add_argument("--aux-layers", default=defaults.aux_layers,
+                   help="with --cache: the three target layers to store, e.g. 2,14,25 (empty: 2, L // 2, L - 3)")
+    d.add_argument("--heldout-every", type=int, default=defaults.heldout_every,
+                   help="with --cache: every N-th record goes to the held-out split (as `eagle train` expects)")
     d.set_defaults(func=cmd_data, hidden_cache=None, num_heads=1)
 
     t = sub.add_parser("train", help="cache the target's features, train an EAGLE-3 head (training-time test)",

@@ -1,4 +1,4 @@
-"""Self-distillation data for Medusa heads: the base model's own answers to ShareGPT prompts.
+"""Self-distillation data for Medusa and EAGLE-3 heads: the base model's own answers to ShareGPT prompts.
 
 Heads should learn what the model will say, not what ShareGPT says. Each prompt is the first user
 turn of a ShareGPT conversation from the *calibration* split (never the held-out slice that
@@ -135,7 +135,8 @@ def _drop_torn_tail(path: Path) -> None:
 def generate_selfdistill(model, tokenizer, out_path: str | Path, prompts: list[tuple[int, list[int]]],
                          max_new_tokens: int = 256, batch_size: int = 16, temperature: float = 0.0,
                          seed: int = 0, deadline: float | None = None, hidden_cache: str | Path | None = None,
-                         num_heads: int = 4) -> int:
+                         num_heads: int = 4, eagle_cache: str | Path | None = None,
+                         aux_layers: tuple[int, ...] | None = None, heldout_every: int = 20) -> int:
     """Append the model's answers to `prompts` ((id, prompt ids) pairs) to `out_path` (jsonl).
 
     Ids already in the file are skipped (resume). Prompts run in file order, in batches of
@@ -146,6 +147,10 @@ def generate_selfdistill(model, tokenizer, out_path: str | Path, prompts: list[t
     heads) that receives the hidden states generation computes anyway, so training needs no
     second pass of the model over the answers (records the file holds but the cache lacks, after
     a killed run, are cached first by `cache_hidden_states`).
+    eagle_cache: an EAGLE-3 feature cache directory (distill.eagle_cache) that receives the states
+    entering the target's `aux_layers` and its final hidden states from the same forwards
+    (`specdec.generate(aux_layers=...)`), every `heldout_every`-th record held out; records the
+    file holds but the cache lacks are cached first by `cache_eagle_states`.
     Returns the number of records in the file.
     """
     if batch_size < 1:
@@ -157,6 +162,12 @@ def generate_selfdistill(model, tokenizer, out_path: str | Path, prompts: list[t
         from distill.train_medusa import check_cache_dir
 
         check_cache_dir(hidden_cache)
+    if eagle_cache is not None:
+        from distill.eagle_cache import check_eagle_cache_dir
+
+        if not aux_layers:
+            raise ValueError("an EAGLE-3 feature cache needs the target layers it stores (aux_layers)")
+        check_eagle_cache_dir(eagle_cache)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     _drop_torn_tail(out_path)
     records = read_records(out_path)
@@ -167,6 +178,15 @@ def generate_selfdistill(model, tokenizer, out_path: str | Path, prompts: list[t
         cache_hidden_states(model, records, hidden_cache, num_heads, deadline=deadline)
         writer = HiddenCacheWriter(hidden_cache, num_heads, model.config.hidden_size)
         if writer.records_done < len(records):  # the deadline came while catching up
+            return len(records)
+    features = None
+    if eagle_cache is not None:
+        from distill.eagle_cache import EagleCacheWriter, cache_eagle_states
+
+        cache_eagle_states(model, records, eagle_cache, tuple(aux_layers), heldout_every=heldout_every,
+                           deadline=deadline)
+        features = EagleCacheWriter(eagle_cache, model.config.hidden_size, tuple(aux_layers), heldout_every)
+        if features.records_done < len(records):  # the deadline came while catching up
             return len(records)
     done = {r["id"] for r in records}
     todo = [p for p in prompts if p[0] not in done]
@@ -184,18 +204,24 @@ def generate_selfdistill(model, tokenizer, out_path: str | Path, prompts: list[t
                 gen = torch.Generator().manual_seed(seed * 1_000_003 + batch[0][0])
                 rows = [torch.tensor(ids, dtype=torch.long) for _, ids in batch]
                 out = specdec.generate(model, rows, max_new_tokens=max_new_tokens, temperature=temperature,
-                                       eos_token_id=eos, generator=gen, return_hidden=writer is not None)
+                                       eos_token_id=eos, generator=gen,
+                                       return_hidden=writer is not None or features is not None,
+                                       aux_layers=tuple(aux_layers) if features is not None else None)
                 recs = [{"id": idx, "prompt_ids": ids, "output_ids": seq[len(ids):].tolist()}
                         for (idx, ids), seq in zip(batch, out.sequences)]
                 f.writelines(json.dumps(rec) + "\n" for rec in recs)
                 f.flush()
                 os.fsync(f.fileno())
-                if writer is not None:  # after the records are on disk: the cache never runs ahead
+                if writer is not None:  # after the records are on disk: the caches never run ahead
                     for rec, hid in zip(recs, out.hidden_states):
                         writer.add(rec, hid)
+                if features is not None:
+                    for rec, hid, aux in zip(recs, out.hidden_states, out.aux_states):
+                        features.add(rec, aux, hid)
                 bar.update(len(batch))
-    finally:  # an interrupted run keeps the hidden states of every record already written
-        if writer is not None:
-            writer.flush()
+    finally:  # an interrupted run keeps the states of every record already written
+        for w in (writer, features):
+            if w is not None:
+                w.flush()
         bar.close()
     return len(read_records(out_path))

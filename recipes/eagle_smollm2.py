@@ -6,9 +6,9 @@ Steps, all inside the --max-minutes budget (each step resumes when the run is re
 same command, and the restarted run goes on against the same budget: OUT/budget.json holds the
 minutes spent):
 1. self-distillation data: the target's greedy answers to ShareGPT calibration prompts
-   (OUT/selfdistill.jsonl, distill.generate_selfdistill) until `data_frac` of the budget;
-2. the target's aux-layer and final states over those records (OUT/eagle_cache), then EAGLE-3
-   training with training-time test (distill.train_eagle) until `train_frac` of the budget
+   (OUT/selfdistill.jsonl, distill.generate_selfdistill) until `data_frac` of the budget, with the
+   target's aux-layer and final states from those same forwards (OUT/eagle_cache);
+2. EAGLE-3 training with training-time test (distill.train_eagle) until `train_frac` of the budget
    (default: all but `eval_minutes`); the head is saved in OUT in the speculators format
    (`specdec.load_eagle(OUT, target)`), with OUT/metrics.json (per-depth held-out accuracy) and
    OUT/loss.png;
@@ -60,15 +60,19 @@ def train(args: argparse.Namespace, model, tok, out: Path, budget: RunBudget) ->
         print(f"[data] {len(stubs)} function stubs, {len(prompts)} ShareGPT prompts, "
               f"{args.function_share:.0%} stubs", flush=True)
         prompts = interleave(stubs, prompts, args.function_share)
+    cfg = dataclass_from_args(EagleTrainConfig, args)
+    layers = cfg.layers(model.config.num_layers)
+    # the features come from generation's own forwards (no second pass over the answers)
     n = generate_selfdistill(model, tok, out / "selfdistill.jsonl", prompts, max_new_tokens=args.answer_tokens,
-                             batch_size=args.generation_batch, deadline=budget.at(args.data_frac))
+                             batch_size=args.generation_batch, deadline=budget.at(args.data_frac),
+                             eagle_cache=out / CACHE_DIR, aux_layers=layers, heldout_every=cfg.heldout_every)
     records = read_records(out / "selfdistill.jsonl")
     print(f"[data] {n} answers, {sum(len(r['output_ids']) for r in records)} tokens, "
           f"{budget.minutes():.1f} min", flush=True)
-    cfg = dataclass_from_args(EagleTrainConfig, args)
     deadline = budget.at(args.train_frac)
-    cache = cache_eagle_states(model, records, out / CACHE_DIR, cfg.layers(model.config.num_layers),
-                               heldout_every=cfg.heldout_every, deadline=deadline)
+    # records a stopped run wrote without their features are cached here (a no-op otherwise)
+    cache = cache_eagle_states(model, records, out / CACHE_DIR, layers, heldout_every=cfg.heldout_every,
+                               deadline=deadline)
     distill.train_eagle(model, cache, cfg, out, deadline=deadline)
     metrics = json.loads((out / "metrics.json").read_text())
     train_min = budget.minutes()

@@ -75,16 +75,28 @@ class DecodeLoop:
     sampling: one RowSampling for every row, or one per row (None for a row not in use).
     hidden: a list of B empty lists that receive, per row, the target's final hidden state (C,)
     behind each emitted token (the state whose logits chose it).
+    aux: a list of B empty lists that receive, per row, the states entering the target's
+    `aux_layers` (Transformer.aux_outputs) at every position whose token the target read: one
+    (T, nC) block for the prompt, then (nC,) per emitted token but the last (the tokens whose
+    forward ran); with a drafter that reads layers, `aux_layers` must be its own.
     """
 
     def __init__(self, target, drafter: Drafter | None, state: RowState, cache, num_draft_tokens: int | str,
                  sampling: RowSampling | list[RowSampling | None],
-                 hidden: list[list[torch.Tensor]] | None = None) -> None:
-        layers = drafter.hidden_layers if drafter is not None else ()
+                 hidden: list[list[torch.Tensor]] | None = None, aux: list[list[torch.Tensor]] | None = None,
+                 aux_layers: tuple[int, ...] = ()) -> None:
+        layers = tuple(drafter.hidden_layers) if drafter is not None else ()
+        if aux is not None:
+            if not aux_layers or (layers and layers != tuple(aux_layers)):
+                raise ValueError(f"recording the target's aux states needs aux_layers (the drafter's own, "
+                                 f"{layers}, when it reads some), got {aux_layers!r}")
+            layers = tuple(aux_layers)
         if layers and not hasattr(target, "aux_outputs"):
-            raise ValueError(f"drafter {drafter.name!r} reads the target's layers {tuple(layers)}, which only a "
-                             "runtime Transformer returns (runtime.load_model), not a transformers model")
+            who = f"drafter {drafter.name!r}" if drafter is not None and drafter.hidden_layers else "recording"
+            raise ValueError(f"{who} reads the target's layers {layers}, which only a runtime Transformer returns "
+                             "(runtime.load_model), not a transformers model")
         self.target, self.drafter, self.state, self.cache, self.hidden = target, drafter, state, cache, hidden
+        self.aux, self.aux_layers = aux, layers
         B = len(state.prompts)
         self.uniform = isinstance(sampling, RowSampling)
         self.sampling = [sampling] * B if self.uniform else list(sampling)
@@ -97,7 +109,14 @@ class DecodeLoop:
 
     def _aux(self) -> contextlib.AbstractContextManager:
         """Collect the drafter's target layers during the forwards inside."""
-        return self.target.aux_outputs(self.drafter.hidden_layers) if self.want_aux else contextlib.nullcontext()
+        return self.target.aux_outputs(self.aux_layers) if self.want_aux else contextlib.nullcontext()
+
+    def _told(self, hidden: torch.Tensor | None, aux: torch.Tensor | None) -> torch.Tensor | None:
+        """What the drafter reads of a target forward: the aux layers' states when it reads layers,
+        else the final hidden states when it needs them, else nothing."""
+        if self.drafter.hidden_layers:
+            return aux
+        return hidden if self.drafter.needs_hidden else None
 
     def _first_tokens(self, rows: list[int], out) -> list[list[int]]:
         """Pick and emit each row's first token from a prefill's output (logits, [hidden], [aux])."""
@@ -116,6 +135,8 @@ class DecodeLoop:
             emitted[b] = self.state.new[b][-n:]
             if self.hidden is not None:
                 self.hidden[b].append(h[i])
+            if self.aux is not None:
+                self.aux[b].append(out[-1][i, :self.state.prompts[b].numel()])  # (T, nC)
         return emitted
 
     def _select(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -139,8 +160,8 @@ class DecodeLoop:
         out = out if isinstance(out, tuple) else (out,)
         emitted = self._first_tokens(rows, out)
         if self.drafter is not None:
-            self.drafter.begin(self.state.prompts, max_len, out[-1] if self.want_aux else out[1] if
-                               self.want_hidden else None)
+            self.drafter.begin(self.state.prompts, max_len, self._told(out[1] if self.want_hidden else None,
+                                                                       out[-1] if self.want_aux else None))
         return emitted
 
     def admit(self, rows: list[int], prompts: list[torch.Tensor], limits: list[int], stops: list[frozenset[int]],
@@ -164,8 +185,8 @@ class DecodeLoop:
         emitted = self._first_tokens(rows, out)
         if self.drafter is not None:
             for i, (b, prompt) in enumerate(zip(rows, prompts)):
-                told = out[-1][i] if self.want_aux else out[1][i] if self.want_hidden else None
-                self.drafter.admit(b, prompt, told)
+                told = self._told(out[1] if self.want_hidden else None, out[-1] if self.want_aux else None)
+                self.drafter.admit(b, prompt, None if told is None else told[i])
         return [emitted[b] for b in rows]
 
     def release(self, row: int) -> None:
@@ -217,12 +238,13 @@ class DecodeLoop:
             self.row_stats[b].record_step(deepest, reached, len(path), n)
             if self.hidden is not None:
                 self.hidden[b].extend(hid[b, [0] + [1 + i for i in path]][:n])
+            if self.aux is not None:
+                self.aux[b].extend(aux[b, [0] + [1 + i for i in path]][:n])
             if auto is not None:
                 auto.observe(len(path), int(valid[b].sum()), tree.num_nodes + 1, target_s)
         _keep_paths(cache, start_len, verdict, active)
         if drafter is not None:
-            told = aux if self.want_aux else hid if drafter.needs_hidden else None
-            drafter.commit(Accepted(state.sequences(), verdict.paths, told))
+            drafter.commit(Accepted(state.sequences(), verdict.paths, self._told(hid, aux)))
         self.pending = verdict.next_tokens
         stats.verify_s += time.perf_counter() - t_verify
         return emitted
@@ -260,8 +282,9 @@ def _tree_rows(tree: DraftTree, idx: torch.Tensor) -> DraftTree:
 
 
 def decode_steps(target, drafter: Drafter | None, state: RowState, num_draft_tokens: int | str,
-                 sampling: RowSampling, stats: AcceptanceStats,
-                 hidden: list[list[torch.Tensor]] | None = None) -> Iterator[list[list[int]]]:
+                 sampling: RowSampling, stats: AcceptanceStats, hidden: list[list[torch.Tensor]] | None = None,
+                 aux: list[list[torch.Tensor]] | None = None, aux_layers: tuple[int, ...] = ()
+                 ) -> Iterator[list[list[int]]]:
     """Generate every row of `state`, yielding the tokens each row emitted at each step (the
     prefill's first tokens first); `stats` (a fresh AcceptanceStats) receives the counts and
     timings. Plain decoding when drafter is None."""
@@ -272,7 +295,7 @@ def decode_steps(target, drafter: Drafter | None, state: RowState, num_draft_tok
         return
     start = time.perf_counter()
     cache = target.new_cache(len(state.prompts), max_len)
-    loop = DecodeLoop(target, drafter, state, cache, num_draft_tokens, sampling, hidden)
+    loop = DecodeLoop(target, drafter, state, cache, num_draft_tokens, sampling, hidden, aux, aux_layers)
     loop.stats = stats
     emitted = loop.prefill(max_len)
     stats.ttft_s = time.perf_counter() - start
@@ -287,14 +310,16 @@ def decode_steps(target, drafter: Drafter | None, state: RowState, num_draft_tok
 def decode(target, drafter: Drafter | None, state: RowState, num_draft_tokens: int | str,
            temperature: float, top_k: int, top_p: float, generator: torch.Generator | None,
            hidden: list[list[torch.Tensor]] | None = None,
-           on_tokens: Callable[[list[list[int]]], None] | None = None) -> AcceptanceStats:
+           on_tokens: Callable[[list[list[int]]], None] | None = None,
+           aux: list[list[torch.Tensor]] | None = None, aux_layers: tuple[int, ...] = ()) -> AcceptanceStats:
     """Generate every row of `state` (plain decoding when drafter is None); returns the stats.
 
-    hidden: see DecodeLoop. on_tokens: called with the tokens each row emitted, at every step.
+    hidden, aux, aux_layers: see DecodeLoop. on_tokens: called with the tokens each row emitted, at
+    every step.
     """
     stats = AcceptanceStats(num_calls=1)
     sampling = RowSampling(temperature, top_k, top_p, generator)
-    for emitted in decode_steps(target, drafter, state, num_draft_tokens, sampling, stats, hidden):
+    for emitted in decode_steps(target, drafter, state, num_draft_tokens, sampling, stats, hidden, aux, aux_layers):
         if on_tokens is not None:
             on_tokens(emitted)
     return stats

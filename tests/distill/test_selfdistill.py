@@ -83,6 +83,36 @@ def test_hidden_states_kept_during_generation_equal_a_second_pass(tiny_model, wo
         cache_hidden_states(tiny_model, other, cache, num_heads=2)
 
 
+def test_eagle_features_kept_during_generation_equal_a_second_pass(tiny_model, word_tokenizer, tmp_path):
+    """The aux and final states from generation's own forwards equal cache_eagle_states' pass over
+    the records (the last answer token's aux row, which generation never computes, is stored as
+    zeros and read by no training step); records written before the cache existed are caught up."""
+    from distill.eagle_cache import cache_eagle_states, load_split
+
+    layers = (1, 0, 1)
+    prompts = [(i, chat_prompt_ids(word_tokenizer, " ".join(f"w{j}" for j in range(i, 2 * i + 2))))
+               for i in range(12)]
+    out, cache = tmp_path / "sd.jsonl", tmp_path / "cache"
+    generate_selfdistill(tiny_model, word_tokenizer, out, prompts[:3], max_new_tokens=12, batch_size=3)
+    n = generate_selfdistill(tiny_model, word_tokenizer, out, prompts, max_new_tokens=12, batch_size=3,
+                             eagle_cache=cache, aux_layers=layers, heldout_every=4)
+    assert n == 12 and json.loads((cache / "manifest.json").read_text())["records_done"] == 12
+    ref = cache_eagle_states(tiny_model, read_records(out), tmp_path / "ref", layers, heldout_every=4)
+    for split in ("train", "heldout"):
+        got, want = load_split(cache, split), load_split(ref, split)
+        assert torch.equal(got.tokens, want.tokens) and torch.equal(got.lengths, want.lengths)
+        torch.testing.assert_close(got.hidden.float(), want.hidden.float(), rtol=0.02, atol=0.02)  # bf16
+        last = got.starts[1:] - 1  # each record's last position
+        keep = torch.ones(got.aux.shape[0], dtype=torch.bool)
+        keep[last] = False
+        torch.testing.assert_close(got.aux[keep].float(), want.aux[keep].float(), rtol=0.02, atol=0.02)
+        ids = [i for i in range(12) if (i % 4 == 0) == (split == "heldout")]  # every 4th record held out
+        generated = torch.tensor([i >= 3 for i in ids])  # records 0-2 were cached by the catch-up pass
+        assert bool((got.aux[last[generated]] == 0).all()) and bool((got.aux[last[~generated]] != 0).any())
+    with pytest.raises(ValueError, match="aux_layers"):
+        generate_selfdistill(tiny_model, word_tokenizer, out, prompts, eagle_cache=cache)
+
+
 def test_a_file_or_directory_specdec_did_not_write_is_never_appended_to_or_truncated(tiny_model, word_tokenizer,
                                                                                      tmp_path):
     prompts = [(0, chat_prompt_ids(word_tokenizer, "w1 w2"))]

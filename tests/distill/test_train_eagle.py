@@ -291,6 +291,10 @@ def test_a_bad_flag_fails_before_anything_loads(tmp_path, capsys):
               "--out", str(tmp_path / "out"), "--ttt-steps", "0"])
     assert "--ttt-steps" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+    assert main(["eagle", "data", "--target", str(tmp_path / "none"), "--out", str(tmp_path / "sd.jsonl"),
+                 "--cache", str(tmp_path / "cache"), "--aux-layers", "1,2"]) == 2
+    assert "three comma-separated layer ids" in capsys.readouterr().err
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "sd.jsonl").exists()
 
 
 def test_eagle_train_end_to_end_on_a_tiny_checkpoint(records, tmp_path, capsys, monkeypatch):

@@ -99,6 +99,27 @@ def test_hidden_states_are_those_behind_each_new_token(pair, draft):
     assert specdec.generate(model, rows, max_new_tokens=9).hidden_states is None
 
 
+@pytest.mark.parametrize("draft", [None, "ngram", "self"])
+def test_aux_states_are_those_of_one_forward_over_every_position_the_target_read(pair, draft):
+    """Plain or speculative, ragged rows, one stopped early: the states entering the aux layers at the
+    prompt and every new token but the last, as one forward of the whole sequence computes them."""
+    model, _ = pair
+    layers = (1, 0, 1)  # the tiny model has 2 layers; any order, repeats allowed
+    rows = _prompts([5, 8, 3], seed=7)
+    free = specdec.generate(model, rows, max_new_tokens=9).sequences
+    eos = int(free[1][8 + 2])  # row 1 stops after 3 new tokens, the others run to 9
+    out = specdec.generate(model, rows, draft=model if draft == "self" else draft, max_new_tokens=9,
+                           eos_token_id=eos, num_draft_tokens=3, aux_layers=layers)
+    C = model.config.hidden_size
+    for s, a in zip(out.sequences, out.aux_states):
+        assert a.shape == (s.numel() - 1, 3 * C)
+        with model.aux_outputs(layers):
+            _, ref = model(s[None], torch.arange(s.numel())[None], None, return_aux=True)  # (1, T, 3C)
+        torch.testing.assert_close(a, ref[0, :-1], rtol=1e-4, atol=1e-4)
+    assert [a.shape[0] for a in out.aux_states] != [s.numel() + 8 for s in rows]  # the stopped row is cut
+    assert specdec.generate(model, rows, max_new_tokens=9).aux_states is None
+
+
 def test_bad_requests_fail_with_clear_messages(pair):
     model, _ = pair
     with pytest.raises(ValueError, match="empty"):
