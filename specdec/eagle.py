@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.attention import attend, causal_mask
+from runtime.attention import attend, causal_mask, default_backend
 from runtime.cache import KVCache
 from runtime.config import is_size
 from runtime.model import RMSNorm
@@ -178,7 +178,7 @@ class Eagle3Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | UnrollCache | None,
-                mask: torch.Tensor | None) -> torch.Tensor:
+                mask: torch.Tensor | None, backend: str = "sdpa") -> torch.Tensor:
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # (B, Hq, T, D)
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
@@ -188,6 +188,7 @@ class Eagle3Attention(nn.Module):
         if cache is None:
             keys, values = k, v
         elif isinstance(cache, UnrollCache):
+            backend = "sdpa"  # training: the Triton kernel has no backward
             keys, values = cache.append(k, v)  # (B, Hkv, S, D)
             if mask is None:
                 mask = UnrollCache.mask(T, keys.shape[2] // T, x.device)[None].expand(B, T, -1)  # (B, T, S)
@@ -197,9 +198,9 @@ class Eagle3Attention(nn.Module):
             cache.write(0, k, v, cache.slots(T))
             num_keys = mask.shape[-1] if mask is not None else int(prefix.max()) + T
             keys, values = cache.k[0][:, :, :num_keys], cache.v[0][:, :, :num_keys]  # (B, Hkv, S, D)
-        if mask is None:
+        if mask is None and backend == "sdpa":  # (the Triton kernel masks causally in-kernel)
             mask = causal_mask(prefix, T, keys.shape[2])  # (B, T, S)
-        out = attend(q, keys, values, mask, prefix, "sdpa")  # (B, Hq, T, D)
+        out = attend(q, keys, values, mask, prefix, backend)  # (B, Hq, T, D)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
 
 
@@ -230,21 +231,26 @@ class Eagle3Layer(nn.Module):
         self.mlp = Eagle3MLP(cfg)
 
     def forward(self, hidden: torch.Tensor, embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: KVCache | UnrollCache | None, mask: torch.Tensor | None) -> torch.Tensor:
+                cache: KVCache | UnrollCache | None, mask: torch.Tensor | None, backend: str = "sdpa") -> torch.Tensor:
         normed = self.hidden_norm(hidden)
         residual = normed if self.norm_before_residual else hidden
         x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # (B, T, 2C)
-        x = residual + self.self_attn(x, cos, sin, cache, mask)
+        x = residual + self.self_attn(x, cos, sin, cache, mask, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class Eagle3Head(nn.Module):
     """fc (3C -> C), one decoder layer `layers.0`, `norm`, `lm_head` over the draft vocabulary, and
-    the vocabulary maps `d2t` (Vd,) int64 and `t2d` (V,) bool (default: the first Vd target ids)."""
+    the vocabulary maps `d2t` (Vd,) int64 and `t2d` (V,) bool (default: the first Vd target ids).
 
-    def __init__(self, config: Eagle3Config) -> None:
+    `attention`: the attention backend of drafting ("sdpa" or "triton", as runtime.attention.attend
+    takes it; None = runtime.attention.default_backend of the head's device); the EAGLE drafter sets
+    its target's. Training-time test always runs SDPA (the Triton kernel has no backward)."""
+
+    def __init__(self, config: Eagle3Config, attention: str | None = None) -> None:
         super().__init__()
         self.config = config
+        self.attention = attention
         C = config.hidden_size
         self.fc = nn.Linear(3 * C, C, bias=False)
         self.layers = nn.ModuleList([Eagle3Layer(config)])
@@ -308,7 +314,8 @@ class Eagle3Head(nn.Module):
              cache: KVCache | UnrollCache | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
         """`forward` without the LM head: the layer's output hidden state (B, T, C)."""
         cos, sin = self.rope()(positions, self.dtype)
-        out = self.layers[0](hidden, embeds, cos, sin, cache, mask)  # (B, T, C)
+        backend = self.attention or default_backend(self.device)
+        out = self.layers[0](hidden, embeds, cos, sin, cache, mask, backend)  # (B, T, C)
         if isinstance(cache, KVCache):
             cache.lengths += hidden.shape[1]
         return out

@@ -72,6 +72,7 @@ class EagleDrafter(Drafter):
                              f"layers {cfg.aux_layers}) was not made for a target with hidden size {tc.hidden_size}, "
                              f"vocabulary {tc.vocab_size} and {tc.num_layers} layers")
         self.head, self.target, self.tree = head, target, tree or EagleTreeConfig()
+        head.attention = target.attention  # the head drafts with its target's attention backend
         self.hidden_layers = cfg.aux_layers
         self.cache = None
         self.pending: list[torch.Tensor] = []  # per row (m, 3C): target aux states the head has not read

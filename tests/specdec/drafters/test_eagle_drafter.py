@@ -221,3 +221,28 @@ def test_greedy_eagle_on_a_compiled_target_runs_compiled_tree_steps(deep):
     for a, b in zip(out.sequences, plain.sequences):
         assert torch.equal(a, b)
     assert outputs.count(3) > 1 and compiled.aux_layers == ()
+
+
+def test_the_head_drafts_with_its_targets_triton_attention(deep, monkeypatch):
+    """A target with attention="triton" (the interpreter on a CPU) gives its head the same backend:
+    the head's catch-up and tree steps run the Triton kernel, drafting the trees SDPA drafts (same
+    tau), and the output equals plain decoding."""
+    import specdec.eagle as eagle_mod
+
+    triton_target = tiny_model("llama", seed=5, vocab_size=V, num_hidden_layers=6)  # deep's weights
+    triton_target.attention = "triton"
+    backends = []
+    attend = eagle_mod.attend
+    monkeypatch.setattr(eagle_mod, "attend", lambda *a: backends.append(a[5]) or attend(*a))
+    tree = EagleTreeConfig(depth=3, top_k=3, total_tokens=9)
+    rows = prompts(2, seed=6)
+    plain = specdec.generate(deep, rows, max_new_tokens=10)
+    sdpa = specdec.generate(deep, rows, draft=EagleDrafter(random_head(deep), deep, tree), max_new_tokens=10)
+    assert set(backends) == {"sdpa"}
+    backends.clear()
+    head = random_head(triton_target)
+    out = specdec.generate(triton_target, rows, draft=EagleDrafter(head, triton_target, tree), max_new_tokens=10)
+    assert set(backends) == {"triton"} and head.attention == "triton"
+    for a, b in zip(out.sequences, plain.sequences):
+        assert torch.equal(a, b)
+    assert out.stats.mean_accepted_tokens == sdpa.stats.mean_accepted_tokens
