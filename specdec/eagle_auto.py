@@ -18,25 +18,9 @@ import torch
 
 from specdec.drafters.eagle import EagleDrafter, EagleTreeConfig
 from specdec.eagle import Eagle3Head
-from specdec.generate import generate
-from specdec.tree_cost import TreeCost, best_tree, cost_report, step_seconds
+from specdec.tree_cost import TreeCost, best_tree, cost_report, decode_cost, step_seconds
 
 SIZES = (2, 4, 8, 12, 16, 24, 32, 48, 64)  # tree nodes tried by auto (those a depth x top_k tree can hold)
-
-
-def _decode(target, drafter: EagleDrafter, rows: list[torch.Tensor], tokens: int) -> tuple[float, float, float]:
-    """(seconds per step after the prefill, of which in the head, tokens per such step) of greedy
-    decoding `tokens` tokens of every prompt in `rows`."""
-    steps = new = 0
-    wall = draft = 0.0
-    for row in rows:
-        s = generate(target, [row], draft=drafter, max_new_tokens=tokens).stats
-        steps += s.target_forwards - 1
-        new += s.generated_tokens - 1  # the prefill's token is no step's
-        wall += s.wall_s - s.ttft_s
-        draft += s.draft_s
-    steps = max(steps, 1)
-    return wall / steps, draft / steps, new / steps
 
 
 def measure_eagle_trees(target, head: Eagle3Head, rows: list[torch.Tensor], sizes: tuple[int, ...] = SIZES,
@@ -53,13 +37,13 @@ def measure_eagle_trees(target, head: Eagle3Head, rows: list[torch.Tensor], size
                          f"top_k-{top_k} tree), got {sizes}")
     if not rows or tokens < 2 or repeats < 1:
         raise ValueError(f"need prompts, tokens >= 2 and repeats >= 1, got {len(rows)} prompts, {tokens} and {repeats}")
-    _decode(target, EagleDrafter(head, target, EagleTreeConfig(depth, top_k, fits[-1])), rows[:1], 4)  # warm-up
+    decode_cost(target, rows[:1], 4, EagleDrafter(head, target, EagleTreeConfig(depth, top_k, fits[-1])))  # warm-up
     step_seconds(target, rows[0], 4)
     plain = min(step_seconds(target, rows[0], tokens)[0] for _ in range(repeats))
     out = []
     for n in fits:
         drafter = EagleDrafter(head, target, EagleTreeConfig(depth, top_k, n))
-        step, in_head, tau = min(_decode(target, drafter, rows, tokens) for _ in range(repeats))
+        step, in_head, tau = min(decode_cost(target, rows, tokens, drafter) for _ in range(repeats))
         out.append(TreeCost(nodes=n, step_s=step, heads_s=in_head, vs_plain=step / plain, expected_tau=tau,
                             expected_speedup=tau * plain / step))
     return plain, out

@@ -35,15 +35,30 @@ class TreeCost:
                 "expected_speedup": self.expected_speedup}
 
 
+def decode_cost(model: torch.nn.Module, rows: list[torch.Tensor], tokens: int,
+                draft=None) -> tuple[float, float, float]:
+    """(seconds per decoding step after the prefill, seconds of it drafting, tokens per such step)
+    of greedy decoding `tokens` tokens of every prompt in `rows` (1-D ids), one prompt at a time;
+    draft: what `specdec.generate` takes (None = plain decoding)."""
+    from specdec.generate import generate
+
+    steps = new = 0
+    wall = drafting = 0.0
+    for row in rows:
+        s = generate(model, [row], draft=draft, max_new_tokens=tokens).stats
+        steps += s.target_forwards - 1
+        new += s.generated_tokens - 1  # the prefill's token is no step's
+        wall += s.wall_s - s.ttft_s
+        drafting += s.draft_s
+    steps = max(steps, 1)
+    return wall / steps, drafting / steps, new / steps
+
+
 def step_seconds(model: torch.nn.Module, row: torch.Tensor, tokens: int,
                  heads: MedusaHeads | None = None) -> tuple[float, float]:
     """(seconds per decoding step after the prefill, seconds of it in the heads) over `tokens`
     greedy tokens from the prompt `row` (1-D ids); heads None = plain decoding."""
-    from specdec.generate import generate
-
-    s = generate(model, [row], draft=heads, max_new_tokens=tokens).stats
-    steps = max(s.target_forwards - 1, 1)
-    return (s.wall_s - s.ttft_s) / steps, s.draft_s / steps
+    return decode_cost(model, [row], tokens, heads)[:2]
 
 
 def measure_trees(model: torch.nn.Module, heads: MedusaHeads, row: torch.Tensor, sizes: list[int],

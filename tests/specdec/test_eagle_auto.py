@@ -7,7 +7,8 @@ import torch
 import specdec
 from runtime.tiny import tiny_model
 from specdec.drafters import EagleDrafter, EagleTreeConfig
-from specdec.eagle_auto import _decode, auto_tree, describe, measure_eagle_trees
+from specdec.eagle_auto import auto_tree, describe, measure_eagle_trees
+from specdec.tree_cost import decode_cost
 from tests.specdec.drafters.test_eagle_drafter import prompts, random_head
 
 V = 64
@@ -40,7 +41,7 @@ def test_a_sizes_tau_is_measured_on_its_own_decoding(deep):
     taus = []
     for n in (2, 8, 48):
         drafter = EagleDrafter(head, deep, EagleTreeConfig(5, 8, n))
-        step, in_head, tau = _decode(deep, drafter, rows, 16)
+        step, in_head, tau = decode_cost(deep, rows, 16, drafter)
         stats = [specdec.generate(deep, [r], draft=drafter, max_new_tokens=16).stats for r in rows]
         assert tau == pytest.approx(sum(s.generated_tokens - 1 for s in stats) / sum(s.target_forwards - 1
                                                                                     for s in stats))
