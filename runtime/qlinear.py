@@ -13,7 +13,11 @@ Kernel choice on the CPU, by row count and dtype (INT8 and INT4; `packed_max_row
   but their cost grows with every row;
 - many rows (prompts, perplexity windows, long trees), and every float32 call: `_tiled`, which
   dequantizes a tile of output channels at a time into a scratch buffer of about `TILE_BYTES` and
-  calls the dense GEMM on it, in the activations' own dtype. The packed kernels' float32 path is
+  calls the dense GEMM on it, in the activations' own dtype where the CPU multiplies it natively;
+  on a CPU without native bf16 (AVX2 only: no AVX-512-BF16 or AMX) a bf16 call multiplies in
+  float32 and rounds the result to bf16, because bf16 products there are widened in software and
+  the tile's GEMM ran 60x slower than in float32 (256 rows by a 1536x576 INT4 weight on a 2-core
+  AVX2 EPYC: 264 ms against 4.5). The packed kernels' float32 path is
   10-20x slower than their bf16 one (3.6 ms for one row of a 4864x896 INT8 weight, about what
   `_tiled` costs), and rounding float32 activations to bf16 for them would be 20x faster but
   would break what float32 is for here: outputs equal to the dequantized model's (quality
@@ -35,6 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.hardware import native_bf16
+
 # Calls with more rows than this run `_tiled` (dequantize + dense GEMM); fewer run the packed
 # kernel. Measured on a 2-core AMD EPYC with AVX-512-BF16 (no AMX), 2 threads, by
 # `benchmarks/quant_rows.py` on the MLP shapes of qwen2.5-coder-0.5b and smollm2.
@@ -51,6 +57,12 @@ def packed_max_rows(fmt: str, dtype: torch.dtype) -> int:
     """Most rows per call that still take the packed CPU kernel of format `fmt` in `dtype` (0: none,
     as for float32)."""
     return PACKED_MAX_ROWS.get((fmt, dtype), 0)
+
+
+@functools.cache
+def _widen_bf16() -> bool:
+    """True on a CPU that widens bf16 products in software: `_tiled` multiplies bf16 calls in float32."""
+    return not native_bf16("cpu")
 
 
 def _rows(x: torch.Tensor) -> int:
@@ -114,7 +126,10 @@ class QuantizedLinear(nn.Module, abc.ABC):
 
     def _tiled(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., in) @ W^T with W dequantized `tile` output channels at a time into one scratch
-        buffer: the dense GEMM's speed without a dense copy of W."""
+        buffer: the dense GEMM's speed without a dense copy of W (a CPU without native bf16 runs a
+        bf16 call in float32: see the module docstring)."""
+        if x.dtype == torch.bfloat16 and x.device.type == "cpu" and _widen_bf16():
+            return self._tiled(x.float()).to(torch.bfloat16)
         N = self.out_features
         x2 = self._tile_inputs(x.reshape(-1, self.in_features))  # (M, K')
         K = x2.shape[1]

@@ -128,6 +128,21 @@ def test_the_packed_and_the_tiled_paths_agree_at_every_row_count(name, dtype, mo
         assert torch.equal(mod(x), tiled) == (rows > limit)
 
 
+@pytest.mark.parametrize("name", PACKED)
+def test_a_cpu_without_native_bf16_runs_the_tiled_path_in_float32(name, monkeypatch):
+    """AVX2-only CPUs widen bf16 products in software: a bf16 call of `_tiled` there is the float32
+    product rounded to bf16 (exactly), at least as close to the dense product as a bf16 GEMM's."""
+    mod = MODULES[name]()
+    x = torch.randn(300, 128, generator=_gen(4)).to(torch.bfloat16)  # (rows, K)
+    dense = F.linear(x.double(), mod.dequantize(torch.float64), mod.bias.double())
+    monkeypatch.setattr(qlinear, "_widen_bf16", lambda: True)
+    widened = mod._tiled(x)
+    assert widened.dtype == torch.bfloat16 and torch.equal(widened, mod._tiled(x.float()).to(torch.bfloat16))
+    monkeypatch.setattr(qlinear, "_widen_bf16", lambda: False)
+    native = mod._tiled(x)
+    assert sqnr_db(dense, widened) >= max(35.0, sqnr_db(dense, native) - 0.1)
+
+
 @pytest.mark.parametrize("name", ["int4", "int4_blocks"])
 def test_tiled_path_in_float32_equals_the_dense_product(name, monkeypatch):
     monkeypatch.setattr(qlinear, "TILE_BYTES", 40 * 128 * 4)  # several tiles
