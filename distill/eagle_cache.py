@@ -204,6 +204,18 @@ class EagleSplit:
     def __len__(self) -> int:
         return self.lengths.numel()
 
+    @classmethod
+    def concat(cls, splits: list[EagleSplit]) -> EagleSplit:
+        """The records of `splits`, one after another (features of one target and aux layers)."""
+        widths = {(s.aux.shape[1], s.hidden.shape[1]) for s in splits}
+        if len(widths) != 1:
+            raise ValueError(f"feature caches of different widths (aux, hidden) {sorted(widths)} cannot be "
+                             "trained on together: they come from different targets or aux layers")
+        if len(splits) == 1:
+            return splits[0]
+        return cls(**{k: torch.cat([getattr(s, k) for s in splits]) for k in
+                      ("aux", "hidden", "tokens", "lengths", "prompt_lengths")})
+
     @property
     def num_positions(self) -> int:
         """Answer positions (rows of `hidden`): where the loss is taken."""

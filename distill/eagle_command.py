@@ -34,12 +34,17 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     import runtime
     from distill.config_args import dataclass_from_args
+    from distill.dataset_answers import CACHE_DIR as ANSWERS_CACHE_DIR
+    from distill.dataset_answers import sharegpt_answer_records
     from distill.eagle_cache import cache_eagle_states, check_eagle_cache_dir
     from distill.selfdistill import read_records
     from distill.train_eagle import CACHE_DIR, EagleTrainConfig, check_train_dir, read_metrics, train_eagle
 
     deadline = deadline_after(args.max_minutes)
     cfg = dataclass_from_args(EagleTrainConfig, args)  # checked before any loading
+    if args.dataset_answers < 0 or args.dataset_answer_tokens < 1:
+        raise ValueError(f"--dataset-answers must be >= 0 and --dataset-answer-tokens >= 1, got "
+                         f"{args.dataset_answers} and {args.dataset_answer_tokens}")
     out = check_train_dir(args.out)  # so are the output directories and the data
     cache_dir = check_eagle_cache_dir(args.cache or out / CACHE_DIR)
     records = read_records(args.data)
@@ -48,10 +53,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     target = runtime.load_model(args.target, dtype=arg_dtype(args.dtype))
     state = PartialState(cpu=target.device.type == "cpu")
     with state.main_process_first():  # under accelerate launch the main process caches, the others read
-        cache_eagle_states(target, records, cache_dir, cfg.layers(target.config.num_layers),
-                           heldout_every=cfg.heldout_every,
-                           deadline=deadline if state.is_main_process else time.monotonic())
-    train_eagle(target, cache_dir, cfg, out, deadline=deadline)
+        caches = [cache_eagle_states(target, records, cache_dir, cfg.layers(target.config.num_layers),
+                                     heldout_every=cfg.heldout_every,
+                                     deadline=deadline if state.is_main_process else time.monotonic())]
+        if args.dataset_answers:  # ShareGPT's own answers, read teacher-forced, trained on beside the target's
+            answers = sharegpt_answer_records(runtime.load_tokenizer(args.target), limit=args.dataset_answers,
+                                              answer_tokens=args.dataset_answer_tokens)
+            caches.append(cache_eagle_states(target, answers, out / ANSWERS_CACHE_DIR,
+                                             cfg.layers(target.config.num_layers), heldout_every=cfg.heldout_every,
+                                             deadline=deadline if state.is_main_process else time.monotonic()))
+    train_eagle(target, caches, cfg, out, deadline=deadline)
     metrics = read_metrics(out)
     held = metrics["heldout"] or {}
     print(json.dumps({"steps": metrics["steps"], "planned_steps": metrics["planned_steps"],
@@ -106,6 +117,12 @@ def register(subparsers) -> None:
     t.add_argument("--out", required=True, help="directory for the head, checkpoints and reports: new, empty, or an "
                    "earlier run's, which training resumes; a directory specdec did not write is refused")
     t.add_argument("--cache", default=None, help="feature cache directory (default: OUT/eagle_cache)")
+    t.add_argument("--dataset-answers", type=int, default=0, metavar="N",
+                   help="also train on ShareGPT's own answers to N calibration conversations, read teacher-forced "
+                        "by the target (about twice the positions per minute of generating answers; features in "
+                        "OUT/eagle_cache_answers, resumable); held-out accuracy stays on --data's answers "
+                        "(default 0: none)")
+    t.add_argument("--dataset-answer-tokens", type=int, default=256, help="length cap of a ShareGPT answer")
     add_dataclass_args(t.add_argument_group("training (EagleTrainConfig)"), EagleTrainConfig)
     t.add_argument("--max-minutes", type=float, default=None,
                    help="stop caching and training after this many minutes; the head is still evaluated and "

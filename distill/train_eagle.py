@@ -316,28 +316,37 @@ def _save_checkpoint(ckpt: Path, head: Eagle3Head, opt, state: dict) -> None:
     atomic_write_text(ckpt / TRAINER, json.dumps(state))
 
 
-def _feature_dir(target, data, config: EagleTrainConfig, out_dir: Path | None, scratch: Path,
-                 deadline: float | None) -> Path:
-    """The feature cache to train on: `data` itself when it is one, else the records it names
-    (a jsonl path or a list of records) cached into OUT/eagle_cache (or `scratch` without OUT)."""
+def _feature_dirs(target, data, config: EagleTrainConfig, out_dir: Path | None, scratch: Path,
+                  deadline: float | None) -> list[Path]:
+    """The feature caches to train on: `data` itself when it is one cache or a list of them, else
+    the records it names (a jsonl path or a list of records) cached into OUT/eagle_cache (or
+    `scratch` without OUT)."""
+    if isinstance(data, (list, tuple)) and data and all(isinstance(d, (str, Path)) for d in data):
+        missing = [str(d) for d in data if not (Path(d) / MANIFEST).is_file()]
+        if missing:
+            raise ValueError(f"not EAGLE-3 feature caches (no {MANIFEST}): {missing}")
+        return [Path(d) for d in data]
     if isinstance(data, (str, Path)) and (Path(data) / MANIFEST).is_file():
-        return Path(data)
+        return [Path(data)]
     records = read_records(data) if isinstance(data, (str, Path)) else list(data)
     if not records:
         raise ValueError(f"no self-distillation records in {data if isinstance(data, (str, Path)) else 'data'}; "
                          "run `specdec eagle data` first")
     cache = (out_dir if out_dir is not None else scratch) / CACHE_DIR
-    return cache_eagle_states(target, records, cache, config.layers(target.config.num_layers),
-                              heldout_every=config.heldout_every, deadline=deadline)
+    return [cache_eagle_states(target, records, cache, config.layers(target.config.num_layers),
+                               heldout_every=config.heldout_every, deadline=deadline)]
 
 
 def train_eagle(target, data, config: EagleTrainConfig = EagleTrainConfig(), out_dir: str | Path | None = None, *,
                 deadline: float | None = None, resume: bool = True) -> Eagle3Head:
     """Train an EAGLE-3 head for runtime model `target` (frozen) and return it (float32, eval mode).
 
-    data: a feature cache directory (distill.eagle_cache), or self-distillation records (a jsonl
-    path or a list of {"id", "prompt_ids", "output_ids"}) that are cached first into
-    OUT/eagle_cache (a temporary directory without `out_dir`). out_dir: new, empty or an EAGLE-3
+    data: a feature cache directory (distill.eagle_cache), a list of them, or self-distillation
+    records (a jsonl path or a list of {"id", "prompt_ids", "output_ids"}) that are cached first
+    into OUT/eagle_cache (a temporary directory without `out_dir`). With several caches, training
+    reads every cache's train split and the held-out accuracy is measured on the first cache's
+    held-out split (put the target's own answers first: the text the head drafts against; the
+    others' held-out records are not read). out_dir: new, empty or an EAGLE-3
     training directory (TRAIN_MARKERS; else OutputPathError); it receives the checkpoints (resumed
     from when `resume`), the head (specdec.load_eagle(out_dir, target)), loss.png and
     metrics.json. Without it nothing is saved. deadline: a time.monotonic() value at which caching
@@ -353,16 +362,17 @@ def train_eagle(target, data, config: EagleTrainConfig = EagleTrainConfig(), out
         # several processes: the main one fills OUT/eagle_cache, the others then only read it
         # (each fills its own scratch cache when there is no OUT)
         reader = not state.is_main_process and out_dir is not None
-        data_dir = _feature_dir(target, data, config, out_dir, Path(scratch),
-                                time.monotonic() if reader else deadline)
+        data_dirs = _feature_dirs(target, data, config, out_dir, Path(scratch),
+                                  time.monotonic() if reader else deadline)
         layers = config.layers(target.config.num_layers)
-        manifest = read_manifest(data_dir)
-        if tuple(manifest["aux_layers"]) != layers or manifest["hidden_size"] != target.config.hidden_size:
-            raise ValueError(f"{data_dir} caches aux layers {manifest['aux_layers']} of hidden size "
-                             f"{manifest['hidden_size']}; this head reads layers {list(layers)} of hidden size "
-                             f"{target.config.hidden_size}: use another cache")
-        train = load_split(data_dir, "train")
-        heldout = load_split(data_dir, "heldout") if manifest["shards"]["heldout"] else None
+        manifests = [read_manifest(d) for d in data_dirs]
+        for data_dir, manifest in zip(data_dirs, manifests):
+            if tuple(manifest["aux_layers"]) != layers or manifest["hidden_size"] != target.config.hidden_size:
+                raise ValueError(f"{data_dir} caches aux layers {manifest['aux_layers']} of hidden size "
+                                 f"{manifest['hidden_size']}; this head reads layers {list(layers)} of hidden size "
+                                 f"{target.config.hidden_size}: use another cache")
+        train = EagleSplit.concat([load_split(d, "train") for d in data_dirs])
+        heldout = load_split(data_dirs[0], "heldout") if manifests[0]["shards"]["heldout"] else None
 
     V, device, k = target.config.vocab_size, target.device, config.ttt_steps
     with torch.random.fork_rng(devices=[]):  # the head's initialisation, without touching the global RNG

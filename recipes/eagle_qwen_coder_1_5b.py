@@ -21,7 +21,8 @@ from recipe_errors import run
 # all, the budget for the 1.5B, of which 25 minutes for the evaluation
 DEFAULTS = {"out": "runs/eagle_qwen15", "max_minutes": 180.0, "answer_tokens": 256, "batch_size": 64,
             "prompts_per_minute": 120, "data_frac": 0.5, "eval_minutes": 25.0, "eval_prompts": 20,
-            "eval_tokens": 128, "function_share": 0.67, "baselines": "plain,hf"}
+            "eval_tokens": 128, "function_share": 0.67, "baselines": "plain,hf",
+            "answers_frac": 0.0, "answer_records": 4000, "dataset_answer_tokens": 256}
 # EagleTrainConfig's 32k draft vocabulary (the 16k-32k; 95% of the 1.5B's greedy ShareGPT
 # answer tokens, specdec.draft_vocab); more epochs over the few hundred thousand positions a CPU caches
 TRAIN = {"epochs": 8}

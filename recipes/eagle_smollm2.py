@@ -7,7 +7,9 @@ same command, and the restarted run goes on against the same budget: OUT/budget.
 minutes spent):
 1. self-distillation data: the target's greedy answers to ShareGPT calibration prompts
    (OUT/selfdistill.jsonl, distill.generate_selfdistill) until `data_frac` of the budget, with the
-   target's aux-layer and final states from those same forwards (OUT/eagle_cache);
+   target's aux-layer and final states from those same forwards (OUT/eagle_cache); then, with
+   --answers-frac, the target's features over ShareGPT's own answers read teacher-forced
+   (distill.dataset_answers, OUT/eagle_cache_answers) until `data_frac + answers_frac`;
 2. EAGLE-3 training with training-time test (distill.train_eagle) until `train_frac` of the budget
    (default: all but `eval_minutes`); the head is saved in OUT in the speculators format
    (`specdec.load_eagle(OUT, target)`), with OUT/metrics.json (per-depth held-out accuracy) and
@@ -38,7 +40,9 @@ from distill.budget import RunBudget, run_budgeted
 from distill.code_prompts import function_prompts, interleave
 from distill.command import parse_share
 from distill.config_args import add_dataclass_args, dataclass_from_args
-from distill.eagle_cache import cache_eagle_states
+from distill.dataset_answers import CACHE_DIR as ANSWERS_CACHE_DIR
+from distill.dataset_answers import sharegpt_answer_records
+from distill.eagle_cache import cache_eagle_states, read_manifest
 from distill.selfdistill import generate_selfdistill, is_code_prompt, read_records, sharegpt_prompts
 from distill.train_eagle import CACHE_DIR, TRAIN_MARKERS, EagleTrainConfig
 from runtime.atomic import atomic_write_text
@@ -71,9 +75,17 @@ def train(args: argparse.Namespace, model, tok, out: Path, budget: RunBudget) ->
           f"{budget.minutes():.1f} min", flush=True)
     deadline = budget.at(args.train_frac)
     # records a stopped run wrote without their features are cached here (a no-op otherwise)
-    cache = cache_eagle_states(model, records, out / CACHE_DIR, layers, heldout_every=cfg.heldout_every,
-                               deadline=deadline)
-    distill.train_eagle(model, cache, cfg, out, deadline=deadline)
+    caches = [cache_eagle_states(model, records, out / CACHE_DIR, layers, heldout_every=cfg.heldout_every,
+                                 deadline=deadline)]
+    if args.answers_frac > 0:  # ShareGPT's own answers, read teacher-forced (distill.dataset_answers)
+        answers = sharegpt_answer_records(tok, limit=args.answer_records, max_prompt_tokens=args.max_prompt_tokens,
+                                          answer_tokens=args.dataset_answer_tokens)
+        caches.append(cache_eagle_states(model, answers, out / ANSWERS_CACHE_DIR, layers,
+                                         heldout_every=cfg.heldout_every,
+                                         deadline=min(budget.at(args.data_frac + args.answers_frac), deadline)))
+        done = read_manifest(caches[-1])["records_done"]
+        print(f"[data] features of {done} ShareGPT answers (teacher-forced), {budget.minutes():.1f} min", flush=True)
+    distill.train_eagle(model, caches, cfg, out, deadline=deadline)
     metrics = json.loads((out / "metrics.json").read_text())
     train_min = budget.minutes()
     held = metrics["heldout"] or {}
@@ -153,6 +165,14 @@ def parser(defaults: dict, train: dict, doc: str = __doc__) -> argparse.Argument
                    help="rows per self-distillation batch (--batch-tokens: tokens per training step)")
     p.add_argument("--data-frac", type=float, default=defaults["data_frac"],
                    help="fraction of the budget for self-distillation data")
+    p.add_argument("--answers-frac", type=parse_share, default=defaults["answers_frac"],
+                   help="fraction of the budget, after --data-frac, for the features of ShareGPT's own answers read "
+                        "teacher-forced (distill.dataset_answers: ~2x the positions per minute of generation); "
+                        "training reads them beside the target's own answers (default: %(default)s)")
+    p.add_argument("--answer-records", type=int, default=defaults["answer_records"],
+                   help="ShareGPT answers prepared for --answers-frac (the deadline ends caching first)")
+    p.add_argument("--dataset-answer-tokens", type=int, default=defaults["dataset_answer_tokens"],
+                   help="length cap of a ShareGPT answer read with --answers-frac")
     p.add_argument("--train-frac", type=float, default=None,
                    help="fraction of the budget by which caching and training end (default: all but --eval-minutes)")
     p.add_argument("--eval-minutes", type=float, default=defaults["eval_minutes"],
@@ -173,7 +193,8 @@ def parser(defaults: dict, train: dict, doc: str = __doc__) -> argparse.Argument
 # target's own text), 12 held-out ShareGPT prompts for the evaluation (the issue's smollm2 target)
 DEFAULTS = {"out": "runs/eagle_smollm2", "max_minutes": 30.0, "answer_tokens": 128, "batch_size": 64,
             "prompts_per_minute": 1500, "data_frac": 0.45, "eval_minutes": 5.0, "eval_prompts": 12,
-            "eval_tokens": 96, "function_share": 0.0, "baselines": "plain"}
+            "eval_tokens": 96, "function_share": 0.0, "baselines": "plain",
+            "answers_frac": 0.0, "answer_records": 4000, "dataset_answer_tokens": 256}
 # what the 30-minute run in BENCHMARKS.md section 4 used: an 8k draft vocabulary (smollm2's answers on a
 # CPU budget use ~6.4k distinct tokens; it covers 91% of held-out answer tokens), steps of 1024 tokens
 # (more, smaller steps: the head learned more per CPU minute than with 2048), and enough epochs that

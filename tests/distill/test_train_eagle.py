@@ -227,6 +227,25 @@ def test_training_lowers_the_loss_and_saves_a_head_that_drafts_losslessly(target
     assert all(torch.equal(a, b) for a, b in zip(drafted.sequences, plain.sequences))
 
 
+def test_several_caches_train_together_and_the_first_one_measures(target, records, features, tmp_path):
+    second = cache_eagle_states(target, records[:20], tmp_path / "second", LAYERS, heldout_every=5,
+                                dtype=torch.float32)
+    distill.train_eagle(target, [features, second], EagleTrainConfig(epochs=1, **FAST), tmp_path / "out")
+    metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    one, two = load_split(features, "train"), load_split(second, "train")
+    both = EagleSplit.concat([one, two])
+    assert metrics["train_records"] == len(both) == len(one) + len(two)
+    assert metrics["train_positions"] == one.num_positions + two.num_positions
+    assert metrics["heldout_positions"] == load_split(features, "heldout").num_positions
+    for got, want in zip(both.record(len(one) + 2), two.record(2)):  # records keep their own rows
+        assert torch.equal(got, want) if isinstance(want, torch.Tensor) else got == want
+    with pytest.raises(ValueError, match="not EAGLE-3 feature caches"):
+        distill.train_eagle(target, [features, tmp_path], EagleTrainConfig(epochs=1, **FAST), tmp_path / "bad")
+    narrow = EagleSplit(one.aux[:, :8], one.hidden, one.tokens, one.lengths, one.prompt_lengths)
+    with pytest.raises(ValueError, match="different widths"):
+        EagleSplit.concat([one, narrow])
+
+
 def test_a_stopped_run_resumes_to_the_state_of_an_uninterrupted_one(target, features, tmp_path, monkeypatch):
     te = importlib.import_module("distill.train_eagle")
     cfg = EagleTrainConfig(epochs=2, checkpoint_every=4, **FAST)
@@ -291,6 +310,10 @@ def test_a_bad_flag_fails_before_anything_loads(tmp_path, capsys):
               "--out", str(tmp_path / "out"), "--ttt-steps", "0"])
     assert "--ttt-steps" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+    assert main(["eagle", "train", "--target", str(tmp_path / "none"), "--data", str(tmp_path / "none.jsonl"),
+                 "--out", str(tmp_path / "out"), "--dataset-answers", "-1"]) == 2
+    assert "--dataset-answers must be >= 0" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
     assert main(["eagle", "data", "--target", str(tmp_path / "none"), "--out", str(tmp_path / "sd.jsonl"),
                  "--cache", str(tmp_path / "cache"), "--aux-layers", "1,2"]) == 2
     assert "three comma-separated layer ids" in capsys.readouterr().err
@@ -323,3 +346,36 @@ def test_eagle_train_end_to_end_on_a_tiny_checkpoint(records, tmp_path, capsys, 
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["steps"] == summary["steps"]
     assert main(argv[:-2] + ["--aux-layers", "0,1,2"]) == 2  # the cache holds other layers
     assert "aux layers" in capsys.readouterr().err
+
+
+def test_eagle_train_reads_dataset_answers_beside_the_targets_own(records, word_tokenizer, tmp_path, capsys,
+                                                                   monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    import runtime.data
+    from distill.eagle_cache import read_manifest
+    from runtime.tiny import tiny_hf_config
+    from specdec.cli import main
+
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(tiny_hf_config(num_hidden_layers=4)).save_pretrained(tmp_path / "tiny")
+    word_tokenizer.save_pretrained(tmp_path / "tiny")
+    g = torch.Generator().manual_seed(1)
+    words = [" ".join(f"w{int(i)}" for i in torch.randint(5, 120, (n,), generator=g)) for n in range(12, 36)]
+    conversations = [[{"role": "user", "content": words[i]}, {"role": "assistant", "content": words[-1 - i]}]
+                     for i in range(12)]
+    monkeypatch.setattr(runtime.data, "sharegpt_conversations", lambda split, limit=None: conversations)
+    data = tmp_path / "records.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records[:20]))
+    argv = ["eagle", "train", "--target", str(tmp_path / "tiny"), "--dtype", "float32", "--data", str(data),
+            "--out", str(tmp_path / "head"), "--draft-vocab-size", "64", "--epochs", "1", "--batch-tokens", "256",
+            "--mixed-precision", "no", "--heldout-every", "5", "--aux-layers", "1,2,3", "--dataset-answers", "10"]
+    assert main(argv) == 0
+    head = tmp_path / "head"
+    answers = read_manifest(head / "eagle_cache_answers")
+    assert answers["records_done"] == 10 and answers["last_id"] == "sharegpt-answer/2"  # from the end backwards
+    metrics = json.loads((head / "metrics.json").read_text())
+    own, extra = load_split(head / "eagle_cache", "train"), load_split(head / "eagle_cache_answers", "train")
+    assert metrics["train_records"] == len(own) + len(extra) and len(extra) == 8
+    assert metrics["heldout_positions"] == load_split(head / "eagle_cache", "heldout").num_positions
