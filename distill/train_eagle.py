@@ -3,9 +3,11 @@
 1. Features: `distill.eagle_cache.cache_eagle_states` runs the target once over the
    self-distillation records (its own answers, distill.selfdistill) and caches, per record, the
    states entering its three aux layers at every position and the final-norm states at the answer
-   positions (resumable, like the Medusa cache).
-2. Draft vocabulary: the `draft_vocab_size` most frequent tokens of the target's answers in the
-   training split (ties: lower id first; ids never seen fill up a vocabulary larger than what the
+   positions (resumable, like the Medusa cache). Training may read several caches at once (e.g.
+   ShareGPT's own answers read teacher-forced, distill.dataset_answers); the first one's
+   held-out split measures the head.
+2. Draft vocabulary: the `draft_vocab_size` most frequent answer tokens of the
+   training splits (ties: lower id first; ids never seen fill up a vocabulary larger than what the
    answers use), set through `Eagle3Head.set_draft_vocab`. With `init_from_target` the head's
    `lm_head` starts as the target's LM head rows of those ids and its `norm` as the target's final
    norm, as speculators initialises it.
