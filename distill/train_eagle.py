@@ -373,7 +373,9 @@ def train_eagle(target, data, config: EagleTrainConfig = EagleTrainConfig(), out
                 raise ValueError(f"{data_dir} caches aux layers {manifest['aux_layers']} of hidden size "
                                  f"{manifest['hidden_size']}; this head reads layers {list(layers)} of hidden size "
                                  f"{target.config.hidden_size}: use another cache")
-        train = EagleSplit.concat([load_split(d, "train") for d in data_dirs])
+        # an extra cache a deadline stopped before its first shard adds nothing (the first one must hold records)
+        train = EagleSplit.concat([load_split(d, "train") for i, (d, m) in enumerate(zip(data_dirs, manifests))
+                                   if i == 0 or m["shards"]["train"]])
         heldout = load_split(data_dirs[0], "heldout") if manifests[0]["shards"]["heldout"] else None
 
     V, device, k = target.config.vocab_size, target.device, config.ttt_steps

@@ -239,6 +239,9 @@ def test_several_caches_train_together_and_the_first_one_measures(target, record
     assert metrics["heldout_positions"] == load_split(features, "heldout").num_positions
     for got, want in zip(both.record(len(one) + 2), two.record(2)):  # records keep their own rows
         assert torch.equal(got, want) if isinstance(want, torch.Tensor) else got == want
+    empty = cache_eagle_states(target, records, tmp_path / "empty", LAYERS, heldout_every=5, deadline=0.0)
+    distill.train_eagle(target, [features, empty], EagleTrainConfig(epochs=1, **FAST), tmp_path / "alone")
+    assert json.loads((tmp_path / "alone" / "metrics.json").read_text())["train_records"] == len(one)
     with pytest.raises(ValueError, match="not EAGLE-3 feature caches"):
         distill.train_eagle(target, [features, tmp_path], EagleTrainConfig(epochs=1, **FAST), tmp_path / "bad")
     narrow = EagleSplit(one.aux[:, :8], one.hidden, one.tokens, one.lengths, one.prompt_lengths)
