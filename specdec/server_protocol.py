@@ -6,9 +6,11 @@
 (best_of, logprobs, echo, penalties, ...) are refused by name with a 400 instead of being ignored
 silently; unknown extra fields are ignored, as OpenAI-compatible servers do.
 
-`IncrementalText` turns a growing list of token ids into text deltas for streaming: it decodes the
-whole list each time, holds back a trailing partial UTF-8 character ("\\ufffd"), and ends the text
-before the first stop string (`stop`), holding back a tail that may still become one.
+`IncrementalText` turns a growing list of token ids into text deltas for streaming: it decodes only
+the ids from the previous step on (the prefix / read offsets of vLLM's incremental detokenizer, so
+a streamed answer costs O(T) decoding in all rather than O(T^2)), holds back a trailing partial
+UTF-8 character ("\\ufffd"), and ends the text before the first stop string (`stop`), holding
+back a tail that may still become one.
 """
 
 from __future__ import annotations
@@ -231,6 +233,11 @@ class IncrementalText:
         self.tokenizer, self.stop, self.ids = tokenizer, stop, []
         self.text = self.sent = ""
         self.tokens, self.stopped = 0, False
+        # ids[:read] decode to `done`; ids[prefix:read] are re-decoded with the new ids, so that a
+        # token whose text depends on the one before it (a leading space, a multi-byte character)
+        # decodes as it does in the whole list
+        self.prefix = self.read = 0
+        self.done = ""
 
     def add(self, new_ids: list[int], final: bool) -> str:
         """Append ids; return the text not sent yet (a trailing partial character, or a possible
@@ -239,8 +246,9 @@ class IncrementalText:
             return ""
         before = len(self.ids)
         self.ids.extend(new_ids)
-        text = self._decode(self.ids)
-        cut = self._first_stop(text)
+        text, kept = self._decode_new()
+        # a stop string within the text that earlier steps searched would have ended it there
+        cut = self._first_stop(text, max(kept - max(map(len, self.stop), default=0), 0))
         if cut is not None:
             text, final, self.stopped = text[:cut], True, True
             self.tokens = self._tokens_to_stop(before)
@@ -265,8 +273,22 @@ class IncrementalText:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _first_stop(self, text: str) -> int | None:
-        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+    def _decode_new(self) -> tuple[str, int]:
+        """The text of all ids, decoding only ids[prefix:], and how many of its first characters
+        earlier steps' text already held; the offsets advance unless the text ends in a partial
+        character (its next ids complete it)."""
+        seen = self._decode(self.ids[self.prefix:self.read])
+        new = self._decode(self.ids[self.prefix:])
+        if new.startswith(seen):
+            text, kept = self.done + new[len(seen):], len(self.done)
+        else:  # a window that does not extend its own text (a tokenizer's clean-up rule): decode all
+            text, kept = self._decode(self.ids), 0
+        if not text.endswith("\ufffd"):
+            self.done, self.prefix, self.read = text, self.read, len(self.ids)
+        return text, kept
+
+    def _first_stop(self, text: str, start: int = 0) -> int | None:
+        hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
         return min(hits) if hits else None
 
     def _tokens_to_stop(self, lo: int) -> int:

@@ -81,3 +81,35 @@ def test_n_and_stop_are_parsed_and_checked(chars):
         with pytest.raises(APIError) as err:
             parse_completion(_body(**bad), MODEL, chars, 30)
         assert (err.value.status, err.value.param, err.value.code) == (400, param, code)
+
+
+def test_each_step_decodes_only_the_ids_since_the_step_before(chars):
+    text = "the cat sat. then the dog ran away. " * 20
+    inc, decoded = IncrementalText(chars, ("zebra",)), []
+    decode = chars.decode
+    chars.decode = lambda ids, **kw: decoded.append(len(ids)) or decode(ids, **kw)
+    try:
+        out = [inc.add([i], False) for i in _ids(chars, text)]
+    finally:
+        del chars.decode
+    assert "".join(out) + inc.add([], True) == text == inc.text
+    assert max(decoded) <= 2  # not the whole list: a stream of T tokens decodes O(T) ids in all
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("step", [1, 2, 5])
+def test_streamed_text_equals_the_whole_decode_with_a_real_tokenizer(step):
+    import runtime
+
+    tok = runtime.load_tokenizer("smollm2-135m-instruct")
+    text = ("Grüße aus Köln! 東京は晴れ 🌞🎉  def f(x):\n    return x ** 2  # “quoted”\n"
+            "<|im_end|> and then   spaces,\ttabs and ünïcödé.")
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) > 40
+    for stop in ((), ("ünï",), ("🎉",)):
+        whole = tok.decode(ids, skip_special_tokens=True)
+        inc, out = IncrementalText(tok, stop), []
+        for i in range(0, len(ids), step):
+            out.append(inc.add(ids[i:i + step], i + step >= len(ids)))
+        want = whole[:whole.find(stop[0])] if stop else whole
+        assert "".join(out) == inc.text == want
