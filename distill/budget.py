@@ -97,6 +97,12 @@ def _stop(signum: int, frame) -> None:
     sys.exit(128 + signum)
 
 
+def default_train_frac(args: Any) -> float:
+    """The share of the budget by which training ends when --train-frac is not given: all but
+    eval_minutes, but on a short budget at least half of what the data phase leaves."""
+    return max(1 - args.eval_minutes / args.max_minutes, (1 + args.data_frac) / 2)
+
+
 def run_budgeted(args: Any, markers: tuple[str, ...], what: str, product: str,
                  steps: Callable[[Path, RunBudget | None], dict], trained: str = "metrics.json") -> dict:
     """The frame the training recipes share: settle args (the training share of the budget, torch
@@ -109,9 +115,8 @@ def run_budgeted(args: Any, markers: tuple[str, ...], what: str, product: str,
     dtype, eval_only). trained: the file (relative to OUT) a finished training writes, which
     --eval-only needs.
     """
-    if args.train_frac is None:  # keep eval_minutes for the evaluation, but on a short budget give
-        # training at least half of what the data phase leaves
-        args.train_frac = max(1 - args.eval_minutes / args.max_minutes, (1 + args.data_frac) / 2)
+    if args.train_frac is None:
+        args.train_frac = default_train_frac(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.dtype == "auto":

@@ -11,16 +11,14 @@ self-distillation cache (`distill.train_eagle` with a list of caches).
 
 Each record is {"id": "sharegpt-answer/<i>", "prompt_ids", "output_ids"}: the opening user turn of
 calibration conversation i in the tokenizer's chat template (as self-distillation prompts are), and
-the first assistant turn that follows it, ending with the template's end of turn, cut to
-`answer_tokens`. Conversations are read from the end of the calibration split backwards, so they
+the first assistant turn that follows it, up to the template's end-of-turn token (as a generated
+answer ends), cut to `answer_tokens`. Conversations are read from the end of the calibration split backwards, so they
 stay apart from the self-distillation prompts, which are read from its start.
 """
 
 from __future__ import annotations
 
-from distill.selfdistill import chat_prompt_ids
-
-CACHE_DIR = "eagle_cache_answers"  # their feature cache in a training directory (`eagle train`, the recipes)
+from distill.selfdistill import chat_prompt_ids, stop_token_ids
 
 
 def sharegpt_answer_records(tokenizer, limit: int, max_prompt_tokens: int = 256, answer_tokens: int = 256,
@@ -37,6 +35,7 @@ def sharegpt_answer_records(tokenizer, limit: int, max_prompt_tokens: int = 256,
     if limit < 1 or answer_tokens < 1:
         raise ValueError(f"limit and answer_tokens must be >= 1, got {limit} and {answer_tokens}")
     convs = sharegpt_conversations(split="calibration")
+    stops = set(stop_token_ids(tokenizer))
     out = []
     for i in range(len(convs) - 1, -1, -1):
         conv = convs[i]
@@ -50,8 +49,10 @@ def sharegpt_answer_records(tokenizer, limit: int, max_prompt_tokens: int = 256,
         full = tokenizer(text, add_special_tokens=False)["input_ids"]
         if full[:len(prompt)] != prompt or len(full) == len(prompt):
             continue
-        out.append({"id": f"sharegpt-answer/{i}", "prompt_ids": prompt,
-                    "output_ids": full[len(prompt):len(prompt) + answer_tokens]})
+        answer = full[len(prompt):]
+        end = next((j for j, t in enumerate(answer) if t in stops), len(answer) - 1)
+        # up to the end of turn (ChatML templates add a newline after it, which decoding never reads)
+        out.append({"id": f"sharegpt-answer/{i}", "prompt_ids": prompt, "output_ids": answer[:end + 1][:answer_tokens]})
         if len(out) >= limit:
             break
     return out

@@ -34,11 +34,17 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     import runtime
     from distill.config_args import dataclass_from_args
-    from distill.dataset_answers import CACHE_DIR as ANSWERS_CACHE_DIR
     from distill.dataset_answers import sharegpt_answer_records
     from distill.eagle_cache import cache_eagle_states, check_eagle_cache_dir
     from distill.selfdistill import read_records
-    from distill.train_eagle import CACHE_DIR, EagleTrainConfig, check_train_dir, read_metrics, train_eagle
+    from distill.train_eagle import (
+        ANSWERS_CACHE_DIR,
+        CACHE_DIR,
+        EagleTrainConfig,
+        check_train_dir,
+        read_metrics,
+        train_eagle,
+    )
 
     deadline = deadline_after(args.max_minutes)
     cfg = dataclass_from_args(EagleTrainConfig, args)  # checked before any loading
@@ -120,8 +126,8 @@ def register(subparsers) -> None:
     t.add_argument("--dataset-answers", type=int, default=0, metavar="N",
                    help="also train on ShareGPT's own answers to N calibration conversations, read teacher-forced "
                         "by the target (about twice the positions per minute of generating answers; features in "
-                        "OUT/eagle_cache_answers, resumable); held-out accuracy stays on --data's answers "
-                        "(default 0: none)")
+                        "OUT/eagle_cache_answers, resumable; caching counts against --max-minutes); held-out accuracy "
+                        "stays on --data's answers (default 0: none)")
     t.add_argument("--dataset-answer-tokens", type=int, default=256, help="length cap of a ShareGPT answer")
     add_dataclass_args(t.add_argument_group("training (EagleTrainConfig)"), EagleTrainConfig)
     t.add_argument("--max-minutes", type=float, default=None,

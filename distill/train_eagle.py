@@ -6,11 +6,12 @@
    positions (resumable, like the Medusa cache). Training may read several caches at once (e.g.
    ShareGPT's own answers read teacher-forced, distill.dataset_answers); the first one's
    held-out split measures the head.
-2. Draft vocabulary: the `draft_vocab_size` most frequent answer tokens of the
-   training splits (ties: lower id first; ids never seen fill up a vocabulary larger than what the
-   answers use), set through `Eagle3Head.set_draft_vocab`. With `init_from_target` the head's
-   `lm_head` starts as the target's LM head rows of those ids and its `norm` as the target's final
-   norm, as speculators initialises it.
+2. Draft vocabulary: the `draft_vocab_size` most frequent answer tokens of the (first) training
+   split (ties, and ids it never saw, by their count in the other caches' answers, then lower id
+   first, filling up a vocabulary larger than what the answers use), set through
+   `Eagle3Head.set_draft_vocab`. With `init_from_target` the head's `lm_head` starts as the
+   target's LM head rows of those ids and its `norm` as the target's final norm, as speculators
+   initialises it.
 3. Training-time test (`unroll`): step 0 at position t reads fuse(aux[t - 1]) and the embedding of
    token t (the alignment of specdec.eagle); step s > 0 at the same row reads the head's own
    output of step s - 1 there, the embedding of token t + s at position t + s, and attends through
@@ -59,7 +60,10 @@ TRAINER = "eagle_trainer.json"
 CACHE_DIR = "eagle_cache"
 # files that mark an EAGLE-3 training directory (`specdec eagle train --out`, the recipes' OUT): one of
 # them there and training resumes in it; a non-empty directory without them is refused
-TRAIN_MARKERS = (f"{CHECKPOINT}/{TRAINER}", f"{CACHE_DIR}/{MANIFEST}", "selfdistill.jsonl", "budget.json")
+# features of ShareGPT's own answers in a training directory (`eagle train --dataset-answers`, the recipes)
+ANSWERS_CACHE_DIR = "eagle_cache_answers"
+TRAIN_MARKERS = (f"{CHECKPOINT}/{TRAINER}", f"{CACHE_DIR}/{MANIFEST}", f"{ANSWERS_CACHE_DIR}/{MANIFEST}",
+                 "selfdistill.jsonl", "budget.json")
 SAVE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -142,9 +146,14 @@ class EagleTrainConfig:
         return tuple(int(x) for x in self.aux_layers.split(","))
 
 
-def answer_vocab(answer_tokens: torch.Tensor, vocab_size: int, size: int) -> torch.Tensor:
-    """The `size` most frequent ids of `answer_tokens` (M,), sorted; ties and unseen ids by lower id."""
+def answer_vocab(answer_tokens: torch.Tensor, vocab_size: int, size: int,
+                 fill_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """The `size` most frequent ids of `answer_tokens` (M,), sorted; ties and unseen ids by their
+    count in `fill_tokens` (other answers: they fill what the first ones leave), then by lower id."""
     counts = torch.bincount(answer_tokens.flatten(), minlength=vocab_size)[:vocab_size]  # (V,)
+    if fill_tokens is not None and fill_tokens.numel():
+        fill = torch.bincount(fill_tokens.flatten(), minlength=vocab_size)[:vocab_size]  # (V,)
+        counts = counts * (int(fill.max()) + 1) + fill  # the first count decides, the fill count breaks ties
     order = torch.sort(counts, descending=True, stable=True).indices
     return order[:size].sort().values
 
@@ -374,8 +383,9 @@ def train_eagle(target, data, config: EagleTrainConfig = EagleTrainConfig(), out
                                  f"{manifest['hidden_size']}; this head reads layers {list(layers)} of hidden size "
                                  f"{target.config.hidden_size}: use another cache")
         # an extra cache a deadline stopped before its first shard adds nothing (the first one must hold records)
-        train = EagleSplit.concat([load_split(d, "train") for i, (d, m) in enumerate(zip(data_dirs, manifests))
-                                   if i == 0 or m["shards"]["train"]])
+        splits = [load_split(d, "train") for i, (d, m) in enumerate(zip(data_dirs, manifests))
+                  if i == 0 or m["shards"]["train"]]
+        train = EagleSplit.concat(splits)
         heldout = load_split(data_dirs[0], "heldout") if manifests[0]["shards"]["heldout"] else None
 
     V, device, k = target.config.vocab_size, target.device, config.ttt_steps
@@ -384,7 +394,10 @@ def train_eagle(target, data, config: EagleTrainConfig = EagleTrainConfig(), out
         head = Eagle3Head(Eagle3Config.from_target(
             target, draft_vocab_size=min(config.draft_vocab_size, V), aux_layers=layers,
             norm_before_residual=config.norm_before_residual)).to(device)
-    head.set_draft_vocab(answer_vocab(train.answer_tokens(), V, head.config.draft_vocab_size))
+    # the first cache's answers (the target's own) rank the draft vocabulary; the others fill it up
+    extra = [s.answer_tokens() for s in splits[1:]]
+    head.set_draft_vocab(answer_vocab(splits[0].answer_tokens(), V, head.config.draft_vocab_size,
+                                      torch.cat(extra) if extra else None))
     if config.init_from_target:
         with torch.no_grad():
             head.lm_head.weight.copy_(lm_head_rows(target, head.target_ids(torch.arange(head.config.draft_vocab_size))))

@@ -36,15 +36,14 @@ from recipe_errors import run
 
 import distill
 import runtime
-from distill.budget import RunBudget, run_budgeted
+from distill.budget import RunBudget, default_train_frac, run_budgeted
 from distill.code_prompts import function_prompts, interleave
 from distill.command import parse_share
 from distill.config_args import add_dataclass_args, dataclass_from_args
-from distill.dataset_answers import CACHE_DIR as ANSWERS_CACHE_DIR
 from distill.dataset_answers import sharegpt_answer_records
 from distill.eagle_cache import cache_eagle_states, read_manifest
 from distill.selfdistill import generate_selfdistill, is_code_prompt, read_records, sharegpt_prompts
-from distill.train_eagle import CACHE_DIR, TRAIN_MARKERS, EagleTrainConfig
+from distill.train_eagle import ANSWERS_CACHE_DIR, CACHE_DIR, TRAIN_MARKERS, EagleTrainConfig
 from runtime.atomic import atomic_write_text
 from runtime.hardware import DTYPES
 from specdec.cli import draft_length_arg
@@ -98,8 +97,22 @@ def pipeline(args: argparse.Namespace, model_name: str, eval_dataset: str, raw_e
     """Data -> feature cache -> training -> evaluation, bounded by args.max_minutes; a restarted run
     resumes every step and goes on against the same budget (OUT/budget.json)."""
     start = time.monotonic()
+    _check_answers(args)
     return run_budgeted(args, RUN_MARKERS, "EAGLE-3 recipe run directory", "head",
                         lambda out, budget: _run(args, model_name, eval_dataset, raw_eval, out, budget, start))
+
+
+def _check_answers(args: argparse.Namespace) -> None:
+    """Refuse --answers-frac settings that could not train, before any work."""
+    if args.answers_frac <= 0:
+        return
+    if args.answer_records < 1 or args.dataset_answer_tokens < 1:
+        raise ValueError(f"--answer-records and --dataset-answer-tokens must be >= 1, got {args.answer_records} "
+                         f"and {args.dataset_answer_tokens}")
+    train_frac = args.train_frac if args.train_frac is not None else default_train_frac(args)
+    if args.data_frac + args.answers_frac >= train_frac:
+        raise ValueError(f"--data-frac {args.data_frac:g} + --answers-frac {args.answers_frac:g} leave no training: "
+                         f"training ends at {train_frac:.2f} of the budget; lower them or raise --max-minutes")
 
 
 def _run(args: argparse.Namespace, model_name: str, eval_dataset: str, raw_eval: bool, out: Path,

@@ -275,15 +275,17 @@ class IncrementalText:
 
     def _decode_new(self) -> tuple[str, int]:
         """The text of all ids, decoding only ids[prefix:], and how many of its first characters
-        earlier steps' text already held; the offsets advance unless the text ends in a partial
-        character (its next ids complete it)."""
+        earlier steps' text already held; the offsets advance when the new ids added text that
+        does not end in a partial character (its next ids complete it)."""
         seen = self._decode(self.ids[self.prefix:self.read])
         new = self._decode(self.ids[self.prefix:])
         if new.startswith(seen):
             text, kept = self.done + new[len(seen):], len(self.done)
         else:  # a window that does not extend its own text (a tokenizer's clean-up rule): decode all
             text, kept = self._decode(self.ids), 0
-        if not text.endswith("\ufffd"):
+        # the window moves on once it has text, whole (SentencePiece drops a leading space of a
+        # window's first token: a window of only skipped or empty ids would lose the next one's)
+        if len(new) > len(seen) and not text.endswith("\ufffd"):
             self.done, self.prefix, self.read = text, self.read, len(self.ids)
         return text, kept
 

@@ -41,3 +41,14 @@ def test_answers_are_cut_and_counted(word_tokenizer, conversations):
     assert len(sharegpt_answer_records(word_tokenizer, limit=10, max_prompt_tokens=60)) == 3  # the long prompt too
     with pytest.raises(ValueError, match="limit and answer_tokens must be >= 1"):
         sharegpt_answer_records(word_tokenizer, limit=0)
+
+
+@pytest.mark.real_model
+def test_a_chatml_answer_ends_at_its_end_of_turn_token(conversations):
+    import runtime
+
+    tok = runtime.load_tokenizer("smollm2-135m-instruct")
+    records = sharegpt_answer_records(tok, limit=1, max_prompt_tokens=256)
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert records[0]["output_ids"][-1] == end and records[0]["output_ids"].count(end) == 1  # no newline after
+    assert tok.decode(records[0]["output_ids"], skip_special_tokens=True) == "w14 w15 w16 w17 w18"

@@ -13,9 +13,11 @@ import distill
 import specdec
 from distill.eagle_cache import EagleSplit, cache_eagle_states, load_split
 from distill.train_eagle import (
+    ANSWERS_CACHE_DIR,
     EagleTrainConfig,
     answer_vocab,
     batch_teacher,
+    check_train_dir,
     lm_head_rows,
     make_batch,
     soft_targets,
@@ -101,6 +103,9 @@ def test_the_draft_vocabulary_is_the_most_frequent_answer_tokens():
     assert answer_vocab(tokens, 12, 3).tolist() == [3, 5, 9]  # 5 x3, 9 x2, 3 x2; sorted ids
     assert answer_vocab(tokens, 12, 2).tolist() == [3, 5]  # 9 and 3 tie: the lower id is kept
     assert answer_vocab(tokens, 12, 7).tolist() == [0, 1, 2, 3, 5, 7, 9]  # unseen ids fill up by lower id
+    fill = torch.tensor([11, 11, 3, 3, 3, 9, 10])
+    assert answer_vocab(tokens, 12, 2, fill).tolist() == [3, 5]  # the fill breaks 9 and 3's tie
+    assert answer_vocab(tokens, 12, 7, fill).tolist() == [1, 3, 5, 7, 9, 10, 11]  # then ranks the unseen ids
 
 
 def test_cached_features_are_the_targets_and_the_cache_resumes(target, records, features, tmp_path):
@@ -239,6 +244,9 @@ def test_several_caches_train_together_and_the_first_one_measures(target, record
     assert metrics["heldout_positions"] == load_split(features, "heldout").num_positions
     for got, want in zip(both.record(len(one) + 2), two.record(2)):  # records keep their own rows
         assert torch.equal(got, want) if isinstance(want, torch.Tensor) else got == want
+    stopped = tmp_path / "stopped"  # a run stopped while caching ShareGPT's answers resumes in its directory
+    cache_eagle_states(target, records[:3], stopped / ANSWERS_CACHE_DIR, LAYERS, heldout_every=5)
+    assert check_train_dir(stopped) == stopped
     empty = cache_eagle_states(target, records, tmp_path / "empty", LAYERS, heldout_every=5, deadline=0.0)
     distill.train_eagle(target, [features, empty], EagleTrainConfig(epochs=1, **FAST), tmp_path / "alone")
     assert json.loads((tmp_path / "alone" / "metrics.json").read_text())["train_records"] == len(one)

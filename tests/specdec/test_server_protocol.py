@@ -113,3 +113,15 @@ def test_streamed_text_equals_the_whole_decode_with_a_real_tokenizer(step):
             out.append(inc.add(ids[i:i + step], i + step >= len(ids)))
         want = whole[:whole.find(stop[0])] if stop else whole
         assert "".join(out) == inc.text == want
+
+
+def test_ids_without_text_do_not_cut_the_next_tokens_leading_space():
+    """SentencePiece-style decoding drops the leading space of a sequence's first token: a step that
+    adds only skipped special tokens must not become the window the next token is decoded after."""
+    vocab = {"<unk>": 0, "<s>": 1, "▁hello": 2, "▁world": 3}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.decoder = decoders.Metaspace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", additional_special_tokens=["<s>"])
+    assert tok.decode([2, 1, 3], skip_special_tokens=True) == "hello world"
+    inc = IncrementalText(tok)
+    assert "".join([inc.add([2], False), inc.add([1], False), inc.add([3], False), inc.add([], True)]) == "hello world"
