@@ -16,7 +16,7 @@ Either way it stores, per record:
 
 Shards are safetensors files (bf16 states by default) of about `shard_tokens` positions:
 `aux` (N, 3C), `hidden` (M, C), `tokens` (N,) int64, `lengths` (R,) and `prompt_lengths` (R,)
-int64, records in order. Every `heldout_every`-th record goes to the held-out split. Resumable as
+int64, records in order. Every `heldout_every`-th record goes to the held-out split (0: none). Resumable as
 the Medusa cache is (distill.train_medusa.HiddenCacheWriter): shards are written atomically, each
 followed by the manifest, whose `records_done` counts exactly the records on disk, and a cache of
 other records (by the last cached record's id) is refused rather than extended.
@@ -60,8 +60,9 @@ class EagleCacheWriter:
 
     def __init__(self, out_dir: str | Path, hidden_size: int, aux_layers: tuple[int, ...], heldout_every: int = 20,
                  shard_tokens: int = 32768, dtype: torch.dtype = torch.bfloat16) -> None:
-        if heldout_every < 1 or shard_tokens < 1:
-            raise ValueError(f"heldout_every and shard_tokens must be >= 1, got {heldout_every}, {shard_tokens}")
+        if heldout_every < 0 or shard_tokens < 1:
+            raise ValueError(f"heldout_every must be >= 0 (0: hold nothing out) and shard_tokens >= 1, got "
+                             f"{heldout_every}, {shard_tokens}")
         self.out_dir = check_eagle_cache_dir(out_dir)
         path = self.out_dir / MANIFEST
         self.manifest = json.loads(path.read_text()) if path.is_file() else {
@@ -106,7 +107,7 @@ class EagleCacheWriter:
             if aux.shape[0] != P + n or hidden.shape[0] != n:
                 raise ValueError(f"record {record.get('id')}: {aux.shape[0]} aux / {hidden.shape[0]} hidden states "
                                  f"for {P} prompt and {n} answer tokens")
-            split = "heldout" if self.records_done % self.heldout_every == 0 else "train"
+            split = "heldout" if self.heldout_every and self.records_done % self.heldout_every == 0 else "train"
             self.buf[split].append({
                 "aux": aux.to("cpu", self.dtype), "hidden": hidden.to("cpu", self.dtype),
                 "tokens": torch.tensor(record["prompt_ids"] + record["output_ids"], dtype=torch.long),

@@ -66,7 +66,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             answers = sharegpt_answer_records(runtime.load_tokenizer(args.target), limit=args.dataset_answers,
                                               answer_tokens=args.dataset_answer_tokens)
             caches.append(cache_eagle_states(target, answers, out / ANSWERS_CACHE_DIR,
-                                             cfg.layers(target.config.num_layers), heldout_every=cfg.heldout_every,
+                                             cfg.layers(target.config.num_layers), heldout_every=0,
                                              deadline=deadline if state.is_main_process else time.monotonic()))
     train_eagle(target, caches, cfg, out, deadline=deadline)
     metrics = read_metrics(out)

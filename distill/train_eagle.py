@@ -357,11 +357,12 @@ def train_eagle(target, data, config: EagleTrainConfig = EagleTrainConfig(), out
     into OUT/eagle_cache (a temporary directory without `out_dir`). With several caches, training
     reads every cache's train split and the held-out accuracy is measured on the first cache's
     held-out split (put the target's own answers first: the text the head drafts against; the
-    others' held-out records are not read). out_dir: new, empty or an EAGLE-3
-    training directory (TRAIN_MARKERS; else OutputPathError); it receives the checkpoints (resumed
-    from when `resume`), the head (specdec.load_eagle(out_dir, target)), loss.png and
-    metrics.json. Without it nothing is saved. deadline: a time.monotonic() value at which caching
-    and training stop early (held-out evaluation and saving still run); see distill.train_medusa.
+    others' held-out records are not read: cache them with heldout_every=0, as the recipes do).
+    out_dir: new, empty or an EAGLE-3 training directory (TRAIN_MARKERS; else OutputPathError); it
+    receives the checkpoints (resumed from when `resume`), the head (specdec.load_eagle(out_dir,
+    target)), loss.png and metrics.json. Without it nothing is saved. deadline: a time.monotonic()
+    value at which caching and training stop early (held-out evaluation and saving still run); see
+    distill.train_medusa.
     """
     from accelerate import Accelerator, PartialState
 

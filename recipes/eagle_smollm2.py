@@ -79,8 +79,8 @@ def train(args: argparse.Namespace, model, tok, out: Path, budget: RunBudget) ->
     if args.answers_frac > 0:  # ShareGPT's own answers, read teacher-forced (distill.dataset_answers)
         answers = sharegpt_answer_records(tok, limit=args.answer_records, max_prompt_tokens=args.max_prompt_tokens,
                                           answer_tokens=args.dataset_answer_tokens)
-        caches.append(cache_eagle_states(model, answers, out / ANSWERS_CACHE_DIR, layers,
-                                         heldout_every=cfg.heldout_every,
+        # nothing held out of them: the held-out accuracy is measured on the target's own answers
+        caches.append(cache_eagle_states(model, answers, out / ANSWERS_CACHE_DIR, layers, heldout_every=0,
                                          deadline=min(budget.at(args.data_frac + args.answers_frac), deadline)))
         done = read_manifest(caches[-1])["records_done"]
         print(f"[data] features of {done} ShareGPT answers (teacher-forced), {budget.minutes():.1f} min", flush=True)

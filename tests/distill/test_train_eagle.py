@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 import distill
 import specdec
-from distill.eagle_cache import EagleSplit, cache_eagle_states, load_split
+from distill.eagle_cache import EagleCacheWriter, EagleSplit, cache_eagle_states, load_split
 from distill.train_eagle import (
     ANSWERS_CACHE_DIR,
     EagleTrainConfig,
@@ -388,5 +388,8 @@ def test_eagle_train_reads_dataset_answers_beside_the_targets_own(records, word_
     assert answers["records_done"] == 10 and answers["last_id"] == "sharegpt-answer/2"  # from the end backwards
     metrics = json.loads((head / "metrics.json").read_text())
     own, extra = load_split(head / "eagle_cache", "train"), load_split(head / "eagle_cache_answers", "train")
-    assert metrics["train_records"] == len(own) + len(extra) and len(extra) == 8
+    assert metrics["train_records"] == len(own) + len(extra) and len(extra) == 10  # none held out
+    assert not answers["shards"]["heldout"]
+    with pytest.raises(ValueError, match="heldout_every must be >= 0"):
+        EagleCacheWriter(tmp_path / "bad", 64, LAYERS, heldout_every=-1)
     assert metrics["heldout_positions"] == load_split(head / "eagle_cache", "heldout").num_positions
