@@ -12,13 +12,16 @@ self-distillation cache (`distill.train_eagle` with a list of caches).
 Each record is {"id": "sharegpt-answer/<i>", "prompt_ids", "output_ids"}: the opening user turn of
 calibration conversation i in the tokenizer's chat template (as self-distillation prompts are), and
 the first assistant turn that follows it, up to the template's end-of-turn token (as a generated
-answer ends), cut to `answer_tokens`. Conversations are read from the end of the calibration split backwards, so they
-stay apart from the self-distillation prompts, which are read from its start.
+answer ends), cut to `answer_tokens`. Conversations are read from the end of the calibration split
+backwards, so they stay apart from the self-distillation prompts, which are read from its start.
 """
 
 from __future__ import annotations
 
-from distill.selfdistill import chat_prompt_ids, stop_token_ids
+from pathlib import Path
+
+from distill.eagle_cache import cache_eagle_states
+from distill.selfdistill import chat_prompt_ids, opening_user_turn, stop_token_ids
 
 
 def sharegpt_answer_records(tokenizer, limit: int, max_prompt_tokens: int = 256, answer_tokens: int = 256,
@@ -39,10 +42,10 @@ def sharegpt_answer_records(tokenizer, limit: int, max_prompt_tokens: int = 256,
     out = []
     for i in range(len(convs) - 1, -1, -1):
         conv = convs[i]
-        if (len(conv) < 2 or conv[0]["role"] != "user" or conv[1]["role"] != "assistant"
-                or len(conv[0]["content"].strip()) < min_chars):
+        first = opening_user_turn(conv, min_chars)
+        if first is None or len(conv) < 2 or conv[1]["role"] != "assistant":
             continue
-        prompt = chat_prompt_ids(tokenizer, conv[0]["content"])
+        prompt = chat_prompt_ids(tokenizer, first)
         if len(prompt) > max_prompt_tokens:
             continue
         text = tokenizer.apply_chat_template(conv[:2], tokenize=False)
@@ -52,7 +55,19 @@ def sharegpt_answer_records(tokenizer, limit: int, max_prompt_tokens: int = 256,
         answer = full[len(prompt):]
         end = next((j for j, t in enumerate(answer) if t in stops), len(answer) - 1)
         # up to the end of turn (ChatML templates add a newline after it, which decoding never reads)
-        out.append({"id": f"sharegpt-answer/{i}", "prompt_ids": prompt, "output_ids": answer[:end + 1][:answer_tokens]})
+        out.append({"id": f"sharegpt-answer/{i}", "prompt_ids": prompt,
+                    "output_ids": answer[:end + 1][:answer_tokens]})
         if len(out) >= limit:
             break
     return out
+
+
+def cache_answer_states(target, tokenizer, out_dir: str | Path, aux_layers: tuple[int, ...], limit: int,
+                        answer_tokens: int = 256, max_prompt_tokens: int = 256,
+                        deadline: float | None = None) -> Path:
+    """The target's EAGLE-3 features over up to `limit` ShareGPT answers (`sharegpt_answer_records`),
+    cached in `out_dir` (resumable; `deadline` a time.monotonic() value) with nothing held out: a
+    head's held-out accuracy is measured on the target's own answers. Returns `out_dir`."""
+    records = sharegpt_answer_records(tokenizer, limit=limit, max_prompt_tokens=max_prompt_tokens,
+                                      answer_tokens=answer_tokens)
+    return cache_eagle_states(target, records, out_dir, aux_layers, heldout_every=0, deadline=deadline)

@@ -34,7 +34,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     import runtime
     from distill.config_args import dataclass_from_args
-    from distill.dataset_answers import sharegpt_answer_records
+    from distill.dataset_answers import cache_answer_states
     from distill.eagle_cache import cache_eagle_states, check_eagle_cache_dir
     from distill.selfdistill import read_records
     from distill.train_eagle import (
@@ -63,11 +63,10 @@ def cmd_train(args: argparse.Namespace) -> int:
                                      heldout_every=cfg.heldout_every,
                                      deadline=deadline if state.is_main_process else time.monotonic())]
         if args.dataset_answers:  # ShareGPT's own answers, read teacher-forced, trained on beside the target's
-            answers = sharegpt_answer_records(runtime.load_tokenizer(args.target), limit=args.dataset_answers,
-                                              answer_tokens=args.dataset_answer_tokens)
-            caches.append(cache_eagle_states(target, answers, out / ANSWERS_CACHE_DIR,
-                                             cfg.layers(target.config.num_layers), heldout_every=0,
-                                             deadline=deadline if state.is_main_process else time.monotonic()))
+            caches.append(cache_answer_states(target, runtime.load_tokenizer(args.target), out / ANSWERS_CACHE_DIR,
+                                              cfg.layers(target.config.num_layers), args.dataset_answers,
+                                              args.dataset_answer_tokens,
+                                              deadline=deadline if state.is_main_process else time.monotonic()))
     train_eagle(target, caches, cfg, out, deadline=deadline)
     metrics = read_metrics(out)
     held = metrics["heldout"] or {}

@@ -57,6 +57,13 @@ def is_code_prompt(text: str) -> bool:
     return any(w in low for w in CODE_WORDS) or CODE_TERMS.search(low) is not None
 
 
+def opening_user_turn(conv: list[dict], min_chars: int = 32) -> str | None:
+    """The text of a conversation's opening user turn, or None for a conversation that opens with
+    an assistant turn or with a user turn shorter than `min_chars` (a continuation without its context)."""
+    first = conv[0]["content"] if conv and conv[0]["role"] == "user" else ""
+    return first if len(first.strip()) >= min_chars else None
+
+
 def sharegpt_prompts(tokenizer, split: str = "calibration", limit: int = 1000,
                      max_prompt_tokens: int = 384, keep=None, min_chars: int = 32) -> list[tuple[int, list[int]]]:
     """(conversation index, prompt ids) of opening user turns that fit in `max_prompt_tokens`,
@@ -70,8 +77,8 @@ def sharegpt_prompts(tokenizer, split: str = "calibration", limit: int = 1000,
 
     out = []
     for i, conv in enumerate(sharegpt_conversations(split=split, limit=limit)):
-        first = conv[0]["content"] if conv[0]["role"] == "user" else ""
-        if len(first.strip()) < min_chars or (keep is not None and not keep(first)):
+        first = opening_user_turn(conv, min_chars)
+        if first is None or (keep is not None and not keep(first)):
             continue
         ids = chat_prompt_ids(tokenizer, first)
         if len(ids) <= max_prompt_tokens:

@@ -40,7 +40,7 @@ from distill.budget import RunBudget, default_train_frac, run_budgeted
 from distill.code_prompts import function_prompts, interleave
 from distill.command import parse_share
 from distill.config_args import add_dataclass_args, dataclass_from_args
-from distill.dataset_answers import sharegpt_answer_records
+from distill.dataset_answers import cache_answer_states
 from distill.eagle_cache import cache_eagle_states, read_manifest
 from distill.selfdistill import generate_selfdistill, is_code_prompt, read_records, sharegpt_prompts
 from distill.train_eagle import ANSWERS_CACHE_DIR, CACHE_DIR, TRAIN_MARKERS, EagleTrainConfig
@@ -77,11 +77,9 @@ def train(args: argparse.Namespace, model, tok, out: Path, budget: RunBudget) ->
     caches = [cache_eagle_states(model, records, out / CACHE_DIR, layers, heldout_every=cfg.heldout_every,
                                  deadline=deadline)]
     if args.answers_frac > 0:  # ShareGPT's own answers, read teacher-forced (distill.dataset_answers)
-        answers = sharegpt_answer_records(tok, limit=args.answer_records, max_prompt_tokens=args.max_prompt_tokens,
-                                          answer_tokens=args.dataset_answer_tokens)
-        # nothing held out of them: the held-out accuracy is measured on the target's own answers
-        caches.append(cache_eagle_states(model, answers, out / ANSWERS_CACHE_DIR, layers, heldout_every=0,
-                                         deadline=min(budget.at(args.data_frac + args.answers_frac), deadline)))
+        caches.append(cache_answer_states(model, tok, out / ANSWERS_CACHE_DIR, layers, args.answer_records,
+                                          args.dataset_answer_tokens, args.max_prompt_tokens,
+                                          deadline=min(budget.at(args.data_frac + args.answers_frac), deadline)))
         done = read_manifest(caches[-1])["records_done"]
         print(f"[data] features of {done} ShareGPT answers (teacher-forced), {budget.minutes():.1f} min", flush=True)
     distill.train_eagle(model, caches, cfg, out, deadline=deadline)
