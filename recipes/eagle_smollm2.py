@@ -37,7 +37,7 @@ from recipe_errors import run
 import distill
 import runtime
 from distill.budget import RunBudget, default_train_frac, run_budgeted
-from distill.code_prompts import function_prompts, interleave
+from distill.code_prompts import STUB_CACHE, function_prompts, interleave
 from distill.command import parse_share
 from distill.config_args import add_dataclass_args, dataclass_from_args
 from distill.dataset_answers import cache_answer_states
@@ -59,7 +59,7 @@ def train(args: argparse.Namespace, model, tok, out: Path, budget: RunBudget) ->
     prompts = sharegpt_prompts(tok, split="calibration", limit=limit, max_prompt_tokens=args.max_prompt_tokens,
                                keep=is_code_prompt if getattr(args, "code_prompts", False) else None)
     if args.function_share > 0:  # HumanEval-shaped prompts from this machine's Python sources
-        stubs = function_prompts(tok, max_prompt_tokens=args.max_prompt_tokens, cache=out / "function_stubs.json")
+        stubs = function_prompts(tok, max_prompt_tokens=args.max_prompt_tokens, cache=out / STUB_CACHE)
         print(f"[data] {len(stubs)} function stubs, {len(prompts)} ShareGPT prompts, "
               f"{args.function_share:.0%} stubs", flush=True)
         prompts = interleave(stubs, prompts, args.function_share)

@@ -103,6 +103,7 @@ def test_output_loads_quantizes_and_stays_lossless(tmp_path):
     metrics = json.loads((tmp_path / "out" / "distill_metrics.json").read_text())
     assert [e["step"] for e in metrics["heldout"]] == [0, 2, 4]  # the undistilled draft, then every 2 steps
     assert all(1.0 <= e["tau"] <= cfg.eval_draft_tokens + 1 for e in metrics["heldout"])
+    assert all(0.0 <= e["agreement"] <= 1.0 and e["positions"] > 0 for e in metrics["heldout"])
     assert (tmp_path / "out" / "distill.png").stat().st_size > 0
     loaded = runtime.load_model(tmp_path / "out", dtype=torch.float32)
     for name, t in loaded.state_dict().items():  # saved in bf16
@@ -236,3 +237,14 @@ def test_recipe_refuses_a_foreign_output_directory_before_any_work(tmp_path):
     assert proc.returncode == 2
     assert "distill_qwen05_draft: error:" in proc.stderr and "did not write" in proc.stderr
     assert (tmp_path / "mine.txt").read_text() == "not specdec's" and len(list(tmp_path.iterdir())) == 1
+
+
+def test_a_directory_holding_only_the_commands_cached_stubs_is_accepted(tmp_path):
+    from distill.code_prompts import STUB_CACHE
+    from distill.draft import check_distill_dir
+
+    # `specdec distill draft` writes the function stubs into OUT before distill_draft checks OUT again
+    (tmp_path / STUB_CACHE).write_text("[]")
+    assert check_distill_dir(tmp_path) == tmp_path
+    (tmp_path / "mine.txt").write_text("not specdec's")
+    check_distill_dir(tmp_path)  # a marker is there: the directory is specdec's
