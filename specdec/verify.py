@@ -14,8 +14,11 @@ the root and returns the accepted path and the token that follows it.
   next token is drawn from what is left of p; when the path ends at a leaf, from p itself. A
   deterministic draft has q one-hot: accept when u < p(x), else zero p(x) and renormalise.
   Each emitted token is distributed exactly as the target's p.
-- Typical (lossy; Cai et al. 2024): accept the first child x with p(x) > min(epsilon,
-  delta * exp(-H(p))); the next token is sampled from p at the last accepted node.
+- Typical (lossy; Cai et al. 2024): a node x passes when p(x) > min(epsilon, delta * exp(-H(p)))
+  under its parent's p; as in Medusa's reference (`evaluate_posterior`), the path is the deepest
+  node whose every ancestor passes (ties go to the best-ranked), and the next token is sampled
+  from p at its end. Taking the first passing sibling instead would stop at a shallower branch
+  where a deeper one passes too.
 
 Only valid nodes (index < lens[b], and within the row's budget) can be accepted.
 """
@@ -54,7 +57,7 @@ def verify(logits: torch.Tensor, tree: DraftTree, valid: torch.Tensor, temperatu
     if temperature == 0:
         return verify_greedy(logits, tree, valid)
     if typical is not None:
-        return _walk(logits, tree, valid, temperature, top_k, top_p, generator, _typical_choice(typical))
+        return verify_typical(logits, tree, valid, temperature, top_k, top_p, generator, typical)
     if tree.is_chain:
         return verify_chain_sampling(logits, tree, valid, temperature, top_k, top_p, generator)
     return _walk(logits, tree, valid, temperature, top_k, top_p, generator, _lossless_choice(tree.q))
@@ -69,12 +72,38 @@ def verify_greedy(logits: torch.Tensor, tree: DraftTree, valid: torch.Tensor) ->
         accepted = _leading(match)  # (B,)
         paths = [list(range(a)) for a in accepted.tolist()]
         return Verdict(paths, best.gather(1, accepted[:, None])[:, 0])
-    anc = tree.block_mask()[:, 1:, 1:]  # (B, N, N): ancestors among the nodes, self included
-    ok = ~((~match)[:, None, :] & anc).any(-1)  # (B, N): every node on the path matches
-    score = torch.cat([torch.zeros(B, 1, dtype=torch.long), ok * tree.depths()], dim=1)  # (B, 1 + N)
-    deepest = score.argmax(-1) - 1  # (B,): -1 = the root; ties go to the first (best-ranked) node
+    deepest = _deepest_passing(tree, match)
     paths = [tree.path(b, int(node)) for b, node in enumerate(deepest)]
     return Verdict(paths, best.gather(1, (deepest + 1)[:, None])[:, 0])
+
+
+def _deepest_passing(tree: DraftTree, passed: torch.Tensor) -> torch.Tensor:
+    """(B,) per row the deepest node whose path from the root passes entirely (passed (B, N) bool,
+    on the CPU); -1 = the root. Ties go to the first (best-ranked) node."""
+    B = passed.shape[0]
+    anc = tree.block_mask()[:, 1:, 1:]  # (B, N, N): ancestors among the nodes, self included
+    ok = ~((~passed)[:, None, :] & anc).any(-1)  # (B, N): every node on the path passes
+    score = torch.cat([torch.zeros(B, 1, dtype=torch.long), ok * tree.depths()], dim=1)  # (B, 1 + N)
+    return score.argmax(-1) - 1
+
+
+def verify_typical(logits: torch.Tensor, tree: DraftTree, valid: torch.Tensor, temperature: float, top_k: int,
+                   top_p: float, generator: torch.Generator | None, typical: TypicalAcceptance) -> Verdict:
+    """Typical acceptance, every row at once: the deepest path of nodes x with p(x) above their
+    parent's threshold min(epsilon, delta * exp(-H(p))), then a token sampled from p at its end."""
+    B = tree.tokens.shape[0]
+    device = logits.device
+    p = probs_from_logits(logits, temperature, top_k, top_p)  # (B, 1 + N, V)
+    entropy = -(p * torch.log(p.clamp_min(1e-30))).sum(-1)  # (B, 1 + N)
+    threshold = torch.minimum(torch.full_like(entropy, typical.epsilon), typical.delta * torch.exp(-entropy))
+    rows = torch.arange(B, device=device)
+    parents = (tree.parents + 1).to(device)  # (B, N): each node's parent in [root, nodes]
+    p_node = p[rows[:, None], parents, tree.tokens.to(device)]  # (B, N): p(x) under its parent
+    passed = (p_node > threshold.gather(1, parents)).cpu() & valid.cpu()  # (B, N)
+    deepest = _deepest_passing(tree, passed)
+    at = p[rows, (deepest + 1).to(device)]  # (B, V): p where the path ends
+    nxt = torch.multinomial(at, 1, generator=generator).squeeze(1).cpu()
+    return Verdict([tree.path(b, int(node)) for b, node in enumerate(deepest)], nxt)
 
 
 def verify_chain_sampling(logits: torch.Tensor, tree: DraftTree, valid: torch.Tensor, temperature: float,
@@ -171,12 +200,3 @@ def _lossless_choice(q: torch.Tensor | None) -> Choice:
 
     return choose
 
-
-def _typical_choice(typical: TypicalAcceptance) -> Choice:
-    """The first child x with p(x) > min(epsilon, delta * exp(-H(p)))."""
-    def choose(p: torch.Tensor, row: int, kids: list[int], xs: list[int], generator) -> int | None:
-        entropy = -(p * torch.log(p.clamp_min(1e-30))).sum()
-        threshold = min(typical.epsilon, typical.delta * float(torch.exp(-entropy)))
-        return next((i for i, x in enumerate(xs) if float(p[x]) > threshold), None)
-
-    return choose

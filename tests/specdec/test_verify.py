@@ -157,3 +157,21 @@ def test_lossless_tree_with_sampled_siblings_reproduces_the_target_distribution(
     emp = torch.bincount(first, minlength=V).float() / n
     assert _tv(q_probs, p_logits.softmax(-1)) > 0.3
     assert (emp - p_logits.softmax(-1)).abs().max() < 0.02
+
+
+def test_typical_acceptance_takes_the_deepest_passing_branch():
+    """Medusa's reference keeps the longest passing candidate: here the first child passes but ends
+    there, while its sibling passes and so does that sibling's child."""
+    tree = Tree(((0,), (1,), (1, 0)))
+    V = 6
+    draft = _medusa_tree(tree, [1, 2, 3])  # children of the root 1, 2; 2 -> 3
+    logits = torch.full((1, 4, V), -9.0)
+    logits[0, 0, 1], logits[0, 0, 2] = 2.0, 2.0  # after the root tokens 1 and 2 both pass
+    logits[0, 2, 3] = 9.0  # after 2, token 3 passes
+    logits[0, 3, 5] = 9.0  # after 3 the target puts its mass on 5
+    g = torch.Generator().manual_seed(0)
+    v = verify(logits, draft, _all(draft), 1.0, generator=g, typical=TypicalAcceptance(0.09, 0.3))
+    assert v.paths == [[1, 2]] and v.next_tokens.tolist() == [5]
+    v = verify(logits, draft, torch.tensor([[True, True, False]]), 1.0, generator=g,
+               typical=TypicalAcceptance(0.09, 0.3))  # the deep node past the row's budget
+    assert v.paths == [[0]]  # both depth-1 nodes pass: the first (best-ranked) one
