@@ -220,7 +220,7 @@ def parser() -> argparse.ArgumentParser:
     add_prompt_args(p)
     add_dataclass_args(p.add_argument_group("distillation (DistillConfig)"), DistillConfig,
                        flags={"eval_tokens": "--heldout-tokens", "eval_every": "--heldout-every",
-                              "eval_draft_tokens": "--heldout-draft-tokens"})
+                              "eval_draft_tokens": "--heldout-draft-tokens", "eval_decode": "--heldout-decode"})
     return p
 
 
