@@ -23,7 +23,8 @@ and goes on against the same budget: OUT/budget.json holds the minutes spent):
 time on one machine), and tabulates the held-out top-1 agreement with the target's greedy answers
 (teacher-forced, distill.heldout; the answers are generated once for every run) and the
 cross-entropy on them, before and after, in OUT/compare.md and OUT/compare.json; each run
-(OUT/compare/<divergence>-<data>[-lora]) resumes.
+(OUT/compare/<divergence>-<data>[-lora]) resumes; a finished run keeps its metrics and plot, and
+its distilled weights only with --compare-keep-drafts.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -44,7 +46,7 @@ from distill.code_prompts import STUB_CACHE
 from distill.config_args import add_dataclass_args, dataclass_from_args
 from distill.distill_command import add_prompt_args
 from distill.divergence import DIVERGENCES
-from distill.draft import METRICS, DistillConfig, distill_draft, heldout_set
+from distill.draft import CHECKPOINTS, METRICS, DistillConfig, distill_draft, heldout_set
 from distill.onpolicy import DATA_SOURCES, heldout_prompts, training_prompts
 from distill.selfdistill import stop_token_ids
 from runtime.atomic import atomic_write_text
@@ -130,6 +132,16 @@ def compare_runs(lora_lr: float) -> list[tuple[str, dict]]:
     return runs + [("fkl-on-policy-lora", {"divergence": "fkl", "data": "on-policy", "lora": True, "lr": lora_lr})]
 
 
+def _drop_weights(run_dir: Path, keep_draft: bool) -> None:
+    """Remove a finished compared run's resumable checkpoint and, unless `keep_draft`, its distilled
+    weights: with the optimizer state the 0.5B draft's run holds ~7.5 GB, and the table needs only
+    its metrics."""
+    shutil.rmtree(run_dir / CHECKPOINTS, ignore_errors=True)
+    if not keep_draft:
+        for name in ("model.safetensors", "config.json"):  # no config left behind that promises weights
+            (run_dir / name).unlink(missing_ok=True)
+
+
 def compare(args: argparse.Namespace, out: Path) -> dict:
     """Every run of `compare_runs` for --compare-minutes each (each run its own budget), measured by
     teacher-forced agreement on one set of the target's held-out answers; OUT/compare.md and compare.json."""
@@ -151,6 +163,7 @@ def compare(args: argparse.Namespace, out: Path) -> dict:
         else:
             with RunBudget(run_dir / "budget.json", args.compare_minutes) as clock:
                 metrics = _distil(args, cfg, target, tok, prompts, held, run_dir, clock.at(1.0))
+        _drop_weights(run_dir, args.compare_keep_drafts)
         first, last = metrics["heldout"][0], metrics["heldout"][-1]
         rows.append({"run": name, "divergence": cfg.divergence, "data": cfg.data, "lora": cfg.lora, "lr": cfg.lr,
                      "steps": metrics["steps"], "train_minutes": metrics["train_seconds"] / 60,
@@ -214,6 +227,9 @@ def parser() -> argparse.ArgumentParser:
                    help="train every divergence x data source for --compare-minutes each and tabulate held-out "
                         "acceptance, instead of the recipe's single run")
     p.add_argument("--compare-minutes", type=float, default=10.0, help="wall-clock minutes per compared run")
+    p.add_argument("--compare-keep-drafts", action="store_true",
+                   help="keep each compared run's distilled weights (~1 GB each for the 0.5B draft); by default a "
+                        "finished run keeps its metrics and plot only, and no run keeps its checkpoint")
     p.add_argument("--compare-lora-lr", type=float, default=1e-4,
                    help="peak learning rate of the compared LoRA run (adapters train at a higher rate than full "
                         "fine-tuning; default: %(default)s)")

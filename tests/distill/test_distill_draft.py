@@ -248,3 +248,23 @@ def test_a_directory_holding_only_the_commands_cached_stubs_is_accepted(tmp_path
     assert check_distill_dir(tmp_path) == tmp_path
     (tmp_path / "mine.txt").write_text("not specdec's")
     check_distill_dir(tmp_path)  # a marker is there: the directory is specdec's
+
+
+def test_compared_runs_cover_every_divergence_and_source_and_drop_their_weights(tmp_path, monkeypatch):
+    import importlib
+
+    from distill.divergence import DIVERGENCES
+    from distill.onpolicy import DATA_SOURCES
+
+    monkeypatch.syspath_prepend(str(ROOT / "recipes"))
+    recipe = importlib.import_module("distill_qwen05_draft")
+    runs = dict(recipe.compare_runs(3e-4))
+    assert {(o["divergence"], o["data"]) for o in runs.values() if "lora" not in o} == {
+        (d, s) for d in DIVERGENCES for s in DATA_SOURCES}
+    assert runs["fkl-on-policy-lora"] == {"divergence": "fkl", "data": "on-policy", "lora": True, "lr": 3e-4}
+    run = tmp_path / "fkl-target"
+    (run / recipe.CHECKPOINTS / "step-0000002").mkdir(parents=True)
+    for name in ("model.safetensors", "config.json", "distill_metrics.json", "distill.png"):
+        (run / name).write_text("x")
+    recipe._drop_weights(run, keep_draft=False)
+    assert sorted(p.name for p in run.iterdir()) == ["distill.png", "distill_metrics.json"]
