@@ -22,9 +22,10 @@ and the draft is trained to match it under --divergence (fkl, rkl, jsd with --be
 machine's Python sources (--code-share); held-out acceptance is measured every --eval-every steps
 on the last --heldout-prompts prompts of ShareGPT's held-out slice: the draft's top-1 agreement
 with the target's greedy answers (teacher-forced: greedy decoding's per-token acceptance, no
-sampling noise) and, unless --no-eval-decode, tau by greedy speculative decoding. OUT receives the distilled draft as a
-Hugging Face checkpoint (`specdec eval --methods draft:OUT`, `runtime.load_model(OUT)`; `quant`
-compresses it), checkpoints (the same command resumes), distill.png and distill_metrics.json.
+sampling noise) and, unless --no-eval-decode, tau by greedy speculative decoding. OUT receives
+the distilled draft as a Hugging Face checkpoint (`specdec eval --methods draft:OUT`,
+`runtime.load_model(OUT)`; `quant` compresses it), checkpoints (the same command resumes),
+distill.png and distill_metrics.json.
 Several processes: `accelerate launch --num_processes N -m specdec.cli distill draft ...`."""
 
 

@@ -23,12 +23,13 @@ agreement with the target's greedy answers to the held-out prompts, teacher-forc
 (`distill.heldout`: the per-token acceptance probability of greedy speculative decoding, without
 sampling noise; the answers are generated once and kept in OUT/heldout_answers.json), and, with
 `eval_decode`, greedy speculative decoding of the target with the draft (a copy in the target's
-dtype) on those prompts (`specdec.generate`; tau and the acceptance rate of its AcceptanceStats). OUT receives atomic
-checkpoints every `checkpoint_every` steps (OUT/distill_checkpoint/step-N: the trainable weights
-as safetensors, optimizer.pt of tensors only, trainer.json; `latest.json` names the newest,
-written last), the distilled draft as a Hugging Face checkpoint (model.safetensors + config.json + tokenizer:
-`runtime.load_model(OUT)`, `specdec eval --methods draft:OUT`, `quant` compresses it),
-distill_metrics.json and distill.png (loss and held-out acceptance over the steps).
+dtype) on those prompts (`specdec.generate`; tau and the acceptance rate of its AcceptanceStats).
+OUT receives atomic checkpoints every `checkpoint_every` steps (OUT/distill_checkpoint/step-N:
+the trainable weights as safetensors, optimizer.pt of tensors only, trainer.json; `latest.json`
+names the newest, written last), the distilled draft as a Hugging Face checkpoint
+(model.safetensors + config.json + tokenizer: `runtime.load_model(OUT)`, `specdec eval --methods
+draft:OUT`, `quant` compresses it), distill_metrics.json and distill.png (loss and held-out
+acceptance over the steps).
 """
 
 from __future__ import annotations
@@ -188,11 +189,11 @@ def _token_weight(tokens: int, acc) -> float:
 def heldout_set(target, prompts: list[list[int]], config: DistillConfig, eos_token_id, out_dir: Path | None
                 ) -> HeldoutSet:
     """The target's greedy answers to the held-out prompts: read from OUT/heldout_answers.json when it
-    holds these prompts and this answer cap, else generated (and written there)."""
+    holds these prompts at this answer cap (`eval_tokens`), else generated (and written there)."""
     path = out_dir / HELDOUT_ANSWERS if out_dir is not None else None
     if path is not None and path.is_file():
         held = HeldoutSet.load(path)
-        if held.prompts == prompts and all(len(a) <= config.eval_tokens for a in held.answers):
+        if held.prompts == prompts and held.max_new_tokens == config.eval_tokens:
             return held
     held = target_answers(target, prompts, config.eval_tokens, eos_token_id)
     if path is not None:
@@ -335,9 +336,9 @@ def distill_draft(target, draft, prompts, config: DistillConfig = DistillConfig(
     share the vocabulary. out_dir: new, empty or a draft distillation directory (TRAIN_MARKERS;
     else OutputPathError), resumed from when `resume`; it receives checkpoints, the draft (with
     `tokenizer`), heldout_answers.json, distill_metrics.json and distill.png; without it nothing is
-    saved. deadline: a time.monotonic() value after which no
-    step starts (the schedule decays toward it). stop_after: end this call after that many
-    steps in all (the schedule still spans config.steps; the same call later resumes).
+    saved. deadline: a time.monotonic() value after which no step starts (the schedule decays
+    toward it). stop_after: end this call after that many steps in all (the schedule still spans
+    config.steps; the same call later resumes).
     """
     from accelerate import Accelerator
 

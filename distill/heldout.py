@@ -29,10 +29,12 @@ from runtime.atomic import atomic_write_text
 
 @dataclass(frozen=True)
 class HeldoutSet:
-    """Held-out prompts and the target's greedy answers to them (token id lists, one per prompt)."""
+    """Held-out prompts and the target's greedy answers to them (token id lists, one per prompt),
+    cut at `max_new_tokens` (None: not recorded)."""
 
     prompts: list[list[int]]
     answers: list[list[int]]
+    max_new_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if len(self.prompts) != len(self.answers) or not self.prompts:
@@ -47,19 +49,21 @@ class HeldoutSet:
         return sum(len(a) for a in self.answers)
 
     def save(self, path: str | Path) -> None:
-        atomic_write_text(Path(path), json.dumps({"prompts": self.prompts, "answers": self.answers}))
+        atomic_write_text(Path(path), json.dumps({"prompts": self.prompts, "answers": self.answers,
+                                                  "max_new_tokens": self.max_new_tokens}))
 
     @classmethod
     def load(cls, path: str | Path) -> HeldoutSet:
         data = json.loads(Path(path).read_text())
-        return cls([list(map(int, p)) for p in data["prompts"]], [list(map(int, a)) for a in data["answers"]])
+        return cls([list(map(int, p)) for p in data["prompts"]], [list(map(int, a)) for a in data["answers"]],
+                   data.get("max_new_tokens"))
 
 
 def target_answers(target, prompts: list[list[int]], max_new_tokens: int,
                    eos_token_id: int | list[int] | None = None) -> HeldoutSet:
     """The target's greedy answers (at most `max_new_tokens`, ending at eos) to `prompts`."""
     answers = sample_answers(target, prompts, max_new_tokens, 0.0, torch.Generator(), eos_token_id)
-    return HeldoutSet([list(p) for p in prompts], answers)
+    return HeldoutSet([list(p) for p in prompts], answers, max_new_tokens)
 
 
 def expected_tau(agreement: float, k: int) -> float:

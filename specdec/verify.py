@@ -25,7 +25,6 @@ Only valid nodes (index < lens[b], and within the row's budget) can be accepted.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -60,13 +59,12 @@ def verify(logits: torch.Tensor, tree: DraftTree, valid: torch.Tensor, temperatu
         return verify_typical(logits, tree, valid, temperature, top_k, top_p, generator, typical)
     if tree.is_chain:
         return verify_chain_sampling(logits, tree, valid, temperature, top_k, top_p, generator)
-    return _walk(logits, tree, valid, temperature, top_k, top_p, generator, _lossless_choice(tree.q))
+    return _walk_lossless(logits, tree, valid, temperature, top_k, top_p, generator)
 
 
 def verify_greedy(logits: torch.Tensor, tree: DraftTree, valid: torch.Tensor) -> Verdict:
     """Greedy verification: the deepest node whose whole path equals the target's argmax."""
     best = logits.argmax(-1).cpu()  # (B, 1 + N)
-    B, n = tree.tokens.shape
     match = (tree.tokens == best.gather(1, tree.parents + 1)) & valid  # (B, N)
     if tree.is_chain:
         accepted = _leading(match)  # (B,)
@@ -149,15 +147,11 @@ def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(mass > 0, residual / mass.clamp(min=1e-30), p)
 
 
-# choose(p, row, children, tokens, generator) -> index into children of the accepted child, or
-# None; it may leave p edited to the residual the next token is drawn from
-Choice = Callable[[torch.Tensor, int, list[int], list[int], torch.Generator | None], int | None]
-
-
-def _walk(logits: torch.Tensor, tree: DraftTree, valid: torch.Tensor, temperature: float, top_k: int,
-          top_p: float, generator: torch.Generator | None, choose: Choice) -> Verdict:
-    """Walk each row from the root; at each node `choose` picks an accepted child or none, and
-    the next token is drawn from p at the node where the walk stops."""
+def _walk_lossless(logits: torch.Tensor, tree: DraftTree, valid: torch.Tensor, temperature: float, top_k: int,
+                   top_p: float, generator: torch.Generator | None) -> Verdict:
+    """Walk each row from the root; at each node recursive rejection over its children
+    (`_choose_child`) accepts one or none, and the next token is drawn from (what is left of) p
+    at the node where the walk stops."""
     B, n = tree.tokens.shape
     parents, ok = tree.parents.tolist(), valid.tolist()
     paths, nxt = [], []
@@ -171,7 +165,7 @@ def _walk(logits: torch.Tensor, tree: DraftTree, valid: torch.Tensor, temperatur
         while True:
             p = probs_from_logits(logits[b, node + 1], temperature, top_k, top_p)  # (V,)
             kids = children[node + 1]
-            pick = choose(p, b, kids, [tokens[c] for c in kids], generator) if kids else None
+            pick = _choose_child(p, tree.q, b, kids, [tokens[c] for c in kids], generator) if kids else None
             if pick is None:
                 nxt.append(int(torch.multinomial(p, 1, generator=generator)))
                 break
@@ -181,22 +175,21 @@ def _walk(logits: torch.Tensor, tree: DraftTree, valid: torch.Tensor, temperatur
     return Verdict(paths, torch.tensor(nxt, dtype=torch.long))
 
 
-def _lossless_choice(q: torch.Tensor | None) -> Choice:
-    """Recursive rejection over siblings: child x (drawn from q) passes with min(1, p(x) / q(x))."""
-    def choose(p: torch.Tensor, row: int, kids: list[int], xs: list[int], generator) -> int | None:
-        for i, (c, x) in enumerate(zip(kids, xs)):
-            u = float(torch.rand((), generator=generator, device=p.device))
-            if q is None:  # one-hot q: accept with p(x), else zero p(x)
-                if u < float(p[x]):
-                    return i
-                p[x] = 0.0
-                p.div_(p.sum())  # positive: a rejection means p(x) < 1
-            else:
-                qc = q[row, c].to(p.device)
-                if u * float(qc[x]) < float(p[x]):
-                    return i
-                p.copy_(_residual(p, qc))
-        return None
-
-    return choose
-
+def _choose_child(p: torch.Tensor, q: torch.Tensor | None, row: int, kids: list[int], xs: list[int],
+                  generator: torch.Generator | None) -> int | None:
+    """Recursive rejection over siblings: child x (drawn from q) passes with min(1, p(x) / q(x));
+    the index into `kids` of the accepted child, or None with p left as the residual the next
+    token is drawn from."""
+    for i, (c, x) in enumerate(zip(kids, xs)):
+        u = float(torch.rand((), generator=generator, device=p.device))
+        if q is None:  # one-hot q: accept with p(x), else zero p(x)
+            if u < float(p[x]):
+                return i
+            p[x] = 0.0
+            p.div_(p.sum())  # positive: a rejection means p(x) < 1
+        else:
+            qc = q[row, c].to(p.device)
+            if u * float(qc[x]) < float(p[x]):
+                return i
+            p.copy_(_residual(p, qc))
+    return None
