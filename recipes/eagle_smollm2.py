@@ -14,8 +14,9 @@ minutes spent):
    (default: all but `eval_minutes`); the head is saved in OUT in the speculators format
    (`specdec.load_eagle(OUT, target)`), with OUT/metrics.json (per-depth held-out accuracy) and
    OUT/loss.png;
-3. evaluation with `specdec eval`, methods --baselines and `eagle:OUT@TREE` (--eagle-tree: the
-   tree's nodes, default auto: the size that is fastest on this machine), on held-out prompts
+3. evaluation with `specdec eval`, methods --baselines and `eagle:OUT@TREE:DxK` (--eagle-tree: the
+   tree's nodes, default auto: the size that is fastest on this machine; --eagle-depth D and
+   --eagle-top-k K its shape), on held-out prompts
    (OUT/eval/report.json: tau, per-depth acceptance, tokens/s, speedups, equality with plain
    decoding), summarised in OUT/summary.json.
 `--eval-only` runs step 3 alone on the head already in --out. `pipeline()` is shared with
@@ -127,7 +128,8 @@ def _run(args: argparse.Namespace, model_name: str, eval_dataset: str, raw_eval:
         records, metrics, train_min = train(args, model, runtime.load_tokenizer(model_name), out, budget)
         del model
     eval_dtype = args.eval_dtype or args.dtype
-    methods = ",".join([*filter(None, args.baselines.split(",")), f"eagle:{out}@{args.eagle_tree}"])
+    eagle = f"eagle:{out}@{args.eagle_tree}:{args.eagle_depth}x{args.eagle_top_k}"
+    methods = ",".join([*filter(None, args.baselines.split(",")), eagle])
     cfg = EvalConfig(out=str(out / "eval"), methods=methods, target=model_name, dataset=eval_dataset,
                      limit=args.eval_prompts, raw=raw_eval, dtype=eval_dtype, max_new_tokens=args.eval_tokens,
                      overwrite=True)
@@ -195,6 +197,10 @@ def parser(defaults: dict, train: dict, doc: str = __doc__) -> argparse.Argument
     p.add_argument("--eagle-tree", type=draft_length_arg, default="auto", metavar="N|auto",
                    help="nodes of the evaluated draft tree (1-64), or auto: time the sizes on this machine first "
                         "(default: %(default)s)")
+    p.add_argument("--eagle-depth", type=int, default=5,
+                   help="levels of the evaluated draft tree (default: %(default)s)")
+    p.add_argument("--eagle-top-k", type=int, default=8, help="children per expanded node and nodes expanded per "
+                   "level of the evaluated draft tree (default: %(default)s)")
     p.set_defaults(prompts_per_minute=defaults["prompts_per_minute"])
     add_dataclass_args(p.add_argument_group("head training (EagleTrainConfig)"), EagleTrainConfig, defaults=train)
     return p

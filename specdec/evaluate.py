@@ -17,9 +17,10 @@ generations. Methods (`--methods`, comma-separated):
 draft, ngram and hybrid take an optional `@K` suffix, their own draft length (an integer or
 auto) in place of `--num-draft-tokens`: `draft:X@3,draft:X@7,draft:X@auto` compares draft
 lengths in one alternating run. For eagle, `@N` is the number of nodes the dynamic tree keeps
-(default 48; depth 5, top-k 8) and `@auto` times tree sizes on this machine before the run
-(specdec.eagle_auto, on the first prompt that fits) and writes the measurement to
-`tree_auto.json`.
+(default 48; depth 5, top-k 8), `@N:DxK` also its depth D and top-k K (e.g. `@96:8x10`; a
+deeper, wider tree drafts longer runs for a larger verification forward), and `@auto` (or
+`@auto:DxK`) times tree sizes on this machine before the run (specdec.eagle_auto, on the first
+prompt that fits) and writes the measurement to `tree_auto.json`.
 
 Every method counts the new tokens after the prompt, up to and including eos, and is timed
 around the whole call (prefill included); tokens/s per prompt = new tokens / wall seconds.
@@ -49,6 +50,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import shlex
 import sys
 import time
@@ -72,6 +74,7 @@ from specdec.stats import AcceptanceStats
 METHOD_KINDS = ("plain", "draft", "ngram", "hybrid", "medusa", "eagle", "hf", "hf-assisted", "hf-pld")
 _NEEDS_ARG = ("draft", "hybrid", "medusa", "eagle", "hf-assisted")
 _DRAFTING = ("draft", "ngram", "hybrid", "eagle")  # methods that take @K (eagle: the tree's nodes)
+_TREE_SHAPE = re.compile(r"[0-9]+x[0-9]+")  # eagle's @N:DEPTHxTOP_K
 DTYPES = {name: hardware.DTYPES[name] for name in ("bfloat16", "float32")}  # the dtypes runs are measured in
 GENERATIONS, RUN_FILE = "generations.jsonl", "run.json"
 _OUTPUTS = (GENERATIONS, RUN_FILE, "report.json", "report.md", "acceptance.png", "speedup.png", "tree_auto.json")
@@ -87,32 +90,57 @@ _RESUME_IF_SET = ("draft_vocab",)
 @dataclass(frozen=True)
 class MethodSpec:
     """One decoding method of a run: `name` as given (e.g. "draft:X@3"), its kind and argument,
-    and its own draft length (the `@K` suffix: an integer or "auto"; None = the run's)."""
+    its own draft length (the `@K` suffix: an integer or "auto"; None = the run's; for eagle the
+    tree's nodes) and, for eagle, the tree's (depth, top_k) (the `@N:DxK` suffix; None = 5 x 8)."""
 
     name: str
     kind: str
     arg: str | None = None
     num_draft_tokens: int | str | None = None
+    tree_shape: tuple[int, int] | None = None
 
     @classmethod
     def parse(cls, text: str) -> "MethodSpec":
         name = text.strip()
         base, at, k = name.rpartition("@")
-        if not at or not (k.isdigit() or k == "auto"):  # an "@" inside a path is part of the path
-            base, at, k = name, "", ""
+        k, colon, shape = k.partition(":")
+        if not at or not (k.isdigit() or k == "auto") or (colon and not _TREE_SHAPE.fullmatch(shape)):
+            base, at, k, colon = name, "", "", ""  # an "@" inside a path is part of the path
         kind, _, arg = base.partition(":")
         if kind not in METHOD_KINDS:
             raise ValueError(f"unknown method {text!r}; choose from plain, draft:NAME_OR_PATH, ngram, "
                              "hybrid:NAME_OR_PATH, medusa:PATH, eagle:PATH, hf, hf-assisted:NAME_OR_PATH, hf-pld "
                              "(drafting methods take @K for their own draft length, e.g. ngram@3; eagle:PATH@N "
-                             "its tree's nodes)")
+                             "its tree's nodes, @N:DxK also its depth and top-k)")
         if kind in _NEEDS_ARG and not arg:
             raise ValueError(f"method {kind!r} needs a model: write {kind}:NAME_OR_PATH")
         if kind not in _NEEDS_ARG and arg:
             raise ValueError(f"method {kind!r} takes no argument, got {text!r}")
         if at and kind not in _DRAFTING:
             raise ValueError(f"{text!r}: only {', '.join(_DRAFTING)} take a draft length @K")
+        if kind == "eagle" and at:
+            return cls._eagle(name, arg, k, tuple(map(int, shape.split("x"))) if colon else None)
+        if colon:
+            raise ValueError(f"{text!r}: only eagle takes a tree shape (@N:DEPTHxTOP_K)")
         return cls(name, kind, arg or None, parse_draft_length(k) if at else None)
+
+    @classmethod
+    def _eagle(cls, name: str, arg: str, nodes: str, shape: tuple[int, int] | None) -> "MethodSpec":
+        """eagle:PATH@N[:DxK] or @auto[:DxK], the tree checked now (N may pass 64: a tree's nodes
+        are not a draft length)."""
+        from specdec.drafters.eagle import EagleTreeConfig
+
+        depth, top_k = shape or (None, None)
+        if nodes != "auto":
+            fields = {"total_tokens": int(nodes), **({"depth": depth, "top_k": top_k} if shape else {})}
+            try:
+                EagleTreeConfig(**fields)
+            except ValueError as e:
+                raise ValueError(f"{name!r}: {e}") from e
+            return cls(name, "eagle", arg, int(nodes), shape)
+        if shape:
+            EagleTreeConfig(depth, top_k, 1)
+        return cls(name, "eagle", arg, "auto", shape)
 
 
 def parse_methods(text: str | list[str] | tuple[str, ...]) -> list[MethodSpec]:
@@ -350,13 +378,14 @@ class Runner:
         from specdec.eagle_io import load_eagle
 
         head = self._cached(("eagle-head", spec.arg), lambda: load_eagle(spec.arg, self.target))
-        k = spec.num_draft_tokens
+        k, shape = spec.num_draft_tokens, dict(zip(("depth", "top_k"), spec.tree_shape or ()))
         if k != "auto":
-            return EagleDrafter(head, self.target, EagleTreeConfig() if k is None else EagleTreeConfig(total_tokens=k))
+            nodes = {} if k is None else {"total_tokens": k}
+            return EagleDrafter(head, self.target, EagleTreeConfig(**shape, **nodes))
         for prompt in self.calibration:
             ids = encode(self.tokenizer, [prompt.turns[0]], [], self.cfg.raw)
             try:
-                tree, record = auto_tree(self.target, head, [torch.tensor(ids)])
+                tree, record = auto_tree(self.target, head, [torch.tensor(ids)], **shape)
             except ContextLengthError:
                 continue
             print(describe(record), file=sys.stderr, flush=True)
@@ -529,8 +558,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--methods", default=d["methods"],
                    help="comma-separated methods: plain, draft:X, ngram, hybrid:X, medusa:PATH, eagle:PATH, hf, "
                         "hf-assisted:X, hf-pld; draft/ngram/hybrid take @K for their own draft length, "
-                        "e.g. ngram@3, draft:X@auto, and eagle @N for its tree's nodes or @auto to time tree "
-                        "sizes first (default: %(default)s)")
+                        "e.g. ngram@3, draft:X@auto, and eagle @N for its tree's nodes (@N:DxK also its depth and "
+                        "top-k, e.g. @96:8x10) or @auto to time tree sizes first (default: %(default)s)")
     p.add_argument("--target", default=d["target"], help="target model: catalogue name, checkpoint dir, "
                    ".gguf or hub id (default: %(default)s)")
     src = p.add_mutually_exclusive_group(required=True)

@@ -118,7 +118,12 @@ def test_parse_methods():
     assert parse_methods("ngram@3,draft:d@auto")[1] == MethodSpec("draft:d@auto", "draft", "d", "auto")
     assert parse_methods("draft:/u@corp/ckpt")[0] == MethodSpec("draft:/u@corp/ckpt", "draft", "/u@corp/ckpt")
     assert parse_methods("eagle:e@8,eagle:e@auto")[0] == MethodSpec("eagle:e@8", "eagle", "e", 8)
+    assert parse_methods("eagle:e@96:8x10")[0] == MethodSpec("eagle:e@96:8x10", "eagle", "e", 96, (8, 10))
+    assert parse_methods("eagle:e@auto:3x4")[0] == MethodSpec("eagle:e@auto:3x4", "eagle", "e", "auto", (3, 4))
+    assert parse_methods("draft:/u@corp:1x2")[0].arg == "/u@corp:1x2"  # no eagle, no draft length: a path
     for bad, msg in [("beam", "unknown method"), ("draft", "needs a model"), ("ngram:x", "takes no argument"),
+                     ("ngram@3:2x2", "only eagle takes a tree shape"), ("eagle:e@0", "total_tokens must be"),
+                     ("eagle:e@40:2x4", "exceeds the 20 candidates"), ("eagle:e@auto:1x0", "top_k must be"),
                      ("hf@3", "draft length"), ("ngram@0", "between 1 and 64"), ("ngram@65", "between 1 and 64"),
                      ("plain,plain", "repeat"), ("hf-assisted:a,hf-assisted:b", "at most one"), (" , ", "no methods")]:
         with pytest.raises(ValueError, match=msg):
@@ -128,8 +133,8 @@ def test_parse_methods():
 def test_eagle_tree_nodes_per_method_and_auto(workdir, tmp_path):
     """eagle:PATH@N keeps N tree nodes; @auto times the sizes first and records them in tree_auto.json."""
     head = workdir / "eagle"
-    args = _cli(_base_args(workdir, tmp_path / "e", "--methods", f"plain,eagle:{head}@3,eagle:{head}@auto",
-                           "--limit", "2"))
+    args = _cli(_base_args(workdir, tmp_path / "e", "--methods",
+                           f"plain,eagle:{head}@3,eagle:{head}@auto,eagle:{head}@5:2x3", "--limit", "2"))
     assert args.func(args) == 0
     rows = [json.loads(line) for line in (tmp_path / "e" / "generations.jsonl").read_text().splitlines()]
     plain = {r["id"]: r["output_ids"] for r in rows if r["method"] == "plain"}
@@ -137,6 +142,9 @@ def test_eagle_tree_nodes_per_method_and_auto(workdir, tmp_path):
         assert r["output_ids"] == plain[r["id"]]
     three = [r["stats"] for r in rows if r["method"] == f"eagle:{head}@3"]
     assert all(0 < s["drafted_tokens"] <= 3 * s["target_forwards"] for s in three)
+    shaped = [r["stats"] for r in rows if r["method"] == f"eagle:{head}@5:2x3"]  # depth 2: paths of <= 2 tokens
+    assert all(0 < s["drafted_tokens"] <= 2 * s["target_forwards"] and len(s["position_drafted"]) <= 2
+               for s in shaped)
     auto = json.loads((tmp_path / "e" / "tree_auto.json").read_text())[f"eagle:{head}@auto"]
     assert auto["prompt"] == "p0" and auto["chosen_nodes"] in [t["nodes"] for t in auto["trees"]]
     assert len(auto["trees"]) > 3
