@@ -104,6 +104,12 @@ class EagleTrainConfig:
         "check": _aux_check})
     norm_before_residual: bool = field(default=False, metadata={
         "help": "the decoder layer's residual is the normed fused state instead of the fused state"})
+    norm_before_fc: bool = field(default=False, metadata={
+        "help": "RMSNorm the concatenated aux states before fc (a later speculators option, on in its eagle3 "
+                "training)"})
+    norm_output: bool = field(default=False, metadata={
+        "help": "the next unrolled step reads the head's output after its final norm (Eagle 3.1; a later "
+                "speculators option, on in its eagle3 training)"})
     init_from_target: bool = field(default=True, metadata={
         "help": "start the head's LM head from the target's rows of the draft ids and its norm from the "
                 "target's final norm"})
@@ -394,7 +400,8 @@ def train_eagle(target, data, config: EagleTrainConfig = EagleTrainConfig(), out
         torch.manual_seed(config.seed)
         head = Eagle3Head(Eagle3Config.from_target(
             target, draft_vocab_size=min(config.draft_vocab_size, V), aux_layers=layers,
-            norm_before_residual=config.norm_before_residual)).to(device)
+            norm_before_residual=config.norm_before_residual, norm_before_fc=config.norm_before_fc,
+            norm_output=config.norm_output)).to(device)
     # the first cache's answers (the target's own) rank the draft vocabulary; the others fill it up
     extra = [s.answer_tokens() for s in splits[1:]]
     head.set_draft_vocab(answer_vocab(splits[0].answer_tokens(), V, head.config.draft_vocab_size,
@@ -412,7 +419,7 @@ def train_eagle(target, data, config: EagleTrainConfig = EagleTrainConfig(), out
     if resume and ckpt is not None and (ckpt / TRAINER).is_file():
         if read_eagle_config(ckpt, target) != head.config:
             raise ValueError(f"{ckpt} holds a head of another shape (draft vocabulary, aux layers or "
-                             f"norm_before_residual) than this configuration asks for; use another output directory")
+                             f"norms) than this configuration asks for; use another output directory")
         head.load_state_dict(load_file(str(ckpt / "model.safetensors")))  # its draft vocabulary included
         opt.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True))
         meta = json.loads((ckpt / TRAINER).read_text())

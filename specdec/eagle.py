@@ -7,13 +7,17 @@ One decoder layer then reads [input_layernorm(embedding of the next token),
 hidden_norm(fused)] (2C: q/k/v projections take 2C), with the fused state (or its normed copy,
 `norm_before_residual`) as the residual, the target's RoPE and grouped-query shape, and its own
 one-layer KV cache; `norm` and `lm_head` score a draft vocabulary of `draft_vocab_size` tokens.
+Options of later speculators versions (off unless a config sets them): `norm_before_fc` (one
+RMSNorm `input_norm` over the concatenated 3C states before `fc`), `fc_norm` (one RMSNorm per
+layer's C states, `fc_norm.{i}`, instead) and `norm_output` (the next step reads the head's
+output after `norm`, not before; Eagle 3.1).
 `d2t` maps a draft id d to the target id d + d2t[d]; `t2d` marks the target ids the draft
 vocabulary holds. The embedding is the target's (frozen, not stored with the head).
 
 Alignment (as speculators trains it): the step at position t reads the target's states behind
 token t - 1 and the embedding of token t, and predicts token t + 1. Its output hidden state
-(before `norm`) is what the next step reads instead of fused target states, so drafting (and
-training-time test) unrolls the head on its own outputs.
+(before `norm`, or after it with `norm_output`) is what the next step reads instead of fused
+target states, so drafting (and training-time test) unrolls the head on its own outputs.
 
     head = Eagle3Head(Eagle3Config.from_target(target, draft_vocab_size=32768))
     fused = head.fuse(aux)                                             # (B, T, C)
@@ -63,7 +67,10 @@ class Eagle3Config:
     the target's vocabulary, draft_vocab_size the head's (<= vocab_size); aux_layers the three
     target layers whose input states the head reads (each in 0..num_target_layers - 1);
     norm_before_residual: the decoder layer's residual is the normed fused state instead of the
-    fused state itself; target: the verifier's name or path, recorded in the checkpoint.
+    fused state itself; norm_before_fc / fc_norm: RMSNorm the concatenated aux states as one
+    vector / per layer before `fc` (at most one of them); norm_output: a step's output hidden
+    state is taken after `norm` (what the next step reads and `lm_head` scores); target: the
+    verifier's name or path, recorded in the checkpoint.
     """
 
     hidden_size: int
@@ -79,6 +86,9 @@ class Eagle3Config:
     rms_norm_eps: float = 1e-6
     rope_parameters: dict = field(default_factory=lambda: dict(DEFAULT_ROPE))
     norm_before_residual: bool = False
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    norm_output: bool = False
     target: str = ""
 
     def __post_init__(self) -> None:
@@ -104,15 +114,22 @@ class Eagle3Config:
         if not isinstance(self.rope_parameters, dict) or "rope_theta" not in self.rope_parameters:
             raise ValueError(f"Eagle3Config.rope_parameters must be a dict with a rope_theta, got "
                              f"{self.rope_parameters!r}")
-        if not isinstance(self.norm_before_residual, bool) or not isinstance(self.target, str):
-            raise ValueError("Eagle3Config.norm_before_residual must be a bool and target a string")
+        for name in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Eagle3Config.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.norm_before_fc and self.fc_norm:
+            raise ValueError("Eagle3Config.norm_before_fc and fc_norm exclude each other: one norm over the "
+                             "concatenated aux states, or one per layer")
+        if not isinstance(self.target, str):
+            raise ValueError(f"Eagle3Config.target must be a string, got {self.target!r}")
 
     @classmethod
     def from_target(cls, target, draft_vocab_size: int | None = None, aux_layers: tuple[int, ...] | None = None,
-                    norm_before_residual: bool = False, target_name: str = "") -> Eagle3Config:
+                    norm_before_residual: bool = False, target_name: str = "", **norms: bool) -> Eagle3Config:
         """The head shape for runtime model `target` (its sizes, RoPE and GQA shape). Defaults: the
         full vocabulary, aux layers (2, L // 2, L - 3) (targets of fewer than 4 layers need them
-        given), target_name from the target's config (`_name_or_path`)."""
+        given), target_name from the target's config (`_name_or_path`); `norms`: norm_before_fc,
+        fc_norm, norm_output."""
         cfg = target.config
         name = target_name or str(getattr(cfg.hf_config, "_name_or_path", "") or "")
         return cls(hidden_size=cfg.hidden_size, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
@@ -121,7 +138,7 @@ class Eagle3Config:
                    aux_layers=default_aux_layers(cfg.num_layers) if aux_layers is None else tuple(aux_layers),
                    max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps,
                    rope_parameters=rope_parameters(cfg.hf_config), norm_before_residual=norm_before_residual,
-                   target=name)
+                   target=name, **norms)
 
     def layer_config(self) -> dict:
         """The decoder layer as a transformers LlamaConfig dict (speculators' `transformer_layer_config`)."""
@@ -252,6 +269,8 @@ class Eagle3Head(nn.Module):
         self.config = config
         self.attention = attention
         C = config.hidden_size
+        self.input_norm = RMSNorm(3 * C, config.rms_norm_eps) if config.norm_before_fc else None
+        self.fc_norm = nn.ModuleList(RMSNorm(C, config.rms_norm_eps) for _ in range(3)) if config.fc_norm else None
         self.fc = nn.Linear(3 * C, C, bias=False)
         self.layers = nn.ModuleList([Eagle3Layer(config)])
         self.norm = RMSNorm(C, config.rms_norm_eps)
@@ -298,6 +317,10 @@ class Eagle3Head(nn.Module):
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """The target's three layers' states (B, T, 3C) -> the fused state (B, T, C) the head reads."""
+        if self.input_norm is not None:
+            aux = self.input_norm(aux)
+        elif self.fc_norm is not None:
+            aux = torch.cat([norm(part) for norm, part in zip(self.fc_norm, aux.chunk(3, dim=-1))], dim=-1)
         return self.fc(aux)
 
     def new_cache(self, batch_size: int, max_seq_len: int) -> KVCache:
@@ -307,18 +330,20 @@ class Eagle3Head(nn.Module):
                        device=self.device)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits (..., Vd) of the head's output hidden states (..., C)."""
-        return self.lm_head(self.norm(hidden))
+        """Draft-vocabulary logits (..., Vd) of the head's output hidden states (..., C) (`step`'s: with
+        norm_output already normed)."""
+        return self.lm_head(hidden if self.config.norm_output else self.norm(hidden))
 
     def step(self, hidden: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor,
              cache: KVCache | UnrollCache | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """`forward` without the LM head: the layer's output hidden state (B, T, C)."""
+        """`forward` without the LM head: the layer's output hidden state (B, T, C) (after `norm` with
+        norm_output)."""
         cos, sin = self.rope()(positions, self.dtype)
         backend = self.attention or default_backend(self.device)
         out = self.layers[0](hidden, embeds, cos, sin, cache, mask, backend)  # (B, T, C)
         if isinstance(cache, KVCache):
             cache.lengths += hidden.shape[1]
-        return out
+        return self.norm(out) if self.config.norm_output else out
 
     def forward(self, hidden: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor,
                 cache: KVCache | UnrollCache | None = None,

@@ -3,11 +3,14 @@
 A head directory holds `config.json` (a speculators Eagle3SpeculatorConfig: speculators_model_type
 "eagle3", architectures, transformer_layer_config (a Llama decoder layer), draft_vocab_size,
 target_hidden_size, eagle_aux_hidden_state_layer_ids, norm_before_residual written explicitly
-(vLLM reads a missing one as True) and speculators_config with the proposal method and the
-verifier) and `model.safetensors` with fc.weight, layers.0.*, norm.weight, lm_head.weight, d2t
-and t2d. The embedding is the target's and is not saved; a head saved by speculators with its
-own `embed_tokens.weight` loads too (that copy is ignored). Loading checks everything against
-the target before a tensor is read, and fails with a CheckpointError that names the problem.
+(vLLM reads a missing one as True), the later options norm_before_fc, fc_norm and norm_output
+(speculators' training turns norm_before_fc and norm_output on by default for eagle3; a missing
+one reads as False) and speculators_config with the proposal method and the verifier) and
+`model.safetensors` with fc.weight, layers.0.*, norm.weight, lm_head.weight, d2t and t2d (and
+input_norm.weight with norm_before_fc, fc_norm.{0,1,2}.weight with fc_norm). The embedding is
+the target's and is not saved; a head saved by speculators with its own `embed_tokens.weight`
+loads too (that copy is ignored). Loading checks everything against the target before a tensor
+is read, and fails with a CheckpointError that names the problem.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 ARCHITECTURE = "Eagle3Speculator"
 IGNORED = ("embed_tokens.weight",)  # a speculators head may carry its own copy of the target's embedding
+NORM_OPTIONS = ("norm_before_fc", "fc_norm", "norm_output")  # later speculators options; missing = False
 
 
 def speculators_config(head: Eagle3Head, speculative_tokens: int = 3) -> dict[str, Any]:
@@ -44,6 +48,9 @@ def speculators_config(head: Eagle3Head, speculative_tokens: int = 3) -> dict[st
         "target_hidden_size": cfg.hidden_size,
         "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layers),
         "norm_before_residual": cfg.norm_before_residual,
+        "norm_before_fc": cfg.norm_before_fc,
+        "fc_norm": cfg.fc_norm,
+        "norm_output": cfg.norm_output,
         "dtype": str(head.dtype).removeprefix("torch."),
         "speculators_config": {
             "algorithm": "eagle3",
@@ -108,9 +115,7 @@ def read_eagle_config(path: str | Path, target) -> Eagle3Config:
     if layer.get("num_hidden_layers", 1) != 1:
         raise CheckpointError(f"{cfg_file} has {layer.get('num_hidden_layers')!r} decoder layers; only 1 is "
                               "implemented")
-    if raw.get("norm_before_fc") or raw.get("fc_norm") or raw.get("norm_output"):
-        raise CheckpointError(f"{cfg_file} asks for norm_before_fc / fc_norm / norm_output, which are not "
-                              "implemented")
+    norms = {key: raw.get(key) or False for key in NORM_OPTIONS}
     aux = raw.get("eagle_aux_hidden_state_layer_ids")
     if aux is None:
         aux = list(default_aux_layers(tc.num_layers))
@@ -130,7 +135,7 @@ def read_eagle_config(path: str | Path, target) -> Eagle3Config:
             aux_layers=tuple(aux), max_position_embeddings=layer.get("max_position_embeddings", 0),
             rms_norm_eps=layer.get("rms_norm_eps", 1e-6), rope_parameters=rope,
             norm_before_residual=raw.get("norm_before_residual", True),
-            target=str(verifier.get("name_or_path") or ""))
+            target=str(verifier.get("name_or_path") or ""), **norms)
     except (TypeError, ValueError, ZeroDivisionError) as e:
         raise CheckpointError(f"{cfg_file} is invalid: {e}") from e
 
@@ -146,7 +151,9 @@ def expected_tensors(config: Eagle3Config) -> dict[str, tuple[int, ...]]:
             f"{pre}post_attention_layernorm.weight": (C,), f"{pre}mlp.gate_proj.weight": (F, C),
             f"{pre}mlp.up_proj.weight": (F, C), f"{pre}mlp.down_proj.weight": (C, F), "norm.weight": (C,),
             "lm_head.weight": (config.draft_vocab_size, C), "d2t": (config.draft_vocab_size,),
-            "t2d": (config.vocab_size,)}
+            "t2d": (config.vocab_size,),
+            **({"input_norm.weight": (3 * C,)} if config.norm_before_fc else {}),
+            **({f"fc_norm.{i}.weight": (C,) for i in range(3)} if config.fc_norm else {})}
 
 
 def check_eagle_tensors(config: Eagle3Config, tensors: Mapping[str, TensorInfo], weights: Path) -> None:

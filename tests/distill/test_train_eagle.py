@@ -248,8 +248,11 @@ def test_several_caches_train_together_and_the_first_one_measures(target, record
     cache_eagle_states(target, records[:3], stopped / ANSWERS_CACHE_DIR, LAYERS, heldout_every=5)
     assert check_train_dir(stopped) == stopped
     empty = cache_eagle_states(target, records, tmp_path / "empty", LAYERS, heldout_every=5, deadline=0.0)
-    distill.train_eagle(target, [features, empty], EagleTrainConfig(epochs=1, **FAST), tmp_path / "alone")
+    normed = EagleTrainConfig(epochs=1, norm_before_fc=True, norm_output=True, **FAST)  # speculators' later norms
+    distill.train_eagle(target, [features, empty], normed, tmp_path / "alone")
     assert json.loads((tmp_path / "alone" / "metrics.json").read_text())["train_records"] == len(one)
+    head = specdec.load_eagle(tmp_path / "alone", target)
+    assert head.config.norm_before_fc and head.config.norm_output and not head.config.fc_norm
     with pytest.raises(ValueError, match="not EAGLE-3 feature caches"):
         distill.train_eagle(target, [features, tmp_path], EagleTrainConfig(epochs=1, **FAST), tmp_path / "bad")
     narrow = EagleSplit(one.aux[:, :8], one.hidden, one.tokens, one.lengths, one.prompt_lengths)

@@ -264,3 +264,83 @@ def test_unrolled_steps_train_through_an_unroll_cache(deep):
         loss = loss + 0.8 ** s * logits.logsumexp(-1).mean()
     loss.backward()
     assert head.fc.weight.grad is not None and bool(head.fc.weight.grad.abs().sum() > 0)
+
+
+NORMS = [{"norm_before_fc": True, "norm_output": True}, {"fc_norm": True}]
+
+
+def _perturb_norms(head):
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.dim() == 1:  # norms away from 1, so that each one matters
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.3)
+    return head
+
+
+@pytest.mark.parametrize("norms", NORMS)
+def test_later_speculators_norm_options_round_trip(deep, tmp_path, norms):
+    """norm_before_fc (input_norm over the 3C states), fc_norm (one norm per layer) and norm_output
+    (steps return the normed state) are saved, loaded, and change what the head computes."""
+    head = _perturb_norms(head_for(deep, **norms))
+    names = set(head.state_dict())
+    assert ("input_norm.weight" in names) == bool(norms.get("norm_before_fc"))
+    assert ({f"fc_norm.{i}.weight" for i in range(3)} <= names) == bool(norms.get("fc_norm"))
+    specdec.save_eagle(head, tmp_path / "h")
+    raw = json.loads((tmp_path / "h" / "config.json").read_text())
+    assert {k: raw[k] for k in ("norm_before_fc", "fc_norm", "norm_output")} == {
+        "norm_before_fc": False, "fc_norm": False, "norm_output": False, **norms}
+    loaded = specdec.load_eagle(tmp_path / "h", deep)
+    assert loaded.config == head.config
+    g = torch.Generator().manual_seed(4)
+    aux, ids = torch.randn(2, 6, 3 * 64, generator=g), torch.randint(0, V, (2, 6), generator=g)
+    pos = torch.arange(1, 7)[None].expand(2, -1)
+    plain = Eagle3Head(Eagle3Config.from_target(deep, draft_vocab_size=32))
+    plain.load_state_dict({k: v for k, v in head.state_dict().items() if k in plain.state_dict()})
+    with torch.no_grad():
+        logits, hidden = head(head.fuse(aux), deep.embed(ids), pos)
+        torch.testing.assert_close(loaded(loaded.fuse(aux), deep.embed(ids), pos)[0], logits)
+        assert not torch.allclose(plain.fuse(aux), head.fuse(aux))  # the aux states are normed before fc
+        if norms.get("norm_output"):
+            raw_out = plain.step(head.fuse(aux), deep.embed(ids), pos)
+            torch.testing.assert_close(hidden, head.norm(raw_out))
+            torch.testing.assert_close(logits, head.lm_head(hidden))
+    with pytest.raises(ValueError, match="exclude each other"):
+        Eagle3Config(**{**head.config.to_dict(), "norm_before_fc": True, "fc_norm": True})
+    (tmp_path / "h" / "config.json").write_text(json.dumps({k: v for k, v in raw.items()
+                                                           if k not in ("norm_before_fc", "fc_norm")}))
+    with pytest.raises(CheckpointError, match="unexpected"):  # a missing option reads as False
+        specdec.load_eagle(tmp_path / "h", deep)
+
+
+@pytest.mark.parametrize("norms", [{}, *NORMS])
+def test_unrolled_steps_equal_the_speculators_eagle3_model(deep, tmp_path, norms):
+    """Only where the real `speculators` package is installed: its Eagle3DraftModel, loaded from our
+    saved head, drafts what three of our unrolled training-time-test steps draft (step s reads the
+    previous step's output and the tokens s further on, positions + s), with each norm option."""
+    pytest.importorskip("speculators")
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+
+    from specdec.eagle import UnrollCache
+
+    head = _perturb_norms(head_for(deep, **norms))
+    specdec.save_eagle(head, tmp_path / "h")
+    cfg = Eagle3SpeculatorConfig.from_pretrained(str(tmp_path / "h"))
+    cfg.transformer_layer_config._attn_implementation = "eager"
+    ref = Eagle3DraftModel(cfg).eval()
+    state = {**head.state_dict(), "embed_tokens.weight": deep.embed.weight.detach().float()}
+    missing, unexpected = ref.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"verifier_norm.weight", "verifier_lm_head.weight"}  # training only
+    T = 7
+    g = torch.Generator().manual_seed(5)
+    aux, ids = torch.randn(1, T, 3 * 64, generator=g), torch.randint(0, V, (1, T), generator=g)
+    pos = torch.arange(1, T + 1)[None]
+    with torch.no_grad():
+        want = ref(hidden_states=aux, input_ids=ids, document_ids=torch.zeros(1, T, dtype=torch.long),
+                   position_ids=pos, ttt_steps=3)
+        cache, hidden, got = UnrollCache(), head.fuse(aux), []
+        for s in range(3):
+            shifted = torch.cat([ids[:, s:], ids.new_zeros(1, s)], dim=1)  # the tokens s further on
+            logits, hidden = head(hidden, deep.embed(shifted), pos + s, cache)
+            got.append(logits.argmax(-1))
+    for s in range(3):
+        assert torch.equal(got[s], want[s]), f"step {s}"

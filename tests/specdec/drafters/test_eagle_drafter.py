@@ -101,10 +101,12 @@ def _reference_tree(head, target, seq, tree_cfg):
     return sorted(nodes, key=lambda c: -c[1])[:tree_cfg.total_tokens]
 
 
-def test_the_dynamic_tree_equals_a_from_scratch_reference(deep):
+@pytest.mark.parametrize("norms", [{}, {"norm_before_fc": True, "norm_output": True}])
+def test_the_dynamic_tree_equals_a_from_scratch_reference(deep, norms):
     """Batched rows of different lengths, after a few verified steps: every kept node (as its
-    token path) and its cumulative score equal EAGLE-2's tree recomputed without any cache."""
-    head = random_head(deep, scale=3.0)
+    token path) and its cumulative score equal EAGLE-2's tree recomputed without any cache (also
+    for a head whose steps read normed states, speculators' later options)."""
+    head = random_head(deep, scale=3.0, **norms)
     tree_cfg = EagleTreeConfig(depth=3, top_k=3, total_tokens=12)
     drafter = EagleDrafter(head, deep, tree_cfg)
     captured = []
@@ -145,9 +147,11 @@ def test_the_head_reads_the_verified_states_of_every_accepted_token(deep):
     assert len(checked) > 10 and out.stats.accepted_tokens > 0
 
 
-@pytest.mark.parametrize("tree", [EagleTreeConfig(), EagleTreeConfig(depth=1, top_k=2, total_tokens=1)])
-def test_greedy_eagle_equals_plain_decoding_on_ragged_batches(deep, tree):
-    head = random_head(deep)
+@pytest.mark.parametrize("tree,norms", [(EagleTreeConfig(), {}),
+                                        (EagleTreeConfig(depth=1, top_k=2, total_tokens=1), {}),
+                                        (EagleTreeConfig(), {"fc_norm": True, "norm_output": True})])
+def test_greedy_eagle_equals_plain_decoding_on_ragged_batches(deep, tree, norms):
+    head = random_head(deep, **norms)
     rows = prompts(2, seed=1, lo=3, hi=20)
     plain = specdec.generate(deep, rows, max_new_tokens=24)
     out = specdec.generate(deep, rows, draft=EagleDrafter(head, deep, tree), max_new_tokens=24)
