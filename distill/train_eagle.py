@@ -10,8 +10,9 @@
    split (ties, and ids it never saw, by their count in the other caches' answers, then lower id
    first, filling up a vocabulary larger than what the answers use), set through
    `Eagle3Head.set_draft_vocab`. With `init_from_target` the head's `lm_head` starts as the
-   target's LM head rows of those ids and its `norm` as the target's final norm, as speculators
-   initialises it.
+   target's LM head rows of those ids, as speculators initialises it (speculators then freezes
+   them; trained here, since freezing measured worse on smollm2: docs/experiments/
+   2026-11-25-eagle-smollm2-budget.md), and its `norm` as the target's final norm.
 3. Training-time test (`unroll`): step 0 at position t reads fuse(aux[t - 1]) and the embedding of
    token t (the alignment of specdec.eagle); step s > 0 at the same row reads the head's own
    output of step s - 1 there, the embedding of token t + s at position t + s, and attends through
