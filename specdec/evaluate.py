@@ -412,10 +412,11 @@ class Runner:
 
         target, draft = self.target, self.draft_for(spec)
         generator = torch.Generator(device=cfg.device).manual_seed(seed)
+        own = spec.num_draft_tokens if spec.kind != "eagle" else None  # eagle's @N sized its tree (k unused)
         start = time.perf_counter()
         out = specdec.generate(target, [torch.tensor(ids)], draft=draft, max_new_tokens=cfg.max_new_tokens,
                                temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                               num_draft_tokens=spec.num_draft_tokens or cfg.num_draft_tokens,
+                               num_draft_tokens=own or cfg.num_draft_tokens,
                                eos_token_id=self.eos or None,
                                generator=generator)
         wall = time.perf_counter() - start

@@ -134,7 +134,7 @@ def test_eagle_tree_nodes_per_method_and_auto(workdir, tmp_path):
     """eagle:PATH@N keeps N tree nodes; @auto times the sizes first and records them in tree_auto.json."""
     head = workdir / "eagle"
     args = _cli(_base_args(workdir, tmp_path / "e", "--methods",
-                           f"plain,eagle:{head}@3,eagle:{head}@auto,eagle:{head}@5:2x3", "--limit", "2"))
+                           f"plain,eagle:{head}@3,eagle:{head}@auto,eagle:{head}@70:3x6", "--limit", "2"))
     assert args.func(args) == 0
     rows = [json.loads(line) for line in (tmp_path / "e" / "generations.jsonl").read_text().splitlines()]
     plain = {r["id"]: r["output_ids"] for r in rows if r["method"] == "plain"}
@@ -142,8 +142,8 @@ def test_eagle_tree_nodes_per_method_and_auto(workdir, tmp_path):
         assert r["output_ids"] == plain[r["id"]]
     three = [r["stats"] for r in rows if r["method"] == f"eagle:{head}@3"]
     assert all(0 < s["drafted_tokens"] <= 3 * s["target_forwards"] for s in three)
-    shaped = [r["stats"] for r in rows if r["method"] == f"eagle:{head}@5:2x3"]  # depth 2: paths of <= 2 tokens
-    assert all(0 < s["drafted_tokens"] <= 2 * s["target_forwards"] and len(s["position_drafted"]) <= 2
+    shaped = [r["stats"] for r in rows if r["method"] == f"eagle:{head}@70:3x6"]  # 70 > 64 nodes, paths <= 3
+    assert all(0 < s["drafted_tokens"] <= 3 * s["target_forwards"] and len(s["position_drafted"]) <= 3
                for s in shaped)
     auto = json.loads((tmp_path / "e" / "tree_auto.json").read_text())[f"eagle:{head}@auto"]
     assert auto["prompt"] == "p0" and auto["chosen_nodes"] in [t["nodes"] for t in auto["trees"]]
