@@ -108,6 +108,9 @@ class EagleTrainConfig:
     norm_before_fc: bool = field(default=False, metadata={
         "help": "RMSNorm the concatenated aux states before fc (a later speculators option, on in its eagle3 "
                 "training)"})
+    fc_norm: bool = field(default=False, metadata={
+        "help": "RMSNorm each aux layer's states on its own before fc (Eagle 3.1's choice; excludes "
+                "--norm-before-fc)"})
     norm_output: bool = field(default=False, metadata={
         "help": "the next unrolled step reads the head's output after its final norm (Eagle 3.1; a later "
                 "speculators option, on in its eagle3 training)"})
@@ -141,6 +144,9 @@ class EagleTrainConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if self.norm_before_fc and self.fc_norm:
+            raise ValueError("EagleTrainConfig: norm_before_fc and fc_norm exclude each other (one norm over the "
+                             "concatenated aux states, or one per layer); pick one")
 
     def autocast_mode(self, device: torch.device) -> str:
         """accelerate's mixed_precision for training on `device` ("auto" resolved)."""
@@ -402,7 +408,7 @@ def train_eagle(target, data, config: EagleTrainConfig = EagleTrainConfig(), out
         head = Eagle3Head(Eagle3Config.from_target(
             target, draft_vocab_size=min(config.draft_vocab_size, V), aux_layers=layers,
             norm_before_residual=config.norm_before_residual, norm_before_fc=config.norm_before_fc,
-            norm_output=config.norm_output)).to(device)
+            fc_norm=config.fc_norm, norm_output=config.norm_output)).to(device)
     # the first cache's answers (the target's own) rank the draft vocabulary; the others fill it up
     extra = [s.answer_tokens() for s in splits[1:]]
     head.set_draft_vocab(answer_vocab(splits[0].answer_tokens(), V, head.config.draft_vocab_size,

@@ -197,7 +197,8 @@ def test_step_zero_of_the_unroll_is_the_heads_forward_at_the_drafting_alignment(
                                           ({"aux_layers": "1,2"}, "three comma-separated"),
                                           ({"heldout_every": 1}, "heldout_every must be >= 2"),
                                           ({"mixed_precision": "fp8"}, "mixed_precision must be one of"),
-                                          ({"save_dtype": "int8"}, "save_dtype must be one of")])
+                                          ({"save_dtype": "int8"}, "save_dtype must be one of"),
+                                          ({"norm_before_fc": True, "fc_norm": True}, "exclude each other")])
 def test_bad_configs_are_rejected(change, match):
     with pytest.raises(ValueError, match=match):
         EagleTrainConfig(**change)
