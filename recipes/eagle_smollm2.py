@@ -47,7 +47,7 @@ from distill.selfdistill import generate_selfdistill, is_code_prompt, read_recor
 from distill.train_eagle import ANSWERS_CACHE_DIR, CACHE_DIR, TRAIN_MARKERS, EagleTrainConfig
 from runtime.atomic import atomic_write_text
 from runtime.hardware import DTYPES
-from specdec.cli import draft_length_arg
+from specdec.cli import tree_nodes_arg
 from specdec.evaluate import EvalConfig, run_eval
 
 # files that mark a run directory of these recipes: with one of them, --out is resumed
@@ -194,9 +194,9 @@ def parser(defaults: dict, train: dict, doc: str = __doc__) -> argparse.Argument
     p.add_argument("--eval-tokens", type=int, default=defaults["eval_tokens"])
     p.add_argument("--baselines", default=defaults["baselines"],
                    help="`specdec eval` methods run beside eagle:OUT, comma-separated (default: %(default)s)")
-    p.add_argument("--eagle-tree", type=draft_length_arg, default="auto", metavar="N|auto",
-                   help="nodes of the evaluated draft tree (1-64), or auto: time the sizes on this machine first "
-                        "(default: %(default)s)")
+    p.add_argument("--eagle-tree", type=tree_nodes_arg, default="auto", metavar="N|auto",
+                   help="nodes of the evaluated draft tree (at most top_k + (depth - 1) * top_k^2), or auto: time "
+                        "the sizes up to 64 on this machine first (default: %(default)s)")
     p.add_argument("--eagle-depth", type=int, default=5,
                    help="levels of the evaluated draft tree (default: %(default)s)")
     p.add_argument("--eagle-top-k", type=int, default=8, help="children per expanded node and nodes expanded per "

@@ -42,6 +42,16 @@ def draft_length_arg(text: str) -> int | str:
         raise argparse.ArgumentTypeError(str(err)) from err
 
 
+def tree_nodes_arg(text: str) -> int | str:
+    """argparse type of --eagle-tree: "auto" or the dynamic tree's nodes, an integer >= 1 (bounded by
+    its depth and top-k, which EagleTreeConfig checks; not a draft length, so not capped at 64)."""
+    if text == "auto":
+        return text
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"tree nodes must be an integer >= 1 or 'auto', got {text!r}")
+    return int(text)
+
+
 def _generate(args: argparse.Namespace) -> int:
     import runtime
     import specdec

@@ -120,16 +120,16 @@ def main(args: argparse.Namespace) -> int:
 def add_drafter_args(p: argparse.ArgumentParser) -> None:
     """--draft / --eagle / --medusa and the EAGLE-3 tree's options (`load_drafter` reads them;
     `specdec generate` shares them)."""
-    from specdec.cli import draft_length_arg
+    from specdec.cli import tree_nodes_arg
 
     drafter = p.add_mutually_exclusive_group()
     drafter.add_argument("--draft", default=None, help="a draft model (name or dir), 'ngram', or several joined "
                          "by '+' tried in order (e.g. 'ngram+qwen2.5-coder-0.5b-instruct'); omit for plain decoding")
     drafter.add_argument("--eagle", default=None, metavar="PATH", help="an EAGLE-3 head directory")
     drafter.add_argument("--medusa", default=None, metavar="PATH", help="a Medusa heads directory")
-    p.add_argument("--eagle-tree", type=draft_length_arg, default=48, metavar="N|auto",
-                   help="--eagle: nodes the dynamic tree keeps (1-64), or auto to time sizes on this machine first "
-                        "(small trees win on a CPU; default: %(default)s)")
+    p.add_argument("--eagle-tree", type=tree_nodes_arg, default=48, metavar="N|auto",
+                   help="--eagle: nodes the dynamic tree keeps (at most top_k + (depth - 1) * top_k^2), or auto to "
+                        "time sizes up to 64 on this machine first (small trees win on a CPU; default: %(default)s)")
     p.add_argument("--eagle-depth", type=int, default=5, help="--eagle: levels of the tree (default: %(default)s)")
     p.add_argument("--eagle-top-k", type=int, default=8, help="--eagle: children per expanded node and nodes "
                    "expanded per level (default: %(default)s)")

@@ -360,6 +360,11 @@ def test_serve_builds_the_eagle_tree_from_its_flags(ckpt, tmp_path, capsys):
     assert "chosen: " in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parser.parse_args([*base, "--eagle-tree", "0"])
+    wide = ["serve", "--model", str(ckpt), "--eagle", str(tmp_path / "eagle"), "--eagle-depth", "4", "--eagle-top-k",
+            "5", "--eagle-tree", "80"]  # tree nodes are no draft length (capped at 64): a 4 x 5 tree holds 80
+    assert load_drafter(parser.parse_args(wide), target).tree == EagleTreeConfig(4, 5, 80)
+    with pytest.raises(ValueError, match="exceeds the 80 candidates"):
+        load_drafter(parser.parse_args([*wide[:-1], "81"]), target)
 
 
 def test_generate_cli_drafts_with_an_eagle_head_or_medusa_heads(ckpt, tmp_path, capsys):
