@@ -106,14 +106,14 @@ class EagleTrainConfig:
     norm_before_residual: bool = field(default=False, metadata={
         "help": "the decoder layer's residual is the normed fused state instead of the fused state"})
     norm_before_fc: bool = field(default=False, metadata={
-        "help": "RMSNorm the concatenated aux states before fc (a later speculators option, on in its eagle3 "
-                "training)"})
-    fc_norm: bool = field(default=False, metadata={
-        "help": "RMSNorm each aux layer's states on its own before fc (Eagle 3.1's choice; excludes "
-                "--norm-before-fc)"})
-    norm_output: bool = field(default=False, metadata={
-        "help": "the next unrolled step reads the head's output after its final norm (Eagle 3.1; a later "
-                "speculators option, on in its eagle3 training)"})
+        "help": "RMSNorm the concatenated aux states as one vector before fc (speculators' default for eagle3; "
+                "excludes --fc-norm)"})
+    fc_norm: bool = field(default=True, metadata={
+        "help": "RMSNorm each aux layer's states on its own before fc (Eagle 3.1; the best of the three on "
+                "smollm2: docs/experiments/2026-11-26-eagle-norms.md)"})
+    norm_output: bool = field(default=True, metadata={
+        "help": "the next unrolled step reads the head's output after its final norm (Eagle 3.1; off: the "
+                "original EAGLE-3)"})
     init_from_target: bool = field(default=True, metadata={
         "help": "start the head's LM head from the target's rows of the draft ids and its norm from the "
                 "target's final norm"})

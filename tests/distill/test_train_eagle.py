@@ -223,6 +223,7 @@ def test_training_lowers_the_loss_and_saves_a_head_that_drafts_losslessly(target
     assert metrics["draft_vocab_size"] == 96 and metrics["draft_vocab_coverage"]["train"] == 1.0  # 80 tokens used
     assert (out / "loss.png").stat().st_size > 1000
     assert not head.training and head.config.draft_vocab_size == 96
+    assert head.config.fc_norm and head.config.norm_output and not head.config.norm_before_fc  # Eagle 3.1's norms
     loaded = specdec.load_eagle(out, target)
     assert loaded.config == head.config and loaded.fc.weight.dtype == torch.float32  # the target's dtype
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"  # save_dtype
@@ -249,7 +250,7 @@ def test_several_caches_train_together_and_the_first_one_measures(target, record
     cache_eagle_states(target, records[:3], stopped / ANSWERS_CACHE_DIR, LAYERS, heldout_every=5)
     assert check_train_dir(stopped) == stopped
     empty = cache_eagle_states(target, records, tmp_path / "empty", LAYERS, heldout_every=5, deadline=0.0)
-    normed = EagleTrainConfig(epochs=1, norm_before_fc=True, norm_output=True, **FAST)  # speculators' later norms
+    normed = EagleTrainConfig(epochs=1, norm_before_fc=True, fc_norm=False, **FAST)  # speculators' default norms
     distill.train_eagle(target, [features, empty], normed, tmp_path / "alone")
     assert json.loads((tmp_path / "alone" / "metrics.json").read_text())["train_records"] == len(one)
     head = specdec.load_eagle(tmp_path / "alone", target)
