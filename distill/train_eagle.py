@@ -15,7 +15,9 @@
    2026-11-25-eagle-smollm2-budget.md), and its `norm` as the target's final norm.
 3. Training-time test (`unroll`): step 0 at position t reads fuse(aux[t - 1]) and the embedding of
    token t (the alignment of specdec.eagle); step s > 0 at the same row reads the head's own
-   output of step s - 1 there, the embedding of token t + s at position t + s, and attends through
+   output of step s - 1 there (normed, with the default `norm_output` of Eagle 3.1; `fuse` norms
+   each aux layer first with the default `fc_norm`), the embedding of token t + s at position
+   t + s, and attends through
    one `UnrollCache` (step 0 causally, later steps their own position), so the head learns from
    inputs like those it drafts from.
 4. Loss (`ttt_loss`): sum_s decay^s CE_s, where CE_s is the mean over the rows whose step-s
@@ -107,7 +109,7 @@ class EagleTrainConfig:
         "help": "the decoder layer's residual is the normed fused state instead of the fused state"})
     norm_before_fc: bool = field(default=False, metadata={
         "help": "RMSNorm the concatenated aux states as one vector before fc (speculators' default for eagle3; "
-                "excludes --fc-norm)"})
+                "needs --no-fc-norm)"})
     fc_norm: bool = field(default=True, metadata={
         "help": "RMSNorm each aux layer's states on its own before fc (Eagle 3.1; the best of the three on "
                 "smollm2: docs/experiments/2026-11-26-eagle-norms.md)"})
@@ -146,7 +148,7 @@ class EagleTrainConfig:
         check_fields(self)
         if self.norm_before_fc and self.fc_norm:
             raise ValueError("EagleTrainConfig: norm_before_fc and fc_norm exclude each other (one norm over the "
-                             "concatenated aux states, or one per layer); pick one")
+                             "concatenated aux states, or one per layer; fc_norm is the default): add --no-fc-norm")
 
     def autocast_mode(self, device: torch.device) -> str:
         """accelerate's mixed_precision for training on `device` ("auto" resolved)."""
@@ -332,6 +334,12 @@ def _plot(losses: list[float], accuracy: list[list[float | None]], path: Path) -
     plt.close(fig)
 
 
+def _differences(saved: Eagle3Config, wanted: Eagle3Config) -> str:
+    """ "name (checkpoint X, asked Y)" for every field in which two head configs differ."""
+    old, new = saved.to_dict(), wanted.to_dict()
+    return ", ".join(f"{k} (checkpoint {old[k]!r}, asked {new[k]!r})" for k in new if old[k] != new[k])
+
+
 def _save_checkpoint(ckpt: Path, head: Eagle3Head, opt, state: dict) -> None:
     """The head (speculators format), the optimizer's tensors, then the trainer state (last: it names
     the step the others belong to)."""
@@ -424,9 +432,12 @@ def train_eagle(target, data, config: EagleTrainConfig = EagleTrainConfig(), out
     ckpt = out_dir / CHECKPOINT if out_dir is not None else None
     step, losses, accuracy, before = 0, [], [], 0.0  # before: training seconds of earlier runs of this job
     if resume and ckpt is not None and (ckpt / TRAINER).is_file():
-        if read_eagle_config(ckpt, target) != head.config:
-            raise ValueError(f"{ckpt} holds a head of another shape (draft vocabulary, aux layers or "
-                             f"norms) than this configuration asks for; use another output directory")
+        saved = read_eagle_config(ckpt, target)
+        if saved != head.config:
+            raise ValueError(f"{ckpt} holds a head that differs from what this configuration asks for in "
+                             f"{_differences(saved, head.config)}; resume with the checkpoint's settings "
+                             "(its norms were off by default before: --no-fc-norm --no-norm-output) or use "
+                             "another output directory")
         head.load_state_dict(load_file(str(ckpt / "model.safetensors")))  # its draft vocabulary included
         opt.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True))
         meta = json.loads((ckpt / TRAINER).read_text())

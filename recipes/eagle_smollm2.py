@@ -48,7 +48,7 @@ from distill.train_eagle import ANSWERS_CACHE_DIR, CACHE_DIR, TRAIN_MARKERS, Eag
 from runtime.atomic import atomic_write_text
 from runtime.hardware import DTYPES
 from specdec.cli import tree_nodes_arg
-from specdec.evaluate import EvalConfig, run_eval
+from specdec.evaluate import EvalConfig, MethodSpec, run_eval
 
 # files that mark a run directory of these recipes: with one of them, --out is resumed
 RUN_MARKERS = (*TRAIN_MARKERS, "metrics.json", "summary.json")
@@ -97,8 +97,14 @@ def pipeline(args: argparse.Namespace, model_name: str, eval_dataset: str, raw_e
     resumes every step and goes on against the same budget (OUT/budget.json)."""
     start = time.monotonic()
     _check_answers(args)
+    MethodSpec.parse(_eagle_method(args, Path(args.out)))  # a bad tree fails now, not after the training
     return run_budgeted(args, RUN_MARKERS, "EAGLE-3 recipe run directory", "head",
                         lambda out, budget: _run(args, model_name, eval_dataset, raw_eval, out, budget, start))
+
+
+def _eagle_method(args: argparse.Namespace, out: Path) -> str:
+    """The `specdec eval` method of the head in `out` with the tree of --eagle-tree/-depth/-top-k."""
+    return f"eagle:{out}@{args.eagle_tree}:{args.eagle_depth}x{args.eagle_top_k}"
 
 
 def _check_answers(args: argparse.Namespace) -> None:
@@ -128,8 +134,7 @@ def _run(args: argparse.Namespace, model_name: str, eval_dataset: str, raw_eval:
         records, metrics, train_min = train(args, model, runtime.load_tokenizer(model_name), out, budget)
         del model
     eval_dtype = args.eval_dtype or args.dtype
-    eagle = f"eagle:{out}@{args.eagle_tree}:{args.eagle_depth}x{args.eagle_top_k}"
-    methods = ",".join([*filter(None, args.baselines.split(",")), eagle])
+    methods = ",".join([*filter(None, args.baselines.split(",")), _eagle_method(args, out)])
     cfg = EvalConfig(out=str(out / "eval"), methods=methods, target=model_name, dataset=eval_dataset,
                      limit=args.eval_prompts, raw=raw_eval, dtype=eval_dtype, max_new_tokens=args.eval_tokens,
                      overwrite=True)

@@ -129,17 +129,18 @@ class MethodSpec:
         """eagle:PATH@N[:DxK] or @auto[:DxK], the tree checked now (N may pass 64: a tree's nodes
         are not a draft length)."""
         from specdec.drafters.eagle import EagleTreeConfig
+        from specdec.eagle_auto import SIZES
 
-        depth, top_k = shape or (None, None)
-        if nodes != "auto":
-            fields = {"total_tokens": int(nodes), **({"depth": depth, "top_k": top_k} if shape else {})}
-            try:
-                EagleTreeConfig(**fields)
-            except ValueError as e:
-                raise ValueError(f"{name!r}: {e}") from e
-            return cls(name, "eagle", arg, int(nodes), shape)
-        if shape:
-            EagleTreeConfig(depth, top_k, 1)
+        shaped = dict(zip(("depth", "top_k"), shape or ()))
+        try:
+            if nodes != "auto":
+                EagleTreeConfig(total_tokens=int(nodes), **shaped)
+                return cls(name, "eagle", arg, int(nodes), shape)
+            most = EagleTreeConfig(total_tokens=1, **shaped).candidates
+            if most < min(SIZES):
+                raise ValueError(f"auto times trees of {min(SIZES)} nodes or more, but this shape holds {most}")
+        except ValueError as e:
+            raise ValueError(f"{name!r}: {e}") from e
         return cls(name, "eagle", arg, "auto", shape)
 
 

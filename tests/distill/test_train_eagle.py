@@ -289,9 +289,12 @@ def test_a_stopped_run_resumes_to_the_state_of_an_uninterrupted_one(target, feat
     assert wa.keys() == wb.keys()
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-6, atol=1e-7)
-    with pytest.raises(ValueError, match="another shape"):  # a checkpoint of another head is not resumed
+    with pytest.raises(ValueError, match=r"draft_vocab_size \(checkpoint 96, asked 64\)"):  # another head: no resume
         distill.train_eagle(target, features, EagleTrainConfig(epochs=2, **{**FAST, "draft_vocab_size": 64}),
                             tmp_path / "parts")
+    old = EagleTrainConfig(epochs=2, fc_norm=False, norm_output=False, **FAST)  # a head trained before Eagle 3.1
+    with pytest.raises(ValueError, match=r"fc_norm \(checkpoint True, asked False\).*--no-fc-norm --no-norm-output"):
+        distill.train_eagle(target, features, old, tmp_path / "parts")
 
 
 def test_training_refuses_a_directory_specdec_did_not_write(target, features, tmp_path):

@@ -124,6 +124,7 @@ def test_parse_methods():
     for bad, msg in [("beam", "unknown method"), ("draft", "needs a model"), ("ngram:x", "takes no argument"),
                      ("ngram@3:2x2", "only eagle takes a tree shape"), ("eagle:e@0", "total_tokens must be"),
                      ("eagle:e@40:2x4", "exceeds the 20 candidates"), ("eagle:e@auto:1x0", "top_k must be"),
+                     ("eagle:e@auto:1x1", "this shape holds 1"),
                      ("hf@3", "draft length"), ("ngram@0", "between 1 and 64"), ("ngram@65", "between 1 and 64"),
                      ("plain,plain", "repeat"), ("hf-assisted:a,hf-assisted:b", "at most one"), (" , ", "no methods")]:
         with pytest.raises(ValueError, match=msg):
