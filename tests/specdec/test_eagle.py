@@ -219,11 +219,7 @@ def test_the_decoder_layer_equals_the_speculators_one(deep, norm_before_residual
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    head = head_for(deep, norm_before_residual=norm_before_residual)
-    with torch.no_grad():
-        for p in head.parameters():
-            if p.dim() == 1:  # norms away from 1, so that each one matters
-                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.3)
+    head = _perturb_norms(head_for(deep, norm_before_residual=norm_before_residual))
     cfg = LlamaConfig(**head.config.layer_config())
     cfg._attn_implementation = "sdpa"
     ref = LlamaDecoderEagle3FirstLayer(cfg, 0, norm_before_residual=norm_before_residual).eval()
