@@ -131,7 +131,7 @@ class MethodSpec:
         from specdec.drafters.eagle import EagleTreeConfig
         from specdec.eagle_auto import SIZES
 
-        shaped = dict(zip(("depth", "top_k"), shape or ()))
+        shaped = cls(name, "eagle", arg, None, shape).tree_fields
         try:
             if nodes != "auto":
                 EagleTreeConfig(total_tokens=int(nodes), **shaped)
@@ -142,6 +142,11 @@ class MethodSpec:
         except ValueError as e:
             raise ValueError(f"{name!r}: {e}") from e
         return cls(name, "eagle", arg, "auto", shape)
+
+    @property
+    def tree_fields(self) -> dict[str, int]:
+        """EagleTreeConfig keywords of the tree shape (empty: the default 5 x 8)."""
+        return dict(zip(("depth", "top_k"), self.tree_shape or ()))
 
 
 def parse_methods(text: str | list[str] | tuple[str, ...]) -> list[MethodSpec]:
@@ -379,7 +384,7 @@ class Runner:
         from specdec.eagle_io import load_eagle
 
         head = self._cached(("eagle-head", spec.arg), lambda: load_eagle(spec.arg, self.target))
-        k, shape = spec.num_draft_tokens, dict(zip(("depth", "top_k"), spec.tree_shape or ()))
+        k, shape = spec.num_draft_tokens, spec.tree_fields
         if k != "auto":
             nodes = {} if k is None else {"total_tokens": k}
             return EagleDrafter(head, self.target, EagleTreeConfig(**shape, **nodes))
