@@ -77,7 +77,7 @@ def sdpa_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
     qf = q.reshape(B, Hkv, G * T, D)  # (B, Hkv, G*T, D): row g*T + t is query head kv*G + g, position t
     mf = None if mask is None else mask[:, None, None].expand(B, 1, G, T, S).reshape(B, 1, G * T, S)
     out = F.scaled_dot_product_attention(qf, k, v, attn_mask=mf)  # (B, Hkv, G*T, D)
-    return out.view(B, Hq, T, D)
+    return out.reshape(B, Hq, T, D)  # CUDA's SDPA kernels may return a transposed layout that view() refuses
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -86,13 +86,21 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     """Attention of q (B, Hq, T, D) over k, v (B, Hkv, S, D) -> (B, Hq, T, D).
 
     mask: boolean (B, T, S), True = may attend; None means causal on top of each row's
-    `prefix_lens` (B,) cached slots (and the sliding `window`, if any).
+    `prefix_lens` (B,) cached slots (and the sliding `window`, if any). backend "triton" attends
+    with SDPA where autograd needs the result's gradient (the Triton kernel has no backward), and
+    in the autocast dtype under autocast.
     """
     if backend == "sdpa":
         if mask is None:
             mask = causal_mask(prefix_lens, q.shape[2], k.shape[2], window)
         return sdpa_gqa(q, k, v, mask)
     if backend == "triton":
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            # a training forward (draft distillation on a GPU): the kernel has no backward, SDPA the same function
+            return attend(q, k, v, mask, prefix_lens, "sdpa", window)
+        if torch.is_autocast_enabled(q.device.type):  # RoPE leaves q, k in float32 and v in the autocast dtype
+            dtype = torch.get_autocast_dtype(q.device.type)
+            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         from runtime.kernels import flash_attention
 
         return flash_attention(q, k, v, mask=mask, prefix_lens=prefix_lens, window=window)

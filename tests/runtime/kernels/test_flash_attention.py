@@ -1,4 +1,5 @@
-"""runtime.kernels.flash_attention against its float64 reference (Triton interpreter on the CPU).
+"""runtime.kernels.flash_attention against its float64 reference (Triton interpreter on the CPU,
+the compiled kernels on a CUDA GPU: every input is made on DEVICE).
 
 Error bound, max |out - ref| on N(0, 1) inputs: 2 * u * max|v| + 1e-5, u the unit roundoff of
 the input dtype (2^-24 float32, 2^-11 float16, 2^-8 bfloat16). P is rounded to the input dtype
@@ -21,6 +22,7 @@ from runtime.kernels import (
     visible_mask,
 )
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
 
 
@@ -40,7 +42,8 @@ def make_inputs(B, Hq, Hkv, T, D, prefix, dtype, seed=0, s_max=None):
     for b in range(B):
         k_cache[b, :, prefix[b] + T:] = float("nan")
         v_cache[b, :, prefix[b] + T:] = float("nan")
-    return q, k_cache[:, :, :S], v_cache[:, :, :S], prefix_lens
+    q, k_cache, v_cache = q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE)
+    return q, k_cache[:, :, :S], v_cache[:, :, :S], prefix_lens.to(DEVICE)
 
 
 def random_tree(T, g):
@@ -49,7 +52,7 @@ def random_tree(T, g):
     for j in range(T):
         parent = int(torch.randint(0, j, (1,), generator=g)) if j else -1
         bits.append((bits[parent] if parent >= 0 else 0) | (1 << j))
-    return torch.tensor(bits, dtype=torch.long)
+    return torch.tensor(bits, dtype=torch.long, device=DEVICE)
 
 
 def check(out, ref, v):
@@ -107,14 +110,14 @@ def test_flash_tree_mask_and_tree_bits(dtype, D, Hq, Hkv):
     check(out_bits, ref, v)
     causal = flash_attention_ref(q, k, v, prefix_lens=prefix)
     assert (ref - causal).abs().max() > 1e-2  # the tree is not the chain
-    chain = (2 ** (torch.arange(T) + 1) - 1).expand(2, T).contiguous()  # token t's ancestors: 0..t
+    chain = (2 ** (torch.arange(T, device=DEVICE) + 1) - 1).expand(2, T).contiguous()  # token t's ancestors: 0..t
     check(flash_attention(q, k, v, tree_bits=chain, prefix_lens=prefix), causal, v)
 
 
 def test_flash_explicit_mask_arbitrary_pattern_and_empty_row():
     q, k, v, prefix = make_inputs(2, 4, 2, 5, 64, [20, 33], torch.float32, seed=4)
     g = torch.Generator().manual_seed(4)
-    mask = torch.rand(2, 5, k.shape[2], generator=g) > 0.6
+    mask = (torch.rand(2, 5, k.shape[2], generator=g) > 0.6).to(DEVICE)
     mask[1, 2] = False  # a query that sees nothing gets zeros
     out = flash_attention(q, k, v, mask=mask, prefix_lens=prefix)
     check(out, flash_attention_ref(q, k, v, mask=mask, prefix_lens=prefix), v)
@@ -156,9 +159,9 @@ def test_flash_rejects_bad_inputs():
     with pytest.raises(AssertionError, match="multiple of kv heads"):
         flash_attention(q[:, :3], k, v, prefix_lens=prefix)
     with pytest.raises(AssertionError, match="mask must be bool"):
-        flash_attention(q, k, v, mask=torch.ones(1, 3, 2, dtype=torch.bool), prefix_lens=prefix)
+        flash_attention(q, k, v, mask=torch.ones(1, 3, 2, dtype=torch.bool, device=DEVICE), prefix_lens=prefix)
     with pytest.raises(AssertionError, match="at most 64"):
-        flash_attention(q.new_zeros(1, 4, 65, 64), k, v, tree_bits=torch.zeros(1, 65, dtype=torch.long))
+        flash_attention(q.new_zeros(1, 4, 65, 64), k, v, tree_bits=torch.zeros(1, 65, dtype=torch.long, device=DEVICE))
     with pytest.raises(AssertionError, match="head dim"):
         flash_attention(q[..., :48], k[..., :48], v[..., :48], prefix_lens=prefix)
     with pytest.raises(ValueError, match="power of two"):
@@ -180,8 +183,6 @@ def test_flash_gpu_bf16_real_sizes(kind):
         g = torch.Generator().manual_seed(7)
         q, k, v, prefix = make_inputs(B, Hq, Hkv, 32, D, [4000, 1234], torch.bfloat16)
         args = {"tree_bits": torch.stack([random_tree(32, g), random_tree(32, g)])}
-    q, k, v, prefix = q.cuda(), k.cuda(), v.cuda(), prefix.cuda()
-    args = {name: value.cuda() if torch.is_tensor(value) else value for name, value in args.items()}
     out = flash_attention(q, k, v, prefix_lens=prefix, **args)
     ref = flash_attention_ref(q, k, v, prefix_lens=prefix, tree_bits=args.get("tree_bits"))
     check(out, ref, v)
