@@ -111,7 +111,7 @@ def random_tree_bits(T: int, g: torch.Generator) -> torch.Tensor:
     for j in range(T):
         parent = int(torch.randint(0, j, (1,), generator=g)) if j else -1
         bits.append((bits[parent] if parent >= 0 else 0) | (1 << j))
-    return torch.tensor(bits, dtype=torch.long)
+    return torch.tensor([b - (1 << 64) if b >> 63 else b for b in bits], dtype=torch.long)  # bit 63: int64's sign
 
 
 def cache_views(B: int, Hkv: int, S: int, D: int, g: torch.Generator):
@@ -272,7 +272,8 @@ def run_e2e(args, g) -> list[dict]:
     for name in progress(args.models.split(","), desc="e2e"):
         cfg = qwen_config(name)
         torch.manual_seed(args.seed)  # transformers initialises weights from the global generator
-        hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).to(g.device).eval()
+        with g.device:  # initialised on the GPU: a 1.5B model's random init takes tens of seconds on the CPU
+            hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
         ids = torch.randint(0, cfg.vocab_size, (1, args.prompt_len), generator=torch.Generator().manual_seed(args.seed))
         n = args.new_tokens
         results, outputs = {}, {}
