@@ -31,6 +31,7 @@ from runtime.loading import from_hf_state  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (see the module docstring)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="1.5b", help="target config: 1.5b, 0.5b or tiny (default: %(default)s)")
     p.add_argument("--draft", default="0.5b", help="draft config (default: %(default)s)")
@@ -50,6 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Build the random models, run one warm-up step and --steps timed steps, print (and write --json)."""
     args = parse_args(argv)
     from transformers import AutoModelForCausalLM
 
@@ -74,18 +76,20 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist() for _ in range(64)]
     cfg = DistillConfig(data=args.data, lora=args.lora, batch_size=args.batch_size,
                         max_new_tokens=args.max_new_tokens, steps=args.steps + 1, seed=args.seed)
-    distill_draft(target, draft, prompts, cfg, stop_after=1)  # warm-up: kernels, allocator, optimizer state
+    distill_draft(target, draft, prompts, cfg, stop_after=1)  # warm-up: kernels, allocator (each call builds its
+    # own optimizer and Accelerator, so that setup is inside the timed call, spread over its steps)
     sync(device)
     start = time.perf_counter()
     distill_draft(target, draft, prompts, cfg, stop_after=args.steps)
     sync(device)
     step_s = (time.perf_counter() - start) / args.steps
-    peak_gb = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else float("nan")
+    peak_gb = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
     where = "CPU (smoke run)" if args.smoke else torch.cuda.get_device_name()
     print(f"\n{where}; torch {torch.__version__}; target {args.target} bf16, draft {args.draft} float32 "
           f"({cfg.autocast_mode(device)} autocast), data {args.data}, {'LoRA' if args.lora else 'full'}; "
           f"{args.batch_size} rows x {args.max_new_tokens} answer tokens, prompt {args.prompt_len}\n")
-    print(f"| seconds per step | peak GPU memory GB |\n|---:|---:|\n| {step_s:.3f} | {peak_gb:.1f} |")
+    peak = "-" if peak_gb is None else f"{peak_gb:.1f}"
+    print(f"| seconds per step | peak GPU memory GB |\n|---:|---:|\n| {step_s:.3f} | {peak} |")
     if args.json_path:
         write_json(args.json_path, dict(device=where, torch=torch.__version__, command=" ".join(sys.argv),
                                         target=args.target, draft=args.draft, data=args.data, lora=args.lora,

@@ -36,16 +36,16 @@ class TreeCost:
 
 
 def decode_cost(model: torch.nn.Module, rows: list[torch.Tensor], tokens: int,
-                draft=None) -> tuple[float, float, float]:
+                draft=None, num_draft_tokens: int = 5) -> tuple[float, float, float]:
     """(seconds per decoding step after the prefill, seconds of it drafting, tokens per such step)
     of greedy decoding `tokens` tokens of every prompt in `rows` (1-D ids), one prompt at a time;
-    draft: what `specdec.generate` takes (None = plain decoding)."""
+    draft: what `specdec.generate` takes (None = plain decoding), with `num_draft_tokens`."""
     from specdec.generate import generate
 
     steps = new = 0
     wall = drafting = 0.0
     for row in rows:
-        s = generate(model, [row], draft=draft, max_new_tokens=tokens).stats
+        s = generate(model, [row], draft=draft, max_new_tokens=tokens, num_draft_tokens=num_draft_tokens).stats
         steps += s.target_forwards - 1
         new += s.generated_tokens - 1  # the prefill's token is no step's
         wall += s.wall_s - s.ttft_s
