@@ -260,6 +260,31 @@ def qwen_config(name: str):
                        rms_norm_eps=1e-6, **QWEN_CONFIGS[name])
 
 
+def gpu_or_smoke(args: argparse.Namespace, script: str, cpu_alternative: str) -> torch.device:
+    """The device of a GPU benchmark script: CUDA, or the CPU for a --smoke run (which also sets
+    args.target and args.draft to the tiny config); without CUDA, SystemExit naming `cpu_alternative`."""
+    if args.smoke:
+        args.target = args.draft = "tiny"
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{script}: run it on a CUDA machine, or with --smoke to check the script on a CPU "
+                         f"({cpu_alternative})")
+    return torch.device("cuda")
+
+
+def random_qwen(name: str, dtype: torch.dtype, device: torch.device, attention: str | None = None):
+    """(transformers model, runtime Transformer on the same weights) of a randomly initialised
+    Qwen2.5-Coder config (QWEN_CONFIGS), initialised on `device` (a 1.5B model's random init takes
+    tens of seconds on a CPU). Seed the global generator first: transformers initialises from it."""
+    from transformers import AutoModelForCausalLM
+
+    from runtime.loading import from_hf_state
+
+    with device:
+        hf = AutoModelForCausalLM.from_config(qwen_config(name), dtype=dtype).eval()
+    return hf, from_hf_state(hf.state_dict(), hf.config, dtype=dtype, device=device, attention=attention)
+
+
 def run_e2e(args, g) -> list[dict]:
     import statistics
 

@@ -24,10 +24,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_attention import qwen_config, sync, write_json  # noqa: E402  (a script beside this one)
+from bench_attention import gpu_or_smoke, random_qwen, sync, write_json  # noqa: E402  (a script beside this one)
 
 from distill.draft import DistillConfig, distill_draft  # noqa: E402
-from runtime.loading import from_hf_state  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -53,23 +52,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Build the random models, run one warm-up step and --steps timed steps, print (and write --json)."""
     args = parse_args(argv)
-    from transformers import AutoModelForCausalLM
-
-    if args.smoke:
-        args.target = args.draft = "tiny"
-        device = torch.device("cpu")
-    elif not torch.cuda.is_available():
-        raise SystemExit("distill_step_time.py times GPU steps: run it on a CUDA machine, or with --smoke to check "
-                         "the script on a CPU (CPU step times of real checkpoints: recipes/distill_qwen05_draft.py)")
-    else:
-        device = torch.device("cuda")
+    device = gpu_or_smoke(args, "distill_step_time.py times GPU steps",
+                          "CPU step times of real checkpoints: recipes/distill_qwen05_draft.py")
     torch.manual_seed(args.seed)  # transformers initialises weights from the global generator
-    models = {}
-    for role, name, dtype in (("target", args.target, torch.bfloat16), ("draft", args.draft, torch.float32)):
-        with device:  # initialised where it runs: a 1.5B model's random init takes tens of seconds on a CPU
-            hf = AutoModelForCausalLM.from_config(qwen_config(name), dtype=dtype)
-        models[role] = from_hf_state(hf.state_dict(), hf.config, dtype=dtype, device=device)
-        del hf
+    models = {role: random_qwen(name, dtype, device)[1]
+              for role, name, dtype in (("target", args.target, torch.bfloat16), ("draft", args.draft, torch.float32))}
     target, draft = models["target"].eval(), models["draft"]
     vocab = target.config.vocab_size
     gen = torch.Generator().manual_seed(args.seed)

@@ -37,10 +37,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_attention import markdown, qwen_config, sync, write_json  # noqa: E402  (a script beside this one)
+from bench_attention import gpu_or_smoke, markdown, random_qwen, sync, write_json  # noqa: E402  (beside this one)
 
 from runtime.attention import default_backend  # noqa: E402
-from runtime.loading import from_hf_state  # noqa: E402
 from specdec.drafters.eagle import EagleDrafter, EagleTreeConfig  # noqa: E402
 from specdec.eagle import Eagle3Config, Eagle3Head  # noqa: E402
 from specdec.tree_cost import decode_cost  # noqa: E402
@@ -101,25 +100,13 @@ def hf_token_seconds(hf, ids: torch.Tensor, n: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     """Build the random models, time every method in turn, print the table (and write --json)."""
     args = parse_args(argv)
-    from transformers import AutoModelForCausalLM
-
-    if args.smoke:
-        args.target = args.draft = "tiny"
-        device = torch.device("cpu")
-    elif not torch.cuda.is_available():
-        raise SystemExit("speculative_rounds.py times GPU rounds: run it on a CUDA machine, or with --smoke to check "
-                         "the script on a CPU (CPU rounds of real checkpoints: benchmarks/medusa_step_cost.py)")
-    else:
-        device = torch.device("cuda")
+    device = gpu_or_smoke(args, "speculative_rounds.py times GPU rounds",
+                          "CPU rounds of real checkpoints: benchmarks/medusa_step_cost.py")
     dtype = torch.bfloat16
     torch.manual_seed(args.seed)  # transformers initialises weights from the global generator
-    cfg = qwen_config(args.target)
-    with device:  # initialised where it runs: a 1.5B model's random init takes tens of seconds on a CPU
-        hf = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
-        draft_hf = AutoModelForCausalLM.from_config(qwen_config(args.draft), dtype=dtype).eval()
-    target = from_hf_state(hf.state_dict(), hf.config, dtype=dtype, device=device, attention=args.attention)
-    draft = from_hf_state(draft_hf.state_dict(), draft_hf.config, dtype=dtype, device=device, attention=args.attention)
-    del draft_hf
+    hf, target = random_qwen(args.target, dtype, device, args.attention)
+    draft = random_qwen(args.draft, dtype, device, args.attention)[1]
+    cfg = hf.config
     aux = None if cfg.num_hidden_layers >= 4 else (0, 1, 1)  # the tiny smoke config has 2 layers
     head_cfg = Eagle3Config.from_target(target, draft_vocab_size=min(args.draft_vocab, cfg.vocab_size),
                                         aux_layers=aux, fc_norm=True, norm_output=True)
