@@ -101,13 +101,15 @@ def _reference_tree(head, target, seq, tree_cfg):
     return sorted(nodes, key=lambda c: -c[1])[:tree_cfg.total_tokens]
 
 
-@pytest.mark.parametrize("norms", [{}, {"norm_before_fc": True, "norm_output": True}])
-def test_the_dynamic_tree_equals_a_from_scratch_reference(deep, norms):
+@pytest.mark.parametrize("norms,shape", [({}, (3, 3, 12)), ({"norm_before_fc": True, "norm_output": True}, (3, 3, 12)),
+                                         ({}, (4, 5, 3))])
+def test_the_dynamic_tree_equals_a_from_scratch_reference(deep, norms, shape):
     """Batched rows of different lengths, after a few verified steps: every kept node (as its
     token path) and its cumulative score equal EAGLE-2's tree recomputed without any cache (also
-    for a head whose steps read normed states, speculators' later options)."""
+    for a head whose steps read normed states, speculators' later options, and for a small tree
+    the drafter grows trimmed to depth and top_k 3 while the reference grows the full 4 x 5)."""
     head = random_head(deep, scale=3.0, **norms)
-    tree_cfg = EagleTreeConfig(depth=3, top_k=3, total_tokens=12)
+    tree_cfg = EagleTreeConfig(*shape)
     drafter = EagleDrafter(head, deep, tree_cfg)
     captured = []
     propose = drafter.propose
@@ -122,6 +124,28 @@ def test_the_dynamic_tree_equals_a_from_scratch_reference(deep, norms):
                 assert all(tree.parents[b, i] < i for i in range(tree.num_nodes))
                 depth = tree.depths()[b]
                 assert int(depth.max()) <= 3 and int((depth == 1).sum()) <= 3
+
+
+def test_a_small_tree_is_grown_with_depth_and_top_k_capped_at_its_nodes(deep):
+    """A 2-node tree of shape 5 x 8 feeds the head 2 rows once per round after the catch-up, not
+    8 rows at 4 levels."""
+    assert EagleTreeConfig(5, 8, 2).trimmed() == EagleTreeConfig(2, 2, 2)
+    assert EagleTreeConfig(5, 8, 48).trimmed() == EagleTreeConfig(5, 8, 48)
+    head = random_head(deep)
+    drafter = EagleDrafter(head, deep, EagleTreeConfig(5, 8, 2))
+    grown, rounds = [], []
+    step, propose = head.step, drafter.propose
+
+    def counted(hidden, embeds, positions, cache=None, mask=None):
+        if mask is not None:  # a tree level (the catch-up passes none)
+            grown.append(hidden.shape[1])
+        return step(hidden, embeds, positions, cache, mask)
+
+    head.step = counted
+    drafter.propose = lambda *a: rounds.append(1) or propose(*a)
+    with torch.no_grad():
+        specdec.generate(deep, prompts(1), draft=drafter, max_new_tokens=8)
+    assert rounds and grown == [2] * len(rounds)
 
 
 def test_the_head_reads_the_verified_states_of_every_accepted_token(deep):
