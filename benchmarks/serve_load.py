@@ -15,7 +15,10 @@ target + drafter loaded once:
     when it has arrived and the previous one is answered);
 (c) static batches: specdec.generate on the requests in arrival order, `concurrency` at a time; a
     batch starts when its last request has arrived and the previous batch is done, and returns
-    when its slowest row ends.
+    when its slowest row ends;
+(d) continuous in process (a diagnostic, not a target): the engine of (a) stepped by this process,
+    requests submitted at the same times, no HTTP, streaming or client threads: (d) / (a) is what
+    the server costs, (d) / (c) continuous batching itself against static batches.
 
 Each request asks for --max-tokens tokens, or, with --min-tokens, for a number drawn uniformly from
 [--min-tokens, --max-tokens] (seeded): clients that want answers of different lengths, the
@@ -48,7 +51,7 @@ import runtime
 import specdec
 from runtime.atomic import atomic_write_text
 from runtime.hardware import DTYPES, cpu_summary
-from specdec.engine import Engine
+from specdec.engine import Engine, SamplingParams
 from specdec.evaluate import eos_ids, versions
 from specdec.prompts import encode, humaneval_prompts, sharegpt_prompts
 from specdec.server import ServerThread, create_app
@@ -161,6 +164,30 @@ def run_server_mode(engine: Engine, tok, prompts: list[list[int]], offsets: list
     return results, start
 
 
+def run_engine_mode(engine: Engine, prompts: list[list[int]], offsets: list[float],
+                    limits: list[int]) -> tuple[list[Result], float]:
+    """Mode (d): the engine stepped here, each request submitted when it arrives (the engine queues
+    it until a row is free, as the clients of (a) wait for a slot)."""
+    engine.submit(prompts[0][:8], SamplingParams(max_new_tokens=4))  # warm-up
+    engine.run_until_done()
+    start = time.perf_counter()
+    results = [Result(i, start + off) for i, off in enumerate(offsets)]
+    requests, nxt = [], 0
+    while nxt < len(prompts) or engine.running or engine.waiting:
+        while nxt < len(prompts) and results[nxt].arrival <= time.perf_counter():
+            requests.append(engine.submit(prompts[nxt], SamplingParams(max_new_tokens=limits[nxt]),
+                                          request_id=f"engine-{nxt}"))
+            nxt += 1
+        if engine.running or engine.waiting:
+            engine.step()
+        elif nxt < len(prompts):
+            time.sleep(max(0.0, results[nxt].arrival - time.perf_counter()))
+    for r, req in zip(results, requests):
+        r.ids, r.tokens, r.response_id = list(req.tokens), len(req.tokens), req.id
+        r.first, r.done = req.first_token_at, req.finished_at
+    return results, start
+
+
 def run_static(target, draft, prompts: list[list[int]], offsets: list[float], limits: list[int], batch: int,
                eos: list[int], num_draft_tokens: int) -> tuple[list[Result], float]:
     """Static batches of `batch` requests in arrival order through specdec.generate, each batch
@@ -229,7 +256,9 @@ def markdown(report: dict) -> str:
                       f"{s['seed']}), at most {s['concurrency']} in flight, max_tokens {limit}, greedy.",
                       "", *rows, "",
                       f"continuous / one at a time: **{r['continuous_vs_one_at_a_time']:.2f}x** (target >= 2x); "
-                      f"continuous / static batches: **{r['continuous_vs_static']:.2f}x** (target >= 1.5x)", ""])
+                      f"continuous / static batches: **{r['continuous_vs_static']:.2f}x** (target >= 1.5x)", "",
+                      f"Diagnostic, the engine in process without HTTP: {r['in_process_vs_continuous']:.2f}x the "
+                      f"server, {r['in_process_vs_static']:.2f}x static batches.", ""])
 
 
 def main() -> None:
@@ -287,12 +316,19 @@ def main() -> None:
     results, start = run_static(target, draft, prompts, offsets, limits, args.concurrency, eos,
                                 args.num_draft_tokens)
     modes.append(summarize("static", results, start, refs, tok))
+    print(f"mode continuous_in_process: the engine (--max-batch {args.concurrency}) without HTTP", flush=True)
+    engine = Engine(target, draft, max_batch=args.concurrency, max_len=max_len, num_draft_tokens=args.num_draft_tokens,
+                    eos_token_id=eos)
+    results, start = run_engine_mode(engine, prompts, offsets, limits)
+    modes.append(summarize("continuous_in_process", results, start, refs, tok))
 
     tps = {m["mode"]: m["tokens_per_second"] for m in modes}
     report = {"command": " ".join(["python", *sys.argv]),
               "settings": {**vars(args), "prompt_tokens": [len(p) for p in prompts], "max_tokens_per_request": limits},
               "modes": modes, "ratios": {"continuous_vs_one_at_a_time": tps["continuous"] / tps["one_at_a_time"],
-                                         "continuous_vs_static": tps["continuous"] / tps["static"]},
+                                         "continuous_vs_static": tps["continuous"] / tps["static"],
+                                         "in_process_vs_continuous": tps["continuous_in_process"] / tps["continuous"],
+                                         "in_process_vs_static": tps["continuous_in_process"] / tps["static"]},
               "versions": versions(), "cpu": cpu_summary()}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,39 @@
+"""benchmarks/serve_load.py's in-process mode: requests submitted to the engine at their arrival
+times are each answered once, as generate() answers them alone."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import torch
+
+import specdec
+from runtime.tiny import tiny_model
+from specdec.engine import Engine
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "serve_load.py"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("serve_load", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_in_process_mode_answers_every_request_as_generate_does():
+    serve_load = load_script()
+    model = tiny_model("llama", seed=3, vocab_size=64)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (5, 9, 3, 7, 4)]
+    limits = [6, 3, 8, 5, 2]
+    offsets = serve_load.arrivals(len(prompts), 0.01, "poisson", seed=0)
+    engine = Engine(model, "ngram", max_batch=2, max_len=32, num_draft_tokens=3)
+    results, start = serve_load.run_engine_mode(engine, prompts, offsets, limits)
+    refs = [specdec.generate(model, [torch.tensor(p)], draft="ngram", max_new_tokens=n, num_draft_tokens=3)
+            .sequences[0][len(p):].tolist() for p, n in zip(prompts, limits)]
+    summary = serve_load.summarize("continuous_in_process", results, start, refs, None)
+    assert summary["answered"] == 5 and summary["lost"] == 0 and summary["duplicated"] == 0
+    assert summary["matches_single_request"] == 5
+    assert all(r.first is not None and r.arrival <= r.first <= r.done for r in results)
