@@ -304,11 +304,14 @@ def main() -> None:
     refs = [specdec.generate(target, [torch.tensor(p)], draft=draft, max_new_tokens=n,
                              num_draft_tokens=args.num_draft_tokens, eos_token_id=eos).sequences[0][len(p):].tolist()
             for p, n in zip(prompts, limits)]
+    def new_engine(batch: int) -> Engine:
+        return Engine(target, draft, max_batch=batch, max_len=max_len, num_draft_tokens=args.num_draft_tokens,
+                      eos_token_id=eos)
+
     modes = []
     for name, batch, sequential in (("continuous", args.concurrency, False), ("one_at_a_time", 1, True)):
         print(f"mode {name}: server with --max-batch {batch}", flush=True)
-        engine = Engine(target, draft, max_batch=batch, max_len=max_len, num_draft_tokens=args.num_draft_tokens,
-                        eos_token_id=eos)
+        engine = new_engine(batch)
         results, start = run_server_mode(engine, tok, prompts, offsets, limits, args.concurrency, sequential)
         modes.append(summarize(name, results, start, refs, tok))
         del engine
@@ -317,9 +320,7 @@ def main() -> None:
                                 args.num_draft_tokens)
     modes.append(summarize("static", results, start, refs, tok))
     print(f"mode continuous_in_process: the engine (--max-batch {args.concurrency}) without HTTP", flush=True)
-    engine = Engine(target, draft, max_batch=args.concurrency, max_len=max_len, num_draft_tokens=args.num_draft_tokens,
-                    eos_token_id=eos)
-    results, start = run_engine_mode(engine, prompts, offsets, limits)
+    results, start = run_engine_mode(new_engine(args.concurrency), prompts, offsets, limits)
     modes.append(summarize("continuous_in_process", results, start, refs, tok))
 
     tps = {m["mode"]: m["tokens_per_second"] for m in modes}

@@ -81,12 +81,16 @@ class EagleDrafter(Drafter):
                              f"layers {cfg.aux_layers}) was not made for a target with hidden size {tc.hidden_size}, "
                              f"vocabulary {tc.vocab_size} and {tc.num_layers} layers")
         self.head, self.target, self.tree = head, target, tree or EagleTreeConfig()
-        self.grown = self.tree.trimmed()  # the shape actually grown: the same kept tree, fewer candidates
         head.attention = target.attention  # the head drafts with its target's attention backend
         self.hidden_layers = cfg.aux_layers
         self.cache = None
         self.pending: list[torch.Tensor] = []  # per row (m, 3C): target aux states the head has not read
         self.last: torch.Tensor | None = None  # (B, C): the head's output at each row's root
+
+    @property
+    def grown(self) -> EagleTreeConfig:
+        """The shape actually grown (`EagleTreeConfig.trimmed`): the same kept tree, fewer candidates."""
+        return self.tree.trimmed()
 
     def max_nodes(self, k: int) -> int:
         return self.tree.total_tokens

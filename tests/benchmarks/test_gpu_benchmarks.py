@@ -1,32 +1,22 @@
 """benchmarks/speculative_rounds.py and benchmarks/distill_step_time.py: without CUDA they refuse
 with a message, and their --smoke runs (tiny configs on the CPU) time every method and write JSON."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 needs_cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU checks of the GPU scripts")
-
-
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @needs_cpu_only
 @pytest.mark.parametrize("name", ["speculative_rounds", "distill_step_time"])
-def test_gpu_scripts_refuse_without_cuda(name):
+def test_gpu_scripts_refuse_without_cuda(load, name):
     with pytest.raises(SystemExit, match="CUDA machine, or with --smoke"):
         load(name).main([])
 
 
-def test_speculative_rounds_figures_are_medians_over_runs():
+def test_speculative_rounds_figures_are_medians_over_runs(load):
     row = load("speculative_rounds").figures("eagle", [0.030, 0.036, 0.033], [0.010, 0.012, 0.011],
                                              plain_s=0.022, hf_s=0.033)
     assert row["round_ms"] == pytest.approx(33.0) and row["draft_ms"] == pytest.approx(11.0)
@@ -36,7 +26,7 @@ def test_speculative_rounds_figures_are_medians_over_runs():
 
 
 @needs_cpu_only
-def test_speculative_rounds_smoke_times_every_method(tmp_path):
+def test_speculative_rounds_smoke_times_every_method(load, tmp_path):
     out = tmp_path / "rounds.json"
     load("speculative_rounds").main(["--smoke", "--trees", "2x2/3", "--draft-tokens", "2", "--prompt-len", "8",
                                      "--new-tokens", "4", "--repeats", "1", "--json", str(out)])
@@ -47,7 +37,7 @@ def test_speculative_rounds_smoke_times_every_method(tmp_path):
 
 
 @needs_cpu_only
-def test_distill_step_time_smoke_runs_the_real_loop(tmp_path):
+def test_distill_step_time_smoke_runs_the_real_loop(load, tmp_path):
     out = tmp_path / "steps.json"
     load("distill_step_time").main(["--smoke", "--steps", "1", "--batch-size", "2", "--max-new-tokens", "4",
                                     "--prompt-len", "6", "--json", str(out)])

@@ -1,29 +1,15 @@
 """benchmarks/serve_load.py's in-process mode: requests submitted to the engine at their arrival
 times are each answered once, as generate() answers them alone."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import torch
 
 import specdec
 from runtime.tiny import tiny_model
 from specdec.engine import Engine
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "serve_load.py"
 
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("serve_load", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_the_in_process_mode_answers_every_request_as_generate_does():
-    serve_load = load_script()
+def test_the_in_process_mode_answers_every_request_as_generate_does(load):
+    serve_load = load("serve_load")
     model = tiny_model("llama", seed=3, vocab_size=64)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (5, 9, 3, 7, 4)]
