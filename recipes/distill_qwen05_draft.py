@@ -12,9 +12,9 @@ and goes on against the same budget: OUT/budget.json holds the minutes spent):
    --eval-minutes); the draft goes to OUT/draft (`draft:OUT/draft`), with distill.png and
    distill_metrics.json;
 2. one `specdec eval` run (OUT/eval/report.json) over --eval-prompts ShareGPT held-out prompts and as
-   many HumanEval problems (chat template), greedy, --eval-tokens new tokens, compiled, with methods
-   plain, draft:<undistilled>@auto, draft:OUT/draft@auto and hf; OUT/summary.json holds tau and
-   speed per method and category.
+   many HumanEval problems (chat template; --eval-sets picks the sets and their order), greedy,
+   --eval-tokens new tokens, compiled, with methods plain, draft:<undistilled>@auto,
+   draft:OUT/draft@auto and hf; OUT/summary.json holds tau and speed per method and category.
 --eval-only runs step 2 alone on the draft already in OUT/draft.
 
 --compare-divergences instead trains every divergence (fkl, rkl, jsd, tvd) with every data source
@@ -55,6 +55,7 @@ from specdec.evaluate import EvalConfig, run_eval
 from specdec.prompts import load_prompts
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
+EVAL_SETS = ("sharegpt", "humaneval")
 # files that mark a run directory of this recipe: with one of them, --out is resumed
 RUN_MARKERS = ("budget.json", "summary.json", "compare.json", f"draft/{METRICS}")
 
@@ -68,11 +69,11 @@ def _distil(args: argparse.Namespace, cfg: DistillConfig, target, tok, prompts, 
     return json.loads((out / METRICS).read_text())
 
 
-def _eval_prompts(out: Path, count: int) -> Path:
-    """OUT/eval_prompts.jsonl: the first `count` ShareGPT held-out prompts and HumanEval problems."""
+def _eval_prompts(out: Path, count: int, datasets: list[str]) -> Path:
+    """OUT/eval_prompts.jsonl: the first `count` prompts of each of `datasets`, in that order."""
     path = out / "eval_prompts.jsonl"
     rows = [{"id": p.id, "category": p.category, "prompt": p.turns[0]}
-            for dataset in ("sharegpt", "humaneval") for p in load_prompts(dataset=dataset, limit=count)]
+            for dataset in datasets for p in load_prompts(dataset=dataset, limit=count)]
     atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
     return path
 
@@ -80,8 +81,9 @@ def _eval_prompts(out: Path, count: int) -> Path:
 def evaluate(args: argparse.Namespace, out: Path, fresh: bool) -> dict:
     """The one `specdec eval` run of step 2 (resumed unless the draft was trained again: `fresh`)."""
     methods = ["plain", f"draft:{args.draft}@auto", f"draft:{out / 'draft'}@auto", "hf"]
+    prompts = _eval_prompts(out, args.eval_prompts, args.eval_sets)
     cfg = EvalConfig(out=str(out / "eval"), methods=",".join(methods), target=args.target,
-                     prompts=str(_eval_prompts(out, args.eval_prompts)), dtype=args.eval_dtype or args.dtype,
+                     prompts=str(prompts), dtype=args.eval_dtype or args.dtype,
                      max_new_tokens=args.eval_new_tokens, compile=not args.no_compile, overwrite=fresh)
     report = run_eval(cfg, command=shlex.join([sys.executable] + sys.argv))
     keys = ("tau", "acceptance_rate", "tokens_per_second", "speedup_vs_plain", "speedup_vs_hf", "matches_plain")
@@ -200,6 +202,14 @@ def main() -> dict:
                         lambda out, budget: _run(args, out, budget, start), trained=f"draft/{METRICS}")
 
 
+def _eval_sets(text: str) -> list[str]:
+    sets = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = sorted(set(sets) - set(EVAL_SETS))
+    if not sets or unknown or len(set(sets)) < len(sets):
+        raise argparse.ArgumentTypeError(f"--eval-sets takes distinct names among {', '.join(EVAL_SETS)}; got {text!r}")
+    return sets
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="runs/distill_qwen05", help="directory for the draft, checkpoints and reports")
@@ -220,6 +230,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-minutes", type=float, default=80.0,
                    help="minutes kept for the evaluation when --train-frac is not given (default: %(default)s)")
     p.add_argument("--eval-prompts", type=int, default=20, help="prompts per dataset (ShareGPT, HumanEval)")
+    p.add_argument("--eval-sets", type=_eval_sets, default="sharegpt,humaneval",
+                   help="comma-separated prompt sets of the evaluation, decoded in this order (a run stopped "
+                        "early has finished the first ones; default: %(default)s)")
     p.add_argument("--eval-tokens", dest="eval_new_tokens", type=int, default=128,
                    help="new tokens per evaluation prompt (--heldout-tokens: per held-out prompt during training)")
     p.add_argument("--no-compile", action="store_true", help="evaluate without torch.compile")

@@ -268,3 +268,17 @@ def test_compared_runs_cover_every_divergence_and_source_and_drop_their_weights(
         (run / name).write_text("x")
     recipe._drop_weights(run, keep_draft=False)
     assert sorted(p.name for p in run.iterdir()) == ["distill.png", "distill_metrics.json"]
+
+
+def test_recipe_evaluates_the_sets_asked_for_in_their_order(tmp_path, monkeypatch):
+    import importlib
+
+    monkeypatch.syspath_prepend(str(ROOT / "recipes"))
+    recipe = importlib.import_module("distill_qwen05_draft")
+    assert recipe.parser().parse_args([]).eval_sets == ["sharegpt", "humaneval"]
+    assert recipe.parser().parse_args(["--eval-sets", "humaneval, sharegpt"]).eval_sets == ["humaneval", "sharegpt"]
+    for bad in ("humaneval,humaneval", "mbpp", ","):
+        with pytest.raises(SystemExit):
+            recipe.parser().parse_args(["--eval-sets", bad])
+    rows = [json.loads(line) for line in recipe._eval_prompts(tmp_path, 3, ["humaneval"]).read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["HumanEval/0", "HumanEval/1", "HumanEval/2"]
