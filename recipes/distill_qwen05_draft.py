@@ -52,10 +52,9 @@ from distill.selfdistill import stop_token_ids
 from runtime.atomic import atomic_write_text
 from runtime.hardware import DTYPES
 from specdec.evaluate import EvalConfig, run_eval
-from specdec.prompts import load_prompts
+from specdec.prompts import DATASETS, load_prompts
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
-EVAL_SETS = ("sharegpt", "humaneval")
 # files that mark a run directory of this recipe: with one of them, --out is resumed
 RUN_MARKERS = ("budget.json", "summary.json", "compare.json", f"draft/{METRICS}")
 
@@ -204,9 +203,9 @@ def main() -> dict:
 
 def _eval_sets(text: str) -> list[str]:
     sets = [s.strip() for s in text.split(",") if s.strip()]
-    unknown = sorted(set(sets) - set(EVAL_SETS))
+    unknown = sorted(set(sets) - set(DATASETS))
     if not sets or unknown or len(set(sets)) < len(sets):
-        raise argparse.ArgumentTypeError(f"--eval-sets takes distinct names among {', '.join(EVAL_SETS)}; got {text!r}")
+        raise argparse.ArgumentTypeError(f"--eval-sets takes distinct names among {', '.join(DATASETS)}; got {text!r}")
     return sets
 
 
@@ -229,7 +228,7 @@ def parser() -> argparse.ArgumentParser:
     # AVX-512-BF16 EPYC (plain ~31 s, hf ~38 s, each draft ~26 s), so ~80 minutes
     p.add_argument("--eval-minutes", type=float, default=80.0,
                    help="minutes kept for the evaluation when --train-frac is not given (default: %(default)s)")
-    p.add_argument("--eval-prompts", type=int, default=20, help="prompts per dataset (ShareGPT, HumanEval)")
+    p.add_argument("--eval-prompts", type=int, default=20, help="prompts per set of --eval-sets")
     p.add_argument("--eval-sets", type=_eval_sets, default="sharegpt,humaneval",
                    help="comma-separated prompt sets of the evaluation, decoded in this order (a run stopped "
                         "early has finished the first ones; default: %(default)s)")
