@@ -2,7 +2,7 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: install test demo bench
+.PHONY: install test demo bench llamacpp
 
 # A bare `torch` requirement on a machine without torch pulls several GB of CUDA
 # packages; install the CPU build first when torch is not importable.
@@ -19,3 +19,17 @@ demo: install
 
 bench: install
 	$(PYTHON) -m specdec.cli bench
+
+# llama.cpp, the CPU baseline of `specdec eval --methods llamacpp,llamacpp-spec:...`: built from the
+# source that the llama-cpp-python sdist on the package index vendors (about 8 minutes on 2 cores).
+LLAMACPP_VERSION := 0.3.36
+LLAMACPP_HOME ?= $(or $(SPECDEC_HOME),$(HOME)/.cache/specdec)/llama.cpp
+llamacpp:
+	@mkdir -p $(LLAMACPP_HOME)
+	cd $(LLAMACPP_HOME) && $(PIP) download --no-deps --no-binary :all: -d . llama-cpp-python==$(LLAMACPP_VERSION) \
+		&& tar xzf llama_cpp_python-$(LLAMACPP_VERSION).tar.gz
+	$(PIP) install cmake ninja
+	cmake -S $(LLAMACPP_HOME)/llama_cpp_python-$(LLAMACPP_VERSION)/vendor/llama.cpp -B $(LLAMACPP_HOME)/build \
+		-G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF
+	ninja -C $(LLAMACPP_HOME)/build llama-bench llama-completion llama-speculative-simple llama-server
+	@echo "llama.cpp built in $(LLAMACPP_HOME)/build/bin"

@@ -15,13 +15,13 @@ from runtime.loading import load_model, load_tokenizer
 from runtime.model import Transformer
 
 __all__ = ["KVCache", "ModelConfig", "Transformer", "compile_decode", "load_model", "load_tokenizer", "fetch",
-           "CATALOGUE", "HFAdapter", "SpecdecError", "CheckpointError", "CatalogueError",
+           "fetch_gguf", "CATALOGUE", "HFAdapter", "SpecdecError", "CheckpointError", "CatalogueError",
            "ContextLengthError", "CacheMemoryError", "UnsupportedModelError"]
 
 
 def __getattr__(name: str):
     # catalogue and adapter import lazily: `import runtime` stays cheap
-    if name in ("fetch", "CATALOGUE"):
+    if name in ("fetch", "fetch_gguf", "CATALOGUE"):
         from runtime import catalogue
 
         return getattr(catalogue, name)

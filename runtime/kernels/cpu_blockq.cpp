@@ -1,0 +1,588 @@
+// Block-quantized linear layers on the CPU: y = x @ W^T with W stored as GGUF-style integer codes.
+//
+// W[n, k] = d[n, k/S] * sc[n, k/G] * q[n, k] - dm[n, k/S] * mc[n, k/G]
+//   q: unsigned codes of `bits` (4 or 8) bits; sc, mc: int8 per group of G (16 or 32) inputs;
+//   d, dm: float32 per super-block of S inputs (S a multiple of G). This holds GGUF's Q4_K, Q6_K,
+//   Q5_0, Q8_0, Q4_0, Q4_1 exactly (runtime/blockq.py builds the tensors).
+// Activations are quantized per row to int8 in blocks of 32 (x ~ dx * xq, dx = max|x| / 127, as
+// llama.cpp's Q8_0), the integer dot product C of every group is exact (int32), and the float
+// epilogue runs in one fixed order, per output:
+//   per group:        t = float(C) * float(sc); a = fma(t, dx, a); b = fma(float(mc), xs, b)
+//   per super-block:  y = fma(a, d, y); y = fma(-b, dm, y); a = b = 0
+// with xs = dx * (sum of the group's activation codes). So a row's result depends only on that row:
+// the same bits at any row count and on every path below (AMX, AVX-512 VNNI, plain C++).
+//
+// Storage (made by runtime/blockq.py), W output channels ("a block") at a time, W = 32 for 4-bit
+// codes and 16 for 8-bit ones; a block is one or two "sets" of 16 channels:
+//   codes (N/W, K/G, 16*G) uint8: per group, G/4 rows of 64 bytes, row r holding channel c's inputs
+//     4r..4r+3 at bytes 4c..4c+3 (the VNNI / AMX B-tile layout). 4 bits: channel c in the low
+//     nibble and channel 16 + c in the high nibble of the same byte. The high set is multiplied as
+//     (byte & 0xF0) = 16 * code, its dot product C is 16x, and its sc is taken as float(sc) / 16
+//     (both exact), which saves a shift per 64 bytes.
+//   sc, mc (N/W, K/G, W) int8; d, dm (N/W, K/S, W) float32.
+// Paths: AMX (TDPBSUD, 16 rows a tile) for calls of several rows on CPUs with AMX-INT8; AVX-512
+// VNNI (VPDPBUSD) for one row, or every row count without AMX; plain C++ elsewhere (slow, exact).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <torch/library.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int kLanes = 16;      // output channels per set (one 512-bit vector of float32)
+constexpr int kActBlock = 32;   // inputs per activation scale
+// Software prefetch distance in the codes stream. Every 64-byte line is prefetched: on the 2-core
+// VMs this was measured on, a streaming loop with this much arithmetic reads at the bandwidth of a
+// bare read only when every line is prefetched ~4 KB ahead (about half of it otherwise).
+constexpr int kPrefetchBytes = 4096;
+
+enum Isa : int64_t { kAuto = 0, kGeneric = 1, kVnni = 2, kAmx = 3 };
+
+constexpr int block_width(int bits) { return bits == 4 ? 32 : 16; }
+
+struct Weights {
+  const uint8_t* codes;
+  const int8_t* sc;
+  const int8_t* mc;
+  const float* d;
+  const float* dm;
+  int64_t N, K;
+  int bits, G, S;
+};
+
+struct Acts {
+  const int8_t* xq;  // (M, K)
+  const float* dx;   // (M, K / 32)
+  const float* xs;   // (M, K / G): dx * sum of the group's codes
+  int64_t M, K;
+};
+
+// ---------------------------------------------------------------- CPU features
+
+bool cpu_has(unsigned leaf, unsigned sub, int reg, int bit) {
+  unsigned r[4];
+  if (!__get_cpuid_count(leaf, sub, &r[0], &r[1], &r[2], &r[3])) return false;
+  return (r[reg] >> bit) & 1u;
+}
+
+uint64_t xgetbv0() {
+  uint32_t lo, hi;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  return ((uint64_t)hi << 32) | lo;
+}
+
+bool os_avx512() {
+  if (!cpu_has(1, 0, 2, 27)) return false;  // OSXSAVE
+  return (xgetbv0() & 0xE6) == 0xE6;          // SSE, AVX, opmask, ZMM state enabled
+}
+
+bool has_vnni() {
+  static const bool ok = os_avx512() && cpu_has(7, 0, 1, 16) /*avx512f*/ && cpu_has(7, 0, 1, 30) /*bw*/ &&
+                         cpu_has(7, 0, 1, 31) /*vl*/ && cpu_has(7, 0, 2, 11) /*avx512_vnni*/;
+  return ok;
+}
+
+bool request_amx() {
+  // Linux hands out the AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA)
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+bool has_amx() {
+  static const bool ok = has_vnni() && cpu_has(7, 0, 3, 24) /*amx_tile*/ && cpu_has(7, 0, 3, 25) /*amx_int8*/ &&
+                         request_amx() && (xgetbv0() & (3ull << 17)) == (3ull << 17);
+  return ok;
+}
+
+// ---------------------------------------------------------------- activations
+
+// Quantize rows of x (M, K) into xq (M, K) int8, dx (M, K/32), xs (M, K/G). Deterministic per row.
+template <typename T>
+void quantize_rows(const T* x, int64_t M, int64_t K, int G, int8_t* xq, float* dx, float* xs) {
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const T* xr = x + m * K;
+      int8_t* qr = xq + m * K;
+      for (int64_t b = 0; b < K / kActBlock; ++b) {
+        float amax = 0.f;
+        for (int j = 0; j < kActBlock; ++j) amax = std::max(amax, std::fabs((float)xr[b * kActBlock + j]));
+        const float scale = amax / 127.f;
+        const float inv = amax > 0.f ? 127.f / amax : 0.f;
+        dx[m * (K / kActBlock) + b] = scale;
+        for (int j = 0; j < kActBlock; ++j)
+          qr[b * kActBlock + j] = (int8_t)std::nearbyint((float)xr[b * kActBlock + j] * inv);
+      }
+      for (int64_t g = 0; g < K / G; ++g) {
+        int32_t sum = 0;
+        for (int j = 0; j < G; ++j) sum += qr[g * G + j];
+        xs[m * (K / G) + g] = dx[m * (K / kActBlock) + g * G / kActBlock] * (float)sum;
+      }
+    }
+  });
+}
+
+// ---------------------------------------------------------------- generic C++ path
+
+// The code of set s, channel c, input j of a group (within one block), as the kernels multiply it
+// (4 bits, high set: 16 * code).
+inline int code_at(const uint8_t* grp, int bits, int s, int c, int j) {
+  const uint8_t byte = grp[(j / 4) * 64 + c * 4 + j % 4];
+  if (bits == 8) return byte;
+  return s == 0 ? (byte & 0x0F) : (byte & 0xF0);
+}
+
+template <typename T>
+void gemm_generic(const Weights& w, const Acts& a, const float* bias, T* y, int64_t b0, int64_t b1) {
+  const int W = block_width(w.bits), sets = W / kLanes;
+  const int64_t groups = w.K / w.G, supers = w.K / w.S, gps = w.S / w.G, gbytes = 16 * w.G;
+  for (int64_t b = b0; b < b1; ++b) {
+    for (int64_t m = 0; m < a.M; ++m) {
+      for (int s = 0; s < sets; ++s) {
+        for (int c = 0; c < kLanes; ++c) {
+          const int lane = s * kLanes + c;
+          float acc = 0.f;
+          for (int64_t sb = 0; sb < supers; ++sb) {
+            float as = 0.f, am = 0.f;
+            for (int64_t j = 0; j < gps; ++j) {
+              const int64_t g = sb * gps + j;
+              const uint8_t* grp = w.codes + (b * groups + g) * gbytes;
+              const int8_t* xr = a.xq + m * a.K + g * w.G;
+              int32_t dot = 0;
+              for (int k = 0; k < w.G; ++k) dot += code_at(grp, w.bits, s, c, k) * xr[k];
+              float scf = (float)w.sc[(b * groups + g) * W + lane];
+              if (w.bits == 4 && s == 1) scf = scf * 0.0625f;
+              const float mcf = (float)w.mc[(b * groups + g) * W + lane];
+              const float t = (float)dot * scf;
+              as = std::fma(t, a.dx[m * (a.K / kActBlock) + g * w.G / kActBlock], as);
+              am = std::fma(mcf, a.xs[m * groups + g], am);
+            }
+            acc = std::fma(as, w.d[(b * supers + sb) * W + lane], acc);
+            acc = std::fma(-am, w.dm[(b * supers + sb) * W + lane], acc);
+          }
+          const int64_t n = b * W + lane;
+          y[m * w.N + n] = (T)(bias ? acc + bias[n] : acc);
+        }
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------- AVX-512 helpers
+
+#define SPECDEC_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,fma")))
+#define SPECDEC_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,fma,amx-tile,amx-int8")))
+
+SPECDEC_AVX512 inline __m512 int8_to_float(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+
+template <typename T>
+SPECDEC_AVX512 inline void store_row(__m512 acc, const float* bias, T* y) {
+  if (bias) acc = _mm512_add_ps(acc, _mm512_loadu_ps(bias));
+  if constexpr (std::is_same_v<T, float>) {
+    _mm512_storeu_ps(y, acc);
+  } else {
+    // round to nearest even, as c10::BFloat16 (NaN stays NaN)
+    alignas(64) float tmp[kLanes];
+    _mm512_store_ps(tmp, acc);
+    for (int c = 0; c < kLanes; ++c) y[c] = (T)tmp[c];
+  }
+}
+
+// One block's weights, positioned, and its group / super-block counts.
+template <int BITS, int G>
+struct BlockView {
+  static constexpr int W = block_width(BITS), kSets = W / kLanes, kGroupBytes = 16 * G, R = G / 4;
+  const uint8_t* codes;
+  const int8_t *sc, *mc;
+  const float *d, *dm;
+  int64_t groups, supers, gps;
+  BlockView(const Weights& w, int64_t b) : groups(w.K / G), supers(w.K / w.S), gps(w.S / G) {
+    codes = w.codes + b * groups * kGroupBytes;
+    sc = w.sc + b * groups * W;
+    mc = w.mc + b * groups * W;
+    d = w.d + b * supers * W;
+    dm = w.dm + b * supers * W;
+  }
+  // float(sc) of group g, set s (the 4-bit high set divided by 16: see the file's header)
+  SPECDEC_AVX512 __m512 scale(int64_t g, int s) const {
+    const __m512 f = int8_to_float(sc + g * W + s * kLanes);
+    return (BITS == 4 && s == 1) ? _mm512_mul_ps(f, _mm512_set1_ps(0.0625f)) : f;
+  }
+  SPECDEC_AVX512 __m512 minimum(int64_t g, int s) const { return int8_to_float(mc + g * W + s * kLanes); }
+};
+
+// Prefetch the codes kPrefetchBytes ahead of group g (every line), and the scale codes.
+template <int BITS, int G>
+inline void prefetch_group(const BlockView<BITS, G>& v, int64_t g) {
+  const char* grp = (const char*)(v.codes + g * v.kGroupBytes + kPrefetchBytes);
+  for (int off = 0; off < v.kGroupBytes; off += 64) _mm_prefetch(grp + off, _MM_HINT_T0);
+  constexpr int64_t ahead = kPrefetchBytes / v.kGroupBytes;  // groups
+  if (((g + ahead) * v.W) % 64 == 0) {
+    _mm_prefetch((const char*)(v.sc + (g + ahead) * v.W), _MM_HINT_T0);
+    _mm_prefetch((const char*)(v.mc + (g + ahead) * v.W), _MM_HINT_T0);
+  }
+}
+
+// The float accumulators of one row and set: y, and the super-block's partial sums a, b.
+struct Acc {
+  __m512 y, a, b;
+};
+
+// Per group: a += dx * (float(C) * sc), b += mc * xs.
+SPECDEC_AVX512 inline void accumulate(Acc& acc, __m512i dot, __m512 scf, __m512 mcf, float dx, float xs) {
+  const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), scf);
+  acc.a = _mm512_fmadd_ps(t, _mm512_set1_ps(dx), acc.a);
+  acc.b = _mm512_fmadd_ps(mcf, _mm512_set1_ps(xs), acc.b);
+}
+
+// Per super-block: y += a * d - b * dm; a = b = 0.
+SPECDEC_AVX512 inline void close_super(Acc& acc, __m512 d, __m512 dm) {
+  acc.y = _mm512_fmadd_ps(acc.a, d, acc.y);
+  acc.y = _mm512_fnmadd_ps(acc.b, dm, acc.y);
+  acc.a = acc.b = _mm512_setzero_ps();
+}
+
+// ---------------------------------------------------------------- AVX-512 VNNI path
+
+// Rows m0 .. m0 + MT - 1 of block b: VPDPBUSD with the activations broadcast four bytes at a time.
+template <int BITS, int G, typename T, int MT>
+SPECDEC_AVX512 void vnni_block(const Weights& w, const Acts& a, int64_t m0, const float* bias, T* y, int64_t b) {
+  using V = BlockView<BITS, G>;
+  constexpr int R = V::R, S = V::kSets;
+  const V v(w, b);
+  const int64_t K = a.K;
+  const int8_t* xq[MT];
+  const float *dx[MT], *xs[MT];
+  for (int i = 0; i < MT; ++i) {
+    xq[i] = a.xq + (m0 + i) * K;
+    dx[i] = a.dx + (m0 + i) * (K / kActBlock);
+    xs[i] = a.xs + (m0 + i) * v.groups;
+  }
+  Acc acc[MT][S];
+  for (int i = 0; i < MT; ++i)
+    for (int s = 0; s < S; ++s) acc[i][s].y = acc[i][s].a = acc[i][s].b = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  int64_t g = 0;
+  for (int64_t sb = 0; sb < v.supers; ++sb) {
+    for (int64_t j = 0; j < v.gps; ++j, ++g) {
+      const uint8_t* grp = v.codes + g * V::kGroupBytes;
+      prefetch_group(v, g);
+      __m512i full[MT], high[MT];
+      for (int i = 0; i < MT; ++i) full[i] = high[i] = _mm512_setzero_si512();
+      for (int r = 0; r < R; ++r) {
+        const __m512i row = _mm512_loadu_si512(grp + r * 64);
+        const __m512i hi = BITS == 4 ? _mm512_andnot_si512(low, row) : row;
+        for (int i = 0; i < MT; ++i) {
+          int32_t x4;
+          std::memcpy(&x4, xq[i] + g * G + 4 * r, 4);
+          const __m512i xb = _mm512_set1_epi32(x4);
+          full[i] = _mm512_dpbusd_epi32(full[i], row, xb);
+          if constexpr (BITS == 4) high[i] = _mm512_dpbusd_epi32(high[i], hi, xb);
+        }
+      }
+      for (int s = 0; s < S; ++s) {
+        const __m512 scf = v.scale(g, s), mcf = v.minimum(g, s);
+        for (int i = 0; i < MT; ++i) {
+          // 4 bits: set 0 = full - (16 x high codes), set 1 = 16 x high codes
+          const __m512i dot = BITS == 8 ? full[i] : (s == 0 ? _mm512_sub_epi32(full[i], high[i]) : high[i]);
+          accumulate(acc[i][s], dot, scf, mcf, dx[i][g * G / kActBlock], xs[i][g]);
+        }
+      }
+    }
+    for (int s = 0; s < S; ++s) {
+      const __m512 dv = _mm512_loadu_ps(v.d + sb * V::W + s * kLanes), dmv = _mm512_loadu_ps(v.dm + sb * V::W + s * kLanes);
+      for (int i = 0; i < MT; ++i) close_super(acc[i][s], dv, dmv);
+    }
+  }
+  for (int i = 0; i < MT; ++i)
+    for (int s = 0; s < S; ++s) {
+      const int64_t n = b * V::W + s * kLanes;
+      store_row(acc[i][s].y, bias ? bias + n : nullptr, y + (m0 + i) * w.N + n);
+    }
+}
+
+// Every row of blocks [b0, b1), two rows at a time while a block's codes are in cache.
+template <int BITS, int G, typename T>
+SPECDEC_AVX512 void gemm_vnni(const Weights& w, const Acts& a, const float* bias, T* y, int64_t b0, int64_t b1) {
+  for (int64_t b = b0; b < b1; ++b) {
+    int64_t m = 0;
+    for (; m + 2 <= a.M; m += 2) vnni_block<BITS, G, T, 2>(w, a, m, bias, y, b);
+    if (m < a.M) vnni_block<BITS, G, T, 1>(w, a, m, bias, y, b);
+  }
+}
+
+// ---------------------------------------------------------------- AMX path
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tmm0: A (16 rows of G int8 activations); tmm1, tmm2: B (G/4 rows of 64 bytes, one per set);
+// tmm3, tmm4: C (16 x 16 int32, one per set).
+SPECDEC_AMX void amx_configure(int G) {
+  TileConfig cfg;
+  cfg.rows[0] = 16;
+  cfg.colsb[0] = (uint16_t)G;
+  for (int t : {1, 2}) { cfg.rows[t] = (uint8_t)(G / 4); cfg.colsb[t] = 64; }
+  for (int t : {3, 4}) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+  // GCC 12 does not see that ldtilecfg reads cfg and drops the stores above without this barrier
+  __asm__ __volatile__("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+
+// Activations in group-major tiles: xt[(m0 / 16) * groups * 16 * G + g * 16 * G + i * G + j] =
+// xq[m0 + i][g * G + j], rows past M zero.
+void tile_activations(const int8_t* xq, int64_t M, int64_t K, int G, int8_t* xt) {
+  const int64_t groups = K / G, tiles = (M + 15) / 16;
+  std::memset(xt, 0, tiles * 16 * K);
+  for (int64_t m = 0; m < M; ++m) {
+    int8_t* base = xt + (m / 16) * groups * 16 * G + (m % 16) * G;
+    for (int64_t g = 0; g < groups; ++g) std::memcpy(base + g * 16 * G, xq + m * K + g * G, G);
+  }
+}
+
+// Groups of one super-block first go through the tiles (their C tiles kept in cbuf), then each
+// row's accumulators take the super-block's groups in order, in registers.
+constexpr int kMaxGroupsPerSuper = 16;  // Q6_K: 256 / 16
+
+template <int BITS, int G, typename T>
+SPECDEC_AMX void gemm_amx(const Weights& w, const Acts& a, const int8_t* xt, const float* bias, T* y, int64_t b0,
+                          int64_t b1) {
+  using V = BlockView<BITS, G>;
+  constexpr int R = V::R, S = V::kSets;
+  amx_configure(G);
+  alignas(64) int32_t cbuf[kMaxGroupsPerSuper][S][16 * kLanes];
+  alignas(64) float scf[kMaxGroupsPerSuper][S][kLanes], mcf[kMaxGroupsPerSuper][S][kLanes];
+  alignas(64) uint8_t bbuf[S][R * 64];
+  alignas(64) float fy[16][S][kLanes];
+  const int64_t K = a.K;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t b = b0; b < b1; ++b) {
+    const V v(w, b);
+    for (int64_t m0 = 0; m0 < a.M; m0 += 16) {
+      const int mt = (int)std::min<int64_t>(16, a.M - m0);
+      const int8_t* xtile = xt + (m0 / 16) * v.groups * 16 * G;
+      std::memset(fy, 0, sizeof(fy));
+      for (int64_t sb = 0; sb < v.supers; ++sb) {
+        const int64_t g0 = sb * v.gps;
+        for (int64_t j = 0; j < v.gps; ++j) {
+          const int64_t g = g0 + j;
+          const uint8_t* grp = v.codes + g * V::kGroupBytes;
+          prefetch_group(v, g);
+          _tile_loadd(0, xtile + g * 16 * G, G);
+          if constexpr (BITS == 8) {
+            _tile_zero(3);
+            _tile_loadd(1, grp, 64);
+            _tile_dpbsud(3, 0, 1);
+            _tile_stored(3, cbuf[j][0], 64);
+          } else {
+            for (int r = 0; r < R; ++r) {
+              const __m512i row = _mm512_loadu_si512(grp + r * 64);
+              _mm512_store_si512(bbuf[0] + r * 64, _mm512_and_si512(row, low));
+              _mm512_store_si512(bbuf[S - 1] + r * 64, _mm512_andnot_si512(low, row));
+            }
+            _tile_zero(3);
+            _tile_zero(4);
+            _tile_loadd(1, bbuf[0], 64);
+            _tile_loadd(2, bbuf[S - 1], 64);
+            _tile_dpbsud(3, 0, 1);
+            _tile_dpbsud(4, 0, 2);
+            _tile_stored(3, cbuf[j][0], 64);
+            _tile_stored(4, cbuf[j][S - 1], 64);
+          }
+          for (int s = 0; s < S; ++s) {
+            _mm512_store_ps(scf[j][s], v.scale(g, s));
+            _mm512_store_ps(mcf[j][s], v.minimum(g, s));
+          }
+        }
+        for (int s = 0; s < S; ++s) {
+          const __m512 dv = _mm512_loadu_ps(v.d + sb * V::W + s * kLanes);
+          const __m512 dmv = _mm512_loadu_ps(v.dm + sb * V::W + s * kLanes);
+          for (int i = 0; i < mt; ++i) {
+            const int64_t m = m0 + i;
+            const float* dxr = a.dx + m * (K / kActBlock);
+            const float* xsr = a.xs + m * v.groups;
+            Acc acc{_mm512_load_ps(fy[i][s]), _mm512_setzero_ps(), _mm512_setzero_ps()};
+            for (int64_t j = 0; j < v.gps; ++j) {
+              const int64_t g = g0 + j;
+              accumulate(acc, _mm512_load_si512(cbuf[j][s] + i * kLanes), _mm512_load_ps(scf[j][s]),
+                         _mm512_load_ps(mcf[j][s]), dxr[g * G / kActBlock], xsr[g]);
+            }
+            close_super(acc, dv, dmv);
+            _mm512_store_ps(fy[i][s], acc.y);
+          }
+        }
+      }
+      for (int i = 0; i < mt; ++i)
+        for (int s = 0; s < S; ++s) {
+          const int64_t n = b * V::W + s * kLanes;
+          store_row(_mm512_load_ps(fy[i][s]), bias ? bias + n : nullptr, y + (m0 + i) * w.N + n);
+        }
+    }
+  }
+  _tile_release();
+}
+
+// The kernels of one (bits, group) pair.
+template <typename T>
+struct Kernels {
+  void (*vnni)(const Weights&, const Acts&, const float*, T*, int64_t, int64_t);
+  void (*amx)(const Weights&, const Acts&, const int8_t*, const float*, T*, int64_t, int64_t);
+};
+
+template <typename T>
+Kernels<T> kernels_for(int bits, int G) {
+  if (bits == 4 && G == 32) return {gemm_vnni<4, 32, T>, gemm_amx<4, 32, T>};
+  if (bits == 4 && G == 16) return {gemm_vnni<4, 16, T>, gemm_amx<4, 16, T>};
+  if (bits == 8 && G == 32) return {gemm_vnni<8, 32, T>, gemm_amx<8, 32, T>};
+  return {gemm_vnni<8, 16, T>, gemm_amx<8, 16, T>};
+}
+
+// ---------------------------------------------------------------- op
+
+void check(bool ok, const char* msg) { TORCH_CHECK(ok, "specdec::blockq_mm: ", msg); }
+
+int64_t pick_isa(int64_t isa, int64_t M, int64_t amx_min_rows) {
+  if (isa == kAuto) {
+    if (has_amx() && M >= amx_min_rows) return kAmx;
+    return has_vnni() ? kVnni : kGeneric;
+  }
+  if (isa == kAmx) TORCH_CHECK(has_amx(), "specdec::blockq_mm: this CPU (or OS) has no AMX-INT8");
+  if (isa == kVnni) TORCH_CHECK(has_vnni(), "specdec::blockq_mm: this CPU has no AVX-512 VNNI");
+  return isa;
+}
+
+at::Tensor blockq_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sc, const at::Tensor& mc,
+                     const at::Tensor& d, const at::Tensor& dm, const c10::optional<at::Tensor>& bias,
+                     int64_t bits, int64_t group, int64_t super, int64_t isa, int64_t amx_min_rows) {
+  check(x.device().is_cpu(), "x must be on the CPU");
+  check(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
+  check(bits == 4 || bits == 8, "bits must be 4 or 8");
+  check(group == 16 || group == 32, "group must be 16 or 32");
+  check(super > 0 && super % group == 0 && super / group <= kMaxGroupsPerSuper,
+        "super must be a positive multiple of group, at most 16 groups");
+  const int64_t K = x.size(-1), W = block_width((int)bits);
+  check(K % super == 0 && K % kActBlock == 0, "in_features must be a multiple of the super-block and of 32");
+  check(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
+        "codes must be (N/W, K/G, 16*G) uint8");
+  const int64_t N = codes.size(0) * W;
+  check(codes.size(1) == K / group && codes.size(2) == 16 * group, "codes do not match K and group");
+  check(sc.scalar_type() == at::kChar && mc.scalar_type() == at::kChar && sc.is_contiguous() && mc.is_contiguous() &&
+            sc.numel() == N * (K / group) && mc.numel() == N * (K / group), "sc, mc must be int8 (N/W, K/G, W)");
+  check(d.scalar_type() == at::kFloat && dm.scalar_type() == at::kFloat && d.is_contiguous() && dm.is_contiguous() &&
+            d.numel() == N * (K / super) && dm.numel() == N * (K / super), "d, dm must be float32 (N/W, K/S, W)");
+  at::Tensor b32;
+  if (bias.has_value()) {
+    b32 = bias->to(at::kFloat).contiguous();
+    check(b32.numel() == N, "bias must have out_features elements");
+  }
+  const at::Tensor x2 = x.reshape({-1, K}).contiguous();
+  const int64_t M = x2.size(0);
+  auto out_sizes = x.sizes().vec();
+  out_sizes.back() = N;
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y.view(out_sizes);
+
+  const int64_t path = pick_isa(isa, M, amx_min_rows);
+  at::Tensor xq = at::empty({M, K}, x.options().dtype(at::kChar));
+  at::Tensor dx = at::empty({M, K / kActBlock}, x.options().dtype(at::kFloat));
+  at::Tensor xs = at::empty({M, K / group}, x.options().dtype(at::kFloat));
+  if (x2.scalar_type() == at::kFloat)
+    quantize_rows(x2.data_ptr<float>(), M, K, (int)group, xq.data_ptr<int8_t>(), dx.data_ptr<float>(), xs.data_ptr<float>());
+  else
+    quantize_rows(x2.data_ptr<at::BFloat16>(), M, K, (int)group, xq.data_ptr<int8_t>(), dx.data_ptr<float>(),
+                  xs.data_ptr<float>());
+  at::Tensor xt;
+  if (path == kAmx) {
+    xt = at::empty({(M + 15) / 16 * 16 * K}, x.options().dtype(at::kChar));
+    tile_activations(xq.data_ptr<int8_t>(), M, K, (int)group, xt.data_ptr<int8_t>());
+  }
+
+  const Weights w{codes.data_ptr<uint8_t>(), sc.data_ptr<int8_t>(), mc.data_ptr<int8_t>(), d.data_ptr<float>(),
+                  dm.data_ptr<float>(), N, K, (int)bits, (int)group, (int)super};
+  const Acts a{xq.data_ptr<int8_t>(), dx.data_ptr<float>(), xs.data_ptr<float>(), M, K};
+  const float* bp = bias.has_value() ? b32.data_ptr<float>() : nullptr;
+  auto run = [&](auto* yp) {
+    using T = std::remove_pointer_t<decltype(yp)>;
+    const Kernels<T> k = kernels_for<T>((int)bits, (int)group);
+    const int8_t* xtp = path == kAmx ? xt.data_ptr<int8_t>() : nullptr;
+    at::parallel_for(0, N / W, 1, [&](int64_t b0, int64_t b1) {
+      if (path == kAmx) k.amx(w, a, xtp, bp, yp, b0, b1);
+      else if (path == kVnni) k.vnni(w, a, bp, yp, b0, b1);
+      else gemm_generic(w, a, bp, yp, b0, b1);
+    });
+  };
+  if (x.scalar_type() == at::kFloat) run(y.data_ptr<float>());
+  else run(y.data_ptr<at::BFloat16>());
+  return y.view(out_sizes);
+}
+
+// Read every byte of `t` once (AVX-512 loads where the CPU has them, all threads) and return an
+// XOR of it, so the reads cannot be optimized away: the memory-bandwidth probe of the benchmarks.
+SPECDEC_AVX512 int64_t read_avx512(const uint8_t* p, int64_t n) {
+  __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+  int64_t i = 0;
+  for (; i + 256 <= n; i += 256) {
+    a0 = _mm512_xor_si512(a0, _mm512_loadu_si512(p + i));
+    a1 = _mm512_xor_si512(a1, _mm512_loadu_si512(p + i + 64));
+    a2 = _mm512_xor_si512(a2, _mm512_loadu_si512(p + i + 128));
+    a3 = _mm512_xor_si512(a3, _mm512_loadu_si512(p + i + 192));
+  }
+  int64_t x = _mm512_reduce_add_epi64(_mm512_xor_si512(_mm512_xor_si512(a0, a1), _mm512_xor_si512(a2, a3)));
+  for (; i < n; ++i) x ^= p[i];
+  return x;
+}
+
+int64_t read_probe(const at::Tensor& t) {
+  check(t.device().is_cpu() && t.is_contiguous(), "read_probe needs a contiguous CPU tensor");
+  const uint8_t* p = static_cast<const uint8_t*>(t.data_ptr());
+  const int64_t n = t.numel() * t.element_size(), chunk = 1 << 20;
+  std::vector<int64_t> parts((n + chunk - 1) / chunk, 0);
+  at::parallel_for(0, (int64_t)parts.size(), 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t len = std::min(chunk, n - c * chunk);
+      if (has_vnni()) {
+        parts[c] = read_avx512(p + c * chunk, len);
+      } else {
+        int64_t x = 0;
+        for (int64_t i = 0; i < len; ++i) x ^= p[c * chunk + i];
+        parts[c] = x;
+      }
+    }
+  });
+  int64_t x = 0;
+  for (int64_t v : parts) x ^= v;
+  return x;
+}
+
+// Which paths this CPU runs: bit 0 generic (always), bit 1 AVX-512 VNNI, bit 2 AMX-INT8.
+int64_t blockq_isas() { return 1 | (has_vnni() ? 2 : 0) | (has_amx() ? 4 : 0); }
+
+}  // namespace
+
+TORCH_LIBRARY(specdec_cpu, m) {
+  m.def("blockq_mm(Tensor x, Tensor codes, Tensor sc, Tensor mc, Tensor d, Tensor dm, Tensor? bias, int bits, "
+        "int group, int super, int isa=0, int amx_min_rows=12) -> Tensor");
+  m.def("blockq_isas() -> int", &blockq_isas);
+  m.def("read_probe(Tensor t) -> int");
+}
+
+TORCH_LIBRARY_IMPL(specdec_cpu, CPU, m) {
+  m.impl("blockq_mm", &blockq_mm);
+  m.impl("read_probe", &read_probe);
+}

@@ -1,0 +1,124 @@
+"""CPU kernels for block-quantized linears (GGUF-style codes): build, load, reference.
+
+`cpu_blockq.cpp` (next to this file) is compiled once per machine with the host's C++ compiler
+through `torch.utils.cpp_extension` into `$SPECDEC_HOME/kernels/<hash>` (about a minute on 2
+cores; later processes load the cached library) and registers `torch.ops.specdec_cpu.blockq_mm`.
+The op picks its path at run time from the CPU's features: AMX-INT8 tiles for calls of
+`AMX_MIN_ROWS` rows or more, AVX-512 VNNI otherwise, plain C++ on other CPUs. The arithmetic
+(int8 activations in blocks of 32, exact integer dot products per group, one float epilogue
+order) is the same on every path, so a row's output does not depend on the path or the row count.
+
+`blockq_mm_ref` is the same computation in PyTorch (float64 accumulation), what the kernel is
+tested against. A process whose compiler is missing or fails gets `available() == False` with
+the reason in `unavailable_reason()`; `runtime.blockq` then runs its dense fallback.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_blockq.cpp")
+ACT_BLOCK = 32  # activations share one int8 scale per 32 inputs
+LANES = 16  # output channels per storage block
+# calls with at least this many rows take the AMX path where the CPU has it (one row: VNNI, which
+# needs no tile set-up); measured by benchmarks/qlinear_rows.py
+AMX_MIN_ROWS = 12
+ISAS = {"auto": 0, "generic": 1, "vnni": 2, "amx": 3}
+_CFLAGS = ["-O3", "-ffp-contract=off", "-std=c++17", "-fopenmp"]  # -fopenmp: at::parallel_for runs threads only with it
+
+log = logging.getLogger(__name__)
+
+
+@functools.cache
+def _load() -> str | None:
+    """Build (once per machine) and load the extension; None when loaded, else why it is not."""
+    from torch.utils import cpp_extension
+
+    from runtime.catalogue import cache_home
+
+    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(_CFLAGS).encode()).hexdigest()
+    build = cache_home() / "kernels" / f"cpu_blockq-{key[:16]}"
+    try:
+        build.mkdir(parents=True, exist_ok=True)
+        cpp_extension.load(name="specdec_cpu_blockq", sources=[str(SOURCE)], extra_cflags=_CFLAGS,
+                           extra_ldflags=["-fopenmp"], build_directory=str(build), is_python_module=False,
+                           verbose=False)
+    except (OSError, RuntimeError, ImportError, ValueError) as err:  # no compiler, no ninja, a failed build
+        reason = f"{type(err).__name__}: {str(err).strip().splitlines()[-1] if str(err).strip() else err}"
+        log.warning("block-quantized CPU kernels unavailable (%s); using the dense fallback", reason)
+        return reason
+    torch.library.register_fake("specdec_cpu::blockq_mm")(_blockq_mm_fake)
+    return None
+
+
+def _blockq_mm_fake(x, codes, sc, mc, d, dm, bias, bits, group, super, isa=0, amx_min_rows=AMX_MIN_ROWS):
+    return x.new_empty((*x.shape[:-1], codes.shape[0] * LANES))
+
+
+@torch.compiler.assume_constant_result
+def available() -> bool:
+    """Whether the compiled kernels load on this machine (x86-64 Linux with a C++ compiler);
+    SPECDEC_BLOCKQ_KERNELS=0 turns them off. (A constant to `torch.compile`: decided before tracing.)"""
+    if os.environ.get("SPECDEC_BLOCKQ_KERNELS", "1") == "0":
+        return False
+    return _load() is None
+
+
+def unavailable_reason() -> str | None:
+    """Why `available()` is False (None when it is True)."""
+    if os.environ.get("SPECDEC_BLOCKQ_KERNELS", "1") == "0":
+        return "SPECDEC_BLOCKQ_KERNELS=0"
+    return _load()
+
+
+def fast() -> bool:
+    """Whether the kernels run here with AVX-512 VNNI (or AMX): the CPUs where a block-quantized
+    model decodes faster than its dense copy. The plain C++ path is exact but slow."""
+    return available() and "vnni" in isas()
+
+
+def isas() -> tuple[str, ...]:
+    """The kernel paths this CPU runs: "generic" always, "vnni" (AVX-512 VNNI), "amx" (AMX-INT8)."""
+    if not available():
+        return ()
+    mask = torch.ops.specdec_cpu.blockq_isas()
+    return tuple(name for name, bit in (("generic", 1), ("vnni", 2), ("amx", 4)) if mask & bit)
+
+
+def blockq_mm(x: torch.Tensor, codes: torch.Tensor, sc: torch.Tensor, mc: torch.Tensor, d: torch.Tensor,
+              dm: torch.Tensor, bias: torch.Tensor | None, bits: int, group: int, super_block: int,
+              isa: str = "auto", amx_min_rows: int = AMX_MIN_ROWS) -> torch.Tensor:
+    """x (..., K) float32 / bf16 -> (..., N) in x's dtype through the compiled kernel (path `isa`)."""
+    if not available():
+        raise RuntimeError(f"the block-quantized CPU kernels are unavailable: {unavailable_reason()}")
+    return torch.ops.specdec_cpu.blockq_mm(x, codes, sc, mc, d, dm, bias, bits, group, super_block, ISAS[isa],
+                                           amx_min_rows)
+
+
+def quantize_activations_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) -> int8 codes (M, K) and float32 scales (M, K/32), as the kernel rounds them:
+    scale = max|x| / 127 per block of 32, codes = nearest-even(x * 127 / max|x|)."""
+    M, K = x.shape
+    xb = x.float().view(M, K // ACT_BLOCK, ACT_BLOCK)
+    amax = xb.abs().amax(-1)  # (M, K/32)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(xb * inv[..., None]).to(torch.int8).view(M, K)
+    return q, amax / 127.0
+
+
+def blockq_mm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernel's result computed in float64: x's rows quantized as the kernel does, times the
+    exact float32 weight (N, K) (`BlockQuantLinear.dequantize()`); returns float64 (..., N)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    q, scale = quantize_activations_ref(x2)
+    xd = (q.double().view(q.shape[0], -1, ACT_BLOCK) * scale.double()[..., None]).view_as(q)
+    y = xd @ weight.double().t()
+    if bias is not None:
+        y = y + bias.double()
+    return y.view(*x.shape[:-1], weight.shape[0])

@@ -1,0 +1,166 @@
+"""runtime.blockq and its CPU kernels: packing, exact dequantization, the kernel against the
+float64 reference at 1-64 rows, every kernel path bit-identical, rows independent of the row
+count, embedding lookups, and the INT4 / INT8 conversions of `quant`'s modules."""
+
+import pytest
+import torch
+
+from runtime.blockq import BlockQuantLinear, QuantizedEmbedding, block_width, pack_codes, unpack_codes
+from runtime.kernels import cpu_blockq
+from runtime.qlinear import Int4Linear, Int8Linear, from_tensors, pack_int4
+
+needs_kernels = pytest.mark.skipif(not cpu_blockq.available(), reason="block-quantized CPU kernels not built here")
+
+# (bits, group, super-block, mins share the scales' codes, out_features): the grids of GGUF's types
+GRIDS = {
+    "q4_k": (4, 32, 256, False, 64), "q6_k": (8, 16, 256, True, 48), "q8_0": (8, 32, 32, True, 48),
+    "q4_1": (4, 32, 32, True, 64), "g16_4bit": (4, 16, 64, False, 96), "4bit_odd_rows": (4, 32, 32, False, 48),
+}
+
+
+def _module(grid: str, K: int = 512, bias: bool = True, seed: int = 0) -> tuple[BlockQuantLinear, torch.Tensor]:
+    bits, G, S, shared, N = GRIDS[grid]
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 1 << bits, (N, K), generator=g, dtype=torch.uint8)
+    sc = torch.randint(-20, 64, (N, K // G), generator=g).to(torch.int8)
+    mc = sc if shared else torch.randint(0, 64, (N, K // G), generator=g).to(torch.int8)
+    d, dm = torch.rand(N, K // S, generator=g) * 1e-3, torch.rand(N, K // S, generator=g) * 1e-3
+    b = torch.randn(N, generator=g) if bias else None
+    return BlockQuantLinear.from_canonical(q, sc, mc, d, dm, bits, G, S, b), q
+
+
+def _formula(q, sc, mc, d, dm, G, S):
+    """W = d sc q - dm mc in float64 (the module docstring's definition)."""
+    rep = lambda t, n: t.double().repeat_interleave(n, dim=1)  # noqa: E731
+    return rep(d, S) * rep(sc, G) * q.double() - rep(dm, S) * rep(mc, G)
+
+
+@pytest.mark.parametrize("grid", list(GRIDS))
+def test_pack_round_trip_and_dequantize(grid):
+    module, q = _module(grid)
+    assert torch.equal(unpack_codes(module.codes, module.bits, module.group_size), q)
+    bits, G, S, shared, N = GRIDS[grid]
+    assert module.bits == (8 if N % block_width(4) else bits)  # 4-bit storage needs 32-channel blocks
+    assert (module.mc is module.sc) == shared  # shared mins cost no bytes of their own
+    g = torch.Generator().manual_seed(0)  # the same draws as _module
+    q2 = torch.randint(0, 1 << bits, (N, 512), generator=g, dtype=torch.uint8)
+    sc = torch.randint(-20, 64, (N, 512 // G), generator=g).to(torch.int8)
+    mc = sc if shared else torch.randint(0, 64, (N, 512 // G), generator=g).to(torch.int8)
+    d, dm = torch.rand(N, 512 // S, generator=g) * 1e-3, torch.rand(N, 512 // S, generator=g) * 1e-3
+    ref = _formula(q2, sc, mc, d, dm, G, S)
+    assert float((module.dequantize().double() - ref).abs().max()) <= 1e-6 * float(ref.abs().max())
+
+
+def test_pack_layout_of_4bit_blocks():
+    """Channel c of a 32-channel block in the low nibble, channel 16 + c in the high one; row r of a
+    group holds inputs 4r..4r+3 of every channel at bytes 4c..4c+3."""
+    q = torch.zeros(32, 32, dtype=torch.uint8)
+    q[3, 5] = 7  # channel 3 (low nibble), input 5: row 1, byte 4 * 3 + 1
+    q[16 + 2, 9] = 9  # channel 18 (high nibble of channel slot 2), input 9: row 2, byte 4 * 2 + 1
+    packed = pack_codes(q, 4, 32)
+    assert packed.shape == (1, 1, 512)
+    assert packed[0, 0, 64 * 1 + 4 * 3 + 1] == 7
+    assert packed[0, 0, 64 * 2 + 4 * 2 + 1] == 9 << 4
+    assert int(packed.count_nonzero()) == 2
+
+
+@needs_kernels
+@pytest.mark.parametrize("grid", list(GRIDS))
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 16, 17, 64])
+def test_kernel_matches_float64_reference(grid, rows):
+    module, _ = _module(grid)
+    x = torch.randn(rows, module.in_features, generator=torch.Generator().manual_seed(rows))
+    ref = cpu_blockq.blockq_mm_ref(x, module.dequantize(), module.bias)
+    got = module(x)
+    assert got.dtype == torch.float32 and got.shape == (rows, module.out_features)
+    assert float((got.double() - ref).abs().max() / ref.abs().max()) < 1e-5
+
+
+@needs_kernels
+@pytest.mark.parametrize("grid", ["q4_k", "q6_k", "q4_1"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_path_gives_the_same_bits(grid, dtype):
+    module, _ = _module(grid)
+    m = module
+    for rows in (1, 5, 16, 33):
+        x = torch.randn(rows, m.in_features, generator=torch.Generator().manual_seed(rows)).to(dtype)
+        outs = {isa: cpu_blockq.blockq_mm(x, m.codes, m.sc, m.mc, m.d, m.dm, m.bias, m.bits, m.group_size,
+                                          m.super_block, isa=isa) for isa in cpu_blockq.isas()}
+        base = outs["generic"]
+        for isa, y in outs.items():
+            assert torch.equal(y, base), f"{isa} differs from the plain C++ path at {rows} rows"
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_does_not_depend_on_the_others(dtype):
+    module, _ = _module("q4_k", K=1536)
+    x = torch.randn(40, 1536, generator=torch.Generator().manual_seed(3)).to(dtype)
+    full = module(x)
+    for start, stop in ((0, 1), (5, 6), (0, 8), (3, 19), (24, 40)):
+        assert torch.equal(module(x[start:stop]), full[start:stop])
+    assert torch.equal(module(x.view(4, 10, 1536)), full.view(4, 10, -1))  # leading dims are rows too
+
+
+@needs_kernels
+def test_bf16_output_is_the_float32_result_rounded():
+    module, _ = _module("q6_k")
+    x = torch.randn(4, 512, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    assert torch.equal(module(x), module(x.float()).to(torch.bfloat16))
+
+
+def test_fallback_without_kernels_multiplies_the_dequantized_weight(monkeypatch):
+    module, _ = _module("q4_k")
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(0))
+    monkeypatch.setenv("SPECDEC_BLOCKQ_KERNELS", "0")
+    assert not cpu_blockq.available()
+    ref = x.double() @ module.dequantize().double().t() + module.bias.double()
+    assert torch.allclose(module(x).double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("grid", ["q4_k", "q6_k", "4bit_odd_rows"])
+def test_rows_and_embedding_lookup(grid):
+    module, _ = _module(grid)
+    tokens = torch.tensor([[0, 17, module.out_features - 1], [16, 31, 5]])
+    w = module.dequantize()
+    assert torch.equal(module.rows(tokens, torch.float32), w[tokens])
+    emb = QuantizedEmbedding(module, torch.bfloat16)
+    assert torch.equal(emb(tokens), w[tokens].to(torch.bfloat16))
+
+
+def test_tensor_round_trip():
+    for grid in ("q4_k", "q6_k"):
+        module, _ = _module(grid)
+        back = from_tensors(module.meta(), module.to_tensors())
+        assert isinstance(back, BlockQuantLinear)
+        assert torch.equal(back.dequantize(), module.dequantize()) and torch.equal(back.bias, module.bias)
+        assert ("mc" in module.to_tensors()) == (grid == "q4_k")
+
+
+def test_int8_and_int4_modules_convert_exactly():
+    g = torch.Generator().manual_seed(0)
+    q8 = torch.randint(-127, 128, (48, 256), generator=g).to(torch.int8)
+    scales = (torch.rand(48, generator=g) * 1e-2).to(torch.bfloat16)  # quant's grids store bf16 scales
+    int8 = Int8Linear(q8, scales, torch.randn(48, generator=g))
+    assert torch.equal(BlockQuantLinear.from_int8(int8).dequantize(), int8.dequantize())
+    codes = torch.randint(0, 16, (64, 256), generator=g)
+    s = (torch.rand(64, 2, generator=g) * 1e-2).to(torch.bfloat16).float()
+    z = torch.randint(0, 16, (64, 2), generator=g).float()
+    int4 = Int4Linear(pack_int4(codes), s, (8 - z) * s, 128, zero_point="integer")
+    assert torch.allclose(BlockQuantLinear.from_int4(int4).dequantize(), int4.dequantize(), rtol=0, atol=1e-7)
+
+
+def test_bad_shapes_are_refused():
+    module, _ = _module("q4_k")
+    with pytest.raises(ValueError, match="bits"):
+        BlockQuantLinear(module.codes, module.sc, module.mc, module.d, module.dm, 5, 32, 256)
+    with pytest.raises(ValueError, match="sc must be"):
+        BlockQuantLinear(module.codes, module.sc[:, :3], module.mc, module.d, module.dm, 4, 32, 256)
+    with pytest.raises(ValueError, match="divisible by 16"):
+        BlockQuantLinear.from_canonical(torch.zeros(20, 64, dtype=torch.uint8), torch.ones(20, 2, dtype=torch.int8),
+                                        torch.ones(20, 2, dtype=torch.int8), torch.ones(20, 1), torch.ones(20, 1),
+                                        4, 32, 64)
+    with pytest.raises(ValueError, match="codes must lie"):
+        BlockQuantLinear.from_canonical(torch.full((16, 64), 16, dtype=torch.uint8),
+                                        torch.ones(16, 2, dtype=torch.int8), torch.ones(16, 2, dtype=torch.int8),
+                                        torch.ones(16, 1), torch.ones(16, 1), 4, 32, 64)
