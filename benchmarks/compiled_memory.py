@@ -50,7 +50,7 @@ def tensor_bytes(model: torch.nn.Module) -> int:
 
 def run(args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
-    model = load_model(args.model, dtype=DTYPES[args.dtype])
+    model = load_model(args.model, dtype=DTYPES[args.dtype], weights="dense")
     weights = tensor_bytes(model)
     model.compile_decode(freeze_weights=args.freeze_weights)
     B_max = max(args.batches)

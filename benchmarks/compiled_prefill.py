@@ -43,7 +43,7 @@ def main() -> None:
     p.add_argument("--json", default=None, help="also write the figures to this file")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    model = load_model(args.model, dtype=DTYPES[args.dtype])
+    model = load_model(args.model, dtype=DTYPES[args.dtype], weights="dense")
     program = compile_step(model.static_step, model.device)
     C = args.chunk
     tokens = torch.randint(0, model.config.vocab_size, (1, C), generator=torch.Generator().manual_seed(0))

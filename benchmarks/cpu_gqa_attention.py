@@ -96,7 +96,7 @@ def main() -> None:
     p.add_argument("--json", default=None, help="also write the rows here")
     args = p.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
-    model = runtime.load_model(args.model, dtype=torch.bfloat16)
+    model = runtime.load_model(args.model, dtype=torch.bfloat16, weights="dense")
     att = attention_rows(model.config, batches, args.slots, args.repeats * 4)
     print("| rows x queries | SDPA enable_gqa (ms) | sdpa_gqa (ms) | speedup |\n|---|---:|---:|---:|")
     for r in att:

@@ -36,10 +36,10 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
-    target = runtime.load_model(args.model, dtype=dtype)
+    target = runtime.load_model(args.model, dtype=dtype, weights="dense")
     draft = {"none": None, "ngram": "ngram"}.get(args.draft)
     if args.draft not in ("none", "ngram"):
-        draft = runtime.load_model(args.draft, dtype=dtype)
+        draft = runtime.load_model(args.draft, dtype=dtype, weights="dense")
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, target.config.vocab_size, (args.prompt_tokens,), generator=g) for _ in range(4)]
 

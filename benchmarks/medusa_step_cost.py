@@ -55,7 +55,7 @@ def main() -> None:
     dtype = DTYPES[args.dtype]
     if args.max_autotune and not args.compile:
         ap.error("--max-autotune needs --compile")
-    model = runtime.load_model(args.model, dtype=dtype)
+    model = runtime.load_model(args.model, dtype=dtype, weights="dense")
     if args.compile:
         runtime.compile_decode(model, max_autotune=args.max_autotune or None)
     tok = runtime.load_tokenizer(args.model)

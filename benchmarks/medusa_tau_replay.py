@@ -40,7 +40,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    model = runtime.load_model(args.model, dtype=DTYPES[args.dtype])
+    model = runtime.load_model(args.model, dtype=DTYPES[args.dtype], weights="dense")
     tok = runtime.load_tokenizer(args.model)
     heads = distill.load_medusa(args.heads, model)
     if heads.config.head_accuracy is None:

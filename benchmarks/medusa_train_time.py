@@ -42,7 +42,7 @@ def main() -> None:
     add_dataclass_args(p.add_argument_group("head training (TrainConfig)"), TrainConfig, defaults=TRAIN)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    model = runtime.load_model(args.model, dtype=torch.bfloat16)
+    model = runtime.load_model(args.model, dtype=torch.bfloat16, weights="dense")
     heads = distill.attach_medusa(model, num_heads=4, num_layers=args.num_layers)
     cfg = dataclass_from_args(TrainConfig, args)
     m = distill.train_medusa(heads, args.cache, args.out, cfg, deadline=time.monotonic() + 60 * args.minutes,

@@ -86,7 +86,7 @@ def main() -> None:
         ap.error(f"unknown method(s) {unknown}; choose from {list(METHODS)}")
     torch.set_num_threads(args.threads)
 
-    model = runtime.load_model(args.model, dtype=torch.bfloat16)
+    model = runtime.load_model(args.model, dtype=torch.bfloat16, weights="dense")
     tok = runtime.load_tokenizer(args.model)
     layers = [int(x) for x in args.layers.split(",")]
     bad = [i for i in layers if not 0 <= i < model.config.num_layers]

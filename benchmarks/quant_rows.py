@@ -74,7 +74,7 @@ def crossover(model: str, rows: list[int], repeats: int) -> list[dict]:
 def _quantized(name: str, dtype: torch.dtype, variant: str, include_lm_head: bool = False) -> torch.nn.Module:
     import quant
 
-    model = load_model(name, dtype=dtype)
+    model = load_model(name, dtype=dtype, weights="dense")
     if variant == "int8":
         quant.quantize_(model, quant.Int8WeightOnly(include_lm_head=include_lm_head), progress=False)
     elif variant.startswith("int4"):
@@ -193,7 +193,7 @@ def memory_load(path: str, tokens: int) -> None:
     del warm
     gc.collect()
     before = _rss()
-    m = load_model(path, dtype=torch.bfloat16)
+    m = load_model(path, dtype=torch.bfloat16, weights="dense")
     size = sum({t.data_ptr(): t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()]}.values())
     row: dict = {"tensor_bytes": size}
     for t in (1, tokens):

@@ -289,11 +289,11 @@ def main() -> None:
 
     dtype = DTYPES[args.dtype]
     print(f"loading {args.model} and draft {args.draft} ({args.dtype})", flush=True)
-    target = runtime.load_model(args.model, dtype=dtype, compile=args.compile)
+    target = runtime.load_model(args.model, dtype=dtype, compile=args.compile, weights="dense")
     tok = runtime.load_tokenizer(args.model)
     draft = {"none": None, "ngram": "ngram"}.get(args.draft)
     if args.draft not in ("none", "ngram"):
-        draft = runtime.load_model(args.draft, dtype=dtype, compile=args.compile)
+        draft = runtime.load_model(args.draft, dtype=dtype, compile=args.compile, weights="dense")
     eos = eos_ids(args.model, tok)
     prompts = load_prompts(tok, args.requests, args.max_prompt_tokens)
     offsets = arrivals(args.requests, args.interval, args.arrival, args.seed)

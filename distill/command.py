@@ -43,7 +43,7 @@ def cmd_data(args: argparse.Namespace) -> int:
 
         eagle = EagleTrainConfig(aux_layers=args.aux_layers, heldout_every=args.heldout_every)  # checked here
         check_eagle_cache_dir(eagle_cache)
-    model = runtime.load_model(args.model, dtype=arg_dtype(args.dtype))
+    model = runtime.load_model(args.model, dtype=arg_dtype(args.dtype), weights="dense")
     layers = eagle.layers(model.config.num_layers) if eagle is not None else None
     tok = runtime.load_tokenizer(args.model)
     prompts = sharegpt_prompts(tok, split="calibration", limit=args.num_prompts,
@@ -73,7 +73,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     records = read_records(args.data)
     if not records:
         raise ValueError(f"no records in {args.data}; run `specdec medusa data` first")
-    model = runtime.load_model(args.model, dtype=arg_dtype(args.dtype))
+    model = runtime.load_model(args.model, dtype=arg_dtype(args.dtype), weights="dense")
     state = PartialState(cpu=model.device.type == "cpu")
     with state.main_process_first():  # under accelerate launch the main process caches, the others read
         cache_hidden_states(model, records, cache_dir, args.num_heads,
@@ -94,7 +94,7 @@ def cmd_tree(args: argparse.Namespace) -> int:
     if args.data_vocab and not args.data_dir:
         raise ValueError("--data-vocab needs --data-dir: the hidden-state cache the heads were trained on")
     read_medusa_config(args.heads)  # not a heads directory: fail before the model loads
-    model = runtime.load_model(args.model, dtype=DTYPES[args.dtype])
+    model = runtime.load_model(args.model, dtype=DTYPES[args.dtype], weights="dense")
     heads = load_medusa(args.heads, model, dtype=torch.float32)
     if args.data_vocab:
         heads.restrict_vocab(data_vocab(load_cached(args.data_dir, "train", heads.num_heads, hidden=False)[1]))

@@ -59,8 +59,9 @@ def cmd_draft(args: argparse.Namespace) -> int:
     prompts = training_prompts(tok, args.num_prompts, args.max_prompt_tokens, args.code_share,
                                stub_cache=out / STUB_CACHE if args.code_share > 0 else None)
     held = heldout_prompts(tok, args.heldout_prompts, args.max_prompt_tokens)
-    target = runtime.load_model(args.target, dtype=arg_dtype(args.dtype))
-    draft = runtime.load_model(args.draft, dtype=torch.float32)  # trained in float32 under --mixed-precision
+    target = runtime.load_model(args.target, dtype=arg_dtype(args.dtype), weights="dense")
+    # trained in float32 under --mixed-precision
+    draft = runtime.load_model(args.draft, dtype=torch.float32, weights="dense")
     distill_draft(target, draft, prompts, cfg, out, heldout=held, tokenizer=tok, eos_token_id=stop_token_ids(tok),
                   deadline=deadline)
     metrics = json.loads((out / METRICS).read_text())

@@ -56,7 +56,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     records = read_records(args.data)
     if not records:
         raise ValueError(f"no records in {args.data}; run `specdec eagle data` first")
-    target = runtime.load_model(args.target, dtype=arg_dtype(args.dtype))
+    target = runtime.load_model(args.target, dtype=arg_dtype(args.dtype), weights="dense")
     state = PartialState(cpu=target.device.type == "cpu")
     with state.main_process_first():  # under accelerate launch the main process caches, the others read
         caches = [cache_eagle_states(target, records, cache_dir, cfg.layers(target.config.num_layers),

@@ -45,8 +45,8 @@ def cmd_recover(args: argparse.Namespace) -> int:
     half = max(1, args.heldout // 2)
     held = torch.cat([quant.eval_batches(tok, src, n_samples=n, seq_len=args.seq_len)
                       for src, n in (("sharegpt", args.heldout - half), ("stdlib", half)) if n])  # (M, T)
-    teacher = runtime.load_model(args.teacher, dtype=arg_dtype(args.dtype))
-    student = runtime.load_model(args.student, dtype=arg_dtype(args.dtype))
+    teacher = runtime.load_model(args.teacher, dtype=arg_dtype(args.dtype), weights="dense")
+    student = runtime.load_model(args.student, dtype=arg_dtype(args.dtype), weights="dense")
     metrics = recover(student, teacher, train, cfg, out, heldout=held, deadline=deadline)
     if PartialState().is_main_process:
         quant.save_compressed(student, out / "model", tokenizer=tok, overwrite=True)

@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     if args.eval_samples < 0:
         raise ValueError(f"--eval-samples must be >= 0, got {args.eval_samples}")
     tok = runtime.load_tokenizer(args.model)
-    model = runtime.load_model(args.model, dtype=DTYPES[args.dtype], device=args.device)
+    model = runtime.load_model(args.model, dtype=DTYPES[args.dtype], device=args.device, weights="dense")
     evals = (quant.eval_batches(tok, "sharegpt", n_samples=args.eval_samples, seq_len=calib_args["seq_len"])
              if args.eval_samples else None)
     ppl_before = quant.perplexity(model, evals, progress=True) if evals is not None else None

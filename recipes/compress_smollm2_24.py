@@ -49,7 +49,7 @@ def main() -> None:
     tok = runtime.load_tokenizer(MODEL)
     evals = eval_windows(tok, args.n_eval, args.seq_len)
     calib = quant.calibration_batches(tok, args.calib_source, n_samples=args.n_calib, seq_len=args.seq_len)
-    rows = [report("dense-bf16", runtime.load_model(MODEL, dtype=torch.bfloat16), evals, None, 0.0)]
+    rows = [report("dense-bf16", runtime.load_model(MODEL, dtype=torch.bfloat16, weights="dense"), evals, None, 0.0)]
     for name, cfg in configs:
         rows.append(compress_and_save(MODEL, [cfg], calib if cfg.needs_calibration else None, args.out / name,
                                       tok, evals, args.overwrite))

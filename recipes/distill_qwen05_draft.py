@@ -62,7 +62,7 @@ RUN_MARKERS = ("budget.json", "summary.json", "compare.json", f"draft/{METRICS}"
 def _distil(args: argparse.Namespace, cfg: DistillConfig, target, tok, prompts, held, out: Path,
             deadline: float | None) -> dict:
     """One distillation of a fresh copy of the undistilled draft into `out`; its metrics."""
-    draft = runtime.load_model(args.draft, dtype=torch.float32)
+    draft = runtime.load_model(args.draft, dtype=torch.float32, weights="dense")
     distill_draft(target, draft, prompts, cfg, out, heldout=held, tokenizer=tok, eos_token_id=stop_token_ids(tok),
                   deadline=deadline)
     return json.loads((out / METRICS).read_text())
@@ -104,7 +104,7 @@ def _run(args: argparse.Namespace, out: Path, budget: RunBudget | None, start: f
                                    stub_cache=out / STUB_CACHE if args.code_share > 0 else None)
         held = heldout_prompts(tok, args.heldout_prompts, args.max_prompt_tokens)
         print(f"[data] {len(prompts)} training prompts, {len(held)} held-out prompts", flush=True)
-        target = runtime.load_model(args.target, dtype=DTYPES[args.dtype])
+        target = runtime.load_model(args.target, dtype=DTYPES[args.dtype], weights="dense")
         before = budget.minutes()
         metrics = _distil(args, dataclass_from_args(DistillConfig, args), target, tok, prompts, held, out / "draft",
                           budget.at(args.train_frac))
@@ -149,7 +149,7 @@ def compare(args: argparse.Namespace, out: Path) -> dict:
     tok = runtime.load_tokenizer(args.draft)
     prompts = training_prompts(tok, args.num_prompts, args.max_prompt_tokens, args.code_share,
                                stub_cache=out / STUB_CACHE if args.code_share > 0 else None)
-    target = runtime.load_model(args.target, dtype=DTYPES[args.dtype])
+    target = runtime.load_model(args.target, dtype=DTYPES[args.dtype], weights="dense")
     base = dataclass_from_args(DistillConfig, args)
     held = heldout_set(target, heldout_prompts(tok, args.heldout_prompts, args.max_prompt_tokens), base,
                        stop_token_ids(tok), out)

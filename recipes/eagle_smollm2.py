@@ -130,7 +130,7 @@ def _run(args: argparse.Namespace, model_name: str, eval_dataset: str, raw_eval:
         metrics, train_min = json.loads((out / "metrics.json").read_text()), None
         records = read_records(out / "selfdistill.jsonl")
     else:
-        model = runtime.load_model(model_name, dtype=DTYPES[args.dtype])
+        model = runtime.load_model(model_name, dtype=DTYPES[args.dtype], weights="dense")
         records, metrics, train_min = train(args, model, runtime.load_tokenizer(model_name), out, budget)
         del model
     eval_dtype = args.eval_dtype or args.dtype

@@ -144,7 +144,7 @@ def _run(args: argparse.Namespace, model_name: str, eval_dataset: str, raw_eval:
                                        "the evaluation runs: raise --max-minutes to go on"
                                        if budget.spent_before >= args.max_minutes * args.train_frac else ""),
               flush=True)
-    model = runtime.load_model(model_name, dtype=DTYPES[args.dtype])
+    model = runtime.load_model(model_name, dtype=DTYPES[args.dtype], weights="dense")
     tok = runtime.load_tokenizer(model_name)
     eos = stop_token_ids(tok)
 
@@ -158,7 +158,7 @@ def _run(args: argparse.Namespace, model_name: str, eval_dataset: str, raw_eval:
 
     eval_dtype = args.eval_dtype or args.dtype
     if eval_dtype != args.dtype:
-        model = runtime.load_model(model_name, dtype=DTYPES[eval_dtype])
+        model = runtime.load_model(model_name, dtype=DTYPES[eval_dtype], weights="dense")
     heads = distill.load_medusa(out, model)
     if args.speed_prompts and args.speed_nodes is not None and heads.config.head_accuracy is None:
         raise SystemExit(f"--speed-nodes: the heads in {out} store no held-out accuracy to build a tree from; "

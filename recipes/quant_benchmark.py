@@ -91,7 +91,7 @@ def main() -> None:
              for src in ("sharegpt", "stdlib")}
     rows = []
     for name in names:
-        model = runtime.load_model(args.model, dtype=dtype)
+        model = runtime.load_model(args.model, dtype=dtype, weights="dense")
         t0 = time.perf_counter()
         if name != "dense":
             cfg = table[name]

@@ -105,7 +105,7 @@ def compress_and_save(model_name: str, steps: list, calibration: torch.Tensor | 
                       evals: dict[str, torch.Tensor], overwrite: bool = False) -> dict:
     """Load `model_name` in bf16, apply the configs in order, save to `out` (a checkpoint already
     there replaced only with `overwrite`), report."""
-    model = runtime.load_model(model_name, dtype=torch.bfloat16)
+    model = runtime.load_model(model_name, dtype=torch.bfloat16, weights="dense")
     t0 = time.perf_counter()
     quant.apply_recipe(model, quant.Recipe(tuple(steps)), calibration)
     took = time.perf_counter() - t0

@@ -34,8 +34,8 @@ PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a
 def build(model_name: str, variant: str, dirs: dict[str, str | None]):
     path = dirs.get(variant) or (variant if Path(variant).is_dir() else None)
     if path:  # a compressed checkpoint (quant.save_compressed)
-        return runtime.load_model(path, dtype=torch.bfloat16)
-    model = runtime.load_model(model_name, dtype=torch.bfloat16)
+        return runtime.load_model(path, dtype=torch.bfloat16, weights="dense")
+    model = runtime.load_model(model_name, dtype=torch.bfloat16, weights="dense")
     if variant == "int8":
         quant.quantize_(model, quant.Int8WeightOnly(), progress=False)
     elif variant == "int4":

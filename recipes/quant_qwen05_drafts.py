@@ -41,7 +41,7 @@ def main() -> None:
     tok = runtime.load_tokenizer(MODEL)
     evals = eval_windows(tok, args.n_eval, args.seq_len)
     calib = quant.calibration_batches(tok, args.calib_source, n_samples=args.n_calib, seq_len=args.seq_len)
-    rows = [report("dense-bf16", runtime.load_model(MODEL, dtype=torch.bfloat16), evals, None, 0.0)]
+    rows = [report("dense-bf16", runtime.load_model(MODEL, dtype=torch.bfloat16, weights="dense"), evals, None, 0.0)]
     rows.append(compress_and_save(MODEL, [quant.Int8WeightOnly()], None, int8_dir, tok, evals, args.overwrite))
     gptq = quant.Int4WeightOnly(group_size=128, method="gptq", act_order=True)
     rows.append(compress_and_save(MODEL, [gptq], calib, int4_dir, tok, evals, args.overwrite))

@@ -109,12 +109,12 @@ def _prepare(args, out: Path, tok) -> dict:
     evals = _windows(out / "eval_windows.safetensors", lambda: _eval_windows(tok, args))
     evals = {src: evals[i::len(SETS)] for i, src in enumerate(SETS)}
     t0 = time.perf_counter()
-    dense = runtime.load_model(MODEL, dtype=torch.bfloat16)
+    dense = runtime.load_model(MODEL, dtype=torch.bfloat16, weights="dense")
     dense_ppl = _ppl(dense, evals)
     eval_s = time.perf_counter() - t0
     del dense
     t0 = time.perf_counter()
-    sparse = runtime.load_model(MODEL, dtype=torch.bfloat16)
+    sparse = runtime.load_model(MODEL, dtype=torch.bfloat16, weights="dense")
     cfg = quant.SemiStructured24(method=args.method)
     calib = quant.calibration_batches(tok, "sharegpt+code", n_samples=args.n_calib, seq_len=args.seq_len) \
         if cfg.needs_calibration else None
@@ -172,8 +172,8 @@ def main() -> None:
         evals = load_file(str(out / "eval_windows.safetensors"))["windows"]
     evals = {src: evals[i::len(SETS)] for i, src in enumerate(SETS)}
     monitor = torch.cat([w[:1] for w in evals.values()])  # (2, T): the perplexity followed during training
-    teacher = runtime.load_model(MODEL, dtype=torch.bfloat16, device=state.device)
-    student = runtime.load_model(out / "sparse", dtype=torch.bfloat16, device=state.device)
+    teacher = runtime.load_model(MODEL, dtype=torch.bfloat16, device=state.device, weights="dense")
+    student = runtime.load_model(out / "sparse", dtype=torch.bfloat16, device=state.device, weights="dense")
     reserve = 1.5 * base["eval_seconds_per_model"] + 30  # final evaluation + save / load
     budget = RunBudget(out / "budget.json", args.max_minutes) if state.is_main_process else None
     try:
@@ -182,7 +182,7 @@ def main() -> None:
         if not state.is_main_process:
             return
         ckpt = quant.save_compressed(student, out / "recovered", tokenizer=tok, overwrite=True)
-        back = runtime.load_model(ckpt, dtype=torch.bfloat16)
+        back = runtime.load_model(ckpt, dtype=torch.bfloat16, weights="dense")
         n_sparse = _check_24(back)
         recovered = _ppl(back, evals)
         minutes = budget.minutes()

@@ -234,6 +234,22 @@ class BlockQuantLinear(QuantizedLinear):
 FORMATS[BlockQuantLinear.FORMAT] = BlockQuantLinear
 
 
+def to_block_quant(model: nn.Module) -> int:
+    """Swap `model`'s Int4Linear (group size a multiple of 32) and Int8Linear modules for
+    BlockQuantLinear modules holding the same weights (`from_int4`, `from_int8`), in place, so that
+    a checkpoint quantized by `quant` runs the same CPU kernels as a GGUF file; returns how many
+    modules changed. Others (NF4, 2:4, odd shapes) stay as they are."""
+    swaps = []
+    for name, module in model.named_modules():
+        if module.__class__ is Int4Linear and module.group_size % 32 == 0 and module.out_features % LANES == 0:
+            swaps.append((name, BlockQuantLinear.from_int4))
+        elif module.__class__ is Int8Linear and module.in_features % 32 == 0 and module.out_features % LANES == 0:
+            swaps.append((name, BlockQuantLinear.from_int8))
+    for name, convert in swaps:
+        model.set_submodule(name, convert(model.get_submodule(name)))
+    return len(swaps)
+
+
 class QuantizedEmbedding(nn.Module):
     """Token embedding over a BlockQuantLinear's storage (vocab, hidden): rows dequantized per lookup
     into `dtype`. A tied LM head is the same `table` module."""

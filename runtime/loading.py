@@ -200,8 +200,10 @@ def gguf_source(name_or_path: str | Path) -> Path | None:
 
 
 def resolve_weights(weights: str, name_or_path: str | Path) -> str:
-    """"dense" or "gguf" for `weights` ("auto": "gguf" for a catalogue name or a .gguf file when the
-    CPU kernels run here (`runtime.kernels.cpu_blockq.fast()`), else "dense")."""
+    """What `load_model` does with `weights` for this source: "gguf" (keep a GGUF's blocks), "dense",
+    or "blocks" for a `quant` checkpoint whose INT4 / INT8 modules move to the same kernels. "auto"
+    is "gguf" for a catalogue name or a .gguf file and "blocks" for a compressed checkpoint where the
+    CPU kernels run fast here (`runtime.kernels.cpu_blockq.fast()`), else "dense"."""
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
     if weights != "auto":
@@ -209,14 +211,18 @@ def resolve_weights(weights: str, name_or_path: str | Path) -> str:
     from runtime import catalogue
     from runtime.kernels import cpu_blockq
 
+    if not cpu_blockq.fast():
+        return "dense"
     text = str(name_or_path)
-    is_gguf = text in catalogue.CATALOGUE or (Path(text).expanduser().suffix == ".gguf")
-    return "gguf" if is_gguf and cpu_blockq.fast() else "dense"
+    if text in catalogue.CATALOGUE or Path(text).expanduser().suffix == ".gguf":
+        return "gguf"
+    path = Path(text).expanduser()
+    return "blocks" if path.is_dir() and (path / "compression.json").is_file() else "dense"
 
 
 def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.bfloat16,
                device: torch.device | str = "cpu", attention: str | None = None,
-               compile: bool = False, weights: str = "dense") -> torch.nn.Module:
+               compile: bool = False, weights: str = "auto") -> torch.nn.Module:
     """Load a model for generation.
 
     name_or_path: a catalogue name (`runtime.CATALOGUE`), a local Hugging Face checkpoint
@@ -230,7 +236,9 @@ def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.bfloat16,
     keeps the file's quantized weights (`runtime.gguf_model`: 4-bit blocks run by the CPU kernels of
     `runtime.kernels.cpu_blockq`, about a third of the bf16 bytes), "dense" dequantizes them to
     `dtype` (what training needs), "auto" picks "gguf" where the kernels run fast
-    (`runtime.kernels.cpu_blockq.fast`) and "dense" elsewhere.
+    (`runtime.kernels.cpu_blockq.fast`) and "dense" elsewhere; on a checkpoint written by
+    `quant.save_compressed`, "auto" also moves its INT4 / INT8 modules to those kernels
+    (`runtime.blockq.to_block_quant`), "dense" keeps its modules as saved.
 
     Nothing is built or run before the checkpoint is checked (`runtime.validate`): a checkpoint
     that asks to run its own code (`auto_map`) or has an unsupported model_type raises
@@ -258,6 +266,10 @@ def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.bfloat16,
         from runtime.compressed import load_compressed
 
         model = load_compressed(ckpt, hf_config, dtype=dtype, device=device, attention=attention)
+        if weights == "blocks":
+            from runtime.blockq import to_block_quant
+
+            to_block_quant(model)
     elif is_compressed_tensors(hf_config):
         model = load_compressed_tensors(ckpt, hf_config, dtype=dtype, device=device, attention=attention)
     else:

@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 
 HF_MODES = ("hf", "hf-assisted", "hf-pld")
+LLAMACPP_MODES = ("llamacpp", "llamacpp-spec")  # specdec.llamacpp
+BASELINES = HF_MODES + LLAMACPP_MODES  # methods that name a speedup_vs_<kind> column of the report
 
 
 def load_hf_model(name_or_path: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu",

@@ -28,9 +28,11 @@ import torch
 import torch.nn.functional as F
 
 from runtime.atomic import atomic_write_text
+from runtime.loading import WEIGHTS
 from runtime.progress import progress as progress_bar
 from specdec.baselines import HFGenerator, load_hf_model
 from specdec.evaluate import DTYPES, command_line, versions
+from specdec.options import WEIGHTS_HELP
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,7 @@ class BenchConfig:
     repeats: int = 20
     threads: int | None = None
     compile: bool = False
+    weights: str = "auto"
     json: str | None = None
 
     def __post_init__(self) -> None:
@@ -62,6 +65,8 @@ class BenchConfig:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1 (or None for torch's default), got {self.threads}")
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
 
 
 def weight_bytes_per_token(model) -> int:
@@ -120,8 +125,9 @@ def run_bench(cfg: BenchConfig, command: str | None = None, progress: bool = Tru
     dtype = DTYPES[cfg.dtype]
     tok = runtime.load_tokenizer(cfg.model)
     prompts = [list(tok(p.turns[0])["input_ids"]) for p in humaneval_prompts()[:cfg.prompts]]
-    ours = runtime.load_model(cfg.model, dtype=dtype, device=cfg.device)
-    compiled = runtime.load_model(cfg.model, dtype=dtype, device=cfg.device, compile=True) if cfg.compile else None
+    ours = runtime.load_model(cfg.model, dtype=dtype, device=cfg.device, weights=cfg.weights)
+    compiled = (runtime.load_model(cfg.model, dtype=dtype, device=cfg.device, compile=True, weights=cfg.weights)
+                if cfg.compile else None)
     # a list, so the transformers model can be freed before the bandwidth measurements
     theirs = [HFGenerator(load_hf_model(cfg.model, dtype, cfg.device, eos_token_id=None,
                                         pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else 0))]
@@ -242,6 +248,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true", help="also time this runtime with "
                    "runtime.compile_decode (torch.compile, Inductor) in the same run; "
                    "compiling happens in the untimed warm-up")
+    p.add_argument("--weights", default=d["weights"], choices=list(WEIGHTS), help=WEIGHTS_HELP)
     p.add_argument("--json", default=d["json"], help="also write the full result to this JSON file")
     p.set_defaults(func=main)
     return p

@@ -14,7 +14,8 @@ import sys
 import torch
 
 from runtime.hardware import DTYPES
-from specdec.options import parse_draft_length
+from runtime.loading import WEIGHTS
+from specdec.options import WEIGHTS_HELP, parse_draft_length
 
 DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
@@ -56,7 +57,8 @@ def _generate(args: argparse.Namespace) -> int:
     import runtime
     import specdec
 
-    model = runtime.load_model(args.model, dtype=DTYPES[args.dtype], device=args.device)  # checked first
+    # checked first
+    model = runtime.load_model(args.model, dtype=DTYPES[args.dtype], device=args.device, weights=args.weights)
     tok = runtime.load_tokenizer(args.model)
     if args.raw or not getattr(tok, "chat_template", None):
         ids = tok(args.prompt, return_tensors="pt").input_ids
@@ -123,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_drafter_args(p)
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
+    p.add_argument("--weights", default="auto", choices=list(WEIGHTS), help=WEIGHTS_HELP)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)

@@ -13,9 +13,12 @@ generations. Methods (`--methods`, comma-separated):
     hf               transformers generate() on the same checkpoint and dtype
     hf-assisted:X    transformers assisted generation, assistant_model = X
     hf-pld           transformers prompt lookup (prompt_lookup_num_tokens)
+    llamacpp         llama.cpp's plain decoding of the target's GGUF (specdec.llamacpp; `make llamacpp`)
+    llamacpp-spec:X  llama.cpp's speculative decoding, draft X (catalogue name or .gguf), @K drafts at most
 
 draft, ngram and hybrid take an optional `@K` suffix, their own draft length (an integer or
-auto) in place of `--num-draft-tokens`: `draft:X@3,draft:X@7,draft:X@auto` compares draft
+auto) in place of `--num-draft-tokens` (llamacpp-spec an integer only; default: the run's k, or 4 when
+that is auto): `draft:X@3,draft:X@7,draft:X@auto` compares draft
 lengths in one alternating run. For eagle, `@N` is the number of nodes the dynamic tree keeps
 (default 48; depth 5, top-k 8), `@N:DxK` also its depth D and top-k K (e.g. `@96:8x10`; a
 deeper, wider tree drafts longer runs for a larger verification forward), and `@auto` (or
@@ -24,6 +27,9 @@ prompt that fits) and writes the measurement to `tree_auto.json`.
 
 Every method counts the new tokens after the prompt, up to and including eos, and is timed
 around the whole call (prefill included); tokens/s per prompt = new tokens / wall seconds.
+`--weights` (auto, gguf, dense) says how the runtime's models hold a GGUF's weights
+(`runtime.load_model`); the transformers baselines always run the dequantized checkpoint, and
+the llama.cpp ones the GGUF files themselves.
 
 Output directory (`--out`): `run.json` (the settings), `generations.jsonl` (one line per prompt x
 method, appended and flushed line by line), then `report.json`, `report.md`, `acceptance.png`,
@@ -63,17 +69,21 @@ import torch
 from runtime import hardware
 from runtime.atomic import atomic_write_text
 from runtime.errors import ContextLengthError
+from runtime.loading import WEIGHTS, resolve_weights
 from runtime.outputs import output_lock, prepare_output_dir
 from runtime.progress import progress as progress_bar
-from specdec.baselines import HF_MODES, HFGenerator, load_hf_model, new_tokens
+from specdec.baselines import BASELINES, HF_MODES, LLAMACPP_MODES, HFGenerator, load_hf_model, new_tokens
 from specdec.draft_vocab import ALIGN as DRAFT_VOCAB_ALIGN
 from specdec.options import check_sampling, parse_draft_length
 from specdec.prompts import DATASETS, Prompt, encode, load_prompts
 from specdec.stats import AcceptanceStats
 
-METHOD_KINDS = ("plain", "draft", "ngram", "hybrid", "medusa", "eagle", "hf", "hf-assisted", "hf-pld")
-_NEEDS_ARG = ("draft", "hybrid", "medusa", "eagle", "hf-assisted")
-_DRAFTING = ("draft", "ngram", "hybrid", "eagle")  # methods that take @K (eagle: the tree's nodes)
+METHOD_KINDS = ("plain", "draft", "ngram", "hybrid", "medusa", "eagle", "hf", "hf-assisted", "hf-pld", "llamacpp",
+                "llamacpp-spec")
+_NEEDS_ARG = ("draft", "hybrid", "medusa", "eagle", "hf-assisted", "llamacpp-spec")
+# methods that take @K (eagle: the tree's nodes)
+_DRAFTING = ("draft", "ngram", "hybrid", "eagle", "llamacpp-spec")
+LLAMACPP_DRAFT_MAX = 4  # llamacpp-spec's drafts when neither @K nor an integer --num-draft-tokens says
 _TREE_SHAPE = re.compile(r"[0-9]+x[0-9]+")  # eagle's @N:DEPTHxTOP_K
 DTYPES = {name: hardware.DTYPES[name] for name in ("bfloat16", "float32")}  # the dtypes runs are measured in
 GENERATIONS, RUN_FILE = "generations.jsonl", "run.json"
@@ -109,9 +119,9 @@ class MethodSpec:
         kind, _, arg = base.partition(":")
         if kind not in METHOD_KINDS:
             raise ValueError(f"unknown method {text!r}; choose from plain, draft:NAME_OR_PATH, ngram, "
-                             "hybrid:NAME_OR_PATH, medusa:PATH, eagle:PATH, hf, hf-assisted:NAME_OR_PATH, hf-pld "
-                             "(drafting methods take @K for their own draft length, e.g. ngram@3; eagle:PATH@N "
-                             "its tree's nodes, @N:DxK also its depth and top-k)")
+                             "hybrid:NAME_OR_PATH, medusa:PATH, eagle:PATH, hf, hf-assisted:NAME_OR_PATH, hf-pld, "
+                             "llamacpp, llamacpp-spec:NAME_OR_GGUF (drafting methods take @K for their own draft "
+                             "length, e.g. ngram@3; eagle:PATH@N its tree's nodes, @N:DxK also its depth and top-k)")
         if kind in _NEEDS_ARG and not arg:
             raise ValueError(f"method {kind!r} needs a model: write {kind}:NAME_OR_PATH")
         if kind not in _NEEDS_ARG and arg:
@@ -122,6 +132,8 @@ class MethodSpec:
             return cls._eagle(name, arg, k, tuple(map(int, shape.split("x"))) if colon else None)
         if colon:
             raise ValueError(f"{text!r}: only eagle takes a tree shape (@N:DEPTHxTOP_K)")
+        if kind == "llamacpp-spec" and k == "auto":
+            raise ValueError(f"{text!r}: llama.cpp drafts a fixed number of tokens at most: write @K, an integer")
         return cls(name, kind, arg or None, parse_draft_length(k) if at else None)
 
     @classmethod
@@ -158,9 +170,9 @@ def parse_methods(text: str | list[str] | tuple[str, ...]) -> list[MethodSpec]:
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         raise ValueError(f"methods repeat: {names}")
-    hf_kinds = [s.kind for s in specs if s.kind in HF_MODES]
-    if len(set(hf_kinds)) != len(hf_kinds):
-        raise ValueError("at most one method of each transformers kind (hf, hf-assisted, hf-pld): "
+    baseline_kinds = [s.kind for s in specs if s.kind in BASELINES]
+    if len(set(baseline_kinds)) != len(baseline_kinds):
+        raise ValueError(f"at most one method of each baseline kind ({', '.join(BASELINES)}): "
                          "they name the speedup_vs_<baseline> columns")
     return specs
 
@@ -190,6 +202,7 @@ class EvalConfig:
     threads: int | None = None
     compile: bool = False
     draft_vocab: int = 0
+    weights: str = "auto"
     overwrite: bool = False
 
     def __post_init__(self) -> None:
@@ -213,6 +226,8 @@ class EvalConfig:
             raise ValueError(f"hf_pld_tokens must be >= 1, got {self.hf_pld_tokens}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1 (or None for torch's default), got {self.threads}")
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
         if self.draft_vocab < 0 or self.draft_vocab % DRAFT_VOCAB_ALIGN:
             raise ValueError(f"draft_vocab must be 0 (the full vocabulary) or a multiple of "
                              f"{DRAFT_VOCAB_ALIGN}, got {self.draft_vocab}")
@@ -248,6 +263,7 @@ def run_settings(cfg: EvalConfig, eos: list[int], prompt_format: str) -> dict:
     settings = {k: getattr(cfg, k) for k in _RESUME_KEYS}
     settings.update({k: getattr(cfg, k) for k in _RESUME_IF_SET if getattr(cfg, k)})
     settings["prompts"] = str(Path(cfg.prompts).resolve()) if cfg.prompts else None
+    settings["weights"] = resolve_weights(cfg.weights, cfg.target)  # what the runtime's target holds
     settings.update(eos_token_id=eos, prompt_format=prompt_format)
     return settings
 
@@ -328,7 +344,8 @@ class Runner:
 
     def _runtime_model(self, name: str):
         return self._cached(("runtime", name), lambda: self._runtime.load_model(
-            name, dtype=self.cfg.torch_dtype, device=self.cfg.device, compile=self.cfg.compile))
+            name, dtype=self.cfg.torch_dtype, device=self.cfg.device, compile=self.cfg.compile,
+            weights=self.cfg.weights))
 
     def _draft_model(self, name: str):
         """The draft model `name`: with --draft-vocab N a copy of its own (the target never takes
@@ -340,7 +357,7 @@ class Runner:
         def load():
             from specdec.draft_vocab import restrict_vocab
 
-            model = self._runtime.load_model(name, dtype=cfg.torch_dtype, device=cfg.device)
+            model = self._runtime.load_model(name, dtype=cfg.torch_dtype, device=cfg.device, weights=cfg.weights)
             restrict_vocab(model, self._frequent_tokens(model.config.vocab_size))
             return self._runtime.compile_decode(model) if cfg.compile else model
 
@@ -399,6 +416,37 @@ class Runner:
             return EagleDrafter(head, self.target, tree)
         raise ContextLengthError(f"{spec.name}: no prompt of the run fits the context to measure tree sizes on")
 
+    def llama_server(self, spec: MethodSpec):
+        """The running llama-server of a llamacpp method (started on first use, stopped by `close`)."""
+        from runtime.loading import gguf_source
+        from specdec.llamacpp import LlamaServer, server_binary
+
+        def start():
+            server_binary()  # a clear error before anything else when llama.cpp is not built
+            target = gguf_source(self.cfg.target)
+            if target is None:
+                raise ValueError(f"{spec.name}: llama.cpp runs GGUF files, and the target {self.cfg.target!r} is "
+                                 "neither a catalogue name nor a .gguf file")
+            draft = None
+            if spec.kind == "llamacpp-spec":
+                draft = gguf_source(spec.arg)
+                if draft is None:
+                    raise ValueError(f"{spec.name}: the draft {spec.arg!r} is neither a catalogue name nor a .gguf "
+                                     "file")
+            k = spec.num_draft_tokens or self.cfg.num_draft_tokens
+            server = LlamaServer(target, draft, k if isinstance(k, int) else LLAMACPP_DRAFT_MAX,
+                                 threads=self.cfg.threads or torch.get_num_threads())
+            server.start()
+            return server
+
+        return self._cached(("llamacpp", spec.name), start)
+
+    def close(self) -> None:
+        """Stop the llama.cpp servers this runner started."""
+        for key, value in self._models.items():
+            if key[0] == "llamacpp":
+                value.stop()
+
     def hf_generator(self, spec: MethodSpec) -> HFGenerator:
         assistant = self._hf_model(spec.arg) if spec.kind == "hf-assisted" else None
         return self._cached(("hfgen", spec.name), lambda: HFGenerator(
@@ -407,6 +455,15 @@ class Runner:
     def decode(self, spec: MethodSpec, ids: list[int], seed: int) -> tuple[list[int], dict | None, float]:
         """(new tokens, stats dict or None, wall seconds) for one prompt."""
         cfg = self.cfg
+        if spec.kind in LLAMACPP_MODES:
+            from specdec.llamacpp import stats_from_timings
+
+            server = self.llama_server(spec)
+            start = time.perf_counter()
+            new, timings = server.complete(ids, cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k, seed)
+            wall = time.perf_counter() - start
+            new = new_tokens(new, frozenset(self.eos))
+            return new, stats_from_timings(timings, len(new), wall), wall
         if spec.kind in HF_MODES:
             gen = self.hf_generator(spec)
             if cfg.temperature > 0:
@@ -497,6 +554,10 @@ def _run_locked(cfg: EvalConfig, out: Path, command: str | None, progress: bool)
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     specs = cfg.method_specs
+    if any(s.kind in LLAMACPP_MODES for s in specs):
+        from specdec.llamacpp import server_binary
+
+        server_binary()  # not built: say how, before any model loads
     prompts = load_prompts(cfg.prompts, cfg.dataset, cfg.limit, cfg.all_turns)
     tokenizer = runtime.load_tokenizer(cfg.target)
     eos = eos_ids(cfg.target, tokenizer)
@@ -511,6 +572,24 @@ def _run_locked(cfg: EvalConfig, out: Path, command: str | None, progress: bool)
     done = {(r["id"], r["method"]) for r in previous}
     todo = [(p, s) for p in prompts if p.id not in skipped for s in specs if (p.id, s.name) not in done]
     runner = Runner(cfg, tokenizer, eos)
+    try:
+        _generate_all(runner, cfg, specs, prompts, todo, skipped, path, digest, progress)
+    finally:
+        runner.close()
+    if runner.tree_auto:
+        atomic_write_text(out / "tree_auto.json", json.dumps(runner.tree_auto, indent=1))
+    records = read_generations(path, digest)
+    report = build_report(records, settings, [s.name for s in specs], [p.id for p in prompts],
+                          command=command if command is not None else command_line("eval", cfg),
+                          versions=versions())
+    write_report(out, report)
+    return report
+
+
+def _generate_all(runner: Runner, cfg: EvalConfig, specs: list[MethodSpec], prompts: list[Prompt],
+                  todo: list[tuple[Prompt, MethodSpec]], skipped: set[str], path: Path, digest: str,
+                  progress: bool) -> None:
+    """Warm every pending method up, then decode `todo` prompt-major, appending each line to `path`."""
     runner.calibration = [p for p in prompts if p.id not in skipped]
     pending = {s.name for _, s in todo}
     for spec in specs:  # warm-up: untimed, unrecorded generations on the first prompt that fits
@@ -534,14 +613,6 @@ def _run_locked(cfg: EvalConfig, out: Path, command: str | None, progress: bool)
             fh.write(json.dumps(rec) + "\n")
             fh.flush()
             bar.update()
-    if runner.tree_auto:
-        atomic_write_text(out / "tree_auto.json", json.dumps(runner.tree_auto, indent=1))
-    records = read_generations(path, digest)
-    report = build_report(records, settings, [s.name for s in specs], [p.id for p in prompts],
-                          command=command if command is not None else command_line("eval", cfg),
-                          versions=versions())
-    write_report(out, report)
-    return report
 
 
 def _warm_up(runner: Runner, spec: MethodSpec, prompts: list[Prompt]) -> None:
@@ -564,7 +635,8 @@ def register(subparsers) -> argparse.ArgumentParser:
                    "with it resumes; a directory specdec did not write is refused)")
     p.add_argument("--methods", default=d["methods"],
                    help="comma-separated methods: plain, draft:X, ngram, hybrid:X, medusa:PATH, eagle:PATH, hf, "
-                        "hf-assisted:X, hf-pld; draft/ngram/hybrid take @K for their own draft length, "
+                        "hf-assisted:X, hf-pld, llamacpp, llamacpp-spec:X@K (`make llamacpp` first); "
+                        "draft/ngram/hybrid take @K for their own draft length, "
                         "e.g. ngram@3, draft:X@auto, and eagle @N for its tree's nodes (@N:DxK also its depth and "
                         "top-k, e.g. @96:8x10) or @auto to time tree sizes first (default: %(default)s)")
     p.add_argument("--target", default=d["target"], help="target model: catalogue name, checkpoint dir, "
@@ -602,6 +674,10 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="draft models score only the N most frequent tokens (FR-Spec; a multiple of "
                    "16, e.g. 65536 of qwen's 151936): a cheaper LM head for the draft, output still "
                    "lossless (default: 0 = the full vocabulary)")
+    p.add_argument("--weights", default=d["weights"], choices=list(WEIGHTS),
+                   help="how the runtime holds a GGUF model's weights (catalogue names, .gguf files): gguf = its "
+                        "4-bit blocks (CPU kernels), dense = dequantized to --dtype, auto = gguf where the CPU "
+                        "has the AVX-512 VNNI kernels (default: %(default)s)")
     p.add_argument("--overwrite", action="store_true", help="discard a run already in --out (its own files "
                    "only; other files there are never deleted)")
     p.set_defaults(func=main)

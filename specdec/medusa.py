@@ -144,10 +144,12 @@ class MedusaHeads(nn.Module):
         self.typical_epsilon = 0.09
         self.typical_delta = 0.3
 
-    def bind(self, lm_head: nn.Linear) -> None:
-        """Use `lm_head` (the base model's, frozen) as the shared LM head."""
-        if tuple(lm_head.weight.shape) != (self.config.vocab_size, self.config.hidden_size):
-            raise ValueError(f"the LM head is {tuple(lm_head.weight.shape)}, the heads need "
+    def bind(self, lm_head: nn.Module) -> None:
+        """Use `lm_head` (the base model's, frozen: an nn.Linear, or a quantized linear of
+        `runtime.qlinear` / `runtime.blockq`) as the shared LM head."""
+        shape = (lm_head.out_features, lm_head.in_features)
+        if shape != (self.config.vocab_size, self.config.hidden_size):
+            raise ValueError(f"the LM head is {shape}, the heads need "
                              f"({self.config.vocab_size}, {self.config.hidden_size})")
         self._base = [lm_head]
         self._rows = None
@@ -212,12 +214,15 @@ class MedusaHeads(nn.Module):
         if not self._base:
             raise RuntimeError("these Medusa heads are not bound to a model's LM head; call "
                                "heads.bind(model.lm_head) or distill.load_medusa")
+        base = self._base[0]
         if vocab is None:
-            w = self._base[0].weight  # (V, C)
+            if not isinstance(base, nn.Linear):  # a quantized head runs its own kernel
+                return base(hidden)
+            w = base.weight  # (V, C)
         elif vocab is self.vocab:
             w = self._base_rows()  # (V', C)
         else:
-            w = self._base[0].weight[vocab]  # (V', C)
+            w = _head_rows(base, vocab)  # (V', C)
         return hidden.to(w.dtype) @ w.T
 
     def _base_rows(self) -> torch.Tensor:
@@ -225,12 +230,13 @@ class MedusaHeads(nn.Module):
         the weight or the id set changes (storage, in-place version, dtype, device): a gather per
         decoding step copies them every step, which doubled the heads' cost on
         qwen2.5-coder-1.5b (25 -> 55 ms per step, measured)."""
-        w, ids = self._base[0].weight, self.vocab
+        base, ids = self._base[0], self.vocab
+        w = base.weight if isinstance(base, nn.Linear) else next(iter(base.buffers()))  # what changes with it
         key = (w.data_ptr(), _version(w), w.dtype, w.device, ids.data_ptr(), _version(ids))
         if self._rows is None or self._rows[0] != key:
             # a plain (not inference-mode) tensor without autograd history, whichever mode asks
             with torch.inference_mode(False), torch.no_grad():
-                self._rows = (key, w.detach()[ids])
+                self._rows = (key, _head_rows(base, ids).detach())
         return self._rows[1]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -255,3 +261,13 @@ class MedusaHeads(nn.Module):
 def _version(t: torch.Tensor) -> int:
     """In-place modification counter of `t` (inference tensors keep none: 0)."""
     return 0 if t.is_inference() else t._version
+
+
+def _head_rows(head: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of an LM head's (V, C) weight: gathered from an nn.Linear, dequantized from a
+    quantized one (in the dtype of the model's activations, float32 for its norms' dtype unknown)."""
+    if isinstance(head, nn.Linear):
+        return head.weight[ids]
+    if hasattr(head, "rows"):
+        return head.rows(ids, torch.float32)
+    return head.dequantize(torch.float32)[ids]

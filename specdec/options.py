@@ -30,3 +30,8 @@ def parse_draft_length(value: int | str) -> int | str:
     if not 1 <= value <= MAX_NUM_DRAFT_TOKENS:
         raise ValueError(f"num_draft_tokens must be between 1 and {MAX_NUM_DRAFT_TOKENS} or 'auto', got {value}")
     return value
+
+
+WEIGHTS_HELP = ("how a GGUF model (catalogue name, .gguf file) holds its weights: gguf = its 4-bit blocks, run by "
+                "the CPU kernels; dense = dequantized to --dtype; auto = gguf where the CPU has AVX-512 VNNI "
+                "(default: %(default)s)")

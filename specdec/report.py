@@ -11,7 +11,7 @@ they count for no method, so every method is measured on the same prompts.
 
 GROUP: num_prompts, new_tokens, tau (= mean_accepted_tokens), acceptance_rate,
 per_position_acceptance, tokens_per_second (median over prompts of per-prompt tokens/s),
-speedup_vs_plain and speedup_vs_<baseline> for each transformers baseline in the run (ratios of
+speedup_vs_plain and speedup_vs_<baseline> for each baseline in the run (transformers' and llama.cpp's; ratios of
 those medians, same prompts, same run), paired_vs_first (the geometric mean, over the prompts
 both ran, of this method's tokens/s over the run's first method's on the same prompt: the
 comparison to read between methods, as a median can fall on a different prompt for each
@@ -30,7 +30,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from runtime.atomic import atomic_write, atomic_write_text
-from specdec.baselines import HF_MODES
+from specdec.baselines import BASELINES
 from specdec.stats import AcceptanceStats
 
 TAU_CONVENTION = ("tau = mean_accepted_tokens = tokens emitted per target forward pass, the bonus / "
@@ -39,7 +39,7 @@ TAU_CONVENTION = ("tau = mean_accepted_tokens = tokens emitted per target forwar
 
 def _baseline_kind(method: str) -> str | None:
     kind = method.partition(":")[0]
-    return kind if kind in HF_MODES else None
+    return kind if kind in BASELINES else None
 
 
 def _group(records: dict[str, dict[str, dict]], ids: list[str], method: str, first: str) -> dict:

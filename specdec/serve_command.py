@@ -20,6 +20,8 @@ import socket
 import sys
 
 from runtime.hardware import DTYPES
+from runtime.loading import WEIGHTS
+from specdec.options import WEIGHTS_HELP
 
 
 def check_address(host: str, port: int) -> None:
@@ -57,7 +59,8 @@ def load_drafter(args: argparse.Namespace, target):
         compile_ = getattr(args, "compile", False)
         print(f"loading draft model {part} ({args.dtype}, {args.device}{', compiled' if compile_ else ''})",
               file=sys.stderr, flush=True)
-        drafts.append(runtime.load_model(part, dtype=dtype, device=args.device, compile=compile_))
+        drafts.append(runtime.load_model(part, dtype=dtype, device=args.device, compile=compile_,
+                                         weights=args.weights))
     return drafts if len(drafts) > 1 else drafts[0]
 
 
@@ -101,7 +104,8 @@ def main(args: argparse.Namespace) -> int:
     check_address(args.host, args.port)
     print(f"loading target {args.model} ({args.dtype}, {args.device}{', compiled' if args.compile else ''})",
           flush=True)
-    target = runtime.load_model(args.model, dtype=DTYPES[args.dtype], device=args.device, compile=args.compile)
+    target = runtime.load_model(args.model, dtype=DTYPES[args.dtype], device=args.device, compile=args.compile,
+                                weights=args.weights)
     tokenizer = runtime.load_tokenizer(args.model)
     draft = load_drafter(args, target)
     eos = eos_ids(args.model, tokenizer)
@@ -154,6 +158,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES), help="(default: %(default)s)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
+    p.add_argument("--weights", default="auto", choices=list(WEIGHTS), help=WEIGHTS_HELP)
     p.add_argument("--compile", action="store_true", help="torch.compile the decode steps of the target and "
                    "draft models (the first request of each shape compiles)")
     p.add_argument("--served-model-name", default=None, help="the model name requests must use (default: --model)")

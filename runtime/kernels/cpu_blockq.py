@@ -58,7 +58,8 @@ def _load() -> str | None:
 
 
 def _blockq_mm_fake(x, codes, sc, mc, d, dm, bias, bits, group, super, isa=0, amx_min_rows=AMX_MIN_ROWS):
-    return x.new_empty((*x.shape[:-1], codes.shape[0] * LANES))
+    width = 2 * LANES if bits == 4 else LANES  # output channels per block of codes (runtime.blockq.block_width)
+    return x.new_empty((*x.shape[:-1], codes.shape[0] * width))
 
 
 @torch.compiler.assume_constant_result

@@ -34,7 +34,7 @@ def test_round_trip_is_bit_exact(cfg, calib, eval_windows, tokenizer, tmp_path):
     meta = json.loads((out / "compression.json").read_text())
     assert meta["format_version"] == 1 and meta["recipe"] == [quant.config_to_dict(cfg)]
     assert set(meta["modules"]) == set(compressed_modules(model))
-    back = runtime.load_model(out, dtype=torch.float32)
+    back = runtime.load_model(out, dtype=torch.float32, weights="dense")
     assert back.compression_recipe == meta["recipe"]
     for name, mod in compressed_modules(model).items():
         other = back.get_submodule(name)
@@ -67,7 +67,7 @@ def test_packed_storage_on_disk_and_sizes(calib, tmp_path):
 def test_tied_lm_head_quantized_round_trip_and_dense_export(calib, eval_windows, tmp_path):
     model = _compress(tiny_model("llama", seed=3, tie_word_embeddings=True),
                       quant.Int8WeightOnly(include_lm_head=True), calib)
-    back = runtime.load_model(quant.save_compressed(model, tmp_path / "c"), dtype=torch.float32)
+    back = runtime.load_model(quant.save_compressed(model, tmp_path / "c"), dtype=torch.float32, weights="dense")
     assert back.lm_head.__class__.__name__ == "Int8Linear" and back.embed.weight.shape == (128, 64)
     assert torch.equal(_logits(model, eval_windows), _logits(back, eval_windows))
     hf = AutoModelForCausalLM.from_pretrained(quant.export_dense(model, tmp_path / "d")).eval()
@@ -88,7 +88,7 @@ def test_export_dense_loads_in_transformers_with_equal_logits(cfg, calib, eval_w
         ref = hf(eval_windows).logits
     got = _logits(model, eval_windows)
     assert ((ref - got).abs().max() / got.abs().max()).item() < 1e-4
-    reloaded = runtime.load_model(out, dtype=torch.float32)
+    reloaded = runtime.load_model(out, dtype=torch.float32, weights="dense")
     assert torch.allclose(_logits(reloaded, eval_windows), got, atol=1e-4)
 
 

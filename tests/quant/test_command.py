@@ -47,7 +47,7 @@ def test_compress_applies_the_recipe_and_writes_a_loadable_checkpoint(tiny_dir, 
     assert args.func(args) == 0
     printed = capsys.readouterr().out
     assert "weights in memory (MiB)" in printed and "time (s)" in printed
-    model = runtime.load_model(tmp_path / "out", dtype=torch.float32)
+    model = runtime.load_model(tmp_path / "out", dtype=torch.float32, weights="dense")
     assert isinstance(model.layers[0].mlp.w13, Sparse24Linear) and isinstance(model.layers[1].attn.wo, Int8Linear)
     assert [s["type"] for s in model.compression_recipe] == ["SemiStructured24", "Int8WeightOnly"]
     assert (tmp_path / "out-dense" / "model.safetensors").is_file()

@@ -75,7 +75,7 @@ def test_int8_export_loads_in_transformers_and_round_trips(arch, tokenizer, tmp_
     ids = _ids()
     ours = _logits(model, ids)
     torch.testing.assert_close(_hf_logits(out, ids), ours, **BF16_TOL)
-    back = runtime.load_model(out, dtype=torch.float32)
+    back = runtime.load_model(out, dtype=torch.float32, weights="dense")
     for name, mod in compressed_modules(model).items():
         other = back.get_submodule(name)
         assert isinstance(other, Int8Linear) and torch.equal(other.qweight, mod.qweight)
@@ -112,7 +112,7 @@ def test_int4_export_is_the_library_layout_and_exact_after_alignment(cfg, calib,
     ours = _logits(model, ids)
     assert not torch.equal(ours, before)  # alignment moved the weights (the export must follow them)
     torch.testing.assert_close(_hf_logits(out, ids, dequantize=True), ours, **BF16_TOL)
-    back = runtime.load_model(out, dtype=torch.float32)
+    back = runtime.load_model(out, dtype=torch.float32, weights="dense")
     for name, mod in compressed_modules(model).items():
         other = back.get_submodule(name)
         assert isinstance(other, Int4Linear) and torch.equal(other.qweight, mod.qweight), name
@@ -127,7 +127,7 @@ def test_unaligned_int4_export_warns_and_transformers_agrees_with_our_loader(cal
         out = quant.save_compressed(model, tmp_path / "w4", format="compressed-tensors")
     assert "align_zero_points" in caplog.text
     ids = _ids()
-    back = runtime.load_model(out, dtype=torch.float32)
+    back = runtime.load_model(out, dtype=torch.float32, weights="dense")
     torch.testing.assert_close(_hf_logits(out, ids, dequantize=True), _logits(back, ids), **BF16_TOL)
     aligned = align_zero_points(model)
     assert aligned["moved"] > 0
@@ -152,7 +152,7 @@ def test_integer_zero_point_int4_export_is_exact_without_alignment(cfg, calib, t
     weights = qc["config_groups"]["group_0"]["weights"]
     assert (weights["num_bits"], weights["group_size"], weights["symmetric"]) == (4, 32, False)
     torch.testing.assert_close(_hf_logits(out, ids, dequantize=True), ours, **BF16_TOL)
-    back = runtime.load_model(out, dtype=torch.float32)
+    back = runtime.load_model(out, dtype=torch.float32, weights="dense")
     for name, mod in compressed_modules(model).items():
         other = back.get_submodule(name)
         assert isinstance(other, Int4Linear) and other.zero_point == mod.zero_point == "integer", name
@@ -164,7 +164,7 @@ def test_integer_zero_points_survive_the_specdec_format(tmp_path):
     model, _ = tiny_pair("llama", seed=6)
     quant.quantize_(model, quant.Int4WeightOnly(group_size=32, zero_point="integer"), progress=False)
     out = quant.save_compressed(model, tmp_path / "specdec")
-    back = runtime.load_model(out, dtype=torch.float32)
+    back = runtime.load_model(out, dtype=torch.float32, weights="dense")
     for name, mod in compressed_modules(model).items():
         other = back.get_submodule(name)
         assert other.zero_point == "integer" and torch.equal(other.zeros, mod.zeros), name
@@ -267,7 +267,7 @@ def test_sparse_model_exports_dense_with_a_log_line(calib, tmp_path, caplog):
         out = quant.save_compressed(model, tmp_path / "s24", format="compressed-tensors")
     assert "dropped the 2:4 sparse format" in caplog.text
     ids = _ids()
-    back = runtime.load_model(out, dtype=torch.float32)
+    back = runtime.load_model(out, dtype=torch.float32, weights="dense")
     assert torch.equal(_logits(back, ids), _logits(model, ids))
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert "model.layers.0.mlp.down_proj" in qc["ignore"] and "lm_head" in qc["ignore"]

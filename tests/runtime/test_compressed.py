@@ -34,7 +34,7 @@ def _write(tmp_path, version=FORMAT_VERSION, drop=None):
 
 def test_loads_packed_tensors_as_stored(tmp_path):
     dense, q, scales = _write(tmp_path)
-    model = runtime.load_model(tmp_path, dtype=torch.float32)
+    model = runtime.load_model(tmp_path, dtype=torch.float32, weights="dense")
     w2 = model.layers[0].mlp.w2
     assert isinstance(w2, Int8Linear) and torch.equal(w2.qweight, q) and torch.equal(w2.scales, scales)
     assert torch.equal(model.layers[1].mlp.w2.weight, dense.layers[1].mlp.w2.weight)
@@ -43,7 +43,7 @@ def test_loads_packed_tensors_as_stored(tmp_path):
 
 def test_a_loaded_compressed_model_holds_only_its_packed_weights(tmp_path):
     _write(tmp_path)
-    w2 = runtime.load_model(tmp_path, dtype=torch.float32).layers[0].mlp.w2
+    w2 = runtime.load_model(tmp_path, dtype=torch.float32, weights="dense").layers[0].mlp.w2
     assert {name for name, _ in w2.named_buffers()} == set(w2.storage())
     x = torch.randn(1, 300, w2.in_features)  # a long prompt's rows: dequantized tile by tile, not kept
     assert torch.allclose(w2(x), torch.nn.functional.linear(x, w2.dequantize(torch.float32)), rtol=1e-5, atol=1e-5)
@@ -70,7 +70,7 @@ def test_a_loaded_compressed_model_does_not_keep_its_file_mapped(tmp_path):
     """Tensors left as views of the safetensors memory map would keep the whole file resident
     beside the modules' own copies (an INT4 module rebuilds its codes in the kernel's layout)."""
     _write(tmp_path)
-    model = runtime.load_model(tmp_path, dtype=torch.float32)
+    model = runtime.load_model(tmp_path, dtype=torch.float32, weights="dense")
     gc.collect()
     maps = Path("/proc/self/maps").read_text()
     assert str(tmp_path / "model.safetensors") not in maps

@@ -45,7 +45,7 @@ def test_gguf_round_trip_matches_source_logits(fixture, quantize, request, tmp_p
     path = tmp_path / "tiny.gguf"
     expected = gguf_writer(source, path, quantize=quantize)
 
-    model = runtime.load_model(path, dtype=torch.float32)
+    model = runtime.load_model(path, dtype=torch.float32, weights="dense")
     reference = from_hf_state(expected, source.config, dtype=torch.float32)
     assert torch.equal(_runtime_logits(model), _runtime_logits(reference))
 
@@ -143,7 +143,7 @@ def test_corrupt_gguf_is_a_clear_error(tmp_path, home):
 def test_gguf_without_tokenizer_converts_weights_only(tiny_llama, tmp_path, home, gguf_writer):
     path = tmp_path / "notok.gguf"
     gguf_writer(tiny_llama, path, tokenizer=False)
-    model = runtime.load_model(path, dtype=torch.float32)
+    model = runtime.load_model(path, dtype=torch.float32, weights="dense")
     assert model.config.vocab_size == 128
     with pytest.raises(CheckpointError, match="no usable tokenizer"):
         runtime.load_tokenizer(path)

@@ -28,7 +28,7 @@ def test_logits_match_transformers(name):
 
     ckpt = runtime.fetch(name)
     tokenizer = runtime.load_tokenizer(name)
-    ours = runtime.load_model(name, dtype=torch.float32)
+    ours = runtime.load_model(name, dtype=torch.float32, weights="dense")
     theirs = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]  # (1, T)
     T = ids.shape[1]
