@@ -7,7 +7,7 @@ What it prints, per format (the GGUF types the catalogue's files hold, and `quan
 milliseconds per call of a real-shaped weight at 1, 8 and 16 rows (random codes and scales; best of
 `--passes` passes over the pool), the
 weight bytes read per second at one row as a fraction of the machine's measured read bandwidth,
-and the 8- and 16-row cost relative to one row. The bandwidth is `torch.ops.specdec_cpu.read_probe`
+and the 8- and 16-row cost relative to one row. The bandwidth is `cpu_blockq.ops().read_probe`
 (AVX-512 loads of a 1 GiB buffer on every thread, best of 5), measured again before every format
 and shape: on a shared VM it moves by 2x within minutes. Each timed call reads a different
 copy of the weight, from a pool of at least `--pool-mb`, so the weights come from DRAM as in a
@@ -29,7 +29,7 @@ from runtime.kernels import cpu_blockq
 # name -> (bits, group, super-block, mins share the scales' codes); what each GGUF type / quant module
 # becomes (runtime.gguf_blocks, BlockQuantLinear.from_int4 / from_int8)
 FORMATS = {
-    "q4_k": (4, 32, 256, False), "q6_k": (8, 16, 256, True), "q8_0": (8, 32, 32, True), "q5_0": (8, 32, 32, True),
+    "q4_k": (4, 32, 256, False), "q6_k": (8, 16, 256, True), "q8_0": (8, 32, 32, True), "q5_0": (5, 32, 32, True),
     "q4_1": (4, 32, 32, True), "int4_g128": (4, 32, 128, True), "int8": (8, 32, 32, True),
 }
 SHAPES = {"w13": (17920, 1536), "w2": (1536, 8960)}  # qwen2.5-coder-1.5b: gate/up fused, down
@@ -37,11 +37,11 @@ SHAPES = {"w13": (17920, 1536), "w2": (1536, 8960)}  # qwen2.5-coder-1.5b: gate/
 
 def read_bandwidth(buf: torch.Tensor, repeats: int = 5) -> float:
     """Best read bandwidth (bytes/s) of `repeats` passes over `buf`, all threads."""
-    torch.ops.specdec_cpu.read_probe(buf)
+    cpu_blockq.ops().read_probe(buf)
     best = 0.0
     for _ in range(repeats):
         t = time.perf_counter()
-        torch.ops.specdec_cpu.read_probe(buf)
+        cpu_blockq.ops().read_probe(buf)
         best = max(best, buf.numel() / (time.perf_counter() - t))
     return best
 

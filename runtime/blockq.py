@@ -20,6 +20,7 @@ Storage is in the kernels' layout (`pack_codes`), 16 output channels at a time.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -30,39 +31,67 @@ from runtime.kernels import cpu_blockq
 from runtime.qlinear import FORMATS, Int4Linear, Int8Linear, QuantizedLinear
 
 LANES = cpu_blockq.LANES
-BITS = (4, 8)
+BITS = (4, 5, 8)
 GROUPS = (16, 32)
 MAX_GROUPS_PER_SUPER = 16  # the kernels keep one super-block's group results at a time (Q6_K: 16)
 
 
 def block_width(bits: int) -> int:
-    """Output channels per storage block: 32 for 4-bit codes (two channels share a byte), 16 for 8-bit."""
-    return 2 * LANES if bits == 4 else LANES
+    """Output channels per storage block: 32 for 4- and 5-bit codes (two channels share a byte of low
+    nibbles), 16 for 8-bit ones."""
+    return LANES if bits == 8 else 2 * LANES
+
+
+def group_bytes(bits: int, group: int) -> int:
+    """Bytes of one group of one block: 16 G of low-nibble (or 8-bit) rows, plus 4 G of bit 4 planes
+    for 5 bits."""
+    return 20 * group if bits == 5 else 16 * group
+
+
+def _bits_to_bytes(bits: torch.Tensor) -> torch.Tensor:
+    """(..., 64) values in {0, 1} -> (..., 8) bytes, bit i of the little-endian word = value i."""
+    weights = (1 << torch.arange(8, dtype=torch.int32, device=bits.device))
+    return (bits.to(torch.int32).view(*bits.shape[:-1], 8, 8) * weights).sum(-1).to(torch.uint8)
+
+
+def _bytes_to_bits(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of `_bits_to_bytes`: (..., 8) bytes -> (..., 64) values in {0, 1} (uint8)."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
+    return ((packed[..., None] >> shifts) & 1).flatten(-2)
 
 
 def pack_codes(q: torch.Tensor, bits: int, group: int) -> torch.Tensor:
-    """(N, K) uint8 codes -> (N/W, K/G, 16 * G) uint8 in the kernels' layout (W = `block_width`).
+    """(N, K) uint8 codes -> (N/W, K/G, `group_bytes`) uint8 in the kernels' layout (W = `block_width`).
 
     Per block and group of G inputs: G/4 rows of 64 bytes, row r holding channel c's inputs
-    4r..4r+3 at bytes 4c..4c+3; with 4 bits, channel c of the block in the low nibble and channel
-    16 + c in the high nibble."""
+    4r..4r+3 at bytes 4c..4c+3. Below 8 bits, channel c's low 4 bits in the low nibble and channel
+    16 + c's in the high nibble; 5 bits add bit 4 as two planes per row (set 0's, then set 1's, 8
+    bytes each, bit i for byte i of the row) after the G/4 rows."""
     N, K = q.shape
-    W = block_width(bits)
-    rows = q.view(N // W, W // LANES, LANES, K // group, group // 4, 4).permute(0, 3, 4, 1, 2, 5)
-    rows = rows.reshape(N // W, K // group, group // 4, W // LANES, 4 * LANES)  # (N/W, K/G, G/4, sets, 64)
-    if bits == 4:
-        rows = rows[..., 0, :] | (rows[..., 1, :] << 4)
-    return rows.reshape(N // W, K // group, 16 * group).contiguous()
+    W, R = block_width(bits), group // 4
+    rows = q.view(N // W, W // LANES, LANES, K // group, R, 4).permute(0, 3, 4, 1, 2, 5)
+    rows = rows.reshape(N // W, K // group, R, W // LANES, 4 * LANES)  # (N/W, K/G, G/4, sets, 64)
+    if bits == 8:
+        return rows.reshape(N // W, K // group, 16 * group).contiguous()
+    low = (rows[..., 0, :] & 0x0F) | ((rows[..., 1, :] & 0x0F) << 4)  # (N/W, K/G, G/4, 64)
+    parts = [low.reshape(N // W, K // group, 16 * group)]
+    if bits == 5:
+        parts.append(_bits_to_bytes((rows >> 4) & 1).reshape(N // W, K // group, 4 * group))  # (.., sets, 8)
+    return torch.cat(parts, dim=-1).contiguous()
 
 
 def unpack_codes(packed: torch.Tensor, bits: int, group: int) -> torch.Tensor:
-    """Inverse of `pack_codes`: (N/W, K/G, 16 * G) -> (N, K) uint8."""
+    """Inverse of `pack_codes`: (N/W, K/G, group bytes) -> (N, K) uint8."""
     nb, ng, _ = packed.shape
-    W = block_width(bits)
-    rows = packed.view(nb, ng, group // 4, 1, 4 * LANES)
-    if bits == 4:
-        rows = torch.cat([rows & 0x0F, rows >> 4], dim=3)  # (N/W, K/G, G/4, 2, 64)
-    rows = rows.view(nb, ng, group // 4, W // LANES, LANES, 4)
+    W, R = block_width(bits), group // 4
+    low = packed[..., :16 * group].reshape(nb, ng, R, 1, 4 * LANES)
+    if bits == 8:
+        rows = low
+    else:
+        rows = torch.cat([low & 0x0F, low >> 4], dim=3)  # (N/W, K/G, G/4, 2, 64)
+        if bits == 5:
+            rows = rows | (_bytes_to_bits(packed[..., 16 * group:].reshape(nb, ng, R, 2, 8)) << 4)
+    rows = rows.reshape(nb, ng, R, W // LANES, LANES, 4)
     return rows.permute(0, 3, 4, 1, 2, 5).reshape(nb * W, ng * group)
 
 
@@ -80,60 +109,74 @@ def _channels(t: torch.Tensor) -> torch.Tensor:
 
 class BlockQuantLinear(QuantizedLinear):
     """Block-quantized weights (GGUF K-quants and legacy quants, `quant` INT4 / INT8): see the module
-    docstring for the formula; `bits`, `group_size` (G) and `super_block` (S) describe the grid."""
+    docstring for the formula; `bits`, `group_size` (G) and `super_block` (S) describe the grid, and
+    `zero` > 0 says dm = zero * d (symmetric formats: Q6_K, Q8_0, Q5_0, Q4_0), which is then not stored."""
 
     FORMAT = "blockq"
 
-    def __init__(self, codes: torch.Tensor, sc: torch.Tensor, mc: torch.Tensor, d: torch.Tensor, dm: torch.Tensor,
-                 bits: int, group_size: int, super_block: int, bias: torch.Tensor | None = None) -> None:
-        """Tensors in the kernels' layout (W = `block_width(bits)`): codes (N/W, K/G, 16*G) uint8, sc / mc
-        (N/W, K/G, W) int8, d / dm (N/W, K/S, W) float32 (`from_canonical` builds them from (N, K) codes)."""
+    def __init__(self, codes: torch.Tensor, sc: torch.Tensor, mc: torch.Tensor, d: torch.Tensor,
+                 dm: torch.Tensor | None, bits: int, group_size: int, super_block: int,
+                 bias: torch.Tensor | None = None, zero: float = 0.0) -> None:
+        """Tensors in the kernels' layout (W = `block_width(bits)`): codes (N/W, K/G, group bytes) uint8,
+        sc / mc (N/W, K/G, W) int8, d / dm (N/W, K/S, W) float32, dm None when `zero` (a power of two)
+        gives it (`from_canonical` builds them from (N, K) codes)."""
         if bits not in BITS or group_size not in GROUPS or super_block <= 0 or super_block % group_size \
                 or super_block // group_size > MAX_GROUPS_PER_SUPER:
             raise ValueError(f"BlockQuantLinear needs bits in {BITS}, group_size in {GROUPS} and a super_block "
                              f"of 1 to {MAX_GROUPS_PER_SUPER} groups, got {bits}, {group_size}, {super_block}")
-        W = block_width(bits)
-        if codes.dim() != 3 or codes.dtype != torch.uint8 or codes.shape[2] != 16 * group_size:
-            raise ValueError(f"BlockQuantLinear codes must be uint8 (N/{W}, K/G, {16 * group_size}), "
+        if (dm is None) == (not zero) or (zero and (zero < 0 or math.frexp(zero)[0] != 0.5)):
+            raise ValueError(f"BlockQuantLinear takes either dm or a zero that is a power of two, got "
+                             f"dm={'None' if dm is None else 'a tensor'}, zero={zero!r}")
+        W, nbytes = block_width(bits), group_bytes(bits, group_size)
+        if codes.dim() != 3 or codes.dtype != torch.uint8 or codes.shape[2] != nbytes:
+            raise ValueError(f"BlockQuantLinear codes must be uint8 (N/{W}, K/G, {nbytes}), "
                              f"got {codes.dtype} {tuple(codes.shape)}")
         nb, ng, _ = codes.shape
         out_features, in_features = nb * W, ng * group_size
         if in_features % super_block or in_features % cpu_blockq.ACT_BLOCK:
             raise ValueError(f"BlockQuantLinear in_features {in_features} must be a multiple of the super-block "
                              f"{super_block} and of {cpu_blockq.ACT_BLOCK}")
-        for name, t, dtype, per in (("sc", sc, torch.int8, group_size), ("mc", mc, torch.int8, group_size),
-                                    ("d", d, torch.float32, super_block), ("dm", dm, torch.float32, super_block)):
+        checks = [("sc", sc, torch.int8, group_size), ("mc", mc, torch.int8, group_size),
+                  ("d", d, torch.float32, super_block)]
+        if dm is not None:
+            checks.append(("dm", dm, torch.float32, super_block))
+        for name, t, dtype, per in checks:
             want = (nb, in_features // per, W)
             if t.dtype != dtype or tuple(t.shape) != want:
                 raise ValueError(f"BlockQuantLinear {name} must be {dtype} {want}, got {t.dtype} {tuple(t.shape)}")
         super().__init__(in_features, out_features, None if bias is None else bias.to(torch.float32))
-        self.bits, self.group_size, self.super_block = bits, group_size, super_block
+        self.bits, self.group_size, self.super_block, self.zero = bits, group_size, super_block, float(zero)
         shared = mc is sc or (mc.data_ptr() == sc.data_ptr() and mc.shape == sc.shape)
-        for name, t in (("codes", codes), ("sc", sc), ("d", d), ("dm", dm)):
+        for name, t in (("codes", codes), ("sc", sc), ("d", d)):
             self.register_buffer(name, t.contiguous())
         # formats whose mins share the scales' codes (Q6_K, Q8_0, Q5_0, ...) keep one tensor for both:
         # the kernels read it once from memory
         self.register_buffer("mc", self.sc if shared else mc.contiguous())
+        self.register_buffer("dm", None if dm is None else dm.contiguous())
 
     @classmethod
     def from_canonical(cls, q: torch.Tensor, sc: torch.Tensor, mc: torch.Tensor, d: torch.Tensor, dm: torch.Tensor,
                        bits: int, group_size: int, super_block: int,
                        bias: torch.Tensor | None = None) -> "BlockQuantLinear":
         """From per-channel tensors: q (N, K) codes < 2**bits, sc / mc (N, K/G) int8, d / dm (N, K/S).
-        4-bit codes need N divisible by 32 (two channels share a byte); others are stored in 8 bits
-        (exact, twice the code bytes)."""
+        4- and 5-bit codes need N divisible by 32 (two channels share a byte); otherwise they are
+        stored in 8 bits (exact, more bytes). Mins equal to the scales' codes are kept once, and a dm
+        that is one power of two times d (a symmetric grid) is not kept at all (`zero`)."""
         N, K = q.shape
         if N % LANES:
             raise ValueError(f"BlockQuantLinear needs out_features divisible by {LANES}, got {N}")
         if int(q.max()) >= 1 << bits or int(q.min()) < 0:
             raise ValueError(f"codes must lie in [0, {(1 << bits) - 1}] for {bits} bits")
-        if bits == 4 and N % block_width(4):
+        if bits != 8 and N % block_width(bits):
             bits = 8
         W = block_width(bits)
-        scb = _blocks(sc.to(torch.int8), W)
-        mcb = scb if torch.equal(sc.to(torch.int8), mc.to(torch.int8)) else _blocks(mc.to(torch.int8), W)
-        return cls(pack_codes(q.to(torch.uint8), bits, group_size), scb, mcb, _blocks(d.to(torch.float32), W),
-                   _blocks(dm.to(torch.float32), W), bits, group_size, super_block, bias)
+        sc, mc, d, dm = sc.to(torch.int8), mc.to(torch.int8), d.to(torch.float32), dm.to(torch.float32)
+        scb = _blocks(sc, W)
+        shared = torch.equal(sc, mc)
+        mcb = scb if shared else _blocks(mc, W)
+        zero = _power_of_two_ratio(dm, d) if shared else 0.0
+        return cls(pack_codes(q.to(torch.uint8), bits, group_size), scb, mcb, _blocks(d, W),
+                   None if zero else _blocks(dm, W), bits, group_size, super_block, bias, zero)
 
     @classmethod
     def from_int8(cls, module: Int8Linear) -> "BlockQuantLinear":
@@ -158,22 +201,35 @@ class BlockQuantLinear(QuantizedLinear):
         return cls.from_canonical(module.codes().to(torch.uint8), ones, ones, s, 8 * s - module.zeros.to(torch.float32),
                                   4, 32, G, module.bias)
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return self._dequantize_blocks(slice(None)).to(dtype)
-
     @property
     def width(self) -> int:
         """Output channels per storage block (`block_width`)."""
         return block_width(self.bits)
 
+    def canonical(self, blocks: slice | torch.Tensor = slice(None)) -> tuple[torch.Tensor, ...]:
+        """(q (n, K) uint8, sc, mc (n, K/G) int8, d, dm (n, K/S) float32) of the given channel blocks."""
+        d = _channels(self.d[blocks])
+        dm = _channels(self.dm[blocks]) if self.dm is not None else d * self.zero
+        return (unpack_codes(self.codes[blocks], self.bits, self.group_size), _channels(self.sc[blocks]),
+                _channels(self.mc[blocks]), d, dm)
+
+    def select_rows(self, ids: torch.Tensor) -> "BlockQuantLinear":
+        """A module of output channels `ids` only (any order; bias too), on the same grid, exactly."""
+        q, sc, mc, d, dm = self.canonical()
+        bias = None if self.bias is None else self.bias.detach()[ids]
+        return BlockQuantLinear.from_canonical(q[ids], sc[ids], mc[ids], d[ids], dm[ids], self.bits, self.group_size,
+                                               self.super_block, bias)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self._dequantize_blocks(slice(None)).to(dtype)
+
     def _dequantize_blocks(self, blocks: slice | torch.Tensor) -> torch.Tensor:
         """float32 (n * W, K) weight rows of the given channel blocks."""
-        q = unpack_codes(self.codes[blocks], self.bits, self.group_size).to(torch.float32)  # (n, K)
-        n = q.shape[0]
-        reps = self.super_block // self.group_size
-        s = _channels(self.sc[blocks]).to(torch.float32) * _channels(self.d[blocks]).repeat_interleave(reps, dim=1)
-        mn = _channels(self.mc[blocks]).to(torch.float32) * _channels(self.dm[blocks]).repeat_interleave(reps, dim=1)
-        w = s[..., None] * q.view(n, -1, self.group_size) - mn[..., None]  # (n, K/G, G)
+        q, sc, mc, d, dm = self.canonical(blocks)
+        n, reps = q.shape[0], self.super_block // self.group_size
+        s = sc.to(torch.float32) * d.repeat_interleave(reps, dim=1)  # (n, K/G)
+        mn = mc.to(torch.float32) * dm.repeat_interleave(reps, dim=1)
+        w = s[..., None] * q.view(n, -1, self.group_size).to(torch.float32) - mn[..., None]  # (n, K/G, G)
         return w.reshape(n, self.in_features)
 
     def dequantize_rows(self, start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
@@ -189,31 +245,41 @@ class BlockQuantLinear(QuantizedLinear):
             self.width
         blocks, lane = flat // W, flat % W
         at = torch.arange(T, device=flat.device)
-        rows = self.codes[blocks].view(T, ng, R, LANES, 4)[at, :, :, lane % LANES]  # (T, K/G, G/4, 4)
-        if self.bits == 4:
+        codes = self.codes[blocks]  # (T, K/G, group bytes)
+        rows = codes[..., :16 * G].view(T, ng, R, LANES, 4)[at, :, :, lane % LANES]  # (T, K/G, G/4, 4)
+        if self.bits != 8:
             high = (lane >= LANES).view(T, 1, 1, 1)
             rows = torch.where(high, rows >> 4, rows & 0x0F)
+        if self.bits == 5:
+            planes = _bytes_to_bits(codes[..., 16 * G:].reshape(T, ng, R, 2, 8))  # (T, K/G, G/4, 2, 64)
+            planes = planes[at, :, :, (lane >= LANES).long()]  # (T, K/G, G/4, 64): the row's set
+            rows = rows | (planes.view(T, ng, R, LANES, 4)[at, :, :, lane % LANES] << 4)  # (T, K/G, G/4, 4)
         reps = self.super_block // G
-        s = self.sc[blocks, :, lane].to(torch.float32) * self.d[blocks, :, lane].repeat_interleave(reps, dim=1)
-        mn = self.mc[blocks, :, lane].to(torch.float32) * self.dm[blocks, :, lane].repeat_interleave(reps, dim=1)
+        d = self.d[blocks, :, lane]  # (T, K/S)
+        dm = self.dm[blocks, :, lane] if self.dm is not None else d * self.zero
+        s = self.sc[blocks, :, lane].to(torch.float32) * d.repeat_interleave(reps, dim=1)
+        mn = self.mc[blocks, :, lane].to(torch.float32) * dm.repeat_interleave(reps, dim=1)
         w = s[..., None] * rows.reshape(T, ng, G).to(torch.float32) - mn[..., None]  # (T, K/G, G)
         return w.to(dtype).view(*index.shape, self.in_features)
 
     def storage(self) -> dict[str, torch.Tensor]:
-        """The packed tensors; `mc` only when the mins have codes of their own."""
-        out = {"codes": self.codes, "sc": self.sc, "d": self.d, "dm": self.dm}
+        """The packed tensors; `mc` only when the mins have codes of their own, `dm` without a zero."""
+        out = {"codes": self.codes, "sc": self.sc, "d": self.d}
         if self.mc is not self.sc:
             out["mc"] = self.mc
+        if self.dm is not None:
+            out["dm"] = self.dm
         return out
 
     def meta(self) -> dict[str, Any]:
-        return {**super().meta(), "bits": self.bits, "group_size": self.group_size, "super_block": self.super_block}
+        return {**super().meta(), "bits": self.bits, "group_size": self.group_size, "super_block": self.super_block,
+                "zero": self.zero}
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> "BlockQuantLinear":
-        return cls(tensors["codes"], tensors["sc"], tensors.get("mc", tensors["sc"]), tensors["d"], tensors["dm"],
-                   int(meta["bits"]),
-                   int(meta["group_size"]), int(meta["super_block"]), tensors.get("bias"))
+        return cls(tensors["codes"], tensors["sc"], tensors.get("mc", tensors["sc"]), tensors["d"], tensors.get("dm"),
+                   int(meta["bits"]), int(meta["group_size"]), int(meta["super_block"]), tensors.get("bias"),
+                   float(meta.get("zero", 0.0)))
 
     def _tile_align(self) -> int:
         return self.width
@@ -221,7 +287,7 @@ class BlockQuantLinear(QuantizedLinear):
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and cpu_blockq.available():
             return cpu_blockq.blockq_mm(x, self.codes, self.sc, self.mc, self.d, self.dm, self.bias, self.bits,
-                                        self.group_size, self.super_block)
+                                        self.group_size, self.super_block, self.zero)
         if x.device.type != "cpu":
             return F.linear(x, self.dequantize(x.dtype).to(x.device), self._bias(x))
         return self._tiled(x)
@@ -229,6 +295,17 @@ class BlockQuantLinear(QuantizedLinear):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, format={self.FORMAT}, "
                 f"bits={self.bits}, group_size={self.group_size}, super_block={self.super_block}")
+
+
+def _power_of_two_ratio(dm: torch.Tensor, d: torch.Tensor) -> float:
+    """z > 0 when dm == z * d exactly everywhere for one power of two z (a symmetric grid), else 0."""
+    nonzero = d != 0
+    if not bool(nonzero.any()):
+        return 0.0
+    z = float((dm[nonzero] / d[nonzero]).flatten()[0])
+    if z <= 0 or math.frexp(z)[0] != 0.5:
+        return 0.0
+    return z if torch.equal(dm, d * z) else 0.0
 
 
 FORMATS[BlockQuantLinear.FORMAT] = BlockQuantLinear

@@ -8,17 +8,19 @@ and returns the codes and scales of `runtime.blockq`:
 | GGUF type | ggml's formula | bits | G | S | sc, mc | d, dm |
 |---|---|---|---|---|---|---|
 | Q4_K | d sc q - dmin m (6-bit sc, m) | 4 | 32 | 256 | sc, m | d, dmin |
-| Q5_K | as Q4_K, 5-bit q | 8 | 32 | 256 | sc, m | d, dmin |
+| Q5_K | as Q4_K, 5-bit q | 5 | 32 | 256 | sc, m | d, dmin |
 | Q6_K | d sc (q - 32), int8 sc, 6-bit q | 8 | 16 | 256 | sc, sc | d, 32 d |
 | Q4_0 | d (q - 8) | 4 | 32 | 32 | 1, 1 | d, 8 d |
 | Q4_1 | d q + m | 4 | 32 | 32 | 1, 1 | d, -m |
-| Q5_0 | d (q - 16), 5-bit q | 8 | 32 | 32 | 1, 1 | d, 16 d |
-| Q5_1 | d q + m, 5-bit q | 8 | 32 | 32 | 1, 1 | d, -m |
+| Q5_0 | d (q - 16), 5-bit q | 5 | 32 | 32 | 1, 1 | d, 16 d |
+| Q5_1 | d q + m, 5-bit q | 5 | 32 | 32 | 1, 1 | d, -m |
 | Q8_0 | d q, int8 q (stored as q + 128) | 8 | 32 | 32 | 1, 1 | d, 128 d |
 
 The fp16 scales widen to float32 exactly, and every product d * sc * q is exact in float32 (at
 most 24 significant bits), so `BlockQuantLinear.dequantize()` equals `gguf.quants.dequantize`
-bit for bit (tested). 5- and 6-bit codes are stored in 8 bits (exact, more bytes than the GGUF).
+bit for bit (tested). 6-bit codes are stored in 8 bits: a 6-bit layout (bit planes like 5-bit
+codes) was 7% slower per weight on 2-core VMs, whose cores unpack the planes slower than memory
+delivers the bytes (`benchmarks/qlinear_rows.py`).
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ def _q5_k(blocks: np.ndarray):
     qh = blocks[:, 16:48].reshape(n, 1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
     ql = _nibbles(blocks[:, 48:], 64)
     q = ql | ((qh & 1).reshape(n, QK_K) << 4)
-    return q, sc, m, d, dmin, 8, 32, QK_K
+    return q, sc, m, d, dmin, 5, 32, QK_K
 
 
 def _q6_k(blocks: np.ndarray):
@@ -110,7 +112,7 @@ def _legacy(blocks: np.ndarray, kind: str):
     if kind.startswith("Q5"):
         qh = body[:, :4].copy().view(np.uint32).reshape(n, 1) >> np.arange(32, dtype=np.uint32).reshape(1, 32)
         q = _nibbles(body[:, 4:], 32) | ((qh & 1).astype(np.uint8) << 4)
-        return q, ones, ones, d, minus if has_min else 16 * d, 8, 32, 32
+        return q, ones, ones, d, minus if has_min else 16 * d, 5, 32, 32
     q = _nibbles(body, 32)
     return q, ones, ones, d, minus if has_min else 8 * d, 4, 32, 32
 

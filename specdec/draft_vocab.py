@@ -72,7 +72,7 @@ def restrict_vocab(model: nn.Module, token_ids: torch.Tensor) -> nn.Module:
     Its forward then returns logits over those ids, in their order, and `model.output_ids` maps a
     column back to a token id; a drafter (specdec.drafters.ModelDrafter) does that mapping, and
     `specdec.generate` refuses such a model as a target. The LM head keeps its format (bf16, INT8,
-    INT4 rows are sliced; other formats become a dense head of the kept rows). Call it before
+    INT4 and GGUF block rows are sliced; other formats become a dense head of the kept rows). Call it before
     `runtime.compile_decode` (compiled programs hold the old head as a constant).
     """
     from runtime.model import Transformer
@@ -100,6 +100,10 @@ def _select_rows(head: nn.Module, ids: torch.Tensor, dtype: torch.dtype) -> nn.M
     """A head computing only output rows `ids` of `head`, in its own format where it can."""
     from runtime.qlinear import Int4Linear, Int8Linear, QuantizedLinear
 
+    from runtime.blockq import BlockQuantLinear
+
+    if isinstance(head, BlockQuantLinear):
+        return head.select_rows(ids)
     bias = None if head.bias is None else head.bias.detach()[ids]  # indexing copies
     if isinstance(head, Int4Linear):
         new = Int4Linear(head.qweight[ids], head.scales[ids], head.zeros[ids], head.group_size, bias)

@@ -1,9 +1,10 @@
 // Block-quantized linear layers on the CPU: y = x @ W^T with W stored as GGUF-style integer codes.
 //
 // W[n, k] = d[n, k/S] * sc[n, k/G] * q[n, k] - dm[n, k/S] * mc[n, k/G]
-//   q: unsigned codes of `bits` (4 or 8) bits; sc, mc: int8 per group of G (16 or 32) inputs;
-//   d, dm: float32 per super-block of S inputs (S a multiple of G). This holds GGUF's Q4_K, Q6_K,
-//   Q5_0, Q8_0, Q4_0, Q4_1 exactly (runtime/blockq.py builds the tensors).
+//   q: unsigned codes of `bits` (4, 5 or 8) bits; sc, mc: int8 per group of G (16 or 32) inputs;
+//   d, dm: float32 per super-block of S inputs (S a multiple of G); dm may be given as zero * d
+//   (zero a power of two: symmetric formats, whose dm is then not stored). This holds GGUF's Q4_K,
+//   Q5_K, Q6_K, Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 exactly (runtime/blockq.py builds the tensors).
 // Activations are quantized per row to int8 in blocks of 32 (x ~ dx * xq, dx = max|x| / 127, as
 // llama.cpp's Q8_0), the integer dot product C of every group is exact (int32), and the float
 // epilogue runs in one fixed order, per output:
@@ -12,14 +13,16 @@
 // with xs = dx * (sum of the group's activation codes). So a row's result depends only on that row:
 // the same bits at any row count and on every path below (AMX, AVX-512 VNNI, plain C++).
 //
-// Storage (made by runtime/blockq.py), W output channels ("a block") at a time, W = 32 for 4-bit
-// codes and 16 for 8-bit ones; a block is one or two "sets" of 16 channels:
-//   codes (N/W, K/G, 16*G) uint8: per group, G/4 rows of 64 bytes, row r holding channel c's inputs
-//     4r..4r+3 at bytes 4c..4c+3 (the VNNI / AMX B-tile layout). 4 bits: channel c in the low
-//     nibble and channel 16 + c in the high nibble of the same byte. The high set is multiplied as
+// Storage (made by runtime/blockq.py), W output channels ("a block") at a time, W = 32 for 4- and
+// 5-bit codes and 16 for 8-bit ones; a block is one or two "sets" of 16 channels:
+//   codes (N/W, K/G, group bytes) uint8: per group, G/4 rows of 64 bytes, row r holding channel c's
+//     inputs 4r..4r+3 at bytes 4c..4c+3 (the VNNI / AMX B-tile layout). 4 and 5 bits: the low 4 bits
+//     of channel c in the low nibble and of channel 16 + c in the high nibble of the same byte (16G
+//     bytes); 5 bits then add, per row, bit 4 as two bit planes of 64 bits (one bit per byte of the
+//     row), set 0's then set 1's (4G bytes). With 4 bits the high set is multiplied as
 //     (byte & 0xF0) = 16 * code, its dot product C is 16x, and its sc is taken as float(sc) / 16
 //     (both exact), which saves a shift per 64 bytes.
-//   sc, mc (N/W, K/G, W) int8; d, dm (N/W, K/S, W) float32.
+//   sc, mc (N/W, K/G, W) int8 (mc may be sc); d, dm (N/W, K/S, W) float32.
 // Paths: AMX (TDPBSUD, 16 rows a tile) for calls of several rows on CPUs with AMX-INT8; AVX-512
 // VNNI (VPDPBUSD) for one row, or every row count without AMX; plain C++ elsewhere (slow, exact).
 #include <ATen/ATen.h>
@@ -48,14 +51,17 @@ constexpr int kPrefetchBytes = 4096;
 
 enum Isa : int64_t { kAuto = 0, kGeneric = 1, kVnni = 2, kAmx = 3 };
 
-constexpr int block_width(int bits) { return bits == 4 ? 32 : 16; }
+constexpr int block_width(int bits) { return bits == 8 ? 16 : 32; }
+// bytes of one group of one block: the low-nibble rows (or 8-bit rows), then the bit planes
+constexpr int group_bytes(int bits, int G) { return bits == 5 ? 20 * G : 16 * G; }
 
 struct Weights {
   const uint8_t* codes;
   const int8_t* sc;
   const int8_t* mc;
   const float* d;
-  const float* dm;
+  const float* dm;  // null: dm = zero * d
+  float zero;
   int64_t N, K;
   int bits, G, S;
 };
@@ -135,16 +141,20 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int G, int8_t* xq, float* d
 
 // The code of set s, channel c, input j of a group (within one block), as the kernels multiply it
 // (4 bits, high set: 16 * code).
-inline int code_at(const uint8_t* grp, int bits, int s, int c, int j) {
-  const uint8_t byte = grp[(j / 4) * 64 + c * 4 + j % 4];
+inline int code_at(const uint8_t* grp, int bits, int G, int s, int c, int j) {
+  const int r = j / 4, pos = c * 4 + j % 4;
+  const uint8_t byte = grp[r * 64 + pos];
   if (bits == 8) return byte;
-  return s == 0 ? (byte & 0x0F) : (byte & 0xF0);
+  if (bits == 4) return s == 0 ? (byte & 0x0F) : (byte & 0xF0);
+  const int code = s == 0 ? (byte & 0x0F) : (byte >> 4);
+  const uint8_t* plane = grp + 16 * G + r * 16 + s * 8;  // bit 4 of the row's 64 codes of set s
+  return code | (((plane[pos / 8] >> (pos % 8)) & 1) << 4);
 }
 
 template <typename T>
 void gemm_generic(const Weights& w, const Acts& a, const float* bias, T* y, int64_t b0, int64_t b1) {
   const int W = block_width(w.bits), sets = W / kLanes;
-  const int64_t groups = w.K / w.G, supers = w.K / w.S, gps = w.S / w.G, gbytes = 16 * w.G;
+  const int64_t groups = w.K / w.G, supers = w.K / w.S, gps = w.S / w.G, gbytes = group_bytes(w.bits, w.G);
   for (int64_t b = b0; b < b1; ++b) {
     for (int64_t m = 0; m < a.M; ++m) {
       for (int s = 0; s < sets; ++s) {
@@ -158,7 +168,7 @@ void gemm_generic(const Weights& w, const Acts& a, const float* bias, T* y, int6
               const uint8_t* grp = w.codes + (b * groups + g) * gbytes;
               const int8_t* xr = a.xq + m * a.K + g * w.G;
               int32_t dot = 0;
-              for (int k = 0; k < w.G; ++k) dot += code_at(grp, w.bits, s, c, k) * xr[k];
+              for (int k = 0; k < w.G; ++k) dot += code_at(grp, w.bits, w.G, s, c, k) * xr[k];
               float scf = (float)w.sc[(b * groups + g) * W + lane];
               if (w.bits == 4 && s == 1) scf = scf * 0.0625f;
               const float mcf = (float)w.mc[(b * groups + g) * W + lane];
@@ -167,7 +177,8 @@ void gemm_generic(const Weights& w, const Acts& a, const float* bias, T* y, int6
               am = std::fma(mcf, a.xs[m * groups + g], am);
             }
             acc = std::fma(as, w.d[(b * supers + sb) * W + lane], acc);
-            acc = std::fma(-am, w.dm[(b * supers + sb) * W + lane], acc);
+            const int64_t di = (b * supers + sb) * W + lane;
+            acc = std::fma(-am, w.dm ? w.dm[di] : w.d[di] * w.zero, acc);
           }
           const int64_t n = b * W + lane;
           y[m * w.N + n] = (T)(bias ? acc + bias[n] : acc);
@@ -202,17 +213,24 @@ SPECDEC_AVX512 inline void store_row(__m512 acc, const float* bias, T* y) {
 // One block's weights, positioned, and its group / super-block counts.
 template <int BITS, int G>
 struct BlockView {
-  static constexpr int W = block_width(BITS), kSets = W / kLanes, kGroupBytes = 16 * G, R = G / 4;
+  static constexpr int W = block_width(BITS), kSets = W / kLanes, kGroupBytes = group_bytes(BITS, G), R = G / 4;
   const uint8_t* codes;
   const int8_t *sc, *mc;
-  const float *d, *dm;
+  const float *d, *dm;  // dm null: zero * d
+  float zero;
   int64_t groups, supers, gps;
   BlockView(const Weights& w, int64_t b) : groups(w.K / G), supers(w.K / w.S), gps(w.S / G) {
     codes = w.codes + b * groups * kGroupBytes;
     sc = w.sc + b * groups * W;
     mc = w.mc + b * groups * W;
     d = w.d + b * supers * W;
-    dm = w.dm + b * supers * W;
+    dm = w.dm ? w.dm + b * supers * W : nullptr;
+    zero = w.zero;
+  }
+  // d and dm of super-block sb, set s
+  SPECDEC_AVX512 void super_scales(int64_t sb, int s, __m512& dv, __m512& dmv) const {
+    dv = _mm512_loadu_ps(d + sb * W + s * kLanes);
+    dmv = dm ? _mm512_loadu_ps(dm + sb * W + s * kLanes) : _mm512_mul_ps(dv, _mm512_set1_ps(zero));
   }
   // float(sc) of group g, set s (the 4-bit high set divided by 16: see the file's header)
   SPECDEC_AVX512 __m512 scale(int64_t g, int s) const {
@@ -221,6 +239,18 @@ struct BlockView {
   }
   SPECDEC_AVX512 __m512 minimum(int64_t g, int s) const { return int8_to_float(mc + g * W + s * kLanes); }
 };
+
+// Row r of a 5-bit group: the codes of set 0 and set 1 (low nibbles plus bit 4 from the planes).
+template <int G>
+SPECDEC_AVX512 inline void unpack_row5(const uint8_t* grp, int r, __m512i& set0, __m512i& set1) {
+  const __m512i low = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
+  const __m512i row = _mm512_loadu_si512(grp + r * 64);
+  const uint8_t* planes = grp + 16 * G + r * 16;
+  set0 = _mm512_and_si512(row, low);
+  set1 = _mm512_and_si512(_mm512_srli_epi16(row, 4), low);
+  set0 = _mm512_mask_add_epi8(set0, _load_mask64((__mmask64*)planes), set0, bit4);
+  set1 = _mm512_mask_add_epi8(set1, _load_mask64((__mmask64*)(planes + 8)), set1, bit4);
+}
 
 // Prefetch the codes kPrefetchBytes ahead of group g (every line), and the scale codes.
 template <int BITS, int G>
@@ -281,27 +311,37 @@ SPECDEC_AVX512 void vnni_block(const Weights& w, const Acts& a, int64_t m0, cons
       __m512i full[MT], high[MT];
       for (int i = 0; i < MT; ++i) full[i] = high[i] = _mm512_setzero_si512();
       for (int r = 0; r < R; ++r) {
-        const __m512i row = _mm512_loadu_si512(grp + r * 64);
-        const __m512i hi = BITS == 4 ? _mm512_andnot_si512(low, row) : row;
+        // 4 bits: a = the raw bytes, b = 16 x the high set's codes; 5 bits: a = set 0, b = set 1
+        __m512i a, b;
+        if constexpr (BITS == 8) {
+          a = b = _mm512_loadu_si512(grp + r * 64);
+        } else if constexpr (BITS == 4) {
+          a = _mm512_loadu_si512(grp + r * 64);
+          b = _mm512_andnot_si512(low, a);
+        } else {
+          unpack_row5<G>(grp, r, a, b);
+        }
         for (int i = 0; i < MT; ++i) {
           int32_t x4;
           std::memcpy(&x4, xq[i] + g * G + 4 * r, 4);
           const __m512i xb = _mm512_set1_epi32(x4);
-          full[i] = _mm512_dpbusd_epi32(full[i], row, xb);
-          if constexpr (BITS == 4) high[i] = _mm512_dpbusd_epi32(high[i], hi, xb);
+          full[i] = _mm512_dpbusd_epi32(full[i], a, xb);
+          if constexpr (BITS != 8) high[i] = _mm512_dpbusd_epi32(high[i], b, xb);
         }
       }
       for (int s = 0; s < S; ++s) {
         const __m512 scf = v.scale(g, s), mcf = v.minimum(g, s);
         for (int i = 0; i < MT; ++i) {
           // 4 bits: set 0 = full - (16 x high codes), set 1 = 16 x high codes
-          const __m512i dot = BITS == 8 ? full[i] : (s == 0 ? _mm512_sub_epi32(full[i], high[i]) : high[i]);
+          const __m512i dot = BITS == 8 ? full[i] : s == 1 ? high[i]
+                              : BITS == 4 ? _mm512_sub_epi32(full[i], high[i]) : full[i];
           accumulate(acc[i][s], dot, scf, mcf, dx[i][g * G / kActBlock], xs[i][g]);
         }
       }
     }
     for (int s = 0; s < S; ++s) {
-      const __m512 dv = _mm512_loadu_ps(v.d + sb * V::W + s * kLanes), dmv = _mm512_loadu_ps(v.dm + sb * V::W + s * kLanes);
+      __m512 dv, dmv;
+      v.super_scales(sb, s, dv, dmv);
       for (int i = 0; i < MT; ++i) close_super(acc[i][s], dv, dmv);
     }
   }
@@ -392,9 +432,16 @@ SPECDEC_AMX void gemm_amx(const Weights& w, const Acts& a, const int8_t* xt, con
             _tile_stored(3, cbuf[j][0], 64);
           } else {
             for (int r = 0; r < R; ++r) {
-              const __m512i row = _mm512_loadu_si512(grp + r * 64);
-              _mm512_store_si512(bbuf[0] + r * 64, _mm512_and_si512(row, low));
-              _mm512_store_si512(bbuf[S - 1] + r * 64, _mm512_andnot_si512(low, row));
+              __m512i a, b;
+              if constexpr (BITS == 4) {
+                const __m512i row = _mm512_loadu_si512(grp + r * 64);
+                a = _mm512_and_si512(row, low);
+                b = _mm512_andnot_si512(low, row);  // 16 x the high set's codes, as the VNNI path
+              } else {
+                unpack_row5<G>(grp, r, a, b);
+              }
+              _mm512_store_si512(bbuf[0] + r * 64, a);
+              _mm512_store_si512(bbuf[S - 1] + r * 64, b);
             }
             _tile_zero(3);
             _tile_zero(4);
@@ -411,8 +458,8 @@ SPECDEC_AMX void gemm_amx(const Weights& w, const Acts& a, const int8_t* xt, con
           }
         }
         for (int s = 0; s < S; ++s) {
-          const __m512 dv = _mm512_loadu_ps(v.d + sb * V::W + s * kLanes);
-          const __m512 dmv = _mm512_loadu_ps(v.dm + sb * V::W + s * kLanes);
+          __m512 dv, dmv;
+          v.super_scales(sb, s, dv, dmv);
           for (int i = 0; i < mt; ++i) {
             const int64_t m = m0 + i;
             const float* dxr = a.dx + m * (K / kActBlock);
@@ -447,10 +494,14 @@ struct Kernels {
 
 template <typename T>
 Kernels<T> kernels_for(int bits, int G) {
-  if (bits == 4 && G == 32) return {gemm_vnni<4, 32, T>, gemm_amx<4, 32, T>};
-  if (bits == 4 && G == 16) return {gemm_vnni<4, 16, T>, gemm_amx<4, 16, T>};
-  if (bits == 8 && G == 32) return {gemm_vnni<8, 32, T>, gemm_amx<8, 32, T>};
-  return {gemm_vnni<8, 16, T>, gemm_amx<8, 16, T>};
+  switch (bits * 100 + G) {
+    case 432: return {gemm_vnni<4, 32, T>, gemm_amx<4, 32, T>};
+    case 416: return {gemm_vnni<4, 16, T>, gemm_amx<4, 16, T>};
+    case 532: return {gemm_vnni<5, 32, T>, gemm_amx<5, 32, T>};
+    case 516: return {gemm_vnni<5, 16, T>, gemm_amx<5, 16, T>};
+    case 832: return {gemm_vnni<8, 32, T>, gemm_amx<8, 32, T>};
+    default: return {gemm_vnni<8, 16, T>, gemm_amx<8, 16, T>};
+  }
 }
 
 // ---------------------------------------------------------------- op
@@ -468,24 +519,27 @@ int64_t pick_isa(int64_t isa, int64_t M, int64_t amx_min_rows) {
 }
 
 at::Tensor blockq_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sc, const at::Tensor& mc,
-                     const at::Tensor& d, const at::Tensor& dm, const c10::optional<at::Tensor>& bias,
-                     int64_t bits, int64_t group, int64_t super, int64_t isa, int64_t amx_min_rows) {
+                     const at::Tensor& d, const c10::optional<at::Tensor>& dm, const c10::optional<at::Tensor>& bias,
+                     int64_t bits, int64_t group, int64_t super, double zero, int64_t isa, int64_t amx_min_rows) {
   check(x.device().is_cpu(), "x must be on the CPU");
   check(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
-  check(bits == 4 || bits == 8, "bits must be 4 or 8");
+  check(bits == 4 || bits == 5 || bits == 8, "bits must be 4, 5 or 8");
   check(group == 16 || group == 32, "group must be 16 or 32");
   check(super > 0 && super % group == 0 && super / group <= kMaxGroupsPerSuper,
         "super must be a positive multiple of group, at most 16 groups");
   const int64_t K = x.size(-1), W = block_width((int)bits);
   check(K % super == 0 && K % kActBlock == 0, "in_features must be a multiple of the super-block and of 32");
   check(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
-        "codes must be (N/W, K/G, 16*G) uint8");
+        "codes must be (N/W, K/G, group bytes) uint8");
   const int64_t N = codes.size(0) * W;
-  check(codes.size(1) == K / group && codes.size(2) == 16 * group, "codes do not match K and group");
+  check(codes.size(1) == K / group && codes.size(2) == group_bytes((int)bits, (int)group),
+        "codes do not match K, group and bits");
   check(sc.scalar_type() == at::kChar && mc.scalar_type() == at::kChar && sc.is_contiguous() && mc.is_contiguous() &&
             sc.numel() == N * (K / group) && mc.numel() == N * (K / group), "sc, mc must be int8 (N/W, K/G, W)");
-  check(d.scalar_type() == at::kFloat && dm.scalar_type() == at::kFloat && d.is_contiguous() && dm.is_contiguous() &&
-            d.numel() == N * (K / super) && dm.numel() == N * (K / super), "d, dm must be float32 (N/W, K/S, W)");
+  check(d.scalar_type() == at::kFloat && d.is_contiguous() && d.numel() == N * (K / super),
+        "d must be float32 (N/W, K/S, W)");
+  check(dm.has_value() ? (dm->scalar_type() == at::kFloat && dm->is_contiguous() && dm->numel() == d.numel())
+                       : zero != 0.0, "dm must be float32 (N/W, K/S, W), or absent with a zero");
   at::Tensor b32;
   if (bias.has_value()) {
     b32 = bias->to(at::kFloat).contiguous();
@@ -514,7 +568,8 @@ at::Tensor blockq_mm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   }
 
   const Weights w{codes.data_ptr<uint8_t>(), sc.data_ptr<int8_t>(), mc.data_ptr<int8_t>(), d.data_ptr<float>(),
-                  dm.data_ptr<float>(), N, K, (int)bits, (int)group, (int)super};
+                  dm.has_value() ? dm->data_ptr<float>() : nullptr, (float)zero, N, K, (int)bits, (int)group,
+                  (int)super};
   const Acts a{xq.data_ptr<int8_t>(), dx.data_ptr<float>(), xs.data_ptr<float>(), M, K};
   const float* bp = bias.has_value() ? b32.data_ptr<float>() : nullptr;
   auto run = [&](auto* yp) {
@@ -575,14 +630,17 @@ int64_t blockq_isas() { return 1 | (has_vnni() ? 2 : 0) | (has_amx() ? 4 : 0); }
 
 }  // namespace
 
-TORCH_LIBRARY(specdec_cpu, m) {
-  m.def("blockq_mm(Tensor x, Tensor codes, Tensor sc, Tensor mc, Tensor d, Tensor dm, Tensor? bias, int bits, "
-        "int group, int super, int isa=0, int amx_min_rows=12) -> Tensor");
+// The op namespace carries a hash of this source (-DSPECDEC_OPS=specdec_cpu_<hash>, set by
+// cpu_blockq.py): graphs that torch.compile cached for an older version of these ops name another
+// namespace, so they are never replayed against a changed schema.
+TORCH_LIBRARY(SPECDEC_OPS, m) {
+  m.def("blockq_mm(Tensor x, Tensor codes, Tensor sc, Tensor mc, Tensor d, Tensor? dm, Tensor? bias, int bits, "
+        "int group, int super, float zero=0., int isa=0, int amx_min_rows=12) -> Tensor");
   m.def("blockq_isas() -> int", &blockq_isas);
   m.def("read_probe(Tensor t) -> int");
 }
 
-TORCH_LIBRARY_IMPL(specdec_cpu, CPU, m) {
+TORCH_LIBRARY_IMPL(SPECDEC_OPS, CPU, m) {
   m.impl("blockq_mm", &blockq_mm);
   m.impl("read_probe", &read_probe);
 }

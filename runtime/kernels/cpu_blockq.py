@@ -2,7 +2,9 @@
 
 `cpu_blockq.cpp` (next to this file) is compiled once per machine with the host's C++ compiler
 through `torch.utils.cpp_extension` into `$SPECDEC_HOME/kernels/<hash>` (about a minute on 2
-cores; later processes load the cached library) and registers `torch.ops.specdec_cpu.blockq_mm`.
+cores; later processes load the cached library) and registers `blockq_mm` in the op namespace
+`NAMESPACE` (`specdec_cpu_<hash of the source>`: a torch.compile cache never replays a graph made for
+another version of the ops).
 The op picks its path at run time from the CPU's features: AMX-INT8 tiles for calls of
 `AMX_MIN_ROWS` rows or more, AVX-512 VNNI otherwise, plain C++ on other CPUs. The arithmetic
 (int8 activations in blocks of 32, exact integer dot products per group, one float epilogue
@@ -35,6 +37,19 @@ _CFLAGS = ["-O3", "-ffp-contract=off", "-std=c++17", "-fopenmp"]  # -fopenmp: at
 log = logging.getLogger(__name__)
 
 
+def _key() -> str:
+    return hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(_CFLAGS).encode()).hexdigest()
+
+
+# the op namespace of this version of the kernels (see the module docstring)
+NAMESPACE = f"specdec_cpu_{_key()[:12]}"
+
+
+def ops():
+    """`torch.ops.<NAMESPACE>`: blockq_mm, blockq_isas, read_probe (after `available()`)."""
+    return getattr(torch.ops, NAMESPACE)
+
+
 @functools.cache
 def _load() -> str | None:
     """Build (once per machine) and load the extension; None when loaded, else why it is not."""
@@ -42,23 +57,23 @@ def _load() -> str | None:
 
     from runtime.catalogue import cache_home
 
-    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(_CFLAGS).encode()).hexdigest()
-    build = cache_home() / "kernels" / f"cpu_blockq-{key[:16]}"
+    build = cache_home() / "kernels" / f"cpu_blockq-{_key()[:16]}"
     try:
         build.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(name="specdec_cpu_blockq", sources=[str(SOURCE)], extra_cflags=_CFLAGS,
+        cpp_extension.load(name="specdec_cpu_blockq", sources=[str(SOURCE)],
+                           extra_cflags=[*_CFLAGS, f"-DSPECDEC_OPS={NAMESPACE}"],
                            extra_ldflags=["-fopenmp"], build_directory=str(build), is_python_module=False,
                            verbose=False)
     except (OSError, RuntimeError, ImportError, ValueError) as err:  # no compiler, no ninja, a failed build
         reason = f"{type(err).__name__}: {str(err).strip().splitlines()[-1] if str(err).strip() else err}"
         log.warning("block-quantized CPU kernels unavailable (%s); using the dense fallback", reason)
         return reason
-    torch.library.register_fake("specdec_cpu::blockq_mm")(_blockq_mm_fake)
+    torch.library.register_fake(f"{NAMESPACE}::blockq_mm")(_blockq_mm_fake)
     return None
 
 
-def _blockq_mm_fake(x, codes, sc, mc, d, dm, bias, bits, group, super, isa=0, amx_min_rows=AMX_MIN_ROWS):
-    width = 2 * LANES if bits == 4 else LANES  # output channels per block of codes (runtime.blockq.block_width)
+def _blockq_mm_fake(x, codes, sc, mc, d, dm, bias, bits, group, super, zero=0.0, isa=0, amx_min_rows=AMX_MIN_ROWS):
+    width = LANES if bits == 8 else 2 * LANES  # output channels per block of codes (runtime.blockq.block_width)
     return x.new_empty((*x.shape[:-1], codes.shape[0] * width))
 
 
@@ -88,18 +103,18 @@ def isas() -> tuple[str, ...]:
     """The kernel paths this CPU runs: "generic" always, "vnni" (AVX-512 VNNI), "amx" (AMX-INT8)."""
     if not available():
         return ()
-    mask = torch.ops.specdec_cpu.blockq_isas()
+    mask = ops().blockq_isas()
     return tuple(name for name, bit in (("generic", 1), ("vnni", 2), ("amx", 4)) if mask & bit)
 
 
 def blockq_mm(x: torch.Tensor, codes: torch.Tensor, sc: torch.Tensor, mc: torch.Tensor, d: torch.Tensor,
-              dm: torch.Tensor, bias: torch.Tensor | None, bits: int, group: int, super_block: int,
-              isa: str = "auto", amx_min_rows: int = AMX_MIN_ROWS) -> torch.Tensor:
-    """x (..., K) float32 / bf16 -> (..., N) in x's dtype through the compiled kernel (path `isa`)."""
+              dm: torch.Tensor | None, bias: torch.Tensor | None, bits: int, group: int, super_block: int,
+              zero: float = 0.0, isa: str = "auto", amx_min_rows: int = AMX_MIN_ROWS) -> torch.Tensor:
+    """x (..., K) float32 / bf16 -> (..., N) in x's dtype through the compiled kernel (path `isa`);
+    dm None: dm = zero * d."""
     if not available():
         raise RuntimeError(f"the block-quantized CPU kernels are unavailable: {unavailable_reason()}")
-    return torch.ops.specdec_cpu.blockq_mm(x, codes, sc, mc, d, dm, bias, bits, group, super_block, ISAS[isa],
-                                           amx_min_rows)
+    return ops().blockq_mm(x, codes, sc, mc, d, dm, bias, bits, group, super_block, zero, ISAS[isa], amx_min_rows)
 
 
 def quantize_activations_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,7 +14,9 @@ needs_kernels = pytest.mark.skipif(not cpu_blockq.available(), reason="block-qua
 # (bits, group, super-block, mins share the scales' codes, out_features): the grids of GGUF's types
 GRIDS = {
     "q4_k": (4, 32, 256, False, 64), "q6_k": (8, 16, 256, True, 48), "q8_0": (8, 32, 32, True, 48),
-    "q4_1": (4, 32, 32, True, 64), "g16_4bit": (4, 16, 64, False, 96), "4bit_odd_rows": (4, 32, 32, False, 48),
+    "q5_0": (5, 32, 32, True, 64), "q5_k": (5, 32, 256, False, 96), "q4_1": (4, 32, 32, True, 64),
+    "g16_4bit": (4, 16, 64, False, 96), "4bit_odd_rows": (4, 32, 32, False, 48), "5bit_g16": (5, 16, 64, False, 32),
+    "8bit_g16": (8, 16, 256, True, 48),
 }
 
 
@@ -40,7 +42,7 @@ def test_pack_round_trip_and_dequantize(grid):
     module, q = _module(grid)
     assert torch.equal(unpack_codes(module.codes, module.bits, module.group_size), q)
     bits, G, S, shared, N = GRIDS[grid]
-    assert module.bits == (8 if N % block_width(4) else bits)  # 4-bit storage needs 32-channel blocks
+    assert module.bits == (8 if N % block_width(bits) else bits)  # 4 to 6 bits need 32-channel blocks
     assert (module.mc is module.sc) == shared  # shared mins cost no bytes of their own
     g = torch.Generator().manual_seed(0)  # the same draws as _module
     q2 = torch.randint(0, 1 << bits, (N, 512), generator=g, dtype=torch.uint8)
@@ -49,6 +51,22 @@ def test_pack_round_trip_and_dequantize(grid):
     d, dm = torch.rand(N, 512 // S, generator=g) * 1e-3, torch.rand(N, 512 // S, generator=g) * 1e-3
     ref = _formula(q2, sc, mc, d, dm, G, S)
     assert float((module.dequantize().double() - ref).abs().max()) <= 1e-6 * float(ref.abs().max())
+
+
+def test_pack_layout_of_5bit_planes():
+    """5 bits: after the low-nibble rows, per row bit 4 of set 0's then set 1's 64 codes, 8 bytes
+    each, bit i for byte i of the row."""
+    q = torch.zeros(32, 16, dtype=torch.uint8)
+    q[3, 5] = 0b10111  # channel 3 (set 0), input 5: row 1, byte 13
+    q[16 + 1, 2] = 0b10000  # channel 17 (set 1, slot 1), input 2: row 0, byte 6
+    packed = pack_codes(q, 5, 16)
+    assert packed.shape == (1, 1, 20 * 16)
+    low, planes = packed[0, 0, :256], packed[0, 0, 256:].view(4, 2, 8)  # (rows, sets, 8)
+    assert low[64 + 13] == 0b0111 and low[6] == 0
+    assert planes[1, 0, 1] == 1 << 5  # row 1, set 0: byte 13 -> bit 5 of byte 1
+    assert planes[0, 1, 0] == 1 << 6  # row 0, set 1: byte 6
+    assert int(planes.count_nonzero()) == 2
+    assert torch.equal(unpack_codes(packed, 5, 16), q)
 
 
 def test_pack_layout_of_4bit_blocks():
@@ -77,7 +95,7 @@ def test_kernel_matches_float64_reference(grid, rows):
 
 
 @needs_kernels
-@pytest.mark.parametrize("grid", ["q4_k", "q6_k", "q4_1"])
+@pytest.mark.parametrize("grid", ["q4_k", "q6_k", "q5_0", "q4_1", "8bit_g16"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_path_gives_the_same_bits(grid, dtype):
     module, _ = _module(grid)
@@ -118,7 +136,7 @@ def test_fallback_without_kernels_multiplies_the_dequantized_weight(monkeypatch)
     assert torch.allclose(module(x).double(), ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("grid", ["q4_k", "q6_k", "4bit_odd_rows"])
+@pytest.mark.parametrize("grid", ["q4_k", "q6_k", "q5_0", "4bit_odd_rows", "8bit_g16"])
 def test_rows_and_embedding_lookup(grid):
     module, _ = _module(grid)
     tokens = torch.tensor([[0, 17, module.out_features - 1], [16, 31, 5]])
@@ -129,12 +147,27 @@ def test_rows_and_embedding_lookup(grid):
 
 
 def test_tensor_round_trip():
-    for grid in ("q4_k", "q6_k"):
+    for grid in ("q4_k", "q6_k", "q5_0"):
         module, _ = _module(grid)
         back = from_tensors(module.meta(), module.to_tensors())
         assert isinstance(back, BlockQuantLinear)
         assert torch.equal(back.dequantize(), module.dequantize()) and torch.equal(back.bias, module.bias)
         assert ("mc" in module.to_tensors()) == (grid == "q4_k")
+
+
+def test_symmetric_grids_keep_neither_mins_nor_dm():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 32, (64, 64), generator=g, dtype=torch.uint8)
+    sc = torch.ones(64, 2, dtype=torch.int8)
+    d = (torch.rand(64, 2, generator=g) * 1e-2).half().float()  # fp16 scales, as GGUF stores: exact products
+    module = BlockQuantLinear.from_canonical(q, sc, sc, d, 16 * d, 5, 32, 32)  # Q5_0: w = d (q - 16)
+    assert module.zero == 16.0 and module.dm is None and set(module.to_tensors()) == {"codes", "sc", "d"}
+    expected = (q.float() - 16) * d.repeat_interleave(32, dim=1)
+    assert torch.equal(module.dequantize(), expected)
+    asym = BlockQuantLinear.from_canonical(q, sc, sc, d, 3 * d, 5, 32, 32)  # not a power of two
+    assert asym.zero == 0.0 and asym.dm is not None
+    picked = module.select_rows(torch.tensor(list(range(32, 64))))
+    assert torch.equal(picked.dequantize(), expected[32:])
 
 
 def test_int8_and_int4_modules_convert_exactly():
@@ -153,7 +186,7 @@ def test_int8_and_int4_modules_convert_exactly():
 def test_bad_shapes_are_refused():
     module, _ = _module("q4_k")
     with pytest.raises(ValueError, match="bits"):
-        BlockQuantLinear(module.codes, module.sc, module.mc, module.d, module.dm, 5, 32, 256)
+        BlockQuantLinear(module.codes, module.sc, module.mc, module.d, module.dm, 6, 32, 256)
     with pytest.raises(ValueError, match="sc must be"):
         BlockQuantLinear(module.codes, module.sc[:, :3], module.mc, module.d, module.dm, 4, 32, 256)
     with pytest.raises(ValueError, match="divisible by 16"):

@@ -49,11 +49,17 @@ def _int8_head(model):
     return Int8Linear(q, torch.full((w.shape[0],), 0.01, dtype=model.dtype))
 
 
-@pytest.mark.parametrize("head", ["dense", "int8", "int4"])
+def _blockq_head(model):
+    from runtime.blockq import BlockQuantLinear
+
+    return BlockQuantLinear.from_int4(_int4_head(model))
+
+
+@pytest.mark.parametrize("head", ["dense", "int8", "int4", "blockq"])
 def test_restricted_logits_are_the_full_logits_of_the_kept_ids(head):
     model = tiny_model("qwen2", seed=1, vocab_size=V, dtype=torch.bfloat16)
     if head != "dense":
-        model.lm_head = {"int8": _int8_head, "int4": _int4_head}[head](model)
+        model.lm_head = {"int8": _int8_head, "int4": _int4_head, "blockq": _blockq_head}[head](model)
     tokens = torch.randint(0, V, (2, 5), generator=torch.Generator().manual_seed(3))
     pos = torch.arange(5)[None].expand(2, -1)
     full = model(tokens, pos, None)
