@@ -146,6 +146,21 @@ def cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     return out.contiguous()
 
 
+def static_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                           v_cache: torch.Tensor, layer: int, prefix_lens: torch.Tensor, window: int,
+                           block_mask: torch.Tensor | None) -> torch.Tensor:
+    """`cache_attention` for a compiled step: on the CPU the same computation in C++ when the CPU
+    extension is built (`runtime.kernels.cpu_blockq`; it saved ~200 us of Python per layer and
+    step on a 2-core Xeon), else the Python op. Arguments and result as `cache_attention`."""
+    if q.device.type == "cpu":
+        from runtime.kernels import cpu_blockq
+
+        if cpu_blockq.available():
+            return cpu_blockq.ops().cache_attention(q, k, v, k_cache, v_cache, layer, prefix_lens, window,
+                                                    block_mask)
+    return cache_attention(q, k, v, k_cache, v_cache, layer, prefix_lens, window, block_mask)
+
+
 @cache_attention.register_fake
 def _cache_attention_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                            v_cache: torch.Tensor, layer: int, prefix_lens: torch.Tensor,

@@ -113,6 +113,7 @@ class BlockQuantLinear(QuantizedLinear):
     `zero` > 0 says dm = zero * d (symmetric formats: Q6_K, Q8_0, Q5_0, Q4_0), which is then not stored."""
 
     FORMAT = "blockq"
+    ROW_COST = True  # 8 rows cost about twice one row (runtime.compile.static_tokens)
 
     def __init__(self, codes: torch.Tensor, sc: torch.Tensor, mc: torch.Tensor, d: torch.Tensor,
                  dm: torch.Tensor | None, bits: int, group_size: int, super_block: int,

@@ -68,7 +68,7 @@ _RECOMPILE_LIMIT = 64  # (model, batch, tokens, cache) shapes one process may co
 Step = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
-def static_tokens(num_tokens: int, selected: bool = False) -> int:
+def static_tokens(num_tokens: int, selected: bool = False, row_cost: bool = False) -> int:
     """The padded number of tokens a compiled forward of `num_tokens` runs with: 1, or a power of
     two >= 8 (a verification block of 2..8 tokens costs about the same as one of 8 on a bf16
     model on a CPU, and fewer shapes mean fewer minute-long compiles).
@@ -78,11 +78,15 @@ def static_tokens(num_tokens: int, selected: bool = False) -> int:
     (its last draft and the target's bonus token) after every fully accepted block, and on the
     INT4 0.5B draft, whose packed kernels cost per row, that call takes 31 ms against 66 ms
     padded to 8 (1 token: 26 ms; docs/experiments/2026-11-22-quantized-drafts.md).
+    row_cost: the model's linears cost per row (GGUF block weights: `runtime.blockq`, 8 rows about
+    twice one row), so every power of two gets its own program (2, 4, 8, ...).
     """
     if num_tokens <= 1:
         return 1
-    if selected and num_tokens == 2:
+    if (selected or row_cost) and num_tokens == 2:
         return 2
+    if row_cost and num_tokens <= 4:
+        return 4
     return max(8, 1 << (num_tokens - 1).bit_length())
 
 

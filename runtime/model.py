@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.attention import attend, block_mask_keys, cache_attention, causal_mask, default_backend
+from runtime.attention import attend, block_mask_keys, causal_mask, default_backend, static_cache_attention
 from runtime.cache import KVCache
 from runtime.compile import DECODE_STATIC_TOKENS, MAX_BLOCK_TOKENS, MAX_STATIC_TOKENS, Step, compile_step, static_tokens
 from runtime.config import ModelConfig
@@ -55,7 +55,7 @@ class Attention(nn.Module):
         v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if ctx.backend == "static":  # Transformer.static_step: cache write + attention as one op
-            out = cache_attention(q, k, v, ctx.cache.k, ctx.cache.v, self.layer, ctx.prefix_lens,
+            out = static_cache_attention(q, k, v, ctx.cache.k, ctx.cache.v, self.layer, ctx.prefix_lens,
                                   ctx.window or 0, ctx.block_mask)
             return self.wo(out.transpose(1, 2).reshape(B, T, q_size))
         if ctx.cache is None:
@@ -143,6 +143,7 @@ class Transformer(nn.Module):
         # the compiled `static_step` (set by `compile_decode`; None = eager). `forward` calls whatever
         # this holds, so a wrapper assigned here (a call counter in a test) sees every compiled step
         self.compiled_step: Step | None = None
+        self.row_cost = False  # set by compile_decode
         # layers whose input states every forward also collects (`aux_outputs`); a module attribute,
         # not an argument, so the compiled `static_step` (whose signature is fixed) sees it too: the
         # compiler guards on it and traces one program per value
@@ -186,6 +187,9 @@ class Transformer(nn.Module):
         after the weights are final). The step-time cost of sharing is measured in BENCHMARKS.md.
         """
         self.compiled_step = compile_step(self.static_step, self.device, cpp_wrapper, max_autotune, freeze_weights)
+        # linears whose kernels cost per row (ROW_COST: runtime.blockq, the packed INT8 / INT4 ones) make
+        # compiled steps pad blocks to 2, 4, 8, ... tokens rather than to 8 (runtime.compile.static_tokens)
+        self.row_cost = any(getattr(m, "ROW_COST", False) for m in self.modules())
         return self
 
     @contextmanager
@@ -346,7 +350,7 @@ class Transformer(nn.Module):
         filled = int(cache.lengths.max())
         # selected logits after the prompt: a draft's catch-up feed (a 2-token prompt stays padded,
         # so a target never compiles, with its own weight copy, a program only drafts need)
-        padded = T if block_mask is not None else static_tokens(T, selected and filled > 0)
+        padded = T if block_mask is not None else static_tokens(T, selected and filled > 0, self.row_cost)
         if filled + padded > cache.max_seq_len:
             padded = T  # no room for the padding at the very end of the cache: one more shape
         if padded > T:

@@ -184,6 +184,7 @@ class Int8Linear(QuantizedLinear):
     """Per-output-channel symmetric INT8 weights: w = qweight * scales[:, None]."""
 
     FORMAT = "int8"
+    ROW_COST = True  # the packed kernel's time grows with the rows (runtime.compile.static_tokens)
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         if qweight.dtype != torch.int8 or scales.shape != (qweight.shape[0],):
@@ -286,6 +287,7 @@ class Int4Linear(QuantizedLinear):
     """
 
     FORMAT = "int4"
+    ROW_COST = True  # the packed kernel's time grows with the rows (runtime.compile.static_tokens)
     ZERO_POINTS = ("float", "integer")
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,

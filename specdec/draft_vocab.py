@@ -98,9 +98,8 @@ def restrict_vocab(model: nn.Module, token_ids: torch.Tensor) -> nn.Module:
 
 def _select_rows(head: nn.Module, ids: torch.Tensor, dtype: torch.dtype) -> nn.Module:
     """A head computing only output rows `ids` of `head`, in its own format where it can."""
-    from runtime.qlinear import Int4Linear, Int8Linear, QuantizedLinear
-
     from runtime.blockq import BlockQuantLinear
+    from runtime.qlinear import Int4Linear, Int8Linear, QuantizedLinear
 
     if isinstance(head, BlockQuantLinear):
         return head.select_rows(ids)

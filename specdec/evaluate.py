@@ -170,10 +170,11 @@ def parse_methods(text: str | list[str] | tuple[str, ...]) -> list[MethodSpec]:
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         raise ValueError(f"methods repeat: {names}")
-    baseline_kinds = [s.kind for s in specs if s.kind in BASELINES]
-    if len(set(baseline_kinds)) != len(baseline_kinds):
-        raise ValueError(f"at most one method of each baseline kind ({', '.join(BASELINES)}): "
-                         "they name the speedup_vs_<baseline> columns")
+    labels = [s.kind if s.kind != "llamacpp-spec" else f"{s.kind}@{s.num_draft_tokens}" for s in specs
+              if s.kind in BASELINES]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"at most one method of each baseline kind ({', '.join(BASELINES)}; llamacpp-spec: one per "
+                         "@K): they name the speedup_vs_<baseline> columns")
     return specs
 
 

@@ -38,8 +38,13 @@ TAU_CONVENTION = ("tau = mean_accepted_tokens = tokens emitted per target forwar
 
 
 def _baseline_kind(method: str) -> str | None:
+    """The speedup_vs_<label> label of a baseline method: its kind, and for llama.cpp's speculative
+    decoding (which a run may try at several draft lengths) its @K too."""
     kind = method.partition(":")[0]
-    return kind if kind in BASELINES else None
+    if kind not in BASELINES:
+        return None
+    _, at, k = method.rpartition("@")
+    return f"{kind}@{k}" if kind == "llamacpp-spec" and at else kind
 
 
 def _group(records: dict[str, dict[str, dict]], ids: list[str], method: str, first: str) -> dict:

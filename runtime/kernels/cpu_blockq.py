@@ -1,6 +1,7 @@
 """CPU kernels for block-quantized linears (GGUF-style codes): build, load, reference.
 
-`cpu_blockq.cpp` (next to this file) is compiled once per machine with the host's C++ compiler
+`cpu_blockq.cpp` (next to this file, with `cpu_attention.cpp`: the compiled decode step's cache
+attention without Python) is compiled once per machine with the host's C++ compiler
 through `torch.utils.cpp_extension` into `$SPECDEC_HOME/kernels/<hash>` (about a minute on 2
 cores; later processes load the cached library) and registers `blockq_mm` in the op namespace
 `NAMESPACE` (`specdec_cpu_<hash of the source>`: a torch.compile cache never replays a graph made for
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("cpu_blockq.cpp")
+SOURCES = (Path(__file__).with_name("cpu_blockq.cpp"), Path(__file__).with_name("cpu_attention.cpp"))
 ACT_BLOCK = 32  # activations share one int8 scale per 32 inputs
 LANES = 16  # output channels per storage block
 # calls with at least this many rows take the AMX path where the CPU has it (one row: VNNI, which
@@ -38,7 +39,8 @@ log = logging.getLogger(__name__)
 
 
 def _key() -> str:
-    return hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(_CFLAGS).encode()).hexdigest()
+    sources = b"".join(p.read_bytes() for p in SOURCES)
+    return hashlib.sha256(sources + torch.__version__.encode() + " ".join(_CFLAGS).encode()).hexdigest()
 
 
 # the op namespace of this version of the kernels (see the module docstring)
@@ -60,7 +62,7 @@ def _load() -> str | None:
     build = cache_home() / "kernels" / f"cpu_blockq-{_key()[:16]}"
     try:
         build.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(name="specdec_cpu_blockq", sources=[str(SOURCE)],
+        cpp_extension.load(name="specdec_cpu_blockq", sources=[str(p) for p in SOURCES],
                            extra_cflags=[*_CFLAGS, f"-DSPECDEC_OPS={NAMESPACE}"],
                            extra_ldflags=["-fopenmp"], build_directory=str(build), is_python_module=False,
                            verbose=False)
@@ -69,12 +71,17 @@ def _load() -> str | None:
         log.warning("block-quantized CPU kernels unavailable (%s); using the dense fallback", reason)
         return reason
     torch.library.register_fake(f"{NAMESPACE}::blockq_mm")(_blockq_mm_fake)
+    torch.library.register_fake(f"{NAMESPACE}::cache_attention")(_cache_attention_fake)
     return None
 
 
 def _blockq_mm_fake(x, codes, sc, mc, d, dm, bias, bits, group, super, zero=0.0, isa=0, amx_min_rows=AMX_MIN_ROWS):
     width = LANES if bits == 8 else 2 * LANES  # output channels per block of codes (runtime.blockq.block_width)
     return x.new_empty((*x.shape[:-1], codes.shape[0] * width))
+
+
+def _cache_attention_fake(q, k, v, k_cache, v_cache, layer, prefix_lens, window, block_mask):
+    return q.new_empty(q.shape)
 
 
 @torch.compiler.assume_constant_result

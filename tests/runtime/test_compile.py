@@ -29,6 +29,7 @@ def test_static_tokens_pads_to_few_shapes():
     assert [static_tokens(n) for n in (1, 2, 3, 4, 5, 8, 9, 17, 32)] == [1, 8, 8, 8, 8, 8, 16, 32, 32]
     # a draft's 2-token catch-up feed (selected logits) gets its own program
     assert [static_tokens(n, selected=True) for n in (1, 2, 3, 9)] == [1, 2, 8, 16]
+    assert [static_tokens(n, row_cost=True) for n in (1, 2, 3, 4, 5, 9)] == [1, 2, 4, 4, 8, 16]
 
 
 def test_compile_decode_rejects_what_it_cannot_compile():
