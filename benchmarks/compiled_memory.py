@@ -11,6 +11,8 @@ against weights + KV cache, then the step time of a 1-token and an 8-token forwa
     python benchmarks/compiled_memory.py --model qwen2.5-coder-1.5b-instruct --out runs/compiled_memory
     python benchmarks/compiled_memory.py --model qwen2.5-coder-1.5b-instruct --freeze-weights \\
         --batches 1 --tokens 1,8 --out runs/compiled_memory_frozen
+    python benchmarks/compiled_memory.py --model qwen2.5-coder-1.5b-instruct --weights gguf \\
+        --batches 1 --tokens 1,2,4,8 --out runs/compiled_memory_gguf
 
 Write the CPU model and flags (`runtime.hardware`) next to the figures.
 """
@@ -50,7 +52,7 @@ def tensor_bytes(model: torch.nn.Module) -> int:
 
 def run(args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
-    model = load_model(args.model, dtype=DTYPES[args.dtype], weights="dense")
+    model = load_model(args.model, dtype=DTYPES[args.dtype], weights=args.weights)
     weights = tensor_bytes(model)
     model.compile_decode(freeze_weights=args.freeze_weights)
     B_max = max(args.batches)
@@ -93,6 +95,8 @@ def main() -> None:
     p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
     p.add_argument("--freeze-weights", action="store_true", help="Inductor freezing: a weight copy per program")
+    p.add_argument("--weights", default="dense", choices=["dense", "gguf"],
+                   help="a GGUF model dequantized (dense) or kept in its 4-bit blocks (gguf)")
     p.add_argument("--batches", default="1,2,3,4", type=lambda s: [int(x) for x in s.split(",")])
     p.add_argument("--tokens", default="1,8,16", type=lambda s: [int(x) for x in s.split(",")],
                    help="forward sizes to compile (1 = decode step, 8 and 16 = verification blocks)")

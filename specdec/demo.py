@@ -1,8 +1,10 @@
 """`specdec demo` / `make demo`: fetch the Qwen2.5-Coder pair and compare decoders on HumanEval.
 
 Runs `specdec eval` on the first few HumanEval prompts (raw completions, greedy, bf16, CPU) with
-plain decoding, the 0.5B draft, n-gram prompt lookup and the hybrid of both, against
-transformers' generate() and its assisted generation, then prints the report table.
+plain decoding, the 0.5B draft, n-gram prompt lookup and the hybrid of both (the models' GGUF
+four-bit weights where the CPU kernels run fast: `runtime.load_model`'s default), against
+transformers' generate() and its assisted generation, and against llama.cpp on the same GGUF
+files when `make llamacpp` has built it, then prints the report table.
 """
 
 from __future__ import annotations
@@ -21,8 +23,14 @@ def run_demo(args: argparse.Namespace) -> int:
 
     for name in (DEMO_TARGET, DEMO_DRAFT):
         print(f"model {name}: {runtime.fetch(name)}")
-    methods = ",".join(["plain", f"draft:{DEMO_DRAFT}", "ngram", f"hybrid:{DEMO_DRAFT}", "hf",
-                        f"hf-assisted:{DEMO_DRAFT}"])
+    from specdec import llamacpp
+
+    methods = ["plain", f"draft:{DEMO_DRAFT}", "ngram", f"hybrid:{DEMO_DRAFT}", "hf", f"hf-assisted:{DEMO_DRAFT}"]
+    if llamacpp.available():
+        methods += ["llamacpp", f"llamacpp-spec:{DEMO_DRAFT}@4"]
+    else:
+        print("llama.cpp is not built here: `make llamacpp` adds it to the comparison")
+    methods = ",".join(methods)
     cfg = EvalConfig(out=args.out, methods=methods, target=DEMO_TARGET, dataset="humaneval",
                      limit=args.limit, raw=True, max_new_tokens=args.max_new_tokens, overwrite=True)
     report = run_eval(cfg)

@@ -616,14 +616,24 @@ def _generate_all(runner: Runner, cfg: EvalConfig, specs: list[MethodSpec], prom
             bar.update()
 
 
+# draft lengths a compiled warm-up also runs, so that every block size a draft length of `auto` (or any
+# k <= 7) can pick is compiled before timing: blocks of 2, 4 and 8 tokens, the draft's feeds of 1 and 2
+COMPILE_WARMUP_DRAFTS = (1, 3, 7)
+
+
 def _warm_up(runner: Runner, spec: MethodSpec, prompts: list[Prompt]) -> None:
-    """One untimed generation of `spec` on the first of `prompts` whose first turn fits the context."""
+    """One untimed generation of `spec` on the first of `prompts` whose first turn fits the context;
+    with --compile, drafting methods also run at COMPILE_WARMUP_DRAFTS (a few tokens each)."""
     for prompt in prompts:
+        ids = encode(runner.tokenizer, [prompt.turns[0]], [], runner.cfg.raw)
         try:
-            runner.decode(spec, encode(runner.tokenizer, [prompt.turns[0]], [], runner.cfg.raw), runner.cfg.seed)
-            return
+            runner.decode(spec, ids, runner.cfg.seed)
         except ContextLengthError:
             continue
+        if runner.cfg.compile and spec.kind in ("draft", "ngram", "hybrid"):
+            for k in COMPILE_WARMUP_DRAFTS:
+                runner.decode(dataclasses.replace(spec, num_draft_tokens=k), ids, runner.cfg.seed)
+        return
 
 
 def register(subparsers) -> argparse.ArgumentParser:

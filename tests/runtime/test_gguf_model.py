@@ -100,3 +100,22 @@ def test_smollm2_four_bit_agrees_with_the_dequantized_model():
         d = runtime.load_model(name, dtype=torch.float32, weights="dense")(ids, positions, None)
     assert float((q.argmax(-1) == d.argmax(-1)).float().mean()) >= 0.9
     assert float((q - d).abs().max() / d.abs().max()) < 0.1
+
+
+def test_a_quant_checkpoint_moves_to_the_block_kernels(tmp_path, home):
+    import quant
+    from runtime.qlinear import Int4Linear
+    from runtime.tiny import tiny_model
+
+    model = tiny_model("llama", seed=0)
+    quant.quantize_(model, quant.Int4WeightOnly(group_size=32), progress=False)
+    quant.save_compressed(model, tmp_path / "c")
+    auto = runtime.load_model(tmp_path / "c", dtype=torch.float32)
+    saved = runtime.load_model(tmp_path / "c", dtype=torch.float32, weights="dense")
+    assert isinstance(saved.layers[0].mlp.w13, Int4Linear)
+    kind = BlockQuantLinear if cpu_blockq.fast() else Int4Linear
+    assert isinstance(auto.layers[0].mlp.w13, kind)
+    torch.testing.assert_close(auto.layers[0].mlp.w13.dequantize(), saved.layers[0].mlp.w13.dequantize(),
+                               rtol=0, atol=1e-6)
+    got, ref = _logits(auto), _logits(saved)
+    assert float((got - ref).abs().max() / ref.abs().max()) < 0.05
