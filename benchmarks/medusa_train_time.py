@@ -1,6 +1,6 @@
 """Train Medusa heads on an existing hidden-state cache for a fixed number of minutes.
 
-Compares training settings at equal time on the same data (BENCHMARKS.md section 4), e.g. greedy
+Compares training settings at equal time on the same data (BENCHMARKS.md section 5), e.g. greedy
 against soft targets on the cache of a finished recipe run:
 
     python benchmarks/medusa_train_time.py --cache runs/medusa_smollm2/hidden_cache --out runs/a --minutes 18

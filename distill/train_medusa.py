@@ -260,7 +260,7 @@ class TrainConfig:
     `specdec medusa train` and the Medusa recipes derive their flags from these fields
     (`distill.config_args`); each field's `help` is the flag's help text. lr 2e-3 with batches of
     512 positions and 20 warm-up steps is the setting of every Medusa run in BENCHMARKS.md
-    section 4.
+    section 5.
 
     soft_targets: head i at position t learns the base model's next-token distribution at
     position t+1+i (its LM head on the cached hidden state there: the teacher Medusa distils)
@@ -272,11 +272,11 @@ class TrainConfig:
     and its LM-head rows most of the heads' cost per decoding step.
     mixed_precision: "auto" is bf16 where the device multiplies bf16 natively
     (`runtime.hardware.native_bf16`), else "no" (float32): on an AVX2-only CPU a bf16 training
-    step's products run ~10x slower than float32's (BENCHMARKS.md section 4, "An AVX2 CPU").
+    step's products run ~10x slower than float32's (BENCHMARKS.md section 5, "An AVX2 CPU").
     feature_noise: EAGLE's feature augmentation, against heads that over-fit their positions
     (held-out top-1 well below the training positions' within a few epochs); on
     qwen2.5-coder-1.5b 0.1 left both the memorising and the held-out accuracy unchanged
-    (BENCHMARKS.md section 4).
+    (measured; the A/B run is in docs/experiments/2026-11-24-medusa-qwen-heads.md).
     """
 
     epochs: int = field(default=4, metadata={"help": "passes over the cached training positions",

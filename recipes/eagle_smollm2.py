@@ -217,7 +217,7 @@ DEFAULTS = {"out": "runs/eagle_smollm2", "max_minutes": 30.0, "answer_tokens": 1
             "prompts_per_minute": 1500, "data_frac": 0.45, "eval_minutes": 5.0, "eval_prompts": 12,
             "eval_tokens": 96, "function_share": 0.0, "baselines": "plain",
             "answers_frac": 0.0, "answer_records": 4000, "dataset_answer_tokens": 256}
-# what the 30-minute run in BENCHMARKS.md section 4 used: an 8k draft vocabulary (smollm2's answers on a
+# what the 30-minute run in BENCHMARKS.md section 5 used: an 8k draft vocabulary (smollm2's answers on a
 # CPU budget use ~6.4k distinct tokens; it covers 91% of held-out answer tokens), steps of 1024 tokens
 # (more, smaller steps: the head learned more per CPU minute than with 2048), and enough epochs that
 # the deadline, not the schedule, ends training

@@ -19,7 +19,7 @@ from recipe_errors import run
 # 120 conversations per budget minute (60 ran out of prompts before the data phase ended); 64 rows
 # per generation batch; the evaluation (tau on 32 problems in one batch, speed on 8) takes ~21
 # minutes on a 2-core CPU (eval_minutes keeps 25; docs/medusa.md). A tree step's cost relative to a
-# plain step differs several-fold between CPUs (BENCHMARKS.md section 4, "Measured bound"), so the
+# plain step differs several-fold between CPUs (BENCHMARKS.md section 5, "Measured bound"), so the
 # speed comparison times the tree sizes on the machine at hand (speed_nodes "auto").
 DEFAULTS = {"out": "runs/medusa_qwen15", "max_minutes": 240.0, "answer_tokens": 256, "batch_size": 64,
             "prompts_per_minute": 120, "num_layers": 1, "data_frac": 0.5, "eval_minutes": 25.0,
@@ -29,7 +29,7 @@ DEFAULTS = {"out": "runs/medusa_qwen15", "max_minutes": 240.0, "answer_tokens": 
 # frequent answer tokens because the LM head's rows set the cost of a training step and of the heads'
 # share of a decoding step (docs/medusa.md); 8 epochs, over the few hundred thousand positions a
 # CPU budget caches, and a 24-node tree for tau.json, as in the recipe's first measured run
-# (docs/medusa.md, "Results"; the tau table of BENCHMARKS.md section 4 passes --tree-nodes 64)
+# (docs/medusa.md, "Results"; the tau table of BENCHMARKS.md section 5 passes --tree-nodes 64)
 TRAIN = {"vocab": "data", "max_vocab": 16384, "epochs": 8, "tree_nodes": 24}
 
 if __name__ == "__main__":

@@ -79,7 +79,7 @@ def speed_tree(args: argparse.Namespace, model, heads: MedusaHeads, row: torch.T
     nodes, or with "auto" the size among --speed-sizes with the highest expected speed when timed
     on this machine (specdec.tree_cost, decoding the prompt `row`; the timings go to
     OUT/speed_tree/tree_cost.json). On a CPU the tree forward grows with the tree, so the tree
-    that gives the highest tau is not the fastest (BENCHMARKS.md section 4)."""
+    that gives the highest tau is not the fastest (BENCHMARKS.md section 5)."""
     table = [list(r) for r in heads.config.head_accuracy]
     nodes, report = args.speed_nodes, None
     if nodes == "auto":
@@ -257,7 +257,7 @@ def parser(defaults: dict, train: dict, doc: str = __doc__) -> argparse.Argument
     return p
 
 
-# measured on this CPU (BENCHMARKS.md section 4): the evaluation takes ~2.6 min (eval_minutes
+# measured on this CPU (BENCHMARKS.md section 5): the evaluation takes ~2.6 min (eval_minutes
 # keeps 3.5); the heads over-fit a few hundred thousand positions within a few epochs, so the
 # budget goes mostly to data; two residual layers per head beat one (held-out top-1 0.311 vs
 # 0.289 after the same 3 minutes of training)

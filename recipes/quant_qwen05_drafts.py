@@ -33,7 +33,7 @@ MODEL, TARGET = "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"
 
 def main() -> None:
     # code calibration: GPTQ of the 0.5B calibrated on code is the one calibration measured at or
-    # below NF4 on both chat and code perplexity (BENCHMARKS.md section 3)
+    # below NF4 on both chat and code perplexity (BENCHMARKS.md section 4)
     args = recipe_args(__doc__.splitlines()[0], calib_source="code")
     int8_dir, int4_dir = args.out / "qwen2.5-coder-0.5b-int8", args.out / "qwen2.5-coder-0.5b-int4-gptq"
     summary = args.out / "qwen2.5-coder-0.5b-drafts.json"

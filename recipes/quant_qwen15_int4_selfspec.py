@@ -26,7 +26,7 @@ MODEL = "qwen2.5-coder-1.5b-instruct"
 
 def main() -> None:
     # code calibration: on the 0.5B (not measured on the 1.5B) it is the one calibration measured at
-    # or below NF4 on both chat and code perplexity (BENCHMARKS.md section 3)
+    # or below NF4 on both chat and code perplexity (BENCHMARKS.md section 4)
     args = recipe_args(__doc__.splitlines()[0], calib_source="code")
     int4_dir, summary = args.out / "qwen2.5-coder-1.5b-int4-gptq", args.out / "qwen2.5-coder-1.5b-int4.json"
     check_outputs(args.out, [int4_dir], summary, args.overwrite)

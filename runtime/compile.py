@@ -3,10 +3,10 @@
 Decoding runs thousands of forwards of 1..k+1 tokens; each is dozens of small ATen calls per
 layer plus one matmul per weight. `torch.compile` (Inductor) turns that into one generated C++
 program per shape that fuses the small ops and calls oneDNN for the linears. On a 2-core Xeon
-with AMX (`spr-amx` in BENCHMARKS.md section 1), compiled decoding (then with frozen weights)
-runs qwen2.5-coder-1.5b-instruct bf16 at 6.9 tok/s instead of 5.0, smollm2-135m-instruct bf16 at
-44.8 instead of 28.7 and float32 at 34.6 instead of 29.3; the measurements behind the design below
-are in docs/experiments/2026-11-21-compiled-decode-step.md.
+with AMX (`spr-amx` in BENCHMARKS.md's machine table; figures in its section 2), compiled decoding
+(then with frozen weights) runs qwen2.5-coder-1.5b-instruct bf16 at 6.9 tok/s instead of 5.0,
+smollm2-135m-instruct bf16 at 44.8 instead of 28.7 and float32 at 34.6 instead of 29.3; the
+measurements behind the design below are in docs/experiments/2026-11-21-compiled-decode-step.md.
 
 `Transformer.compile_decode()` (or `runtime.compile_decode(model)`) stores the compiled
 `Transformer.static_step` as `model.compiled_step`; `Transformer.forward` runs through it every
@@ -39,7 +39,7 @@ first steps, and a warm-up run is enough. Every program also returns the final h
 Weights: by default every program reads the model's own weight tensors, so all block and batch
 sizes share one copy: the 1.5B bf16 model with 12 programs compiled (batch 1-4 x 1, 8 and 16
 tokens) resides in 1.20x its weights + KV caches, +0.31 GB for the 12 programs
-(benchmarks/compiled_memory.py, BENCHMARKS.md section 6). `freeze_weights=True` has Inductor fold
+(benchmarks/compiled_memory.py, BENCHMARKS.md section 7). `freeze_weights=True` has Inductor fold
 them into each program as prepacked constants instead: a full copy per program (+3.6 GB each for
 the 1.5B), for no measured step-time gain on an AVX-512-BF16 CPU (qwen2.5-coder-0.5b bf16: 119.3
 vs 118.4 ms a decode step, 151.7 vs 149.1 ms an 8-token block, frozen vs shared, alternating in one

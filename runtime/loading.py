@@ -199,11 +199,12 @@ def gguf_source(name_or_path: str | Path) -> Path | None:
     return path.resolve() if path.is_file() and path.suffix == ".gguf" else None
 
 
-def resolve_weights(weights: str, name_or_path: str | Path) -> str:
+def resolve_weights(weights: str, name_or_path: str | Path, device: torch.device | str = "cpu") -> str:
     """What `load_model` does with `weights` for this source: "gguf" (keep a GGUF's blocks), "dense",
     or "blocks" for a `quant` checkpoint whose INT4 / INT8 modules move to the same kernels. "auto"
     is "gguf" for a catalogue name or a .gguf file and "blocks" for a compressed checkpoint where the
-    CPU kernels run fast here (`runtime.kernels.cpu_blockq.fast()`), else "dense"."""
+    CPU kernels run fast here (`runtime.kernels.cpu_blockq.fast()`, and `device` is the CPU: the
+    block kernels have no GPU path), else "dense"."""
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
     if weights != "auto":
@@ -211,7 +212,7 @@ def resolve_weights(weights: str, name_or_path: str | Path) -> str:
     from runtime import catalogue
     from runtime.kernels import cpu_blockq
 
-    if not cpu_blockq.fast():
+    if torch.device(device).type != "cpu" or not cpu_blockq.fast():
         return "dense"
     text = str(name_or_path)
     if text in catalogue.CATALOGUE or Path(text).expanduser().suffix == ".gguf":
@@ -236,7 +237,7 @@ def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.bfloat16,
     keeps the file's quantized weights (`runtime.gguf_model`: 4-bit blocks run by the CPU kernels of
     `runtime.kernels.cpu_blockq`, about a third of the bf16 bytes), "dense" dequantizes them to
     `dtype` (what training needs), "auto" picks "gguf" where the kernels run fast
-    (`runtime.kernels.cpu_blockq.fast`) and "dense" elsewhere; on a checkpoint written by
+    (`runtime.kernels.cpu_blockq.fast`, device "cpu") and "dense" elsewhere; on a checkpoint written by
     `quant.save_compressed`, "auto" also moves its INT4 / INT8 modules to those kernels
     (`runtime.blockq.to_block_quant`), "dense" keeps its modules as saved.
 
@@ -249,7 +250,7 @@ def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.bfloat16,
     if attention is not None and attention not in ("sdpa", "triton"):
         raise ValueError(f"attention must be 'sdpa' or 'triton', got {attention!r}")
     device = check_device(device)
-    weights = resolve_weights(weights, name_or_path)
+    weights = resolve_weights(weights, name_or_path, device)
     ckpt = resolve(name_or_path)
     hf_config = read_hf_config(ckpt)
     cfg = model_config(hf_config, ckpt)  # fail on a bad config before reading the weights

@@ -184,7 +184,8 @@ class Transformer(nn.Module):
         freeze_weights: False (default) lets every program read the model's own weights, so all
         block and batch sizes share one copy; True has Inductor fold them into each program as
         prepacked constants (a full copy per program, +3.1 GB for the 1.5B bf16 model; compile
-        after the weights are final). The step-time cost of sharing is measured in BENCHMARKS.md.
+        after the weights are final). The step-time cost of sharing is measured in BENCHMARKS.md
+        section 7.
         """
         self.compiled_step = compile_step(self.static_step, self.device, cpp_wrapper, max_autotune, freeze_weights)
         # linears whose kernels cost per row (ROW_COST: runtime.blockq, the packed INT8 / INT4 ones) make

@@ -264,7 +264,7 @@ def run_settings(cfg: EvalConfig, eos: list[int], prompt_format: str) -> dict:
     settings = {k: getattr(cfg, k) for k in _RESUME_KEYS}
     settings.update({k: getattr(cfg, k) for k in _RESUME_IF_SET if getattr(cfg, k)})
     settings["prompts"] = str(Path(cfg.prompts).resolve()) if cfg.prompts else None
-    settings["weights"] = resolve_weights(cfg.weights, cfg.target)  # what the runtime's target holds
+    settings["weights"] = resolve_weights(cfg.weights, cfg.target, cfg.device)  # what the runtime's target holds
     settings.update(eos_token_id=eos, prompt_format=prompt_format)
     return settings
 

@@ -3,7 +3,7 @@
 Speed with Medusa is tau / (tree step / plain step). On a GPU a tree forward of tens of tokens
 costs about one plain step, so the tree that maximises tau wins; on a CPU the forward grows with
 the tree (qwen2.5-coder-1.5b, 2 cores: 1.12x a plain step at 4 nodes, 1.92x at 24), and a small
-tree can beat a large one (BENCHMARKS.md section 4). `measure_trees` times each size's tree
+tree can beat a large one (BENCHMARKS.md section 5). `measure_trees` times each size's tree
 (built from the heads' held-out accuracy table) on one prompt and `best_tree` picks the size
 with the highest expected speed: (1 + expected accepted tokens per step) / step cost.
 """

@@ -6,7 +6,7 @@ at that position. One plain pass with `return_hidden` therefore gives every posi
 guesses, and walking a tree over them gives that tree's tau, target forwards and per-depth
 acceptance without running the tree: on a CPU, where a 256-node tree step of 32 rows is 8192
 tokens, that is minutes instead of hours (qwen2.5-coder-1.5b, 32 HumanEval problems: ~3 minutes
-for any number of trees against ~100 minutes for one 256-node run; BENCHMARKS.md section 4).
+for any number of trees against ~100 minutes for one 256-node run; BENCHMARKS.md section 5).
 
 The replay equals a real run in float32 (tests/specdec/test_tree_replay.py) and differs in bf16
 only where a tree step's rounding flips a near-tie. It predicts; a real run is still what a tau

@@ -86,6 +86,7 @@ def test_weights_option(tiny_llama, tmp_path, home, gguf_writer):
     assert resolve_weights("auto", ckpt) == "dense"  # a checkpoint directory has no GGUF to keep
     assert resolve_weights("auto", path) == ("gguf" if cpu_blockq.fast() else "dense")
     assert resolve_weights("dense", path) == "dense"
+    assert resolve_weights("auto", path, "cuda") == "dense"  # the block kernels run on the CPU only
 
 
 @pytest.mark.real_model
