@@ -138,7 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="fetch the default models and run the main job",
                        description="Fetch the Qwen2.5-Coder 1.5B/0.5B pair and compare plain, draft, "
-                                   "ngram and hybrid decoding with transformers on HumanEval prompts.")
+                                   "ngram and hybrid decoding with transformers (and llama.cpp, when `make llamacpp` "
+                                   "has built it) on HumanEval prompts.")
     p.add_argument("--limit", type=int, default=3, help="number of HumanEval prompts")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--out", default="runs/demo", help="output directory of the evaluation run")
