@@ -76,6 +76,7 @@ from specdec.baselines import BASELINES, HF_MODES, LLAMACPP_MODES, HFGenerator, 
 from specdec.draft_vocab import ALIGN as DRAFT_VOCAB_ALIGN
 from specdec.options import check_sampling, parse_draft_length
 from specdec.prompts import DATASETS, Prompt, encode, load_prompts
+from specdec.report import baseline_label
 from specdec.stats import AcceptanceStats
 
 METHOD_KINDS = ("plain", "draft", "ngram", "hybrid", "medusa", "eagle", "hf", "hf-assisted", "hf-pld", "llamacpp",
@@ -170,8 +171,7 @@ def parse_methods(text: str | list[str] | tuple[str, ...]) -> list[MethodSpec]:
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         raise ValueError(f"methods repeat: {names}")
-    labels = [s.kind if s.kind != "llamacpp-spec" else f"{s.kind}@{s.num_draft_tokens}" for s in specs
-              if s.kind in BASELINES]
+    labels = [label for label in map(baseline_label, names) if label]
     if len(set(labels)) != len(labels):
         raise ValueError(f"at most one method of each baseline kind ({', '.join(BASELINES)}; llamacpp-spec: one per "
                          "@K): they name the speedup_vs_<baseline> columns")

@@ -37,7 +37,7 @@ TAU_CONVENTION = ("tau = mean_accepted_tokens = tokens emitted per target forwar
                   "correction token included (plain decoding: tau = 1)")
 
 
-def _baseline_kind(method: str) -> str | None:
+def baseline_label(method: str) -> str | None:
     """The speedup_vs_<label> label of a baseline method: its kind, and for llama.cpp's speculative
     decoding (which a run may try at several draft lengths) its @K too."""
     kind = method.partition(":")[0]
@@ -62,7 +62,7 @@ def _group(records: dict[str, dict[str, dict]], ids: list[str], method: str, fir
              "acceptance_rate": stats.acceptance_rate if stats and stats.drafted_tokens else None,
              "per_position_acceptance": stats.per_position_acceptance if stats else None,
              "tokens_per_second": tps}
-    refs = [("plain", "plain")] + [(m, _baseline_kind(m)) for m in records if _baseline_kind(m)]
+    refs = [("plain", "plain")] + [(m, baseline_label(m)) for m in records if baseline_label(m)]
     for ref, label in refs:
         ref_tps = _median_tps(records.get(ref, {}), ids)
         group[f"speedup_vs_{label}"] = tps / ref_tps if tps and ref_tps else None
