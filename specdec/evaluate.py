@@ -434,6 +434,10 @@ class Runner:
                 if draft is None:
                     raise ValueError(f"{spec.name}: the draft {spec.arg!r} is neither a catalogue name nor a .gguf "
                                      "file")
+                if str(spec.arg) != str(self.cfg.target):  # the check `draft:` methods get from generate()
+                    from specdec.drafters.model import check_token_strings
+
+                    check_token_strings(spec.arg, self.cfg.target, sample=64)
             k = spec.num_draft_tokens or self.cfg.num_draft_tokens
             server = LlamaServer(target, draft, k if isinstance(k, int) else LLAMACPP_DRAFT_MAX,
                                  threads=self.cfg.threads or torch.get_num_threads())

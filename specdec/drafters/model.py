@@ -180,11 +180,11 @@ def check_vocabularies(draft, target, sample: int = 64) -> None:
     checked = getattr(draft, "_vocab_checked_against", frozenset())
     if t_src in checked:
         return
-    _check_token_strings(d_src, t_src, sample)
+    check_token_strings(d_src, t_src, sample)
     draft._vocab_checked_against = checked | {t_src}
 
 
-def _check_token_strings(d_src: str | Path, t_src: str | Path, sample: int) -> None:
+def check_token_strings(d_src: str | Path, t_src: str | Path, sample: int) -> None:
     """Raise VocabularyMismatchError unless `sample` token ids decode to the same strings."""
     from runtime.loading import load_tokenizer
 
