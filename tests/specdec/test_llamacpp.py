@@ -64,3 +64,12 @@ def test_eval_runs_llamacpp_on_the_same_gguf(tmp_path):
         outputs.setdefault(line["id"], {})[line["method"]] = line["output_ids"]
     for by_method in outputs.values():  # llama.cpp's greedy speculative decoding equals its plain decoding
         assert by_method["llamacpp"] == by_method[f"llamacpp-spec:{SMOLLM2}@3"]
+
+
+@pytest.mark.real_model
+@pytest.mark.skipif(not llamacpp.available(), reason="llama.cpp not built here (make llamacpp)")
+def test_a_draft_with_another_tokenizer_is_refused(tmp_path):
+    cfg = EvalConfig(out=str(tmp_path / "run"), methods="plain,llamacpp-spec:qwen2.5-coder-0.5b-instruct@3",
+                     target=SMOLLM2, dataset="humaneval", limit=1, raw=True, max_new_tokens=8, warmup=0)
+    with pytest.raises(ValueError, match="tokenizers disagree"):
+        run_eval(cfg, progress=False)
