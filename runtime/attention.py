@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from runtime.invariant import attention as invariant_attention
+
 BACKENDS = ("sdpa", "triton")
 
 
@@ -111,13 +113,14 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 @torch.library.custom_op("specdec::cache_attention", mutates_args=("k_cache", "v_cache"))
 def cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, layer: int, prefix_lens: torch.Tensor, window: int,
-                    block_mask: torch.Tensor | None) -> torch.Tensor:
+                    block_mask: torch.Tensor | None, invariant: bool = False) -> torch.Tensor:
     """Write k, v (B, Hkv, T, D) into layer `layer` of the cache buffers (L, B, Hkv, S_max, D) at
     slots prefix_lens[b] + t, then attend causally: query t of q (B, Hq, T, D) sees slots
     [0, prefix_lens[b] + t] of its row (within `window`, 0 = none). -> (B, Hq, T, D), contiguous.
     With a `block_mask` (B, T, T) (a Medusa tree step) query t sees the row's cached slots and the
     new tokens its block-mask row allows (`block_mask_keys`); the window must then not cut into
-    the row (the caller runs such steps eagerly).
+    the row (the caller runs such steps eagerly). invariant: attend with the row-invariant kernel
+    (`runtime.invariant.attention`) instead of SDPA.
 
     One opaque, in-place op for `torch.compile` (`Transformer.static_step`). Left to the compiler,
     the cache write becomes a copy of the whole buffer per layer (functionalization) and the
@@ -138,7 +141,12 @@ def cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         if win is not None and num_keys > win:
             raise ValueError(f"a block-mask step over {num_keys} slots needs the {win}-token sliding window "
                              "applied by position: run it eagerly (Transformer.forward does)")
-        return sdpa_gqa(q, keys, values, block_mask_keys(prefix_lens, block_mask, num_keys)).contiguous()
+        mask = block_mask_keys(prefix_lens, block_mask, num_keys)  # (B, T, S)
+        if invariant:
+            return invariant_attention(q, keys, values, mask, prefix_lens, win)
+        return sdpa_gqa(q, keys, values, mask).contiguous()
+    if invariant:
+        return invariant_attention(q, keys, values, None, prefix_lens, win)
     if T == 1 and uniform and (win is None or num_keys <= win):
         out = sdpa_gqa(q, keys, values, None)
     else:
@@ -148,7 +156,7 @@ def cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
 def static_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                            v_cache: torch.Tensor, layer: int, prefix_lens: torch.Tensor, window: int,
-                           block_mask: torch.Tensor | None) -> torch.Tensor:
+                           block_mask: torch.Tensor | None, invariant: bool = False) -> torch.Tensor:
     """`cache_attention` for a compiled step: on the CPU the same computation in C++ when the CPU
     extension is built (`runtime.kernels.cpu_blockq`; it saved ~200 us of Python per layer and
     step on a 2-core Xeon), else the Python op. Arguments and result as `cache_attention`."""
@@ -157,12 +165,12 @@ def static_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_
 
         if cpu_blockq.available():
             return cpu_blockq.ops().cache_attention(q, k, v, k_cache, v_cache, layer, prefix_lens, window,
-                                                    block_mask)
-    return cache_attention(q, k, v, k_cache, v_cache, layer, prefix_lens, window, block_mask)
+                                                    block_mask, invariant)
+    return cache_attention(q, k, v, k_cache, v_cache, layer, prefix_lens, window, block_mask, invariant)
 
 
 @cache_attention.register_fake
 def _cache_attention_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                            v_cache: torch.Tensor, layer: int, prefix_lens: torch.Tensor,
-                           window: int, block_mask: torch.Tensor | None) -> torch.Tensor:
+                           window: int, block_mask: torch.Tensor | None, invariant: bool = False) -> torch.Tensor:
     return q.new_empty(q.shape)

@@ -110,8 +110,12 @@ def compile_step(step: Step, device: torch.device, cpp_wrapper: bool = True,
         torch._dynamo.mark_dynamic(k, 3)
         torch._dynamo.mark_dynamic(v, 3)
         # freezing set through torch.compile(options=...) does not reach Inductor's freezing pass
-        # (the step is no faster), so the config is patched around each call instead
-        with torch._inductor.config.patch(freezing=freeze_weights, cpp_wrapper=cpp_wrapper, **autotune), \
+        # (the step is no faster), so the config is patched around each call instead.
+        # emulate_precision_casts: round every bf16 intermediate as eager does; otherwise whether a
+        # fused value is rounded depends on the fusion, which differs between block sizes, and a
+        # row's logits would depend on the program (`runtime.invariant`)
+        with torch._inductor.config.patch(freezing=freeze_weights, cpp_wrapper=cpp_wrapper,
+                                          emulate_precision_casts=True, **autotune), \
                 torch._dynamo.config.patch(automatic_dynamic_shapes=False):
             return compiled(tokens, positions, k, v, lengths, block_mask)
 

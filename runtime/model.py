@@ -18,6 +18,8 @@ from runtime.attention import attend, block_mask_keys, causal_mask, default_back
 from runtime.cache import KVCache
 from runtime.compile import DECODE_STATIC_TOKENS, MAX_BLOCK_TOKENS, MAX_STATIC_TOKENS, Step, compile_step, static_tokens
 from runtime.config import ModelConfig
+from runtime.invariant import attention as invariant_attention
+from runtime.invariant import linear, unsupported_reason
 from runtime.rope import Rope, apply_rope
 
 
@@ -49,23 +51,26 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: "StepContext") -> torch.Tensor:
         B, T, _ = x.shape
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = linear(self.wqkv, x, ctx.invariant).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # (B, Hq, T, D)
         k = k.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if ctx.backend == "static":  # Transformer.static_step: cache write + attention as one op
             out = static_cache_attention(q, k, v, ctx.cache.k, ctx.cache.v, self.layer, ctx.prefix_lens,
-                                  ctx.window or 0, ctx.block_mask)
-            return self.wo(out.transpose(1, 2).reshape(B, T, q_size))
+                                         ctx.window or 0, ctx.block_mask, ctx.invariant)
+            return linear(self.wo, out.transpose(1, 2).reshape(B, T, q_size), ctx.invariant)
         if ctx.cache is None:
             keys, values = k, v
         else:
             ctx.cache.write(self.layer, k, v, ctx.slots, ctx.uniform)
             keys = ctx.cache.k[self.layer][:, :, :ctx.num_keys]  # (B, Hkv, S, D)
             values = ctx.cache.v[self.layer][:, :, :ctx.num_keys]
-        out = attend(q, keys, values, ctx.mask, ctx.prefix_lens, ctx.backend, ctx.window)
-        return self.wo(out.transpose(1, 2).reshape(B, T, q_size))
+        if ctx.invariant:
+            out = invariant_attention(q, keys, values, ctx.mask, ctx.prefix_lens, ctx.window)
+        else:
+            out = attend(q, keys, values, ctx.mask, ctx.prefix_lens, ctx.backend, ctx.window)
+        return linear(self.wo, out.transpose(1, 2).reshape(B, T, q_size), ctx.invariant)
 
 
 class MLP(nn.Module):
@@ -77,9 +82,10 @@ class MLP(nn.Module):
         self.w13 = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.w2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w13(x).split(self.intermediate_size, dim=-1)
-        return self.w2(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+        """x (B, T, C) -> (B, T, C); invariant: row-invariant linears (`runtime.invariant.linear`)."""
+        gate, up = linear(self.w13, x, invariant).split(self.intermediate_size, dim=-1)
+        return linear(self.w2, F.silu(gate) * up, invariant)
 
 
 class _CacheBuffers:
@@ -101,7 +107,7 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: "StepContext") -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin, ctx)
-        return x + self.mlp(self.mlp_norm(x))
+        return x + self.mlp(self.mlp_norm(x), ctx.invariant)
 
 
 class StepContext:
@@ -115,11 +121,12 @@ class StepContext:
     def __init__(self, *, cache: KVCache | _CacheBuffers | None, prefix_lens: torch.Tensor, backend: str,
                  window: int | None, num_keys: int, slots: torch.Tensor | None = None,
                  mask: torch.Tensor | None = None, uniform: bool = False,
-                 block_mask: torch.Tensor | None = None) -> None:
+                 block_mask: torch.Tensor | None = None, invariant: bool = False) -> None:
         self.cache, self.prefix_lens, self.backend, self.window = cache, prefix_lens, backend, window
         self.num_keys, self.slots, self.mask = num_keys, slots, mask
         self.uniform = uniform  # every row writes to the same slots
         self.block_mask = block_mask  # (B, T, T) for the "static" backend; eager folds it into mask
+        self.invariant = invariant  # row-invariant linears and attention (`runtime.invariant`)
 
 
 class Transformer(nn.Module):
@@ -148,6 +155,17 @@ class Transformer(nn.Module):
         # not an argument, so the compiled `static_step` (whose signature is fixed) sees it too: the
         # compiler guards on it and traces one program per value
         self.aux_layers: tuple[int, ...] = ()
+        self.want_row_invariant = True  # see `row_invariant`
+
+    @property
+    def row_invariant(self) -> bool:
+        """Whether forwards over a filled cache are row-invariant (`runtime.invariant`): each row's
+        logits are the same bits whatever the number of tokens, rows and padding in the forward,
+        so greedy speculative decoding equals plain decoding token for token. On by default where
+        supported (bf16 on the CPU with the C++ kernels: `runtime.invariant.unsupported_reason`);
+        set `want_row_invariant = False` for the batch-dependent kernels. A constant to
+        `torch.compile` (it guards on the attribute)."""
+        return self.want_row_invariant and unsupported_reason(self.device, self.dtype) is None
 
     @property
     def compiled(self) -> bool:
@@ -271,7 +289,8 @@ class Transformer(nn.Module):
         causal).
         """
         ctx = StepContext(cache=_CacheBuffers(k, v), prefix_lens=lengths, backend="static",
-                          window=self.config.sliding_window, num_keys=k.shape[3], block_mask=block_mask)
+                          window=self.config.sliding_window, num_keys=k.shape[3], block_mask=block_mask,
+                          invariant=self.row_invariant)
         logits, h, aux = self._run(tokens, positions, ctx)
         return (logits, h) if aux is None else (logits, h, aux)
 
@@ -303,8 +322,8 @@ class Transformer(nn.Module):
         h = self.norm(x)
         if logits_idx is not None:
             h_sel = h.gather(1, logits_idx[:, :, None].expand(-1, -1, h.shape[-1]))  # (B, N, C)
-            return self.lm_head(h_sel), h, aux  # (B, N, V)
-        return self.lm_head(h), h, aux
+            return linear(self.lm_head, h_sel, ctx.invariant), h, aux  # (B, N, V)
+        return linear(self.lm_head, h, ctx.invariant), h, aux
 
     def _eager_context(self, positions: torch.Tensor, cache: KVCache | None, mask: torch.Tensor | None,
                        block_mask: torch.Tensor | None) -> StepContext:
@@ -323,10 +342,12 @@ class Transformer(nn.Module):
         if block_mask is not None:
             mask = block_mask_keys(prefix, block_mask, num_keys, positions, window)  # (B, T, S)
         uniform = B == 1 or bool((prefix == prefix[0]).all())
+        # a prefill of empty rows keeps the fast, batch-dependent kernels (`runtime.invariant`)
+        invariant = cache is not None and backend == "sdpa" and self.row_invariant and bool(prefix.any())
         if mask is None and backend == "sdpa":  # once per forward, not once per layer (triton masks in-kernel)
             mask = causal_mask(prefix, T, num_keys, window)
         return StepContext(cache=cache, prefix_lens=prefix, backend=backend, window=window, num_keys=num_keys,
-                           slots=slots, mask=mask, uniform=uniform)
+                           slots=slots, mask=mask, uniform=uniform, invariant=invariant)
 
     def _static_fits(self, T: int, cache: KVCache, selected: bool, block: bool) -> bool:
         """Whether a forward of T tokens can take the compiled program: causal steps of up to

@@ -156,6 +156,18 @@ class CacheRow(KVCache):
         self.lengths = cache.lengths[row:row + count]  # (count,)
 
 
+def _stack_rows(outs: list, T: int):
+    """One prefill output from per-row ones: logits (1, V) [, hidden (1, C)] [, aux (1, T_b, nC)]
+    each -> (B, V) [, (B, C)] [, (B, T, nC), zero-padded past each row's length]."""
+    if not isinstance(outs[0], tuple):
+        return torch.cat(outs)
+    stacked = [torch.cat(parts) for parts in list(zip(*outs))[:-1]]
+    last = [o[-1] for o in outs]
+    if last[0].dim() == 3:  # aux states: pad each row to T positions
+        last = [torch.nn.functional.pad(a, (0, 0, 0, T - a.shape[1])) for a in last]
+    return (*stacked, torch.cat(last))
+
+
 def runs(rows: list[int]) -> list[list[int]]:
     """Sorted rows split into runs of consecutive rows ([0, 1, 3] -> [[0, 1], [3]])."""
     out: list[list[int]] = []
@@ -189,7 +201,15 @@ def prefill(model, rows: list[torch.Tensor], cache, return_hidden: bool = False,
     (`Transformer.aux_outputs`; padding positions past a row's length hold padding).
     eager: run the forward eagerly even on a compiled model (an explicit causal mask; the cache
     rows must be empty), so a one-row prefill compiles no program of its own batch size.
+    On a row-invariant model (`Transformer.row_invariant`) every row is prefilled on its own and
+    eagerly, so a prompt's prefill is one computation however many prompts share the call.
     """
+    if getattr(model, "row_invariant", False):
+        eager = eager or model.compiled
+        if len(rows) > 1:
+            outs = [prefill(model, [r], CacheRow(cache, b), return_hidden, return_aux, eager=True)
+                    for b, r in enumerate(rows)]
+            return _stack_rows(outs, max(r.numel() for r in rows))
     device = model.device
     lens = torch.tensor([r.numel() for r in rows], device=device)  # (B,)
     T = int(lens.max())

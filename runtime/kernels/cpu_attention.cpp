@@ -1,24 +1,118 @@
-// cache_attention on the CPU, in C++: the same computation as runtime.attention.cache_attention (the
-// Python custom op a compiled decode step calls once per layer), without its Python overhead.
+// Attention over the static KV cache on the CPU, in C++.
 //
-// Write k, v (B, Hkv, T, D) into layer `layer` of the cache buffers (L, B, Hkv, S_max, D) at slots
-// prefix_lens[b] + t, then attend: query t of q (B, Hq, T, D) sees slots [0, prefix_lens[b] + t] of
-// its row (within `window`, 0 = none), or, with a block mask (B, T, T) (a tree step), the row's
-// cached slots and the new tokens its block-mask row allows. The attention is ATen's SDPA over the
-// used slots, with grouped-query heads folded into the query axis (as runtime.attention.sdpa_gqa):
-// the same inputs to the same kernel as the Python op, so the same numbers.
+// cache_attention: the compiled decode step's per-layer op (runtime.attention.cache_attention, the
+// Python custom op, without its Python overhead). Write k, v (B, Hkv, T, D) into layer `layer` of the
+// cache buffers (L, B, Hkv, S_max, D) at slots prefix_lens[b] + t, then attend: query t of q
+// (B, Hq, T, D) sees slots [0, prefix_lens[b] + t] of its row (within `window`, 0 = none), or, with a
+// block mask (B, T, T) (a tree step), the row's cached slots and the new tokens its block-mask row
+// allows. `invariant` picks the attention: false = ATen's SDPA over the used slots (grouped-query
+// heads folded into the query axis, as runtime.attention.sdpa_gqa), true = attention_rows below.
+//
+// attention_rows: row-invariant attention (runtime.invariant): every query on its own, over the
+// keys it may see in slot order, in one fixed float32 arithmetic (cpu_attention_rows.h), so its
+// output does not depend on how many queries share the call (a decode step, a verification block,
+// a tree), on other rows, or on padding slots.
 // Built into the same extension as cpu_blockq.cpp (its op namespace, SPECDEC_OPS).
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <vector>
+
+#define SPECDEC_ATTN_NS attn_generic
+#include "cpu_attention_rows.h"
+#undef SPECDEC_ATTN_NS
+
+// cpu_attention_isa.cpp
+void specdec_convert_kv_avx512(const AttnProblem& p, float* kt, float* vf, int64_t u0, int64_t u1);
+void specdec_attention_rows_avx512(const AttnProblem& p, const float* kt, const float* vf, int64_t w0, int64_t w1);
+void specdec_convert_kv_avx2(const AttnProblem& p, float* kt, float* vf, int64_t u0, int64_t u1);
+void specdec_attention_rows_avx2(const AttnProblem& p, const float* kt, const float* vf, int64_t w0, int64_t w1);
 
 namespace {
 
+bool has_avx512() {
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                          __builtin_cpu_supports("fma");
+  return yes;
+}
+
+bool has_avx2() {
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return yes;
+}
+
+// Row-invariant attention of q (B, Hq, T, D) over keys, values (B, Hkv, S, D) (any strides with a
+// contiguous last axis: views of the cache) -> (B, Hq, T, D). mask: (B, T, S) bool, true = may
+// attend; without it query t of row b sees slots [0, prefix_lens[b] + t] (within `window`, 0 = none).
+at::Tensor attention_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                          const c10::optional<at::Tensor>& mask, const at::Tensor& prefix_lens, int64_t window) {
+  TORCH_CHECK(q.device().is_cpu() && keys.device().is_cpu() && values.device().is_cpu(),
+              "attention_rows: CPU tensors only");
+  TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.sizes() == keys.sizes(), "attention_rows: q (B, Hq, T, D), ",
+              "keys and values (B, Hkv, S, D)");
+  TORCH_CHECK(keys.scalar_type() == q.scalar_type() && values.scalar_type() == q.scalar_type(),
+              "attention_rows: q, keys and values must share a dtype");
+  const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3), Hkv = keys.size(1), S = keys.size(2);
+  TORCH_CHECK(keys.size(0) == B && keys.size(3) == D && Hkv > 0 && Hq % Hkv == 0,
+              "attention_rows: mismatched shapes");
+  TORCH_CHECK(D <= attn_generic::kMaxD, "attention_rows: head dims up to ", attn_generic::kMaxD, ", got ", D);
+  TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1, "attention_rows: keys and values need a contiguous last axis");
+  const at::Tensor lens = prefix_lens.to(at::kLong).contiguous();
+  TORCH_CHECK(lens.numel() == B, "attention_rows: prefix_lens must hold one length per row");
+  const int64_t* pre = lens.data_ptr<int64_t>();
+  at::Tensor m;
+  const bool* mp = nullptr;
+  if (mask.has_value()) {
+    m = mask->to(at::kBool).contiguous();
+    TORCH_CHECK(m.dim() == 3 && m.size(0) == B && m.size(1) == T && m.size(2) == S,
+                "attention_rows: mask must be (B, T, S)");
+    mp = m.data_ptr<bool>();
+  } else {
+    for (int64_t b = 0; b < B; ++b)
+      TORCH_CHECK(pre[b] >= 0 && pre[b] + T <= S, "attention_rows: row ", b, " needs ", pre[b] + T, " slots, has ", S);
+  }
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat,
+              "attention_rows: bfloat16 or float32 tensors, got ", q.scalar_type());
+  const at::Tensor qc = q.contiguous();
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  AttnProblem p{qc.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(), q.scalar_type() == at::kBFloat16,
+                B, Hq, Hkv, T, D, S, {keys.stride(0), keys.stride(1), keys.stride(2)},
+                {values.stride(0), values.stride(1), values.stride(2)}, mp, pre, window};
+  const int64_t blocks = (S + 15) / 16, Dp = (D + 15) / 16 * 16;
+  at::Tensor kt = at::empty({B * Hkv * blocks * D * 16}, q.options().dtype(at::kFloat));
+  at::Tensor vf = at::empty({B * Hkv * blocks * 16 * Dp}, q.options().dtype(at::kFloat));
+  float* ktp = kt.data_ptr<float>();
+  float* vfp = vf.data_ptr<float>();
+  const bool avx512 = has_avx512(), avx2 = has_avx2();  // a property of the CPU, never of the call
+  at::parallel_for(0, B * Hkv * blocks, 8, [&](int64_t u0, int64_t u1) {
+    if (avx512)
+      specdec_convert_kv_avx512(p, ktp, vfp, u0, u1);
+    else if (avx2)
+      specdec_convert_kv_avx2(p, ktp, vfp, u0, u1);
+    else
+      attn_generic::convert_kv(p, ktp, vfp, u0, u1);
+  });
+  const int64_t items = B * Hkv * ((Hq / Hkv * T + kAttnQueries - 1) / kAttnQueries);
+  at::parallel_for(0, items, 1, [&](int64_t w0, int64_t w1) {
+    if (avx512)
+      specdec_attention_rows_avx512(p, ktp, vfp, w0, w1);
+    else if (avx2)
+      specdec_attention_rows_avx2(p, ktp, vfp, w0, w1);
+    else
+      attn_generic::attention_rows_items(p, ktp, vfp, w0, w1);
+  });
+  return out;
+}
+
 at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
                            at::Tensor v_cache, int64_t layer, const at::Tensor& prefix_lens, int64_t window,
-                           const c10::optional<at::Tensor>& block_mask) {
+                           const c10::optional<at::Tensor>& block_mask, bool invariant) {
   TORCH_CHECK(q.device().is_cpu() && prefix_lens.device().is_cpu(), "cache_attention: CPU tensors only");
   const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3), Hkv = k.size(1);
   const at::Tensor lens = prefix_lens.to(at::kLong).contiguous();
@@ -51,6 +145,9 @@ at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k, const at::T
           mp[(b * T + t) * S + s] = rel < 0 || (rel < T && bp[(b * T + t) * T + rel]);
         }
     mask = m;
+    if (invariant) return attention_rows(q, keys, values, mask, lens, window);
+  } else if (invariant) {
+    return attention_rows(q, keys, values, c10::nullopt, lens, window);
   } else if (!(T == 1 && uniform && (window == 0 || S <= window))) {
     at::Tensor m = at::empty({B, T, S}, q.options().dtype(at::kBool));
     bool* mp = m.data_ptr<bool>();
@@ -77,7 +174,11 @@ at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 
 TORCH_LIBRARY_FRAGMENT(SPECDEC_OPS, m) {
   m.def("cache_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, int layer, "
-        "Tensor prefix_lens, int window, Tensor? block_mask) -> Tensor");
+        "Tensor prefix_lens, int window, Tensor? block_mask, bool invariant=False) -> Tensor");
+  m.def("attention_rows(Tensor q, Tensor keys, Tensor values, Tensor? mask, Tensor prefix_lens, int window) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(SPECDEC_OPS, CPU, m) { m.impl("cache_attention", &cache_attention); }
+TORCH_LIBRARY_IMPL(SPECDEC_OPS, CPU, m) { 
+  m.impl("cache_attention", &cache_attention);
+  m.impl("attention_rows", &attention_rows);
+}

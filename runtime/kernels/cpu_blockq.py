@@ -1,7 +1,7 @@
 """CPU kernels for block-quantized linears (GGUF-style codes): build, load, reference.
 
 `cpu_blockq.cpp` (next to this file, with `cpu_attention.cpp`: the compiled decode step's cache
-attention without Python) is compiled once per machine with the host's C++ compiler
+attention without Python, and the row-invariant attention of `runtime.invariant`) is compiled once per machine with the host's C++ compiler
 through `torch.utils.cpp_extension` into `$SPECDEC_HOME/kernels/<hash>` (about a minute on 2
 cores; later processes load the cached library) and registers `blockq_mm` in the op namespace
 `NAMESPACE` (`specdec_cpu_<hash of the source>`: a torch.compile cache never replays a graph made for
@@ -26,7 +26,9 @@ from pathlib import Path
 
 import torch
 
-SOURCES = (Path(__file__).with_name("cpu_blockq.cpp"), Path(__file__).with_name("cpu_attention.cpp"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in (
+    "cpu_blockq.cpp", "cpu_attention.cpp", "cpu_attention_isa.cpp"))
+HEADERS = (Path(__file__).with_name("cpu_attention_rows.h"),)  # part of the build's hash
 ACT_BLOCK = 32  # activations share one int8 scale per 32 inputs
 LANES = 16  # output channels per storage block
 # calls with at least this many rows take the AMX path where the CPU has it (one row: VNNI, which
@@ -39,7 +41,7 @@ log = logging.getLogger(__name__)
 
 
 def _key() -> str:
-    sources = b"".join(p.read_bytes() for p in SOURCES)
+    sources = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
     return hashlib.sha256(sources + torch.__version__.encode() + " ".join(_CFLAGS).encode()).hexdigest()
 
 
@@ -72,6 +74,7 @@ def _load() -> str | None:
         return reason
     torch.library.register_fake(f"{NAMESPACE}::blockq_mm")(_blockq_mm_fake)
     torch.library.register_fake(f"{NAMESPACE}::cache_attention")(_cache_attention_fake)
+    torch.library.register_fake(f"{NAMESPACE}::attention_rows")(_attention_rows_fake)
     return None
 
 
@@ -80,7 +83,11 @@ def _blockq_mm_fake(x, codes, sc, mc, d, dm, bias, bits, group, super, zero=0.0,
     return x.new_empty((*x.shape[:-1], codes.shape[0] * width))
 
 
-def _cache_attention_fake(q, k, v, k_cache, v_cache, layer, prefix_lens, window, block_mask):
+def _cache_attention_fake(q, k, v, k_cache, v_cache, layer, prefix_lens, window, block_mask, invariant=False):
+    return q.new_empty(q.shape)
+
+
+def _attention_rows_fake(q, keys, values, mask, prefix_lens, window):
     return q.new_empty(q.shape)
 
 

@@ -9,9 +9,10 @@ from runtime.kernels import cpu_blockq
 pytestmark = pytest.mark.skipif(not cpu_blockq.available(), reason="CPU extension not built here")
 
 
+@pytest.mark.parametrize("invariant", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", ["decode", "verify", "ragged", "window", "tree", "mha"])
-def test_same_numbers_and_writes_as_the_python_op(dtype, case):
+def test_same_numbers_and_writes_as_the_python_op(dtype, case, invariant):
     g = torch.Generator().manual_seed(0)
     B, Hq, Hkv, D, L, S_max = 2, 6, 2, 16, 3, 64
     if case == "mha":
@@ -27,8 +28,8 @@ def test_same_numbers_and_writes_as_the_python_op(dtype, case):
         block = torch.tril(torch.ones(T, T, dtype=torch.bool)).expand(B, T, T).clone()
         block[:, 3, 1:3] = False  # node 3 hangs off node 0
     ref_k, ref_v = (c.clone() for c in caches)
-    ref = cache_attention(q, k, v, ref_k, ref_v, 1, lens, window, block)
+    ref = cache_attention(q, k, v, ref_k, ref_v, 1, lens, window, block, invariant)
     got_k, got_v = (c.clone() for c in caches)
-    got = cpu_blockq.ops().cache_attention(q, k, v, got_k, got_v, 1, lens, window, block)
+    got = cpu_blockq.ops().cache_attention(q, k, v, got_k, got_v, 1, lens, window, block, invariant)
     assert torch.equal(got, ref)
     assert torch.equal(got_k, ref_k) and torch.equal(got_v, ref_v)

@@ -1,0 +1,288 @@
+// The row-invariant attention kernel (runtime.invariant, op attention_rows), included twice: by
+// cpu_attention_isa.cpp under `#pragma GCC target` (AVX-512, then AVX2, each with FMA) and by
+// cpu_attention.cpp for any x86-64, each time inside its own namespace (SPECDEC_ATTN_NS). Plain
+// pointers only: no ATen code is compiled under a target pragma. The path is picked per CPU, never
+// per call.
+//
+// Per query the arithmetic is fixed, so a query's output depends only on its q and the keys it
+// may see, never on the other queries, rows or padding slots of the call:
+//   score_j = (sum over d = 0..D-1, in order, of q[d] * k_j[d], one fma per step) * 1/sqrt(D)
+//     for its visible keys j in slot order (lanes run over 16 keys at once, never over d);
+//   w_j = exp_nonpositive(score_j - max): one polynomial for every lane and vector width;
+//   Z = the w_j summed in 16 lanes by j mod 16, then folded in one fixed tree;
+//   out[d] = (sum over j, in order, of w_j * v_j[d], one fma per step) * (1 / Z).
+// fma16 is exactly rounded (AVX-512 vfmadd or std::fma), so both builds give the same bits.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#ifndef SPECDEC_ATTN_PROBLEM
+#define SPECDEC_ATTN_PROBLEM
+constexpr int64_t kAttnQueries = 32;  // queries per work item: they share its converted keys and values
+
+// One call of attention_rows, as every build of the kernel takes it.
+struct AttnProblem {
+  const void* q;       // (B, Hq, T, D) contiguous
+  const void* keys;    // (B, Hkv, S, D), strides below, last axis contiguous
+  const void* values;
+  void* out;           // (B, Hq, T, D) contiguous
+  bool bf16;           // element type: bfloat16, else float32
+  int64_t B, Hq, Hkv, T, D, S;
+  int64_t ks[3], vs[3];   // strides of keys, values over (B, Hkv, S), in elements
+  const bool* mask;       // (B, T, S) or null: causal on `pre` within `window`
+  const int64_t* pre;     // (B,)
+  int64_t window;         // 0 = none
+};
+
+#endif
+
+namespace SPECDEC_ATTN_NS {
+
+constexpr int kLanes = 16;
+// 16 floats as one value (GCC vector extension): elementwise IEEE arithmetic, the same bits whether
+// the ISA runs it as one AVX-512 register or as four SSE ones; 4-byte aligned, so it may point into
+// any float buffer
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+typedef int32_t i16 __attribute__((vector_size(64), aligned(4)));
+
+constexpr int64_t kQueries = kAttnQueries;
+constexpr int64_t kChunk = 32;    // keys per pass of the value sum (their float rows stay in L1)
+constexpr int64_t kMaxD = 256;    // largest head dim
+
+inline float bf16_to_float(uint16_t x) {
+  const uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even, as c10::BFloat16 (NaN kept quiet)
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  if (std::isnan(f)) return 0x7FC0;
+  bits += 0x7FFF + ((bits >> 16) & 1);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// a * b + c per lane, rounded once
+#if defined(SPECDEC_ATTN_AVX512)
+inline v16 fma16(float a, v16 b, v16 c) { return (v16)_mm512_fmadd_ps(_mm512_set1_ps(a), (__m512)b, (__m512)c); }
+#else
+inline v16 fma16(float a, v16 b, v16 c) {
+  for (int l = 0; l < kLanes; ++l) c[l] = __builtin_fmaf(a, b[l], c[l]);
+  return c;
+}
+#endif
+
+inline v16 load16(const float* p) {
+  v16 x;
+  std::memcpy(&x, p, sizeof x);
+  return x;
+}
+
+inline void store16(float* p, v16 x) { std::memcpy(p, &x, sizeof x); }
+
+// exp(x) for 16 values x <= 0 (Cody-Waite reduction, degree-6 polynomial, ~2 ulp; below -87 it
+// returns exp(-87)). No library call and one formula for every lane.
+inline v16 exp_nonpositive(v16 x) {
+  x = x < -87.0f ? v16{} - 87.0f : x;
+  const v16 t = x * 1.44269504088896341f + 0.5f;
+  v16 n = __builtin_convertvector(__builtin_convertvector(t, i16), v16);  // trunc, then floor
+  n = n > t ? n - 1.0f : n;
+  v16 r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  v16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const i16 bits = (__builtin_convertvector(n, i16) + 127) << 23;  // 2^n
+  v16 scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// One query's softmax weights in place: sc[0..n) = exp(sc - max), and 1 / their sum (n >= 1).
+inline float softmax_weights(float* sc, int64_t n) {
+  v16 top = v16{} + sc[0];  // lane maxima (a maximum is the same in any order)
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    const v16 x = load16(sc + j);
+    top = x > top ? x : top;
+  }
+  float m = top[0];
+  for (int l = 1; l < kLanes; ++l) m = std::max(m, top[l]);
+  for (; j < n; ++j) m = std::max(m, sc[j]);
+  v16 sum{};
+  for (j = 0; j + kLanes <= n; j += kLanes) {
+    const v16 w = exp_nonpositive(load16(sc + j) - m);
+    store16(sc + j, w);
+    sum += w;
+  }
+  if (j < n) {  // the tail in a zero-padded vector: lane l holds key j + l, as a full vector would
+    float tail[kLanes] = {0.0f};
+    for (int64_t l = 0; j + l < n; ++l) tail[l] = sc[j + l] - m;
+    v16 w = exp_nonpositive(load16(tail));
+    for (int64_t l = n - j; l < kLanes; ++l) w[l] = 0.0f;
+    store16(tail, w);
+    for (int64_t l = 0; j + l < n; ++l) sc[j + l] = tail[l];
+    sum += w;
+  }
+  for (int width = kLanes / 2; width > 0; width /= 2)  // fold: lane l += lane l + width
+    for (int l = 0; l < width; ++l) sum[l] += sum[l + width];
+  return 1.0f / sum[0];
+}
+
+inline float load_elem(const void* base, bool bf16, int64_t i) {
+  return bf16 ? bf16_to_float(static_cast<const uint16_t*>(base)[i]) : static_cast<const float*>(base)[i];
+}
+
+// a[0 .. 16 NV) += w[j] * values[slot[j] * stride + 0 .. 16 NV) for j = from.. while slot[j] < end,
+// in order (NV vectors held in registers)
+template <int NV>
+inline void weighted_sum(float* a, const float* w, const int32_t* slot, int64_t from, int64_t n, int64_t end,
+                         const float* values, int64_t stride) {
+  v16 r[NV];
+  for (int u = 0; u < NV; ++u) r[u] = load16(a + u * kLanes);
+  for (int64_t j = from; j < n && slot[j] < end; ++j) {
+    const float* row = values + static_cast<int64_t>(slot[j]) * stride;
+    for (int u = 0; u < NV; ++u) r[u] = fma16(w[j], load16(row + u * kLanes), r[u]);
+  }
+  for (int u = 0; u < NV; ++u) store16(a + u * kLanes, r[u]);
+}
+
+// Keys and values as float, once per call for all queries: unit u of B * Hkv * blocks (row b, KV
+// head, block of 16 slots) writes its keys as [d][16 keys] into kt (D * 16 floats per unit) and its
+// values as 16 rows of Dp floats (D rounded up to 16, zero-padded) into vf. Slots past S are zero.
+inline void convert_kv(const AttnProblem& P, float* kt, float* vf, int64_t u0, int64_t u1) {
+  const int64_t D = P.D, S = P.S, Dp = (D + kLanes - 1) / kLanes * kLanes, blocks = (S + kLanes - 1) / kLanes;
+  for (int64_t u = u0; u < u1; ++u) {
+    const int64_t b = u / (P.Hkv * blocks), kvh = (u / blocks) % P.Hkv, kb = u % blocks;
+    const int64_t kbase = b * P.ks[0] + kvh * P.ks[1], vbase = b * P.vs[0] + kvh * P.vs[1];
+    float* kdst = kt + u * D * kLanes;
+    float* vdst = vf + u * kLanes * Dp;
+    for (int64_t j = 0; j < kLanes; ++j) {
+      const int64_t s = kb * kLanes + j;
+      float* vrow = vdst + j * Dp;
+      if (s >= S) {
+        for (int64_t d = 0; d < D; ++d) kdst[d * kLanes + j] = 0.0f;
+        for (int64_t d = 0; d < Dp; ++d) vrow[d] = 0.0f;
+        continue;
+      }
+      for (int64_t d = 0; d < D; ++d) kdst[d * kLanes + j] = load_elem(P.keys, P.bf16, kbase + s * P.ks[2] + d);
+      for (int64_t d = 0; d < D; ++d) vrow[d] = load_elem(P.values, P.bf16, vbase + s * P.vs[2] + d);
+      for (int64_t d = D; d < Dp; ++d) vrow[d] = 0.0f;
+    }
+  }
+}
+
+// Work items w0..w1-1 of B * Hkv * ceil(G * T / kQueries): (row b, KV head, a chunk of up to kQueries
+// of its G * T queries), over the keys and values `convert_kv` wrote.
+inline void attention_rows_items(const AttnProblem& P, const float* kt_all, const float* vf_all, int64_t w0,
+                                 int64_t w1) {
+  const int64_t G = P.Hq / P.Hkv, per_head = G * P.T, chunks = (per_head + kQueries - 1) / kQueries, D = P.D, S = P.S;
+  const int64_t Dp = (D + kLanes - 1) / kLanes * kLanes, blocks = (S + kLanes - 1) / kLanes;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  std::vector<float> qf((kQueries + 7) * D), score(kQueries * S), acc(kQueries * Dp);
+  std::vector<int32_t> slot(kQueries * S);
+  int64_t n[kQueries], pos[kQueries];
+  float inv[kQueries];
+  for (int64_t w = w0; w < w1; ++w) {
+    const int64_t b = w / (P.Hkv * chunks), kvh = (w / chunks) % P.Hkv, i0 = (w % chunks) * kQueries;
+    const int64_t count = std::min(kQueries, per_head - i0);
+    const float* kt = kt_all + (b * P.Hkv + kvh) * blocks * D * kLanes;
+    const float* vf = vf_all + (b * P.Hkv + kvh) * blocks * kLanes * Dp;
+    int64_t lo = S, hi = -1;
+    for (int64_t i = 0; i < count; ++i) {  // q to float; each query's visible keys in slot order
+      const int64_t h = kvh * G + (i0 + i) / P.T, t = (i0 + i) % P.T;
+      const int64_t qoff = ((b * P.Hq + h) * P.T + t) * D;
+      for (int64_t d = 0; d < D; ++d) qf[i * D + d] = load_elem(P.q, P.bf16, qoff + d);
+      int32_t* sl = slot.data() + i * S;
+      n[i] = 0;
+      if (P.mask != nullptr) {
+        const bool* row = P.mask + (b * P.T + t) * S;
+        for (int64_t s = 0; s < S; ++s)
+          if (row[s]) sl[n[i]++] = static_cast<int32_t>(s);
+      } else {
+        const int64_t last = P.pre[b] + t, first = P.window > 0 ? std::max<int64_t>(0, last - P.window + 1) : 0;
+        for (int64_t s = first; s <= last; ++s) sl[n[i]++] = static_cast<int32_t>(s);
+      }
+      if (n[i] > 0) {
+        lo = std::min<int64_t>(lo, sl[0]);
+        hi = std::max<int64_t>(hi, sl[n[i] - 1]);
+      }
+    }
+    std::fill(qf.begin() + count * D, qf.begin() + (count + 7) * D, 0.0f);
+    const int64_t kb_lo = hi < 0 ? 0 : lo / kLanes, kb_hi = hi < 0 ? -1 : hi / kLanes;
+    std::fill(pos, pos + count, 0);
+    for (int64_t kb = kb_lo; kb <= kb_hi; ++kb) {  // scores: one key block against every query
+      const float* kblock = kt + kb * D * kLanes;
+      const int64_t end = (kb + 1) * kLanes;
+      for (int64_t i8 = 0; i8 < count; i8 += 8) {  // 8 queries at once: 8 independent sums per load
+        const float* qi = qf.data() + i8 * D;
+        v16 d0{}, d1{}, d2{}, d3{}, d4{}, d5{}, d6{}, d7{};  // named, so they stay in registers
+        for (int64_t d = 0; d < D; ++d) {
+          const v16 k = load16(kblock + d * kLanes);
+          d0 = fma16(qi[d], k, d0);
+          d1 = fma16(qi[D + d], k, d1);
+          d2 = fma16(qi[2 * D + d], k, d2);
+          d3 = fma16(qi[3 * D + d], k, d3);
+          d4 = fma16(qi[4 * D + d], k, d4);
+          d5 = fma16(qi[5 * D + d], k, d5);
+          d6 = fma16(qi[6 * D + d], k, d6);
+          d7 = fma16(qi[7 * D + d], k, d7);
+        }
+        float dot[8][kLanes];
+        store16(dot[0], d0);
+        store16(dot[1], d1);
+        store16(dot[2], d2);
+        store16(dot[3], d3);
+        store16(dot[4], d4);
+        store16(dot[5], d5);
+        store16(dot[6], d6);
+        store16(dot[7], d7);
+        for (int64_t r = 0; r < 8 && i8 + r < count; ++r) {
+          const int64_t i = i8 + r;
+          const int32_t* sl = slot.data() + i * S;
+          float* sc = score.data() + i * S;
+          for (; pos[i] < n[i] && sl[pos[i]] < end; ++pos[i]) sc[pos[i]] = dot[r][sl[pos[i]] - kb * kLanes] * scale;
+        }
+      }
+    }
+    for (int64_t i = 0; i < count; ++i) {
+      inv[i] = n[i] > 0 ? softmax_weights(score.data() + i * S, n[i]) : 0.0f;
+      std::fill(acc.begin() + i * Dp, acc.begin() + (i + 1) * Dp, 0.0f);
+      pos[i] = 0;
+    }
+    for (int64_t c0 = lo; c0 <= hi; c0 += kChunk) {  // value sums, kChunk keys at a time
+      const int64_t end = c0 + kChunk;
+      for (int64_t i = 0; i < count; ++i) {
+        const int32_t* sl = slot.data() + i * S;
+        const float* sc = score.data() + i * S;
+        float* a = acc.data() + i * Dp;
+        int64_t d0 = 0;  // up to 8 accumulators in registers at a time
+        for (; d0 + 8 * kLanes <= Dp; d0 += 8 * kLanes) weighted_sum<8>(a + d0, sc, sl, pos[i], n[i], end, vf + d0, Dp);
+        for (; d0 + 4 * kLanes <= Dp; d0 += 4 * kLanes) weighted_sum<4>(a + d0, sc, sl, pos[i], n[i], end, vf + d0, Dp);
+        for (; d0 < Dp; d0 += kLanes) weighted_sum<1>(a + d0, sc, sl, pos[i], n[i], end, vf + d0, Dp);
+        while (pos[i] < n[i] && sl[pos[i]] < end) ++pos[i];
+      }
+    }
+    for (int64_t i = 0; i < count; ++i) {  // out = acc * (1 / Z); zeros for a query that sees no key
+      const int64_t h = kvh * G + (i0 + i) / P.T, t = (i0 + i) % P.T;
+      const int64_t ooff = ((b * P.Hq + h) * P.T + t) * D;
+      const float* a = acc.data() + i * Dp;
+      for (int64_t d = 0; d < D; ++d) {
+        const float x = a[d] * inv[i];
+        if (P.bf16)
+          static_cast<uint16_t*>(P.out)[ooff + d] = float_to_bf16(x);
+        else
+          static_cast<float*>(P.out)[ooff + d] = x;
+      }
+    }
+  }
+}
+
+}  // namespace SPECDEC_ATTN_NS
