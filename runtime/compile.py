@@ -91,9 +91,12 @@ def static_tokens(num_tokens: int, selected: bool = False, row_cost: bool = Fals
 
 
 def compile_step(step: Step, device: torch.device, cpp_wrapper: bool = True,
-                 max_autotune: bool | None = None, freeze_weights: bool = False) -> Step:
+                 max_autotune: bool | None = None, freeze_weights: bool = False,
+                 eager_rounding: Callable[[], bool] = lambda: False) -> Step:
     """`torch.compile` a model's `static_step` (on `device`): the function that
-    `Transformer.compile_decode` stores as `compiled_step`. Options as `compile_decode`."""
+    `Transformer.compile_decode` stores as `compiled_step`. Options as `compile_decode`;
+    eager_rounding() says, per call, whether programs compiled then round every bf16 intermediate
+    as eager does (the model's `row_invariant`, on which the compiler also guards)."""
     cxx = torch._inductor.config.cpp.cxx  # what Inductor's CPU backend invokes ($CXX when torch loaded)
     candidates = [c for c in (cxx if isinstance(cxx, tuple) else (cxx,)) if c]
     if torch.device(device).type == "cpu" and not any(shutil.which(c) for c in candidates):
@@ -115,7 +118,7 @@ def compile_step(step: Step, device: torch.device, cpp_wrapper: bool = True,
         # fused value is rounded depends on the fusion, which differs between block sizes, and a
         # row's logits would depend on the program (`runtime.invariant`)
         with torch._inductor.config.patch(freezing=freeze_weights, cpp_wrapper=cpp_wrapper,
-                                          emulate_precision_casts=True, **autotune), \
+                                          emulate_precision_casts=eager_rounding(), **autotune), \
                 torch._dynamo.config.patch(automatic_dynamic_shapes=False):
             return compiled(tokens, positions, k, v, lengths, block_mask)
 

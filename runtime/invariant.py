@@ -74,4 +74,6 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: t
     cached slots, within `window` (None = no window)."""
     from runtime.kernels import cpu_blockq
 
+    if not cpu_blockq.available():
+        raise RuntimeError(f"row-invariant attention needs the C++ CPU kernels: {cpu_blockq.unavailable_reason()}")
     return cpu_blockq.ops().attention_rows(q, keys, values, mask, prefix_lens, window or 0)

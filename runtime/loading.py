@@ -223,7 +223,7 @@ def resolve_weights(weights: str, name_or_path: str | Path, device: torch.device
 
 def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.bfloat16,
                device: torch.device | str = "cpu", attention: str | None = None,
-               compile: bool = False, weights: str = "auto") -> torch.nn.Module:
+               compile: bool = False, weights: str = "auto", row_invariant: bool = True) -> torch.nn.Module:
     """Load a model for generation.
 
     name_or_path: a catalogue name (`runtime.CATALOGUE`), a local Hugging Face checkpoint
@@ -239,7 +239,9 @@ def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.bfloat16,
     `dtype` (what training needs), "auto" picks "gguf" where the kernels run fast
     (`runtime.kernels.cpu_blockq.fast`, device "cpu") and "dense" elsewhere; on a checkpoint written by
     `quant.save_compressed`, "auto" also moves its INT4 / INT8 modules to those kernels
-    (`runtime.blockq.to_block_quant`), "dense" keeps its modules as saved.
+    (`runtime.blockq.to_block_quant`), "dense" keeps its modules as saved. row_invariant: False
+    turns off the row-invariant kernels (`Transformer.row_invariant`, on where supported: bf16 on
+    the CPU), so a row's logits may depend on the rows and tokens sharing its forward.
 
     Nothing is built or run before the checkpoint is checked (`runtime.validate`): a checkpoint
     that asks to run its own code (`auto_map`) or has an unsupported model_type raises
@@ -281,6 +283,7 @@ def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.bfloat16,
                               attention=attention)
     release_freed_memory()  # the load's temporaries (`runtime.heap`)
     model.source = ckpt  # lets a drafter compare tokenizers with its target
+    model.want_row_invariant = bool(row_invariant)
     if compile:
         model.compile_decode()
     return model

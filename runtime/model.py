@@ -116,6 +116,7 @@ class StepContext:
     backend "sdpa" / "triton": eager attention (`runtime.attention.attend`) over `num_keys` slots,
     the new keys and values written first at `slots` (B, T) when there is a cache; "static": the
     compiled step's fused cache write + attention (`runtime.attention.cache_attention`).
+    invariant: the linears and the attention run `runtime.invariant`'s row-invariant kernels.
     """
 
     def __init__(self, *, cache: KVCache | _CacheBuffers | None, prefix_lens: torch.Tensor, backend: str,
@@ -205,7 +206,8 @@ class Transformer(nn.Module):
         after the weights are final). The step-time cost of sharing is measured in BENCHMARKS.md
         section 7.
         """
-        self.compiled_step = compile_step(self.static_step, self.device, cpp_wrapper, max_autotune, freeze_weights)
+        self.compiled_step = compile_step(self.static_step, self.device, cpp_wrapper, max_autotune, freeze_weights,
+                                          eager_rounding=lambda: self.row_invariant)
         # linears whose kernels cost per row (ROW_COST: runtime.blockq, the packed INT8 / INT4 ones) make
         # compiled steps pad blocks to 2, 4, 8, ... tokens rather than to 8 (runtime.compile.static_tokens)
         self.row_cost = any(getattr(m, "ROW_COST", False) for m in self.modules())
@@ -252,7 +254,9 @@ class Transformer(nn.Module):
         entering the `aux_outputs` layers (B, T, len(aux_layers) * C) when `return_aux`.
 
         On a compiled model, a forward with a cache and no `mask` runs through `compiled_step`
-        when it fits (`_static_fits`), else eagerly; both run the same layers (`_run`).
+        when it fits (`_static_fits`), else eagerly; both run the same layers (`_run`). On a
+        `row_invariant` model a forward over a filled cache runs the row-invariant linears and
+        attention (`runtime.invariant`); a prefill of empty rows runs the fast kernels.
         """
         if mask is not None and block_mask is not None:
             raise ValueError("pass either mask (B, T, S) or block_mask (B, T, T), not both")
@@ -373,6 +377,11 @@ class Transformer(nn.Module):
         # selected logits after the prompt: a draft's catch-up feed (a 2-token prompt stays padded,
         # so a target never compiles, with its own weight copy, a program only drafts need)
         padded = T if block_mask is not None else static_tokens(T, selected and filled > 0, self.row_cost)
+        if B * padded == 1 and self.row_invariant:
+            # a 1-row program has Inductor split its norms' reductions across threads, which sums in
+            # another order than every program of 2+ rows does (`runtime.invariant`); the linears run
+            # 2 rows for 1 anyway
+            padded = 2
         if filled + padded > cache.max_seq_len:
             padded = T  # no room for the padding at the very end of the cache: one more shape
         if padded > T:

@@ -69,6 +69,7 @@ import torch
 from runtime import hardware
 from runtime.atomic import atomic_write_text
 from runtime.errors import ContextLengthError
+from runtime.invariant import unsupported_reason
 from runtime.loading import WEIGHTS, resolve_weights
 from runtime.outputs import output_lock, prepare_output_dir
 from runtime.progress import progress as progress_bar
@@ -95,7 +96,7 @@ WHAT = "evaluation run"
 _RESUME_KEYS = ("target", "prompts", "dataset", "raw", "all_turns", "dtype", "device", "max_new_tokens",
                 "num_draft_tokens", "temperature", "top_p", "top_k", "seed", "hf_pld_tokens", "compile")
 # later options, part of the resume settings only when set (runs made before them still resume)
-_RESUME_IF_SET = ("draft_vocab",)
+_RESUME_IF_SET = ("draft_vocab", "no_row_invariant")
 
 
 @dataclass(frozen=True)
@@ -204,6 +205,7 @@ class EvalConfig:
     compile: bool = False
     draft_vocab: int = 0
     weights: str = "auto"
+    no_row_invariant: bool = False
     overwrite: bool = False
 
     def __post_init__(self) -> None:
@@ -265,6 +267,8 @@ def run_settings(cfg: EvalConfig, eos: list[int], prompt_format: str) -> dict:
     settings.update({k: getattr(cfg, k) for k in _RESUME_IF_SET if getattr(cfg, k)})
     settings["prompts"] = str(Path(cfg.prompts).resolve()) if cfg.prompts else None
     settings["weights"] = resolve_weights(cfg.weights, cfg.target, cfg.device)  # what the runtime's target holds
+    settings["row_invariant"] = (not cfg.no_row_invariant
+                                 and unsupported_reason(torch.device(cfg.device), cfg.torch_dtype) is None)
     settings.update(eos_token_id=eos, prompt_format=prompt_format)
     return settings
 
@@ -346,7 +350,7 @@ class Runner:
     def _runtime_model(self, name: str):
         return self._cached(("runtime", name), lambda: self._runtime.load_model(
             name, dtype=self.cfg.torch_dtype, device=self.cfg.device, compile=self.cfg.compile,
-            weights=self.cfg.weights))
+            weights=self.cfg.weights, row_invariant=not self.cfg.no_row_invariant))
 
     def _draft_model(self, name: str):
         """The draft model `name`: with --draft-vocab N a copy of its own (the target never takes
@@ -358,7 +362,8 @@ class Runner:
         def load():
             from specdec.draft_vocab import restrict_vocab
 
-            model = self._runtime.load_model(name, dtype=cfg.torch_dtype, device=cfg.device, weights=cfg.weights)
+            model = self._runtime.load_model(name, dtype=cfg.torch_dtype, device=cfg.device, weights=cfg.weights,
+                                             row_invariant=not cfg.no_row_invariant)
             restrict_vocab(model, self._frequent_tokens(model.config.vocab_size))
             return self._runtime.compile_decode(model) if cfg.compile else model
 
@@ -693,6 +698,10 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="how the runtime holds a GGUF model's weights (catalogue names, .gguf files): gguf = its "
                         "4-bit blocks (CPU kernels), dense = dequantized to --dtype, auto = gguf where the CPU "
                         "has the AVX-512 VNNI kernels (default: %(default)s)")
+    p.add_argument("--no-row-invariant", action="store_true",
+                   help="the batch-dependent kernels instead of the row-invariant ones (bf16 on the CPU), as a "
+                        "speed baseline: greedy speculative output may then differ from plain decoding at "
+                        "near-tied tokens")
     p.add_argument("--overwrite", action="store_true", help="discard a run already in --out (its own files "
                    "only; other files there are never deleted)")
     p.set_defaults(func=main)

@@ -155,7 +155,8 @@ def render_markdown(report: dict) -> str:
     lines = ["## specdec eval", "",
              f"Target `{s['target']}`, {s['dtype']} on {s['device']}, prompts: {source} "
              f"({s['num_prompts']}, {s['prompt_format']}), max_new_tokens {s['max_new_tokens']}, "
-             f"k = {s['k']} (a method's `@K` suffix overrides it), temperature {s['temperature']}.", "",
+             f"k = {s['k']} (a method's `@K` suffix overrides it), temperature {s['temperature']}, "
+             f"row-invariant kernels {'on' if s.get('row_invariant') else 'off'}.", "",
              f"Command: `{report['command']}`", "",
              f"Convention: {report['tau_convention']}. tok/s = median over prompts of new tokens / wall "
              "seconds of the whole call (prefill included); speedups are ratios of those medians "

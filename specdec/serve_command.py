@@ -105,7 +105,7 @@ def main(args: argparse.Namespace) -> int:
     print(f"loading target {args.model} ({args.dtype}, {args.device}{', compiled' if args.compile else ''})",
           flush=True)
     target = runtime.load_model(args.model, dtype=DTYPES[args.dtype], device=args.device, compile=args.compile,
-                                weights=args.weights)
+                                weights=args.weights, row_invariant=not args.no_row_invariant)
     tokenizer = runtime.load_tokenizer(args.model)
     draft = load_drafter(args, target)
     eos = eos_ids(args.model, tokenizer)
@@ -116,9 +116,19 @@ def main(args: argparse.Namespace) -> int:
                              else "none (plain decoding)")
     print(f"serving {name!r} on http://{args.host}:{args.port}/v1 (drafter {drafter}, max batch {args.max_batch}, "
           f"eos ids {eos})", flush=True)
+    print(batch_mode(target), flush=True)
     serve(create_app(engine, tokenizer, name, max_model_len=args.max_len), host=args.host, port=args.port,
           log_level=args.log_level)
     return 0
+
+
+def batch_mode(target) -> str:
+    """One line saying whether a greedy answer depends on the batch it is decoded in."""
+    if getattr(target, "row_invariant", False):
+        return ("row-invariant kernels: a greedy answer is the same whatever requests share its batch, and "
+                "equals plain decoding")
+    return ("batch-dependent kernels (--no-row-invariant, float32, or a device without the row-invariant "
+            "kernels): in bf16 a greedy answer may differ at near-tied tokens with the requests sharing its batch")
 
 
 def add_drafter_args(p: argparse.ArgumentParser) -> None:
@@ -161,6 +171,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--weights", default="auto", choices=list(WEIGHTS), help=WEIGHTS_HELP)
     p.add_argument("--compile", action="store_true", help="torch.compile the decode steps of the target and "
                    "draft models (the first request of each shape compiles)")
+    p.add_argument("--no-row-invariant", action="store_true",
+                   help="the batch-dependent kernels instead of the row-invariant ones (bf16 on the CPU): a "
+                        "greedy answer may then differ with the requests it shares a batch with")
     p.add_argument("--served-model-name", default=None, help="the model name requests must use (default: --model)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default: %(default)s)")

@@ -227,6 +227,8 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int | None = N
     loop_runner = EngineLoop(engine)
     metrics = ServerMetrics(engine)
     vocab_size = engine.target.config.vocab_size
+    # whether a greedy answer is independent of the batch it shares (GET /health, /v1/models)
+    row_invariant = bool(getattr(engine.target, "row_invariant", False))
     started = now()
 
     @asynccontextmanager
@@ -385,13 +387,14 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int | None = N
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": started,
-                                            "owned_by": "specdec", "max_model_len": max_model_len}]}
+                                            "owned_by": "specdec", "max_model_len": max_model_len,
+                                            "row_invariant": row_invariant}]}
 
     @app.get("/health")
     async def health():
         if loop_runner.error is not None:
             return JSONResponse({"status": "error", "error": str(loop_runner.error)}, status_code=503)
-        return {"status": "ok", "waiting": engine.waiting, "running": engine.running}
+        return {"status": "ok", "waiting": engine.waiting, "running": engine.running, "row_invariant": row_invariant}
 
     @app.get("/metrics")
     async def prometheus():

@@ -212,3 +212,53 @@ def test_a_list_of_drafters_refuses_a_tree(target):
 
     with pytest.raises(ValueError, match="fork proposed a tree"):
         specdec.generate(target, _rows(), draft=[Fork(), "ngram"], max_new_tokens=8, num_draft_tokens=2)
+
+
+# --- bf16: row-invariant forwards (runtime.invariant) make every drafter lossless there too ---
+
+WIDE_V = 256
+
+
+@pytest.fixture(scope="module")
+def wide_bf16():
+    """Two layers of qwen2.5-coder-1.5b's widths in bf16, where the plain kernels give a token
+    other bits in a verification block than alone (at small widths they happen not to)."""
+    from runtime.invariant import unsupported_reason
+
+    if unsupported_reason(torch.device("cpu"), torch.bfloat16) is not None:
+        pytest.skip("row-invariant forwards unsupported here (no C++ CPU kernels)")
+    return tiny_model("qwen2", seed=11, dtype=torch.bfloat16, hidden_size=1536, intermediate_size=8960,
+                      num_hidden_layers=2, num_attention_heads=12, num_key_value_heads=2, vocab_size=WIDE_V)
+
+
+def _bf16_drafter(target, which):
+    from specdec.eagle import Eagle3Config, Eagle3Head
+    from specdec.medusa import MedusaConfig, MedusaHeads
+
+    torch.manual_seed(5)
+    if which == "draft":
+        return tiny_model("qwen2", seed=12, dtype=torch.bfloat16, vocab_size=WIDE_V)
+    if which == "hybrid":
+        return ["ngram", tiny_model("qwen2", seed=12, dtype=torch.bfloat16, vocab_size=WIDE_V)]
+    if which == "medusa":
+        cfg = MedusaConfig(target.config.hidden_size, WIDE_V, num_heads=3,
+                           tree=((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)))
+        return MedusaHeads(cfg, target.lm_head).to(torch.bfloat16)
+    if which == "eagle":
+        head = Eagle3Head(Eagle3Config.from_target(target, draft_vocab_size=WIDE_V, aux_layers=(0, 1, 1),
+                                                   target_name="wide"))
+        return head.to(torch.bfloat16)
+    return which
+
+
+@pytest.mark.parametrize("which", ["ngram", "draft", "hybrid", "medusa", "eagle"])
+def test_bf16_greedy_output_equals_plain_for_every_drafter(wide_bf16, which):
+    g = torch.Generator().manual_seed(3)
+    rows = [torch.randint(0, 16, (n,), generator=g).repeat(2) for n in (4, 11, 7)]  # ragged rows
+    plain = specdec.generate(wide_bf16, rows, max_new_tokens=20)
+    out = specdec.generate(wide_bf16, rows, draft=_bf16_drafter(wide_bf16, which), max_new_tokens=20,
+                           num_draft_tokens=4)
+    assert _same(out.sequences, plain.sequences)
+    if which == "ngram":  # and a row's output does not depend on its batch
+        for r, seq in zip(rows, plain.sequences):
+            assert torch.equal(specdec.generate(wide_bf16, [r], max_new_tokens=20).sequences[0], seq)

@@ -353,3 +353,41 @@ def test_a_cache_row_view_writes_into_the_shared_cache(target):
     assert torch.allclose(cache.k[:, 1, :, :6], alone.k[:, 0, :, :6], atol=1e-6)
     with pytest.raises(ValueError, match="outside"):
         CacheRow(cache, 2, 2)
+
+
+SMOLLM2_QUESTIONS = [
+    "Write a Python function that checks whether a number is prime.",
+    "Explain the difference between a list and a tuple in Python.",
+    "Translate to French: The weather is nice today and we are going to the beach.",
+    "What is 17 times 23? Show your steps.",
+    "Summarize: The mitochondria is the powerhouse of the cell; it produces ATP through respiration.",
+    "Write a haiku about autumn leaves.",
+    "List three uses of binary search trees.",
+    "How do I reverse a string in JavaScript?",
+]
+
+
+def smollm2_chat_prompts(tok) -> list[torch.Tensor]:
+    """SMOLLM2_QUESTIONS through the chat template, as token ids."""
+    texts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+             for q in SMOLLM2_QUESTIONS]
+    return [torch.tensor(tok(t, add_special_tokens=False)["input_ids"]) for t in texts]
+
+
+@pytest.mark.real_model
+def test_bf16_requests_served_together_each_equal_the_request_alone():
+    """Real smollm2 in bf16 (row-invariant kernels): 8 greedy requests of mixed lengths through 4
+    rows each decode what the same request decodes alone (with batch-dependent kernels about a
+    third differ)."""
+    import runtime
+
+    name = "smollm2-135m-instruct"
+    target = runtime.load_model(name, dtype=torch.bfloat16, weights="dense")
+    assert target.row_invariant
+    prompts = smollm2_chat_prompts(runtime.load_tokenizer(name))
+    lengths = [16 + 8 * (i % 4) for i in range(len(prompts))]  # 16..40 new tokens
+    engine = Engine(target, "ngram", max_batch=4, max_len=256)
+    requests = [engine.submit(p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts, lengths)]
+    engine.run_until_done()
+    for req, p, n in zip(requests, prompts, lengths):
+        assert req.tokens == _alone(target, "ngram", p, n)

@@ -166,3 +166,21 @@ def test_nan_logits_fail_fast_with_a_named_error():
         specdec.generate(broken, torch.tensor([[1, 2, 3]]), max_new_tokens=4)
     with pytest.raises(NonFiniteLogitsError, match="NaN logits"):
         specdec.generate(broken, torch.tensor([[1, 2, 3]]), draft="ngram", max_new_tokens=4)
+
+
+@pytest.mark.real_model
+def test_bf16_speculative_output_equals_plain_on_real_prompts():
+    """Real smollm2 in bf16, eager: with the row-invariant kernels n-gram drafting gives plain
+    decoding's tokens on every prompt of a batch, and each row equals its prompt decoded alone
+    (with the batch-dependent kernels, 4 of these 8 differed)."""
+    import runtime
+    from tests.specdec.test_engine import smollm2_chat_prompts
+
+    name = "smollm2-135m-instruct"
+    target = runtime.load_model(name, dtype=torch.bfloat16, weights="dense")
+    rows = smollm2_chat_prompts(runtime.load_tokenizer(name))
+    plain = specdec.generate(target, rows, max_new_tokens=64).sequences
+    spec = specdec.generate(target, rows, draft="ngram", max_new_tokens=64).sequences
+    assert all(torch.equal(a, b) for a, b in zip(spec, plain))
+    for r, seq in zip(rows, plain):
+        assert torch.equal(specdec.generate(target, [r], max_new_tokens=64).sequences[0], seq)
