@@ -1,7 +1,8 @@
 """CPU kernels for block-quantized linears (GGUF-style codes): build, load, reference.
 
-`cpu_blockq.cpp` (next to this file, with `cpu_attention.cpp`: the compiled decode step's cache
-attention without Python, and the row-invariant attention of `runtime.invariant`) is compiled once per machine with the host's C++ compiler
+`cpu_blockq.cpp` (next to this file, with `cpu_attention.cpp` and `cpu_attention_isa.cpp`: the
+compiled decode step's cache attention without Python, and the row-invariant attention of
+`runtime.invariant`) is compiled once per machine with the host's C++ compiler
 through `torch.utils.cpp_extension` into `$SPECDEC_HOME/kernels/<hash>` (about a minute on 2
 cores; later processes load the cached library) and registers `blockq_mm` in the op namespace
 `NAMESPACE` (`specdec_cpu_<hash of the source>`: a torch.compile cache never replays a graph made for
