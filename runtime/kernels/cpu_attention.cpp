@@ -89,23 +89,16 @@ at::Tensor attention_rows(const at::Tensor& q, const at::Tensor& keys, const at:
   at::Tensor vf = at::empty({B * Hkv * blocks * 16 * Dp}, q.options().dtype(at::kFloat));
   float* ktp = kt.data_ptr<float>();
   float* vfp = vf.data_ptr<float>();
-  const bool avx512 = has_avx512(), avx2 = has_avx2();  // a property of the CPU, never of the call
+  // the build is a property of the CPU, never of the call
+  const int isa = has_avx512() ? 2 : has_avx2() ? 1 : 0;
   at::parallel_for(0, B * Hkv * blocks, 8, [&](int64_t u0, int64_t u1) {
-    if (avx512)
-      specdec_convert_kv_avx512(p, ktp, vfp, u0, u1);
-    else if (avx2)
-      specdec_convert_kv_avx2(p, ktp, vfp, u0, u1);
-    else
-      attn_generic::convert_kv(p, ktp, vfp, u0, u1);
+    (isa == 2 ? specdec_convert_kv_avx512 : isa == 1 ? specdec_convert_kv_avx2 : attn_generic::convert_kv)(
+        p, ktp, vfp, u0, u1);
   });
   const int64_t items = B * Hkv * ((Hq / Hkv * T + kAttnQueries - 1) / kAttnQueries);
   at::parallel_for(0, items, 1, [&](int64_t w0, int64_t w1) {
-    if (avx512)
-      specdec_attention_rows_avx512(p, ktp, vfp, w0, w1);
-    else if (avx2)
-      specdec_attention_rows_avx2(p, ktp, vfp, w0, w1);
-    else
-      attn_generic::attention_rows_items(p, ktp, vfp, w0, w1);
+    (isa == 2 ? specdec_attention_rows_avx512 : isa == 1 ? specdec_attention_rows_avx2
+                                                         : attn_generic::attention_rows_items)(p, ktp, vfp, w0, w1);
   });
   return out;
 }

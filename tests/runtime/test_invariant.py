@@ -87,16 +87,23 @@ def test_attention_of_a_row_does_not_depend_on_other_rows_or_padding():
         assert torch.equal(alone, batch[b:b + 1]), b
 
 
+def _tree_mask(parent: list[int]) -> torch.Tensor:
+    """(1, N, N) bool: node i sees itself and its ancestors (parent[i] = -1 for a root)."""
+    N = len(parent)
+    mask = torch.zeros(1, N, N, dtype=torch.bool)
+    for i in range(N):
+        j = i
+        while j >= 0:
+            mask[0, i, j] = True
+            j = parent[j]
+    return mask
+
+
 def test_attention_of_a_tree_node_equals_its_branch_decoded_as_a_chain():
     # tree over 6 new tokens after 40 cached slots: 0 -> {1, 2}, 1 -> 3, 2 -> 4, 3 -> 5
     parent = [-1, 0, 0, 1, 2, 3]
     N, P, D = len(parent), 40, 64
-    block_mask = torch.zeros(1, N, N, dtype=torch.bool)
-    for i in range(N):
-        j = i
-        while j >= 0:
-            block_mask[0, i, j] = True
-            j = parent[j]
+    block_mask = _tree_mask(parent)
     q, k, v = _qkv(1, 6, 2, N, P + N, D, seed=5)
     pre = torch.tensor([P])
     tree = invariant.attention(q, k, v, block_mask_keys(pre, block_mask, P + N), pre, None)
@@ -170,12 +177,7 @@ def test_a_forward_scores_each_token_the_same_in_any_block_or_batch(model, compi
 def test_a_tree_forward_scores_each_node_as_its_branch(model):
     parent = [-1, 0, 0, 1]
     N, P = len(parent), 15
-    block = torch.zeros(1, N, N, dtype=torch.bool)
-    for i in range(N):
-        j = i
-        while j >= 0:
-            block[0, i, j] = True
-            j = parent[j]
+    block = _tree_mask(parent)
     depth = block.sum(-1) - 1  # (1, N)
     g = _gen(8)
     prompt = torch.randint(0, 256, (1, P), generator=g)
