@@ -3,7 +3,7 @@
 `cpu_blockq.cpp` (next to this file, with `cpu_attention.cpp` and `cpu_attention_isa.cpp`: the
 compiled decode step's cache attention without Python, and the row-invariant attention of
 `runtime.invariant`) is compiled once per machine with the host's C++ compiler
-through `torch.utils.cpp_extension` into `$SPECDEC_HOME/kernels/<hash>` (about a minute on 2
+through `torch.utils.cpp_extension` into `$SPECDEC_HOME/kernels/<hash>-<checkout>` (about a minute on 2
 cores; later processes load the cached library) and registers `blockq_mm` in the op namespace
 `NAMESPACE` (`specdec_cpu_<hash of the source>`: a torch.compile cache never replays a graph made for
 another version of the ops).
@@ -62,7 +62,10 @@ def _load() -> str | None:
 
     from runtime.catalogue import cache_home
 
-    build = cache_home() / "kernels" / f"cpu_blockq-{_key()[:16]}"
+    # the checkout's path in the name too: ninja rebuilds when a source's path changes, so two
+    # checkouts on one machine would otherwise rebuild each other's library
+    where = hashlib.sha256(str(SOURCES[0].parent.resolve()).encode()).hexdigest()[:8]
+    build = cache_home() / "kernels" / f"cpu_blockq-{_key()[:16]}-{where}"
     try:
         build.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(name="specdec_cpu_blockq", sources=[str(p) for p in SOURCES],
