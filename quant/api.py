@@ -8,6 +8,7 @@ nearest formats work module by module; GPTQ, SparseGPT and Wanda calibrate layer
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from fnmatch import fnmatchcase
 
 import torch
@@ -79,6 +80,33 @@ def _check_bitsandbytes(cfg: Config, device: torch.device, dtype: torch.dtype) -
                            f"{err}); use Int4WeightOnly / Int8WeightOnly (PyTorch kernels) on this device") from err
 
 
+Handler = Callable[[nn.Module, dict[str, nn.Linear], Config, "torch.Tensor | None", bool], None]
+Preflight = Callable[[Config, dict[str, nn.Linear]], None]
+# config type -> (a check that the format can run here, what replaces the selected linears): torchao's
+# quantize_ handler table is the model; a new format is a config class and one `@handler(ConfigClass)`
+_HANDLERS: dict[type[Config], tuple[Preflight | None, Handler]] = {}
+
+
+def handler(config_type: type[Config], preflight: Preflight | None = None) -> Callable[[Handler], Handler]:
+    """Register `fn(model, targets, config, calibration, progress)` as the handler of `config_type`;
+    `preflight(config, targets)` runs first, before the weights are read."""
+    def register(fn: Handler) -> Handler:
+        _HANDLERS[config_type] = (preflight, fn)
+        return fn
+    return register
+
+
+def _apply(model: nn.Module, config: Config, calibration: torch.Tensor | None, progress: bool) -> nn.Module:
+    targets = select_linears(model, config)
+    preflight, replace = _HANDLERS[type(config)]
+    if preflight is not None:
+        preflight(config, targets)
+    _check_weights(targets)
+    replace(model, targets, config, calibration, progress)
+    _record(model, config)
+    return model
+
+
 @torch.no_grad()
 def quantize_(model: nn.Module, config: Config, calibration: torch.Tensor | None = None,
               progress: bool = True) -> nn.Module:
@@ -89,51 +117,10 @@ def quantize_(model: nn.Module, config: Config, calibration: torch.Tensor | None
     """
     if isinstance(config, SemiStructured24):
         raise ValueError("SemiStructured24 is a sparsity config: use quant.sparsify_(model, config, ...)")
-    if not isinstance(config, (Int8WeightOnly, Int4WeightOnly, NF4, Int8Mixed)):
-        raise ValueError(f"quantize_ takes Int8WeightOnly, Int4WeightOnly, NF4 or Int8Mixed, got {config!r}")
-    targets = select_linears(model, config)
-    if isinstance(config, (NF4, Int8Mixed)):
-        first = next(iter(targets.values())).weight
-        _check_bitsandbytes(config, first.device, first.dtype)
-    _check_weights(targets)
-    if isinstance(config, Int4WeightOnly):
-        for name, mod in targets.items():
-            check_group_size(name, mod.in_features, config.group_size)
-    if isinstance(config, Int4WeightOnly) and config.method == "gptq":
-        batches = _need_calibration(config, calibration, "Int4WeightOnly(method='gptq')")
-
-        def gptq(name: str, mod: nn.Linear, stats) -> nn.Module:
-            res = solve(mod.weight, stats.H, damp=config.damp, block_size=config.block_size,
-                        group_size=config.group_size, act_order=config.act_order, grid=config.grid,
-                        zero_point=config.zero_point)
-            return int4_module(res.codes, res.scales, res.zeros, config.group_size, _bias(mod), config.zero_point)
-
-        compress_layerwise(model, batches, targets, "hessian", gptq, "gptq", progress=progress)
-    else:
-        for name, mod in targets.items():
-            model.set_submodule(name, _round_to_nearest(mod, config))
-    _record(model, config)
-    return model
-
-
-def _round_to_nearest(mod: nn.Linear, cfg: Config) -> nn.Module:
-    w, b = mod.weight.detach(), _bias(mod)
-    if isinstance(cfg, Int8WeightOnly):
-        return int8_rtn(w, b)
-    if isinstance(cfg, Int4WeightOnly):
-        return int4_rtn(w, cfg.group_size, b, cfg.grid, cfg.zero_point)
-    if isinstance(cfg, NF4):
-        return NF4Linear.quantize(w, b, cfg.blocksize, cfg.double_quant)
-    return Int8MixedLinear.quantize(w, b, cfg.threshold)
-
-
-def _sparse_module(weight: torch.Tensor, drop: torch.Tensor, bias: torch.Tensor | None,
-                   dtype: torch.dtype) -> Sparse24Linear:
-    """Sparse24Linear from a weight and its prune mask (exactly 2 dropped per group of 4)."""
-    N, K = weight.shape
-    keep_idx = torch.nonzero(~drop.view(N, K // 4, 4), as_tuple=True)[2].view(N, K // 4, 2)
-    values = weight.view(N, K // 4, 4).gather(-1, keep_idx).reshape(N, K // 2).to(dtype)
-    return Sparse24Linear(values, pack_24_indices(keep_idx), bias)
+    if type(config) not in _HANDLERS:
+        kinds = ", ".join(t.__name__ for t in _HANDLERS if t is not SemiStructured24)
+        raise ValueError(f"quantize_ takes {kinds}, got {config!r}")
+    return _apply(model, config, calibration, progress)
 
 
 @torch.no_grad()
@@ -146,17 +133,76 @@ def sparsify_(model: nn.Module, config: SemiStructured24, calibration: torch.Ten
     """
     if not isinstance(config, SemiStructured24):
         raise ValueError(f"sparsify_ takes a SemiStructured24 config, got {config!r}; quantize with quant.quantize_")
-    targets = select_linears(model, config)
-    _check_weights(targets)
+    return _apply(model, config, calibration, progress)
+
+
+def _replace_each(model: nn.Module, targets: dict[str, nn.Linear], make: Callable[[nn.Linear], nn.Module]) -> None:
+    for name, mod in targets.items():
+        model.set_submodule(name, make(mod))
+
+
+@handler(Int8WeightOnly)
+def _int8_weight_only(model, targets, cfg: Int8WeightOnly, calibration, progress) -> None:
+    _replace_each(model, targets, lambda mod: int8_rtn(mod.weight.detach(), _bias(mod)))
+
+
+def _bitsandbytes_runs(cfg: Config, targets: dict[str, nn.Linear]) -> None:
+    first = next(iter(targets.values())).weight
+    _check_bitsandbytes(cfg, first.device, first.dtype)
+
+
+@handler(NF4, preflight=_bitsandbytes_runs)
+def _nf4(model, targets, cfg: NF4, calibration, progress) -> None:
+    _replace_each(model, targets,
+                  lambda mod: NF4Linear.quantize(mod.weight.detach(), _bias(mod), cfg.blocksize, cfg.double_quant))
+
+
+@handler(Int8Mixed, preflight=_bitsandbytes_runs)
+def _int8_mixed(model, targets, cfg: Int8Mixed, calibration, progress) -> None:
+    _replace_each(model, targets, lambda mod: Int8MixedLinear.quantize(mod.weight.detach(), _bias(mod), cfg.threshold))
+
+
+@handler(Int4WeightOnly)
+def _int4_weight_only(model, targets, cfg: Int4WeightOnly, calibration, progress) -> None:
+    for name, mod in targets.items():
+        check_group_size(name, mod.in_features, cfg.group_size)
+    if cfg.method != "gptq":
+        _replace_each(model, targets, lambda mod: int4_rtn(mod.weight.detach(), cfg.group_size, _bias(mod), cfg.grid,
+                                                           cfg.zero_point))
+        return
+    batches = _need_calibration(cfg, calibration, "Int4WeightOnly(method='gptq')")
+
+    def gptq(name: str, mod: nn.Linear, stats) -> nn.Module:
+        res = solve(mod.weight, stats.H, damp=cfg.damp, block_size=cfg.block_size, group_size=cfg.group_size,
+                    act_order=cfg.act_order, grid=cfg.grid, zero_point=cfg.zero_point)
+        return int4_module(res.codes, res.scales, res.zeros, cfg.group_size, _bias(mod), cfg.zero_point)
+
+    compress_layerwise(model, batches, targets, "hessian", gptq, "gptq", progress=progress)
+
+
+def _sparse_module(weight: torch.Tensor, drop: torch.Tensor, bias: torch.Tensor | None,
+                   dtype: torch.dtype) -> Sparse24Linear:
+    """Sparse24Linear from a weight and its prune mask (exactly 2 dropped per group of 4)."""
+    N, K = weight.shape
+    keep_idx = torch.nonzero(~drop.view(N, K // 4, 4), as_tuple=True)[2].view(N, K // 4, 2)
+    values = weight.view(N, K // 4, 4).gather(-1, keep_idx).reshape(N, K // 2).to(dtype)
+    return Sparse24Linear(values, pack_24_indices(keep_idx), bias)
+
+
+def _magnitude_24(mod: nn.Linear) -> Sparse24Linear:
+    w = mod.weight.detach()
+    return _sparse_module(w, mask_24(w.abs().float()), _bias(mod), w.dtype)
+
+
+@handler(SemiStructured24)
+def _semi_structured_24(model, targets, config: SemiStructured24, calibration, progress) -> None:
     for name, mod in targets.items():
         if mod.in_features % 8:
             raise ValueError(f"2:4 sparsity needs input widths divisible by 8; {name} has {mod.in_features}")
         if config.int4_group_size is not None:
             check_group_size(name, mod.in_features, config.int4_group_size)
     if config.method == "magnitude":
-        for name, mod in targets.items():
-            w = mod.weight.detach()
-            model.set_submodule(name, _sparse_module(w, mask_24(w.abs().float()), _bias(mod), w.dtype))
+        _replace_each(model, targets, _magnitude_24)
     elif config.method == "wanda":
         batches = _need_calibration(config, calibration, "SemiStructured24(method='wanda')")
 
@@ -183,5 +229,3 @@ def sparsify_(model: nn.Module, config: SemiStructured24, calibration: torch.Ten
                                       res.zeros.to(torch.bfloat16).contiguous(), config.int4_group_size, _bias(mod))
 
         compress_layerwise(model, batches, targets, "hessian", sparsegpt, "sparsegpt", progress=progress)
-    _record(model, config)
-    return model

@@ -1,5 +1,7 @@
 """quant.quantize_ / sparsify_ on tiny models: quality (SQNR of logits), module selection, bad input."""
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -144,3 +146,18 @@ def test_bitsandbytes_config_that_cannot_run_on_the_device_is_a_clear_error():
     model = tiny_model("llama", seed=0).to("meta")  # bitsandbytes has no LLM.int8 kernel for this device
     with pytest.raises(RuntimeError, match="bitsandbytes cannot run Int8Mixed.*on meta"):
         quant.quantize_(model, quant.Int8Mixed(), progress=False)
+
+
+def test_quantize_refuses_a_config_without_a_handler_naming_the_ones_it_takes():
+    @dataclasses.dataclass(frozen=True)
+    class Int3(quant.Int8WeightOnly):  # a subclass is a new format: it needs its own handler
+        pass
+
+    model = tiny_model("llama", seed=0)
+    with pytest.raises(ValueError, match="quantize_ takes Int8WeightOnly, .*Int4WeightOnly, got .*Int3"):
+        quant.quantize_(model, Int3(), progress=False)
+    with pytest.raises(ValueError, match="sparsity config: use quant.sparsify_"):
+        quant.quantize_(model, quant.SemiStructured24(), progress=False)
+    with pytest.raises(ValueError, match="sparsify_ takes a SemiStructured24"):
+        quant.sparsify_(model, quant.Int8WeightOnly(), progress=False)
+    assert not any(isinstance(m, QuantizedLinear) for m in model.modules())  # refused before any change
