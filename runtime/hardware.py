@@ -4,17 +4,9 @@ fast: bf16 where it is native, float32 elsewhere.
 bf16 halves the bytes a decoding step reads, but only hardware with bf16 arithmetic (CUDA GPUs
 of compute capability 8.0+, CPUs with AVX-512 BF16 or AMX, which oneDNN reports) computes with
 it directly. An AVX2-only CPU (many AMD EPYC and older Intel parts) widens every bf16 operand
-to float32 inside each product, and that conversion, not memory, sets the speed. On such a CPU
-(AMD EPYC, 2 cores, PyTorch 2.13; BENCHMARKS.md, "An AVX2 CPU"):
-
-| product (rows x 1536) @ (1536 x N)       | bf16       | float32   |
-|------------------------------------------|------------|-----------|
-| 1 row, N = 8960 (a decode step's MLP)    | 1.48 ms    | 2.68 ms   |
-| 64 rows, N = 8960 (batched decode)       | 85.90 ms   | 18.19 ms  |
-| 64 rows, N = 151936 (qwen's LM head)     | 1480.37 ms | 390.33 ms |
-
-So batched work there (self-distillation, head training, batched evaluation) runs several
-times faster in float32, while a single row still decodes faster in bf16.
+to float32 inside each product, and that conversion, not memory, sets the speed: there a single
+row still decodes faster in bf16, but batched work (self-distillation, head training, batched
+evaluation) runs several times faster in float32 (BENCHMARKS.md, "An AVX2 CPU").
 """
 
 from __future__ import annotations

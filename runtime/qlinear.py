@@ -14,14 +14,11 @@ Kernel choice on the CPU, by row count and dtype (INT8 and INT4; `packed_max_row
 - many rows (prompts, perplexity windows, long trees), and every float32 call: `_tiled`, which
   dequantizes a tile of output channels at a time into a scratch buffer of about `TILE_BYTES` and
   calls the dense GEMM on it, in the activations' own dtype where the CPU multiplies it natively;
-  on a CPU without native bf16 (AVX2 only: no AVX-512-BF16 or AMX) a bf16 call multiplies in
-  float32 and rounds the result to bf16, because bf16 products there are widened in software and
-  the tile's GEMM ran 60x slower than in float32 (256 rows by a 1536x576 INT4 weight on a 2-core
-  AVX2 EPYC: 264 ms against 4.5). The packed kernels' float32 path is
-  10-20x slower than their bf16 one (3.6 ms for one row of a 4864x896 INT8 weight, about what
-  `_tiled` costs), and rounding float32 activations to bf16 for them would be 20x faster but
-  would break what float32 is for here: outputs equal to the dequantized model's (quality
-  tables, exact losslessness checks), so float32 stays exact.
+  on a CPU without native bf16 (AVX2 only) a bf16 call multiplies in float32 and rounds the result
+  to bf16, because bf16 products there are widened in software (BENCHMARKS.md, "An AVX2 CPU").
+  The packed kernels' float32 path is much slower than their bf16 one, and float32 calls must
+  stay exact (outputs equal to the dequantized model's, for quality tables and losslessness
+  checks), so float32 always takes `_tiled`.
 
 No dense copy of the weight outlives a call. The crossover rows per (format, dtype) are in
 `PACKED_MAX_ROWS`, measured with `benchmarks/quant_rows.py` (BENCHMARKS.md, "Quantized models
@@ -42,8 +39,7 @@ from torch import nn
 from runtime.hardware import native_bf16
 
 # Calls with more rows than this run `_tiled` (dequantize + dense GEMM); fewer run the packed
-# kernel. Measured on a 2-core AMD EPYC with AVX-512-BF16 (no AMX), 2 threads, by
-# `benchmarks/quant_rows.py` on the MLP shapes of qwen2.5-coder-0.5b and smollm2.
+# kernel (the crossovers `benchmarks/quant_rows.py` measures, BENCHMARKS.md).
 PACKED_MAX_ROWS: dict[tuple[str, torch.dtype], int] = {
     ("int8", torch.bfloat16): 24, ("int4", torch.bfloat16): 96,
 }
