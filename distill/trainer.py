@@ -15,9 +15,11 @@ micro-batches of a step, their loss, an optional evaluation, how its weights are
 restored, and its own per-step records.
 
 Checkpoints hold the task's weights as safetensors, `optimizer.pt` (tensors only, read with
-`torch.load(weights_only=True)`) and a JSON file of the trainer's state, written last. Two
-layouts: `CheckpointDir` (one directory rewritten in place) and `StepCheckpoints` (a directory per
-step, renamed into place, and `latest.json` naming the newest).
+`torch.load(weights_only=True)`) and a JSON file of the trainer's state (step, losses,
+evaluations, training seconds, config, the task's own records). Each is written in a temporary
+directory and renamed into place, so a stopped job never leaves half a checkpoint. Two layouts:
+`CheckpointDir` (one directory, replaced whole) and `StepCheckpoints` (a directory per step and
+`latest.json` naming the newest).
 """
 
 from __future__ import annotations
@@ -108,26 +110,38 @@ def set_lr(opt: torch.optim.Optimizer, step: int, total: int, seconds: float, de
 
 
 class CheckpointDir:
-    """Checkpoints in one directory, rewritten in place: each file atomically, the trainer state
-    (`meta`) last, so that it names the step the other files belong to."""
+    """Checkpoints in one directory, replaced whole: a new one is written in a temporary directory
+    beside it, the old one renamed to `.<name>.old`, the new one renamed into place, then the old one
+    removed. Stopped at any point, `latest` finds a complete checkpoint (the new or the old one)."""
 
     def __init__(self, path: str | Path, meta: str = "trainer.json") -> None:
         self.path, self.meta = Path(path), meta
+        self.old = self.path.parent / f".{self.path.name}.old"
 
     def latest(self) -> Path | None:
-        """The directory of the newest checkpoint, or None without one."""
-        return self.path if (self.path / self.meta).is_file() else None
+        """The directory of the newest complete checkpoint, or None without one."""
+        return next((d for d in (self.path, self.old) if (d / self.meta).is_file()), None)
 
     def write(self, step: int, fill, state: dict) -> None:
         """Write a checkpoint: fill(directory) writes the weights and optimizer, then the state."""
-        self.path.mkdir(parents=True, exist_ok=True)
-        fill(self.path)
-        atomic_write_text(self.path / self.meta, json.dumps(state))
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent))
+        try:
+            fill(tmp)
+            (tmp / self.meta).write_text(json.dumps(state))
+            if self.path.exists():  # else the old one, if any, is the only complete checkpoint: kept until now
+                shutil.rmtree(self.old, ignore_errors=True)
+                self.path.rename(self.old)
+            tmp.rename(self.path)
+            shutil.rmtree(self.old, ignore_errors=True)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 class StepCheckpoints:
     """Checkpoints as ROOT/step-N directories: each written in a temporary directory renamed into
-    place, then `latest.json` (atomically) names it; older step directories beyond `keep` are removed."""
+    place, then `latest.json` (atomically) names it; of the older step directories the `keep` newest
+    stay, the others are removed."""
 
     LATEST = "latest.json"
 
