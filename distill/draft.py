@@ -10,13 +10,11 @@ Each step (`distill_draft`):
    tvd at `temperature`) averaged over the answer tokens is the loss;
 3. AdamW on every trainable weight of the draft (full fine-tuning; `freeze_embeddings` keeps the
    embedding, and a tied LM head with it, fixed) or on LoRA adapters (`lora`, via peft; merged
-   into the weights before saving), linear warm-up then cosine decay (the deadline-aware schedule
-   of distill.train_medusa), gradient clipping, bf16 autocast of the draft's forward where the
-   hardware multiplies bf16 natively. `accelerate` holds the device and gradient accumulation, so
-   the same loop runs under `accelerate launch --num_processes N` (DDP: each process its own
+   into the weights before saving), in `distill.trainer`'s loop (`DraftTask`: warm-up + cosine
+   decay, gradient clipping, autocast of the draft's forward, `grad_accum` micro-steps per step).
+   The same loop runs under `accelerate launch --num_processes N` (DDP: each process its own
    rows; each process's loss is weighted by its share of the step's answer tokens, so the
-   averaged gradient and the logged loss are those of the mean over all of them, and every
-   process follows the main process's clock: distill.accel).
+   averaged gradient and the logged loss are those of the mean over all of them).
 
 Every `eval_every` steps the main process measures held-out acceptance: the draft's top-1
 agreement with the target's greedy answers to the held-out prompts, teacher-forced
@@ -24,9 +22,9 @@ agreement with the target's greedy answers to the held-out prompts, teacher-forc
 sampling noise; the answers are generated once and kept in OUT/heldout_answers.json), and, with
 `eval_decode`, greedy speculative decoding of the target with the draft (a copy in the target's
 dtype) on those prompts (`specdec.generate`; tau and the acceptance rate of its AcceptanceStats).
-OUT receives atomic checkpoints every `checkpoint_every` steps (OUT/distill_checkpoint/step-N:
-the trainable weights as safetensors, optimizer.pt of tensors only, trainer.json; `latest.json`
-names the newest, written last), the distilled draft as a Hugging Face checkpoint
+OUT receives checkpoints every `checkpoint_every` steps (OUT/distill_checkpoint/step-N:
+trainable.safetensors, optimizer.pt, trainer.json; `latest.json` names the newest:
+distill.trainer.StepCheckpoints), the distilled draft as a Hugging Face checkpoint
 (model.safetensors + config.json + tokenizer: `runtime.load_model(OUT)`, `specdec eval --methods
 draft:OUT`, `quant` compresses it), distill_metrics.json and distill.png (loss and held-out
 acceptance over the steps).

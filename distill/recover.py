@@ -13,13 +13,11 @@ much of it back by training the sparse model toward the dense one. Here:
   temperature (times T^2), plus optionally `ce_weight` times the next-token cross-entropy on the
   window's own tokens. The dense teacher's logits are computed once per micro-batch under no_grad.
 - Trained: the kept values and biases of the sparse linears, and the norm weights (`train_norms`);
-  embeddings and any dense linear stay frozen. float32 master weights, `accelerate` for device,
-  bf16 autocast where the hardware multiplies it natively, gradient accumulation (micro-batches
-  of `micro_batch` windows), several processes (distill.accel), AdamW, warm-up + cosine (the
-  deadline-aware schedule of distill.train_medusa), gradient clipping.
-- Long-job frame: a progress bar, held-out perplexity every `eval_every` steps, atomic
-  checkpoints in OUT/checkpoint every `checkpoint_every` steps and when stopped, resume from them,
-  a deadline, OUT/recovery.png (loss and held-out perplexity) and OUT/metrics.json.
+  embeddings and any dense linear stay frozen. float32 master weights; gradients accumulate over
+  micro-batches of `micro_batch` windows.
+- The loop is `distill.trainer`'s (`RecoverTask`: AdamW, warm-up + cosine, clipping, autocast,
+  several processes, checkpoints in OUT/checkpoint and resume, a deadline): held-out perplexity
+  every `eval_every` steps, OUT/recovery.png (loss and held-out perplexity) and OUT/metrics.json.
 """
 
 from __future__ import annotations

@@ -26,12 +26,10 @@
    distribution restricted to the draft vocabulary and renormalised (h the cached final-norm
    state at position t + s, W_d the target's LM head rows of the draft ids), q = softmax of the
    head's logits. Per-depth accuracy: argmax q == argmax p.
-5. `train_eagle`: AdamW, linear warm-up then cosine decay (and the deadline-aware schedule of
-   distill.train_medusa), gradient clipping, `accelerate` for device and mixed precision, a
-   progress bar, atomic checkpoints every `checkpoint_every` steps (OUT/checkpoint: the head in
-   the speculators format via specdec.save_eagle, optimizer.pt of tensors only, and
-   eagle_trainer.json) resumed from, held-out per-depth accuracy, OUT/loss.png and
-   OUT/metrics.json, and the head itself in OUT (specdec.load_eagle(OUT, target)).
+5. `train_eagle`: `distill.trainer`'s loop (`EagleTask`: AdamW, warm-up + cosine decay, gradient
+   clipping, checkpoints in OUT/checkpoint, the head in the speculators format beside
+   eagle_trainer.json, and resume), then held-out per-depth accuracy, OUT/loss.png,
+   OUT/metrics.json and the head itself in OUT (specdec.load_eagle(OUT, target)).
 """
 
 from __future__ import annotations

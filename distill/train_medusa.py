@@ -9,11 +9,10 @@
 2. `train_medusa` trains the heads for many epochs on those shards (cheap: no backbone pass):
    loss = sum_i 0.8^i CE(head i) (softmax over the whole vocabulary, or, with vocab="data",
    over the tokens the training answers use: 3-5x cheaper on a CPU, and the heads then guess
-   among those tokens only), AdamW with warmup + cosine decay, `accelerate` for device
-   placement and mixed precision, a progress bar, atomic checkpoints every `checkpoint_every` steps and
-   resume from them, a loss-curve PNG, and per-head top-k accuracy on the held-out shards. The
-   measured accuracy picks the heads' candidate tree (`distill.medusa.choose_tree`), stored with
-   them by `distill.save_medusa`.
+   among those tokens only) in `distill.trainer`'s loop (`MedusaTask`: AdamW, warm-up + cosine
+   decay, checkpoints in OUT/checkpoint and resume, loss.png, metrics.json), then per-head top-k
+   accuracy on the held-out shards. The measured accuracy picks the heads' candidate tree
+   (`distill.medusa.choose_tree`), stored with them by `distill.save_medusa`.
 """
 
 from __future__ import annotations
