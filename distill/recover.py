@@ -259,7 +259,7 @@ def recover(student: nn.Module, teacher: nn.Module, data: torch.Tensor, config: 
     out_dir: new, empty or a recovery directory (resumed from when `resume`); it receives the
     checkpoints, recovery.png and metrics.json. Without it nothing is written.
     deadline: a time.monotonic() value at which training stops (the final evaluation still runs);
-    the cosine decay then follows the time spent (distill.train_medusa.set_lr).
+    the cosine decay then follows the time spent (distill.trainer.set_lr).
     Returns the metrics (steps, losses, held-out perplexities, seconds, config).
     """
     _check_windows("data", data)
