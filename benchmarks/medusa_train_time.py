@@ -8,7 +8,7 @@ against soft targets on the cache of a finished recipe run:
         --soft-targets
     python recipes/medusa_smollm2.py --out runs/a --eval-only --eval-dtype float32 --speed-prompts 0
 
-The training flags are TrainConfig's (`distill.config_args`) with recipes/medusa_smollm2.py's
+The training flags are MedusaTrainConfig's (`distill.config_args`) with recipes/medusa_smollm2.py's
 values (its TRAIN, two residual layers per head), so a run changes only what an A/B run compares.
 """
 
@@ -25,7 +25,7 @@ import torch
 import distill
 import runtime
 from distill.config_args import add_dataclass_args, dataclass_from_args
-from distill.train_medusa import TrainConfig
+from distill.train_medusa import MedusaTrainConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
 from medusa_smollm2 import DEFAULTS, TRAIN  # noqa: E402  (a script beside this one, not a package)
@@ -39,12 +39,12 @@ def main() -> None:
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--num-layers", type=int, default=DEFAULTS["num_layers"], help="residual layers per head")
     p.add_argument("--threads", type=int, default=2)
-    add_dataclass_args(p.add_argument_group("head training (TrainConfig)"), TrainConfig, defaults=TRAIN)
+    add_dataclass_args(p.add_argument_group("head training (MedusaTrainConfig)"), MedusaTrainConfig, defaults=TRAIN)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     model = runtime.load_model(args.model, dtype=torch.bfloat16, weights="dense")
     heads = distill.attach_medusa(model, num_heads=4, num_layers=args.num_layers)
-    cfg = dataclass_from_args(TrainConfig, args)
+    cfg = dataclass_from_args(MedusaTrainConfig, args)
     m = distill.train_medusa(heads, args.cache, args.out, cfg, deadline=time.monotonic() + 60 * args.minutes,
                              resume=False)  # a fresh start every time: equal-time comparisons
     print(json.dumps({k: m[k] for k in ("steps", "planned_steps", "top1_accuracy", "expected_accepted_per_step")}))

@@ -8,9 +8,9 @@ from distill.medusa import attach_medusa, choose_tree, load_medusa, read_medusa_
 from distill.recover import RecoverConfig, recover
 from distill.selfdistill import generate_selfdistill, read_records, sharegpt_prompts
 from distill.train_eagle import EagleTrainConfig, train_eagle
-from distill.train_medusa import TrainConfig, cache_hidden_states, head_accuracy, train_medusa
+from distill.train_medusa import MedusaTrainConfig, cache_hidden_states, head_accuracy, train_medusa
 
 __all__ = ["attach_medusa", "choose_tree", "load_medusa", "save_medusa", "read_medusa_config", "train_medusa",
-           "TrainConfig", "cache_hidden_states", "head_accuracy", "generate_selfdistill",
+           "MedusaTrainConfig", "cache_hidden_states", "head_accuracy", "generate_selfdistill",
            "read_records", "sharegpt_prompts", "train_eagle", "EagleTrainConfig", "cache_eagle_states",
            "recover", "RecoverConfig", "distill_draft", "DistillConfig"]

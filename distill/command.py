@@ -2,7 +2,7 @@
 
 `register(subparsers)` adds them to the `specdec` CLI; each parser sets `func(args) -> int`.
 Defaults are the library's: `medusa train` derives its training flags from the fields of
-`TrainConfig` (`distill.config_args`), and `medusa data` takes generate_selfdistill's.
+`MedusaTrainConfig` (`distill.config_args`), and `medusa data` takes generate_selfdistill's.
 """
 
 from __future__ import annotations
@@ -64,10 +64,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     from distill.config_args import dataclass_from_args
     from distill.medusa import attach_medusa
     from distill.selfdistill import read_records
-    from distill.train_medusa import TrainConfig, cache_hidden_states, check_cache_dir, check_train_dir, train_medusa
+    from distill.train_medusa import (
+        MedusaTrainConfig,
+        cache_hidden_states,
+        check_cache_dir,
+        check_train_dir,
+        train_medusa,
+    )
 
     deadline = deadline_after(args.max_minutes)
-    cfg = dataclass_from_args(TrainConfig, args)  # checked before any loading
+    cfg = dataclass_from_args(MedusaTrainConfig, args)  # checked before any loading
     check_train_dir(args.out)  # so are the output directories and the data
     cache_dir = check_cache_dir(args.hidden_cache or Path(args.out) / "hidden_cache")
     records = read_records(args.data)
@@ -200,7 +206,7 @@ def register(subparsers) -> None:
     from distill.config_args import add_dataclass_args
     from distill.medusa import attach_medusa
     from distill.selfdistill import generate_selfdistill
-    from distill.train_medusa import TrainConfig
+    from distill.train_medusa import MedusaTrainConfig
 
     gen = {k: v.default for k, v in inspect.signature(generate_selfdistill).parameters.items()}
     medusa = subparsers.add_parser("medusa", help="Medusa heads: self-distillation data, training, trees")
@@ -238,7 +244,7 @@ def register(subparsers) -> None:
                    help="residual blocks per head (default: %(default)s)")
     t.add_argument("--separate-lm-heads", action="store_true",
                    help="a trainable LM head per Medusa head instead of the shared frozen one")
-    add_dataclass_args(t.add_argument_group("training (TrainConfig)"), TrainConfig)
+    add_dataclass_args(t.add_argument_group("training (MedusaTrainConfig)"), MedusaTrainConfig)
     t.add_argument("--max-minutes", type=float, default=None,
                    help="stop caching and training after this many minutes; the heads are still measured, "
                         "given their tree and saved, and the same command resumes")
@@ -247,7 +253,7 @@ def register(subparsers) -> None:
     r = sub.add_parser("tree", help="rebuild the heads' candidate tree from measured accuracy")
     common(r)
     r.add_argument("--heads", required=True, help="heads directory (rewritten in place)")
-    r.add_argument("--num-nodes", type=parse_num_nodes, default=TrainConfig.tree_nodes,
+    r.add_argument("--num-nodes", type=parse_num_nodes, default=MedusaTrainConfig.tree_nodes,
                    help="tree size, or 'auto': time the trees of --sizes on this machine against plain "
                         "decoding and keep the one with the highest expected speed (expected tau / step "
                         "cost; on a CPU a small tree often wins); the timings go to HEADS/tree_cost.json")

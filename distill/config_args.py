@@ -65,7 +65,7 @@ def _check_value(field: dataclasses.Field, value: Any) -> None:
 
 def check_fields(config: Any) -> None:
     """Check every field of dataclass instance `config` against its metadata's choices and check;
-    the ValueError names the field (`TrainConfig.lr must be ...`)."""
+    the ValueError names the field (`MedusaTrainConfig.lr must be ...`)."""
     for f in dataclasses.fields(config):
         try:
             _check_value(f, getattr(config, f.name))

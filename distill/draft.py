@@ -10,13 +10,11 @@ Each step (`distill_draft`):
    tvd at `temperature`) averaged over the answer tokens is the loss;
 3. AdamW on every trainable weight of the draft (full fine-tuning; `freeze_embeddings` keeps the
    embedding, and a tied LM head with it, fixed) or on LoRA adapters (`lora`, via peft; merged
-   into the weights before saving), linear warm-up then cosine decay (the deadline-aware schedule
-   of distill.train_medusa), gradient clipping, bf16 autocast of the draft's forward where the
-   hardware multiplies bf16 natively. `accelerate` holds the device and gradient accumulation, so
-   the same loop runs under `accelerate launch --num_processes N` (DDP: each process its own
+   into the weights before saving), in `distill.trainer`'s loop (`DraftTask`: warm-up + cosine
+   decay, gradient clipping, autocast of the draft's forward, `grad_accum` micro-steps per step).
+   The same loop runs under `accelerate launch --num_processes N` (DDP: each process its own
    rows; each process's loss is weighted by its share of the step's answer tokens, so the
-   averaged gradient and the logged loss are those of the mean over all of them, and every
-   process follows the main process's clock: distill.accel).
+   averaged gradient and the logged loss are those of the mean over all of them).
 
 Every `eval_every` steps the main process measures held-out acceptance: the draft's top-1
 agreement with the target's greedy answers to the held-out prompts, teacher-forced
@@ -24,9 +22,9 @@ agreement with the target's greedy answers to the held-out prompts, teacher-forc
 sampling noise; the answers are generated once and kept in OUT/heldout_answers.json), and, with
 `eval_decode`, greedy speculative decoding of the target with the draft (a copy in the target's
 dtype) on those prompts (`specdec.generate`; tau and the acceptance rate of its AcceptanceStats).
-OUT receives atomic checkpoints every `checkpoint_every` steps (OUT/distill_checkpoint/step-N:
-the trainable weights as safetensors, optimizer.pt of tensors only, trainer.json; `latest.json`
-names the newest, written last), the distilled draft as a Hugging Face checkpoint
+OUT receives checkpoints every `checkpoint_every` steps (OUT/distill_checkpoint/step-N:
+trainable.safetensors, optimizer.pt, trainer.json; `latest.json` names the newest:
+distill.trainer.StepCheckpoints), the distilled draft as a Hugging Face checkpoint
 (model.safetensors + config.json + tokenizer: `runtime.load_model(OUT)`, `specdec eval --methods
 draft:OUT`, `quant` compresses it), distill_metrics.json and distill.png (loss and held-out
 acceptance over the steps).
@@ -36,32 +34,27 @@ from __future__ import annotations
 
 import copy
 import functools
-import json
-import shutil
 import tempfile
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
 import specdec
-from distill.accel import autocast_mode, global_mean, synced_clock
 from distill.code_prompts import STUB_CACHE
-from distill.config_args import at_least, check_fields, positive
+from distill.config_args import at_least, positive
 from distill.divergence import DIVERGENCES, masked_divergence
 from distill.heldout import HeldoutSet, agreement, target_answers
 from distill.onpolicy import DATA_SOURCES, batch_source, make_batch, sample_answers
-from distill.train_medusa import set_lr
+from distill.trainer import Panel, StepCheckpoints, Task, Trainer, TrainerConfig, series, trainer_field
 from runtime.atomic import atomic_write, atomic_write_text
 from runtime.hf_state import dense_hf_state
 from runtime.outputs import prepare_output_dir
-from runtime.progress import progress
 
 CHECKPOINTS = "distill_checkpoint"
 HELDOUT_ANSWERS = "heldout_answers.json"
-LATEST = "latest.json"
+LATEST = StepCheckpoints.LATEST
 METRICS = "distill_metrics.json"
 # files that mark a draft distillation directory: with one of them there, distill_draft resumes in it
 # (`specdec distill draft` caches the function stubs there before training starts)
@@ -76,14 +69,20 @@ def _unit(value: float) -> None:
 
 
 @dataclass(frozen=True)
-class DistillConfig:
+class DistillConfig(TrainerConfig):
     """Draft distillation settings: the one declaration of their defaults (`specdec distill draft`
-    and recipes/distill_qwen05_draft.py derive their flags from these fields).
+    and recipes/distill_qwen05_draft.py derive their flags from these fields; the shared ones, lr to
+    seed, are distill.trainer.TrainerConfig's).
 
     Defaults: on-policy data and forward KL at temperature 1 (DistillSpec's greedy-decoding
     setting); full fine-tuning, because LoRA was not measured to give more held-out acceptance per
     CPU-minute (see docs/distillation.md); lr and batch are starting points for a CPU budget.
     """
+
+    lr: float = trainer_field("lr", 1e-5)
+    warmup_steps: int = trainer_field("warmup_steps", 10)
+    max_grad_norm: float | None = trainer_field("max_grad_norm", 1.0)
+    checkpoint_every: int = trainer_field("checkpoint_every", 25)
 
     data: str = field(default="on-policy", metadata={
         "help": "whose answers the draft learns on: on-policy (its own samples), target (the target's "
@@ -106,13 +105,6 @@ class DistillConfig:
     grad_accum: int = field(default=1, metadata={"help": "micro-steps per optimizer step", "check": at_least(1)})
     steps: int = field(default=300, metadata={"help": "optimizer steps planned (the schedule's length)",
                                               "check": at_least(1)})
-    lr: float = field(default=1e-5, metadata={"help": "peak AdamW learning rate (warm-up, then cosine decay)",
-                                              "check": positive})
-    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay", "check": at_least(0)})
-    warmup_steps: int = field(default=10, metadata={"help": "steps of linear learning-rate warm-up",
-                                                    "check": at_least(0)})
-    max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping: largest total gradient norm",
-                                                        "check": positive})
     freeze_embeddings: bool = field(default=False, metadata={
         "help": "keep the token embedding fixed (and a tied LM head with it)"})
     lora: bool = field(default=False, metadata={
@@ -120,11 +112,6 @@ class DistillConfig:
                 "into the weights before saving"})
     lora_rank: int = field(default=16, metadata={"help": "LoRA rank", "check": at_least(1)})
     lora_alpha: float = field(default=32.0, metadata={"help": "LoRA alpha (scale alpha / rank)", "check": positive})
-    mixed_precision: str = field(default="auto", metadata={
-        "help": "autocast mode of the draft's training forward; auto: bf16 where the hardware multiplies it "
-                "natively, else float32", "choices": ("auto", "no", "bf16")})
-    checkpoint_every: int = field(default=25, metadata={"help": "steps between resumable checkpoints",
-                                                        "check": at_least(1)})
     eval_every: int = field(default=25, metadata={"help": "steps between held-out acceptance measurements",
                                                   "check": at_least(1)})
     eval_tokens: int = field(default=64, metadata={
@@ -137,14 +124,6 @@ class DistillConfig:
                                                         "check": at_least(1)})
     save_dtype: str = field(default="bfloat16", metadata={"help": "dtype of the saved draft",
                                                           "choices": tuple(SAVE_DTYPES)})
-    seed: int = field(default=0, metadata={"help": "seed of the prompt order, the samples and the adapters"})
-
-    def __post_init__(self) -> None:
-        check_fields(self)
-
-    def autocast_mode(self, device: torch.device) -> str:
-        """The autocast mode of training on `device`, "bf16" or "no" ("auto" resolved)."""
-        return autocast_mode(self.mixed_precision, device)
 
 
 def check_distill_dir(out_dir: str | Path) -> Path:
@@ -239,45 +218,6 @@ def _trainable_state(model) -> dict[str, torch.Tensor]:
             if p.requires_grad}
 
 
-def _save_checkpoint(root: Path, step: int, model, opt, state: dict, keep: int = 1) -> None:
-    """OUT/distill_checkpoint/step-N written in a temporary directory renamed into place, then
-    latest.json (atomically) names it; older step directories beyond `keep` are removed."""
-    root.mkdir(parents=True, exist_ok=True)
-    name = f"step-{step:07d}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".tmp", dir=root))
-    try:
-        save_file(_trainable_state(model), str(tmp / "trainable.safetensors"))
-        torch.save(opt.state_dict(), tmp / "optimizer.pt")
-        (tmp / "trainer.json").write_text(json.dumps(state))
-        final = root / name
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    atomic_write_text(root / LATEST, json.dumps({"checkpoint": name, "step": step}))
-    for old in sorted(p for p in root.glob("step-*") if p.is_dir() and p.name != name)[:-keep or None]:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def _load_checkpoint(root: Path, model, opt) -> dict | None:
-    """Restore the newest checkpoint into `model` and `opt`; its trainer state, or None without one."""
-    if not (root / LATEST).is_file():
-        return None
-    ckpt = root / json.loads((root / LATEST).read_text())["checkpoint"]
-    saved = load_file(str(ckpt / "trainable.safetensors"))
-    params = dict(model.named_parameters())
-    trainable = {n for n, p in params.items() if p.requires_grad}
-    if set(saved) != trainable:
-        raise ValueError(f"{ckpt} holds other trainable weights than this configuration trains (lora, "
-                         "freeze_embeddings or the draft differ); use another output directory")
-    with torch.no_grad():
-        for n, t in saved.items():
-            params[n].copy_(t)
-    opt.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True))
-    return json.loads((ckpt / "trainer.json").read_text())
-
-
 def save_draft(model, out_dir: str | Path, tokenizer=None, dtype: torch.dtype = torch.bfloat16) -> Path:
     """Write runtime model `model` into `out_dir` as a Hugging Face checkpoint (model.safetensors,
     config.json, the tokenizer when given), each file atomically, the config last."""
@@ -297,29 +237,87 @@ def save_draft(model, out_dir: str | Path, tokenizer=None, dtype: torch.dtype = 
     return out
 
 
-def _plot(losses: list[float], evals: list[dict], path: Path, what: str) -> None:
-    import matplotlib
+class DraftTask(Task):
+    """Draft distillation for distill.trainer: each micro-step samples its rows' answers
+    (distill.onpolicy), scores them with the target and the draft, and weighs the divergence by the
+    process's share of the step's answer tokens; held-out acceptance every `eval_every` steps; the
+    trainable weights as the checkpoint's trainable.safetensors."""
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    desc = "distilling the draft"
+    plot_file = "distill.png"
+    metrics_file = METRICS
+    final_window = 10
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5))
-    left.plot(range(1, len(losses) + 1), losses, lw=0.8)
-    left.set(xlabel="step", ylabel=what, title="draft distillation loss")
-    agreed = [e for e in evals if "agreement" in e]
-    if agreed:
-        right.plot([e["step"] for e in agreed], [e["agreement"] for e in agreed], marker="o",
-                   label="top-1 agreement (teacher-forced)")
-    decoded = [e for e in evals if "tau" in e]
-    if decoded:
-        twin = right.twinx()
-        twin.plot([e["step"] for e in decoded], [e["tau"] for e in decoded], marker="s", color="C1",
-                  label="tau (speculative decoding)")
-        twin.set_ylabel("tau (tokens / target forward)")
-    right.set(xlabel="step", ylabel="agreement with the target's greedy answers", title="held-out acceptance (greedy)")
-    fig.tight_layout()
-    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110))
-    plt.close(fig)
+    def __init__(self, target, draft, train_prompts: list[list[int]], held: HeldoutSet | None,
+                 held_prompts: list[list[int]], config: DistillConfig, eos_token_id, out_dir: Path | None) -> None:
+        self.target, self.draft, self.prompts, self.config = target, draft, train_prompts, config
+        self.held, self.held_prompts, self.eos_token_id, self.out_dir = held, held_prompts, eos_token_id, out_dir
+        self.total_steps, self.eval_every = config.steps, config.eval_every
+        self.loss_label = f"{config.divergence} per answer token"
+        self.order_for = functools.lru_cache(maxsize=2)(self._order)
+
+    def module(self):
+        return self.draft
+
+    def _order(self, epoch: int) -> list[int]:
+        """The prompt order of `epoch`."""
+        return torch.randperm(len(self.prompts),
+                              generator=torch.Generator().manual_seed(_seed(self.config.seed, epoch))).tolist()
+
+    def micro_batches(self, run: Trainer, step: int) -> list[tuple[int, int]]:
+        return [(step, micro) for micro in range(self.config.grad_accum)]
+
+    def loss(self, run: Trainer, micro: tuple[int, int]) -> torch.Tensor:
+        cfg, acc, raw = self.config, run.acc, run.raw
+        step, m = micro
+        start = ((step * cfg.grad_accum + m) * cfg.batch_size * acc.num_processes
+                 + acc.process_index * cfg.batch_size)
+        rows = [self.prompts[i] for i in _rows(self.order_for, len(self.prompts), start, cfg.batch_size)]
+        gen = torch.Generator(device=acc.device).manual_seed(_seed(cfg.seed, step, m, acc.process_index))
+        source = batch_source(cfg.data, cfg.mixed_lambda, gen)
+        raw.eval()
+        answers = sample_answers(raw if source == "draft" else self.target, rows, cfg.max_new_tokens,
+                                 cfg.sample_temperature if source == "draft" else cfg.target_temperature,
+                                 gen, self.eos_token_id)
+        raw.train()
+        batch = make_batch(rows, answers).to(acc.device)
+        with torch.no_grad():
+            teacher = self.target(batch.tokens, batch.positions, None, logits_idx=batch.idx)  # (B, N, V)
+        with run.autocast():
+            student = run.model(batch.tokens, batch.positions, None, logits_idx=batch.idx)  # (B, N, V)
+        loss = masked_divergence(student, teacher, batch.valid, cfg.divergence, cfg.temperature, cfg.beta)
+        return loss * _token_weight(batch.answer_tokens, acc) / cfg.grad_accum
+
+    def evaluate(self, run: Trainer) -> dict | None:
+        if not self.held_prompts or not run.acc.is_main_process:
+            return None
+        if self.held is None:
+            self.held = heldout_set(self.target, self.held_prompts, self.config, self.eos_token_id, self.out_dir)
+        raw = run.raw.eval()
+        record = agreement(raw, self.held, self.config.eval_draft_tokens, bf16=run.precision == "bf16")
+        if self.config.eval_decode:
+            # the draft as it will serve, in the target's dtype (a bf16 copy reads half the bytes of float32)
+            probe = raw if raw.dtype == self.target.dtype else copy.deepcopy(raw).to(self.target.dtype)
+            record.update(heldout_acceptance(self.target, probe.eval(), self.held_prompts, self.config,
+                                             self.eos_token_id))
+            del probe
+        raw.train()
+        return record
+
+    def save_weights(self, directory: Path) -> None:
+        state = {n: p.detach().to("cpu", torch.float32).contiguous() for n, p in self.draft.named_parameters()
+                 if p.requires_grad}
+        atomic_write(directory / "trainable.safetensors", lambda tmp: save_file(state, tmp))
+
+    def load_weights(self, directory: Path) -> None:
+        saved = load_file(str(directory / "trainable.safetensors"))
+        params = dict(self.draft.named_parameters())
+        if set(saved) != {n for n, p in params.items() if p.requires_grad}:
+            raise ValueError(f"{directory} holds other trainable weights than this configuration trains (lora, "
+                             "freeze_embeddings or the draft differ); use another output directory")
+        with torch.no_grad():
+            for n, t in saved.items():
+                params[n].copy_(t)
 
 
 def distill_draft(target, draft, prompts, config: DistillConfig = DistillConfig(), out_dir: str | Path | None = None,
@@ -340,8 +338,6 @@ def distill_draft(target, draft, prompts, config: DistillConfig = DistillConfig(
     toward it). stop_after: end this call after that many steps in all (the schedule still spans
     config.steps; the same call later resumes).
     """
-    from accelerate import Accelerator
-
     if target.config.vocab_size != draft.config.vocab_size:
         raise ValueError(f"the target scores {target.config.vocab_size} tokens and the draft "
                          f"{draft.config.vocab_size}: a draft must share its target's vocabulary")
@@ -355,127 +351,28 @@ def distill_draft(target, draft, prompts, config: DistillConfig = DistillConfig(
     if out_dir is not None:
         out_dir = check_distill_dir(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-    # autocast is applied here rather than through accelerate's process-wide mixed-precision state, which
-    # refuses a second setting in one process (a test suite, --compare-divergences)
-    acc = Accelerator(cpu=draft.device.type == "cpu", gradient_accumulation_steps=config.grad_accum)
-    bf16 = config.autocast_mode(draft.device) == "bf16"
     draft.train().requires_grad_(not config.lora)
     if config.lora:
         _add_lora(draft, config)  # peft leaves only the adapters trainable
     if config.freeze_embeddings:
         draft.embed.weight.requires_grad_(False)
     draft.rope()  # build the rope tables outside generate()'s inference mode
-    params = [p for p in draft.parameters() if p.requires_grad]
-    if not params:
+    if not any(p.requires_grad for p in draft.parameters()):
         raise ValueError("nothing to train: freeze_embeddings froze the only trainable weights")
-    opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
-    ckpt_root = out_dir / CHECKPOINTS if out_dir is not None else None
-    step, losses, evals, before = 0, [], [], 0.0
-    if resume and ckpt_root is not None:
-        saved = _load_checkpoint(ckpt_root, draft, opt)
-        if saved is not None:
-            step, losses, evals, before = saved["step"], saved["losses"], saved["evals"], saved["train_seconds"]
-    model, opt = acc.prepare(draft, opt)
-    # under `accelerate launch --mixed_precision`, accelerate wraps the forward in autocast; without that
-    # wrapper, generation (on-policy samples, held-out acceptance) runs in the draft's own dtype and only
-    # the training forward autocasts
-    raw = acc.unwrap_model(model, keep_fp32_wrapper=False)
-    device, n, world = acc.device, len(train_prompts), acc.num_processes
-    per_micro = config.batch_size * world
-
-    @functools.lru_cache(maxsize=2)
-    def order_for(epoch: int) -> list[int]:
-        return torch.randperm(n, generator=torch.Generator().manual_seed(_seed(config.seed, epoch))).tolist()
-
-    def measure() -> None:
-        nonlocal held
-        if held_prompts and acc.is_main_process:
-            if held is None:
-                held = heldout_set(target, held_prompts, config, eos_token_id, out_dir)
-            raw.eval()
-            record = {"step": step, **agreement(raw, held, config.eval_draft_tokens, bf16=bf16)}
-            if config.eval_decode:
-                # the draft as it will serve, in the target's dtype (a bf16 copy reads half the bytes of float32)
-                probe = raw if raw.dtype == target.dtype else copy.deepcopy(raw).to(target.dtype)
-                record.update(heldout_acceptance(target, probe.eval(), held_prompts, config, eos_token_id))
-                del probe
-            raw.train()
-            evals.append(record)
-            bar.set_postfix(loss=f"{losses[-1]:.4f}" if losses else "-", agree=f"{record['agreement']:.3f}",
-                            refresh=False)
-        acc.wait_for_everyone()
-
-    last = config.steps if stop_after is None else min(config.steps, stop_after)
-    bar = progress(total=config.steps, initial=min(step, config.steps), desc="distilling the draft", unit="step",
-                   disable=not acc.is_main_process)
-    t_start = time.monotonic()
-
-    def seconds() -> float:
-        return before + time.monotonic() - t_start
-
-    def state() -> dict:
-        return {"step": step, "losses": losses, "evals": evals, "train_seconds": seconds(), "config": asdict(config)}
-
-    if step == 0 and not evals:
-        measure()  # the undistilled draft's acceptance: the curve's first point
-    try:
-        while step < last:
-            spent, step_deadline, stop = synced_clock(acc, seconds(), deadline)  # every process stops together
-            if stop:
-                break
-            set_lr(opt, step, config.steps, spent, step_deadline, config)
-            step_loss = 0.0
-            for micro in range(config.grad_accum):
-                start = (step * config.grad_accum + micro) * per_micro + acc.process_index * config.batch_size
-                rows = [train_prompts[i] for i in _rows(order_for, n, start, config.batch_size)]
-                gen = torch.Generator(device=device).manual_seed(_seed(config.seed, step, micro, acc.process_index))
-                source = batch_source(config.data, config.mixed_lambda, gen)
-                raw.eval()
-                answers = sample_answers(raw if source == "draft" else target, rows, config.max_new_tokens,
-                                         config.sample_temperature if source == "draft" else config.target_temperature,
-                                         gen, eos_token_id)
-                raw.train()
-                batch = make_batch(rows, answers).to(device)
-                with torch.no_grad():
-                    teacher = target(batch.tokens, batch.positions, None, logits_idx=batch.idx)  # (B, N, V)
-                with acc.accumulate(model):
-                    with torch.autocast(acc.device.type, dtype=torch.bfloat16, enabled=bf16):
-                        student = model(batch.tokens, batch.positions, None, logits_idx=batch.idx)  # (B, N, V)
-                    loss = masked_divergence(student, teacher, batch.valid, config.divergence, config.temperature,
-                                             config.beta) * _token_weight(batch.answer_tokens, acc)
-                    acc.backward(loss)
-                    if acc.sync_gradients:
-                        acc.clip_grad_norm_(params, config.max_grad_norm)
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-                step_loss += global_mean(loss, acc) / config.grad_accum
-                del teacher, student
-            step += 1
-            losses.append(step_loss)
-            bar.set_postfix(loss=f"{step_loss:.4f}", refresh=False)
-            bar.update(1)
-            if step % config.eval_every == 0 or step == config.steps:
-                measure()
-            if ckpt_root is not None and step % config.checkpoint_every == 0 and acc.is_main_process:
-                _save_checkpoint(ckpt_root, step, raw, opt, state())
-    finally:  # also when stopped (Ctrl-C, SIGTERM): the steps done so far are kept
-        bar.close()
-        if ckpt_root is not None and acc.is_main_process and step and not (
-                ckpt_root / f"step-{step:07d}").is_dir():
-            _save_checkpoint(ckpt_root, step, raw, opt, state())
-    if evals and evals[-1]["step"] != step:
-        measure()
+    task = DraftTask(target, draft, train_prompts, held, held_prompts, config, eos_token_id, out_dir)
+    ckpt = StepCheckpoints(out_dir / CHECKPOINTS) if out_dir is not None else None
+    run = Trainer(task, config, out_dir, ckpt).fit(deadline, resume, stop_after)
+    raw = run.raw
     if config.lora:
         merge_lora(raw)
     draft = raw.eval().requires_grad_(False)
-    if out_dir is not None and acc.is_main_process:
+    if out_dir is not None and run.acc.is_main_process:
         save_draft(draft, out_dir, tokenizer, SAVE_DTYPES[config.save_dtype])
-        if losses:
-            _plot(losses, evals, out_dir / "distill.png", f"{config.divergence} per answer token")
-        metrics = {"steps": step, "planned_steps": config.steps, "processes": world, "losses": losses,
-                   "final_loss": sum(losses[-10:]) / len(losses[-10:]) if losses else None,
-                   "heldout": evals, "heldout_prompts": len(held_prompts), "train_prompts": n,
-                   "train_seconds": seconds(), "config": asdict(config)}
-        atomic_write_text(out_dir / METRICS, json.dumps(metrics, indent=1))
-    acc.wait_for_everyone()
+    evals = run.evals
+    panels = [Panel("held-out acceptance (greedy)", "agreement with the target's greedy answers",
+                    [(*series(evals, "agreement"), "top-1 agreement (teacher-forced)")],
+                    twin=[(*series(evals, "tau"), "tau (speculative decoding)")],
+                    twin_label="tau (tokens / target forward)", marker="o")] if evals else []
+    run.report({"processes": run.acc.num_processes, "losses": run.losses, "heldout": evals,
+                "heldout_prompts": len(held_prompts), "train_prompts": len(train_prompts)}, panels)
     return draft

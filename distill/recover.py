@@ -13,22 +13,17 @@ much of it back by training the sparse model toward the dense one. Here:
   temperature (times T^2), plus optionally `ce_weight` times the next-token cross-entropy on the
   window's own tokens. The dense teacher's logits are computed once per micro-batch under no_grad.
 - Trained: the kept values and biases of the sparse linears, and the norm weights (`train_norms`);
-  embeddings and any dense linear stay frozen. float32 master weights, `accelerate` for device,
-  bf16 autocast where the hardware multiplies it natively, gradient accumulation (micro-batches
-  of `micro_batch` windows), several processes (distill.accel), AdamW, warm-up + cosine (the
-  deadline-aware schedule of distill.train_medusa), gradient clipping.
-- Long-job frame: a progress bar, held-out perplexity every `eval_every` steps, atomic
-  checkpoints in OUT/checkpoint every `checkpoint_every` steps and when stopped, resume from them,
-  a deadline, OUT/recovery.png (loss and held-out perplexity) and OUT/metrics.json.
+  embeddings and any dense linear stay frozen. float32 master weights; gradients accumulate over
+  micro-batches of `micro_batch` windows.
+- The loop is `distill.trainer`'s (`RecoverTask`: AdamW, warm-up + cosine, clipping, autocast,
+  several processes, checkpoints in OUT/checkpoint and resume, a deadline): held-out perplexity
+  every `eval_every` steps, OUT/recovery.png (loss and held-out perplexity) and OUT/metrics.json.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import time
-from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -36,13 +31,12 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from distill.accel import autocast_mode, global_mean, local_part, synced_clock
-from distill.config_args import at_least, check_fields, positive
+from distill.accel import local_part
+from distill.config_args import at_least, positive
 from distill.divergence import token_divergence
-from distill.train_medusa import set_lr
-from runtime.atomic import atomic_write, atomic_write_text
+from distill.trainer import CheckpointDir, Panel, Task, Trainer, TrainerConfig, series, trainer_field
+from runtime.atomic import atomic_write
 from runtime.outputs import prepare_output_dir
-from runtime.progress import progress
 from runtime.qlinear import QuantizedLinear, Sparse24Int4Linear, Sparse24Linear, unpack_24_indices
 
 CHECKPOINT, TRAINER = "checkpoint", "recover_trainer.json"
@@ -51,9 +45,13 @@ RECOVER_MARKERS = (f"{CHECKPOINT}/{TRAINER}", "metrics.json", "budget.json")
 
 
 @dataclass(frozen=True)
-class RecoverConfig:
-    """Hyper-parameters of `recover`; `specdec distill recover` derives its flags from these fields."""
+class RecoverConfig(TrainerConfig):
+    """Hyper-parameters of `recover`; `specdec distill recover` derives its flags from these fields (the
+    shared ones, lr to seed, are distill.trainer.TrainerConfig's)."""
 
+    lr: float = trainer_field("lr", 5e-5)
+    max_grad_norm: float | None = trainer_field("max_grad_norm", 1.0)
+    checkpoint_every: int = trainer_field("checkpoint_every", 50)
     steps: int = field(default=2000, metadata={"help": "optimizer steps (the deadline may stop training earlier)",
                                                "check": at_least(1)})
     batch_size: int = field(default=8, metadata={"help": "windows per optimizer step, over all processes",
@@ -61,12 +59,6 @@ class RecoverConfig:
     micro_batch: int = field(default=2, metadata={
         "help": "windows per forward pass: a step accumulates gradients over batch_size / processes / micro_batch "
                 "passes (lower it when memory is short)", "check": at_least(1)})
-    lr: float = field(default=5e-5, metadata={"help": "peak AdamW learning rate (warm-up, then cosine decay)",
-                                              "check": positive})
-    warmup_steps: int = field(default=20, metadata={"help": "steps of linear learning-rate warm-up",
-                                                    "check": at_least(0)})
-    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay", "check": at_least(0)})
-    max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping norm", "check": positive})
     temperature: float = field(default=1.0, metadata={"help": "distillation temperature of both distributions",
                                                       "check": positive})
     ce_weight: float = field(default=0.0, metadata={
@@ -76,19 +68,6 @@ class RecoverConfig:
                                                               "values of the sparse linears"})
     eval_every: int = field(default=50, metadata={"help": "steps between held-out perplexity measurements",
                                                   "check": at_least(1)})
-    checkpoint_every: int = field(default=50, metadata={"help": "steps between resumable checkpoints",
-                                                        "check": at_least(1)})
-    mixed_precision: str = field(default="auto", metadata={
-        "help": "autocast mode of training; auto: bf16 where the hardware multiplies it natively, else float32",
-        "choices": ("auto", "no", "bf16")})
-    seed: int = field(default=0, metadata={"help": "seed of the window order"})
-
-    def __post_init__(self) -> None:
-        check_fields(self)
-
-    def autocast_mode(self, device: torch.device) -> str:
-        """accelerate's mixed_precision for training on `device` ("auto" resolved)."""
-        return autocast_mode(self.mixed_precision, device)
 
 
 class MaskedSparse24(nn.Module):
@@ -206,36 +185,66 @@ def _check_windows(name: str, windows: torch.Tensor | None) -> None:
                          f"gives them), got {what}")
 
 
-def _save_checkpoint(ckpt: Path, params: dict[str, nn.Parameter], opt, state: dict) -> None:
-    ckpt.mkdir(parents=True, exist_ok=True)
-    tensors = {n: p.detach().cpu().contiguous() for n, p in params.items()}
-    atomic_write(ckpt / "trained.safetensors", lambda tmp: save_file(tensors, tmp))
-    atomic_write(ckpt / "optimizer.pt", lambda tmp: torch.save(opt.state_dict(), tmp))
-    atomic_write_text(ckpt / TRAINER, json.dumps(state))
+class RecoverTask(Task):
+    """2:4 recovery for distill.trainer: shuffled batches of windows split into micro-batches, the KD
+    loss against the dense teacher, held-out perplexity every `eval_every` steps, the trained tensors
+    as the checkpoint's trained.safetensors."""
 
+    desc = "recovering 2:4 model"
+    plot_file = "recovery.png"
+    loss_label = "distillation loss"
+    final_window = 20
 
-def _plot(losses: list[float], evals: list[dict], path: Path) -> None:
-    import matplotlib
+    def __init__(self, student: nn.Module, teacher: nn.Module, params: dict[str, nn.Parameter], data: torch.Tensor,
+                 heldout: torch.Tensor | None, config: RecoverConfig) -> None:
+        self.student, self.teacher, self.named, self.data, self.heldout = student, teacher, params, data, heldout
+        self.config, self.total_steps, self.eval_every = config, config.steps, config.eval_every
+        self.per_epoch = max(1, data.shape[0] // config.batch_size)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    def module(self) -> nn.Module:
+        return self.student
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
-    a.plot(losses, lw=0.6, alpha=0.4, label="batch")
-    w = max(1, len(losses) // 50)
-    smooth = torch.tensor(losses).unfold(0, w, 1).mean(-1).tolist()
-    a.plot(range(w - 1, len(losses)), smooth, lw=1.5, label=f"mean of {w}")
-    a.set_xlabel("step")
-    a.set_ylabel("distillation loss")
-    a.legend()
-    if evals:
-        b.plot([e["step"] for e in evals], [e["perplexity"] for e in evals], marker="o")
-    b.set_xlabel("step")
-    b.set_ylabel("held-out perplexity")
-    fig.suptitle("2:4 recovery by distillation")
-    fig.tight_layout()
-    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110))
-    plt.close(fig)
+    def parameters(self) -> list[nn.Parameter]:
+        return list(self.named.values())
+
+    def micro_batches(self, run: Trainer, step: int) -> list[tuple[torch.Tensor, float]]:
+        cfg = self.config
+        epoch, b = divmod(step, self.per_epoch)
+        order = torch.randperm(self.data.shape[0], generator=torch.Generator().manual_seed(cfg.seed + epoch))
+        batch = self.data[order[b * cfg.batch_size:(b + 1) * cfg.batch_size]]  # (batch, T), global
+        part, weight = local_part(batch.shape[0], run.acc)
+        local = batch[part].to(run.acc.device)  # (n, T)
+        return [(tokens, weight * tokens.shape[0] / local.shape[0]) for tokens in local.split(cfg.micro_batch)]
+
+    def loss(self, run: Trainer, micro: tuple[torch.Tensor, float]) -> torch.Tensor:
+        tokens, scale = micro  # (b, T)
+        positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        with torch.no_grad():
+            target = self.teacher(tokens, positions, None)  # (b, T, V)
+        with run.autocast():
+            logits = run.model(tokens, positions, None)  # (b, T, V)
+        return kd_loss(logits, target, tokens, self.config.temperature, self.config.ce_weight) * scale
+
+    def evaluate(self, run: Trainer) -> dict | None:
+        if self.heldout is None:
+            return None
+        self.student.eval()
+        result = {"perplexity": window_perplexity(self.student, self.heldout, self.config.micro_batch)}
+        self.student.train()
+        return result
+
+    def save_weights(self, directory: Path) -> None:
+        tensors = {n: p.detach().cpu().contiguous() for n, p in self.named.items()}
+        atomic_write(directory / "trained.safetensors", lambda tmp: save_file(tensors, tmp))
+
+    def load_weights(self, directory: Path) -> None:
+        saved = load_file(str(directory / "trained.safetensors"))
+        if set(saved) != set(self.named) or any(saved[n].shape != p.shape for n, p in self.named.items()):
+            raise ValueError(f"{directory} holds the trained tensors of another student or configuration; use "
+                             "another output directory")
+        with torch.no_grad():
+            for n, p in self.named.items():
+                p.copy_(saved[n])
 
 
 def recover(student: nn.Module, teacher: nn.Module, data: torch.Tensor, config: RecoverConfig = RecoverConfig(),
@@ -250,11 +259,9 @@ def recover(student: nn.Module, teacher: nn.Module, data: torch.Tensor, config: 
     out_dir: new, empty or a recovery directory (resumed from when `resume`); it receives the
     checkpoints, recovery.png and metrics.json. Without it nothing is written.
     deadline: a time.monotonic() value at which training stops (the final evaluation still runs);
-    the cosine decay then follows the time spent (distill.train_medusa.set_lr).
+    the cosine decay then follows the time spent (distill.trainer.set_lr).
     Returns the metrics (steps, losses, held-out perplexities, seconds, config).
     """
-    from accelerate import Accelerator
-
     _check_windows("data", data)
     _check_windows("heldout", heldout)
     if teacher.config.vocab_size != student.config.vocab_size:
@@ -262,106 +269,23 @@ def recover(student: nn.Module, teacher: nn.Module, data: torch.Tensor, config: 
                          f"{student.config.vocab_size}: recover distils a model into its own compressed copy")
     if out_dir is not None:
         out_dir = check_recover_dir(out_dir)
-    device, dtype = student.device, student.dtype
-    # bf16 autocast applied here, not through accelerate's process-wide mixed-precision state, which
-    # refuses a second setting in one process (another training loop run before this one)
-    acc = Accelerator(cpu=device.type == "cpu")
-    bf16 = config.autocast_mode(device) == "bf16"
-    if out_dir is not None and acc.is_main_process:
-        out_dir.mkdir(parents=True, exist_ok=True)
+    dtype = student.dtype
     unmask_sparse(student)
-    student.float().to(acc.device).train()
-    teacher.to(acc.device).eval().requires_grad_(False)
-    params = _trained(student, config)
-    opt = torch.optim.AdamW(list(params.values()), lr=config.lr, weight_decay=config.weight_decay)
-    ckpt = out_dir / CHECKPOINT if out_dir is not None else None
-    step, losses, evals, before = 0, [], [], 0.0  # before: training seconds of earlier runs of this job
-    if resume and ckpt is not None and (ckpt / TRAINER).is_file():
-        saved = load_file(str(ckpt / "trained.safetensors"))
-        if set(saved) != set(params) or any(saved[n].shape != p.shape for n, p in params.items()):
-            raise ValueError(f"{ckpt} holds the trained tensors of another student or configuration; use another "
-                             "output directory")
-        with torch.no_grad():
-            for n, p in params.items():
-                p.copy_(saved[n])
-        opt.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True))
-        meta = json.loads((ckpt / TRAINER).read_text())
-        step, losses, evals, before = meta["step"], meta["losses"], meta["evals"], meta["train_seconds"]
-    model, opt = acc.prepare(student, opt)
-    N, T = data.shape
-    per_epoch = max(1, N // config.batch_size)
-    bar = progress(total=config.steps, initial=min(step, config.steps), desc="recovering 2:4 model", unit="step",
-                   disable=not acc.is_local_main_process)
-    t_start = time.monotonic()
-
-    def seconds() -> float:
-        return before + time.monotonic() - t_start
-
-    def state() -> dict:
-        return {"step": step, "losses": losses, "evals": evals, "train_seconds": seconds(), "config": asdict(config)}
-
-    def evaluate() -> None:
-        if heldout is not None and (not evals or evals[-1]["step"] != step):
-            student.eval()
-            evals.append({"step": step, "perplexity": window_perplexity(student, heldout, config.micro_batch)})
-            student.train()
-
-    positions = torch.arange(T, device=acc.device)
-    try:
-        if step == 0:
-            evaluate()
-        while step < config.steps:
-            secs, dl, stop = synced_clock(acc, seconds(), deadline)
-            if stop:
-                break
-            epoch, b = divmod(step, per_epoch)
-            order = torch.randperm(N, generator=torch.Generator().manual_seed(config.seed + epoch))
-            batch = data[order[b * config.batch_size:(b + 1) * config.batch_size]]  # (batch, T), global
-            part, weight = local_part(batch.shape[0], acc)
-            local = batch[part].to(acc.device)  # (n, T)
-            set_lr(opt, step, config.steps, secs, dl, config)
-            opt.zero_grad(set_to_none=True)
-            chunks = local.split(config.micro_batch)
-            total = torch.zeros((), device=acc.device)
-            for i, tokens in enumerate(chunks):
-                with torch.no_grad():
-                    target = teacher(tokens, positions.expand_as(tokens), None)  # (b, T, V)
-                scale = weight * tokens.shape[0] / local.shape[0]
-                sync = acc.no_sync(model) if i < len(chunks) - 1 else nullcontext()
-                with sync:
-                    with torch.autocast(acc.device.type, dtype=torch.bfloat16, enabled=bf16):
-                        logits = model(tokens, positions.expand_as(tokens), None)  # (b, T, V)
-                    loss = kd_loss(logits, target, tokens, config.temperature, config.ce_weight) * scale
-                    acc.backward(loss)
-                total += loss.detach()
-                del target, logits
-            acc.clip_grad_norm_(list(params.values()), config.max_grad_norm)
-            opt.step()
-            step += 1
-            losses.append(global_mean(total, acc))
-            bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
-            bar.update(1)
-            if step % config.eval_every == 0:
-                evaluate()
-                bar.set_postfix(loss=f"{losses[-1]:.4f}", ppl=f"{evals[-1]['perplexity']:.2f}", refresh=False)
-            if ckpt is not None and acc.is_main_process and step % config.checkpoint_every == 0:
-                _save_checkpoint(ckpt, params, opt, state())
-    finally:  # also when stopped (Ctrl-C, SIGTERM): the steps done so far are kept
-        bar.close()
-        if ckpt is not None and acc.is_main_process:
-            _save_checkpoint(ckpt, params, opt, state())
-    evaluate()
-    student = acc.unwrap_model(model)
+    student.float().train()
+    teacher.eval().requires_grad_(False)
+    task = RecoverTask(student, teacher, _trained(student, config), data, heldout, config)
+    run = Trainer(task, config, out_dir, CheckpointDir(out_dir / CHECKPOINT, TRAINER) if out_dir is not None else None)
+    if out_dir is not None and run.acc.is_main_process:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    teacher.to(run.acc.device)
+    run.fit(deadline, resume)
+    student = run.raw
     mask_sparse(student, dtype)
     student.to(dtype).eval().requires_grad_(False)
-    metrics = {"steps": step, "planned_steps": config.steps, "train_windows": N, "window_tokens": T,
-               "heldout_windows": 0 if heldout is None else heldout.shape[0],
-               "processes": acc.num_processes, "losses": losses, "evals": evals,
-               "final_loss": sum(losses[-20:]) / len(losses[-20:]) if losses else None,
-               "train_seconds": seconds(), "config": asdict(config)}
-    if out_dir is not None and acc.is_main_process:
-        if losses:
-            _plot(losses, evals, out_dir / "recovery.png")
-        atomic_write_text(out_dir / "metrics.json", json.dumps(metrics, indent=1))
-    acc.wait_for_everyone()
+    N, T = data.shape
+    metrics = run.report({"train_windows": N, "window_tokens": T,
+                          "heldout_windows": 0 if heldout is None else heldout.shape[0],
+                          "processes": run.acc.num_processes, "losses": run.losses, "evals": run.evals},
+                         [Panel("2:4 recovery by distillation", "held-out perplexity",
+                                [(*series(run.evals, "perplexity"), "")], marker="o")])
     return metrics

@@ -26,12 +26,10 @@
    distribution restricted to the draft vocabulary and renormalised (h the cached final-norm
    state at position t + s, W_d the target's LM head rows of the draft ids), q = softmax of the
    head's logits. Per-depth accuracy: argmax q == argmax p.
-5. `train_eagle`: AdamW, linear warm-up then cosine decay (and the deadline-aware schedule of
-   distill.train_medusa), gradient clipping, `accelerate` for device and mixed precision, a
-   progress bar, atomic checkpoints every `checkpoint_every` steps (OUT/checkpoint: the head in
-   the speculators format via specdec.save_eagle, optimizer.pt of tensors only, and
-   eagle_trainer.json) resumed from, held-out per-depth accuracy, OUT/loss.png and
-   OUT/metrics.json, and the head itself in OUT (specdec.load_eagle(OUT, target)).
+5. `train_eagle`: `distill.trainer`'s loop (`EagleTask`: AdamW, warm-up + cosine decay, gradient
+   clipping, checkpoints in OUT/checkpoint, the head in the speculators format beside
+   eagle_trainer.json, and resume), then held-out per-depth accuracy, OUT/loss.png,
+   OUT/metrics.json and the head itself in OUT (specdec.load_eagle(OUT, target)).
 """
 
 from __future__ import annotations
@@ -41,20 +39,18 @@ import json
 import re
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
-from distill.accel import Forward, autocast_mode, count_weights, global_mean, local_items, synced_clock
-from distill.config_args import at_least, check_fields, positive
+from distill.accel import Forward, count_weights, local_items
+from distill.config_args import at_least
 from distill.eagle_cache import MANIFEST, EagleSplit, cache_eagle_states, load_split, read_manifest
 from distill.selfdistill import read_records
-from distill.train_medusa import set_lr
-from runtime.atomic import atomic_write, atomic_write_text
+from distill.trainer import CheckpointDir, Panel, Task, Trainer, TrainerConfig, running_mean, trainer_field
 from runtime.outputs import prepare_output_dir
-from runtime.progress import progress
 from specdec.eagle import Eagle3Config, Eagle3Head, UnrollCache, default_aux_layers
 from specdec.eagle_io import read_eagle_config, save_eagle
 
@@ -87,8 +83,9 @@ def _aux_check(value: str) -> None:
 
 
 @dataclass(frozen=True)
-class EagleTrainConfig:
-    """EAGLE-3 training hyper-parameters: the one declaration of their defaults.
+class EagleTrainConfig(TrainerConfig):
+    """EAGLE-3 training hyper-parameters: the one declaration of their defaults (the shared ones,
+    lr to seed, are distill.trainer.TrainerConfig's).
 
     `specdec eagle train` and the EAGLE recipes derive their flags from these fields
     (`distill.config_args`); each field's `help` is the flag's help text. ttt_steps 3, decay 0.8,
@@ -96,6 +93,8 @@ class EagleTrainConfig:
     batch_tokens are starting points for a CPU budget, not tuned values.
     """
 
+    lr: float = trainer_field("lr", 5e-4)
+    max_grad_norm: float | None = trainer_field("max_grad_norm", 0.5)
     ttt_steps: int = field(default=3, metadata={
         "help": "training-time test: unrolled steps per position; step s > 0 reads the head's own output of step "
                 "s - 1 and predicts s tokens further", "check": at_least(1)})
@@ -120,39 +119,22 @@ class EagleTrainConfig:
         "help": "start the head's LM head from the target's rows of the draft ids and its norm from the "
                 "target's final norm"})
     epochs: int = field(default=4, metadata={"help": "passes over the cached training records", "check": at_least(1)})
-    lr: float = field(default=5e-4, metadata={"help": "peak AdamW learning rate (warm-up, then cosine decay)",
-                                              "check": positive})
     batch_tokens: int = field(default=2048, metadata={
         "help": "padded tokens (rows x longest record) per training step; a longer record is a step alone",
         "check": at_least(1)})
-    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay", "check": at_least(0)})
     decay: float = field(default=0.8, metadata={"help": "loss weight of unrolled step s is decay**s",
                                                 "check": _decay_check})
-    warmup_steps: int = field(default=20, metadata={"help": "steps of linear learning-rate warm-up",
-                                                    "check": at_least(0)})
-    max_grad_norm: float = field(default=0.5, metadata={"help": "gradient clipping: largest total gradient norm",
-                                                        "check": positive})
-    checkpoint_every: int = field(default=100, metadata={"help": "steps between resumable checkpoints",
-                                                         "check": at_least(1)})
     heldout_every: int = field(default=20, metadata={
         "help": "every N-th record is held out of training and measures per-depth accuracy (fixed per cache)",
         "check": at_least(2)})
-    mixed_precision: str = field(default="auto", metadata={
-        "help": "autocast mode of training; auto: bf16 where the hardware multiplies it natively, else float32",
-        "choices": ("auto", "no", "bf16", "fp16")})
     save_dtype: str = field(default="bfloat16", metadata={"help": "dtype of the saved head (checkpoints: float32)",
                                                           "choices": tuple(SAVE_DTYPES)})
-    seed: int = field(default=0, metadata={"help": "seed of the head's initialisation and the record order"})
 
     def __post_init__(self) -> None:
-        check_fields(self)
+        super().__post_init__()
         if self.norm_before_fc and self.fc_norm:
             raise ValueError("EagleTrainConfig: norm_before_fc and fc_norm exclude each other (one norm over the "
                              "concatenated aux states, or one per layer; fc_norm is the default): add --no-fc-norm")
-
-    def autocast_mode(self, device: torch.device) -> str:
-        """accelerate's mixed_precision for training on `device` ("auto" resolved)."""
-        return autocast_mode(self.mixed_precision, device)
 
     def layers(self, num_layers: int) -> tuple[int, int, int]:
         """The aux layers for a target of `num_layers` layers (the default when `aux_layers` is empty)."""
@@ -308,44 +290,10 @@ def evaluate(head: Eagle3Head, embed, split: EagleSplit, weight: torch.Tensor, s
             "accuracy_per_step": (hits / count.clamp(min=1)).tolist(), "positions_per_step": count.long().tolist()}
 
 
-def _smooth(values: list[float]) -> tuple[list[int], list[float]]:
-    w = max(1, len(values) // 50)
-    x = torch.tensor(values, dtype=torch.float64)
-    return list(range(w - 1, len(values))), x.unfold(0, w, 1).nanmean(-1).tolist()
-
-
-def _plot(losses: list[float], accuracy: list[list[float | None]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5))
-    left.plot(losses, lw=0.6, alpha=0.4, label="batch")
-    left.plot(*_smooth(losses), lw=1.5, label="running mean")
-    left.set(xlabel="step", ylabel="sum_s 0.8^s CE_s", title="EAGLE-3 training loss")
-    left.legend()
-    for s in range(len(accuracy[0])):
-        right.plot(*_smooth([float("nan") if a[s] is None else a[s] for a in accuracy]), lw=1.2, label=f"depth {s}")
-    right.set(xlabel="step", ylabel="argmax agreement with the target", title="per-depth accuracy (training)")
-    right.legend()
-    fig.tight_layout()
-    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110))
-    plt.close(fig)
-
-
 def _differences(saved: Eagle3Config, wanted: Eagle3Config) -> str:
     """ "name (checkpoint X, asked Y)" for every field in which two head configs differ."""
     old, new = saved.to_dict(), wanted.to_dict()
     return ", ".join(f"{k} (checkpoint {old[k]!r}, asked {new[k]!r})" for k in new if old[k] != new[k])
-
-
-def _save_checkpoint(ckpt: Path, head: Eagle3Head, opt, state: dict) -> None:
-    """The head (speculators format), the optimizer's tensors, then the trainer state (last: it names
-    the step the others belong to)."""
-    save_eagle(head, ckpt)
-    atomic_write(ckpt / "optimizer.pt", lambda tmp: torch.save(opt.state_dict(), tmp))
-    atomic_write_text(ckpt / TRAINER, json.dumps(state))
 
 
 def _feature_dirs(target, data, config: EagleTrainConfig, out_dir: Path | None, scratch: Path,
@@ -369,6 +317,71 @@ def _feature_dirs(target, data, config: EagleTrainConfig, out_dir: Path | None, 
                                heldout_every=config.heldout_every, deadline=deadline)]
 
 
+class EagleTask(Task):
+    """EAGLE-3 for distill.trainer: steps over length-grouped batches of cached records, the
+    training-time-test loss (`unroll`, `ttt_loss`), the head in the speculators format as checkpoint
+    (checked against the configured head on resume), and the per-depth training accuracy per step."""
+
+    desc = "training EAGLE-3 head"
+    loss_label = "sum_s 0.8^s CE_s"
+
+    def __init__(self, head: Eagle3Head, target, train: EagleSplit, weight: torch.Tensor,
+                 config: EagleTrainConfig) -> None:
+        self.head, self.target, self.train, self.config = head, target, train, config
+        self.weight = weight  # (Vd, C): the teacher's LM head rows of the draft ids
+        self.forward = Forward(head, unroll)  # one module call: DDP syncs its gradients
+        lengths = train.lengths.tolist()
+        self.schedule = [b for e in range(config.epochs)
+                         for b in epoch_batches(lengths, config.batch_tokens, config.seed, e)]
+        self.total_steps = len(self.schedule)
+        self.accuracy: list[list[float | None]] = []  # per step: the training accuracy per depth
+        self.hits: list[float | None] = []
+
+    def module(self) -> Forward:
+        return self.forward
+
+    def begin(self, run: Trainer) -> None:
+        self.weight = self.weight.to(run.acc.device)
+        run.model.train()
+
+    def micro_batches(self, run: Trainer, step: int) -> list[int]:
+        return [step]
+
+    def loss(self, run: Trainer, step: int) -> torch.Tensor:
+        k = self.config.ttt_steps
+        ids, share = local_items(self.schedule[step], run.acc)  # this process's records of the global batch
+        batch = make_batch(self.train, ids, k)
+        with run.autocast():
+            logits = run.model(self.target.embed, batch, k)
+        with torch.no_grad():
+            teacher = batch_teacher(batch, self.weight, k)
+        # several processes: each step's CE weighted by this process's share of that step's rows
+        weights = count_weights([q.shape[0] if share else 0 for q in logits], run.acc)
+        loss, _, self.hits = ttt_loss(logits, teacher, self.config.decay, weights)
+        return loss
+
+    def end_step(self, run: Trainer) -> None:
+        self.accuracy.append(self.hits)
+
+    def save_weights(self, directory: Path) -> None:
+        save_eagle(self.head, directory)
+
+    def load_weights(self, directory: Path) -> None:
+        saved = read_eagle_config(directory, self.target)
+        if saved != self.head.config:
+            raise ValueError(f"{directory} holds a head that differs from what this configuration asks for in "
+                             f"{_differences(saved, self.head.config)}; resume with the checkpoint's settings "
+                             "(its norms were off by default before: --no-fc-norm --no-norm-output) or use "
+                             "another output directory")
+        self.head.load_state_dict(load_file(str(directory / "model.safetensors")))  # its draft vocabulary included
+
+    def state(self) -> dict:
+        return {"accuracy": self.accuracy}
+
+    def load_state(self, state: dict) -> None:
+        self.accuracy = state["accuracy"]
+
+
 def train_eagle(target, data, config: EagleTrainConfig = EagleTrainConfig(), out_dir: str | Path | None = None, *,
                 deadline: float | None = None, resume: bool = True) -> Eagle3Head:
     """Train an EAGLE-3 head for runtime model `target` (frozen) and return it (float32, eval mode).
@@ -383,9 +396,9 @@ def train_eagle(target, data, config: EagleTrainConfig = EagleTrainConfig(), out
     receives the checkpoints (resumed from when `resume`), the head (specdec.load_eagle(out_dir,
     target)), loss.png and metrics.json. Without it nothing is saved. deadline: a time.monotonic()
     value at which caching and training stop early (held-out evaluation and saving still run); see
-    distill.train_medusa.
+    distill.trainer.Trainer.fit.
     """
-    from accelerate import Accelerator, PartialState
+    from accelerate import PartialState
 
     if out_dir is not None:
         out_dir = check_train_dir(out_dir)
@@ -425,93 +438,33 @@ def train_eagle(target, data, config: EagleTrainConfig = EagleTrainConfig(), out
         with torch.no_grad():
             head.lm_head.weight.copy_(lm_head_rows(target, head.target_ids(torch.arange(head.config.draft_vocab_size))))
             head.norm.weight.copy_(target.norm.weight.float())
-    acc = Accelerator(cpu=device.type == "cpu", mixed_precision=config.autocast_mode(device))
     head.train().requires_grad_(True)
-    params = list(head.parameters())
-    opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
-    ckpt = out_dir / CHECKPOINT if out_dir is not None else None
-    step, losses, accuracy, before = 0, [], [], 0.0  # before: training seconds of earlier runs of this job
-    if resume and ckpt is not None and (ckpt / TRAINER).is_file():
-        saved = read_eagle_config(ckpt, target)
-        if saved != head.config:
-            raise ValueError(f"{ckpt} holds a head that differs from what this configuration asks for in "
-                             f"{_differences(saved, head.config)}; resume with the checkpoint's settings "
-                             "(its norms were off by default before: --no-fc-norm --no-norm-output) or use "
-                             "another output directory")
-        head.load_state_dict(load_file(str(ckpt / "model.safetensors")))  # its draft vocabulary included
-        opt.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True))
-        meta = json.loads((ckpt / TRAINER).read_text())
-        step, losses, accuracy, before = meta["step"], meta["losses"], meta["accuracy"], meta["train_seconds"]
     draft_ids = head.target_ids(torch.arange(head.config.draft_vocab_size, device=head.d2t.device))
-    weight = lm_head_rows(target, draft_ids).to(acc.device)  # (Vd, C): the teacher's LM head rows
-    model_h, opt = acc.prepare(Forward(head, unroll), opt)  # one module call: DDP syncs its gradients
-    lengths = train.lengths.tolist()
-    schedule = [b for e in range(config.epochs) for b in epoch_batches(lengths, config.batch_tokens, config.seed, e)]
-    total = len(schedule)
-    bar = progress(total=total, initial=min(step, total), desc="training EAGLE-3 head", unit="step",
-                   disable=not acc.is_local_main_process)
-    t_start = time.monotonic()
-
-    def seconds() -> float:
-        return before + time.monotonic() - t_start
-
-    def state() -> dict:
-        return {"step": step, "planned_steps": total, "losses": losses, "accuracy": accuracy,
-                "train_seconds": seconds(), "config": asdict(config)}
-
-    try:
-        while step < total:
-            secs, dl, stop = synced_clock(acc, seconds(), deadline)  # every process stops at the same step
-            if stop:
-                break
-            ids, share = local_items(schedule[step], acc)  # this process's records of the global batch
-            batch = make_batch(train, ids, k)
-            set_lr(opt, step, total, secs, dl, config)
-            with acc.autocast():
-                logits = model_h(target.embed, batch, k)
-            with torch.no_grad():
-                teacher = batch_teacher(batch, weight, k)
-            # several processes: each step's CE weighted by this process's share of that step's rows
-            weights = count_weights([q.shape[0] if share else 0 for q in logits], acc)
-            loss, _, hits = ttt_loss(logits, teacher, config.decay, weights)
-            opt.zero_grad(set_to_none=True)
-            acc.backward(loss)
-            acc.clip_grad_norm_(params, config.max_grad_norm)
-            opt.step()
-            step += 1
-            losses.append(global_mean(loss, acc))
-            accuracy.append(hits)
-            bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
-            bar.update(1)
-            if ckpt is not None and step % config.checkpoint_every == 0 and acc.is_main_process:
-                _save_checkpoint(ckpt, head, opt, state())
-    finally:  # also when stopped (Ctrl-C, SIGTERM): the steps done so far are kept
-        bar.close()
-        if ckpt is not None and acc.is_main_process:
-            _save_checkpoint(ckpt, head, opt, state())
-    head = acc.unwrap_model(model_h).module.eval().requires_grad_(False)
-    if out_dir is None or not acc.is_main_process:  # only the main process evaluates and writes
-        acc.wait_for_everyone()
+    task = EagleTask(head, target, train, lm_head_rows(target, draft_ids), config)
+    ckpt = CheckpointDir(out_dir / CHECKPOINT, TRAINER) if out_dir is not None else None
+    run = Trainer(task, config, out_dir, ckpt).fit(deadline, resume)
+    head.eval().requires_grad_(False)
+    if out_dir is None:
+        run.acc.wait_for_everyone()
         return head
-    held = evaluate(head, target.embed, heldout, weight, k, config.decay, config.batch_tokens) if heldout else None
-    save_eagle(copy.deepcopy(head).to(SAVE_DTYPES[config.save_dtype]), out_dir, speculative_tokens=k)
-    if losses:
-        _plot(losses, accuracy, out_dir / "loss.png")
+    held = None
+    if run.acc.is_main_process:  # only the main process evaluates and writes
+        if heldout:
+            held = evaluate(head, target.embed, heldout, task.weight, k, config.decay, config.batch_tokens)
+        save_eagle(copy.deepcopy(head).to(SAVE_DTYPES[config.save_dtype]), out_dir, speculative_tokens=k)
     vocab = torch.zeros(V, dtype=torch.bool)
     vocab[draft_ids.cpu()] = True
-    recent = accuracy[-50:]
-    metrics = {
-        "steps": step, "planned_steps": total, "train_records": len(train), "train_positions": train.num_positions,
+    recent = task.accuracy[-50:]
+    run.report({
+        "train_records": len(train), "train_positions": train.num_positions,
         "heldout_positions": heldout.num_positions if heldout else 0,
         "draft_vocab_size": head.config.draft_vocab_size, "aux_layers": list(layers),
         "draft_vocab_coverage": {"train": float(vocab[train.answer_tokens()].float().mean()),
                                  "heldout": float(vocab[heldout.answer_tokens()].float().mean()) if heldout else None},
-        "final_loss": sum(losses[-50:]) / len(losses[-50:]) if losses else None,
         "train_accuracy_per_step": [_mean([a[s] for a in recent]) for s in range(k)],
-        "heldout": held, "train_seconds": seconds(), "config": asdict(config),
-    }
-    atomic_write_text(out_dir / "metrics.json", json.dumps(metrics, indent=1))
-    acc.wait_for_everyone()
+        "heldout": held,
+    }, [Panel("per-depth accuracy (training)", "argmax agreement with the target",
+              [(*running_mean([a[s] for a in task.accuracy]), f"depth {s}") for s in range(k)])])
     return head
 
 

@@ -9,11 +9,10 @@
 2. `train_medusa` trains the heads for many epochs on those shards (cheap: no backbone pass):
    loss = sum_i 0.8^i CE(head i) (softmax over the whole vocabulary, or, with vocab="data",
    over the tokens the training answers use: 3-5x cheaper on a CPU, and the heads then guess
-   among those tokens only), AdamW with warmup + cosine decay, `accelerate` for device
-   placement and mixed precision, a progress bar, atomic checkpoints every `checkpoint_every` steps and
-   resume from them, a loss-curve PNG, and per-head top-k accuracy on the held-out shards. The
-   measured accuracy picks the heads' candidate tree (`distill.medusa.choose_tree`), stored with
-   them by `distill.save_medusa`.
+   among those tokens only) in `distill.trainer`'s loop (`MedusaTask`: AdamW, warm-up + cosine
+   decay, checkpoints in OUT/checkpoint and resume, loss.png, metrics.json), then per-head top-k
+   accuracy on the held-out shards. The measured accuracy picks the heads' candidate tree
+   (`distill.medusa.choose_tree`), stored with them by `distill.save_medusa`.
 """
 
 from __future__ import annotations
@@ -21,16 +20,17 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from distill.accel import Forward, autocast_mode, count_weights, global_mean, local_part, synced_clock
-from distill.config_args import at_least, check_fields, positive
+from distill.accel import Forward, count_weights, local_part
+from distill.config_args import at_least
 from distill.medusa import CONFIG, choose_tree, save_medusa
+from distill.trainer import CheckpointDir, Task, Trainer, TrainerConfig, trainer_field
 from runtime.atomic import atomic_write
 from runtime.outputs import prepare_manifest_dir, prepare_output_dir
 from runtime.progress import progress
@@ -254,8 +254,9 @@ def _decay_check(value: float) -> None:
 
 
 @dataclass(frozen=True)
-class TrainConfig:
-    """Medusa-1 training hyper-parameters: the one declaration of their defaults.
+class MedusaTrainConfig(TrainerConfig):
+    """Medusa-1 training hyper-parameters: the one declaration of their defaults (the shared ones,
+    lr to seed, are distill.trainer.TrainerConfig's).
 
     `specdec medusa train` and the Medusa recipes derive their flags from these fields
     (`distill.config_args`); each field's `help` is the flag's help text. lr 2e-3 with batches of
@@ -271,32 +272,21 @@ class TrainConfig:
     in the held-out accuracy. The softmax over that vocabulary is most of a training step's cost
     and its LM-head rows most of the heads' cost per decoding step.
     mixed_precision: "auto" is bf16 where the device multiplies bf16 natively
-    (`runtime.hardware.native_bf16`), else "no" (float32): on an AVX2-only CPU a bf16 training
-    step's products run ~10x slower than float32's (BENCHMARKS.md section 5, "An AVX2 CPU").
+    (`runtime.hardware.native_bf16`), else "no" (float32).
     feature_noise: EAGLE's feature augmentation, against heads that over-fit their positions
-    (held-out top-1 well below the training positions' within a few epochs); on
-    qwen2.5-coder-1.5b 0.1 left both the memorising and the held-out accuracy unchanged
-    (measured; the A/B run is in docs/experiments/2026-11-24-medusa-qwen-heads.md).
+    (held-out top-1 well below the training positions' within a few epochs).
     """
 
+    lr: float = trainer_field("lr", 2e-3)
+    checkpoint_every: int = trainer_field("checkpoint_every", 200)
     epochs: int = field(default=4, metadata={"help": "passes over the cached training positions",
                                              "check": at_least(1)})
-    lr: float = field(default=2e-3, metadata={"help": "peak AdamW learning rate (warm-up, then cosine decay)",
-                                              "check": positive})
     batch_size: int = field(default=512, metadata={"help": "positions per training step", "check": at_least(1)})
-    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay", "check": at_least(0)})
     decay: float = field(default=0.8, metadata={"help": "loss weight of head i is decay**i", "check": _decay_check})
-    warmup_steps: int = field(default=20, metadata={"help": "steps of linear learning-rate warm-up",
-                                                    "check": at_least(0)})
-    checkpoint_every: int = field(default=200, metadata={"help": "steps between resumable checkpoints",
-                                                         "check": at_least(1)})
     topk: int = field(default=10, metadata={"help": "guesses per head scored in the held-out accuracy table "
                                                     "the tree is built from", "check": at_least(1)})
     tree_nodes: int = field(default=40, metadata={"help": "nodes of the candidate tree built from the held-out "
                                                           "accuracy", "check": at_least(1)})
-    mixed_precision: str = field(default="auto", metadata={
-        "help": "autocast mode of training; auto: bf16 where the hardware multiplies it natively, else float32",
-        "choices": ("auto", "no", "bf16", "fp16")})
     vocab: str = field(default="full", metadata={
         "help": "softmax over the whole vocabulary, or only over the tokens the training answers use (several "
                 "times cheaper on a CPU; the heads then guess among those tokens only)",
@@ -311,17 +301,12 @@ class TrainConfig:
         "help": "standard deviation of Gaussian noise added to the cached hidden states during training, "
                 "relative to their RMS (e.g. 0.1; 0 = none): a regulariser for heads that over-fit their data",
         "check": _feature_noise_check})
-    seed: int = field(default=0, metadata={"help": "seed of the batch order and the feature noise"})
 
     def __post_init__(self) -> None:
-        check_fields(self)
+        super().__post_init__()
         if self.max_vocab and self.vocab != "data":
-            raise ValueError(f"TrainConfig.max_vocab caps the data vocabulary: a token count used with "
+            raise ValueError(f"MedusaTrainConfig.max_vocab caps the data vocabulary: a token count used with "
                              f"vocab='data', got {self.max_vocab} with vocab={self.vocab!r}")
-
-    def autocast_mode(self, device: torch.device) -> str:
-        """accelerate's mixed_precision for training on `device` ("auto" resolved)."""
-        return autocast_mode(self.mixed_precision, device)
 
 
 def medusa_loss(logits: torch.Tensor, targets: torch.Tensor, decay: float,
@@ -370,58 +355,10 @@ def head_accuracy(heads: MedusaHeads, hidden: torch.Tensor, targets: torch.Tenso
     return (hits / counts.clamp(min=1)[:, None]).tolist()
 
 
-def _plot(losses: list[float], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(losses, lw=0.6, alpha=0.4, label="batch")
-    w = max(1, len(losses) // 50)
-    if len(losses) >= w:
-        smooth = torch.tensor(losses).unfold(0, w, 1).mean(-1).tolist()
-        ax.plot(range(w - 1, len(losses)), smooth, lw=1.5, label=f"mean of {w}")
-    ax.set_xlabel("step")
-    ax.set_ylabel("sum_i 0.8^i CE_i")
-    ax.set_title("Medusa head training")
-    ax.legend()
-    fig.tight_layout()
-    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110))
-    plt.close(fig)
-
-
 def _noise(h: torch.Tensor, scale: float, generator: torch.Generator) -> torch.Tensor:
     """Gaussian noise like h (n, C), each row's standard deviation `scale` times that row's RMS."""
     rms = h.pow(2).mean(-1, keepdim=True).sqrt()  # (n, 1)
     return torch.randn(h.shape, generator=generator, device=h.device, dtype=h.dtype) * (scale * rms)
-
-
-def _lr_at(step: int, done: float, cfg: TrainConfig) -> float:
-    """Linear warm-up over `warmup_steps`, then cosine decay over `done`, the schedule's fraction in [0, 1]."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, done)))
-
-
-def set_lr(opt: torch.optim.Optimizer, step: int, total: int, seconds: float, deadline: float | None,
-           cfg) -> None:
-    """Give every parameter group of `opt` the schedule's rate at `step` of `total` (`_lr_at`); with a
-    deadline (time.monotonic()), the decay also follows the training `seconds` spent against the time
-    left (`_time_progress`). cfg: a config with lr and warmup_steps (TrainConfig, EagleTrainConfig)."""
-    done = step / total
-    if deadline is not None:
-        done = max(done, _time_progress(seconds, deadline - time.monotonic()))
-    for g in opt.param_groups:
-        g["lr"] = _lr_at(step, done, cfg)
-
-
-def _time_progress(seconds: float, left: float) -> float:
-    """How far a deadline-bound cosine decay has gone: the training seconds spent so far (earlier
-    runs of a resumed job included) over those plus the seconds left to the deadline. A resumed
-    run therefore goes on from where it stopped, and a later deadline (a raised budget) spreads
-    the rest of the decay over the longer window instead of leaving the rate at zero."""
-    return seconds / max(1e-9, seconds + max(0.0, left))
 
 
 def _head_logits(heads: MedusaHeads, h: torch.Tensor, vocab: torch.Tensor | None) -> torch.Tensor:
@@ -429,17 +366,63 @@ def _head_logits(heads: MedusaHeads, h: torch.Tensor, vocab: torch.Tensor | None
     return heads.head_logits(heads.features(h), vocab)
 
 
-def _save_checkpoint(ckpt: Path, heads: MedusaHeads, opt, step: int, losses: list[float],
-                     seconds: float) -> None:
-    ckpt.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().cpu().contiguous() for k, v in heads.state_dict().items()}
-    atomic_write(ckpt / "heads.safetensors", lambda tmp: save_file(state, tmp))
-    atomic_write(ckpt / "optimizer.pt", lambda tmp: torch.save(opt.state_dict(), tmp))
-    _write_json(ckpt / "trainer.json", {"step": step, "losses": losses, "train_seconds": seconds})
+class MedusaTask(Task):
+    """Medusa-1 for distill.trainer: steps over shuffled batches of cached positions, the summed
+    head cross-entropy (`medusa_loss`), the heads' state dict as checkpoint/heads.safetensors."""
+
+    desc = "training Medusa heads"
+    loss_label = "sum_i 0.8^i CE_i"
+
+    def __init__(self, heads: MedusaHeads, hidden: torch.Tensor, targets: torch.Tensor,
+                 vocab: torch.Tensor | None, config: MedusaTrainConfig) -> None:
+        self.heads, self.hidden, self.targets, self.vocab, self.config = heads, hidden, targets, vocab, config
+        self.forward = Forward(heads, _head_logits)  # one module call: DDP syncs its gradients
+        self.per_epoch = math.ceil(hidden.shape[0] / config.batch_size)
+        self.total_steps = self.per_epoch * config.epochs
+
+    def module(self) -> Forward:
+        return self.forward
+
+    def begin(self, run: Trainer) -> None:
+        self.noise_gen = torch.Generator(run.acc.device).manual_seed(self.config.seed + run.step)  # drawn anew
+        if self.vocab is not None:
+            self.vocab = self.vocab.to(run.acc.device)
+        run.model.train()
+
+    def micro_batches(self, run: Trainer, step: int) -> list[int]:
+        return [step]
+
+    def loss(self, run: Trainer, step: int) -> torch.Tensor:
+        cfg, acc = self.config, run.acc
+        epoch, b = divmod(step, self.per_epoch)
+        order = torch.randperm(self.hidden.shape[0], generator=torch.Generator().manual_seed(cfg.seed + epoch))
+        idx = order[b * cfg.batch_size:(b + 1) * cfg.batch_size]  # the global batch
+        h = self.hidden[idx].to(acc.device, torch.float32)  # (n, C)
+        if cfg.feature_noise:  # drawn for the global batch: the same noise whatever the processes
+            h = h + _noise(h, cfg.feature_noise, self.noise_gen)
+        part, weight = local_part(idx.numel(), acc)  # this process's rows of the batch
+        idx, h = idx[part], h[part]
+        t = self.targets[idx].to(acc.device)
+        teacher = None
+        if cfg.soft_targets:
+            with run.autocast():
+                teacher = teacher_probs(self.heads, self.hidden, idx, self.vocab)  # (K, n, V')
+        with run.autocast():
+            logits = run.model(h, self.vocab)  # (K, n, V or V')
+        # several processes: each head's CE weighted by this process's share of its valid rows
+        counts = (t != IGNORE).sum(0).tolist() if weight else [0] * t.shape[1]
+        return medusa_loss(logits, t, cfg.decay, teacher, count_weights(counts, acc))[0]
+
+    def save_weights(self, directory: Path) -> None:
+        state = {k: v.detach().cpu().contiguous() for k, v in self.heads.state_dict().items()}
+        atomic_write(directory / "heads.safetensors", lambda tmp: save_file(state, tmp))
+
+    def load_weights(self, directory: Path) -> None:
+        self.heads.load_state_dict(load_file(str(directory / "heads.safetensors")))
 
 
 def train_medusa(heads: MedusaHeads, data_dir: str | Path, out_dir: str | Path,
-                 config: TrainConfig = TrainConfig(), deadline: float | None = None,
+                 config: MedusaTrainConfig = MedusaTrainConfig(), deadline: float | None = None,
                  resume: bool = True) -> dict:
     """Train `heads` (from distill.attach_medusa) on the hidden states cached in `data_dir`.
 
@@ -447,111 +430,38 @@ def train_medusa(heads: MedusaHeads, data_dir: str | Path, out_dir: str | Path,
     accuracy), `checkpoint/` (resumed from when `resume`), `loss.png` and `metrics.json`.
     `out_dir` must be new, empty or a Medusa training directory (TRAIN_MARKERS), else OutputPathError.
     deadline: a time.monotonic() value at which training stops early (evaluation still runs); the
-    cosine learning-rate decay then follows the larger of steps done and time spent, so a run cut
-    by its deadline still ends annealed; the checkpoint keeps the training seconds spent, so a
-    resumed run goes on from the schedule's point (see `_time_progress`). Training starts from
-    the heads' whole vocabulary; with vocab="data" the trained heads guess among the training
-    answers' tokens only (`MedusaHeads.restrict_vocab`).
+    cosine decay then follows the time spent (distill.trainer.set_lr). Training starts from the
+    heads' whole vocabulary; with vocab="data" the trained heads guess among the training answers'
+    tokens only (`MedusaHeads.restrict_vocab`).
     Returns the metrics: per-head top-1 / top-k accuracy, the accuracy table, the tree, losses.
     """
-    from accelerate import Accelerator
-
     out_dir = check_train_dir(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     K = heads.num_heads
     hidden, targets = load_cached(data_dir, "train", K)
     hidden_ho, targets_ho = load_cached(data_dir, "heldout", K)
-    device = next(heads.parameters()).device
-    acc = Accelerator(cpu=device.type == "cpu", mixed_precision=config.autocast_mode(device))
     heads.restrict_vocab(None)  # which tokens the heads guess among is decided by this training
     heads.requires_grad_(True)
-    params = [p for p in heads.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
-    ckpt = out_dir / "checkpoint"
-    step, losses, before = 0, [], 0.0  # before: training seconds of earlier runs of this job
-    if resume and (ckpt / "trainer.json").is_file():
-        heads.load_state_dict(load_file(str(ckpt / "heads.safetensors")))
-        opt.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True))
-        meta = json.loads((ckpt / "trainer.json").read_text())
-        step, losses = meta["step"], meta["losses"]
-        before = meta.get("train_seconds", 0.0)  # absent in checkpoints of earlier versions
     vocab = None
     if config.vocab == "data":  # softmax over the tokens the answers use: a fraction of the cost
         vocab = data_vocab(targets, config.max_vocab)  # (V',)
         remap = torch.full((heads.config.vocab_size,), IGNORE, dtype=torch.long)
         remap[vocab] = torch.arange(vocab.numel())
         targets = torch.where(targets == IGNORE, targets, remap[targets.clamp(min=0)])
-        vocab = vocab.to(acc.device)
-    model_h, opt = acc.prepare(Forward(heads, _head_logits), opt)  # one module call: DDP syncs its gradients
-    per_epoch = math.ceil(hidden.shape[0] / config.batch_size)
-    total = per_epoch * config.epochs
-    bar = progress(total=total, initial=step, desc="training Medusa heads", unit="step",
-                   disable=not acc.is_local_main_process)
-    noise_gen = torch.Generator(acc.device).manual_seed(config.seed + step)  # a resumed run draws anew
-    model_h.train()
-    t_start = time.monotonic()
-
-    def seconds() -> float:
-        return before + time.monotonic() - t_start
-
-    try:
-        while step < total:
-            secs, dl, stop = synced_clock(acc, seconds(), deadline)  # every process stops at the same step
-            if stop:
-                break
-            epoch, b = divmod(step, per_epoch)
-            order = torch.randperm(hidden.shape[0], generator=torch.Generator().manual_seed(config.seed + epoch))
-            idx = order[b * config.batch_size:(b + 1) * config.batch_size]  # the global batch
-            h = hidden[idx].to(acc.device, torch.float32)  # (n, C)
-            if config.feature_noise:  # drawn for the global batch: the same noise whatever the processes
-                h = h + _noise(h, config.feature_noise, noise_gen)
-            part, weight = local_part(idx.numel(), acc)  # this process's rows of the batch
-            idx, h = idx[part], h[part]
-            t = targets[idx].to(acc.device)
-            teacher = None
-            if config.soft_targets:
-                with acc.autocast():
-                    teacher = teacher_probs(heads, hidden, idx, vocab)  # (K, n, V')
-            set_lr(opt, step, total, secs, dl, config)
-            with acc.autocast():
-                logits = model_h(h, vocab)  # (K, n, V or V')
-            # several processes: each head's CE weighted by this process's share of its valid rows
-            counts = (t != IGNORE).sum(0).tolist() if weight else [0] * t.shape[1]
-            loss, _ = medusa_loss(logits, t, config.decay, teacher, count_weights(counts, acc))
-            opt.zero_grad(set_to_none=True)
-            acc.backward(loss)
-            opt.step()
-            step += 1
-            losses.append(global_mean(loss, acc))
-            bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)  # drawn with the update, at its interval
-            bar.update(1)
-            if step % config.checkpoint_every == 0 and acc.is_main_process:
-                _save_checkpoint(ckpt, heads, opt, step, losses, seconds())
-    finally:  # also when stopped (Ctrl-C, SIGTERM): the steps done so far are kept
-        bar.close()
-        if acc.is_main_process:
-            _save_checkpoint(ckpt, heads, opt, step, losses, seconds())
-    heads = acc.unwrap_model(model_h).module.eval().requires_grad_(False)
-    if vocab is not None:  # the heads learned to rank these tokens only: they guess among them
-        heads.restrict_vocab(vocab)
+    task = MedusaTask(heads, hidden, targets, vocab, config)
+    run = Trainer(task, config, out_dir, CheckpointDir(out_dir / "checkpoint")).fit(deadline, resume)
+    heads.eval().requires_grad_(False)
+    if task.vocab is not None:  # the heads learned to rank these tokens only: they guess among them
+        heads.restrict_vocab(task.vocab)
     table = head_accuracy(heads, hidden_ho, targets_ho, config.topk)
     paths = choose_tree(heads, table, config.tree_nodes)
-    if acc.is_main_process:
+    if run.acc.is_main_process:
         save_medusa(heads, out_dir, overwrite=True)  # this job's own heads (a resumed run saves them again)
-    if losses and acc.is_main_process:
-        _plot(losses, out_dir / "loss.png")
-    metrics = {
-        "steps": step, "planned_steps": total, "train_positions": int(hidden.shape[0]),
-        "heldout_positions": int(hidden_ho.shape[0]),
+    return run.report({
+        "train_positions": int(hidden.shape[0]), "heldout_positions": int(hidden_ho.shape[0]),
         "top1_accuracy": [r[0] for r in table],
         f"top{config.topk}_accuracy": [sum(r) for r in table],
         "accuracy_by_rank": table, "tree": [list(p) for p in paths],
         "expected_accepted_per_step": expected_length(paths, table),
-        "final_loss": sum(losses[-50:]) / len(losses[-50:]) if losses else None,
         "train_vocab": int(vocab.numel()) if vocab is not None else heads.config.vocab_size,
-        "config": asdict(config),
-    }
-    if acc.is_main_process:
-        _write_json(out_dir / "metrics.json", metrics)
-    acc.wait_for_everyone()
-    return metrics
+    })

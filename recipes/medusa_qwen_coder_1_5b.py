@@ -25,7 +25,7 @@ DEFAULTS = {"out": "runs/medusa_qwen15", "max_minutes": 240.0, "answer_tokens": 
             "prompts_per_minute": 120, "num_layers": 1, "data_frac": 0.5, "eval_minutes": 25.0,
             "eval_prompts": 32, "eval_tokens": 128, "speed_prompts": 8, "speed_nodes": "auto",
             "function_share": 0.67}
-# where this recipe trains differently from TrainConfig's defaults: vocab "data" with the 16384 most
+# where this recipe trains differently from MedusaTrainConfig's defaults: vocab "data" with the 16384 most
 # frequent answer tokens because the LM head's rows set the cost of a training step and of the heads'
 # share of a decoding step (docs/medusa.md); 8 epochs, over the few hundred thousand positions a
 # CPU budget caches, and a 24-node tree for tau.json, as in the recipe's first measured run

@@ -41,7 +41,7 @@ from distill.command import parse_num_nodes, parse_share, parse_sizes
 from distill.config_args import add_dataclass_args, dataclass_from_args
 from distill.medusa import choose_tree
 from distill.selfdistill import generate_selfdistill, is_code_prompt, read_records, sharegpt_prompts, stop_token_ids
-from distill.train_medusa import TRAIN_MARKERS, TrainConfig, cache_hidden_states
+from distill.train_medusa import TRAIN_MARKERS, MedusaTrainConfig, cache_hidden_states
 from runtime.atomic import atomic_write_text
 from runtime.hardware import DTYPES
 from specdec.evaluate import EvalConfig, run_eval
@@ -117,7 +117,7 @@ def train(args: argparse.Namespace, model, tok, out: Path, budget: RunBudget) ->
 
     cache_hidden_states(model, records, cache_dir, args.num_heads, deadline=budget.at(args.train_frac))
     heads = distill.attach_medusa(model, num_heads=args.num_heads, num_layers=args.num_layers)
-    cfg = dataclass_from_args(TrainConfig, args)
+    cfg = dataclass_from_args(MedusaTrainConfig, args)
     metrics = distill.train_medusa(heads, cache_dir, out, cfg, deadline=budget.at(args.train_frac))
     train_min = budget.minutes()
     print(f"[train] {metrics['steps']}/{metrics['planned_steps']} steps, top-1 accuracy "
@@ -201,8 +201,8 @@ def _run(args: argparse.Namespace, model_name: str, eval_dataset: str, raw_eval:
 
 def parser(defaults: dict, train: dict, doc: str = __doc__) -> argparse.ArgumentParser:
     """The recipes' shared options; `defaults` holds the recipe's own settings, `train` the
-    TrainConfig values it uses instead of the library's (every other training flag defaults to
-    TrainConfig's), `doc` the calling recipe's module docstring (its first paragraph becomes
+    MedusaTrainConfig values it uses instead of the library's (every other training flag defaults to
+    MedusaTrainConfig's), `doc` the calling recipe's module docstring (its first paragraph becomes
     --help's description)."""
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--out", default=defaults["out"], help="directory for data, cache, heads, reports")
@@ -252,7 +252,7 @@ def parser(defaults: dict, train: dict, doc: str = __doc__) -> argparse.Argument
     p.add_argument("--speed-sizes", type=parse_sizes, default="1,2,4,6,8,12,16,24",
                    help="tree sizes --speed-nodes auto tries")
     p.set_defaults(prompts_per_minute=defaults["prompts_per_minute"])
-    add_dataclass_args(p.add_argument_group("head training (TrainConfig)"), TrainConfig,
+    add_dataclass_args(p.add_argument_group("head training (MedusaTrainConfig)"), MedusaTrainConfig,
                        flags={"batch_size": "--train-batch"}, defaults=train)
     return p
 
@@ -264,7 +264,7 @@ def parser(defaults: dict, train: dict, doc: str = __doc__) -> argparse.Argument
 DEFAULTS = {"out": "runs/medusa_smollm2", "max_minutes": 20.0, "answer_tokens": 128, "batch_size": 64,
             "prompts_per_minute": 1500, "num_layers": 2, "data_frac": 0.55, "eval_minutes": 3.5,
             "eval_prompts": 12, "eval_tokens": 96, "speed_prompts": 2, "speed_nodes": None, "function_share": 0.0}
-# where this recipe trains differently from TrainConfig's defaults (docs/medusa.md, "Results"):
+# where this recipe trains differently from MedusaTrainConfig's defaults (docs/medusa.md, "Results"):
 # vocab "data" because on a CPU the softmax over the 49k-token shared LM head is most of a training
 # step; 3 epochs because more did not raise the held-out accuracy (the budget goes to data
 # instead); 64 nodes, the size of Medusa's own default tree, ~0.03 expected tokens per step over 40

@@ -1,4 +1,4 @@
-"""distill.config_args: flags from dataclass fields; the Medusa recipes' training flags come from TrainConfig."""
+"""distill.config_args: flags from dataclass fields; the Medusa recipes' training flags come from MedusaTrainConfig."""
 
 import argparse
 import dataclasses
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from distill.config_args import add_dataclass_args, at_least, check_fields, dataclass_from_args
-from distill.train_medusa import TrainConfig
+from distill.train_medusa import MedusaTrainConfig
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 
@@ -75,7 +75,7 @@ def test_recipe_training_flags_default_to_train_config_but_for_the_recipes_own_v
     module = importlib.import_module(recipe)
     shared = sys.modules["medusa_smollm2"]
     args = shared.parser(module.DEFAULTS, module.TRAIN).parse_args([])
-    assert dataclass_from_args(TrainConfig, args) == dataclasses.replace(TrainConfig(), **module.TRAIN)
+    assert dataclass_from_args(MedusaTrainConfig, args) == dataclasses.replace(MedusaTrainConfig(), **module.TRAIN)
     assert args.generation_batch == module.DEFAULTS["batch_size"]  # --batch-size: generation rows
     train = shared.parser(module.DEFAULTS, module.TRAIN).parse_args(["--train-batch", "128", "--batch-size", "8"])
     assert (train.batch_size, train.generation_batch) == (128, 8)

@@ -1,5 +1,5 @@
 """`specdec medusa` commands: re-measuring the heads' accuracy, restricting their guesses, rebuilding the
-tree; training flags derived from TrainConfig; the argument types the recipes share."""
+tree; training flags derived from MedusaTrainConfig; the argument types the recipes share."""
 
 import argparse
 import dataclasses
@@ -16,7 +16,7 @@ import distill
 import runtime
 from distill.command import parse_share
 from distill.config_args import dataclass_from_args, flag_name
-from distill.train_medusa import TrainConfig, cache_hidden_states
+from distill.train_medusa import MedusaTrainConfig, cache_hidden_states
 from specdec.cli import build_parser, main
 
 
@@ -89,21 +89,21 @@ TRAIN_ARGS = ["medusa", "train", "--model", "m", "--data", "d.jsonl", "--out", "
 
 def test_every_train_config_field_is_a_train_flag_with_the_same_default(capsys):
     args = build_parser().parse_args(TRAIN_ARGS)
-    for f in dataclasses.fields(TrainConfig):
+    for f in dataclasses.fields(MedusaTrainConfig):
         assert getattr(args, f.name) == f.default, f.name
-    assert dataclass_from_args(TrainConfig, args) == TrainConfig()
+    assert dataclass_from_args(MedusaTrainConfig, args) == MedusaTrainConfig()
     with pytest.raises(SystemExit):
         build_parser().parse_args(TRAIN_ARGS + ["--help"])
     usage = capsys.readouterr().out
-    assert all(flag_name(f.name) in usage for f in dataclasses.fields(TrainConfig))
+    assert all(flag_name(f.name) in usage for f in dataclasses.fields(MedusaTrainConfig))
 
 
 def test_train_flags_set_the_config_and_reject_bad_values_by_flag(capsys):
     args = build_parser().parse_args(TRAIN_ARGS + ["--lr", "5e-4", "--batch-size", "64", "--vocab", "data",
                                                    "--max-vocab", "16384", "--soft-targets", "--feature-noise",
                                                    "0.1", "--mixed-precision", "no", "--seed", "3"])
-    cfg = dataclass_from_args(TrainConfig, args)
-    assert cfg == TrainConfig(lr=5e-4, batch_size=64, vocab="data", max_vocab=16384, soft_targets=True,
+    cfg = dataclass_from_args(MedusaTrainConfig, args)
+    assert cfg == MedusaTrainConfig(lr=5e-4, batch_size=64, vocab="data", max_vocab=16384, soft_targets=True,
                               feature_noise=0.1, mixed_precision="no", seed=3)
     for flag, bad in (("--max-vocab", "-1"), ("--max-vocab", "many"), ("--epochs", "0"), ("--vocab", "words")):
         with pytest.raises(SystemExit):

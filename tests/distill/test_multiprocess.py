@@ -33,14 +33,14 @@ import quant
 from distill.accel import close_process_group
 from distill.recover import RecoverConfig
 from distill.train_eagle import EagleTrainConfig
-from distill.train_medusa import TrainConfig
+from distill.train_medusa import MedusaTrainConfig
 from runtime.tiny import tiny_model
 
 torch.set_num_threads(1)
 out, medusa_cache, eagle_cache = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 model = tiny_model("llama", seed=0)
 distill.train_medusa(distill.attach_medusa(model, num_heads=2), medusa_cache, out / "medusa",
-                     TrainConfig(epochs=1, lr=1e-2, batch_size=64, warmup_steps=2, mixed_precision="no"))
+                     MedusaTrainConfig(epochs=1, lr=1e-2, batch_size=64, warmup_steps=2, mixed_precision="no"))
 
 target = tiny_model("llama", seed=0, num_hidden_layers=4)
 with torch.no_grad():

@@ -12,9 +12,8 @@ import distill
 import specdec
 from distill.train_medusa import (
     IGNORE,
-    TrainConfig,
+    MedusaTrainConfig,
     _noise,
-    _time_progress,
     cache_hidden_states,
     data_vocab,
     head_accuracy,
@@ -101,7 +100,7 @@ def test_soft_targets_are_the_base_models_distribution_at_the_predicted_position
     logits = torch.randn(3, hidden.shape[0], 128, generator=torch.Generator().manual_seed(1))
     assert medusa_loss(logits, targets, 0.8, one_hot)[0].item() == pytest.approx(
         medusa_loss(logits, targets, 0.8)[0].item(), rel=1e-5)
-    cfg = TrainConfig(epochs=2, lr=1e-2, batch_size=16, warmup_steps=2, topk=3, tree_nodes=4,
+    cfg = MedusaTrainConfig(epochs=2, lr=1e-2, batch_size=16, warmup_steps=2, topk=3, tree_nodes=4,
                       mixed_precision="no", soft_targets=True, vocab="data")  # the recipe's combination
     metrics = distill.train_medusa(heads, tmp_path, tmp_path / "heads", cfg)
     losses = json.loads((tmp_path / "heads" / "checkpoint" / "trainer.json").read_text())["losses"]
@@ -113,7 +112,7 @@ def test_training_learns_checkpoints_and_resumes(tiny_model, records, tmp_path):
     heads = distill.attach_medusa(tiny_model, num_heads=2)
     hidden, targets = load_cached(data, "heldout", 2)
     before = head_accuracy(heads, hidden, targets, topk=3)
-    cfg = TrainConfig(epochs=4, lr=1e-2, batch_size=128, warmup_steps=5, checkpoint_every=10,
+    cfg = MedusaTrainConfig(epochs=4, lr=1e-2, batch_size=128, warmup_steps=5, checkpoint_every=10,
                       topk=3, tree_nodes=6, mixed_precision="no")
     metrics = distill.train_medusa(heads, data, tmp_path / "heads", cfg)
     assert metrics["steps"] == metrics["planned_steps"]
@@ -126,7 +125,7 @@ def test_training_learns_checkpoints_and_resumes(tiny_model, records, tmp_path):
     assert loaded.config.head_accuracy is not None
     # resume: a longer schedule continues from the saved step instead of starting over
     heads2 = distill.attach_medusa(tiny_model, num_heads=2)
-    more = distill.train_medusa(heads2, data, tmp_path / "heads", TrainConfig(
+    more = distill.train_medusa(heads2, data, tmp_path / "heads", MedusaTrainConfig(
         epochs=5, lr=1e-2, batch_size=128, warmup_steps=5, checkpoint_every=10, topk=3, tree_nodes=6,
         mixed_precision="no"))
     trainer = json.loads((tmp_path / "heads" / "checkpoint" / "trainer.json").read_text())
@@ -140,18 +139,11 @@ def test_training_learns_checkpoints_and_resumes(tiny_model, records, tmp_path):
 @pytest.mark.parametrize("native, expected", [(True, "bf16"), (False, "no")])
 def test_auto_mixed_precision_autocasts_to_bf16_only_where_it_is_native(monkeypatch, native, expected):
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: native)
-    assert TrainConfig().mixed_precision == "auto"
-    assert TrainConfig().autocast_mode(torch.device("cpu")) == expected
-    assert TrainConfig(mixed_precision="bf16").autocast_mode(torch.device("cpu")) == "bf16"  # as asked
+    assert MedusaTrainConfig().mixed_precision == "auto"
+    assert MedusaTrainConfig().autocast_mode(torch.device("cpu")) == expected
+    assert MedusaTrainConfig(mixed_precision="bf16").autocast_mode(torch.device("cpu")) == "bf16"  # as asked
     with pytest.raises(ValueError, match="mixed_precision must be one of 'auto'"):
-        TrainConfig(mixed_precision="fp8")
-
-
-def test_the_deadline_schedule_goes_on_where_a_resumed_run_stopped():
-    assert _time_progress(30.0, 30.0) == 0.5  # also: stopped after 30 s, resumed with 30 s left: no jump
-    assert _time_progress(60.0, 0.0) == 1.0  # the deadline reached: fully decayed
-    assert _time_progress(60.0, 60.0) == 0.5  # a finished run given as long again: mid-decay, not zero
-    assert _time_progress(10.0, -5.0) == 1.0
+        MedusaTrainConfig(mixed_precision="fp8")
 
 
 def test_a_stopped_run_keeps_its_steps_and_a_resumed_one_adds_its_seconds(tiny_model, records, tmp_path,
@@ -159,7 +151,7 @@ def test_a_stopped_run_keeps_its_steps_and_a_resumed_one_adds_its_seconds(tiny_m
     tm = importlib.import_module("distill.train_medusa")  # the module: distill.train_medusa is the function
 
     data = cache_hidden_states(tiny_model, records, tmp_path / "cache", num_heads=1, dtype=torch.float32)
-    cfg = TrainConfig(epochs=3, lr=1e-2, batch_size=128, warmup_steps=1, checkpoint_every=100, topk=2,
+    cfg = MedusaTrainConfig(epochs=3, lr=1e-2, batch_size=128, warmup_steps=1, checkpoint_every=100, topk=2,
                       tree_nodes=2, mixed_precision="no")
     calls, loss = [], tm.medusa_loss
 
@@ -188,7 +180,7 @@ def test_training_over_the_data_vocabulary_learns_and_guesses_among_it(tiny_mode
     half = [{**r, "output_ids": [x % 64 for x in r["output_ids"]]} for r in records]  # 64 tokens used
     data = cache_hidden_states(tiny_model, half, tmp_path / "cache", num_heads=1, dtype=torch.float32)
     heads = distill.attach_medusa(tiny_model, num_heads=1)
-    cfg = TrainConfig(epochs=3, lr=1e-2, batch_size=128, warmup_steps=5, topk=3, tree_nodes=3,
+    cfg = MedusaTrainConfig(epochs=3, lr=1e-2, batch_size=128, warmup_steps=5, topk=3, tree_nodes=3,
                       mixed_precision="no", vocab="data")
     metrics = distill.train_medusa(heads, data, tmp_path / "heads", cfg)
     assert metrics["train_vocab"] == 64
@@ -205,14 +197,14 @@ def test_max_vocab_keeps_the_most_frequent_target_tokens():
     assert data_vocab(targets, max_vocab=2).tolist() == [5, 9]  # sorted ids, not by count
     assert data_vocab(targets, max_vocab=10).tolist() == [3, 5, 7, 9]
     with pytest.raises(ValueError, match="max_vocab"):
-        TrainConfig(max_vocab=100)  # a cap on the data vocabulary needs vocab="data"
+        MedusaTrainConfig(max_vocab=100)  # a cap on the data vocabulary needs vocab="data"
     with pytest.raises(ValueError, match="max_vocab"):
-        TrainConfig(vocab="data", max_vocab=-1)
+        MedusaTrainConfig(vocab="data", max_vocab=-1)
 
 
 def test_training_with_a_capped_vocabulary_guesses_among_the_cap(tiny_model, records, tmp_path):
     data = cache_hidden_states(tiny_model, records, tmp_path / "cache", num_heads=1, dtype=torch.float32)
-    cfg = TrainConfig(epochs=3, lr=1e-2, batch_size=128, warmup_steps=5, topk=3, tree_nodes=3,
+    cfg = MedusaTrainConfig(epochs=3, lr=1e-2, batch_size=128, warmup_steps=5, topk=3, tree_nodes=3,
                       mixed_precision="no", vocab="data", max_vocab=100)
     metrics = distill.train_medusa(distill.attach_medusa(tiny_model, num_heads=1), data, tmp_path / "heads", cfg)
     assert metrics["train_vocab"] == 100
@@ -230,14 +222,14 @@ def test_feature_noise_scales_with_each_states_rms():
     assert abs(noise[0::2].std() - 0.1) < 0.005 and abs(noise[1::2].std() - 0.5) < 0.025
     assert torch.equal(noise, _noise(h, 0.1, torch.Generator().manual_seed(1)))  # the generator decides
     with pytest.raises(ValueError, match="feature_noise"):
-        TrainConfig(feature_noise=-0.1)
+        MedusaTrainConfig(feature_noise=-0.1)
 
 
 def test_training_with_feature_noise_still_learns_and_differs_from_none(tiny_model, records, tmp_path):
     data = cache_hidden_states(tiny_model, records, tmp_path / "cache", num_heads=1, dtype=torch.float32)
     runs = {}
     for noise in (0.0, 0.1):
-        cfg = TrainConfig(epochs=3, lr=1e-2, batch_size=128, warmup_steps=5, topk=3, tree_nodes=3,
+        cfg = MedusaTrainConfig(epochs=3, lr=1e-2, batch_size=128, warmup_steps=5, topk=3, tree_nodes=3,
                           mixed_precision="no", feature_noise=noise)
         metrics = distill.train_medusa(distill.attach_medusa(tiny_model, num_heads=1), data,
                                        tmp_path / f"heads{noise}", cfg)
