@@ -66,10 +66,8 @@ def sdpa_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
 
     Grouped-query attention runs as plain attention with the G = Hq / Hkv query heads of each KV
     head folded into the query axis: q viewed as (B, Hkv, G*T, D), the mask repeated G times.
-    The same numbers as `enable_gqa=True`, but PyTorch's CPU kernel with `enable_gqa` is about 10x
-    slower (qwen2.5-coder-1.5b, 12 query / 2 KV heads, bf16, 300 cached slots, 32 rows: 16.8 vs
-    1.7 ms per call, a whole decode step 903 vs 548 ms; BENCHMARKS.md, "Grouped-query attention
-    on the CPU").
+    The same numbers as `enable_gqa=True`, but PyTorch's CPU kernel with `enable_gqa` is several
+    times slower (BENCHMARKS.md, "Grouped-query attention on the CPU").
     """
     B, Hq, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
@@ -124,8 +122,7 @@ def cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
     One opaque, in-place op for `torch.compile` (`Transformer.static_step`). Left to the compiler,
     the cache write becomes a copy of the whole buffer per layer (functionalization) and the
-    attention a masked product over every slot, both growing with the cache size (a compiled
-    smollm2 step that way grows from 33 to 72 ms by 1k slots). Here the write is in place and the
+    attention a masked product over every slot, both growing with the cache size. Here the write is in place and the
     attention is PyTorch's SDPA over the used slots only.
     """
     from runtime.cache import write_slots

@@ -1,15 +1,13 @@
 """Frequency-ranked draft vocabulary (FR-Spec, Zhao et al. 2025): a draft model that scores only
 the tokens most frequent in ordinary text.
 
-A small draft's LM head is its largest matmul when the vocabulary is large: qwen2.5-coder's
-151,936 x 896 head takes 4.2 of the 26 ms of an INT4 0.5B draft step on this repository's 2-core
-CPU, and 1.5 ms restricted to 65,536 rows (measured). The target still verifies with its full
-vocabulary, so decoding stays lossless: at temperature 0 a token outside the set is never
-proposed (that position is rejected and the target's own token taken); when sampling, the
-draft's q is zero outside the set, which rejection sampling handles exactly. What it costs is
-acceptance at the positions where the target's token is outside the set: of the 1.5B target's
-greedy answers on 20 held-out ShareGPT prompts, the 32k most frequent tokens cover 95.3%, 64k
-99.5% (counted on the default texts below).
+A small draft's LM head is its largest matmul when the vocabulary is large (qwen2.5-coder's
+151,936 x 896); restricting it to the most frequent rows makes a draft step cheaper. The target
+still verifies with its full vocabulary, so decoding stays lossless: at temperature 0 a token
+outside the set is never proposed (that position is rejected and the target's own token taken);
+when sampling, the draft's q is zero outside the set, which rejection sampling handles exactly.
+What it costs is acceptance at the positions where the target's token is outside the set
+(coverage and step times: docs/experiments/2026-11-22-quantized-drafts.md).
 
     ids = frequent_tokens(tokenizer, 65536, model.config.vocab_size)
     restrict_vocab(draft, ids)  # before runtime.compile_decode
