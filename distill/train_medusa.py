@@ -34,7 +34,7 @@ from distill.medusa import CONFIG, choose_tree, save_medusa
 from runtime.atomic import atomic_write
 from runtime.outputs import prepare_manifest_dir, prepare_output_dir
 from runtime.progress import progress
-from specdec.medusa import MedusaHeads
+from specdec.medusa import DEFAULT_TREE_NODES, MedusaHeads
 from specdec.tree import expected_length
 
 IGNORE = -100
@@ -292,8 +292,8 @@ class TrainConfig:
                                                          "check": at_least(1)})
     topk: int = field(default=10, metadata={"help": "guesses per head scored in the held-out accuracy table "
                                                     "the tree is built from", "check": at_least(1)})
-    tree_nodes: int = field(default=40, metadata={"help": "nodes of the candidate tree built from the held-out "
-                                                          "accuracy", "check": at_least(1)})
+    tree_nodes: int = field(default=DEFAULT_TREE_NODES, metadata={
+        "help": "nodes of the candidate tree built from the held-out accuracy", "check": at_least(1)})
     mixed_precision: str = field(default="auto", metadata={
         "help": "autocast mode of training; auto: bf16 where the hardware multiplies it natively, else float32",
         "choices": ("auto", "no", "bf16", "fp16")})

@@ -67,7 +67,7 @@ def _generate(args: argparse.Namespace) -> int:
                                       add_generation_prompt=True, return_tensors="pt", return_dict=True).input_ids
     from transformers import TextStreamer
 
-    from specdec.serve_command import load_drafter
+    from specdec.serve_command import drafter_spec, load_drafter, own_draft_length
 
     draft = load_drafter(args, model)
 
@@ -75,7 +75,8 @@ def _generate(args: argparse.Namespace) -> int:
     # the text is printed as each step accepts it
     out = specdec.generate(model, ids, draft=draft, max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                           num_draft_tokens=args.num_draft_tokens, eos_token_id=tok.eos_token_id,
+                           num_draft_tokens=own_draft_length(drafter_spec(args), args.num_draft_tokens),
+                           eos_token_id=tok.eos_token_id,
                            generator=gen, streamer=TextStreamer(tok, skip_prompt=True, skip_special_tokens=True))
     print()
     print(format_stats(out.stats))
