@@ -479,9 +479,10 @@ class Runner:
         target, draft = self.target, self.draft_for(spec)
         generator = torch.Generator(device=cfg.device).manual_seed(seed)
         own = spec.draft_length  # medusa's and eagle's @N sized their tree (k unused)
+        sampling = cfg.sampling
         start = time.perf_counter()
-        out = specdec.generate(target, [torch.tensor(ids)], draft=draft, max_new_tokens=cfg.max_new_tokens,
-                               temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+        out = specdec.generate(target, [torch.tensor(ids)], draft=draft, max_new_tokens=sampling.max_new_tokens,
+                               temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                                num_draft_tokens=own or cfg.num_draft_tokens,
                                eos_token_id=self.eos or None,
                                generator=generator)

@@ -50,16 +50,14 @@ class DrafterKind:
     size: str | None
     chain: bool
     load: str
-    help: str = ""
 
 
 DRAFTERS: dict[str, DrafterKind] = {
-    "ngram": DrafterKind(None, DRAFT_LENGTH, True, "specdec.drafters.ngram:from_spec", "prompt lookup"),
-    "draft": DrafterKind("NAME_OR_PATH", DRAFT_LENGTH, True, "specdec.drafters.model:from_spec", "a draft model"),
-    "hybrid": DrafterKind("NAME_OR_PATH", DRAFT_LENGTH, False, "specdec.drafters.hybrid:from_spec",
-                          "ngram, then a draft model"),
-    "medusa": DrafterKind("DIR", TREE_NODES, False, "specdec.drafters.medusa:from_spec", "Medusa heads"),
-    "eagle": DrafterKind("DIR", EAGLE_TREE, False, "specdec.drafters.eagle:from_spec", "an EAGLE-3 head"),
+    "ngram": DrafterKind(None, DRAFT_LENGTH, True, "specdec.drafters.ngram:from_spec"),
+    "draft": DrafterKind("NAME_OR_PATH", DRAFT_LENGTH, True, "specdec.drafters.model:from_spec"),
+    "hybrid": DrafterKind("NAME_OR_PATH", DRAFT_LENGTH, False, "specdec.drafters.hybrid:from_spec"),  # ngram+draft:X
+    "medusa": DrafterKind("DIR", TREE_NODES, False, "specdec.drafters.medusa:from_spec"),
+    "eagle": DrafterKind("DIR", EAGLE_TREE, False, "specdec.drafters.eagle:from_spec"),
 }
 
 GRAMMAR = ("ngram[@K], draft:NAME_OR_PATH[@K], hybrid:NAME_OR_PATH[@K], medusa:DIR[@N], eagle:DIR[@N[:DxK]] "

@@ -154,3 +154,17 @@ def test_one_sampling_params():
             SamplingParams(**bad)
         with pytest.raises(ValueError):
             EvalConfig(out="x", dataset="sharegpt", **bad)
+
+
+def test_eval_methods_are_specs():
+    """specdec eval's drafting methods are drafter specs; its other methods stay its own."""
+    from specdec.evaluate import MethodSpec, parse_methods
+
+    hybrid, medusa, eagle = parse_methods("ngram+draft:m@3,medusa:h@12,eagle:e@auto:3x4")
+    assert (hybrid.kind, hybrid.draft_length, hybrid.drafter) == ("hybrid", 3, DrafterSpec.parse("ngram+draft:m@3"))
+    assert (medusa.num_draft_tokens, medusa.draft_length) == (12, None)  # a tree's nodes, not a draft length
+    assert eagle.drafter == DrafterSpec("eagle", "e", "auto", (3, 4)) and eagle.tree_fields == {"depth": 3, "top_k": 4}
+    assert MethodSpec.parse("hf").drafter is None
+    for bad, msg in [("ngram+", "empty drafter"), ("ngram+hf", "unknown drafter 'hf'"), ("hf@3", "draft length")]:
+        with pytest.raises(ValueError, match=msg):
+            parse_methods(bad)
