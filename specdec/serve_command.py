@@ -93,12 +93,12 @@ def main(args: argparse.Namespace) -> int:
     if args.max_batch < 1:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
     check_address(args.host, args.port)
+    spec = drafter_spec(args)  # a bad --draft fails before any model loads
     print(f"loading target {args.model} ({args.dtype}, {args.device}{', compiled' if args.compile else ''})",
           flush=True)
     target = runtime.load_model(args.model, dtype=DTYPES[args.dtype], device=args.device, compile=args.compile,
                                 weights=args.weights, row_invariant=not args.no_row_invariant)
     tokenizer = runtime.load_tokenizer(args.model)
-    spec = drafter_spec(args)
     draft = load_drafter(args, target)
     eos = eos_ids(args.model, tokenizer)
     engine = Engine(target, draft, max_batch=args.max_batch, max_len=args.max_len,

@@ -83,6 +83,7 @@ class DrafterSpec:
         if entry is None:
             raise ValueError(f"unknown drafter kind {self.kind!r}; choose from {', '.join(DRAFTERS)}")
         if self.members:
+            object.__setattr__(self, "members", tuple(self.members))
             self._check_members()
         elif entry.arg is not None and not self.arg:
             raise ValueError(f"drafter {self.kind!r} needs {_a(entry.arg)}: write {self.kind}:{entry.arg}")

@@ -168,3 +168,14 @@ def test_eval_methods_are_specs():
     for bad, msg in [("ngram+", "empty drafter"), ("ngram+hf", "unknown drafter 'hf'"), ("hf@3", "draft length")]:
         with pytest.raises(ValueError, match=msg):
             parse_methods(bad)
+
+
+def test_a_bad_draft_on_the_command_line_fails_first_and_says_why(tmp_path, capsys, monkeypatch):
+    """`--draft ngram+` names what is wrong, before any model loads (the model here does not exist)."""
+    from specdec.cli import main as cli_main
+
+    monkeypatch.delenv("SPECDEC_DEBUG", raising=False)
+    for argv in (["generate", "--prompt", "a"], ["serve", "--port", "0"]):
+        assert cli_main([*argv, "--model", str(tmp_path / "missing"), "--draft", "ngram+"]) == 2
+        err = capsys.readouterr().err
+        assert "empty drafter around '+'" in err and "missing" not in err, err
