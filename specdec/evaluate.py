@@ -74,7 +74,7 @@ from runtime.outputs import output_lock, prepare_output_dir
 from runtime.progress import progress as progress_bar
 from specdec.baselines import BASELINES, HF_MODES, LLAMACPP_MODES, HFGenerator, load_hf_model, new_tokens
 from specdec.draft_vocab import ALIGN as DRAFT_VOCAB_ALIGN
-from specdec.drafters.spec import DRAFT_LENGTH, DRAFTERS, DrafterLoader, DrafterSpec
+from specdec.drafters.spec import DRAFT_LENGTH, DRAFTERS, GRAMMAR, DrafterLoader, DrafterSpec
 from specdec.options import parse_draft_length
 from specdec.prompts import DATASETS, Prompt, encode, eos_ids, load_prompts
 from specdec.report import baseline_label
@@ -127,11 +127,8 @@ class MethodSpec:
             spec = DrafterSpec.parse(name)
             return cls(name, spec.kind, spec.arg, spec.size, spec.shape)
         if kind not in BASE_KINDS:
-            raise ValueError(f"unknown method {text!r}; choose from plain, draft:NAME_OR_PATH, ngram, "
-                             "hybrid:NAME_OR_PATH, medusa:PATH, eagle:PATH, hf, hf-assisted:NAME_OR_PATH, hf-pld, "
-                             "llamacpp, llamacpp-spec:NAME_OR_GGUF, or chain drafters joined by '+' (drafting "
-                             "methods take @K for their own draft length, e.g. ngram@3; eagle:PATH@N its tree's "
-                             "nodes, @N:DxK also its depth and top-k)")
+            raise ValueError(f"unknown method {text!r}; choose from plain, hf, hf-assisted:NAME_OR_PATH, hf-pld, "
+                             f"llamacpp, llamacpp-spec:NAME_OR_GGUF@K, or a drafter: {GRAMMAR}")
         if kind in _NEEDS_ARG and not arg:
             raise ValueError(f"method {kind!r} needs a model: write {kind}:NAME_OR_PATH")
         if kind not in _NEEDS_ARG and arg:
@@ -633,11 +630,13 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output directory: new, empty, or an earlier run's (re-running "
                    "with it resumes; a directory specdec did not write is refused)")
     p.add_argument("--methods", default=d["methods"],
-                   help="comma-separated methods: plain, draft:X, ngram, hybrid:X, medusa:PATH, eagle:PATH, hf, "
-                        "hf-assisted:X, hf-pld, llamacpp, llamacpp-spec:X@K (`make llamacpp` first); "
-                        "draft/ngram/hybrid take @K for their own draft length, "
-                        "e.g. ngram@3, draft:X@auto, and eagle @N for its tree's nodes (@N:DxK also its depth and "
-                        "top-k, e.g. @96:8x10) or @auto to time tree sizes first (default: %(default)s)")
+                   help="comma-separated methods: plain, hf, hf-assisted:X, hf-pld, llamacpp, llamacpp-spec:X@K "
+                        "(`make llamacpp` first), and drafter specs (the grammar of specdec serve --draft and "
+                        "generate(draft=...)): draft:X, ngram, hybrid:X, A+B (chain drafters tried in order), "
+                        "medusa:PATH, eagle:PATH; draft/ngram/hybrid take @K for their own draft length, "
+                        "e.g. ngram@3, draft:X@auto, medusa @N its tree's nodes, and eagle @N for its tree's nodes "
+                        "(@N:DxK also its depth and top-k, e.g. @96:8x10) or @auto to time tree sizes first "
+                        "(default: %(default)s)")
     p.add_argument("--target", default=d["target"], help="target model: catalogue name, checkpoint dir, "
                    ".gguf or hub id (default: %(default)s)")
     src = p.add_mutually_exclusive_group(required=True)
