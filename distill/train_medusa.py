@@ -34,7 +34,7 @@ from distill.trainer import CheckpointDir, Task, Trainer, TrainerConfig, trainer
 from runtime.atomic import atomic_write
 from runtime.outputs import prepare_manifest_dir, prepare_output_dir
 from runtime.progress import progress
-from specdec.medusa import MedusaHeads
+from specdec.medusa import DEFAULT_TREE_NODES, MedusaHeads
 from specdec.tree import expected_length
 
 IGNORE = -100
@@ -285,8 +285,8 @@ class MedusaTrainConfig(TrainerConfig):
     decay: float = field(default=0.8, metadata={"help": "loss weight of head i is decay**i", "check": _decay_check})
     topk: int = field(default=10, metadata={"help": "guesses per head scored in the held-out accuracy table "
                                                     "the tree is built from", "check": at_least(1)})
-    tree_nodes: int = field(default=40, metadata={"help": "nodes of the candidate tree built from the held-out "
-                                                          "accuracy", "check": at_least(1)})
+    tree_nodes: int = field(default=DEFAULT_TREE_NODES, metadata={
+        "help": "nodes of the candidate tree built from the held-out accuracy", "check": at_least(1)})
     vocab: str = field(default="full", metadata={
         "help": "softmax over the whole vocabulary, or only over the tokens the training answers use (several "
                 "times cheaper on a CPU; the heads then guess among those tokens only)",

@@ -51,6 +51,7 @@ from distill.onpolicy import DATA_SOURCES, heldout_prompts, training_prompts
 from distill.selfdistill import stop_token_ids
 from runtime.atomic import atomic_write_text
 from runtime.hardware import DTYPES
+from specdec.drafters.spec import DrafterSpec
 from specdec.evaluate import EvalConfig, run_eval
 from specdec.prompts import DATASETS, load_prompts
 
@@ -79,7 +80,8 @@ def _eval_prompts(out: Path, count: int, datasets: list[str]) -> Path:
 
 def evaluate(args: argparse.Namespace, out: Path, fresh: bool) -> dict:
     """The one `specdec eval` run of step 2 (resumed unless the draft was trained again: `fresh`)."""
-    methods = ["plain", f"draft:{args.draft}@auto", f"draft:{out / 'draft'}@auto", "hf"]
+    drafts = [DrafterSpec("draft", str(path), "auto") for path in (args.draft, out / "draft")]
+    methods = ["plain", *map(str, drafts), "hf"]
     prompts = _eval_prompts(out, args.eval_prompts, args.eval_sets)
     cfg = EvalConfig(out=str(out / "eval"), methods=",".join(methods), target=args.target,
                      prompts=str(prompts), dtype=args.eval_dtype or args.dtype,

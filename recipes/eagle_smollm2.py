@@ -48,7 +48,9 @@ from distill.train_eagle import ANSWERS_CACHE_DIR, CACHE_DIR, TRAIN_MARKERS, Eag
 from runtime.atomic import atomic_write_text
 from runtime.hardware import DTYPES
 from specdec.cli import tree_nodes_arg
-from specdec.evaluate import EvalConfig, MethodSpec, run_eval
+from specdec.drafters.eagle import EagleTreeConfig
+from specdec.drafters.spec import DrafterSpec
+from specdec.evaluate import EvalConfig, run_eval
 
 # files that mark a run directory of these recipes: with one of them, --out is resumed
 RUN_MARKERS = (*TRAIN_MARKERS, "metrics.json", "summary.json")
@@ -97,14 +99,15 @@ def pipeline(args: argparse.Namespace, model_name: str, eval_dataset: str, raw_e
     resumes every step and goes on against the same budget (OUT/budget.json)."""
     start = time.monotonic()
     _check_answers(args)
-    MethodSpec.parse(_eagle_method(args, Path(args.out)))  # a bad tree fails now, not after the training
+    _eagle_method(args, Path(args.out))  # a bad tree fails now, not after the training
     return run_budgeted(args, RUN_MARKERS, "EAGLE-3 recipe run directory", "head",
                         lambda out, budget: _run(args, model_name, eval_dataset, raw_eval, out, budget, start))
 
 
 def _eagle_method(args: argparse.Namespace, out: Path) -> str:
-    """The `specdec eval` method of the head in `out` with the tree of --eagle-tree/-depth/-top-k."""
-    return f"eagle:{out}@{args.eagle_tree}:{args.eagle_depth}x{args.eagle_top_k}"
+    """The `specdec eval` method of the head in `out` with the tree of --eagle-tree/-depth/-top-k
+    (a DrafterSpec, checked on construction)."""
+    return str(DrafterSpec("eagle", str(out), args.eagle_tree, (args.eagle_depth, args.eagle_top_k)))
 
 
 def _check_answers(args: argparse.Namespace) -> None:
@@ -202,10 +205,11 @@ def parser(defaults: dict, train: dict, doc: str = __doc__) -> argparse.Argument
     p.add_argument("--eagle-tree", type=tree_nodes_arg, default="auto", metavar="N|auto",
                    help="nodes of the evaluated draft tree (at most top_k + (depth - 1) * top_k^2), or auto: time "
                         "the sizes up to 64 on this machine first (default: %(default)s)")
-    p.add_argument("--eagle-depth", type=int, default=5,
+    p.add_argument("--eagle-depth", type=int, default=EagleTreeConfig.depth,
                    help="levels of the evaluated draft tree (default: %(default)s)")
-    p.add_argument("--eagle-top-k", type=int, default=8, help="children per expanded node and nodes expanded per "
-                   "level of the evaluated draft tree (default: %(default)s)")
+    p.add_argument("--eagle-top-k", type=int, default=EagleTreeConfig.top_k,
+                   help="children per expanded node and nodes expanded per level of the evaluated draft tree "
+                        "(default: %(default)s)")
     p.set_defaults(prompts_per_minute=defaults["prompts_per_minute"])
     add_dataclass_args(p.add_argument_group("head training (EagleTrainConfig)"), EagleTrainConfig, defaults=train)
     return p

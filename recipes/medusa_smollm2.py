@@ -44,6 +44,7 @@ from distill.selfdistill import generate_selfdistill, is_code_prompt, read_recor
 from distill.train_medusa import TRAIN_MARKERS, MedusaTrainConfig, cache_hidden_states
 from runtime.atomic import atomic_write_text
 from runtime.hardware import DTYPES
+from specdec.drafters.spec import DrafterSpec
 from specdec.evaluate import EvalConfig, run_eval
 from specdec.medusa import MedusaHeads
 from specdec.prompts import encode, load_prompts
@@ -175,7 +176,8 @@ def _run(args: argparse.Namespace, model_name: str, eval_dataset: str, raw_eval:
     if args.speed_prompts:
         if args.speed_nodes is not None:
             speed_heads = speed_tree(args, model, heads, rows[0], out)
-        cfg_eval = EvalConfig(out=str(out / "eval"), methods=f"plain,medusa:{speed_heads}", target=model_name,
+        medusa = DrafterSpec("medusa", str(speed_heads))
+        cfg_eval = EvalConfig(out=str(out / "eval"), methods=f"plain,{medusa}", target=model_name,
                               dataset=eval_dataset, limit=args.speed_prompts, raw=raw_eval,
                               dtype=eval_dtype, max_new_tokens=args.eval_tokens, overwrite=True)
         report = run_eval(cfg_eval, command=shlex.join([sys.executable] + sys.argv))

@@ -27,6 +27,7 @@ from recipe_errors import run
 
 import quant
 import runtime
+from specdec.drafters.spec import DrafterSpec
 
 MODEL, TARGET = "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"
 
@@ -49,7 +50,7 @@ def main() -> None:
 
     # ---- last step: end-to-end speculative decoding with the 1.5B target (specdec eval) ----
     if not args.skip_eval:
-        methods = [f"draft:{MODEL}", f"draft:{int8_dir}", f"draft:{int4_dir}"]
+        methods = [str(DrafterSpec("draft", str(path))) for path in (MODEL, int8_dir, int4_dir)]
         raise SystemExit(specdec_eval(TARGET, methods, args.out / "eval-qwen05-drafts", args.eval_limit,
                                       args.max_new_tokens))
 

@@ -20,6 +20,7 @@ from recipe_errors import run
 
 import quant
 import runtime
+from specdec.drafters.spec import DrafterSpec
 
 MODEL = "qwen2.5-coder-1.5b-instruct"
 
@@ -40,7 +41,8 @@ def main() -> None:
 
     # ---- last step: self-speculation (specdec eval) ----
     if not args.skip_eval:
-        raise SystemExit(specdec_eval(MODEL, ["plain", f"draft:{int4_dir}"], args.out / "eval-qwen15-selfspec",
+        methods = ["plain", str(DrafterSpec("draft", str(int4_dir)))]
+        raise SystemExit(specdec_eval(MODEL, methods, args.out / "eval-qwen15-selfspec",
                                       args.eval_limit, args.max_new_tokens))
 
 

@@ -1,13 +1,15 @@
 """specdec: speculative decoding on the runtime engine. `generate`, `stream`, the continuous-batching
-`Engine`, drafters, verification, stats."""
+`Engine`, drafters (named by a `DrafterSpec` string), `SamplingParams`, verification, stats."""
 
 from specdec.drafter import Accepted, Drafter, DraftTree
+from specdec.drafters.spec import DrafterSpec
 from specdec.eagle import Eagle3Config, Eagle3Head
 from specdec.eagle_io import load_eagle, save_eagle
-from specdec.engine import Engine, Request, SamplingParams
+from specdec.engine import Engine, Request
 from specdec.generate import GenerateOutput, generate, stream
+from specdec.sampling import SamplingParams
 from specdec.stats import AcceptanceStats
 
 __all__ = ["generate", "stream", "GenerateOutput", "Engine", "SamplingParams", "Request",
-           "AcceptanceStats", "Drafter", "DraftTree", "Accepted",
+           "AcceptanceStats", "Drafter", "DrafterSpec", "DraftTree", "Accepted",
            "Eagle3Config", "Eagle3Head", "save_eagle", "load_eagle"]

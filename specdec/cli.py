@@ -56,7 +56,9 @@ def tree_nodes_arg(text: str) -> int | str:
 def _generate(args: argparse.Namespace) -> int:
     import runtime
     import specdec
+    from specdec.serve_command import drafter_spec, load_drafter, own_draft_length
 
+    spec = drafter_spec(args)  # a bad --draft fails before any model loads
     # checked first
     model = runtime.load_model(args.model, dtype=DTYPES[args.dtype], device=args.device, weights=args.weights)
     tok = runtime.load_tokenizer(args.model)
@@ -67,15 +69,14 @@ def _generate(args: argparse.Namespace) -> int:
                                       add_generation_prompt=True, return_tensors="pt", return_dict=True).input_ids
     from transformers import TextStreamer
 
-    from specdec.serve_command import load_drafter
-
     draft = load_drafter(args, model)
 
     gen = torch.Generator(device=model.device).manual_seed(args.seed)
     # the text is printed as each step accepts it
     out = specdec.generate(model, ids, draft=draft, max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                           num_draft_tokens=args.num_draft_tokens, eos_token_id=tok.eos_token_id,
+                           num_draft_tokens=own_draft_length(spec, args.num_draft_tokens),
+                           eos_token_id=tok.eos_token_id,
                            generator=gen, streamer=TextStreamer(tok, skip_prompt=True, skip_special_tokens=True))
     print()
     print(format_stats(out.stats))

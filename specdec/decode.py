@@ -10,7 +10,8 @@ independently; a finished row is carried along but writes nothing that stays in 
 `DecodeLoop` holds that state over the rows of one cache: `prefill` starts every row at once
 (`generate()`), `admit` starts one row in a free slot while the others run (the serving engine,
 `specdec.engine`), and `step` is the one draft + verify step both call. Every row has its own
-`RowSampling`: rows that share one are verified together, greedy rows always together.
+`RowSampling` (its `specdec.sampling.SamplingParams` and generator): rows that share one are
+verified together, greedy rows always together.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import torch
 
@@ -26,7 +26,7 @@ from runtime.compile import DECODE_STATIC_TOKENS
 from specdec.autok import AutoK
 from specdec.drafter import Accepted, Drafter, DraftTree
 from specdec.rows import CacheRow, RowState, check_lengths, prefill
-from specdec.sampling import select_next
+from specdec.sampling import RowSampling, SamplingParams, select_next
 from specdec.stats import AcceptanceStats
 from specdec.verify import Verdict, verify
 
@@ -34,23 +34,6 @@ MAX_DRAFT_TOKENS = 16
 # "auto" on a compiled target: verification blocks of 2..8 tokens share one compiled program
 # (runtime.compile.static_tokens); 9..16 would compile another (about a minute for the 1.5B on 2 cores).
 MAX_DRAFT_TOKENS_COMPILED = DECODE_STATIC_TOKENS - 1
-
-
-@dataclass(frozen=True, eq=False)
-class RowSampling:
-    """How one row picks its tokens: greedy at temperature 0, else sampled with top_k / top_p and
-    `generator` (every random choice of the row: its own, so its output does not depend on the
-    other rows)."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    generator: torch.Generator | None = None
-
-    @property
-    def key(self) -> tuple:
-        """Rows with equal keys are verified in one call: every greedy row shares one."""
-        return ("greedy",) if self.temperature == 0 else (self.temperature, self.top_k, self.top_p, id(self.generator))
 
 
 def draft_length(num_draft_tokens: int | str, target, drafter: Drafter | None) -> tuple[int, AutoK | None]:
@@ -318,7 +301,7 @@ def decode(target, drafter: Drafter | None, state: RowState, num_draft_tokens: i
     every step.
     """
     stats = AcceptanceStats(num_calls=1)
-    sampling = RowSampling(temperature, top_k, top_p, generator)
+    sampling = RowSampling(SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k), generator)
     for emitted in decode_steps(target, drafter, state, num_draft_tokens, sampling, stats, hidden, aux, aux_layers):
         if on_tokens is not None:
             on_tokens(emitted)

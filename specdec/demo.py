@@ -24,8 +24,10 @@ def run_demo(args: argparse.Namespace) -> int:
     for name in (DEMO_TARGET, DEMO_DRAFT):
         print(f"model {name}: {runtime.fetch(name)}")
     from specdec import llamacpp
+    from specdec.drafters.spec import DrafterSpec
 
-    methods = ["plain", f"draft:{DEMO_DRAFT}", "ngram", f"hybrid:{DEMO_DRAFT}", "hf", f"hf-assisted:{DEMO_DRAFT}"]
+    drafters = [DrafterSpec("draft", DEMO_DRAFT), DrafterSpec("ngram"), DrafterSpec("hybrid", DEMO_DRAFT)]
+    methods = ["plain", *map(str, drafters), "hf", f"hf-assisted:{DEMO_DRAFT}"]
     if llamacpp.available():
         methods += ["llamacpp", f"llamacpp-spec:{DEMO_DRAFT}@4"]
     else:

@@ -24,7 +24,7 @@ SIZES = (2, 4, 8, 12, 16, 24, 32, 48, 64)  # tree nodes tried by auto (those a d
 
 
 def measure_eagle_trees(target, head: Eagle3Head, rows: list[torch.Tensor], sizes: tuple[int, ...] = SIZES,
-                        depth: int = 5, top_k: int = 8, tokens: int = 32,
+                        depth: int = EagleTreeConfig.depth, top_k: int = EagleTreeConfig.top_k, tokens: int = 32,
                         repeats: int = 1) -> tuple[float, list[TreeCost]]:
     """(plain step seconds on rows[0], one specdec.tree_cost.TreeCost per size: `nodes` the tree's
     total_tokens, `heads_s` the head's drafting, `expected_tau` the measured tokens per step), each
@@ -49,7 +49,8 @@ def measure_eagle_trees(target, head: Eagle3Head, rows: list[torch.Tensor], size
     return plain, out
 
 
-def auto_tree(target, head: Eagle3Head, rows: list[torch.Tensor], depth: int = 5, top_k: int = 8,
+def auto_tree(target, head: Eagle3Head, rows: list[torch.Tensor], depth: int = EagleTreeConfig.depth,
+              top_k: int = EagleTreeConfig.top_k,
               sizes: tuple[int, ...] = SIZES, tokens: int = 32) -> tuple[EagleTreeConfig, dict]:
     """The tree `auto` picks on this machine for these prompts (the highest expected speed, ties to
     the smaller tree), and a JSON-ready record of the measurement (`specdec.tree_cost.cost_report`

@@ -40,42 +40,16 @@ import torch
 
 from runtime.cache import KVCache
 from runtime.errors import ContextLengthError
-from specdec.decode import DecodeLoop, RowSampling, cache_slack
-from specdec.drafters import make_drafter
+from specdec.decode import DecodeLoop, cache_slack
+from specdec.drafters import draft_length_of, make_drafter
 from specdec.generate import as_runtime_model
-from specdec.options import check_sampling, parse_draft_length
+from specdec.options import parse_draft_length
 from specdec.rows import RowState, eos_set, runs
+from specdec.sampling import RowSampling, SamplingParams
 from specdec.stats import AcceptanceStats
 
 DEFAULT_MAX_LEN = 4096  # cache positions per row when max_len is not given (capped by the model's)
 _RECENT = 1024  # finished requests whose TTFT / TPOT feed the latency percentiles of `metrics`
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """One request's decoding settings: greedy at temperature 0, else sampled with top_k / top_p
-    from the request's own torch.Generator seeded with `seed` (None: a fresh random seed).
-    stop_token_ids end the request (finish_reason "stop") besides the engine's eos ids."""
-
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        check_sampling(self.temperature, self.top_p, self.top_k)
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
-                                      or not 0 <= self.seed < 2 ** 63):
-            raise ValueError(f"seed must be None or an integer in [0, 2**63), got {self.seed!r}")
-        stops = self.stop_token_ids
-        if not isinstance(stops, (tuple, list)) or any(isinstance(t, bool) or not isinstance(t, int) or t < 0
-                                                        for t in stops):
-            raise ValueError(f"stop_token_ids must be a tuple of token ids (ints >= 0), got {stops!r}")
-        object.__setattr__(self, "stop_token_ids", tuple(stops))
 
 
 @dataclass(eq=False)
@@ -119,10 +93,12 @@ class Engine:
     """Continuous batching of speculative (or plain) decoding; see the module docstring.
 
     target: a runtime Transformer (compiled or not). draft: as generate()'s `draft` (None, a
-    model, "ngram", Medusa heads, an EAGLE-3 head, a list = hybrid, or a Drafter whose
-    admit / release are implemented). max_batch: rows decoded together. max_len: prompt + new
-    tokens a request may reach (default: the model's positions, at most DEFAULT_MAX_LEN); the
-    cache is sized for it once. eos_token_id: stop ids every request gets.
+    model, a drafter spec such as "ngram@3" or "eagle:DIR@16" (specdec.drafters.spec; its own draft
+    length replaces num_draft_tokens), Medusa heads, an EAGLE-3 head, a list = hybrid, or a Drafter
+    whose admit / release are implemented). Requests take a `specdec.sampling.SamplingParams`.
+    max_batch: rows decoded together. max_len: prompt + new tokens a request may reach (default:
+    the model's positions, at most DEFAULT_MAX_LEN); the cache is sized for it once.
+    eos_token_id: stop ids every request gets.
     """
 
     def __init__(self, target, draft=None, *, max_batch: int = 4, max_len: int | None = None,
@@ -134,7 +110,7 @@ class Engine:
         max_len = min(positions, DEFAULT_MAX_LEN) if max_len is None else max_len
         if isinstance(max_len, bool) or not isinstance(max_len, int) or not 2 <= max_len <= positions:
             raise ValueError(f"max_len must be an integer in [2, {positions}] (the model's positions), got {max_len!r}")
-        num_draft_tokens = parse_draft_length(num_draft_tokens)
+        num_draft_tokens = parse_draft_length(draft_length_of(draft, num_draft_tokens))
         self.target, self.max_batch, self.max_len = target, max_batch, max_len
         self.eos = eos_set(eos_token_id)
         self.drafter = None if draft is None else make_drafter(draft, target)
@@ -176,15 +152,9 @@ class Engine:
         (not after a cancel). Checked before queueing: a prompt that does not fit max_len raises
         ContextLengthError, bad ids or settings ValueError."""
         if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a specdec.engine.SamplingParams, got {type(params).__name__}")
+            raise TypeError(f"params must be a specdec.SamplingParams, got {type(params).__name__}")
         prompt = self._check_prompt(prompt_ids, params)
-        generator = None
-        if params.temperature > 0:
-            generator = torch.Generator(device=self.target.device)
-            if params.seed is None:
-                generator.seed()
-            else:
-                generator.manual_seed(params.seed)
+        generator = params.generator(self.target.device)
         req = Request(request_id or uuid.uuid4().hex, prompt, params, on_tokens=on_tokens, generator=generator)
         with self._lock:
             if req.id in self._live:
@@ -276,7 +246,7 @@ class Engine:
                 self._retire(b, "length", finished)
         for run in runs([b for b in free if self.slots[b] is not None]):
             reqs = [self.slots[b] for b in run]
-            sampling = [RowSampling(r.params.temperature, r.params.top_k, r.params.top_p, r.generator) for r in reqs]
+            sampling = [RowSampling(r.params, r.generator) for r in reqs]
             first = self.loop.admit(run, [r.prompt for r in reqs], [r.params.max_new_tokens for r in reqs],
                                     [self.eos | frozenset(r.params.stop_token_ids) for r in reqs], sampling)
             now = time.perf_counter()

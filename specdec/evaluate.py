@@ -5,25 +5,24 @@ prompt 2: all methods, ...) so that machine drift hits all of them alike, after 
 generations. Methods (`--methods`, comma-separated):
 
     plain            specdec.generate(target, ids)                      (this runtime, no draft)
-    draft:X          draft = runtime.load_model(X)                      (X: catalogue name / dir)
-    ngram            draft = "ngram"                                    (prompt lookup)
-    hybrid:X         draft = ["ngram", runtime.load_model(X)]
-    medusa:PATH      draft = specdec.medusa_io.load_medusa(PATH, target)
-    eagle:PATH       draft = specdec.load_eagle(PATH, target)           (EAGLE-3 head, dynamic tree)
+    a drafter spec   specdec.generate(target, ids, draft=SPEC)          (specdec.drafters.spec)
+                     ngram[@K], draft:X[@K], hybrid:X[@K] (= ngram+draft:X), A+B[@K] (chain
+                     drafters tried in order), medusa:PATH[@N], eagle:PATH[@N[:DxK]] / @auto[:DxK]
     hf               transformers generate() on the same checkpoint and dtype
     hf-assisted:X    transformers assisted generation, assistant_model = X
     hf-pld           transformers prompt lookup (prompt_lookup_num_tokens)
     llamacpp         llama.cpp's plain decoding of the target's GGUF (specdec.llamacpp; `make llamacpp`)
     llamacpp-spec:X  llama.cpp's speculative decoding, draft X (catalogue name or .gguf), @K drafts at most
 
-draft, ngram and hybrid take an optional `@K` suffix, their own draft length (an integer or
-auto) in place of `--num-draft-tokens` (llamacpp-spec an integer only; default: the run's k, or 4 when
-that is auto): `draft:X@3,draft:X@7,draft:X@auto` compares draft
-lengths in one alternating run. For eagle, `@N` is the number of nodes the dynamic tree keeps
-(default 48; depth 5, top-k 8), `@N:DxK` also its depth D and top-k K (e.g. `@96:8x10`; a
-deeper, wider tree drafts longer runs for a larger verification forward), and `@auto` (or
-`@auto:DxK`) times tree sizes on this machine before the run (specdec.eagle_auto, on the first
-prompt that fits) and writes the measurement to `tree_auto.json`.
+X is a catalogue name or checkpoint directory. `@K` is a drafter's own draft length (an integer
+or auto) in place of `--num-draft-tokens` (llamacpp-spec an integer only; default: the run's k,
+or 4 when that is auto): `draft:X@3,draft:X@7,draft:X@auto` compares draft lengths in one
+alternating run. For medusa, `@N` rebuilds the heads' tree with N nodes. For eagle, `@N` is the
+number of nodes the dynamic tree keeps (default: specdec.drafters.eagle.EagleTreeConfig's),
+`@N:DxK` also its depth D and top-k K (e.g. `@96:8x10`; a deeper, wider tree drafts longer runs
+for a larger verification forward), and `@auto` (or `@auto:DxK`) times tree sizes on this
+machine before the run (specdec.eagle_auto, on the first prompt that fits) and writes the
+measurement to `tree_auto.json`.
 
 Every method counts the new tokens after the prompt, up to and including eos, and is timed
 around the whole call (prefill included); tokens/s per prompt = new tokens / wall seconds.
@@ -75,18 +74,22 @@ from runtime.outputs import output_lock, prepare_output_dir
 from runtime.progress import progress as progress_bar
 from specdec.baselines import BASELINES, HF_MODES, LLAMACPP_MODES, HFGenerator, load_hf_model, new_tokens
 from specdec.draft_vocab import ALIGN as DRAFT_VOCAB_ALIGN
-from specdec.options import check_sampling, parse_draft_length
-from specdec.prompts import DATASETS, Prompt, encode, load_prompts
+from specdec.drafters.spec import DRAFT_LENGTH, DRAFTERS, GRAMMAR, DrafterLoader, DrafterSpec
+from specdec.options import parse_draft_length
+from specdec.prompts import DATASETS, Prompt, encode, eos_ids, load_prompts
 from specdec.report import baseline_label
+from specdec.sampling import SamplingParams
 from specdec.stats import AcceptanceStats
 
-METHOD_KINDS = ("plain", "draft", "ngram", "hybrid", "medusa", "eagle", "hf", "hf-assisted", "hf-pld", "llamacpp",
-                "llamacpp-spec")
-_NEEDS_ARG = ("draft", "hybrid", "medusa", "eagle", "hf-assisted", "llamacpp-spec")
-# methods that take @K (eagle: the tree's nodes)
-_DRAFTING = ("draft", "ngram", "hybrid", "eagle", "llamacpp-spec")
+# methods that are no drafter of this runtime; every other method is a drafter spec (specdec.drafters.spec)
+BASE_KINDS = ("plain", "hf", "hf-assisted", "hf-pld", "llamacpp", "llamacpp-spec")
+METHOD_KINDS = ("plain", *DRAFTERS, *BASE_KINDS[1:])
+_NEEDS_ARG = ("hf-assisted", "llamacpp-spec")
+DRAFT_LENGTH_KINDS = tuple(k for k, e in DRAFTERS.items() if e.size == DRAFT_LENGTH)  # @K = their draft length
+# methods that take @K (medusa and eagle: the tree's nodes)
+_DRAFTING = (*(k for k, e in DRAFTERS.items() if e.size is not None), "llamacpp-spec")
 LLAMACPP_DRAFT_MAX = 4  # llamacpp-spec's drafts when neither @K nor an integer --num-draft-tokens says
-_TREE_SHAPE = re.compile(r"[0-9]+x[0-9]+")  # eagle's @N:DEPTHxTOP_K
+_TREE_SHAPE = re.compile(r"[0-9]+x[0-9]+")  # a drafter's @N:DEPTHxTOP_K, refused by the other methods
 DTYPES = {name: hardware.DTYPES[name] for name in ("bfloat16", "float32")}  # the dtypes runs are measured in
 GENERATIONS, RUN_FILE = "generations.jsonl", "run.json"
 _OUTPUTS = (GENERATIONS, RUN_FILE, "report.json", "report.md", "acceptance.png", "speedup.png", "tree_auto.json")
@@ -102,8 +105,9 @@ _RESUME_IF_SET = ("draft_vocab", "no_row_invariant")
 @dataclass(frozen=True)
 class MethodSpec:
     """One decoding method of a run: `name` as given (e.g. "draft:X@3"), its kind and argument,
-    its own draft length (the `@K` suffix: an integer or "auto"; None = the run's; for eagle the
-    tree's nodes) and, for eagle, the tree's (depth, top_k) (the `@N:DxK` suffix; None = 5 x 8)."""
+    its own draft length (the `@K` suffix: an integer or "auto"; None = the run's; for medusa and
+    eagle the tree's nodes) and, for eagle, the tree's (depth, top_k) (the `@N:DxK` suffix; None =
+    EagleTreeConfig's). Drafting methods are drafter specs (`drafter`); the others are BASE_KINDS."""
 
     name: str
     kind: str
@@ -119,47 +123,37 @@ class MethodSpec:
         if not at or not (k.isdigit() or k == "auto") or (colon and not _TREE_SHAPE.fullmatch(shape)):
             base, at, k, colon = name, "", "", ""  # an "@" inside a path is part of the path
         kind, _, arg = base.partition(":")
-        if kind not in METHOD_KINDS:
-            raise ValueError(f"unknown method {text!r}; choose from plain, draft:NAME_OR_PATH, ngram, "
-                             "hybrid:NAME_OR_PATH, medusa:PATH, eagle:PATH, hf, hf-assisted:NAME_OR_PATH, hf-pld, "
-                             "llamacpp, llamacpp-spec:NAME_OR_GGUF (drafting methods take @K for their own draft "
-                             "length, e.g. ngram@3; eagle:PATH@N its tree's nodes, @N:DxK also its depth and top-k)")
+        if kind in DRAFTERS or (kind not in BASE_KINDS and "+" in name):
+            spec = DrafterSpec.parse(name)
+            return cls(name, spec.kind, spec.arg, spec.size, spec.shape)
+        if kind not in BASE_KINDS:
+            raise ValueError(f"unknown method {text!r}; choose from plain, hf, hf-assisted:NAME_OR_PATH, hf-pld, "
+                             f"llamacpp, llamacpp-spec:NAME_OR_GGUF@K, or a drafter: {GRAMMAR}")
         if kind in _NEEDS_ARG and not arg:
             raise ValueError(f"method {kind!r} needs a model: write {kind}:NAME_OR_PATH")
         if kind not in _NEEDS_ARG and arg:
             raise ValueError(f"method {kind!r} takes no argument, got {text!r}")
         if at and kind not in _DRAFTING:
             raise ValueError(f"{text!r}: only {', '.join(_DRAFTING)} take a draft length @K")
-        if kind == "eagle" and at:
-            return cls._eagle(name, arg, k, tuple(map(int, shape.split("x"))) if colon else None)
         if colon:
             raise ValueError(f"{text!r}: only eagle takes a tree shape (@N:DEPTHxTOP_K)")
         if kind == "llamacpp-spec" and k == "auto":
             raise ValueError(f"{text!r}: llama.cpp drafts a fixed number of tokens at most: write @K, an integer")
         return cls(name, kind, arg or None, parse_draft_length(k) if at else None)
 
-    @classmethod
-    def _eagle(cls, name: str, arg: str, nodes: str, shape: tuple[int, int] | None) -> "MethodSpec":
-        """eagle:PATH@N[:DxK] or @auto[:DxK], the tree checked now (N may pass 64: a tree's nodes
-        are not a draft length)."""
-        from specdec.drafters.eagle import EagleTreeConfig
-        from specdec.eagle_auto import SIZES
+    @property
+    def drafter(self) -> DrafterSpec | None:
+        """The drafter spec of a drafting method (None for plain and the baselines)."""
+        return DrafterSpec.parse(self.name) if self.kind in DRAFTERS else None
 
-        shaped = cls(name, "eagle", arg, None, shape).tree_fields
-        try:
-            if nodes != "auto":
-                EagleTreeConfig(total_tokens=int(nodes), **shaped)
-                return cls(name, "eagle", arg, int(nodes), shape)
-            most = EagleTreeConfig(total_tokens=1, **shaped).candidates
-            if most < min(SIZES):
-                raise ValueError(f"auto times trees of {min(SIZES)} nodes or more, but this shape holds {most}")
-        except ValueError as e:
-            raise ValueError(f"{name!r}: {e}") from e
-        return cls(name, "eagle", arg, "auto", shape)
+    @property
+    def draft_length(self) -> int | str | None:
+        """The method's own draft length (@K of ngram, draft, hybrid), None = the run's."""
+        return self.num_draft_tokens if self.kind in DRAFT_LENGTH_KINDS else None
 
     @property
     def tree_fields(self) -> dict[str, int]:
-        """EagleTreeConfig keywords of the tree shape (empty: the default 5 x 8)."""
+        """EagleTreeConfig keywords of the tree shape (empty: EagleTreeConfig's default depth and top-k)."""
         return dict(zip(("depth", "top_k"), self.tree_shape or ()))
 
 
@@ -222,7 +216,7 @@ class EvalConfig:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         object.__setattr__(self, "num_draft_tokens", parse_draft_length(self.num_draft_tokens))
-        check_sampling(self.temperature, self.top_p, self.top_k)
+        self.sampling  # noqa: B018 (checks temperature, top_p, top_k and max_new_tokens)
         if self.warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
         if self.hf_pld_tokens < 1:
@@ -242,6 +236,12 @@ class EvalConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def sampling(self) -> SamplingParams:
+        """The run's sampling settings (each prompt's seed comes from `seed_for`)."""
+        return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+                              top_k=self.top_k)
 
 
 def command_line(subcommand: str, cfg) -> str:
@@ -326,6 +326,23 @@ def seed_for(seed: int, prompt_id: str, turn: int) -> int:
     return (seed * 1_000_003 + zlib.crc32(prompt_id.encode()) * 64 + turn) % (2**63 - 1)
 
 
+class _RunLoader(DrafterLoader):
+    """What a run's drafter specs name, loaded once per run: draft models as the runner loads them
+    (--draft-vocab, --compile, sharing the target's copy when they name it), @auto trees timed on
+    the run's prompts."""
+
+    def __init__(self, runner: Runner) -> None:
+        super().__init__()
+        self.runner = runner
+
+    def model(self, name: str, target):
+        return self.runner._draft_model(name)
+
+    def calibration_prompts(self):
+        r = self.runner
+        return ((p.id, torch.tensor(encode(r.tokenizer, [p.turns[0]], [], r.cfg.raw))) for p in r.calibration)
+
+
 class Runner:
     """Loads each model once and decodes one prompt with one method."""
 
@@ -336,7 +353,12 @@ class Runner:
         self._runtime = runtime
         self._models: dict[tuple[str, str], object] = {}
         self.calibration: list[Prompt] = []  # prompts an `@auto` EAGLE-3 tree is measured on (the first that fits)
-        self.tree_auto: dict[str, dict] = {}  # method name -> specdec.eagle_auto's record
+        self.loader = _RunLoader(self)  # loads what the drafter specs name, each once per run
+
+    @property
+    def tree_auto(self) -> dict[str, dict]:
+        """method name -> specdec.eagle_auto's record of its @auto tree."""
+        return dict(self.loader.tree_auto)
 
     def _cached(self, key: tuple[str, str], load):
         if key not in self._models:
@@ -386,41 +408,9 @@ class Runner:
         """The `draft=` argument of specdec.generate for a specdec method."""
         if spec.kind == "plain":
             return None
-        if spec.kind == "ngram":
-            return "ngram"
-        if spec.kind == "draft":
-            return self._draft_model(spec.arg)
-        if spec.kind == "hybrid":
-            return ["ngram", self._draft_model(spec.arg)]
-        if spec.kind == "medusa":
-            from specdec.medusa_io import load_medusa
-
-            return self._cached(("medusa", spec.arg), lambda: load_medusa(spec.arg, self.target))
-        if spec.kind == "eagle":
-            return self._cached(("eagle", spec.name), lambda: self._eagle(spec))
-        raise ValueError(f"{spec.name} is not a specdec method")
-
-    def _eagle(self, spec: MethodSpec):
-        """The EAGLE-3 drafter of `eagle:PATH[@N|@auto]` (the head loaded once per path)."""
-        from specdec.drafters.eagle import EagleDrafter, EagleTreeConfig
-        from specdec.eagle_auto import auto_tree, describe
-        from specdec.eagle_io import load_eagle
-
-        head = self._cached(("eagle-head", spec.arg), lambda: load_eagle(spec.arg, self.target))
-        k, shape = spec.num_draft_tokens, spec.tree_fields
-        if k != "auto":
-            nodes = {} if k is None else {"total_tokens": k}
-            return EagleDrafter(head, self.target, EagleTreeConfig(**shape, **nodes))
-        for prompt in self.calibration:
-            ids = encode(self.tokenizer, [prompt.turns[0]], [], self.cfg.raw)
-            try:
-                tree, record = auto_tree(self.target, head, [torch.tensor(ids)], **shape)
-            except ContextLengthError:
-                continue
-            print(describe(record), file=sys.stderr, flush=True)
-            self.tree_auto[spec.name] = {"prompt": prompt.id, **record}
-            return EagleDrafter(head, self.target, tree)
-        raise ContextLengthError(f"{spec.name}: no prompt of the run fits the context to measure tree sizes on")
+        if spec.drafter is None:
+            raise ValueError(f"{spec.name} is not a specdec method")
+        return spec.drafter.load(self.target, self.loader)
 
     def llama_server(self, spec: MethodSpec):
         """The running llama-server of a llamacpp method (started on first use, stopped by `close`)."""
@@ -485,10 +475,11 @@ class Runner:
 
         target, draft = self.target, self.draft_for(spec)
         generator = torch.Generator(device=cfg.device).manual_seed(seed)
-        own = spec.num_draft_tokens if spec.kind != "eagle" else None  # eagle's @N sized its tree (k unused)
+        own = spec.draft_length  # medusa's and eagle's @N sized their tree (k unused)
+        sampling = cfg.sampling
         start = time.perf_counter()
-        out = specdec.generate(target, [torch.tensor(ids)], draft=draft, max_new_tokens=cfg.max_new_tokens,
-                               temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+        out = specdec.generate(target, [torch.tensor(ids)], draft=draft, max_new_tokens=sampling.max_new_tokens,
+                               temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                                num_draft_tokens=own or cfg.num_draft_tokens,
                                eos_token_id=self.eos or None,
                                generator=generator)
@@ -510,21 +501,6 @@ class Runner:
                 "outputs": answers, "output_ids": output_ids, "new_tokens": tokens, "wall_s": wall,
                 "tokens_per_second": tokens / wall if wall > 0 else 0.0,
                 "stats": stats.to_dict() if stats is not None else None}
-
-
-def eos_ids(target: str, tokenizer) -> list[int]:
-    """eos ids: the checkpoint's generation_config.json (e.g. <|im_end|> for chat) plus the tokenizer's."""
-    from transformers import GenerationConfig
-
-    from runtime.loading import resolve
-
-    ids = set()
-    if (resolve(target) / "generation_config.json").is_file():
-        eos = GenerationConfig.from_pretrained(resolve(target)).eos_token_id
-        ids.update([eos] if isinstance(eos, int) else eos or [])
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return sorted(ids)
 
 
 def versions() -> dict:
@@ -639,7 +615,7 @@ def _warm_up(runner: Runner, spec: MethodSpec, prompts: list[Prompt]) -> None:
             runner.decode(spec, ids, runner.cfg.seed)
         except ContextLengthError:
             continue
-        if runner.cfg.compile and spec.kind in ("draft", "ngram", "hybrid"):
+        if runner.cfg.compile and spec.kind in DRAFT_LENGTH_KINDS:
             for k in COMPILE_WARMUP_DRAFTS:
                 runner.decode(dataclasses.replace(spec, num_draft_tokens=k), ids, runner.cfg.seed)
         return
@@ -654,11 +630,13 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output directory: new, empty, or an earlier run's (re-running "
                    "with it resumes; a directory specdec did not write is refused)")
     p.add_argument("--methods", default=d["methods"],
-                   help="comma-separated methods: plain, draft:X, ngram, hybrid:X, medusa:PATH, eagle:PATH, hf, "
-                        "hf-assisted:X, hf-pld, llamacpp, llamacpp-spec:X@K (`make llamacpp` first); "
-                        "draft/ngram/hybrid take @K for their own draft length, "
-                        "e.g. ngram@3, draft:X@auto, and eagle @N for its tree's nodes (@N:DxK also its depth and "
-                        "top-k, e.g. @96:8x10) or @auto to time tree sizes first (default: %(default)s)")
+                   help="comma-separated methods: plain, hf, hf-assisted:X, hf-pld, llamacpp, llamacpp-spec:X@K "
+                        "(`make llamacpp` first), and drafter specs (the grammar of specdec serve --draft and "
+                        "generate(draft=...)): draft:X, ngram, hybrid:X, A+B (chain drafters tried in order), "
+                        "medusa:PATH, eagle:PATH; draft/ngram/hybrid take @K for their own draft length, "
+                        "e.g. ngram@3, draft:X@auto, medusa @N its tree's nodes, and eagle @N for its tree's nodes "
+                        "(@N:DxK also its depth and top-k, e.g. @96:8x10) or @auto to time tree sizes first "
+                        "(default: %(default)s)")
     p.add_argument("--target", default=d["target"], help="target model: catalogue name, checkpoint dir, "
                    ".gguf or hub id (default: %(default)s)")
     src = p.add_mutually_exclusive_group(required=True)

@@ -14,10 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.decode import RowSampling, decode, decode_steps
-from specdec.drafters import make_drafter
-from specdec.options import check_sampling, parse_draft_length
+from specdec.decode import decode, decode_steps
+from specdec.drafters import draft_length_of, make_drafter
+from specdec.options import parse_draft_length
 from specdec.rows import RowState, eos_set, normalize_prompts
+from specdec.sampling import RowSampling, SamplingParams
 from specdec.stats import AcceptanceStats
 
 
@@ -61,10 +62,13 @@ def generate(target, input_ids, draft=None, max_new_tokens: int = 128, temperatu
     list of 1-D LongTensors (rows of different lengths; each row stops on its own); a padded
     [B, T] batch takes its `attention_mask` (1 = token, 0 = padding) and `pad_token_id`, which
     also pads the output rows. draft: None,
-    a runtime / transformers model sharing the target's vocabulary, "ngram", Medusa heads, a
+    a runtime / transformers model sharing the target's vocabulary, a drafter spec (the strings of
+    `specdec eval --methods` and `specdec serve --draft`: "ngram", "draft:NAME@4", "eagle:DIR@48",
+    "ngram+draft:NAME", ...; specdec.drafters.spec), Medusa heads, an EAGLE-3 head, a
     `specdec.drafter.Drafter`, or a list tried in order per step (["ngram", draft_model] =
     hybrid). num_draft_tokens: drafts per step (1-64) or "auto" (tuned per step for speed; trees
-    such as Medusa's keep their own shape). temperature 0 = greedy
+    such as Medusa's keep their own shape; a spec's own @K replaces it). temperature, top_p and
+    top_k (checked as a specdec.SamplingParams): temperature 0 = greedy
     (output equals plain decoding); otherwise lossless rejection sampling with top_k / top_p
     applied identically to draft and target. generator: the torch.Generator for every random
     choice. eos_token_id: one id or several. return_hidden: also return the target's hidden
@@ -75,7 +79,7 @@ def generate(target, input_ids, draft=None, max_new_tokens: int = 128, temperatu
     streamer: a transformers-style streamer (`put` / `end`, e.g. `TextStreamer(tok)`) that gets
     the prompt, then each step's accepted tokens as they come; one row only.
     """
-    num_draft_tokens = parse_draft_length(num_draft_tokens)
+    num_draft_tokens = parse_draft_length(draft_length_of(draft, num_draft_tokens))
     target, drafter, state, as_tensor = _prepare(target, input_ids, draft, max_new_tokens, temperature, top_p,
                                                  top_k, eos_token_id, generator, pad_token_id, attention_mask)
     rows = state.prompts
@@ -116,7 +120,7 @@ def _prepare(target, input_ids, draft, max_new_tokens: int, temperature: float, 
              eos_token_id, generator: torch.Generator | None, pad_token_id: int | None,
              attention_mask: torch.Tensor | None):
     """Checked arguments of generate() / stream() -> (target, drafter, RowState, as_tensor)."""
-    check_sampling(temperature, top_p, top_k)
+    SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)  # checks them
     if getattr(target, "output_ids", None) is not None:
         raise ValueError("the target scores a restricted vocabulary (specdec.draft_vocab.restrict_vocab): "
                          "such a model can only draft; pass the full model as the target")
@@ -142,15 +146,15 @@ def stream(target, input_ids, draft=None, max_new_tokens: int = 128, temperature
         for ids in specdec.stream(model, prompt_ids, draft="ngram", eos_token_id=tok.eos_token_id):
             print(tok.decode(ids), end="", flush=True)
     """
-    num_draft_tokens = parse_draft_length(num_draft_tokens)
+    num_draft_tokens = parse_draft_length(draft_length_of(draft, num_draft_tokens))
     target, drafter, state, _ = _prepare(target, input_ids, draft, max_new_tokens, temperature, top_p, top_k,
                                          eos_token_id, generator, None, None)
     if len(state.prompts) != 1:
         raise ValueError(f"stream() follows one prompt, but input_ids holds {len(state.prompts)}; serve several "
                          "with specdec.engine.Engine")
     stats = AcceptanceStats(num_calls=1)
-    steps = decode_steps(target, drafter, state, num_draft_tokens, RowSampling(temperature, top_k, top_p, generator),
-                         stats)
+    sampling = RowSampling(SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k), generator)
+    steps = decode_steps(target, drafter, state, num_draft_tokens, sampling, stats)
 
     def tokens() -> Iterator[list[int]]:
         while True:

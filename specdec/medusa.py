@@ -34,7 +34,7 @@ DEFAULT_HEAD_ACCURACY = (
     (0.111, 0.063, 0.041, 0.033, 0.022, 0.017, 0.018, 0.017),
     (0.085, 0.040, 0.032, 0.030, 0.029, 0.023, 0.019, 0.017),
 )
-DEFAULT_TREE_NODES = 40
+DEFAULT_TREE_NODES = 40  # nodes of a Medusa candidate tree unless a spec (medusa:DIR@N) or training says
 
 
 def default_tree(num_heads: int, num_nodes: int = DEFAULT_TREE_NODES) -> tuple[Path, ...]:

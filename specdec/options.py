@@ -1,21 +1,9 @@
-"""Checks of the decoding options, shared by `specdec.generate` and `specdec eval`."""
+"""Checks of the decoding options, shared by `specdec.generate` and `specdec eval` (the sampling
+settings' checks live on `specdec.sampling.SamplingParams`)."""
 
 from __future__ import annotations
 
-import math
-
 MAX_NUM_DRAFT_TOKENS = 64
-
-
-def check_sampling(temperature: float, top_p: float, top_k: int) -> None:
-    """Raise ValueError unless 0 <= temperature < inf (0 = greedy), 0 < top_p <= 1, top_k >= 0."""
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
-            or not math.isfinite(temperature) or temperature < 0:
-        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
-    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
-        raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {top_k!r}")
 
 
 def parse_draft_length(value: int | str) -> int | str:

@@ -13,7 +13,8 @@ A `Prompt` holds one or more user turns. Sources:
 
 `encode` turns a conversation into token ids: the tokenizer's chat template for chat models, or
 the raw text as a completion (`raw=True`, e.g. HumanEval's signature + docstring; multi-turn raw
-text joins turns and answers with a blank line).
+text joins turns and answers with a blank line); `eos_ids` the ids that end an answer (what
+`specdec eval`, `specdec serve` and `specdec generate` stop on).
 """
 
 from __future__ import annotations
@@ -155,3 +156,18 @@ def encode(tokenizer, turns: list[str], answers: list[str], raw: bool) -> list[i
             messages.append({"role": "assistant", "content": answers[i]})
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def eos_ids(target: str, tokenizer) -> list[int]:
+    """eos ids: the checkpoint's generation_config.json (e.g. <|im_end|> for chat) plus the tokenizer's."""
+    from transformers import GenerationConfig
+
+    from runtime.loading import resolve
+
+    ids = set()
+    if (resolve(target) / "generation_config.json").is_file():
+        eos = GenerationConfig.from_pretrained(resolve(target)).eos_token_id
+        ids.update([eos] if isinstance(eos, int) else eos or [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return sorted(ids)

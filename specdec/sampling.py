@@ -1,12 +1,94 @@
-"""Logits processing shared by decoding and verification: temperature, top-k, top-p, sampling.
+"""Sampling settings and the logits processing shared by decoding and verification: temperature,
+top-k, top-p, sampling.
 
-Draft and target distributions go through the same `probs_from_logits`, so speculative
-sampling reproduces exactly the distribution plain sampling would use.
+`SamplingParams` is the one description of how tokens are picked: generate()'s keyword arguments
+build one, the engine takes one per request, `specdec eval` derives one from its config. Draft
+and target distributions go through the same `probs_from_logits`, so speculative sampling
+reproduces exactly the distribution plain sampling would use.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request (or generate() call) picks tokens: greedy at temperature 0, else sampled with
+    top_k (0 = off) / top_p (1 = off) from a torch.Generator seeded with `seed` (None: the caller's
+    generator, or a fresh random seed; `generator`). At most max_new_tokens new tokens;
+    stop_token_ids end it (finish_reason "stop") besides the eos ids."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        t, p, k = self.temperature, self.top_p, self.top_k
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {p!r}")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {k!r}")
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed < 2 ** 63):
+            raise ValueError(f"seed must be None or an integer in [0, 2**63), got {self.seed!r}")
+        stops = self.stop_token_ids
+        if not isinstance(stops, (tuple, list)) or any(isinstance(t, bool) or not isinstance(t, int) or t < 0
+                                                        for t in stops):
+            raise ValueError(f"stop_token_ids must be a tuple of token ids (ints >= 0), got {stops!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(stops))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:
+        """A new torch.Generator on `device` for a sampled request (seeded with `seed`, else randomly);
+        None when greedy (nothing random)."""
+        if self.greedy:
+            return None
+        gen = torch.Generator(device=device)
+        if self.seed is None:
+            gen.seed()
+        else:
+            gen.manual_seed(self.seed)
+        return gen
+
+
+@dataclass(frozen=True, eq=False)
+class RowSampling:
+    """How one row of a decoding batch picks its tokens: its SamplingParams and the generator that
+    makes every random choice of the row (its own, so its output does not depend on the other rows)."""
+
+    params: SamplingParams = SamplingParams()
+    generator: torch.Generator | None = None
+
+    @property
+    def temperature(self) -> float:
+        return self.params.temperature
+
+    @property
+    def top_k(self) -> int:
+        return self.params.top_k
+
+    @property
+    def top_p(self) -> float:
+        return self.params.top_p
+
+    @property
+    def key(self) -> tuple:
+        """Rows with equal keys are verified in one call: every greedy row shares one."""
+        return ("greedy",) if self.temperature == 0 else (self.temperature, self.top_k, self.top_p, id(self.generator))
 
 
 class NonFiniteLogitsError(FloatingPointError):

@@ -3,10 +3,12 @@
     specdec serve --model qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct \\
         --max-batch 4 --port 8000
 
-Drafters: `--draft NAME_OR_PATH` (a draft model), `--draft ngram` (prompt lookup), several joined
-by '+' tried in order (`--draft ngram+NAME`), `--eagle PATH` (EAGLE-3 head; `--eagle-tree N` keeps
-N tree nodes, `auto` times tree sizes on this machine at start-up) or `--medusa PATH` (Medusa
-heads); none = plain decoding. Loading a drafter reports on stderr (`specdec generate` shares it).
+Drafters: `--draft SPEC` in the grammar of `specdec eval --methods` (specdec.drafters.spec):
+`ngram[@K]`, `draft:NAME_OR_PATH[@K]` (a bare NAME_OR_PATH is a draft model too), chain drafters
+joined by '+' tried in order (`ngram+NAME`), `medusa:DIR[@N]`, `eagle:DIR[@N[:DxK]]` or
+`eagle:DIR@auto` (tree sizes timed on this machine at start-up); none = plain decoding. `--eagle
+PATH` (with `--eagle-tree`, `--eagle-depth`, `--eagle-top-k`) and `--medusa PATH` are aliases of
+those specs. Loading a drafter reports on stderr (`specdec generate` shares it).
 Requests join the running batch between steps (`specdec.engine.Engine`, at most --max-batch rows).
 The address is checked and the models loaded before the server starts, so a taken port or a bad
 model path fails at once with one line.
@@ -21,6 +23,8 @@ import sys
 
 from runtime.hardware import DTYPES
 from runtime.loading import WEIGHTS
+from specdec.drafters.eagle import EagleTreeConfig
+from specdec.drafters.spec import DrafterLoader, DrafterSpec
 from specdec.options import WEIGHTS_HELP
 
 
@@ -36,72 +40,60 @@ def check_address(host: str, port: int) -> None:
             raise ValueError(f"cannot listen on {host}:{port} ({err.strerror}); {hint}") from err
 
 
+def drafter_spec(args: argparse.Namespace) -> DrafterSpec | None:
+    """The DrafterSpec of --draft, or of its aliases --eagle (with --eagle-tree / --eagle-depth /
+    --eagle-top-k) and --medusa; None = plain decoding."""
+    if args.eagle:
+        depth, top_k = args.eagle_depth, args.eagle_top_k
+        shape = None if depth is None and top_k is None else (EagleTreeConfig.depth if depth is None else depth,
+                                                              EagleTreeConfig.top_k if top_k is None else top_k)
+        return DrafterSpec("eagle", args.eagle, args.eagle_tree, shape)
+    if args.medusa:
+        return DrafterSpec("medusa", args.medusa)
+    return DrafterSpec.parse(args.draft, bare="draft") if args.draft else None
+
+
 def load_drafter(args: argparse.Namespace, target):
     """The `draft` argument of the Engine (and of generate()) for --draft / --eagle / --medusa (None =
-    plain decoding)."""
-    import runtime
-
-    dtype = DTYPES[args.dtype]
-    if args.eagle:
-        return _eagle_drafter(args, target)
-    if args.medusa:
-        from specdec.medusa_io import load_medusa
-
-        print(f"loading Medusa heads {args.medusa}", file=sys.stderr, flush=True)
-        return load_medusa(args.medusa, target)
-    if not args.draft:
+    plain decoding): the spec's models and heads, loaded as --dtype / --device / --weights /
+    --compile say, each load reported on stderr."""
+    spec = drafter_spec(args)
+    if spec is None:
         return None
-    drafts = []
-    for part in args.draft.split("+"):
-        if part == "ngram":
-            drafts.append("ngram")
-            continue
-        compile_ = getattr(args, "compile", False)
-        print(f"loading draft model {part} ({args.dtype}, {args.device}{', compiled' if compile_ else ''})",
-              file=sys.stderr, flush=True)
-        drafts.append(runtime.load_model(part, dtype=dtype, device=args.device, compile=compile_,
-                                         weights=args.weights))
-    return drafts if len(drafts) > 1 else drafts[0]
+    loader = DrafterLoader(log=lambda line: print(line, file=sys.stderr, flush=True),
+                           calibration=_calibration(args.model), dtype=DTYPES[args.dtype], device=args.device,
+                           compile=getattr(args, "compile", False), weights=args.weights)
+    return spec.load(target, loader)
 
 
-# the prompt `--eagle-tree auto` times tree sizes on (a server has no prompt set of its own)
+# the prompt an `@auto` EAGLE-3 tree is timed on (a server has no prompt set of its own)
 CALIBRATION_PROMPT = ("Write a Python function that returns the longest palindromic substring of a string, "
                       "with a docstring and a few doctests.")
 
 
-def _eagle_drafter(args: argparse.Namespace, target):
-    """The EAGLE-3 drafter of --eagle with --eagle-tree / --eagle-depth / --eagle-top-k."""
+def _calibration(model: str):
+    """(label, ids) of CALIBRATION_PROMPT, tokenized when an @auto tree asks for it."""
     import torch
 
     import runtime
-    from specdec.drafters.eagle import EagleDrafter, EagleTreeConfig
-    from specdec.eagle_io import load_eagle
     from specdec.prompts import encode
 
-    print(f"loading EAGLE-3 head {args.eagle}", file=sys.stderr, flush=True)
-    head = load_eagle(args.eagle, target)
-    if args.eagle_tree != "auto":
-        return EagleDrafter(head, target, EagleTreeConfig(args.eagle_depth, args.eagle_top_k, args.eagle_tree))
-    from specdec.eagle_auto import auto_tree, describe
-
-    tok = runtime.load_tokenizer(args.model)
-    ids = encode(tok, [CALIBRATION_PROMPT], [], raw=not getattr(tok, "chat_template", None))
-    print("timing EAGLE-3 tree sizes on this machine (--eagle-tree auto)", file=sys.stderr, flush=True)
-    tree, record = auto_tree(target, head, [torch.tensor(ids)], depth=args.eagle_depth, top_k=args.eagle_top_k)
-    print(describe(record), file=sys.stderr, flush=True)
-    return EagleDrafter(head, target, tree)
+    tok = runtime.load_tokenizer(model)
+    yield "calibration", torch.tensor(encode(tok, [CALIBRATION_PROMPT], [], raw=not getattr(tok, "chat_template",
+                                                                                           None)))
 
 
 def main(args: argparse.Namespace) -> int:
     """Entry point of `specdec serve`: check the address, load, then serve until interrupted."""
     import runtime
     from specdec.engine import Engine
-    from specdec.evaluate import eos_ids
+    from specdec.prompts import eos_ids
     from specdec.server import create_app, serve
 
     if args.max_batch < 1:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
     check_address(args.host, args.port)
+    spec = drafter_spec(args)  # a bad --draft fails before any model loads
     print(f"loading target {args.model} ({args.dtype}, {args.device}{', compiled' if args.compile else ''})",
           flush=True)
     target = runtime.load_model(args.model, dtype=DTYPES[args.dtype], device=args.device, compile=args.compile,
@@ -110,16 +102,21 @@ def main(args: argparse.Namespace) -> int:
     draft = load_drafter(args, target)
     eos = eos_ids(args.model, tokenizer)
     engine = Engine(target, draft, max_batch=args.max_batch, max_len=args.max_len,
-                    num_draft_tokens=args.num_draft_tokens, eos_token_id=eos or None)
+                    num_draft_tokens=own_draft_length(spec, args.num_draft_tokens), eos_token_id=eos or None)
     name = args.served_model_name or args.model
-    drafter = args.draft or (f"eagle:{args.eagle}" if args.eagle else f"medusa:{args.medusa}" if args.medusa
-                             else "none (plain decoding)")
+    drafter = str(spec) if spec is not None else "none (plain decoding)"
     print(f"serving {name!r} on http://{args.host}:{args.port}/v1 (drafter {drafter}, max batch {args.max_batch}, "
           f"eos ids {eos})", flush=True)
     print(batch_mode(target), flush=True)
     serve(create_app(engine, tokenizer, name, max_model_len=args.max_len), host=args.host, port=args.port,
           log_level=args.log_level)
     return 0
+
+
+def own_draft_length(spec: DrafterSpec | None, num_draft_tokens: int | str) -> int | str:
+    """--num-draft-tokens, or the spec's own @K in its place."""
+    own = spec.draft_length if spec is not None else None
+    return num_draft_tokens if own is None else own
 
 
 def batch_mode(target) -> str:
@@ -137,16 +134,23 @@ def add_drafter_args(p: argparse.ArgumentParser) -> None:
     from specdec.cli import tree_nodes_arg
 
     drafter = p.add_mutually_exclusive_group()
-    drafter.add_argument("--draft", default=None, help="a draft model (name or dir), 'ngram', or several joined "
-                         "by '+' tried in order (e.g. 'ngram+qwen2.5-coder-0.5b-instruct'); omit for plain decoding")
-    drafter.add_argument("--eagle", default=None, metavar="PATH", help="an EAGLE-3 head directory")
-    drafter.add_argument("--medusa", default=None, metavar="PATH", help="a Medusa heads directory")
-    p.add_argument("--eagle-tree", type=tree_nodes_arg, default=48, metavar="N|auto",
+    drafter.add_argument("--draft", default=None, metavar="SPEC",
+                         help="the drafter, as in specdec eval --methods: ngram[@K], draft:NAME_OR_PATH[@K] (or just "
+                              "NAME_OR_PATH), several chain drafters joined by '+' tried in order (e.g. "
+                              "'ngram+qwen2.5-coder-0.5b-instruct'), medusa:DIR[@N], eagle:DIR[@N[:DxK]] or "
+                              "eagle:DIR@auto; @K replaces --num-draft-tokens; omit for plain decoding")
+    drafter.add_argument("--eagle", default=None, metavar="PATH", help="an EAGLE-3 head directory (alias of --draft "
+                         "eagle:PATH@N:DxK with the three options below)")
+    drafter.add_argument("--medusa", default=None, metavar="PATH", help="a Medusa heads directory (alias of --draft "
+                         "medusa:PATH)")
+    p.add_argument("--eagle-tree", type=tree_nodes_arg, default=None, metavar="N|auto",
                    help="--eagle: nodes the dynamic tree keeps (at most top_k + (depth - 1) * top_k^2), or auto to "
-                        "time sizes up to 64 on this machine first (small trees win on a CPU; default: %(default)s)")
-    p.add_argument("--eagle-depth", type=int, default=5, help="--eagle: levels of the tree (default: %(default)s)")
-    p.add_argument("--eagle-top-k", type=int, default=8, help="--eagle: children per expanded node and nodes "
-                   "expanded per level (default: %(default)s)")
+                        "time sizes up to 64 on this machine first (small trees win on a CPU; default: "
+                        f"{EagleTreeConfig.total_tokens})")
+    p.add_argument("--eagle-depth", type=int, default=None, help=f"--eagle: levels of the tree (default: "
+                   f"{EagleTreeConfig.depth})")
+    p.add_argument("--eagle-top-k", type=int, default=None, help="--eagle: children per expanded node and nodes "
+                   f"expanded per level (default: {EagleTreeConfig.top_k})")
 
 
 def register(subparsers) -> argparse.ArgumentParser:

@@ -33,7 +33,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from runtime.errors import ContextLengthError
-from specdec.engine import SamplingParams
+from specdec.sampling import SamplingParams
 from specdec.server_metrics import ServerMetrics
 from specdec.server_protocol import (
     APIError,

@@ -238,3 +238,14 @@ def _rerank(head: Eagle3Head, scores: torch.Tensor, tokens: torch.Tensor, parent
     lens = torch.zeros(B, dtype=torch.long)
     lens[rows] = n
     return DraftTree(head.target_ids(tokens.gather(1, order)).cpu(), new_par.cpu(), lens)
+
+
+def from_spec(spec, target, loader) -> EagleDrafter:
+    """`eagle:DIR[@N[:DxK]]` or `@auto[:DxK]` (specdec.drafters.spec): the head in DIR (loaded once
+    per loader) drafting the spec's tree; @auto times tree sizes on the loader's calibration prompts."""
+    def build() -> EagleDrafter:
+        head = loader.eagle_head(spec.arg, target)
+        tree = spec.eagle_tree or loader.eagle_auto_tree(spec, target, head)
+        return EagleDrafter(head, target, tree)
+
+    return loader.cached(("eagle", str(spec)), build)

@@ -69,3 +69,9 @@ class HybridDrafter(Drafter):
             if tree.q is not None:
                 q[b, :tree.q.shape[1]] = tree.q[b]
         return DraftTree.chain(tokens, lens, q)
+
+
+def from_spec(spec, target, loader) -> list:
+    """`A+B` or `hybrid:NAME_OR_PATH` (= ngram+draft:NAME_OR_PATH; specdec.drafters.spec): its
+    members' draft arguments, tried in order."""
+    return [part.load(target, loader) for part in spec.parts]

@@ -58,3 +58,21 @@ class MedusaDrafter(Drafter):
 
     def commit(self, accepted: Accepted) -> None:
         self.hidden = accepted.last_hidden()
+
+
+def from_spec(spec, target, loader):
+    """`medusa:DIR[@N]` (specdec.drafters.spec): the heads in DIR; with @N their candidate tree is
+    rebuilt with N nodes from the per-rank accuracy stored with them (else the shipped table)."""
+    from specdec.medusa import default_tree
+    from specdec.tree import build_tree
+
+    def load():
+        heads = loader.medusa(spec.arg, target)
+        if spec.size is not None:
+            acc = heads.config.head_accuracy
+            paths = build_tree([list(r) for r in acc], spec.size) if acc else default_tree(heads.config.num_heads,
+                                                                                           spec.size)
+            heads.set_tree(paths)
+        return heads
+
+    return loader.cached(("medusa", str(spec)), load)

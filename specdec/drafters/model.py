@@ -198,3 +198,9 @@ def check_token_strings(d_src: str | Path, t_src: str | Path, sample: int) -> No
         raise VocabularyMismatchError(
             f"draft and target tokenizers disagree on {len(bad)} of {sample} sampled ids (id {i}: "
             f"draft {a!r}, target {b!r}); use a draft trained with the target's tokenizer")
+
+
+def from_spec(spec, target, loader):
+    """`draft:NAME_OR_PATH[@K]` (specdec.drafters.spec): the draft model, loaded by `loader`; generate()
+    wraps it in a ModelDrafter with its sampling."""
+    return loader.model(spec.arg, target)

@@ -48,3 +48,8 @@ class NgramDrafter(Drafter):
             tokens[b, :found.numel()] = found
             lens[b] = found.numel()
         return DraftTree.chain(tokens, lens)
+
+
+def from_spec(spec, target, loader):
+    """`ngram[@K]` (specdec.drafters.spec): the lookup itself; K is the caller's draft length."""
+    return "ngram"

@@ -1,0 +1,317 @@
+"""One way to name a drafter: `DrafterSpec`, parsed from one string grammar, and the registry of kinds.
+
+`generate(draft="...")`, `specdec eval --methods`, `specdec serve --draft`, `specdec generate` and
+the recipes all read this grammar:
+
+    ngram[@K]                   prompt lookup (n-gram), its own draft length K (1-64 or auto)
+    draft:NAME_OR_PATH[@K]      a draft model (catalogue name, checkpoint dir, .gguf or hub id)
+    hybrid:NAME_OR_PATH[@K]     = ngram+draft:NAME_OR_PATH
+    medusa:DIR[@N]              Medusa heads, their candidate tree rebuilt with N nodes
+    eagle:DIR[@N[:DxK]]         an EAGLE-3 head; its dynamic tree keeps N nodes, D levels, top-k K
+    eagle:DIR@auto[:DxK]        ... N timed on this machine first (specdec.eagle_auto)
+    A+B[+C...][@K]              chain drafters (ngram, draft:X) tried in order per step; the @K
+                                after the last member is the whole list's draft length
+
+The defaults live once: the EAGLE tree's on `EagleTreeConfig`, the Medusa tree's in
+`specdec.medusa.DEFAULT_TREE_NODES`, the draft length in generate()'s `num_draft_tokens`. An "@"
+that does not start a valid suffix stays part of the path (`draft:/u@corp/ckpt`). `str(spec)`
+writes the spec back in the grammar: `DrafterSpec.parse(str(spec)) == spec`.
+
+`spec.load(target, loader)` gives generate()'s `draft=` argument (a model, "ngram", heads, a
+drafter or a list; generate turns it into a `specdec.drafter.Drafter` with its sampling); the
+`DrafterLoader` loads what the spec names, and callers that load once per run (`specdec eval`)
+or report what they load (`specdec serve`) pass their own. A new drafter is one file (its
+Drafter and a `from_spec(spec, target, loader)`) plus one entry in `DRAFTERS`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from specdec.options import parse_draft_length
+
+# what the "@..." suffix of a kind means
+DRAFT_LENGTH, TREE_NODES, EAGLE_TREE = "draft length", "tree nodes", "eagle tree"
+_TREE_SHAPE = re.compile(r"[0-9]+x[0-9]+")  # eagle's @N:DEPTHxTOP_K
+
+
+@dataclass(frozen=True)
+class DrafterKind:
+    """One registry entry: `arg` names what follows "kind:" (None: the kind takes no argument), `size`
+    what "@..." sets (DRAFT_LENGTH, TREE_NODES or EAGLE_TREE; None: no suffix), `chain` whether it
+    drafts chains (only those join a hybrid), `load` the "module:function" that builds it (called
+    as function(spec, target, loader), returning generate()'s draft argument)."""
+
+    arg: str | None
+    size: str | None
+    chain: bool
+    load: str
+
+
+DRAFTERS: dict[str, DrafterKind] = {
+    "ngram": DrafterKind(None, DRAFT_LENGTH, True, "specdec.drafters.ngram:from_spec"),
+    "draft": DrafterKind("NAME_OR_PATH", DRAFT_LENGTH, True, "specdec.drafters.model:from_spec"),
+    "hybrid": DrafterKind("NAME_OR_PATH", DRAFT_LENGTH, False, "specdec.drafters.hybrid:from_spec"),  # ngram+draft:X
+    "medusa": DrafterKind("DIR", TREE_NODES, False, "specdec.drafters.medusa:from_spec"),
+    "eagle": DrafterKind("DIR", EAGLE_TREE, False, "specdec.drafters.eagle:from_spec"),
+}
+
+GRAMMAR = ("ngram[@K], draft:NAME_OR_PATH[@K], hybrid:NAME_OR_PATH[@K], medusa:DIR[@N], eagle:DIR[@N[:DxK]] "
+           "(or @auto[:DxK]), or chain drafters joined by '+' tried in order (e.g. ngram+draft:NAME@4)")
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    """A drafter named in the grammar above: `kind` (a key of DRAFTERS), `arg` (model name, path or
+    directory; None for ngram and for an A+B hybrid), `size` (the "@" value: the draft length K, an
+    int or "auto", for ngram / draft / hybrid; the tree's nodes for medusa and eagle, "auto" for
+    eagle; None = the default), `shape` (eagle: the tree's (depth, top_k); None = EagleTreeConfig's)
+    and `members` (an A+B hybrid's chain drafters, in order). Checked on construction."""
+
+    kind: str
+    arg: str | None = None
+    size: int | str | None = None
+    shape: tuple[int, int] | None = None
+    members: tuple[DrafterSpec, ...] = ()
+
+    def __post_init__(self) -> None:
+        entry = DRAFTERS.get(self.kind)
+        if entry is None:
+            raise ValueError(f"unknown drafter kind {self.kind!r}; choose from {', '.join(DRAFTERS)}")
+        if self.members:
+            object.__setattr__(self, "members", tuple(self.members))
+            self._check_members()
+        elif entry.arg is not None and not self.arg:
+            raise ValueError(f"drafter {self.kind!r} needs {_a(entry.arg)}: write {self.kind}:{entry.arg}")
+        elif entry.arg is None and self.arg:
+            raise ValueError(f"drafter {self.kind!r} takes no argument, got {self.kind}:{self.arg}")
+        if self.shape is not None:
+            if entry.size != EAGLE_TREE:
+                raise ValueError(f"{self}: only eagle takes a tree shape (@N:DEPTHxTOP_K)")
+            object.__setattr__(self, "shape", tuple(self.shape))
+            if self.size is None:  # a shape alone keeps the default number of nodes
+                from specdec.drafters.eagle import EagleTreeConfig
+
+                object.__setattr__(self, "size", EagleTreeConfig.total_tokens)
+        if self.size is not None:
+            object.__setattr__(self, "size", _check_size(self, entry.size))
+
+    def _check_members(self) -> None:
+        if self.kind != "hybrid" or self.arg:
+            raise ValueError("members make a hybrid: DrafterSpec('hybrid', members=(...)), without an argument")
+        if len(self.members) < 2:
+            raise ValueError(f"a hybrid joins two or more drafters with '+', got {len(self.members)}")
+        for m in self.members:
+            if not isinstance(m, DrafterSpec) or not DRAFTERS[m.kind].chain:
+                raise ValueError(f"a hybrid's members draft chains ({', '.join(chain_kinds())}), got {m}")
+            if m.size is not None:
+                raise ValueError(f"the drafters of a hybrid share one draft length: write it once after the last "
+                                 f"member (e.g. ngram+draft:NAME@4), not on {m}")
+
+    @classmethod
+    def parse(cls, text: str, bare: str | None = None) -> DrafterSpec:
+        """The spec `text` names (grammar in the module docstring). `bare`: the kind a word without a
+        known kind prefix takes ("draft" on the command lines, where `--draft NAME` names a draft
+        model); None = such a word is an error."""
+        if not isinstance(text, str):
+            raise TypeError(f"a drafter spec is a string, got {type(text).__name__}")
+        name = text.strip()
+        if not name:
+            raise ValueError(f"an empty drafter spec; write one of {GRAMMAR}")
+        if "+" in name:
+            return cls._parse_hybrid(name, bare)
+        return cls._parse_one(name, bare)
+
+    @classmethod
+    def _parse_hybrid(cls, name: str, bare: str | None) -> DrafterSpec:
+        parts = [p.strip() for p in name.split("+")]
+        if not all(parts):
+            raise ValueError(f"{name!r} has an empty drafter around '+': join two or more drafters, e.g. "
+                             "ngram+draft:NAME_OR_PATH")
+        members = [cls._parse_one(p, bare) for p in parts]
+        size = members[-1].size if DRAFTERS[members[-1].kind].size == DRAFT_LENGTH else None
+        if size is not None:
+            members[-1] = cls(members[-1].kind, members[-1].arg)
+        try:
+            return cls("hybrid", None, size, None, tuple(members))
+        except ValueError as e:
+            raise ValueError(f"{name!r}: {e}") from e
+
+    @classmethod
+    def _parse_one(cls, name: str, bare: str | None) -> DrafterSpec:
+        base, at, size = name.rpartition("@")
+        size, colon, shape = size.partition(":")
+        if not at or not (size.isdigit() or size == "auto") or (colon and not _TREE_SHAPE.fullmatch(shape)):
+            base, at, size, colon = name, "", "", ""  # an "@" inside a path is part of the path
+        kind, _, arg = base.partition(":")
+        if kind not in DRAFTERS:
+            if bare is None:
+                raise ValueError(f"unknown drafter {name!r}; write {GRAMMAR}")
+            kind, arg = bare, base
+        entry = DRAFTERS[kind]
+        if at and entry.size is None:
+            raise ValueError(f"{name!r}: {kind} takes no @ suffix")
+        value = (int(size) if size.isdigit() else size) if at else None
+        try:
+            return cls(kind, arg or None, value, tuple(map(int, shape.split("x"))) if colon else None)
+        except ValueError as e:
+            raise ValueError(e.args[0] if name in str(e) else f"{name!r}: {e}") from e
+
+    def __str__(self) -> str:
+        if self.members:
+            text = "+".join(map(str, self.members))
+        else:
+            text = self.kind if self.arg is None else f"{self.kind}:{self.arg}"
+        if self.size is not None:
+            text += f"@{self.size}"
+            if self.shape is not None:
+                text += ":{}x{}".format(*self.shape)
+        return text
+
+    @property
+    def draft_length(self) -> int | str | None:
+        """The spec's own draft length (an int or "auto"; in place of num_draft_tokens), None when it
+        has none or its "@" sizes a tree."""
+        return self.size if DRAFTERS[self.kind].size == DRAFT_LENGTH else None
+
+    @property
+    def parts(self) -> tuple[DrafterSpec, ...]:
+        """The drafters tried in order: a hybrid's members (hybrid:X = ngram, draft:X), else the spec itself."""
+        if self.kind == "hybrid" and not self.members:
+            return DrafterSpec("ngram"), DrafterSpec("draft", self.arg)
+        return self.members or (self,)
+
+    @property
+    def eagle_tree(self):
+        """eagle: the EagleTreeConfig of a fixed size (the defaults filled in); None for @auto."""
+        from specdec.drafters.eagle import EagleTreeConfig
+
+        if self.kind != "eagle" or self.size == "auto":
+            return None
+        nodes = {} if self.size is None else {"total_tokens": self.size}
+        return EagleTreeConfig(**self.tree_fields, **nodes)
+
+    @property
+    def tree_fields(self) -> dict[str, int]:
+        """EagleTreeConfig keywords of the tree shape (empty: EagleTreeConfig's default depth and top_k)."""
+        return dict(zip(("depth", "top_k"), self.shape or ()))
+
+    def load(self, target, loader: DrafterLoader | None = None):
+        """generate()'s `draft=` argument for this spec: models and heads loaded by `loader` (default: a
+        DrafterLoader that loads draft models in the target's dtype, on its device)."""
+        module, _, function = DRAFTERS[self.kind].load.partition(":")
+        return getattr(importlib.import_module(module), function)(self, target, loader or DrafterLoader())
+
+
+def _a(what: str) -> str:
+    return f"a {'model' if what == 'NAME_OR_PATH' else 'directory'}"
+
+
+def chain_kinds() -> list[str]:
+    return [k for k, e in DRAFTERS.items() if e.chain]
+
+
+def _check_size(spec: DrafterSpec, size: str) -> int | str:
+    """The spec's "@" value, checked for what its kind's suffix means."""
+    value = spec.size
+    if size == DRAFT_LENGTH:
+        return parse_draft_length(value)
+    if isinstance(value, bool) or not (isinstance(value, int) or value == "auto"):
+        raise ValueError(f"{spec.kind}'s @N is an integer number of tree nodes{' or auto' * (size == EAGLE_TREE)}, "
+                         f"got {value!r}")
+    if size == TREE_NODES:
+        if value == "auto" or value < 1:
+            raise ValueError(f"{spec.kind}:{spec.arg}@{value}: the tree's nodes N must be an integer >= 1")
+        return value
+    from specdec.drafters.eagle import EagleTreeConfig
+    from specdec.eagle_auto import SIZES
+
+    shaped = spec.tree_fields
+    try:  # N may pass 64: a tree's nodes are not a draft length
+        if value != "auto":
+            EagleTreeConfig(total_tokens=value, **shaped)
+        elif EagleTreeConfig(total_tokens=1, **shaped).candidates < min(SIZES):
+            raise ValueError(f"auto times trees of {min(SIZES)} nodes or more, but this shape holds "
+                             f"{EagleTreeConfig(total_tokens=1, **shaped).candidates}")
+    except ValueError as e:
+        raise ValueError(f"{str(spec)!r}: {e}") from e
+    return value
+
+
+class DrafterLoader:
+    """Loads what a spec names, each thing once (`cached`). Draft models take `model_options`
+    (runtime.load_model's keywords; dtype and device default to the target's); `log` (a callable
+    taking a line) reports each load; `calibration` ((label, 1-D prompt token tensor) pairs) is
+    what an `eagle:DIR@auto` tree is timed on, the first that fits. `specdec eval` and `specdec
+    serve` subclass or configure it."""
+
+    def __init__(self, log: Callable[[str], None] | None = None, calibration=(), **model_options) -> None:
+        self.log, self.calibration, self.model_options = log, calibration, model_options
+        self._cache: dict[tuple, object] = {}
+        self.tree_auto: dict[str, dict] = {}  # spec text -> specdec.eagle_auto's record of an @auto tree
+
+    def cached(self, key: tuple, load: Callable[[], object]):
+        if key not in self._cache:
+            self._cache[key] = load()
+        return self._cache[key]
+
+    def _say(self, line: str) -> None:
+        if self.log is not None:
+            self.log(line)
+
+    def model(self, name: str, target):
+        """The draft model `name` (a runtime model)."""
+        import runtime
+
+        def load():
+            options = {"dtype": target.dtype, "device": target.device, **self.model_options}
+            self._say(f"loading draft model {name} ({str(options['dtype']).removeprefix('torch.')}, "
+                      f"{options['device']}{', compiled' if options.get('compile') else ''})")
+            return runtime.load_model(name, **options)
+
+        return self.cached(("model", name), load)
+
+    def medusa(self, path: str, target):
+        """Medusa heads from `path` for `target` (one copy per spec: a spec's @N sets their tree)."""
+        from specdec.medusa_io import load_medusa
+
+        self._say(f"loading Medusa heads {path}")
+        return load_medusa(path, target)
+
+    def eagle_head(self, path: str, target):
+        from specdec.eagle_io import load_eagle
+
+        def load():
+            self._say(f"loading EAGLE-3 head {path}")
+            return load_eagle(path, target)
+
+        return self.cached(("eagle-head", path), load)
+
+    def eagle_auto_tree(self, spec: DrafterSpec, target, head):
+        """The tree `eagle:DIR@auto` picks: sizes timed on the first calibration prompt that fits."""
+        from runtime.errors import ContextLengthError
+        from specdec.eagle_auto import auto_tree, describe
+
+        self._say("timing EAGLE-3 tree sizes on this machine (@auto)")
+        tried = False
+        for label, ids in self.calibration_prompts():
+            tried = True
+            try:
+                tree, record = auto_tree(target, head, [ids], **spec.tree_fields)
+            except ContextLengthError:
+                continue
+            print(describe(record), file=sys.stderr, flush=True)
+            self.tree_auto[str(spec)] = {"prompt": label, **record}
+            return tree
+        if not tried:
+            raise ValueError(f"{spec}: @auto times tree sizes on prompts, and none were given; write @N (the "
+                             "tree's nodes), or time them with specdec eval / specdec serve")
+        raise ContextLengthError(f"{spec}: no prompt fits the context to measure tree sizes on")
+
+    def calibration_prompts(self):
+        """(label, 1-D token tensor) pairs an @auto tree is timed on, in order."""
+        return iter(self.calibration)

@@ -1,0 +1,181 @@
+"""DrafterSpec: the one grammar that names a drafter (generate, specdec eval / serve / generate, the
+recipes): parsing, round trip, the defaults stored once, and errors that say what is wrong."""
+
+import argparse
+
+import pytest
+import torch
+
+import specdec
+from specdec.drafters import DRAFTERS, EagleDrafter, HybridDrafter, MedusaDrafter, ModelDrafter, make_drafter
+from specdec.drafters.eagle import EagleTreeConfig
+from specdec.drafters.spec import DrafterLoader, DrafterSpec
+from specdec.medusa import DEFAULT_TREE_NODES
+from specdec.sampling import SamplingParams
+
+GOOD = {
+    "ngram": DrafterSpec("ngram"),
+    "ngram@3": DrafterSpec("ngram", size=3),
+    "draft:some/dir@auto": DrafterSpec("draft", "some/dir", "auto"),
+    "draft:/u@corp/ckpt": DrafterSpec("draft", "/u@corp/ckpt"),  # an "@" inside a path is part of it
+    "draft:/u@corp:1x2": DrafterSpec("draft", "/u@corp:1x2"),
+    "hybrid:m@4": DrafterSpec("hybrid", "m", 4),
+    "ngram+draft:m": DrafterSpec("hybrid", members=(DrafterSpec("ngram"), DrafterSpec("draft", "m"))),
+    "ngram+draft:m@4": DrafterSpec("hybrid", size=4, members=(DrafterSpec("ngram"), DrafterSpec("draft", "m"))),
+    "medusa:heads@20": DrafterSpec("medusa", "heads", 20),
+    "eagle:e": DrafterSpec("eagle", "e"),
+    "eagle:e@96:8x10": DrafterSpec("eagle", "e", 96, (8, 10)),
+    "eagle:e@auto:3x4": DrafterSpec("eagle", "e", "auto", (3, 4)),
+}
+
+
+@pytest.mark.parametrize("text", list(GOOD))
+def test_parse_and_round_trip(text):
+    spec = DrafterSpec.parse(f"  {text} ")
+    assert spec == GOOD[text]
+    assert str(spec) == text and DrafterSpec.parse(str(spec)) == spec
+
+
+def test_draft_length_and_parts():
+    assert DrafterSpec.parse("draft:x@7").draft_length == 7
+    assert DrafterSpec.parse("eagle:e@7").draft_length is None  # a tree's nodes, not a draft length
+    assert DrafterSpec.parse("ngram+draft:x@auto").draft_length == "auto"
+    assert DrafterSpec.parse("hybrid:x").parts == (DrafterSpec("ngram"), DrafterSpec("draft", "x"))
+    assert DrafterSpec.parse("draft:x+ngram").parts == (DrafterSpec("draft", "x"), DrafterSpec("ngram"))
+    assert DrafterSpec.parse("qwen@3", bare="draft") == DrafterSpec("draft", "qwen", 3)  # --draft NAME
+    assert DrafterSpec.parse("ngram+qwen", bare="draft").parts[1] == DrafterSpec("draft", "qwen")
+
+
+def test_defaults_live_once():
+    """The EAGLE tree's defaults are EagleTreeConfig's, the Medusa tree's specdec.medusa's."""
+    assert DrafterSpec.parse("eagle:e").eagle_tree == EagleTreeConfig()
+    assert DrafterSpec.parse("eagle:e@16").eagle_tree == EagleTreeConfig(total_tokens=16)
+    assert DrafterSpec("eagle", "e", shape=(3, 6)).size == EagleTreeConfig.total_tokens
+    assert DrafterSpec.parse("eagle:e@auto").eagle_tree is None  # timed first
+    from distill.train_medusa import TrainConfig
+
+    assert TrainConfig.tree_nodes == DEFAULT_TREE_NODES
+    assert set(DRAFTERS) >= {"ngram", "draft", "hybrid", "medusa", "eagle"}
+
+
+@pytest.mark.parametrize("text, msg", [
+    ("", "empty drafter spec"),
+    ("ngram+", "empty drafter around '\\+'"),
+    ("+ngram", "empty drafter around '\\+'"),
+    ("beam", "unknown drafter 'beam'; write ngram"),
+    ("draft", "needs a model: write draft:NAME_OR_PATH"),
+    ("eagle", "needs a directory: write eagle:DIR"),
+    ("ngram:x", "takes no argument"),
+    ("ngram@3:2x2", "only eagle takes a tree shape"),
+    ("ngram@0", "between 1 and 64"),
+    ("draft:x@65", "between 1 and 64"),
+    ("medusa:h@auto", "integer >= 1"),
+    ("eagle:e@0", "total_tokens must be"),
+    ("eagle:e@40:2x4", "exceeds the 20 candidates"),
+    ("eagle:e@auto:1x1", "this shape holds 1"),
+    ("eagle:e+ngram", "members draft chains"),
+    ("ngram@3+draft:x", "share one draft length: write it once after the last member"),
+])
+def test_errors_say_what_is_wrong(text, msg):
+    with pytest.raises(ValueError, match=msg):
+        DrafterSpec.parse(text)
+
+
+def test_generate_takes_spec_strings(target):
+    """generate(draft=...) reads the grammar; a spec's @K is its draft length (greedy output = plain)."""
+    ids = torch.randint(0, target.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(0)).repeat(1, 3)
+    plain = specdec.generate(target, ids, max_new_tokens=10).sequences
+    out = specdec.generate(target, ids, draft="ngram@2", max_new_tokens=10)
+    assert torch.equal(out.sequences, plain)
+    assert 0 < max(len(out.stats.per_position_acceptance), 1) <= 2  # drafts of at most 2 tokens per step
+
+
+def test_loader_caches_and_builds_every_kind(target, random_draft):
+    loader = DrafterLoader()
+    loader.model = lambda name, tgt: random_draft  # a loader decides how a name becomes a model
+    assert isinstance(make_drafter("draft:any@3", target, loader=loader), ModelDrafter)
+    hybrid = make_drafter("ngram+draft:any", target, loader=loader)
+    assert isinstance(hybrid, HybridDrafter) and len(hybrid.drafters) == 2
+    assert isinstance(make_drafter(DrafterSpec("hybrid", "any"), target, loader=loader), HybridDrafter)
+    assert loader.cached(("k",), lambda: 1) == 1 and loader.cached(("k",), lambda: 2) == 1
+
+
+def test_eagle_and_medusa_specs_load_their_trees(target, tmp_path):
+    from distill import attach_medusa, save_medusa
+
+    torch.manual_seed(0)
+    cfg = specdec.Eagle3Config.from_target(target, aux_layers=(0, 1, 1))
+    specdec.save_eagle(specdec.Eagle3Head(cfg), tmp_path / "eagle")
+    drafter = make_drafter(f"eagle:{tmp_path / 'eagle'}@6:3x2", target)
+    assert isinstance(drafter, EagleDrafter) and drafter.tree == EagleTreeConfig(3, 2, 6)
+    assert make_drafter(f"eagle:{tmp_path / 'eagle'}", target).tree == EagleTreeConfig()
+    with pytest.raises(ValueError, match="none were given"):
+        make_drafter(f"eagle:{tmp_path / 'eagle'}@auto", target)  # no prompts to time the sizes on
+    save_medusa(attach_medusa(target, num_heads=2), tmp_path / "medusa")
+    assert isinstance(make_drafter(f"medusa:{tmp_path / 'medusa'}", target), MedusaDrafter)
+    small = make_drafter(f"medusa:{tmp_path / 'medusa'}@5", target)
+    assert small.max_nodes(0) == 5
+
+
+def test_unknown_strings_name_the_grammar(target):
+    with pytest.raises(ValueError, match="has an empty drafter"):
+        specdec.generate(target, torch.tensor([[1, 2, 3]]), draft="ngram+", max_new_tokens=2)
+    with pytest.raises(ValueError, match="unknown drafter 'beam'"):
+        specdec.generate(target, torch.tensor([[1, 2, 3]]), draft="beam", max_new_tokens=2)
+
+
+def test_serve_aliases_build_specs():
+    from specdec.serve_command import add_drafter_args, drafter_spec, own_draft_length
+
+    p = argparse.ArgumentParser()
+    add_drafter_args(p)
+    assert drafter_spec(p.parse_args(["--draft", "ngram+qwen@3"])) == DrafterSpec.parse("ngram+draft:qwen@3")
+    assert drafter_spec(p.parse_args(["--eagle", "e"])) == DrafterSpec("eagle", "e")
+    assert drafter_spec(p.parse_args(["--eagle", "e", "--eagle-tree", "auto", "--eagle-depth", "3"])) == \
+        DrafterSpec("eagle", "e", "auto", (3, EagleTreeConfig.top_k))
+    assert drafter_spec(p.parse_args(["--medusa", "m"])) == DrafterSpec("medusa", "m")
+    assert drafter_spec(p.parse_args([])) is None
+    assert own_draft_length(DrafterSpec.parse("ngram@3"), 5) == 3 and own_draft_length(None, 5) == 5
+
+
+def test_one_sampling_params():
+    """generate's keywords, the engine's requests and eval's config check sampling in one place."""
+    from specdec.engine import SamplingParams as EngineParams
+    from specdec.evaluate import EvalConfig
+
+    assert EngineParams is SamplingParams is specdec.SamplingParams
+    assert SamplingParams().generator() is None
+    a, b = SamplingParams(temperature=1.0, seed=3).generator(), SamplingParams(temperature=1.0, seed=3).generator()
+    assert torch.equal(torch.rand(3, generator=a), torch.rand(3, generator=b))
+    cfg = EvalConfig(out="x", dataset="sharegpt", temperature=0.5, top_k=4)
+    assert cfg.sampling == SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=0.5, top_k=4)
+    for bad in ({"temperature": -1.0}, {"top_p": 0.0}, {"top_k": -1}):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
+        with pytest.raises(ValueError):
+            EvalConfig(out="x", dataset="sharegpt", **bad)
+
+
+def test_eval_methods_are_specs():
+    """specdec eval's drafting methods are drafter specs; its other methods stay its own."""
+    from specdec.evaluate import MethodSpec, parse_methods
+
+    hybrid, medusa, eagle = parse_methods("ngram+draft:m@3,medusa:h@12,eagle:e@auto:3x4")
+    assert (hybrid.kind, hybrid.draft_length, hybrid.drafter) == ("hybrid", 3, DrafterSpec.parse("ngram+draft:m@3"))
+    assert (medusa.num_draft_tokens, medusa.draft_length) == (12, None)  # a tree's nodes, not a draft length
+    assert eagle.drafter == DrafterSpec("eagle", "e", "auto", (3, 4)) and eagle.tree_fields == {"depth": 3, "top_k": 4}
+    assert MethodSpec.parse("hf").drafter is None
+    for bad, msg in [("ngram+", "empty drafter"), ("ngram+hf", "unknown drafter 'hf'"), ("hf@3", "draft length")]:
+        with pytest.raises(ValueError, match=msg):
+            parse_methods(bad)
+
+
+def test_a_bad_draft_on_the_command_line_fails_first_and_says_why(tmp_path, capsys, monkeypatch):
+    """`--draft ngram+` names what is wrong, before any model loads (the model here does not exist)."""
+    from specdec.cli import main as cli_main
+
+    monkeypatch.delenv("SPECDEC_DEBUG", raising=False)
+    for argv in (["generate", "--prompt", "a"], ["serve", "--port", "0"]):
+        assert cli_main([*argv, "--model", str(tmp_path / "missing"), "--draft", "ngram+"]) == 2
+        err = capsys.readouterr().err
+        assert "empty drafter around '+'" in err and "missing" not in err, err
