@@ -437,10 +437,10 @@ def distill_draft(target, draft, prompts, config: DistillConfig = DistillConfig(
                 raw.train()
                 batch = make_batch(rows, answers).to(device)
                 with torch.no_grad():
-                    teacher = target(batch.tokens, batch.positions, None, logits_idx=batch.idx)  # (B, N, V)
+                    teacher = target(batch.tokens, batch.positions, None, logits_idx=batch.idx).logits  # (B, N, V)
                 with acc.accumulate(model):
                     with torch.autocast(acc.device.type, dtype=torch.bfloat16, enabled=bf16):
-                        student = model(batch.tokens, batch.positions, None, logits_idx=batch.idx)  # (B, N, V)
+                        student = model(batch.tokens, batch.positions, None, logits_idx=batch.idx).logits  # (B, N, V)
                     loss = masked_divergence(student, teacher, batch.valid, config.divergence, config.temperature,
                                              config.beta) * _token_weight(batch.answer_tokens, acc)
                     acc.backward(loss)

@@ -171,7 +171,7 @@ def window_perplexity(model: nn.Module, windows: torch.Tensor, micro_batch: int 
     for lo in range(0, windows.shape[0], micro_batch):
         tokens = windows[lo:lo + micro_batch].to(device)  # (b, T)
         positions = torch.arange(tokens.shape[1], device=device).expand_as(tokens)
-        logits = model(tokens, positions, None)  # (b, T, V)
+        logits = model(tokens, positions, None).logits  # (b, T, V)
         total += float(F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]),
                                        tokens[:, 1:].reshape(-1), reduction="sum"))
         count += tokens[:, 1:].numel()
@@ -325,12 +325,12 @@ def recover(student: nn.Module, teacher: nn.Module, data: torch.Tensor, config: 
             total = torch.zeros((), device=acc.device)
             for i, tokens in enumerate(chunks):
                 with torch.no_grad():
-                    target = teacher(tokens, positions.expand_as(tokens), None)  # (b, T, V)
+                    target = teacher(tokens, positions.expand_as(tokens), None).logits  # (b, T, V)
                 scale = weight * tokens.shape[0] / local.shape[0]
                 sync = acc.no_sync(model) if i < len(chunks) - 1 else nullcontext()
                 with sync:
                     with torch.autocast(acc.device.type, dtype=torch.bfloat16, enabled=bf16):
-                        logits = model(tokens, positions.expand_as(tokens), None)  # (b, T, V)
+                        logits = model(tokens, positions.expand_as(tokens), None).logits  # (b, T, V)
                     loss = kd_loss(logits, target, tokens, config.temperature, config.ce_weight) * scale
                     acc.backward(loss)
                 total += loss.detach()

@@ -13,6 +13,7 @@ import torch
 from transformers import DynamicCache
 
 from runtime.attention import block_mask_keys
+from runtime.model_output import ModelOutput
 
 
 class HFCache:
@@ -78,8 +79,13 @@ class HFAdapter(torch.nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: HFCache,
                 mask: torch.Tensor | None = None, return_hidden: bool = False,
-                logits_idx: torch.Tensor | None = None, block_mask: torch.Tensor | None = None):
-        """Same contract as runtime.Transformer.forward (rows run one at a time)."""
+                logits_idx: torch.Tensor | None = None, block_mask: torch.Tensor | None = None,
+                aux_layers: tuple[int, ...] = ()) -> ModelOutput:
+        """Same contract as runtime.Transformer.forward (rows run one at a time): a ModelOutput,
+        without aux layers' states."""
+        if aux_layers:
+            raise ValueError(f"HFAdapter does not return aux_layers {tuple(aux_layers)}: load the model with "
+                             "runtime.load_model to read the states entering its layers")
         B, T = tokens.shape
         if block_mask is not None:  # (B, T, T) -> (B, T, S) over each row's cache and the new tokens
             mask = block_mask_keys(cache.lengths, block_mask, int(cache.lengths.max()) + T)
@@ -102,5 +108,4 @@ class HFAdapter(torch.nn.Module):
             if return_hidden:
                 hidden_rows.append(out.hidden_states[-1])
         cache.lengths += T
-        logits = torch.cat(logits_rows)
-        return (logits, torch.cat(hidden_rows)) if return_hidden else logits
+        return ModelOutput(torch.cat(logits_rows), torch.cat(hidden_rows) if return_hidden else None)

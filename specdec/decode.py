@@ -15,7 +15,6 @@ independently; a finished row is carried along but writes nothing that stays in 
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime.compile import DECODE_STATIC_TOKENS
+from runtime.model_output import ModelOutput
 from specdec.autok import AutoK
 from specdec.drafter import Accepted, Drafter, DraftTree
 from specdec.rows import CacheRow, RowState, check_lengths, prefill
@@ -76,9 +76,9 @@ class DecodeLoop:
     hidden: a list of B empty lists that receive, per row, the target's final hidden state (C,)
     behind each emitted token (the state whose logits chose it).
     aux: a list of B empty lists that receive, per row, the states entering the target's
-    `aux_layers` (Transformer.aux_outputs) at every position whose token the target read: one
-    (T, nC) block for the prompt, then (nC,) per emitted token but the last (the tokens whose
-    forward ran); with a drafter that reads layers, `aux_layers` must be its own.
+    `aux_layers` (Transformer.forward(aux_layers=...)) at every position whose token the target
+    read: one (T, nC) block for the prompt, then (nC,) per emitted token but the last (the tokens
+    whose forward ran); with a drafter that reads layers, `aux_layers` must be its own.
     """
 
     def __init__(self, target, drafter: Drafter | None, state: RowState, cache, num_draft_tokens: int | str,
@@ -91,10 +91,6 @@ class DecodeLoop:
                 raise ValueError(f"recording the target's aux states needs aux_layers (the drafter's own, "
                                  f"{layers}, when it reads some), got {aux_layers!r}")
             layers = tuple(aux_layers)
-        if layers and not hasattr(target, "aux_outputs"):
-            who = f"drafter {drafter.name!r}" if drafter is not None and drafter.hidden_layers else "recording"
-            raise ValueError(f"{who} reads the target's layers {layers}, which only a runtime Transformer returns "
-                             "(runtime.load_model), not a transformers model")
         self.target, self.drafter, self.state, self.cache, self.hidden = target, drafter, state, cache, hidden
         self.aux, self.aux_layers = aux, layers
         B = len(state.prompts)
@@ -102,14 +98,10 @@ class DecodeLoop:
         self.sampling = [sampling] * B if self.uniform else list(sampling)
         self.k_max, self.auto = draft_length(num_draft_tokens, target, drafter)
         self.want_hidden = hidden is not None or (drafter is not None and drafter.needs_hidden)
-        self.want_aux = bool(layers)
+        self.want_aux = bool(self.aux_layers)
         self.pending = torch.zeros(B, dtype=torch.long)  # (B,): each row's next root, not yet scored
         self.stats = AcceptanceStats(num_calls=1)
         self.row_stats = [AcceptanceStats() for _ in range(B)]
-
-    def _aux(self) -> contextlib.AbstractContextManager:
-        """Collect the drafter's target layers during the forwards inside."""
-        return self.target.aux_outputs(self.aux_layers) if self.want_aux else contextlib.nullcontext()
 
     def _told(self, hidden: torch.Tensor | None, aux: torch.Tensor | None) -> torch.Tensor | None:
         """What the drafter reads of a target forward: the aux layers' states when it reads layers,
@@ -118,10 +110,9 @@ class DecodeLoop:
             return aux
         return hidden if self.drafter.needs_hidden else None
 
-    def _first_tokens(self, rows: list[int], out) -> list[list[int]]:
-        """Pick and emit each row's first token from a prefill's output (logits, [hidden], [aux])."""
-        logits, h = out[0], out[1] if self.want_hidden else None  # (R, V), (R, C)
-        first = self._select(logits, rows).cpu()  # (R,)
+    def _first_tokens(self, rows: list[int], out: ModelOutput) -> list[list[int]]:
+        """Pick and emit each row's first token from a prefill's output (`specdec.rows.prefill`)."""
+        first = self._select(out.logits, rows).cpu()  # (R,)
         emitted = [[] for _ in self.state.prompts]
         for i, b in enumerate(rows):
             self.pending[b] = first[i]
@@ -134,9 +125,9 @@ class DecodeLoop:
             self.row_stats[b].generated_tokens += n
             emitted[b] = self.state.new[b][-n:]
             if self.hidden is not None:
-                self.hidden[b].append(h[i])
+                self.hidden[b].append(out.hidden[i])
             if self.aux is not None:
-                self.aux[b].append(out[-1][i, :self.state.prompts[b].numel()])  # (T, nC)
+                self.aux[b].append(out.aux[i, :self.state.prompts[b].numel()])  # (T, nC)
         return emitted
 
     def _select(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -154,14 +145,11 @@ class DecodeLoop:
         """Prefill every row in one forward, emit its first token and start the drafter (whose
         rows get `max_len` cache slots); returns the tokens each row emitted."""
         rows = list(range(len(self.state.prompts)))
-        with self._aux():
-            out = prefill(self.target, self.state.prompts, self.cache, return_hidden=self.want_hidden,
-                          return_aux=self.want_aux)
-        out = out if isinstance(out, tuple) else (out,)
+        out = prefill(self.target, self.state.prompts, self.cache, return_hidden=self.want_hidden,
+                      aux_layers=self.aux_layers)
         emitted = self._first_tokens(rows, out)
         if self.drafter is not None:
-            self.drafter.begin(self.state.prompts, max_len, self._told(out[1] if self.want_hidden else None,
-                                                                       out[-1] if self.want_aux else None))
+            self.drafter.begin(self.state.prompts, max_len, self._told(out.hidden, out.aux))
         return emitted
 
     def admit(self, rows: list[int], prompts: list[torch.Tensor], limits: list[int], stops: list[frozenset[int]],
@@ -178,14 +166,12 @@ class DecodeLoop:
             self.row_stats[b] = AcceptanceStats()
         slots = CacheRow(self.cache, rows[0], len(rows))
         slots.lengths.zero_()
-        with self._aux():
-            out = prefill(self.target, prompts, slots, return_hidden=self.want_hidden, return_aux=self.want_aux,
-                          eager=getattr(self.target, "compiled", False))
-        out = out if isinstance(out, tuple) else (out,)
+        out = prefill(self.target, prompts, slots, return_hidden=self.want_hidden, aux_layers=self.aux_layers,
+                      eager=getattr(self.target, "compiled", False))
         emitted = self._first_tokens(rows, out)
         if self.drafter is not None:
+            told = self._told(out.hidden, out.aux)
             for i, (b, prompt) in enumerate(zip(rows, prompts)):
-                told = self._told(out[1] if self.want_hidden else None, out[-1] if self.want_aux else None)
                 self.drafter.admit(b, prompt, None if told is None else told[i])
         return [emitted[b] for b in rows]
 
@@ -199,10 +185,6 @@ class DecodeLoop:
 
     def step(self) -> list[list[int]]:
         """One draft + verify step of every active row; returns the tokens each row emitted."""
-        with self._aux():
-            return self._step()
-
-    def _step(self) -> list[list[int]]:
         state, drafter, cache, stats, auto = self.state, self.drafter, self.cache, self.stats, self.auto
         B = len(state.prompts)
         emitted = [[] for _ in range(B)]
@@ -225,7 +207,7 @@ class DecodeLoop:
         valid = (torch.arange(tree.num_nodes)[None] < tree.lens[:, None]) & (depths <= budget[:, None])
         start_len = cache.lengths.clone()  # (B,)
         # (B, 1+N, V), (B, 1+N, C), (B, 1+N, nC)
-        logits, hid, aux = _score(self.target, cache, self.pending, tree, depths, self.want_hidden, self.want_aux)
+        logits, hid, aux = _score(self.target, cache, self.pending, tree, depths, self.want_hidden, self.aux_layers)
         verdict = self._verify(logits, tree, valid, active)
         target_s = time.perf_counter() - t_verify
         for b in active:
@@ -338,7 +320,7 @@ def _check_proposal(drafter: Drafter | None, tree: DraftTree, batch_size: int, k
 
 
 def _score(target, cache, pending: torch.Tensor, tree: DraftTree, depths: torch.Tensor, want_hidden: bool,
-           want_aux: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+           aux_layers: tuple[int, ...]) -> ModelOutput:
     """One target forward over [root, nodes] of every row -> logits (B, 1+N, V) and, when asked,
     the final hidden states (B, 1+N, C) and the aux layers' states (B, 1+N, nC). A chain is causal;
     a tree attends along its branches."""
@@ -349,11 +331,7 @@ def _score(target, cache, pending: torch.Tensor, tree: DraftTree, depths: torch.
     # outputs are discarded, so the clamp changes nothing that is kept
     positions = (cache.lengths[:, None] + offsets).clamp(max=target.config.max_position_embeddings - 1)
     block_mask = None if tree.is_chain else tree.block_mask().to(device)  # (B, 1+N, 1+N)
-    if not want_aux:  # (a transformers target's adapter knows no return_aux)
-        out = target(block, positions, cache, block_mask=block_mask, return_hidden=want_hidden)
-        return (out, None, None) if not want_hidden else (out[0], out[1], None)
-    out = target(block, positions, cache, block_mask=block_mask, return_hidden=want_hidden, return_aux=True)
-    return out[0], out[1] if want_hidden else None, out[-1]
+    return target(block, positions, cache, block_mask=block_mask, return_hidden=want_hidden, aux_layers=aux_layers)
 
 
 def _keep_paths(cache, start: torch.Tensor, verdict: Verdict, active: list[int]) -> None:

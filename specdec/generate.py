@@ -70,7 +70,7 @@ def generate(target, input_ids, draft=None, max_new_tokens: int = 128, temperatu
     choice. eos_token_id: one id or several. return_hidden: also return the target's hidden
     states behind each new token (what Medusa heads train on, see distill.selfdistill).
     aux_layers: also return the states entering these target layers (a runtime Transformer's
-    numbering, `Transformer.aux_outputs`) at every position the target read, from the same
+    numbering, `Transformer.forward(aux_layers=...)`) at every position the target read, from the same
     forwards (`GenerateOutput.aux_states`); with an EAGLE-3 drafter, its own layers.
     streamer: a transformers-style streamer (`put` / `end`, e.g. `TextStreamer(tok)`) that gets
     the prompt, then each step's accepted tokens as they come; one row only.

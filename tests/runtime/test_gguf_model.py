@@ -25,7 +25,7 @@ def home(tmp_path, monkeypatch):
 def _logits(model) -> torch.Tensor:
     positions = torch.arange(TOKENS.shape[1]).expand_as(TOKENS)
     with torch.no_grad():
-        return model(TOKENS, positions, None)
+        return model(TOKENS, positions, None).logits
 
 
 def _quantize_all(layers: int, kinds: dict[str, str], embed: str, output: str | None) -> dict[str, str]:

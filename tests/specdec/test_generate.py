@@ -93,7 +93,7 @@ def test_hidden_states_are_those_behind_each_new_token(pair, draft):
     for r, s, h in zip(rows, out.sequences, out.hidden_states):
         new = s.numel() - r.numel()
         assert h.shape == (new, model.config.hidden_size)
-        _, ref = model(s[None], torch.arange(s.numel())[None], None, return_hidden=True)  # (1, T, C)
+        ref = model(s[None], torch.arange(s.numel())[None], None, return_hidden=True).hidden  # (1, T, C)
         torch.testing.assert_close(h, ref[0, r.numel() - 1:s.numel() - 1], rtol=1e-4, atol=1e-4)
     assert [h.shape[0] for h in out.hidden_states] != [9, 9, 9]  # the stopped row is cut
     assert specdec.generate(model, rows, max_new_tokens=9).hidden_states is None
@@ -113,8 +113,7 @@ def test_aux_states_are_those_of_one_forward_over_every_position_the_target_read
     C = model.config.hidden_size
     for s, a in zip(out.sequences, out.aux_states):
         assert a.shape == (s.numel() - 1, 3 * C)
-        with model.aux_outputs(layers):
-            _, ref = model(s[None], torch.arange(s.numel())[None], None, return_aux=True)  # (1, T, 3C)
+        ref = model(s[None], torch.arange(s.numel())[None], None, aux_layers=layers).aux  # (1, T, 3C)
         torch.testing.assert_close(a, ref[0, :-1], rtol=1e-4, atol=1e-4)
     assert [a.shape[0] for a in out.aux_states] != [s.numel() + 8 for s in rows]  # the stopped row is cut
     assert specdec.generate(model, rows, max_new_tokens=9).aux_states is None
