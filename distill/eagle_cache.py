@@ -1,7 +1,7 @@
 """The EAGLE-3 feature cache: what one frozen target pass over self-distillation records gives a head.
 
 The states come from the generation of the records itself (`distill.generate_selfdistill` with
-`eagle_cache`, through `specdec.generate(aux_layers=...)`: no second pass), or, for records
+`eagle_cache`, recorded by `specdec.capture.StateCapture`: no second pass), or, for records
 generated without it, from `cache_eagle_states`, which runs the target once per record (prompt +
 the target's own answer, no gradients) asking for its aux layers (`Transformer.forward(aux_layers=)`).
 Either way it stores, per record:
@@ -96,7 +96,7 @@ class EagleCacheWriter:
 
     def add(self, record: dict, aux: torch.Tensor, hidden: torch.Tensor) -> None:
         """aux (L, 3C): the aux states at every position of prompt + answer, or (L - 1, 3C) without
-        the last answer token's (generation never runs that token: `specdec.generate(aux_layers=)`;
+        the last answer token's (generation never runs that token: `StateCapture`;
         no training step reads it, and it is stored as zeros); hidden (n, C): the final-norm states
         at the last prompt token and every answer token but the last. A record with no answer (or no
         prompt) stores nothing but still counts."""

@@ -1,6 +1,7 @@
 """specdec: speculative decoding on the runtime engine. `generate`, `stream`, the continuous-batching
 `Engine`, drafters, verification, stats."""
 
+from specdec.capture import DecodeObserver, StateCapture
 from specdec.drafter import Accepted, Drafter, DraftTree
 from specdec.eagle import Eagle3Config, Eagle3Head
 from specdec.eagle_io import load_eagle, save_eagle
@@ -10,4 +11,5 @@ from specdec.stats import AcceptanceStats
 
 __all__ = ["generate", "stream", "GenerateOutput", "Engine", "SamplingParams", "Request",
            "AcceptanceStats", "Drafter", "DraftTree", "Accepted",
-           "Eagle3Config", "Eagle3Head", "save_eagle", "load_eagle"]
+           "Eagle3Config", "Eagle3Head", "save_eagle", "load_eagle",
+           "DecodeObserver", "StateCapture"]

@@ -11,12 +11,14 @@ independently; a finished row is carried along but writes nothing that stays in 
 (`generate()`), `admit` starts one row in a free slot while the others run (the serving engine,
 `specdec.engine`), and `step` is the one draft + verify step both call. Every row has its own
 `RowSampling`: rows that share one are verified together, greedy rows always together.
+Observers (`specdec.capture.DecodeObserver`) see each row's share of the target's outputs after
+the prefill and after every step: how training data is recorded while decoding.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +26,7 @@ import torch
 from runtime.compile import DECODE_STATIC_TOKENS
 from runtime.model_output import ModelOutput
 from specdec.autok import AutoK
+from specdec.capture import DecodeObserver
 from specdec.drafter import Accepted, Drafter, DraftTree
 from specdec.rows import CacheRow, RowState, check_lengths, prefill
 from specdec.sampling import select_next
@@ -73,35 +76,30 @@ class DecodeLoop:
     """The decode state of the rows of one target cache (see the module docstring).
 
     sampling: one RowSampling for every row, or one per row (None for a row not in use).
-    hidden: a list of B empty lists that receive, per row, the target's final hidden state (C,)
-    behind each emitted token (the state whose logits chose it).
-    aux: a list of B empty lists that receive, per row, the states entering the target's
-    `aux_layers` (Transformer.forward(aux_layers=...)) at every position whose token the target
-    read: one (T, nC) block for the prompt, then (nC,) per emitted token but the last (the tokens
-    whose forward ran); with a drafter that reads layers, `aux_layers` must be its own.
+    observers: DecodeObservers that see each row's share of the target's outputs after its prefill
+    and after every step (`specdec.capture`); the target's forwards compute the final hidden states
+    when one of them (or the drafter) asks, and the aux layers' states of the layers they and the
+    drafter name (one set: they must agree).
     """
 
     def __init__(self, target, drafter: Drafter | None, state: RowState, cache, num_draft_tokens: int | str,
                  sampling: RowSampling | list[RowSampling | None],
-                 hidden: list[list[torch.Tensor]] | None = None, aux: list[list[torch.Tensor]] | None = None,
-                 aux_layers: tuple[int, ...] = ()) -> None:
-        layers = tuple(drafter.hidden_layers) if drafter is not None else ()
-        if aux is not None:
-            if not aux_layers or (layers and layers != tuple(aux_layers)):
-                raise ValueError(f"recording the target's aux states needs aux_layers (the drafter's own, "
-                                 f"{layers}, when it reads some), got {aux_layers!r}")
-            layers = tuple(aux_layers)
-        self.target, self.drafter, self.state, self.cache, self.hidden = target, drafter, state, cache, hidden
-        self.aux, self.aux_layers = aux, layers
+                 observers: Sequence[DecodeObserver] = ()) -> None:
+        self.observers = list(observers)
+        self.aux_layers = _aux_layers(drafter, self.observers)
+        self.target, self.drafter, self.state, self.cache = target, drafter, state, cache
         B = len(state.prompts)
         self.uniform = isinstance(sampling, RowSampling)
         self.sampling = [sampling] * B if self.uniform else list(sampling)
         self.k_max, self.auto = draft_length(num_draft_tokens, target, drafter)
-        self.want_hidden = hidden is not None or (drafter is not None and drafter.needs_hidden)
+        self.want_hidden = (any(o.return_hidden for o in self.observers)
+                            or (drafter is not None and drafter.needs_hidden))
         self.want_aux = bool(self.aux_layers)
         self.pending = torch.zeros(B, dtype=torch.long)  # (B,): each row's next root, not yet scored
         self.stats = AcceptanceStats(num_calls=1)
         self.row_stats = [AcceptanceStats() for _ in range(B)]
+        for o in self.observers:
+            o.on_start(target, B)
 
     def _told(self, hidden: torch.Tensor | None, aux: torch.Tensor | None) -> torch.Tensor | None:
         """What the drafter reads of a target forward: the aux layers' states when it reads layers,
@@ -124,10 +122,12 @@ class DecodeLoop:
             self.stats.generated_tokens += n
             self.row_stats[b].generated_tokens += n
             emitted[b] = self.state.new[b][-n:]
-            if self.hidden is not None:
-                self.hidden[b].append(out.hidden[i])
-            if self.aux is not None:
-                self.aux[b].append(out.aux[i, :self.state.prompts[b].numel()])  # (T, nC)
+            if self.observers:
+                prompt = self.state.prompts[b]
+                mine = ModelOutput(out.logits[i:i + 1], None if out.hidden is None else out.hidden[i:i + 1],
+                                   None if out.aux is None else out.aux[i, :prompt.numel()])  # (1, V), (1, C), (T, nC)
+                for o in self.observers:
+                    o.on_prefill(b, prompt, mine)
         return emitted
 
     def _select(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -218,10 +218,12 @@ class DecodeLoop:
             emitted[b] = state.new[b][-n:]
             stats.record_step(deepest, reached, len(path), n)
             self.row_stats[b].record_step(deepest, reached, len(path), n)
-            if self.hidden is not None:
-                self.hidden[b].extend(hid[b, [0] + [1 + i for i in path]][:n])
-            if self.aux is not None:
-                self.aux[b].extend(aux[b, [0] + [1 + i for i in path]][:n])
+            if self.observers and n:
+                chose = torch.tensor([0] + [1 + i for i in path][:n - 1], device=logits.device)  # (n,)
+                mine = ModelOutput(logits[b, chose], None if hid is None else hid[b, chose],
+                                   None if aux is None else aux[b, chose])  # (n, V), (n, C), (n, nC)
+                for o in self.observers:
+                    o.on_step(b, mine)
             if auto is not None:
                 auto.observe(len(path), int(valid[b].sum()), tree.num_nodes + 1, target_s)
         _keep_paths(cache, start_len, verdict, active)
@@ -264,20 +266,21 @@ def _tree_rows(tree: DraftTree, idx: torch.Tensor) -> DraftTree:
 
 
 def decode_steps(target, drafter: Drafter | None, state: RowState, num_draft_tokens: int | str,
-                 sampling: RowSampling, stats: AcceptanceStats, hidden: list[list[torch.Tensor]] | None = None,
-                 aux: list[list[torch.Tensor]] | None = None, aux_layers: tuple[int, ...] = ()
+                 sampling: RowSampling, stats: AcceptanceStats, observers: Sequence[DecodeObserver] = ()
                  ) -> Iterator[list[list[int]]]:
     """Generate every row of `state`, yielding the tokens each row emitted at each step (the
     prefill's first tokens first); `stats` (a fresh AcceptanceStats) receives the counts and
-    timings. Plain decoding when drafter is None."""
+    timings. Plain decoding when drafter is None. observers: see DecodeLoop."""
     cfg = target.config
     max_len = check_lengths(state.prompts, state.max_new_tokens, cfg.max_position_embeddings,
                             cfg.vocab_size) + cache_slack(target, drafter, num_draft_tokens)
     if state.all_done:
+        for o in observers:  # nothing to decode: the observers still see the rows start
+            o.on_start(target, len(state.prompts))
         return
     start = time.perf_counter()
     cache = target.new_cache(len(state.prompts), max_len)
-    loop = DecodeLoop(target, drafter, state, cache, num_draft_tokens, sampling, hidden, aux, aux_layers)
+    loop = DecodeLoop(target, drafter, state, cache, num_draft_tokens, sampling, observers)
     loop.stats = stats
     emitted = loop.prefill(max_len)
     stats.ttft_s = time.perf_counter() - start
@@ -291,20 +294,32 @@ def decode_steps(target, drafter: Drafter | None, state: RowState, num_draft_tok
 
 def decode(target, drafter: Drafter | None, state: RowState, num_draft_tokens: int | str,
            temperature: float, top_k: int, top_p: float, generator: torch.Generator | None,
-           hidden: list[list[torch.Tensor]] | None = None,
            on_tokens: Callable[[list[list[int]]], None] | None = None,
-           aux: list[list[torch.Tensor]] | None = None, aux_layers: tuple[int, ...] = ()) -> AcceptanceStats:
+           observers: Sequence[DecodeObserver] = ()) -> AcceptanceStats:
     """Generate every row of `state` (plain decoding when drafter is None); returns the stats.
 
-    hidden, aux, aux_layers: see DecodeLoop. on_tokens: called with the tokens each row emitted, at
-    every step.
+    on_tokens: called with the tokens each row emitted, at every step. observers: see DecodeLoop.
     """
     stats = AcceptanceStats(num_calls=1)
     sampling = RowSampling(temperature, top_k, top_p, generator)
-    for emitted in decode_steps(target, drafter, state, num_draft_tokens, sampling, stats, hidden, aux, aux_layers):
+    for emitted in decode_steps(target, drafter, state, num_draft_tokens, sampling, stats, observers):
         if on_tokens is not None:
             on_tokens(emitted)
     return stats
+
+
+def _aux_layers(drafter: Drafter | None, observers: list[DecodeObserver]) -> tuple[int, ...]:
+    """The one set of aux layers the target's forwards compute: the drafter's (EAGLE-3) and the
+    observers' must be the same where both name some."""
+    named = {tuple(o.aux_layers) for o in observers if o.aux_layers}
+    if drafter is not None and drafter.hidden_layers:
+        named.add(tuple(drafter.hidden_layers))
+    if len(named) > 1:
+        who = f" (drafter {drafter.name!r} reads {tuple(drafter.hidden_layers)})" if drafter is not None \
+            and drafter.hidden_layers else ""
+        raise ValueError(f"one decode computes one set of the target's aux_layers, but its drafter and observers "
+                         f"name {sorted(named)}{who}: record the drafter's own layers")
+    return named.pop() if named else ()
 
 
 def _check_proposal(drafter: Drafter | None, tree: DraftTree, batch_size: int, k: int) -> None:

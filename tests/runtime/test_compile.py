@@ -7,6 +7,7 @@ import specdec
 from runtime import KVCache, compile_decode
 from runtime.compile import MAX_STATIC_TOKENS, static_tokens
 from runtime.tiny import tiny_model
+from specdec.capture import StateCapture
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -208,8 +209,9 @@ def test_compiled_steps_return_the_eager_hidden_states():
     calls = []
     compiled.compiled_step = _counting(compiled.compiled_step, calls)
     rows = _prompts([6, 4])
-    want = specdec.generate(eager, rows, max_new_tokens=6, return_hidden=True)
-    got = specdec.generate(compiled, rows, max_new_tokens=6, return_hidden=True)
-    for a, b, ha, hb in zip(want.sequences, got.sequences, want.hidden_states, got.hidden_states):
+    cap_eager, cap_compiled = StateCapture(hidden=True), StateCapture(hidden=True)
+    want = specdec.generate(eager, rows, max_new_tokens=6, observer=cap_eager)
+    got = specdec.generate(compiled, rows, max_new_tokens=6, observer=cap_compiled)
+    for a, b, ha, hb in zip(want.sequences, got.sequences, cap_eager.hidden_states, cap_compiled.hidden_states):
         assert torch.equal(a, b) and _rel(hb, ha) <= 1e-5
     assert {shape[1] for shape in calls} == {1, 8}  # the 6-token prefill padded to 8, then 1-token steps
