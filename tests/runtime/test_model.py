@@ -6,6 +6,7 @@ import torch
 
 from runtime.config import ModelConfig
 from runtime.errors import UnsupportedModelError
+from runtime.hf_adapter import HFAdapter
 from runtime.model_output import ModelOutput
 from runtime.tiny import tiny_hf_config, tiny_model, tiny_pair
 
@@ -166,3 +167,29 @@ def test_forward_returns_one_model_output_whose_fields_follow_the_arguments():
     with pytest.raises(ValueError, match=r"aux_layers .*0\.\.2"):
         model(ids, pos, None, aux_layers=(3,))
 
+
+def test_hf_adapter_returns_the_runtime_models_output():
+    """HFAdapter meets the same interface: logits, final hidden states and aux layers' states of
+    a transformers model equal the runtime's on the same weights, with a cache or without."""
+    model, hf = tiny_pair("qwen2", seed=8)
+    adapter = HFAdapter(hf)
+    ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(6))
+    pos = torch.arange(7)[None].expand(2, -1)
+    with torch.no_grad():
+        for cache in ((model.new_cache(2, 8), adapter.new_cache(2, 8)), (None, None)):
+            want = model(ids, pos, cache[0], return_hidden=True, aux_layers=(1, 0))
+            got = adapter(ids, pos, cache[1], return_hidden=True, aux_layers=(1, 0))
+            for name in ModelOutput._fields:
+                assert _rel(getattr(got, name), getattr(want, name)) <= 1e-5, name
+        bare = adapter(ids, pos, None)
+    assert isinstance(bare, ModelOutput) and bare.hidden is None and bare.aux is None
+
+
+def test_hf_adapter_refuses_what_it_cannot_do_by_name():
+    model, hf = tiny_pair("llama", seed=8)
+    adapter = HFAdapter(hf)
+    ids, pos = torch.zeros(1, 3, dtype=torch.long), torch.arange(3)[None]
+    with pytest.raises(TypeError, match="HFCache.*KVCache"):
+        adapter(ids, pos, model.new_cache(1, 8))
+    with pytest.raises(ValueError, match=r"aux_layers .*0\.\.1"):
+        adapter(ids, pos, None, aux_layers=(2,))

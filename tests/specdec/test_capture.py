@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import specdec
+from runtime.tiny import tiny_pair
 from specdec.capture import DecodeObserver, StateCapture
 from specdec.drafter import Drafter
 from tests.specdec.conftest import V
@@ -61,6 +62,18 @@ def test_several_observers_share_the_forwards_and_each_gets_what_it_asked(target
         ref = target(s[None], torch.arange(s.numel())[None], None, return_hidden=True, aux_layers=(1, 0))
         torch.testing.assert_close(h, ref.hidden[0, r.numel() - 1:-1], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(a, ref.aux[0, :-1], rtol=1e-4, atol=1e-4)
+
+
+def test_a_transformers_target_records_the_same_states_as_the_runtime():
+    """HFAdapter returns hidden and aux states too, so capture works on a transformers target."""
+    model, hf = tiny_pair("llama", seed=3, vocab_size=V)
+    rows = _rows(seed=3)
+    caps = [StateCapture(hidden=True, aux_layers=(0, 1)) for _ in range(2)]
+    outs = [specdec.generate(m, rows, max_new_tokens=6, observer=c) for m, c in zip((model, hf), caps)]
+    assert all(torch.equal(a, b) for a, b in zip(outs[0].sequences, outs[1].sequences))
+    for name in ("hidden_states", "aux_states"):
+        for a, b in zip(getattr(caps[0], name), getattr(caps[1], name)):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
 
 
 class _ReadsLayers(Drafter):
