@@ -50,11 +50,11 @@ def main() -> None:
     positions = torch.arange(C)[None]
 
     def eager() -> torch.Tensor:
-        return model(tokens, positions, model.new_cache(1, C), logits_idx=torch.tensor([[C - 1]]))[:, -1]
+        return model(tokens, positions, model.new_cache(1, C), logits_idx=torch.tensor([[C - 1]])).logits[:, -1]
 
     def compiled() -> torch.Tensor:
         cache = model.new_cache(1, C)
-        return program(tokens, positions, cache.k, cache.v, cache.lengths)[0][:, -1]
+        return program(tokens, positions, cache.k, cache.v, cache.lengths).logits[:, -1]
 
     start = time.perf_counter()
     same = bool(torch.equal(eager().argmax(-1), compiled().argmax(-1)))

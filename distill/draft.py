@@ -282,9 +282,9 @@ class DraftTask(Task):
         raw.train()
         batch = make_batch(rows, answers).to(acc.device)
         with torch.no_grad():
-            teacher = self.target(batch.tokens, batch.positions, None, logits_idx=batch.idx)  # (B, N, V)
+            teacher = self.target(batch.tokens, batch.positions, None, logits_idx=batch.idx).logits  # (B, N, V)
         with run.autocast():
-            student = run.model(batch.tokens, batch.positions, None, logits_idx=batch.idx)  # (B, N, V)
+            student = run.model(batch.tokens, batch.positions, None, logits_idx=batch.idx).logits  # (B, N, V)
         loss = masked_divergence(student, teacher, batch.valid, cfg.divergence, cfg.temperature, cfg.beta)
         return loss * _token_weight(batch.answer_tokens, acc) / cfg.grad_accum
 

@@ -1,9 +1,9 @@
 """The EAGLE-3 feature cache: what one frozen target pass over self-distillation records gives a head.
 
 The states come from the generation of the records itself (`distill.generate_selfdistill` with
-`eagle_cache`, through `specdec.generate(aux_layers=...)`: no second pass), or, for records
+`eagle_cache`, recorded by `specdec.capture.StateCapture`: no second pass), or, for records
 generated without it, from `cache_eagle_states`, which runs the target once per record (prompt +
-the target's own answer, no gradients) with its aux layers enabled (`Transformer.aux_outputs`).
+the target's own answer, no gradients) asking for its aux layers (`Transformer.forward(aux_layers=)`).
 Either way it stores, per record:
 
 - `aux` (L, 3C): the states entering the three aux layers at every position of the sequence
@@ -96,7 +96,7 @@ class EagleCacheWriter:
 
     def add(self, record: dict, aux: torch.Tensor, hidden: torch.Tensor) -> None:
         """aux (L, 3C): the aux states at every position of prompt + answer, or (L - 1, 3C) without
-        the last answer token's (generation never runs that token: `specdec.generate(aux_layers=)`;
+        the last answer token's (generation never runs that token: `StateCapture`;
         no training step reads it, and it is stored as zeros); hidden (n, C): the final-norm states
         at the last prompt token and every answer token but the last. A record with no answer (or no
         prompt) stores nothing but still counts."""
@@ -162,24 +162,23 @@ def cache_eagle_states(target, records: list[dict], out_dir: str | Path, aux_lay
     bar = progress(total=len(todo), desc="caching EAGLE-3 features", unit="record", disable=not todo)
     device = target.device
     try:
-        with target.aux_outputs(tuple(aux_layers)):
-            for batch in _batches(todo, batch_tokens):
-                if deadline is not None and time.monotonic() > deadline:
-                    break
-                seqs = [r["prompt_ids"] + r["output_ids"] for r in batch]
-                longest = max(len(s) for s in seqs)
-                tokens = torch.zeros(len(seqs), longest, dtype=torch.long)  # (B, T), right-padded
-                for b, s in enumerate(seqs):
-                    tokens[b, :len(s)] = torch.tensor(s)
-                positions = torch.arange(longest)[None].expand(len(seqs), -1)
-                _, hidden, aux = target(tokens.to(device), positions.to(device), None, return_hidden=True,
-                                        return_aux=True,
-                                        logits_idx=torch.zeros(len(seqs), 1, dtype=torch.long, device=device))
-                for b, (r, s) in enumerate(zip(batch, seqs)):
-                    P = len(r["prompt_ids"])
-                    answer = hidden[b, P - 1:len(s) - 1] if P else hidden[b, :0]  # (n, C)
-                    writer.add(r, aux[b, :len(s)], answer)  # aux (L, 3C)
-                bar.update(len(batch))
+        for batch in _batches(todo, batch_tokens):
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            seqs = [r["prompt_ids"] + r["output_ids"] for r in batch]
+            longest = max(len(s) for s in seqs)
+            tokens = torch.zeros(len(seqs), longest, dtype=torch.long)  # (B, T), right-padded
+            for b, s in enumerate(seqs):
+                tokens[b, :len(s)] = torch.tensor(s)
+            positions = torch.arange(longest)[None].expand(len(seqs), -1)
+            out = target(tokens.to(device), positions.to(device), None, return_hidden=True,
+                         aux_layers=tuple(aux_layers),
+                         logits_idx=torch.zeros(len(seqs), 1, dtype=torch.long, device=device))
+            for b, (r, s) in enumerate(zip(batch, seqs)):
+                P = len(r["prompt_ids"])
+                answer = out.hidden[b, P - 1:len(s) - 1] if P else out.hidden[b, :0]  # (n, C)
+                writer.add(r, out.aux[b, :len(s)], answer)  # aux (L, 3C)
+            bar.update(len(batch))
     finally:  # also when stopped (Ctrl-C, SIGTERM): what was computed is kept
         writer.flush()
         bar.close()

@@ -88,7 +88,7 @@ def agreement(draft, held: HeldoutSet, k: int = 5, rows_per_forward: int = 4, bf
         if not batch.answer_tokens:
             continue
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            logits = draft(batch.tokens, batch.positions, None, logits_idx=batch.idx)  # (B, N, V)
+            logits = draft(batch.tokens, batch.positions, None, logits_idx=batch.idx).logits  # (B, N, V)
         # (B, N): the answer token each position predicts (clamped where a row without an answer pads idx)
         nxt = batch.tokens.gather(1, (batch.idx + 1).clamp(max=batch.tokens.shape[1] - 1))
         logits = logits.float()[batch.valid]  # (M, V)

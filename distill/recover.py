@@ -150,7 +150,7 @@ def window_perplexity(model: nn.Module, windows: torch.Tensor, micro_batch: int 
     for lo in range(0, windows.shape[0], micro_batch):
         tokens = windows[lo:lo + micro_batch].to(device)  # (b, T)
         positions = torch.arange(tokens.shape[1], device=device).expand_as(tokens)
-        logits = model(tokens, positions, None)  # (b, T, V)
+        logits = model(tokens, positions, None).logits  # (b, T, V)
         total += float(F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]),
                                        tokens[:, 1:].reshape(-1), reduction="sum"))
         count += tokens[:, 1:].numel()
@@ -220,9 +220,9 @@ class RecoverTask(Task):
         tokens, scale = micro  # (b, T)
         positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
         with torch.no_grad():
-            target = self.teacher(tokens, positions, None)  # (b, T, V)
+            target = self.teacher(tokens, positions, None).logits  # (b, T, V)
         with run.autocast():
-            logits = run.model(tokens, positions, None)  # (b, T, V)
+            logits = run.model(tokens, positions, None).logits  # (b, T, V)
         return kd_loss(logits, target, tokens, self.config.temperature, self.config.ce_weight) * scale
 
     def evaluate(self, run: Trainer) -> dict | None:

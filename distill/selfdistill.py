@@ -23,6 +23,7 @@ import torch
 import specdec
 from runtime.outputs import check_output_file
 from runtime.progress import progress
+from specdec.capture import StateCapture
 
 STOP_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "</s>")
 
@@ -156,7 +157,7 @@ def generate_selfdistill(model, tokenizer, out_path: str | Path, prompts: list[t
     a killed run, are cached first by `cache_hidden_states`).
     eagle_cache: an EAGLE-3 feature cache directory (distill.eagle_cache) that receives the states
     entering the target's `aux_layers` and its final hidden states from the same forwards
-    (`specdec.generate(aux_layers=...)`), every `heldout_every`-th record held out; records the
+    (`specdec.capture.StateCapture`), every `heldout_every`-th record held out; records the
     file holds but the cache lacks are cached first by `cache_eagle_states`.
     Returns the number of records in the file.
     """
@@ -210,20 +211,20 @@ def generate_selfdistill(model, tokenizer, out_path: str | Path, prompts: list[t
                     break
                 gen = torch.Generator().manual_seed(seed * 1_000_003 + batch[0][0])
                 rows = [torch.tensor(ids, dtype=torch.long) for _, ids in batch]
-                out = specdec.generate(model, rows, max_new_tokens=max_new_tokens, temperature=temperature,
-                                       eos_token_id=eos, generator=gen,
-                                       return_hidden=writer is not None or features is not None,
+                capture = StateCapture(hidden=writer is not None or features is not None,
                                        aux_layers=tuple(aux_layers) if features is not None else None)
+                out = specdec.generate(model, rows, max_new_tokens=max_new_tokens, temperature=temperature,
+                                       eos_token_id=eos, generator=gen, observer=capture)
                 recs = [{"id": idx, "prompt_ids": ids, "output_ids": seq[len(ids):].tolist()}
                         for (idx, ids), seq in zip(batch, out.sequences)]
                 f.writelines(json.dumps(rec) + "\n" for rec in recs)
                 f.flush()
                 os.fsync(f.fileno())
                 if writer is not None:  # after the records are on disk: the caches never run ahead
-                    for rec, hid in zip(recs, out.hidden_states):
+                    for rec, hid in zip(recs, capture.hidden_states):
                         writer.add(rec, hid)
                 if features is not None:
-                    for rec, hid, aux in zip(recs, out.hidden_states, out.aux_states):
+                    for rec, hid, aux in zip(recs, capture.hidden_states, capture.aux_states):
                         features.add(rec, aux, hid)
                 bar.update(len(batch))
     finally:  # an interrupted run keeps the states of every record already written

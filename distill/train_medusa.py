@@ -187,8 +187,8 @@ def cache_hidden_states(model, records: list[dict], out_dir: str | Path, num_hea
             for b, s in enumerate(seqs):
                 tokens[b, :len(s)] = torch.tensor(s)
             positions = torch.arange(longest)[None].expand(len(seqs), -1)
-            _, hidden = model(tokens.to(model.device), positions.to(model.device), None, return_hidden=True,
-                              logits_idx=torch.zeros(len(seqs), 1, dtype=torch.long, device=model.device))
+            hidden = model(tokens.to(model.device), positions.to(model.device), None, return_hidden=True,
+                           logits_idx=torch.zeros(len(seqs), 1, dtype=torch.long, device=model.device)).hidden
             for b, (r, s) in enumerate(zip(batch, seqs)):
                 writer.add(r, hidden[b, len(r["prompt_ids"]) - 1:len(s) - 1])  # (n, C)
             i += len(batch)

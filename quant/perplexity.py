@@ -30,7 +30,7 @@ def perplexity(model: nn.Module, batches: torch.Tensor, batch_size: int = 1, pro
     for i in progress_bar(range(0, B, batch_size), desc="perplexity", unit="batch", disable=not progress):
         tokens = batches[i:i + batch_size].to(device)  # (b, T)
         positions = torch.arange(T, device=device).expand(tokens.shape[0], T)
-        logits = model(tokens, positions, None)  # (b, T, V)
+        logits = model(tokens, positions, None).logits  # (b, T, V)
         nll = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1),
                               reduction="sum")
         total += float(nll)

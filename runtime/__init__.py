@@ -13,9 +13,10 @@ from runtime.errors import (
 )
 from runtime.loading import load_model, load_tokenizer
 from runtime.model import Transformer
+from runtime.model_output import ModelOutput
 
-__all__ = ["KVCache", "ModelConfig", "Transformer", "compile_decode", "load_model", "load_tokenizer", "fetch",
-           "fetch_gguf", "CATALOGUE", "HFAdapter", "SpecdecError", "CheckpointError", "CatalogueError",
+__all__ = ["KVCache", "ModelConfig", "Transformer", "ModelOutput", "compile_decode", "load_model", "load_tokenizer",
+           "fetch", "fetch_gguf", "CATALOGUE", "HFAdapter", "SpecdecError", "CheckpointError", "CatalogueError",
            "ContextLengthError", "CacheMemoryError", "UnsupportedModelError"]
 
 

@@ -33,8 +33,9 @@ Everything else runs eagerly: a forward without a cache, one with a full (B, T, 
 causal forward of more than 32 tokens (more than 8 with selected logits), a tree step of more
 than 256 tokens or one that a sliding window cuts. So one generation with k <= 7 draft tokens
 compiles every program it needs (1 and 8 tokens, 2 for a draft's feeds, a tree's size) in its
-first steps, and a warm-up run is enough. Every program also returns the final hidden states
-(`return_hidden`: Medusa heads, self-distillation data).
+first steps, and a warm-up run is enough. Every program returns a `ModelOutput` with the final
+hidden states (`return_hidden`: Medusa heads, self-distillation data); the states entering
+`aux_layers` (EAGLE-3) are an argument the compiler specializes on, one program per tuple.
 
 Weights: by default every program reads the model's own weight tensors, so all block and batch
 sizes share one copy: the 1.5B bf16 model with 12 programs compiled (batch 1-4 x 1, 8 and 16
@@ -57,6 +58,8 @@ from collections.abc import Callable
 
 import torch
 
+from runtime.model_output import ModelOutput
+
 MAX_STATIC_TOKENS = 32  # causal forwards of up to this many tokens take the compiled path
 MAX_BLOCK_TOKENS = 256  # block-mask (tree) forwards of up to this many tokens take it, unpadded
 # forwards with selected logits (a prefill, a draft's feeds) of up to this many tokens take the compiled
@@ -64,8 +67,9 @@ MAX_BLOCK_TOKENS = 256  # block-mask (tree) forwards of up to this many tokens t
 DECODE_STATIC_TOKENS = 8
 _RECOMPILE_LIMIT = 64  # (model, batch, tokens, cache) shapes one process may compile
 
-# static_step(tokens, positions, k, v, lengths, block_mask=None) -> (logits (B, T, V), hidden (B, T, C))
-Step = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+# static_step(tokens, positions, k, v, lengths, block_mask=None, aux_layers=()) -> ModelOutput(logits (B, T, V),
+# hidden (B, T, C), aux (B, T, len(aux_layers) * C) or None)
+Step = Callable[..., ModelOutput]
 
 
 def static_tokens(num_tokens: int, selected: bool = False, row_cost: bool = False) -> int:
@@ -107,8 +111,8 @@ def compile_step(step: Step, device: torch.device, cpp_wrapper: bool = True,
     autotune = {} if max_autotune is None else {"max_autotune": max_autotune}
 
     def compiled_step(tokens: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      lengths: torch.Tensor,
-                      block_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      lengths: torch.Tensor, block_mask: torch.Tensor | None = None,
+                      aux_layers: tuple[int, ...] = ()) -> ModelOutput:
         # the cache length is the one dynamic dimension: prompts of any length share a program
         torch._dynamo.mark_dynamic(k, 3)
         torch._dynamo.mark_dynamic(v, 3)
@@ -120,7 +124,7 @@ def compile_step(step: Step, device: torch.device, cpp_wrapper: bool = True,
         with torch._inductor.config.patch(freezing=freeze_weights, cpp_wrapper=cpp_wrapper,
                                           emulate_precision_casts=eager_rounding(), **autotune), \
                 torch._dynamo.config.patch(automatic_dynamic_shapes=False):
-            return compiled(tokens, positions, k, v, lengths, block_mask)
+            return compiled(tokens, positions, k, v, lengths, block_mask, aux_layers)
 
     return compiled_step
 

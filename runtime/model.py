@@ -7,9 +7,6 @@ built on the `meta` device and its weights are assigned from safetensors by `run
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,6 +17,7 @@ from runtime.compile import DECODE_STATIC_TOKENS, MAX_BLOCK_TOKENS, MAX_STATIC_T
 from runtime.config import ModelConfig
 from runtime.invariant import attention as invariant_attention
 from runtime.invariant import linear, unsupported_reason
+from runtime.model_output import ModelOutput, check_aux_layers
 from runtime.rope import Rope, apply_rope
 
 
@@ -131,7 +129,7 @@ class StepContext:
 
 
 class Transformer(nn.Module):
-    """Decoder-only Llama-family model: forward(tokens, positions, cache, mask) -> logits.
+    """Decoder-only Llama-family model: forward(tokens, positions, cache, mask) -> ModelOutput.
 
     `compile_decode()` compiles the short forwards into `compiled_step` (None = eager), which
     `forward` then takes whenever the forward fits it (`runtime.compile`).
@@ -152,10 +150,6 @@ class Transformer(nn.Module):
         # this holds, so a wrapper assigned here (a call counter in a test) sees every compiled step
         self.compiled_step: Step | None = None
         self.row_cost = False  # set by compile_decode
-        # layers whose input states every forward also collects (`aux_outputs`); a module attribute,
-        # not an argument, so the compiled `static_step` (whose signature is fixed) sees it too: the
-        # compiler guards on it and traces one program per value
-        self.aux_layers: tuple[int, ...] = ()
         self.want_row_invariant = True  # see `row_invariant`
 
     @property
@@ -213,23 +207,6 @@ class Transformer(nn.Module):
         self.row_cost = any(getattr(m, "ROW_COST", False) for m in self.modules())
         return self
 
-    @contextmanager
-    def aux_outputs(self, layers: tuple[int, ...]) -> Iterator[Transformer]:
-        """Within the block, every forward also computes the hidden states entering each of
-        `layers` (layer i's input = layer i-1's output, 0 = the embedding: vLLM's numbering of
-        EAGLE-3's auxiliary states), concatenated in the order given: (B, T, len(layers) * C),
-        returned by `forward(..., return_aux=True)` and as a third output of `static_step`."""
-        layers = tuple(layers)
-        L = self.config.num_layers
-        if not layers or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < L for i in layers):
-            raise ValueError(f"aux layers must be a non-empty tuple of layer ids in 0..{L - 1} (this model has "
-                             f"{L} layers), got {layers!r}")
-        previous, self.aux_layers = self.aux_layers, layers
-        try:
-            yield self
-        finally:
-            self.aux_layers = previous
-
     def new_cache(self, batch_size: int, max_seq_len: int) -> KVCache:
         """A static cache for `batch_size` rows of up to `max_seq_len` tokens (checked for memory)."""
         cfg = self.config
@@ -241,7 +218,7 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | None,
                 mask: torch.Tensor | None = None, return_hidden: bool = False,
                 logits_idx: torch.Tensor | None = None, block_mask: torch.Tensor | None = None,
-                return_aux: bool = False):
+                aux_layers: tuple[int, ...] = ()) -> ModelOutput:
         """Score `tokens` (B, T) at `positions` (B, T).
 
         With a cache, the new keys/values go to slots cache.lengths[b] + t and the lengths
@@ -249,9 +226,10 @@ class Transformer(nn.Module):
         (the new tokens included); None = causal. `block_mask` (B, T, T) bool instead says only
         which new tokens each new token sees (a Medusa tree: its ancestors), every cached slot
         being visible (`runtime.attention.block_mask_keys`). `logits_idx` (B, N) picks the
-        positions to score (the LM head is the largest matmul of a long prefill). Returns logits
-        (B, T|N, V), then the final hidden states (B, T, C) when `return_hidden`, then the states
-        entering the `aux_outputs` layers (B, T, len(aux_layers) * C) when `return_aux`.
+        positions to score (the LM head is the largest matmul of a long prefill). Returns a
+        ModelOutput: logits (B, T|N, V), the final hidden states (B, T, C) when `return_hidden`,
+        the states entering each of `aux_layers` (B, T, len(aux_layers) * C) when it names some
+        (layer i's input, 0 = the embedding); the fields not asked for are None.
 
         On a compiled model, a forward with a cache and no `mask` runs through `compiled_step`
         when it fits (`_static_fits`), else eagerly; both run the same layers (`_run`). On a
@@ -260,30 +238,27 @@ class Transformer(nn.Module):
         """
         if mask is not None and block_mask is not None:
             raise ValueError("pass either mask (B, T, S) or block_mask (B, T, T), not both")
-        if return_aux and not self.aux_layers:
-            raise ValueError("return_aux needs the layers to collect: run the forward inside "
-                             "`with model.aux_outputs(layers):`")
+        aux_layers = check_aux_layers(aux_layers, self.config.num_layers)
         T = tokens.shape[1]
         if self.compiled and cache is not None and mask is None and self._static_fits(
                 T, cache, logits_idx is not None, block_mask is not None):
-            logits, h, aux = self._static_forward(tokens, positions, cache, logits_idx is not None, block_mask)
+            logits, h, aux = self._static_forward(tokens, positions, cache, logits_idx is not None, block_mask,
+                                                  aux_layers)
             if logits_idx is not None:
                 logits = logits.gather(1, logits_idx[:, :, None].expand(-1, -1, logits.shape[-1]))  # (B, N, V)
         else:
             ctx = self._eager_context(positions, cache, mask, block_mask)
-            logits, h, aux = self._run(tokens, positions, ctx, logits_idx)
+            logits, h, aux = self._run(tokens, positions, ctx, logits_idx, aux_layers)
             if cache is not None:
                 cache.lengths += T
-        if not (return_hidden or return_aux):
-            return logits
-        return (logits,) + ((h,) if return_hidden else ()) + ((aux,) if return_aux else ())
+        return ModelOutput(logits, h if return_hidden else None, aux)
 
     def static_step(self, tokens: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
-                    v: torch.Tensor, lengths: torch.Tensor,
-                    block_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-        """A short forward over the static cache buffers: logits (B, T, V) and the final hidden
-        states (B, T, C), and inside `aux_outputs` the states entering those layers
-        (B, T, len(aux_layers) * C) as a third output.
+                    v: torch.Tensor, lengths: torch.Tensor, block_mask: torch.Tensor | None = None,
+                    aux_layers: tuple[int, ...] = ()) -> ModelOutput:
+        """A short forward over the static cache buffers -> ModelOutput: logits (B, T, V), the final
+        hidden states (B, T, C) always, and the states entering `aux_layers` (B, T, len * C) when it
+        names some (a constant to the compiler: one program per tuple).
 
         The same layers as `forward` with a cache (`_run`), written so that `torch.compile` traces
         it once per (B, T): no host syncs, and each layer's cache write + attention is one opaque
@@ -295,8 +270,7 @@ class Transformer(nn.Module):
         ctx = StepContext(cache=_CacheBuffers(k, v), prefix_lens=lengths, backend="static",
                           window=self.config.sliding_window, num_keys=k.shape[3], block_mask=block_mask,
                           invariant=self.row_invariant)
-        logits, h, aux = self._run(tokens, positions, ctx)
-        return (logits, h) if aux is None else (logits, h, aux)
+        return self._run(tokens, positions, ctx, aux_layers=aux_layers)
 
     def run_block(self, i: int, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Decoder layer `i` alone on hidden states x (B, T, C) at `positions` (B, T) -> (B, T, C).
@@ -309,25 +283,25 @@ class Transformer(nn.Module):
         return self.layers[i](x, cos, sin, self._eager_context(positions, None, None, None))
 
     def _run(self, tokens: torch.Tensor, positions: torch.Tensor, ctx: StepContext,
-             logits_idx: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+             logits_idx: torch.Tensor | None = None, aux_layers: tuple[int, ...] = ()) -> ModelOutput:
         """The one forward body: embedding -> layers -> final norm -> LM head.
 
         Returns logits (B, T|N, V) (only at `logits_idx` (B, N) when given), hidden (B, T, C) and
-        the states entering the `aux_layers` (B, T, len(aux_layers) * C), None when there are none.
+        the states entering `aux_layers` (B, T, len(aux_layers) * C), None when there are none.
         """
         cos, sin = self.rope()(positions, self.dtype)
         x = self.embed(tokens)  # (B, T, C)
         entering = {}
         for i, layer in enumerate(self.layers):
-            if i in self.aux_layers:
+            if i in aux_layers:
                 entering[i] = x
             x = layer(x, cos, sin, ctx)
-        aux = torch.cat([entering[i] for i in self.aux_layers], dim=-1) if self.aux_layers else None
+        aux = torch.cat([entering[i] for i in aux_layers], dim=-1) if aux_layers else None
         h = self.norm(x)
         if logits_idx is not None:
             h_sel = h.gather(1, logits_idx[:, :, None].expand(-1, -1, h.shape[-1]))  # (B, N, C)
-            return linear(self.lm_head, h_sel, ctx.invariant), h, aux  # (B, N, V)
-        return linear(self.lm_head, h, ctx.invariant), h, aux
+            return ModelOutput(linear(self.lm_head, h_sel, ctx.invariant), h, aux)  # (B, N, V)
+        return ModelOutput(linear(self.lm_head, h, ctx.invariant), h, aux)
 
     def _eager_context(self, positions: torch.Tensor, cache: KVCache | None, mask: torch.Tensor | None,
                        block_mask: torch.Tensor | None) -> StepContext:
@@ -364,10 +338,10 @@ class Transformer(nn.Module):
                 and (window is None or int(cache.lengths.max()) + T <= window))
 
     def _static_forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                        selected: bool, block_mask: torch.Tensor | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """`forward` through `compiled_step` -> (logits (B, T, V), hidden (B, T, C), aux states
-        (B, T, len(aux_layers) * C) or None); advances the cache.
+                        selected: bool, block_mask: torch.Tensor | None = None,
+                        aux_layers: tuple[int, ...] = ()) -> ModelOutput:
+        """`forward` through `compiled_step` -> ModelOutput(logits (B, T, V), hidden (B, T, C), aux
+        states (B, T, len(aux_layers) * C) or None); advances the cache.
 
         A causal step's T is padded by `static_tokens`; a block-mask step (a tree, whose size is
         fixed for a whole generation) runs at its own T."""
@@ -389,7 +363,6 @@ class Transformer(nn.Module):
             last = self.config.max_position_embeddings - 1
             tokens = torch.cat([tokens, tokens[:, -1:].expand(-1, padded - T)], dim=1)  # (B, T+P)
             positions = torch.cat([positions, (positions[:, -1:] + extra).clamp(max=last)], dim=1)
-        out = self.compiled_step(tokens, positions, cache.k, cache.v, cache.lengths, block_mask)
+        out = self.compiled_step(tokens, positions, cache.k, cache.v, cache.lengths, block_mask, aux_layers)
         cache.lengths += T
-        aux = out[2][:, :T] if len(out) == 3 else None
-        return out[0][:, :T], out[1][:, :T], aux
+        return ModelOutput(out.logits[:, :T], out.hidden[:, :T], None if out.aux is None else out.aux[:, :T])

@@ -1,6 +1,7 @@
 """specdec: speculative decoding on the runtime engine. `generate`, `stream`, the continuous-batching
 `Engine`, drafters (named by a `DrafterSpec` string), `SamplingParams`, verification, stats."""
 
+from specdec.capture import DecodeObserver, StateCapture
 from specdec.drafter import Accepted, Drafter, DraftTree
 from specdec.drafters.spec import DrafterSpec
 from specdec.eagle import Eagle3Config, Eagle3Head
@@ -12,4 +13,4 @@ from specdec.stats import AcceptanceStats
 
 __all__ = ["generate", "stream", "GenerateOutput", "Engine", "SamplingParams", "Request",
            "AcceptanceStats", "Drafter", "DrafterSpec", "DraftTree", "Accepted",
-           "Eagle3Config", "Eagle3Head", "save_eagle", "load_eagle"]
+           "Eagle3Config", "Eagle3Head", "save_eagle", "load_eagle", "DecodeObserver", "StateCapture"]

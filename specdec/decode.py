@@ -11,19 +11,22 @@ independently; a finished row is carried along but writes nothing that stays in 
 (`generate()`), `admit` starts one row in a free slot while the others run (the serving engine,
 `specdec.engine`), and `step` is the one draft + verify step both call. Every row has its own
 `RowSampling` (its `specdec.sampling.SamplingParams` and generator): rows that share one are
-verified together, greedy rows always together.
+verified together, greedy rows always together. Observers (`specdec.capture.DecodeObserver`)
+see each row's share of the target's outputs after the prefill and after every step: how
+training data is recorded while decoding.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
 from runtime.compile import DECODE_STATIC_TOKENS
+from runtime.model_output import ModelOutput
 from specdec.autok import AutoK
+from specdec.capture import DecodeObserver
 from specdec.drafter import Accepted, Drafter, DraftTree
 from specdec.rows import CacheRow, RowState, check_lengths, prefill
 from specdec.sampling import RowSampling, SamplingParams, select_next
@@ -56,43 +59,30 @@ class DecodeLoop:
     """The decode state of the rows of one target cache (see the module docstring).
 
     sampling: one RowSampling for every row, or one per row (None for a row not in use).
-    hidden: a list of B empty lists that receive, per row, the target's final hidden state (C,)
-    behind each emitted token (the state whose logits chose it).
-    aux: a list of B empty lists that receive, per row, the states entering the target's
-    `aux_layers` (Transformer.aux_outputs) at every position whose token the target read: one
-    (T, nC) block for the prompt, then (nC,) per emitted token but the last (the tokens whose
-    forward ran); with a drafter that reads layers, `aux_layers` must be its own.
+    observers: DecodeObservers that see each row's share of the target's outputs after its prefill
+    and after every step (`specdec.capture`); the target's forwards compute the final hidden states
+    when one of them (or the drafter) asks, and the aux layers' states of the layers they and the
+    drafter name (one set: they must agree).
     """
 
     def __init__(self, target, drafter: Drafter | None, state: RowState, cache, num_draft_tokens: int | str,
                  sampling: RowSampling | list[RowSampling | None],
-                 hidden: list[list[torch.Tensor]] | None = None, aux: list[list[torch.Tensor]] | None = None,
-                 aux_layers: tuple[int, ...] = ()) -> None:
-        layers = tuple(drafter.hidden_layers) if drafter is not None else ()
-        if aux is not None:
-            if not aux_layers or (layers and layers != tuple(aux_layers)):
-                raise ValueError(f"recording the target's aux states needs aux_layers (the drafter's own, "
-                                 f"{layers}, when it reads some), got {aux_layers!r}")
-            layers = tuple(aux_layers)
-        if layers and not hasattr(target, "aux_outputs"):
-            who = f"drafter {drafter.name!r}" if drafter is not None and drafter.hidden_layers else "recording"
-            raise ValueError(f"{who} reads the target's layers {layers}, which only a runtime Transformer returns "
-                             "(runtime.load_model), not a transformers model")
-        self.target, self.drafter, self.state, self.cache, self.hidden = target, drafter, state, cache, hidden
-        self.aux, self.aux_layers = aux, layers
+                 observers: Sequence[DecodeObserver] = ()) -> None:
+        self.observers = list(observers)
+        self.aux_layers = _aux_layers(drafter, self.observers)
+        self.target, self.drafter, self.state, self.cache = target, drafter, state, cache
         B = len(state.prompts)
         self.uniform = isinstance(sampling, RowSampling)
         self.sampling = [sampling] * B if self.uniform else list(sampling)
         self.k_max, self.auto = draft_length(num_draft_tokens, target, drafter)
-        self.want_hidden = hidden is not None or (drafter is not None and drafter.needs_hidden)
-        self.want_aux = bool(layers)
+        self.want_hidden = (any(o.return_hidden for o in self.observers)
+                            or (drafter is not None and drafter.needs_hidden))
+        self.want_aux = bool(self.aux_layers)
         self.pending = torch.zeros(B, dtype=torch.long)  # (B,): each row's next root, not yet scored
         self.stats = AcceptanceStats(num_calls=1)
         self.row_stats = [AcceptanceStats() for _ in range(B)]
-
-    def _aux(self) -> contextlib.AbstractContextManager:
-        """Collect the drafter's target layers during the forwards inside."""
-        return self.target.aux_outputs(self.aux_layers) if self.want_aux else contextlib.nullcontext()
+        for o in self.observers:
+            o.on_start(target, B)
 
     def _told(self, hidden: torch.Tensor | None, aux: torch.Tensor | None) -> torch.Tensor | None:
         """What the drafter reads of a target forward: the aux layers' states when it reads layers,
@@ -101,10 +91,9 @@ class DecodeLoop:
             return aux
         return hidden if self.drafter.needs_hidden else None
 
-    def _first_tokens(self, rows: list[int], out) -> list[list[int]]:
-        """Pick and emit each row's first token from a prefill's output (logits, [hidden], [aux])."""
-        logits, h = out[0], out[1] if self.want_hidden else None  # (R, V), (R, C)
-        first = self._select(logits, rows).cpu()  # (R,)
+    def _first_tokens(self, rows: list[int], out: ModelOutput) -> list[list[int]]:
+        """Pick and emit each row's first token from a prefill's output (`specdec.rows.prefill`)."""
+        first = self._select(out.logits, rows).cpu()  # (R,)
         emitted = [[] for _ in self.state.prompts]
         for i, b in enumerate(rows):
             self.pending[b] = first[i]
@@ -116,10 +105,12 @@ class DecodeLoop:
             self.stats.generated_tokens += n
             self.row_stats[b].generated_tokens += n
             emitted[b] = self.state.new[b][-n:]
-            if self.hidden is not None:
-                self.hidden[b].append(h[i])
-            if self.aux is not None:
-                self.aux[b].append(out[-1][i, :self.state.prompts[b].numel()])  # (T, nC)
+            if self.observers:
+                prompt = self.state.prompts[b]
+                mine = ModelOutput(out.logits[i:i + 1], None if out.hidden is None else out.hidden[i:i + 1],
+                                   None if out.aux is None else out.aux[i, :prompt.numel()])  # (1, V), (1, C), (T, nC)
+                for o in self.observers:
+                    o.on_prefill(b, prompt, mine)
         return emitted
 
     def _select(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -137,14 +128,11 @@ class DecodeLoop:
         """Prefill every row in one forward, emit its first token and start the drafter (whose
         rows get `max_len` cache slots); returns the tokens each row emitted."""
         rows = list(range(len(self.state.prompts)))
-        with self._aux():
-            out = prefill(self.target, self.state.prompts, self.cache, return_hidden=self.want_hidden,
-                          return_aux=self.want_aux)
-        out = out if isinstance(out, tuple) else (out,)
+        out = prefill(self.target, self.state.prompts, self.cache, return_hidden=self.want_hidden,
+                      aux_layers=self.aux_layers)
         emitted = self._first_tokens(rows, out)
         if self.drafter is not None:
-            self.drafter.begin(self.state.prompts, max_len, self._told(out[1] if self.want_hidden else None,
-                                                                       out[-1] if self.want_aux else None))
+            self.drafter.begin(self.state.prompts, max_len, self._told(out.hidden, out.aux))
         return emitted
 
     def admit(self, rows: list[int], prompts: list[torch.Tensor], limits: list[int], stops: list[frozenset[int]],
@@ -161,14 +149,12 @@ class DecodeLoop:
             self.row_stats[b] = AcceptanceStats()
         slots = CacheRow(self.cache, rows[0], len(rows))
         slots.lengths.zero_()
-        with self._aux():
-            out = prefill(self.target, prompts, slots, return_hidden=self.want_hidden, return_aux=self.want_aux,
-                          eager=getattr(self.target, "compiled", False))
-        out = out if isinstance(out, tuple) else (out,)
+        out = prefill(self.target, prompts, slots, return_hidden=self.want_hidden, aux_layers=self.aux_layers,
+                      eager=getattr(self.target, "compiled", False))
         emitted = self._first_tokens(rows, out)
         if self.drafter is not None:
+            told = self._told(out.hidden, out.aux)
             for i, (b, prompt) in enumerate(zip(rows, prompts)):
-                told = self._told(out[1] if self.want_hidden else None, out[-1] if self.want_aux else None)
                 self.drafter.admit(b, prompt, None if told is None else told[i])
         return [emitted[b] for b in rows]
 
@@ -182,10 +168,6 @@ class DecodeLoop:
 
     def step(self) -> list[list[int]]:
         """One draft + verify step of every active row; returns the tokens each row emitted."""
-        with self._aux():
-            return self._step()
-
-    def _step(self) -> list[list[int]]:
         state, drafter, cache, stats, auto = self.state, self.drafter, self.cache, self.stats, self.auto
         B = len(state.prompts)
         emitted = [[] for _ in range(B)]
@@ -208,7 +190,7 @@ class DecodeLoop:
         valid = (torch.arange(tree.num_nodes)[None] < tree.lens[:, None]) & (depths <= budget[:, None])
         start_len = cache.lengths.clone()  # (B,)
         # (B, 1+N, V), (B, 1+N, C), (B, 1+N, nC)
-        logits, hid, aux = _score(self.target, cache, self.pending, tree, depths, self.want_hidden, self.want_aux)
+        logits, hid, aux = _score(self.target, cache, self.pending, tree, depths, self.want_hidden, self.aux_layers)
         verdict = self._verify(logits, tree, valid, active)
         target_s = time.perf_counter() - t_verify
         for b in active:
@@ -219,10 +201,12 @@ class DecodeLoop:
             emitted[b] = state.new[b][-n:]
             stats.record_step(deepest, reached, len(path), n)
             self.row_stats[b].record_step(deepest, reached, len(path), n)
-            if self.hidden is not None:
-                self.hidden[b].extend(hid[b, [0] + [1 + i for i in path]][:n])
-            if self.aux is not None:
-                self.aux[b].extend(aux[b, [0] + [1 + i for i in path]][:n])
+            if self.observers and n:
+                chose = torch.tensor([0] + [1 + i for i in path][:n - 1], device=logits.device)  # (n,)
+                mine = ModelOutput(logits[b, chose], None if hid is None else hid[b, chose],
+                                   None if aux is None else aux[b, chose])  # (n, V), (n, C), (n, nC)
+                for o in self.observers:
+                    o.on_step(b, mine)
             if auto is not None:
                 auto.observe(len(path), int(valid[b].sum()), tree.num_nodes + 1, target_s)
         _keep_paths(cache, start_len, verdict, active)
@@ -265,20 +249,21 @@ def _tree_rows(tree: DraftTree, idx: torch.Tensor) -> DraftTree:
 
 
 def decode_steps(target, drafter: Drafter | None, state: RowState, num_draft_tokens: int | str,
-                 sampling: RowSampling, stats: AcceptanceStats, hidden: list[list[torch.Tensor]] | None = None,
-                 aux: list[list[torch.Tensor]] | None = None, aux_layers: tuple[int, ...] = ()
+                 sampling: RowSampling, stats: AcceptanceStats, observers: Sequence[DecodeObserver] = ()
                  ) -> Iterator[list[list[int]]]:
     """Generate every row of `state`, yielding the tokens each row emitted at each step (the
     prefill's first tokens first); `stats` (a fresh AcceptanceStats) receives the counts and
-    timings. Plain decoding when drafter is None."""
+    timings. Plain decoding when drafter is None. observers: see DecodeLoop."""
     cfg = target.config
     max_len = check_lengths(state.prompts, state.max_new_tokens, cfg.max_position_embeddings,
                             cfg.vocab_size) + cache_slack(target, drafter, num_draft_tokens)
     if state.all_done:
+        for o in observers:  # nothing to decode: the observers still see the rows start
+            o.on_start(target, len(state.prompts))
         return
     start = time.perf_counter()
     cache = target.new_cache(len(state.prompts), max_len)
-    loop = DecodeLoop(target, drafter, state, cache, num_draft_tokens, sampling, hidden, aux, aux_layers)
+    loop = DecodeLoop(target, drafter, state, cache, num_draft_tokens, sampling, observers)
     loop.stats = stats
     emitted = loop.prefill(max_len)
     stats.ttft_s = time.perf_counter() - start
@@ -292,20 +277,32 @@ def decode_steps(target, drafter: Drafter | None, state: RowState, num_draft_tok
 
 def decode(target, drafter: Drafter | None, state: RowState, num_draft_tokens: int | str,
            temperature: float, top_k: int, top_p: float, generator: torch.Generator | None,
-           hidden: list[list[torch.Tensor]] | None = None,
            on_tokens: Callable[[list[list[int]]], None] | None = None,
-           aux: list[list[torch.Tensor]] | None = None, aux_layers: tuple[int, ...] = ()) -> AcceptanceStats:
+           observers: Sequence[DecodeObserver] = ()) -> AcceptanceStats:
     """Generate every row of `state` (plain decoding when drafter is None); returns the stats.
 
-    hidden, aux, aux_layers: see DecodeLoop. on_tokens: called with the tokens each row emitted, at
-    every step.
+    on_tokens: called with the tokens each row emitted, at every step. observers: see DecodeLoop.
     """
     stats = AcceptanceStats(num_calls=1)
     sampling = RowSampling(SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k), generator)
-    for emitted in decode_steps(target, drafter, state, num_draft_tokens, sampling, stats, hidden, aux, aux_layers):
+    for emitted in decode_steps(target, drafter, state, num_draft_tokens, sampling, stats, observers):
         if on_tokens is not None:
             on_tokens(emitted)
     return stats
+
+
+def _aux_layers(drafter: Drafter | None, observers: list[DecodeObserver]) -> tuple[int, ...]:
+    """The one set of aux layers the target's forwards compute: the drafter's (EAGLE-3) and the
+    observers' must be the same where both name some."""
+    named = {tuple(o.aux_layers) for o in observers if o.aux_layers}
+    if drafter is not None and drafter.hidden_layers:
+        named.add(tuple(drafter.hidden_layers))
+    if len(named) > 1:
+        who = f" (drafter {drafter.name!r} reads {tuple(drafter.hidden_layers)})" if drafter is not None \
+            and drafter.hidden_layers else ""
+        raise ValueError(f"one decode computes one set of the target's aux_layers, but its drafter and observers "
+                         f"name {sorted(named)}{who}: record the drafter's own layers")
+    return named.pop() if named else ()
 
 
 def _check_proposal(drafter: Drafter | None, tree: DraftTree, batch_size: int, k: int) -> None:
@@ -321,7 +318,7 @@ def _check_proposal(drafter: Drafter | None, tree: DraftTree, batch_size: int, k
 
 
 def _score(target, cache, pending: torch.Tensor, tree: DraftTree, depths: torch.Tensor, want_hidden: bool,
-           want_aux: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+           aux_layers: tuple[int, ...]) -> ModelOutput:
     """One target forward over [root, nodes] of every row -> logits (B, 1+N, V) and, when asked,
     the final hidden states (B, 1+N, C) and the aux layers' states (B, 1+N, nC). A chain is causal;
     a tree attends along its branches."""
@@ -332,11 +329,7 @@ def _score(target, cache, pending: torch.Tensor, tree: DraftTree, depths: torch.
     # outputs are discarded, so the clamp changes nothing that is kept
     positions = (cache.lengths[:, None] + offsets).clamp(max=target.config.max_position_embeddings - 1)
     block_mask = None if tree.is_chain else tree.block_mask().to(device)  # (B, 1+N, 1+N)
-    if not want_aux:  # (a transformers target's adapter knows no return_aux)
-        out = target(block, positions, cache, block_mask=block_mask, return_hidden=want_hidden)
-        return (out, None, None) if not want_hidden else (out[0], out[1], None)
-    out = target(block, positions, cache, block_mask=block_mask, return_hidden=want_hidden, return_aux=True)
-    return out[0], out[1] if want_hidden else None, out[-1]
+    return target(block, positions, cache, block_mask=block_mask, return_hidden=want_hidden, aux_layers=aux_layers)
 
 
 def _keep_paths(cache, start: torch.Tensor, verdict: Verdict, active: list[int]) -> None:

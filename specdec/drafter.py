@@ -188,7 +188,7 @@ class Drafter(ABC):
     needs_hidden: True when `begin` and `commit` need the target's final hidden states.
     hidden_layers: target layer ids (vLLM's numbering: layer i's input, 0 = the embedding) whose
         states `begin` and `commit` get instead of the final ones (an EAGLE-3 head's three layers);
-        the loop collects them in the target's own forwards (`Transformer.aux_outputs`), so they
+        the loop collects them in the target's own forwards (`Transformer.forward(aux_layers=)`), so they
         cost no extra target pass. Empty: none.
     typical: a TypicalAcceptance to verify sampled steps with (lossy), None for lossless
         rejection sampling.

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.capture import DecodeObserver
 from specdec.decode import decode, decode_steps
 from specdec.drafters import draft_length_of, make_drafter
 from specdec.options import parse_draft_length
@@ -25,17 +26,12 @@ from specdec.stats import AcceptanceStats
 @dataclass
 class GenerateOutput:
     """sequences: LongTensor [B, T + new] for a tensor input (short rows padded with `pad_token_id`),
-    or a list of 1-D LongTensors (prompt + new) for a list input; stats: AcceptanceStats;
-    hidden_states (with `return_hidden`): per row, the final-norm hidden states (n, C) that chose
-    its n new tokens (those of its last prompt token and of every new token but the last);
-    aux_states (with `aux_layers`): per row, the states entering those target layers at every
-    position the target read, (T + n - 1, len(aux_layers) * C): the T prompt tokens and every new
-    token but the last (what an EAGLE-3 head trains on, distill.eagle_cache)."""
+    or a list of 1-D LongTensors (prompt + new) for a list input; stats: AcceptanceStats. The
+    target's hidden states behind the tokens are recorded by an observer
+    (`generate(observer=specdec.capture.StateCapture(...))`)."""
 
     sequences: torch.Tensor | list[torch.Tensor]
     stats: AcceptanceStats
-    hidden_states: list[torch.Tensor] | None = None
-    aux_states: list[torch.Tensor] | None = None
 
 
 def as_runtime_model(model):
@@ -53,9 +49,8 @@ def as_runtime_model(model):
 def generate(target, input_ids, draft=None, max_new_tokens: int = 128, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, num_draft_tokens: int | str = 5,
              eos_token_id: int | list[int] | None = None, generator: torch.Generator | None = None,
-             pad_token_id: int | None = None, return_hidden: bool = False,
-             attention_mask: torch.Tensor | None = None, streamer=None,
-             aux_layers: tuple[int, ...] | None = None) -> GenerateOutput:
+             pad_token_id: int | None = None, attention_mask: torch.Tensor | None = None, streamer=None,
+             observer: DecodeObserver | list[DecodeObserver] | None = None) -> GenerateOutput:
     """Generate up to `max_new_tokens` per row, plainly (draft=None) or speculatively.
 
     target: a runtime model or a transformers PreTrainedModel. input_ids: LongTensor [B, T] or a
@@ -71,11 +66,11 @@ def generate(target, input_ids, draft=None, max_new_tokens: int = 128, temperatu
     top_k (checked as a specdec.SamplingParams): temperature 0 = greedy
     (output equals plain decoding); otherwise lossless rejection sampling with top_k / top_p
     applied identically to draft and target. generator: the torch.Generator for every random
-    choice. eos_token_id: one id or several. return_hidden: also return the target's hidden
-    states behind each new token (what Medusa heads train on, see distill.selfdistill).
-    aux_layers: also return the states entering these target layers (a runtime Transformer's
-    numbering, `Transformer.aux_outputs`) at every position the target read, from the same
-    forwards (`GenerateOutput.aux_states`); with an EAGLE-3 drafter, its own layers.
+    choice. eos_token_id: one id or several.
+    observer: a `specdec.capture.DecodeObserver` (or a list) that sees the target's outputs behind
+    each row's tokens, from the same forwards: `StateCapture(hidden=True)` records the hidden
+    states Medusa heads train on (distill.selfdistill), `StateCapture(aux_layers=...)` the aux
+    layers' states an EAGLE-3 head trains on (with an EAGLE-3 drafter, its own layers).
     streamer: a transformers-style streamer (`put` / `end`, e.g. `TextStreamer(tok)`) that gets
     the prompt, then each step's accepted tokens as they come; one row only.
     """
@@ -86,8 +81,6 @@ def generate(target, input_ids, draft=None, max_new_tokens: int = 128, temperatu
     if streamer is not None and len(rows) != 1:
         raise ValueError(f"a streamer follows one row, but input_ids holds {len(rows)}; stream one prompt per "
                          "call, or serve several with specdec.engine.Engine")
-    hidden = [[] for _ in rows] if return_hidden else None
-    aux = [[] for _ in rows] if aux_layers is not None else None
     on_tokens = None
     if streamer is not None:
         streamer.put(rows[0][None])  # (1, T), as transformers does
@@ -95,25 +88,20 @@ def generate(target, input_ids, draft=None, max_new_tokens: int = 128, temperatu
         def on_tokens(emitted: list[list[int]]) -> None:
             if emitted[0]:
                 streamer.put(torch.tensor(emitted[0], dtype=torch.long))  # (n,): the step's accepted tokens
-    stats = decode(target, drafter, state, num_draft_tokens, temperature, top_k, top_p, generator, hidden,
-                   on_tokens, aux, tuple(aux_layers or ()))
+    observers = [] if observer is None else list(observer) if isinstance(observer, (list, tuple)) else [observer]
+    stats = decode(target, drafter, state, num_draft_tokens, temperature, top_k, top_p, generator, on_tokens,
+                   observers)
     if streamer is not None:
         streamer.end()
     seqs = state.sequences()
-    if hidden is not None:  # per row (n, C): the states that chose its n new tokens
-        empty = torch.zeros(0, target.config.hidden_size, dtype=target.dtype, device=target.device)
-        hidden = [torch.stack(h) if h else empty for h in hidden]
-    if aux is not None:  # per row (T + n - 1, nC): the prompt's block, then one state per token
-        none = torch.zeros(0, len(aux_layers) * target.config.hidden_size, dtype=target.dtype, device=target.device)
-        aux = [torch.cat([a[0], torch.stack(a[1:])]) if len(a) > 1 else a[0] if a else none for a in aux]
     if as_tensor:
         pad = pad_token_id if pad_token_id is not None else (min(state.eos) if state.eos else 0)
         width = max(s.numel() for s in seqs)
         out = torch.full((len(seqs), width), pad, dtype=torch.long)
         for b, s in enumerate(seqs):
             out[b, :s.numel()] = s
-        return GenerateOutput(out, stats, hidden, aux)
-    return GenerateOutput(seqs, stats, hidden, aux)
+        return GenerateOutput(out, stats)
+    return GenerateOutput(seqs, stats)
 
 
 def _prepare(target, input_ids, draft, max_new_tokens: int, temperature: float, top_p: float, top_k: int,

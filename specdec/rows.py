@@ -15,6 +15,7 @@ import torch
 
 from runtime.cache import KVCache
 from runtime.errors import ContextLengthError
+from runtime.model_output import ModelOutput
 
 
 def normalize_prompts(input_ids: torch.Tensor | list[torch.Tensor], attention_mask: torch.Tensor | None = None,
@@ -156,16 +157,13 @@ class CacheRow(KVCache):
         self.lengths = cache.lengths[row:row + count]  # (count,)
 
 
-def _stack_rows(outs: list, T: int):
-    """One prefill output from per-row ones: logits (1, V) [, hidden (1, C)] [, aux (1, T_b, nC)]
-    each -> (B, V) [, (B, C)] [, (B, T, nC), zero-padded past each row's length]."""
-    if not isinstance(outs[0], tuple):
-        return torch.cat(outs)
-    stacked = [torch.cat(parts) for parts in list(zip(*outs))[:-1]]
-    last = [o[-1] for o in outs]
-    if last[0].dim() == 3:  # aux states: pad each row to T positions
-        last = [torch.nn.functional.pad(a, (0, 0, 0, T - a.shape[1])) for a in last]
-    return (*stacked, torch.cat(last))
+def _stack_rows(outs: list[ModelOutput], T: int) -> ModelOutput:
+    """One prefill output from per-row ones: logits (1, V), hidden (1, C), aux (1, T_b, nC) each ->
+    (B, V), (B, C), (B, T, nC) zero-padded past each row's length (None stays None)."""
+    hidden = None if outs[0].hidden is None else torch.cat([o.hidden for o in outs])
+    aux = None if outs[0].aux is None else torch.cat([  # pad each row to T positions
+        torch.nn.functional.pad(o.aux, (0, 0, 0, T - o.aux.shape[1])) for o in outs])
+    return ModelOutput(torch.cat([o.logits for o in outs]), hidden, aux)
 
 
 def runs(rows: list[int]) -> list[list[int]]:
@@ -192,13 +190,13 @@ def eos_set(eos_token_id: int | list[int] | None) -> frozenset[int]:
         raise ValueError(f"eos_token_id must be a token id (int) or a list of ids, got {eos_token_id!r}") from err
 
 
-def prefill(model, rows: list[torch.Tensor], cache, return_hidden: bool = False, return_aux: bool = False,
-            eager: bool = False):
+def prefill(model, rows: list[torch.Tensor], cache, return_hidden: bool = False, aux_layers: tuple[int, ...] = (),
+            eager: bool = False) -> ModelOutput:
     """Run the prompts (right-padded) through `model` into `cache`; rows keep their true lengths.
 
-    Returns the logits of each row's last prompt token (B, V), then, when asked, its final hidden
-    state (B, C) and the states of the model's aux layers at every prompt position (B, T, nC)
-    (`Transformer.aux_outputs`; padding positions past a row's length hold padding).
+    Returns a ModelOutput: the logits of each row's last prompt token (B, V), its final hidden state
+    (B, C) with `return_hidden`, and the states entering `aux_layers` at every prompt position
+    (B, T, nC) when it names some (padding positions past a row's length hold padding).
     eager: run the forward eagerly even on a compiled model (an explicit causal mask; the cache
     rows must be empty), so a one-row prefill compiles no program of its own batch size.
     On a row-invariant model (`Transformer.row_invariant`) every row is prefilled on its own and
@@ -207,7 +205,7 @@ def prefill(model, rows: list[torch.Tensor], cache, return_hidden: bool = False,
     if getattr(model, "row_invariant", False):
         eager = eager or model.compiled
         if len(rows) > 1:
-            outs = [prefill(model, [r], CacheRow(cache, b), return_hidden, return_aux, eager=True)
+            outs = [prefill(model, [r], CacheRow(cache, b), return_hidden, aux_layers, eager=True)
                     for b, r in enumerate(rows)]
             return _stack_rows(outs, max(r.numel() for r in rows))
     device = model.device
@@ -217,18 +215,13 @@ def prefill(model, rows: list[torch.Tensor], cache, return_hidden: bool = False,
     for b, r in enumerate(rows):
         tokens[b, :r.numel()] = r.to(device)
     positions = torch.arange(T, device=device)[None].expand(len(rows), -1)  # (B, T)
-    extra = {"return_aux": True} if return_aux else {}  # (a transformers adapter knows no return_aux)
+    extra = {}
     if eager:
         if bool(cache.lengths.any()):
             raise ValueError("an eager prefill writes into empty cache rows; reset their lengths first")
         extra["mask"] = torch.ones(T, T, dtype=torch.bool, device=device).tril()[None].expand(len(rows), -1, -1)
-    out = model(tokens, positions, cache, return_hidden=return_hidden, logits_idx=(lens - 1)[:, None], **extra)
+    out = model(tokens, positions, cache, return_hidden=return_hidden, logits_idx=(lens - 1)[:, None],
+                aux_layers=aux_layers, **extra)
     cache.rollback(lens)  # drop the padding slots: causal masking kept them out of real rows
-    if not (return_hidden or return_aux):
-        return out[:, 0]
-    result = [out[0][:, 0]]
-    if return_hidden:
-        result.append(out[1][torch.arange(len(rows), device=device), lens - 1])  # (B, C)
-    if return_aux:
-        result.append(out[-1])  # (B, T, nC)
-    return tuple(result)
+    hidden = None if out.hidden is None else out.hidden[torch.arange(len(rows), device=device), lens - 1]  # (B, C)
+    return ModelOutput(out.logits[:, 0], hidden, out.aux)  # (B, V), (B, C), (B, T, nC)

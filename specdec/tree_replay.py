@@ -2,11 +2,12 @@
 
 At temperature 0 Medusa decoding emits exactly the plain greedy continuation, and each step's
 heads read the hidden state of the last accepted token, which is the plain pass's hidden state
-at that position. One plain pass with `return_hidden` therefore gives every position's head
-guesses, and walking a tree over them gives that tree's tau, target forwards and per-depth
-acceptance without running the tree: on a CPU, where a 256-node tree step of 32 rows is 8192
-tokens, that is minutes instead of hours (qwen2.5-coder-1.5b, 32 HumanEval problems: ~3 minutes
-for any number of trees against ~100 minutes for one 256-node run; BENCHMARKS.md section 5).
+at that position. One plain pass that records its hidden states (`specdec.capture.StateCapture`)
+therefore gives every position's head guesses, and walking a tree over them gives that tree's
+tau, target forwards and per-depth acceptance without running the tree: on a CPU, where a
+256-node tree step of 32 rows is 8192 tokens, that is minutes instead of hours
+(qwen2.5-coder-1.5b, 32 HumanEval problems: ~3 minutes for any number of trees against ~100
+minutes for one 256-node run; BENCHMARKS.md section 5).
 
 The replay equals a real run in float32 (tests/specdec/test_tree_replay.py) and differs in bf16
 only where a tree step's rounding flips a near-tie. It predicts; a real run is still what a tau
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 import specdec
+from specdec.capture import StateCapture
 from specdec.medusa import MedusaHeads
 from specdec.stats import step_counts
 from specdec.tree import Tree
@@ -105,10 +107,10 @@ def replay_tau(model, heads: MedusaHeads, rows: list[torch.Tensor], trees: dict[
     if depth > heads.num_heads:
         raise ValueError(f"a tree is {depth} deep but there are only {heads.num_heads} heads")
     k = max(max(t.topk) for t in trees.values())
-    plain = specdec.generate(model, rows, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
-                             return_hidden=True)
+    capture = StateCapture(hidden=True)
+    plain = specdec.generate(model, rows, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, observer=capture)
     counts = {name: ReplayCounts() for name in trees}
-    for prompt, seq, hidden in zip(rows, plain.sequences, plain.hidden_states):
+    for prompt, seq, hidden in zip(rows, plain.sequences, capture.hidden_states):
         seq = seq.cpu()
         ranks = guess_ranks(heads, hidden, seq, prompt.numel() - 1, depth, k)  # (n, D)
         for name, tree in trees.items():

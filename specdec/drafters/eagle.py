@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.model import Transformer
 from specdec.drafter import Accepted, Drafter, DraftTree
 from specdec.eagle import Eagle3Head
 
@@ -73,7 +74,7 @@ class EagleDrafter(Drafter):
 
     def __init__(self, head: Eagle3Head, target, tree: EagleTreeConfig | None = None) -> None:
         cfg, tc = head.config, target.config
-        if not hasattr(target, "aux_outputs"):
+        if not isinstance(target, Transformer):  # it reads the target's layers, embedding and attention
             raise ValueError("an EAGLE-3 head reads the target's hidden states: the target must be a runtime "
                              "Transformer (runtime.load_model), not a transformers model")
         if (cfg.hidden_size, cfg.vocab_size) != (tc.hidden_size, tc.vocab_size) or max(cfg.aux_layers) >= tc.num_layers:

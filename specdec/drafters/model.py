@@ -107,7 +107,7 @@ class ModelDrafter(Drafter):
         last_position = self.model.config.max_position_embeddings - 1
         positions = (start[:, None] + torch.arange(T, device=device)).clamp(max=last_position)  # (B, T)
         last = (lens - 1).clamp(min=0)[:, None]
-        logits = self.model(tokens, positions, self.cache, logits_idx=last)[:, 0]  # (B, V)
+        logits = self.model(tokens, positions, self.cache, logits_idx=last).logits[:, 0]  # (B, V)
         self.cache.rollback(start + lens)
         check_finite(logits, "draft")
         return logits

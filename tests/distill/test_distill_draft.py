@@ -40,8 +40,8 @@ def _heldout_gap(target, draft, prompts: list[list[int]], kind: str = "fkl") -> 
     answers = sample_answers(target, prompts, 12, 0.0, torch.Generator())
     b = make_batch(prompts, answers)
     with torch.no_grad():
-        t = target(b.tokens, b.positions, None, logits_idx=b.idx)
-        s = draft(b.tokens, b.positions, None, logits_idx=b.idx)
+        t = target(b.tokens, b.positions, None, logits_idx=b.idx).logits
+        s = draft(b.tokens, b.positions, None, logits_idx=b.idx).logits
     return float(masked_divergence(s, t, b.valid, kind))
 
 
@@ -68,7 +68,7 @@ def test_on_policy_answers_are_the_drafts_own_samples():
     for p, ans in zip(prompts, greedy):  # greedy on-policy answers are the draft's argmax continuations
         ids = torch.tensor([p + ans])
         with torch.no_grad():
-            logits = draft(ids, torch.arange(ids.shape[1])[None], None)
+            logits = draft(ids, torch.arange(ids.shape[1])[None], None).logits
         assert logits[0, len(p) - 1:-1].argmax(-1).tolist() == ans
     draws = [batch_source("mixed", 0.25, g) for g in [torch.Generator().manual_seed(0)] for _ in range(400)]
     assert 0.18 < draws.count("draft") / 400 < 0.32

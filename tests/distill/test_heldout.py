@@ -30,7 +30,7 @@ def _count_by_hand(draft, held: HeldoutSet) -> tuple[int, float, int]:
             continue
         ids = torch.tensor([p + a])
         with torch.no_grad():
-            logits = draft(ids, torch.arange(ids.shape[1])[None], None)[0, len(p) - 1:-1]  # (len(a), V)
+            logits = draft(ids, torch.arange(ids.shape[1])[None], None).logits[0, len(p) - 1:-1]  # (len(a), V)
         hits += int((logits.argmax(-1) == torch.tensor(a)).sum())
         nll += float(torch.nn.functional.cross_entropy(logits, torch.tensor(a), reduction="sum"))
         count += len(a)

@@ -115,9 +115,9 @@ def test_cached_features_are_the_targets_and_the_cache_resumes(target, records, 
     aux, hidden, tokens, P = train.record(1)  # record 2
     r = records[2]
     seq = torch.tensor(r["prompt_ids"] + r["output_ids"])
-    with torch.no_grad(), target.aux_outputs(LAYERS):
+    with torch.no_grad():
         _, ref_h, ref_aux = target(seq[None], torch.arange(seq.numel())[None], None, return_hidden=True,
-                                   return_aux=True)
+                                   aux_layers=LAYERS)
     assert P == len(r["prompt_ids"]) and torch.equal(tokens, seq)
     torch.testing.assert_close(aux, ref_aux[0], rtol=1e-4, atol=1e-4)  # (L, 3C)
     torch.testing.assert_close(hidden, ref_h[0, P - 1:-1], rtol=1e-4, atol=1e-4)  # (n, C)
@@ -182,7 +182,7 @@ def test_step_zero_of_the_unroll_is_the_heads_forward_at_the_drafting_alignment(
     for s in range(2):  # each step's rows: the distributions at its own shifted loss positions
         torch.testing.assert_close(teacher[s], soft_targets(batch.teacher[:, s:s + T][batch.valid[:, s:s + T]], weight))
     with torch.no_grad():
-        _, ref_h = target(tokens[None], torch.arange(L)[None], None, return_hidden=True)
+        ref_h = target(tokens[None], torch.arange(L)[None], None, return_hidden=True).hidden
     P = split.record(0)[3]
     full = (ref_h[0, P - 1:L - 1] @ target.lm_head.weight.T).softmax(-1)  # the target's own next-token law
     torch.testing.assert_close(teacher[0][:L - P], full, rtol=1e-4, atol=1e-5)

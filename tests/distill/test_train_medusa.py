@@ -58,7 +58,7 @@ def test_cached_hidden_states_equal_the_models(tiny_model, records, tmp_path):
     assert h.shape[0] == sum(answers) - h_ho.shape[0]
     r = records[1]
     seq = torch.tensor(r["prompt_ids"] + r["output_ids"])
-    _, ref = tiny_model(seq[None], torch.arange(seq.numel())[None], None, return_hidden=True)
+    ref = tiny_model(seq[None], torch.arange(seq.numel())[None], None, return_hidden=True).hidden
     p = len(r["prompt_ids"])
     torch.testing.assert_close(h[:len(r["output_ids"])], ref[0, p - 1:-1], rtol=1e-4, atol=1e-4)
     assert torch.equal(t[:len(r["output_ids"])], head_targets(seq, p - 1, 2))

@@ -19,7 +19,7 @@ CONFIGS = [quant.Int8WeightOnly(), quant.Int4WeightOnly(group_size=32, method="g
 
 def _logits(model, ids):
     with torch.no_grad():
-        return model(ids, torch.arange(ids.shape[1]).expand(ids.shape[0], -1), None)
+        return model(ids, torch.arange(ids.shape[1]).expand(ids.shape[0], -1), None).logits
 
 
 def _compress(model, cfg, calib):

@@ -35,7 +35,7 @@ def _ids():
 
 def _logits(model, ids):
     with torch.no_grad():
-        return model(ids, torch.arange(ids.shape[1]).expand(ids.shape[0], -1), None)  # (B, T, V)
+        return model(ids, torch.arange(ids.shape[1]).expand(ids.shape[0], -1), None).logits  # (B, T, V)
 
 
 def _hf_logits(path, ids, dequantize=False):

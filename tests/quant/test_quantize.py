@@ -14,7 +14,7 @@ from tests.quant.conftest import sqnr_db
 
 def _logits(model, ids):
     with torch.no_grad():
-        return model(ids, torch.arange(ids.shape[1]).expand(ids.shape[0], -1), None)
+        return model(ids, torch.arange(ids.shape[1]).expand(ids.shape[0], -1), None).logits
 
 
 CASES = [

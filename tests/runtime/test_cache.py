@@ -42,8 +42,9 @@ def test_compacted_cache_gives_the_logits_of_a_fresh_prefill():
         mask[0, :, 5:] = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
         model(block, torch.tensor([[5, 6, 6, 7]]), cache, mask=mask)
         cache.compact(torch.tensor([[5, 6, 8]]), torch.tensor([5]), torch.tensor([3]))
-        after = model(torch.tensor([[30]]), torch.tensor([[8]]), cache)
-        fresh = model(torch.tensor([[1, 2, 3, 4, 5, 20, 21, 23, 30]]), torch.arange(9)[None], model.new_cache(1, 32))
+        after = model(torch.tensor([[30]]), torch.tensor([[8]]), cache).logits
+        seq = torch.tensor([[1, 2, 3, 4, 5, 20, 21, 23, 30]])
+        fresh = model(seq, torch.arange(9)[None], model.new_cache(1, 32)).logits
     assert torch.allclose(after[0, -1], fresh[0, -1], atol=1e-5)
 
 

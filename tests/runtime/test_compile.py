@@ -7,6 +7,7 @@ import specdec
 from runtime import KVCache, compile_decode
 from runtime.compile import MAX_STATIC_TOKENS, static_tokens
 from runtime.tiny import tiny_model
+from specdec.capture import StateCapture
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -72,13 +73,13 @@ def test_compiled_steps_equal_eager_steps(family, extra):
     with torch.inference_mode():
         outs = []
         for m, cache in zip((eager, compiled), caches):
-            steps = [m(ids[:, :10], pos[:, :10], cache)]  # prefill, padded to 16
-            steps += [m(ids[:, t:t + 1], pos[:, t:t + 1], cache) for t in range(10, 14)]  # T = 1
-            steps.append(m(ids[:, 14:17], pos[:, 14:17], cache))  # T = 3, padded to 8
+            steps = [m(ids[:, :10], pos[:, :10], cache).logits]  # prefill, padded to 16
+            steps += [m(ids[:, t:t + 1], pos[:, t:t + 1], cache).logits for t in range(10, 14)]  # T = 1
+            steps.append(m(ids[:, 14:17], pos[:, 14:17], cache).logits)  # T = 3, padded to 8
             last = torch.tensor([[6], [2]])  # selected logits (a draft's catch-up feed): compiled too
-            steps.append(m(ids[:, 17:24], pos[:, 17:24], cache, logits_idx=last))  # T = 7, padded to 8
+            steps.append(m(ids[:, 17:24], pos[:, 17:24], cache, logits_idx=last).logits)  # T = 7, padded to 8
             last2 = torch.tensor([[1], [1]])  # a 2-token catch-up feed: its own 2-token program
-            steps.append(m(ids[:, 24:26], pos[:, 24:26], cache, logits_idx=last2))
+            steps.append(m(ids[:, 24:26], pos[:, 24:26], cache, logits_idx=last2).logits)
             outs.append(torch.cat(steps, 1))
     assert _rel(outs[1], outs[0]) <= 1e-5
     assert len(calls) == 8  # every forward took the compiled program (a 10-token prefill: T <= 32)
@@ -113,7 +114,7 @@ def test_no_room_for_padding_runs_the_exact_shape():
             cfg = m.config  # 8 slots: 5 filled + 3 new leaves no room for the padding to 8
             cache = KVCache(cfg.num_layers, 1, cfg.num_kv_heads, 8, cfg.head_dim)
             m(ids[:, :5], pos[:, :5], cache)
-            outs.append(m(ids[:, 5:], pos[:, 5:], cache))
+            outs.append(m(ids[:, 5:], pos[:, 5:], cache).logits)
     assert _rel(outs[1], outs[0]) <= 1e-5
 
 
@@ -189,7 +190,7 @@ def test_block_mask_steps_run_compiled_and_equal_eager_steps(family, extra, comp
             cache = m.new_cache(2, 24)
             prefill(m, rows, cache)
             pos = cache.lengths[:, None] + depth[None]  # (B, N)
-            logits, hidden = m(tree_ids, pos, cache, block_mask=block, return_hidden=True)
+            logits, hidden, _ = m(tree_ids, pos, cache, block_mask=block, return_hidden=True)
             outs.append((logits, hidden, cache))
     (le, he, ce), (lc, hc, cc) = outs
     assert _rel(lc, le) <= 1e-5 and _rel(hc, he) <= 1e-5
@@ -208,8 +209,9 @@ def test_compiled_steps_return_the_eager_hidden_states():
     calls = []
     compiled.compiled_step = _counting(compiled.compiled_step, calls)
     rows = _prompts([6, 4])
-    want = specdec.generate(eager, rows, max_new_tokens=6, return_hidden=True)
-    got = specdec.generate(compiled, rows, max_new_tokens=6, return_hidden=True)
-    for a, b, ha, hb in zip(want.sequences, got.sequences, want.hidden_states, got.hidden_states):
+    cap_eager, cap_compiled = StateCapture(hidden=True), StateCapture(hidden=True)
+    want = specdec.generate(eager, rows, max_new_tokens=6, observer=cap_eager)
+    got = specdec.generate(compiled, rows, max_new_tokens=6, observer=cap_compiled)
+    for a, b, ha, hb in zip(want.sequences, got.sequences, cap_eager.hidden_states, cap_compiled.hidden_states):
         assert torch.equal(a, b) and _rel(hb, ha) <= 1e-5
     assert {shape[1] for shape in calls} == {1, 8}  # the 6-token prefill padded to 8, then 1-token steps

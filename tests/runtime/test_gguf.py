@@ -32,7 +32,7 @@ def _leftovers(folder) -> list[str]:
 def _runtime_logits(model) -> torch.Tensor:
     positions = torch.arange(TOKENS.shape[1]).expand_as(TOKENS)
     with torch.no_grad():
-        return model(TOKENS, positions, None)
+        return model(TOKENS, positions, None).logits
 
 
 @pytest.mark.parametrize("fixture, quantize", [

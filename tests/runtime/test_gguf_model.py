@@ -25,7 +25,7 @@ def home(tmp_path, monkeypatch):
 def _logits(model) -> torch.Tensor:
     positions = torch.arange(TOKENS.shape[1]).expand_as(TOKENS)
     with torch.no_grad():
-        return model(TOKENS, positions, None)
+        return model(TOKENS, positions, None).logits
 
 
 def _quantize_all(layers: int, kinds: dict[str, str], embed: str, output: str | None) -> dict[str, str]:
@@ -97,8 +97,8 @@ def test_smollm2_four_bit_agrees_with_the_dequantized_model():
     ids = torch.tensor([tok.encode("The capital of France is Paris. The capital of Germany is")])
     positions = torch.arange(ids.shape[1])[None]
     with torch.no_grad():
-        q = runtime.load_model(name, dtype=torch.float32, weights="gguf")(ids, positions, None)
-        d = runtime.load_model(name, dtype=torch.float32, weights="dense")(ids, positions, None)
+        q = runtime.load_model(name, dtype=torch.float32, weights="gguf")(ids, positions, None).logits
+        d = runtime.load_model(name, dtype=torch.float32, weights="dense")(ids, positions, None).logits
     assert float((q.argmax(-1) == d.argmax(-1)).float().mean()) >= 0.9
     assert float((q - d).abs().max() / d.abs().max()) < 0.1
 

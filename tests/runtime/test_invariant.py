@@ -151,7 +151,7 @@ def _score(model, tokens: torch.Tensor, prompt: int, chunks: list[int], rows: in
             lens = cache.lengths.clone()
             step_tok = torch.stack([tok[b, int(lens[b]):int(lens[b]) + c] for b in range(B)])
             step_pos = torch.stack([pos[b, int(lens[b]):int(lens[b]) + c] for b in range(B)])
-            out.append(model(step_tok, step_pos, cache)[:1])
+            out.append(model(step_tok, step_pos, cache).logits[:1])
             i += c
     return torch.cat(out, 1)
 
@@ -185,12 +185,12 @@ def test_a_tree_forward_scores_each_node_as_its_branch(model):
     with torch.inference_mode():
         cache = model.new_cache(1, 64)
         model(prompt, torch.arange(P)[None], cache)
-        tree = model(nodes, P + depth, cache, block_mask=block)  # (1, N, V)
+        tree = model(nodes, P + depth, cache, block_mask=block).logits  # (1, N, V)
         for i in range(N):
             path = [j for j in range(N) if block[0, i, j]]
             chain_cache = model.new_cache(1, 64)
             model(prompt, torch.arange(P)[None], chain_cache)
-            chain = model(nodes[:, path], torch.arange(P, P + len(path))[None], chain_cache)
+            chain = model(nodes[:, path], torch.arange(P, P + len(path))[None], chain_cache).logits
             assert torch.equal(chain[:, -1], tree[:, i]), i
 
 

@@ -16,7 +16,7 @@ TOKENS = torch.tensor([[7, 1, 99, 23, 64, 5]])  # (B, T)
 
 def _logits(model) -> torch.Tensor:
     with torch.no_grad():
-        return model(TOKENS, torch.arange(TOKENS.shape[1])[None], None)
+        return model(TOKENS, torch.arange(TOKENS.shape[1])[None], None).logits
 
 
 def test_path_that_does_not_exist(tmp_path):

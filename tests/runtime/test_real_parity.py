@@ -37,13 +37,13 @@ def test_logits_match_transformers(name):
     errors = []
     with torch.no_grad():
         cache = ours.new_cache(1, T + DECODE_STEPS)
-        logits = ours(ids, torch.arange(T)[None], cache)  # (1, T, V)
+        logits = ours(ids, torch.arange(T)[None], cache).logits  # (1, T, V)
         out = theirs(ids, use_cache=True)
         errors.append(_relative_error(logits, out.logits))
         past = out.past_key_values
         token = logits[:, -1:].argmax(-1)  # (1, 1)
         for step in range(DECODE_STEPS):
-            logits = ours(token, torch.tensor([[T + step]]), cache)
+            logits = ours(token, torch.tensor([[T + step]]), cache).logits
             out = theirs(token, past_key_values=past, use_cache=True)
             errors.append(_relative_error(logits, out.logits))
             past = out.past_key_values

@@ -146,9 +146,9 @@ def assert_two_token_law(target, prompt: torch.Tensor, sequences: list, kw: dict
     from specdec.sampling import probs_from_logits
 
     with torch.no_grad():
-        p1 = probs_from_logits(target(prompt[None], torch.arange(P)[None], None)[0, -1], **kw)
+        p1 = probs_from_logits(target(prompt[None], torch.arange(P)[None], None).logits[0, -1], **kw)
         seqs = torch.cat([prompt.expand(V, -1), torch.arange(V)[:, None]], 1)  # (V, P + 1)
-        p2 = probs_from_logits(target(seqs, torch.arange(P + 1)[None].expand(V, -1), None)[:, -1], **kw)
+        p2 = probs_from_logits(target(seqs, torch.arange(P + 1)[None].expand(V, -1), None).logits[:, -1], **kw)
     exact = (p1[:, None] * p2).flatten()
     noise = 0.5 * (2 * exact * (1 - exact) / (math.pi * n)).sqrt().sum().item()
     assert _tv(emp, exact) < 3 * noise

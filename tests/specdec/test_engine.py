@@ -344,11 +344,11 @@ def test_a_cache_row_view_writes_into_the_shared_cache(target):
     slot = CacheRow(cache, 1, 2)  # rows 1 and 2
     slot.lengths.zero_()
     prompts = _prompts([6, 4], seed=12)
-    logits = prefill(target, prompts, slot)  # (2, V)
+    logits = prefill(target, prompts, slot).logits  # (2, V)
     assert cache.lengths.tolist() == [5, 6, 4]  # the view's lengths are the pool's
     assert torch.equal(cache.k[:, 0], pool_k[:, 0])  # row 0 untouched
     alone = target.new_cache(1, 32)
-    ref = prefill(target, prompts[:1], alone)
+    ref = prefill(target, prompts[:1], alone).logits
     assert torch.allclose(logits[0], ref[0], atol=1e-5)
     assert torch.allclose(cache.k[:, 1, :, :6], alone.k[:, 0, :, :6], atol=1e-6)
     with pytest.raises(ValueError, match="outside"):

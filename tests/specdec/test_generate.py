@@ -6,6 +6,7 @@ import torch
 import specdec
 from runtime.errors import ContextLengthError
 from runtime.tiny import tiny_pair
+from specdec.capture import StateCapture
 
 
 @pytest.fixture(scope="module")
@@ -88,15 +89,18 @@ def test_hidden_states_are_those_behind_each_new_token(pair, draft):
     rows = _prompts([5, 8, 3], seed=7)
     free = specdec.generate(model, rows, max_new_tokens=9).sequences
     eos = int(free[1][8 + 2])  # row 1 stops after 3 new tokens, the others run to 9
+    capture = StateCapture(hidden=True)
     out = specdec.generate(model, rows, draft=model if draft == "self" else draft, max_new_tokens=9,
-                           eos_token_id=eos, return_hidden=True, num_draft_tokens=3)
-    for r, s, h in zip(rows, out.sequences, out.hidden_states):
+                           eos_token_id=eos, observer=capture, num_draft_tokens=3)
+    for r, s, h in zip(rows, out.sequences, capture.hidden_states):
         new = s.numel() - r.numel()
         assert h.shape == (new, model.config.hidden_size)
-        _, ref = model(s[None], torch.arange(s.numel())[None], None, return_hidden=True)  # (1, T, C)
+        ref = model(s[None], torch.arange(s.numel())[None], None, return_hidden=True).hidden  # (1, T, C)
         torch.testing.assert_close(h, ref[0, r.numel() - 1:s.numel() - 1], rtol=1e-4, atol=1e-4)
-    assert [h.shape[0] for h in out.hidden_states] != [9, 9, 9]  # the stopped row is cut
-    assert specdec.generate(model, rows, max_new_tokens=9).hidden_states is None
+    assert [h.shape[0] for h in capture.hidden_states] != [9, 9, 9]  # the stopped row is cut
+    unasked = StateCapture(aux_layers=(0,))
+    specdec.generate(model, rows, max_new_tokens=9, observer=unasked)
+    assert unasked.hidden_states is None
 
 
 @pytest.mark.parametrize("draft", [None, "ngram", "self"])
@@ -108,16 +112,18 @@ def test_aux_states_are_those_of_one_forward_over_every_position_the_target_read
     rows = _prompts([5, 8, 3], seed=7)
     free = specdec.generate(model, rows, max_new_tokens=9).sequences
     eos = int(free[1][8 + 2])  # row 1 stops after 3 new tokens, the others run to 9
+    capture = StateCapture(aux_layers=layers)
     out = specdec.generate(model, rows, draft=model if draft == "self" else draft, max_new_tokens=9,
-                           eos_token_id=eos, num_draft_tokens=3, aux_layers=layers)
+                           eos_token_id=eos, num_draft_tokens=3, observer=capture)
     C = model.config.hidden_size
-    for s, a in zip(out.sequences, out.aux_states):
+    for s, a in zip(out.sequences, capture.aux_states):
         assert a.shape == (s.numel() - 1, 3 * C)
-        with model.aux_outputs(layers):
-            _, ref = model(s[None], torch.arange(s.numel())[None], None, return_aux=True)  # (1, T, 3C)
+        ref = model(s[None], torch.arange(s.numel())[None], None, aux_layers=layers).aux  # (1, T, 3C)
         torch.testing.assert_close(a, ref[0, :-1], rtol=1e-4, atol=1e-4)
-    assert [a.shape[0] for a in out.aux_states] != [s.numel() + 8 for s in rows]  # the stopped row is cut
-    assert specdec.generate(model, rows, max_new_tokens=9).aux_states is None
+    assert [a.shape[0] for a in capture.aux_states] != [s.numel() + 8 for s in rows]  # the stopped row is cut
+    unasked = StateCapture(hidden=True)
+    specdec.generate(model, rows, max_new_tokens=9, observer=unasked)
+    assert unasked.aux_states is None
 
 
 def test_bad_requests_fail_with_clear_messages(pair):

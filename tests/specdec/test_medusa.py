@@ -143,7 +143,7 @@ class OracleHeads(MedusaHeads):
         super().__init__(MedusaConfig(64, model.config.vocab_size, num_heads=num_heads,
                                       tree=[(0,) * num_heads, (1,), (0, 1)]), model.lm_head)
         self.seqs = sequences
-        self.hidden = [model(s[None], torch.arange(s.numel())[None], None, return_hidden=True)[1][0]
+        self.hidden = [model(s[None], torch.arange(s.numel())[None], None, return_hidden=True).hidden[0]
                        for s in sequences]
 
     def guesses(self, hidden, topk):
@@ -215,7 +215,7 @@ def test_compaction_leaves_the_cache_equal_to_a_fresh_prefill(model):
     draft = draft_tree(tree, guesses)
     tokens = torch.cat([root[:, None], draft.tokens], dim=1)  # (B, N): the root, then the nodes
     positions = lens[:, None] + torch.tensor(tree.depth)[None]  # (B, N)
-    logits = model(tokens, positions, cache, block_mask=draft.block_mask())
+    logits = model(tokens, positions, cache, block_mask=draft.block_mask()).logits
     verdict = verify(logits, draft, torch.ones_like(draft.tokens, dtype=torch.bool), 0.0)
     keep = torch.zeros(2, 4, dtype=torch.long)
     count = torch.zeros(2, dtype=torch.long)
@@ -227,11 +227,11 @@ def test_compaction_leaves_the_cache_equal_to_a_fresh_prefill(model):
     cache.compact(keep, lens, count)
     assert cache.lengths.tolist() == (lens + 3).tolist()
     bonus = verdict.next_tokens
-    nxt = model(bonus[:, None], cache.lengths[:, None].clone(), cache)[:, 0]  # (B, V)
+    nxt = model(bonus[:, None], cache.lengths[:, None].clone(), cache).logits[:, 0]  # (B, V)
     for b in range(2):
         seq = torch.cat([full[b][:lens[b] + 3], bonus[b:b + 1]])
         assert torch.equal(seq, full[b][:seq.numel()])
-        ref = model(seq[None], torch.arange(seq.numel())[None], None)[0, -1]
+        ref = model(seq[None], torch.arange(seq.numel())[None], None).logits[0, -1]
         torch.testing.assert_close(nxt[b], ref, rtol=1e-4, atol=1e-4)
 
 
@@ -254,7 +254,7 @@ def test_lossless_medusa_sampling_matches_the_target_distribution():
     assert out.stats.accepted_tokens > 0
 
     def p_next(seq):
-        return probs_from_logits(m(seq[None], torch.arange(seq.numel())[None], None)[0, -1], 0.8)
+        return probs_from_logits(m(seq[None], torch.arange(seq.numel())[None], None).logits[0, -1], 0.8)
 
     p1 = p_next(prompt)
     p2 = torch.zeros(V)

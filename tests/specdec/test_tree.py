@@ -60,12 +60,12 @@ def test_tree_mask_matches_running_each_path_alone(model):
     cache.rollback(lens)
     parents, _, anc = tree.layout
     positions = lens[:, None] + torch.tensor(tree.depth)[None]  # (B, N)
-    logits = model(tokens, positions, cache, block_mask=anc[None].expand(2, -1, -1))  # (B, N, V)
+    logits = model(tokens, positions, cache, block_mask=anc[None].expand(2, -1, -1)).logits  # (B, N, V)
     for b in range(2):
         for leaf in (i for i in range(len(parents)) if i not in parents.tolist()):
             path = anc[1 + leaf].nonzero().flatten().tolist()  # the root, then the nodes down to the leaf
             seq = torch.cat([prompts[b], tokens[b, path]])
-            ref = model(seq[None], torch.arange(seq.numel())[None], None)[0, prompts[b].numel():]
+            ref = model(seq[None], torch.arange(seq.numel())[None], None).logits[0, prompts[b].numel():]
             torch.testing.assert_close(logits[b, path], ref, rtol=1e-4, atol=1e-4)
 
 

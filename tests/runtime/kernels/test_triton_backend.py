@@ -31,12 +31,12 @@ def run(model, prompt, steps):
     """Prefill, ragged rollback, greedy decode, then a tree block: (tokens (B, steps), logits list)."""
     B, T = prompt.shape
     cache = model.new_cache(B, 64)
-    logits = [model(prompt, torch.arange(T, device=DEVICE).expand(B, T), cache)]
+    logits = [model(prompt, torch.arange(T, device=DEVICE).expand(B, T), cache).logits]
     cache.rollback(torch.tensor([T, T - 5], device=DEVICE))  # row 1 forgets its last 5 tokens
     token = logits[0][:, -1:].argmax(-1)  # (B, 1)
     tokens = []
     for _ in range(steps):
-        step = model(token, cache.lengths[:, None].clone(), cache)
+        step = model(token, cache.lengths[:, None].clone(), cache).logits
         logits.append(step)
         token = step[:, -1:].argmax(-1)
         tokens.append(token)
@@ -46,7 +46,7 @@ def run(model, prompt, steps):
     prefix = cache.lengths.clone()
     mask = visible_mask(prefix, 4, int(prefix.max()) + 4, tree_bits=bits)  # (B, 4, S)
     block = torch.tensor([[5, 9, 17, 33]], device=DEVICE).expand(B, 4)
-    logits.append(model(block, prefix[:, None] + depth, cache, mask=mask))
+    logits.append(model(block, prefix[:, None] + depth, cache, mask=mask).logits)
     return torch.cat(tokens, dim=1), logits
 
 
@@ -89,7 +89,7 @@ def test_triton_backend_under_autocast_and_autograd(models, grad):
         weight.requires_grad_(grad)
         weight.grad = None
         with torch.set_grad_enabled(grad), torch.autocast(torch.device(DEVICE).type, dtype=torch.bfloat16):
-            logits = model(tokens, positions, None)  # (B, T, V)
+            logits = model(tokens, positions, None).logits  # (B, T, V)
         if grad:
             logits.float().square().mean().backward()
         out[name] = logits.float().detach(), weight.grad
