@@ -20,7 +20,7 @@ import torch
 import runtime
 import specdec
 from runtime.hardware import DTYPES, cpu_summary
-from specdec.engine import Engine, SamplingParams
+from specdec.serving.engine import Engine, SamplingParams
 
 
 def main() -> None:

@@ -28,10 +28,10 @@ import distill
 import runtime
 from runtime.atomic import atomic_write_text
 from runtime.hardware import DTYPES
-from specdec.medusa import default_tree
-from specdec.prompts import encode, load_prompts
-from specdec.tree import build_tree, expected_length
-from specdec.tree_cost import step_seconds
+from specdec.drafters.medusa.heads import default_tree
+from specdec.drafters.medusa.tree import build_tree, expected_length
+from specdec.drafters.tree_cost import step_seconds
+from specdec.evaluation.prompts import encode, load_prompts
 
 
 def main() -> None:

@@ -31,7 +31,7 @@ import runtime
 import specdec
 from runtime.atomic import atomic_write_text
 from runtime.hardware import cpu_summary
-from specdec.prompts import encode, load_prompts
+from specdec.evaluation.prompts import encode, load_prompts
 
 
 def _timed(target, ids: torch.Tensor, draft, max_new: int, k) -> tuple[list[int], float]:

@@ -51,10 +51,10 @@ import runtime
 import specdec
 from runtime.atomic import atomic_write_text
 from runtime.hardware import DTYPES, cpu_summary
-from specdec.engine import Engine, SamplingParams
-from specdec.evaluate import eos_ids, versions
-from specdec.prompts import encode, humaneval_prompts, sharegpt_prompts
-from specdec.server import ServerThread, create_app
+from specdec.evaluation.evaluate import eos_ids, versions
+from specdec.evaluation.prompts import encode, humaneval_prompts, sharegpt_prompts
+from specdec.serving.engine import Engine, SamplingParams
+from specdec.serving.server import ServerThread, create_app
 
 MODEL_NAME = "load-test"
 

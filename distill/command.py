@@ -62,7 +62,6 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     import runtime
     from distill.config_args import dataclass_from_args
-    from distill.medusa import attach_medusa
     from distill.selfdistill import read_records
     from distill.train_medusa import (
         MedusaTrainConfig,
@@ -71,6 +70,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         check_train_dir,
         train_medusa,
     )
+    from specdec.drafters.medusa.heads import attach_medusa
 
     deadline = deadline_after(args.max_minutes)
     cfg = dataclass_from_args(MedusaTrainConfig, args)  # checked before any loading
@@ -93,9 +93,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_tree(args: argparse.Namespace) -> int:
     import runtime
-    from distill.medusa import choose_tree, load_medusa, read_medusa_config, save_medusa
     from distill.train_medusa import data_vocab, head_accuracy, load_cached
-    from specdec.tree import expected_length
+    from specdec.drafters.medusa.heads import choose_tree
+    from specdec.drafters.medusa.io import load_medusa, read_medusa_config, save_medusa
+    from specdec.drafters.medusa.tree import expected_length
 
     if args.data_vocab and not args.data_dir:
         raise ValueError("--data-vocab needs --data-dir: the hidden-state cache the heads were trained on")
@@ -124,10 +125,10 @@ def _pick_size(args: argparse.Namespace, model, table: list[list[float]]) -> int
     """Time each of `args.sizes` on this machine (heads in the model's dtype, as decoding loads
     them) and return the size with the highest expected speed; writes HEADS/tree_cost.json."""
     import runtime
-    from distill.medusa import load_medusa
     from runtime.atomic import atomic_write_text
-    from specdec.prompts import encode, load_prompts
-    from specdec.tree_cost import cost_report, describe, measure_trees
+    from specdec.drafters.medusa.io import load_medusa
+    from specdec.drafters.tree_cost import cost_report, describe, measure_trees
+    from specdec.evaluation.prompts import encode, load_prompts
 
     tok = runtime.load_tokenizer(args.model)
     row = torch.tensor(encode(tok, [load_prompts(dataset=args.cost_dataset, limit=1)[0].turns[0]], [], False))
@@ -204,9 +205,9 @@ def add_data_args(p: argparse.ArgumentParser) -> None:
 def register(subparsers) -> None:
     """Add `medusa data|train|tree` to the `specdec` CLI."""
     from distill.config_args import add_dataclass_args
-    from distill.medusa import attach_medusa
     from distill.selfdistill import generate_selfdistill
     from distill.train_medusa import MedusaTrainConfig
+    from specdec.drafters.medusa.heads import attach_medusa
 
     gen = {k: v.default for k, v in inspect.signature(generate_selfdistill).parameters.items()}
     medusa = subparsers.add_parser("medusa", help="Medusa heads: self-distillation data, training, trees")

@@ -70,7 +70,7 @@ def sharegpt_prompts(tokenizer, split: str = "calibration", limit: int = 1000,
     """(conversation index, prompt ids) of opening user turns that fit in `max_prompt_tokens`,
     among the first `limit` conversations of `split`; `keep(text) -> bool` filters them.
 
-    As for evaluation prompts (specdec.prompts.sharegpt_prompts), a conversation that opens with
+    As for evaluation prompts (specdec.evaluation.prompts.sharegpt_prompts), a conversation that opens with
     an assistant turn or with a user turn shorter than `min_chars` (mostly "continue") is a
     continuation without its context and is skipped.
     """

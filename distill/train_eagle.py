@@ -14,7 +14,7 @@
    them; trained here, since freezing measured worse on smollm2: docs/experiments/
    2026-11-25-eagle-smollm2-budget.md), and its `norm` as the target's final norm.
 3. Training-time test (`unroll`): step 0 at position t reads fuse(aux[t - 1]) and the embedding of
-   token t (the alignment of specdec.eagle); step s > 0 at the same row reads the head's own
+   token t (the alignment of specdec.drafters.eagle.head); step s > 0 at the same row reads the head's own
    output of step s - 1 there (normed, with the default `norm_output` of Eagle 3.1; `fuse` norms
    each aux layer first with the default `fc_norm`), the embedding of token t + s at position
    t + s, and attends through
@@ -51,8 +51,8 @@ from distill.eagle_cache import MANIFEST, EagleSplit, cache_eagle_states, load_s
 from distill.selfdistill import read_records
 from distill.trainer import CheckpointDir, Panel, Task, Trainer, TrainerConfig, running_mean, trainer_field
 from runtime.outputs import prepare_output_dir
-from specdec.eagle import Eagle3Config, Eagle3Head, UnrollCache, default_aux_layers
-from specdec.eagle_io import read_eagle_config, save_eagle
+from specdec.drafters.eagle.head import Eagle3Config, Eagle3Head, UnrollCache, default_aux_layers
+from specdec.drafters.eagle.io import read_eagle_config, save_eagle
 
 CHECKPOINT = "checkpoint"
 TRAINER = "eagle_trainer.json"

@@ -12,7 +12,7 @@
    among those tokens only) in `distill.trainer`'s loop (`MedusaTask`: AdamW, warm-up + cosine
    decay, checkpoints in OUT/checkpoint and resume, loss.png, metrics.json), then per-head top-k
    accuracy on the held-out shards. The measured accuracy picks the heads' candidate tree
-   (`distill.medusa.choose_tree`), stored with them by `distill.save_medusa`.
+   (`specdec.drafters.medusa.heads.choose_tree`), stored with them by `distill.save_medusa`.
 """
 
 from __future__ import annotations
@@ -29,13 +29,13 @@ from safetensors.torch import load_file, save_file
 
 from distill.accel import Forward, count_weights, local_part
 from distill.config_args import at_least
-from distill.medusa import CONFIG, choose_tree, save_medusa
 from distill.trainer import CheckpointDir, Task, Trainer, TrainerConfig, trainer_field
 from runtime.atomic import atomic_write
 from runtime.outputs import prepare_manifest_dir, prepare_output_dir
 from runtime.progress import progress
-from specdec.medusa import DEFAULT_TREE_NODES, MedusaHeads
-from specdec.tree import expected_length
+from specdec.drafters.medusa.heads import DEFAULT_TREE_NODES, MedusaHeads, choose_tree
+from specdec.drafters.medusa.io import CONFIG, save_medusa
+from specdec.drafters.medusa.tree import expected_length
 
 IGNORE = -100
 MANIFEST = "manifest.json"

@@ -52,8 +52,8 @@ from distill.selfdistill import stop_token_ids
 from runtime.atomic import atomic_write_text
 from runtime.hardware import DTYPES
 from specdec.drafters.spec import DrafterSpec
-from specdec.evaluate import EvalConfig, run_eval
-from specdec.prompts import DATASETS, load_prompts
+from specdec.evaluation.evaluate import EvalConfig, run_eval
+from specdec.evaluation.prompts import DATASETS, load_prompts
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 # files that mark a run directory of this recipe: with one of them, --out is resumed

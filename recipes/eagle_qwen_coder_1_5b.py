@@ -24,7 +24,7 @@ DEFAULTS = {"out": "runs/eagle_qwen15", "max_minutes": 180.0, "answer_tokens": 2
             "eval_tokens": 128, "function_share": 0.67, "baselines": "plain,hf",
             "answers_frac": 0.0, "answer_records": 4000, "dataset_answer_tokens": 256}
 # EagleTrainConfig's 32k draft vocabulary (the 16k-32k; 95% of the 1.5B's greedy ShareGPT
-# answer tokens, specdec.draft_vocab); more epochs over the few hundred thousand positions a CPU caches
+# answer tokens, specdec.drafters.draft_vocab); more epochs over the few hundred thousand positions a CPU caches
 TRAIN = {"epochs": 8}
 
 if __name__ == "__main__":

@@ -38,14 +38,11 @@ hidden states (`return_hidden`: Medusa heads, self-distillation data); the state
 `aux_layers` (EAGLE-3) are an argument the compiler specializes on, one program per tuple.
 
 Weights: by default every program reads the model's own weight tensors, so all block and batch
-sizes share one copy: the 1.5B bf16 model with 12 programs compiled (batch 1-4 x 1, 8 and 16
-tokens) resides in 1.20x its weights + KV caches, +0.31 GB for the 12 programs
-(benchmarks/compiled_memory.py, BENCHMARKS.md section 7). `freeze_weights=True` has Inductor fold
-them into each program as prepacked constants instead: a full copy per program (+3.6 GB each for
-the 1.5B), for no measured step-time gain on an AVX-512-BF16 CPU (qwen2.5-coder-0.5b bf16: 119.3
-vs 118.4 ms a decode step, 151.7 vs 149.1 ms an 8-token block, frozen vs shared, alternating in one
-process); on an AMX CPU the prepacked path measured ~145 ms against ~200 ms eager for the 1.5B
-step (docs/experiments/2026-11-21-compiled-decode-step.md), so compare there before choosing.
+sizes share one copy (memory: benchmarks/compiled_memory.py, BENCHMARKS.md section 7).
+`freeze_weights=True` has Inductor fold them into each program as prepacked constants instead: a
+full copy per program, for no measured step-time gain on an AVX-512-BF16 CPU; on an AMX CPU the
+prepacked path may be faster (docs/experiments/2026-11-21-compiled-decode-step.md), so compare
+there before choosing.
 Use a compiled model for inference only (`torch.inference_mode`, as `specdec.generate` runs). The
 first call of each shape compiles (about a minute for a 1.5B model on 2 cores; Inductor's cache
 makes later processes faster); later calls reuse it.
@@ -79,9 +76,9 @@ def static_tokens(num_tokens: int, selected: bool = False, row_cost: bool = Fals
 
     selected: the caller keeps only some positions' logits after the prompt (`logits_idx` on a
     filled cache: a draft's feeds). Then 2 tokens get their own program: a draft feeds 2 tokens
-    (its last draft and the target's bonus token) after every fully accepted block, and on the
-    INT4 0.5B draft, whose packed kernels cost per row, that call takes 31 ms against 66 ms
-    padded to 8 (1 token: 26 ms; docs/experiments/2026-11-22-quantized-drafts.md).
+    (its last draft and the target's bonus token) after every fully accepted block, and on a
+    quantized draft, whose packed kernels cost per row, padding that call to 8 costs about twice
+    as much (docs/experiments/2026-11-22-quantized-drafts.md).
     row_cost: the model's linears cost per row (GGUF block weights: `runtime.blockq`, 8 rows about
     twice one row), so every power of two gets its own program (2, 4, 8, ...).
     """

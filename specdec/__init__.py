@@ -3,12 +3,12 @@
 
 from specdec.capture import DecodeObserver, StateCapture
 from specdec.drafter import Accepted, Drafter, DraftTree
+from specdec.drafters.eagle.head import Eagle3Config, Eagle3Head
+from specdec.drafters.eagle.io import load_eagle, save_eagle
 from specdec.drafters.spec import DrafterSpec
-from specdec.eagle import Eagle3Config, Eagle3Head
-from specdec.eagle_io import load_eagle, save_eagle
-from specdec.engine import Engine, Request
 from specdec.generate import GenerateOutput, generate, stream
 from specdec.sampling import SamplingParams
+from specdec.serving.engine import Engine, Request
 from specdec.stats import AcceptanceStats
 
 __all__ = ["generate", "stream", "GenerateOutput", "Engine", "SamplingParams", "Request",

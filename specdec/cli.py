@@ -20,8 +20,8 @@ from specdec.options import WEIGHTS_HELP, parse_draft_length
 DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 # modules that add their own subcommands with register(subparsers)
-COMMAND_MODULES = ("specdec.evaluate", "specdec.bench", "quant.command", "distill.command", "distill.eagle_command",
-                   "specdec.serve_command", "distill.distill_command")
+COMMAND_MODULES = ("specdec.evaluation.evaluate", "specdec.evaluation.bench", "quant.command", "distill.command",
+                   "distill.eagle_command", "specdec.serving.command", "distill.distill_command")
 
 
 def _fetch(args: argparse.Namespace) -> int:
@@ -56,7 +56,7 @@ def tree_nodes_arg(text: str) -> int | str:
 def _generate(args: argparse.Namespace) -> int:
     import runtime
     import specdec
-    from specdec.serve_command import drafter_spec, load_drafter, own_draft_length
+    from specdec.serving.command import drafter_spec, load_drafter, own_draft_length
 
     spec = drafter_spec(args)  # a bad --draft fails before any model loads
     # checked first
@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Generate one completion, printing it as it is accepted, then its acceptance stats.")
     p.add_argument("--model", default=DEFAULT_MODEL, help="catalogue name, checkpoint dir, .gguf or hub id")
     p.add_argument("--prompt", required=True, help="the prompt text")
-    from specdec.serve_command import add_drafter_args
+    from specdec.serving.command import add_drafter_args
 
     add_drafter_args(p)
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))

@@ -9,7 +9,7 @@ independently; a finished row is carried along but writes nothing that stays in 
 
 `DecodeLoop` holds that state over the rows of one cache: `prefill` starts every row at once
 (`generate()`), `admit` starts one row in a free slot while the others run (the serving engine,
-`specdec.engine`), and `step` is the one draft + verify step both call. Every row has its own
+`specdec.serving.engine`), and `step` is the one draft + verify step both call. Every row has its own
 `RowSampling` (its `specdec.sampling.SamplingParams` and generator): rows that share one are
 verified together, greedy rows always together. Observers (`specdec.capture.DecodeObserver`)
 see each row's share of the target's outputs after the prefill and after every step: how

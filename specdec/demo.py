@@ -18,13 +18,13 @@ DEMO_DRAFT = "qwen2.5-coder-0.5b-instruct"
 def run_demo(args: argparse.Namespace) -> int:
     """Fetch both models (cached after the first run), evaluate, print the Markdown report."""
     import runtime
-    from specdec.evaluate import EvalConfig, run_eval
-    from specdec.report import render_markdown
+    from specdec.evaluation.evaluate import EvalConfig, run_eval
+    from specdec.evaluation.report import render_markdown
 
     for name in (DEMO_TARGET, DEMO_DRAFT):
         print(f"model {name}: {runtime.fetch(name)}")
-    from specdec import llamacpp
     from specdec.drafters.spec import DrafterSpec
+    from specdec.evaluation import llamacpp
 
     drafters = [DrafterSpec("draft", DEMO_DRAFT), DrafterSpec("ngram"), DrafterSpec("hybrid", DEMO_DRAFT)]
     methods = ["plain", *map(str, drafters), "hf", f"hf-assisted:{DEMO_DRAFT}"]

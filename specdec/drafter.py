@@ -14,7 +14,7 @@ A decoding step, for a batch of rows:
    sequences, so it can roll its own state back (a draft model's cache) or advance it (the
    hidden state Medusa heads read next).
 
-The serving engine (`specdec.engine`) reuses the rows of one batch for request after request:
+The serving engine (`specdec.serving.engine`) reuses the rows of one batch for request after request:
 it calls `reserve(batch_size, max_len)` once instead of `begin`, then `admit(row, prompt, hidden)`
 when a request takes a free row and `release(row)` when it leaves; the other rows keep drafting.
 A drafter that cannot do this raises NotImplementedError (the defaults), naming itself.

@@ -80,7 +80,7 @@ def generate(target, input_ids, draft=None, max_new_tokens: int = 128, temperatu
     rows = state.prompts
     if streamer is not None and len(rows) != 1:
         raise ValueError(f"a streamer follows one row, but input_ids holds {len(rows)}; stream one prompt per "
-                         "call, or serve several with specdec.engine.Engine")
+                         "call, or serve several with specdec.serving.engine.Engine")
     on_tokens = None
     if streamer is not None:
         streamer.put(rows[0][None])  # (1, T), as transformers does
@@ -110,7 +110,7 @@ def _prepare(target, input_ids, draft, max_new_tokens: int, temperature: float, 
     """Checked arguments of generate() / stream() -> (target, drafter, RowState, as_tensor)."""
     SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)  # checks them
     if getattr(target, "output_ids", None) is not None:
-        raise ValueError("the target scores a restricted vocabulary (specdec.draft_vocab.restrict_vocab): "
+        raise ValueError("the target scores a restricted vocabulary (specdec.drafters.draft_vocab.restrict_vocab): "
                          "such a model can only draft; pass the full model as the target")
     target = as_runtime_model(target)
     if generator is not None and generator.device.type != target.device.type:
@@ -139,7 +139,7 @@ def stream(target, input_ids, draft=None, max_new_tokens: int = 128, temperature
                                          eos_token_id, generator, None, None)
     if len(state.prompts) != 1:
         raise ValueError(f"stream() follows one prompt, but input_ids holds {len(state.prompts)}; serve several "
-                         "with specdec.engine.Engine")
+                         "with specdec.serving.engine.Engine")
     stats = AcceptanceStats(num_calls=1)
     sampling = RowSampling(SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k), generator)
     steps = decode_steps(target, drafter, state, num_draft_tokens, sampling, stats)

@@ -1,7 +1,7 @@
 """Batch bookkeeping shared by every decoding loop: prompts in, per-row outputs, stopping, prefill.
 
 A row is a slot of the target's static KV cache (`runtime.cache.KVCache`). `generate()` fills
-every row at once; the serving engine (`specdec.engine`) reuses a row for one request after
+every row at once; the serving engine (`specdec.serving.engine`) reuses a row for one request after
 another: `RowState.reset` / `RowState.free` and `CacheRow`, a view of one row of the cache whose
 writes land in the shared buffers.
 """

@@ -11,14 +11,14 @@ from __future__ import annotations
 import torch
 
 from specdec.drafter import Drafter
-from specdec.drafters.eagle import EagleDrafter, EagleTreeConfig
+from specdec.drafters.eagle.drafter import EagleDrafter, EagleTreeConfig
+from specdec.drafters.eagle.head import Eagle3Head
 from specdec.drafters.hybrid import HybridDrafter
-from specdec.drafters.medusa import MedusaDrafter
+from specdec.drafters.medusa.drafter import MedusaDrafter
+from specdec.drafters.medusa.heads import MedusaHeads
 from specdec.drafters.model import ModelDrafter, VocabularyMismatchError, check_vocabularies
 from specdec.drafters.ngram import NgramDrafter
 from specdec.drafters.spec import DRAFTERS, DrafterLoader, DrafterSpec
-from specdec.eagle import Eagle3Head
-from specdec.medusa import MedusaHeads
 
 __all__ = ["DRAFTERS", "Drafter", "DrafterLoader", "DrafterSpec", "EagleDrafter", "EagleTreeConfig", "HybridDrafter",
            "MedusaDrafter", "ModelDrafter", "NgramDrafter", "VocabularyMismatchError", "check_vocabularies",

@@ -35,7 +35,7 @@ class ModelDrafter(Drafter):
         check_vocabularies(model, target)
         self.model, self.temperature, self.top_k, self.top_p = model, temperature, top_k, top_p
         self.generator = generator
-        # a model restricted to a frequent-token vocabulary (specdec.draft_vocab) scores those ids only
+        # a model restricted to a frequent-token vocabulary (specdec.drafters.draft_vocab) scores those ids only
         self.output_ids = getattr(model, "output_ids", None)  # (N,) or None
         self.cache = None
         self.fed: list[torch.Tensor] = []  # tokens held in the cache, per row

@@ -8,12 +8,12 @@ the recipes all read this grammar:
     hybrid:NAME_OR_PATH[@K]     = ngram+draft:NAME_OR_PATH
     medusa:DIR[@N]              Medusa heads, their candidate tree rebuilt with N nodes
     eagle:DIR[@N[:DxK]]         an EAGLE-3 head; its dynamic tree keeps N nodes, D levels, top-k K
-    eagle:DIR@auto[:DxK]        ... N timed on this machine first (specdec.eagle_auto)
+    eagle:DIR@auto[:DxK]        ... N timed on this machine first (specdec.drafters.eagle.auto)
     A+B[+C...][@K]              chain drafters (ngram, draft:X) tried in order per step; the @K
                                 after the last member is the whole list's draft length
 
 The defaults live once: the EAGLE tree's on `EagleTreeConfig`, the Medusa tree's in
-`specdec.medusa.DEFAULT_TREE_NODES`, the draft length in generate()'s `num_draft_tokens`. An "@"
+`specdec.drafters.medusa.heads.DEFAULT_TREE_NODES`, the draft length in generate()'s `num_draft_tokens`. An "@"
 that does not start a valid suffix stays part of the path (`draft:/u@corp/ckpt`). `str(spec)`
 writes the spec back in the grammar: `DrafterSpec.parse(str(spec)) == spec`.
 
@@ -56,8 +56,8 @@ DRAFTERS: dict[str, DrafterKind] = {
     "ngram": DrafterKind(None, DRAFT_LENGTH, True, "specdec.drafters.ngram:from_spec"),
     "draft": DrafterKind("NAME_OR_PATH", DRAFT_LENGTH, True, "specdec.drafters.model:from_spec"),
     "hybrid": DrafterKind("NAME_OR_PATH", DRAFT_LENGTH, False, "specdec.drafters.hybrid:from_spec"),  # ngram+draft:X
-    "medusa": DrafterKind("DIR", TREE_NODES, False, "specdec.drafters.medusa:from_spec"),
-    "eagle": DrafterKind("DIR", EAGLE_TREE, False, "specdec.drafters.eagle:from_spec"),
+    "medusa": DrafterKind("DIR", TREE_NODES, False, "specdec.drafters.medusa.drafter:from_spec"),
+    "eagle": DrafterKind("DIR", EAGLE_TREE, False, "specdec.drafters.eagle.drafter:from_spec"),
 }
 
 GRAMMAR = ("ngram[@K], draft:NAME_OR_PATH[@K], hybrid:NAME_OR_PATH[@K], medusa:DIR[@N], eagle:DIR[@N[:DxK]] "
@@ -94,7 +94,7 @@ class DrafterSpec:
                 raise ValueError(f"{self}: only eagle takes a tree shape (@N:DEPTHxTOP_K)")
             object.__setattr__(self, "shape", tuple(self.shape))
             if self.size is None:  # a shape alone keeps the default number of nodes
-                from specdec.drafters.eagle import EagleTreeConfig
+                from specdec.drafters.eagle.drafter import EagleTreeConfig
 
                 object.__setattr__(self, "size", EagleTreeConfig.total_tokens)
         if self.size is not None:
@@ -188,7 +188,7 @@ class DrafterSpec:
     @property
     def eagle_tree(self):
         """eagle: the EagleTreeConfig of a fixed size (the defaults filled in); None for @auto."""
-        from specdec.drafters.eagle import EagleTreeConfig
+        from specdec.drafters.eagle.drafter import EagleTreeConfig
 
         if self.kind != "eagle" or self.size == "auto":
             return None
@@ -227,8 +227,8 @@ def _check_size(spec: DrafterSpec, size: str) -> int | str:
         if value == "auto" or value < 1:
             raise ValueError(f"{spec.kind}:{spec.arg}@{value}: the tree's nodes N must be an integer >= 1")
         return value
-    from specdec.drafters.eagle import EagleTreeConfig
-    from specdec.eagle_auto import SIZES
+    from specdec.drafters.eagle.auto import SIZES
+    from specdec.drafters.eagle.drafter import EagleTreeConfig
 
     shaped = spec.tree_fields
     try:  # N may pass 64: a tree's nodes are not a draft length
@@ -252,7 +252,7 @@ class DrafterLoader:
     def __init__(self, log: Callable[[str], None] | None = None, calibration=(), **model_options) -> None:
         self.log, self.calibration, self.model_options = log, calibration, model_options
         self._cache: dict[tuple, object] = {}
-        self.tree_auto: dict[str, dict] = {}  # spec text -> specdec.eagle_auto's record of an @auto tree
+        self.tree_auto: dict[str, dict] = {}  # spec text -> specdec.drafters.eagle.auto's record of an @auto tree
 
     def cached(self, key: tuple, load: Callable[[], object]):
         if key not in self._cache:
@@ -277,13 +277,13 @@ class DrafterLoader:
 
     def medusa(self, path: str, target):
         """Medusa heads from `path` for `target` (one copy per spec: a spec's @N sets their tree)."""
-        from specdec.medusa_io import load_medusa
+        from specdec.drafters.medusa.io import load_medusa
 
         self._say(f"loading Medusa heads {path}")
         return load_medusa(path, target)
 
     def eagle_head(self, path: str, target):
-        from specdec.eagle_io import load_eagle
+        from specdec.drafters.eagle.io import load_eagle
 
         def load():
             self._say(f"loading EAGLE-3 head {path}")
@@ -294,7 +294,7 @@ class DrafterLoader:
     def eagle_auto_tree(self, spec: DrafterSpec, target, head):
         """The tree `eagle:DIR@auto` picks: sizes timed on the first calibration prompt that fits."""
         from runtime.errors import ContextLengthError
-        from specdec.eagle_auto import auto_tree, describe
+        from specdec.drafters.eagle.auto import auto_tree, describe
 
         self._say("timing EAGLE-3 tree sizes on this machine (@auto)")
         tried = False

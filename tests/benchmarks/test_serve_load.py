@@ -5,7 +5,7 @@ import torch
 
 import specdec
 from runtime.tiny import tiny_model
-from specdec.engine import Engine
+from specdec.serving.engine import Engine
 
 
 def test_the_in_process_mode_answers_every_request_as_generate_does(load):

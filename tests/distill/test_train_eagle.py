@@ -27,7 +27,7 @@ from distill.train_eagle import (
 from distill.train_medusa import cache_hidden_states
 from runtime.outputs import OutputPathError
 from runtime.tiny import tiny_model
-from specdec.eagle import Eagle3Config, Eagle3Head
+from specdec.drafters.eagle.head import Eagle3Config, Eagle3Head
 
 V, LAYERS = 128, (1, 2, 3)
 FAST = dict(draft_vocab_size=96, aux_layers="1,2,3", lr=3e-3, batch_tokens=256, warmup_steps=3,

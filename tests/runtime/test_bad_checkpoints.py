@@ -75,7 +75,7 @@ def test_auto_map_in_config_is_refused_before_transformers_reads_it(tiny_llama, 
     _raises(UnsupportedModelError, lambda: runtime.load_model(ckpt), ckpt / "config.json", "'auto_map'",
             "evil.EvilModel")
     _raises(UnsupportedModelError, lambda: runtime.load_tokenizer(ckpt), ckpt / "config.json", "'auto_map'")
-    from specdec.baselines import load_hf_model
+    from specdec.evaluation.baselines import load_hf_model
 
     _raises(UnsupportedModelError, lambda: load_hf_model(ckpt, torch.float32), ckpt / "config.json", "'auto_map'")
 
@@ -102,7 +102,7 @@ def test_transformers_is_always_told_not_to_trust_remote_code(tiny_llama, tmp_pa
 
         monkeypatch.setattr(cls, "from_pretrained", classmethod(recording))
     runtime.load_model(ckpt, dtype=torch.float32)
-    from specdec.baselines import load_hf_model
+    from specdec.evaluation.baselines import load_hf_model
 
     load_hf_model(ckpt, torch.float32)
     assert ("AutoConfig", False) in seen and ("AutoModelForCausalLM", False) in seen
@@ -330,7 +330,7 @@ def test_malformed_compression_json(tmp_path, meta, start, phrase):
 # --- Medusa heads -------------------------------------------------------------------------------
 
 def _heads(path, num_heads=2, hidden=64, vocab=128, **config):
-    from specdec.medusa import MedusaConfig, MedusaHeads
+    from specdec.drafters.medusa.heads import MedusaConfig, MedusaHeads
 
     cfg = MedusaConfig(hidden_size=hidden, vocab_size=vocab, num_heads=num_heads, **config)
     heads = MedusaHeads(cfg)
@@ -347,7 +347,7 @@ def target():
 
 
 def test_medusa_num_heads_is_checked_before_any_head_is_built(tmp_path, target, monkeypatch):
-    from specdec import medusa_io
+    from specdec.drafters.medusa.drafter import io as medusa_io
 
     _heads(tmp_path)
     _edit_json(tmp_path / "medusa_config.json", num_heads=20_000)
@@ -364,7 +364,7 @@ def test_medusa_num_heads_is_checked_before_any_head_is_built(tmp_path, target, 
 
 
 def test_medusa_shapes_are_checked_against_the_config(tmp_path, target, monkeypatch):
-    from specdec import medusa_io
+    from specdec.drafters.medusa.drafter import io as medusa_io
 
     _heads(tmp_path, hidden=32, shared_lm_head=False)  # heads of a narrower model ...
     _edit_json(tmp_path / "medusa_config.json", hidden_size=64)  # ... whose config was edited to fit
@@ -381,7 +381,7 @@ def test_medusa_shapes_are_checked_against_the_config(tmp_path, target, monkeypa
                  "num_layers": 1, "shared_lm_head": True}), "is malformed (ValueError"),
 ])
 def test_malformed_medusa_config(tmp_path, target, text, phrase):
-    from specdec.medusa_io import load_medusa
+    from specdec.drafters.medusa.io import load_medusa
 
     _heads(tmp_path)
     (tmp_path / "medusa_config.json").write_text(text)
@@ -389,7 +389,7 @@ def test_malformed_medusa_config(tmp_path, target, text, phrase):
 
 
 def test_medusa_weights_that_do_not_parse_or_hold_nan(tmp_path, target):
-    from specdec.medusa_io import load_medusa
+    from specdec.drafters.medusa.io import load_medusa
 
     _heads(tmp_path)
     weights = tmp_path / "medusa.safetensors"
@@ -414,7 +414,7 @@ def test_unknown_device_is_a_value_error_before_any_file_is_read(tmp_path):
 def test_cuda_without_a_gpu_says_to_use_the_cpu(tmp_path):
     text = _raises(ValueError, lambda: runtime.load_model(tmp_path / "missing", device="cuda"), "device 'cuda'")
     assert text.endswith("no CUDA GPU is available; use --device cpu")
-    from specdec.baselines import load_hf_model
+    from specdec.evaluation.baselines import load_hf_model
 
     with pytest.raises(ValueError, match="no CUDA GPU is available"):
         load_hf_model(tmp_path / "missing", torch.float32, device="cuda:0")

@@ -231,8 +231,8 @@ def wide_bf16():
 
 
 def _bf16_drafter(target, which):
-    from specdec.eagle import Eagle3Config, Eagle3Head
-    from specdec.medusa import MedusaConfig, MedusaHeads
+    from specdec.drafters.eagle.head import Eagle3Config, Eagle3Head
+    from specdec.drafters.medusa.heads import MedusaConfig, MedusaHeads
 
     torch.manual_seed(5)
     if which == "draft":

@@ -10,9 +10,9 @@ import specdec
 from runtime.blockq import BlockQuantLinear, to_block_quant
 from runtime.kernels import cpu_blockq
 from runtime.tiny import tiny_model
-from specdec.drafters.eagle import EagleDrafter, EagleTreeConfig
-from specdec.eagle import Eagle3Config, Eagle3Head
-from specdec.medusa import MedusaConfig, MedusaHeads
+from specdec.drafters.eagle.drafter import EagleDrafter, EagleTreeConfig
+from specdec.drafters.eagle.head import Eagle3Config, Eagle3Head
+from specdec.drafters.medusa.heads import MedusaConfig, MedusaHeads
 from tests.specdec.conftest import V
 from tests.specdec.test_decode import assert_two_token_law
 

@@ -180,7 +180,7 @@ def test_bf16_speculative_output_equals_plain_on_real_prompts():
     decoding's tokens on every prompt of a batch, and each row equals its prompt decoded alone
     (with the batch-dependent kernels, 4 of these 8 differed)."""
     import runtime
-    from tests.specdec.test_engine import smollm2_chat_prompts
+    from tests.specdec.serving.test_engine import smollm2_chat_prompts
 
     name = "smollm2-135m-instruct"
     target = runtime.load_model(name, dtype=torch.bfloat16, weights="dense")

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from specdec.drafter import DraftTree, TypicalAcceptance
+from specdec.drafters.medusa.tree import Tree, build_tree, draft_tree
 from specdec.sampling import probs_from_logits
-from specdec.tree import Tree, build_tree, draft_tree
 from specdec.verify import verify
 
 

@@ -8,9 +8,9 @@ import torch
 
 import specdec
 from specdec.drafters import DRAFTERS, EagleDrafter, HybridDrafter, MedusaDrafter, ModelDrafter, make_drafter
-from specdec.drafters.eagle import EagleTreeConfig
+from specdec.drafters.eagle.drafter import EagleTreeConfig
+from specdec.drafters.medusa.heads import DEFAULT_TREE_NODES
 from specdec.drafters.spec import DrafterLoader, DrafterSpec
-from specdec.medusa import DEFAULT_TREE_NODES
 from specdec.sampling import SamplingParams
 
 GOOD = {
@@ -47,7 +47,7 @@ def test_draft_length_and_parts():
 
 
 def test_defaults_live_once():
-    """The EAGLE tree's defaults are EagleTreeConfig's, the Medusa tree's specdec.medusa's."""
+    """The EAGLE tree's defaults are EagleTreeConfig's, the Medusa tree's specdec.drafters.medusa.heads's."""
     assert DrafterSpec.parse("eagle:e").eagle_tree == EagleTreeConfig()
     assert DrafterSpec.parse("eagle:e@16").eagle_tree == EagleTreeConfig(total_tokens=16)
     assert DrafterSpec("eagle", "e", shape=(3, 6)).size == EagleTreeConfig.total_tokens
@@ -125,7 +125,7 @@ def test_unknown_strings_name_the_grammar(target):
 
 
 def test_serve_aliases_build_specs():
-    from specdec.serve_command import add_drafter_args, drafter_spec, own_draft_length
+    from specdec.serving.command import add_drafter_args, drafter_spec, own_draft_length
 
     p = argparse.ArgumentParser()
     add_drafter_args(p)
@@ -140,8 +140,8 @@ def test_serve_aliases_build_specs():
 
 def test_one_sampling_params():
     """generate's keywords, the engine's requests and eval's config check sampling in one place."""
-    from specdec.engine import SamplingParams as EngineParams
-    from specdec.evaluate import EvalConfig
+    from specdec.evaluation.evaluate import EvalConfig
+    from specdec.serving.engine import SamplingParams as EngineParams
 
     assert EngineParams is SamplingParams is specdec.SamplingParams
     assert SamplingParams().generator() is None
@@ -158,7 +158,7 @@ def test_one_sampling_params():
 
 def test_eval_methods_are_specs():
     """specdec eval's drafting methods are drafter specs; its other methods stay its own."""
-    from specdec.evaluate import MethodSpec, parse_methods
+    from specdec.evaluation.evaluate import MethodSpec, parse_methods
 
     hybrid, medusa, eagle = parse_methods("ngram+draft:m@3,medusa:h@12,eagle:e@auto:3x4")
     assert (hybrid.kind, hybrid.draft_length, hybrid.drafter) == ("hybrid", 3, DrafterSpec.parse("ngram+draft:m@3"))

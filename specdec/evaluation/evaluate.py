@@ -1,0 +1,705 @@
+"""`specdec eval`: acceptance-rate and speed evaluation of several decoding methods in one run.
+
+Every prompt is decoded by every method, methods alternating per prompt (prompt 1: all methods,
+prompt 2: all methods, ...) so that machine drift hits all of them alike, after warm-up
+generations. Methods (`--methods`, comma-separated):
+
+    plain            specdec.generate(target, ids)                      (this runtime, no draft)
+    a drafter spec   specdec.generate(target, ids, draft=SPEC)          (specdec.drafters.spec)
+                     ngram[@K], draft:X[@K], hybrid:X[@K] (= ngram+draft:X), A+B[@K] (chain
+                     drafters tried in order), medusa:PATH[@N], eagle:PATH[@N[:DxK]] / @auto[:DxK]
+    hf               transformers generate() on the same checkpoint and dtype
+    hf-assisted:X    transformers assisted generation, assistant_model = X
+    hf-pld           transformers prompt lookup (prompt_lookup_num_tokens)
+    llamacpp         llama.cpp's plain decoding of the target's GGUF (specdec.evaluation.llamacpp; `make llamacpp`)
+    llamacpp-spec:X  llama.cpp's speculative decoding, draft X (catalogue name or .gguf), @K drafts at most
+
+X is a catalogue name or checkpoint directory. `@K` is a drafter's own draft length (an integer
+or auto) in place of `--num-draft-tokens` (llamacpp-spec an integer only; default: the run's k,
+or 4 when that is auto): `draft:X@3,draft:X@7,draft:X@auto` compares draft lengths in one
+alternating run. For medusa, `@N` rebuilds the heads' tree with N nodes. For eagle, `@N` is the
+number of nodes the dynamic tree keeps (default: specdec.drafters.eagle.drafter.EagleTreeConfig's),
+`@N:DxK` also its depth D and top-k K (e.g. `@96:8x10`; a deeper, wider tree drafts longer runs
+for a larger verification forward), and `@auto` (or `@auto:DxK`) times tree sizes on this
+machine before the run (specdec.drafters.eagle.auto, on the first prompt that fits) and writes the
+measurement to `tree_auto.json`.
+
+Every method counts the new tokens after the prompt, up to and including eos, and is timed
+around the whole call (prefill included); tokens/s per prompt = new tokens / wall seconds.
+`--weights` (auto, gguf, dense) says how the runtime's models hold a GGUF's weights
+(`runtime.load_model`); the transformers baselines always run the dequantized checkpoint, and
+the llama.cpp ones the GGUF files themselves.
+
+Output directory (`--out`): `run.json` (the settings), `generations.jsonl` (one line per prompt x
+method, appended and flushed line by line), then `report.json`, `report.md`, `acceptance.png`,
+`speedup.png` rebuilt from the jsonl (see specdec.evaluation.report). Re-running with the same `--out` and
+settings resumes: (prompt, method) pairs already in the jsonl are skipped. Different settings
+fail unless `--overwrite`, which deletes only those files. `--out` must be new, empty or an
+evaluation run (run.json / report.json / generations.jsonl): a file or another directory is refused
+(runtime.outputs). A run holds `--out/.lock` while it runs: a second run on the same `--out`
+fails at once (a lock left by a killed run is taken over). A generations line holds: id, category,
+method, turns (user texts), outputs (answer texts, one per turn), output_ids (token ids per turn),
+new_tokens, wall_s, tokens_per_second, stats (AcceptanceStats.to_dict(), null for transformers
+methods).
+
+A prompt that does not fit the context (prompt + max_new_tokens beyond a model's positions:
+runtime.errors.ContextLengthError) is skipped, not fatal: a line {id, category, method, skipped:
+reason} records it, the report leaves it out of every method (report.json "skipped", a line in
+report.md), and a resumed run does not try it again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import shlex
+import sys
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from runtime import hardware
+from runtime.atomic import atomic_write_text
+from runtime.errors import ContextLengthError
+from runtime.invariant import unsupported_reason
+from runtime.loading import WEIGHTS, resolve_weights
+from runtime.outputs import output_lock, prepare_output_dir
+from runtime.progress import progress as progress_bar
+from specdec.drafters.draft_vocab import ALIGN as DRAFT_VOCAB_ALIGN
+from specdec.drafters.spec import DRAFT_LENGTH, DRAFTERS, GRAMMAR, DrafterLoader, DrafterSpec
+from specdec.evaluation.baselines import BASELINES, HF_MODES, LLAMACPP_MODES, HFGenerator, load_hf_model, new_tokens
+from specdec.evaluation.prompts import DATASETS, Prompt, encode, eos_ids, load_prompts
+from specdec.evaluation.report import baseline_label
+from specdec.options import parse_draft_length
+from specdec.sampling import SamplingParams
+from specdec.stats import AcceptanceStats
+
+# methods that are no drafter of this runtime; every other method is a drafter spec (specdec.drafters.spec)
+BASE_KINDS = ("plain", "hf", "hf-assisted", "hf-pld", "llamacpp", "llamacpp-spec")
+METHOD_KINDS = ("plain", *DRAFTERS, *BASE_KINDS[1:])
+_NEEDS_ARG = ("hf-assisted", "llamacpp-spec")
+DRAFT_LENGTH_KINDS = tuple(k for k, e in DRAFTERS.items() if e.size == DRAFT_LENGTH)  # @K = their draft length
+# methods that take @K (medusa and eagle: the tree's nodes)
+_DRAFTING = (*(k for k, e in DRAFTERS.items() if e.size is not None), "llamacpp-spec")
+LLAMACPP_DRAFT_MAX = 4  # llamacpp-spec's drafts when neither @K nor an integer --num-draft-tokens says
+_TREE_SHAPE = re.compile(r"[0-9]+x[0-9]+")  # a drafter's @N:DEPTHxTOP_K, refused by the other methods
+DTYPES = {name: hardware.DTYPES[name] for name in ("bfloat16", "float32")}  # the dtypes runs are measured in
+GENERATIONS, RUN_FILE = "generations.jsonl", "run.json"
+_OUTPUTS = (GENERATIONS, RUN_FILE, "report.json", "report.md", "acceptance.png", "speedup.png", "tree_auto.json")
+MARKERS = (RUN_FILE, "report.json", GENERATIONS)  # any of them: the directory holds an evaluation run
+WHAT = "evaluation run"
+# settings that change what a generation line holds: a resumed run must share them
+_RESUME_KEYS = ("target", "prompts", "dataset", "raw", "all_turns", "dtype", "device", "max_new_tokens",
+                "num_draft_tokens", "temperature", "top_p", "top_k", "seed", "hf_pld_tokens", "compile")
+# later options, part of the resume settings only when set (runs made before them still resume)
+_RESUME_IF_SET = ("draft_vocab", "no_row_invariant")
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One decoding method of a run: `name` as given (e.g. "draft:X@3"), its kind and argument,
+    its own draft length (the `@K` suffix: an integer or "auto"; None = the run's; for medusa and
+    eagle the tree's nodes) and, for eagle, the tree's (depth, top_k) (the `@N:DxK` suffix; None =
+    EagleTreeConfig's). Drafting methods are drafter specs (`drafter`); the others are BASE_KINDS."""
+
+    name: str
+    kind: str
+    arg: str | None = None
+    num_draft_tokens: int | str | None = None
+    tree_shape: tuple[int, int] | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> "MethodSpec":
+        name = text.strip()
+        base, at, k = name.rpartition("@")
+        k, colon, shape = k.partition(":")
+        if not at or not (k.isdigit() or k == "auto") or (colon and not _TREE_SHAPE.fullmatch(shape)):
+            base, at, k, colon = name, "", "", ""  # an "@" inside a path is part of the path
+        kind, _, arg = base.partition(":")
+        if kind in DRAFTERS or (kind not in BASE_KINDS and "+" in name):
+            spec = DrafterSpec.parse(name)
+            return cls(name, spec.kind, spec.arg, spec.size, spec.shape)
+        if kind not in BASE_KINDS:
+            raise ValueError(f"unknown method {text!r}; choose from plain, hf, hf-assisted:NAME_OR_PATH, hf-pld, "
+                             f"llamacpp, llamacpp-spec:NAME_OR_GGUF@K, or a drafter: {GRAMMAR}")
+        if kind in _NEEDS_ARG and not arg:
+            raise ValueError(f"method {kind!r} needs a model: write {kind}:NAME_OR_PATH")
+        if kind not in _NEEDS_ARG and arg:
+            raise ValueError(f"method {kind!r} takes no argument, got {text!r}")
+        if at and kind not in _DRAFTING:
+            raise ValueError(f"{text!r}: only {', '.join(_DRAFTING)} take a draft length @K")
+        if colon:
+            raise ValueError(f"{text!r}: only eagle takes a tree shape (@N:DEPTHxTOP_K)")
+        if kind == "llamacpp-spec" and k == "auto":
+            raise ValueError(f"{text!r}: llama.cpp drafts a fixed number of tokens at most: write @K, an integer")
+        return cls(name, kind, arg or None, parse_draft_length(k) if at else None)
+
+    @property
+    def drafter(self) -> DrafterSpec | None:
+        """The drafter spec of a drafting method (None for plain and the baselines)."""
+        return DrafterSpec.parse(self.name) if self.kind in DRAFTERS else None
+
+    @property
+    def draft_length(self) -> int | str | None:
+        """The method's own draft length (@K of ngram, draft, hybrid), None = the run's."""
+        return self.num_draft_tokens if self.kind in DRAFT_LENGTH_KINDS else None
+
+    @property
+    def tree_fields(self) -> dict[str, int]:
+        """EagleTreeConfig keywords of the tree shape (empty: EagleTreeConfig's default depth and top-k)."""
+        return dict(zip(("depth", "top_k"), self.tree_shape or ()))
+
+
+def parse_methods(text: str | list[str] | tuple[str, ...]) -> list[MethodSpec]:
+    """Methods from "plain,ngram,hf" (or a list); names unique, at most one per transformers kind."""
+    items = text.split(",") if isinstance(text, str) else list(text)
+    specs = [MethodSpec.parse(t) for t in items if t.strip()]
+    if not specs:
+        raise ValueError("no methods given; e.g. --methods plain,ngram,hf")
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"methods repeat: {names}")
+    labels = [label for label in map(baseline_label, names) if label]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"at most one method of each baseline kind ({', '.join(BASELINES)}; llamacpp-spec: one per "
+                         "@K): they name the speedup_vs_<baseline> columns")
+    return specs
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Settings of one evaluation run (the CLI's defaults are these)."""
+
+    out: str
+    methods: str = "plain,ngram,hf"
+    target: str = "qwen2.5-coder-1.5b-instruct"
+    prompts: str | None = None
+    dataset: str | None = None
+    limit: int | None = None
+    raw: bool = False
+    all_turns: bool = False
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    max_new_tokens: int = 128
+    num_draft_tokens: int | str = 5
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    warmup: int = 1
+    hf_pld_tokens: int = 10
+    threads: int | None = None
+    compile: bool = False
+    draft_vocab: int = 0
+    weights: str = "auto"
+    no_row_invariant: bool = False
+    overwrite: bool = False
+
+    def __post_init__(self) -> None:
+        parse_methods(self.methods)
+        if (self.prompts is None) == (self.dataset is None):
+            raise ValueError("pass exactly one prompt source: --prompts FILE.jsonl or --dataset "
+                             f"({', '.join(DATASETS)})")
+        if self.dataset is not None and self.dataset not in DATASETS:
+            raise ValueError(f"unknown dataset {self.dataset!r}; choose one of {', '.join(DATASETS)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"limit must be >= 1, got {self.limit}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        object.__setattr__(self, "num_draft_tokens", parse_draft_length(self.num_draft_tokens))
+        self.sampling  # noqa: B018 (checks temperature, top_p, top_k and max_new_tokens)
+        if self.warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+        if self.hf_pld_tokens < 1:
+            raise ValueError(f"hf_pld_tokens must be >= 1, got {self.hf_pld_tokens}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1 (or None for torch's default), got {self.threads}")
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
+        if self.draft_vocab < 0 or self.draft_vocab % DRAFT_VOCAB_ALIGN:
+            raise ValueError(f"draft_vocab must be 0 (the full vocabulary) or a multiple of "
+                             f"{DRAFT_VOCAB_ALIGN}, got {self.draft_vocab}")
+
+    @property
+    def method_specs(self) -> list[MethodSpec]:
+        return parse_methods(self.methods)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def sampling(self) -> SamplingParams:
+        """The run's sampling settings (each prompt's seed comes from `seed_for`)."""
+        return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+                              top_k=self.top_k)
+
+
+def command_line(subcommand: str, cfg) -> str:
+    """The `specdec SUBCOMMAND ...` line that reproduces a config dataclass, every option spelled out."""
+    parts = ["specdec", subcommand]
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        flag = "--" + f.name.replace("_", "-")
+        if value is True:
+            parts.append(flag)
+        elif value is not None and value is not False:
+            parts += [flag, str(value)]
+    return shlex.join(parts)
+
+
+class SettingsMismatchError(ValueError):
+    """--out holds a run made with different settings."""
+
+
+def run_settings(cfg: EvalConfig, eos: list[int], prompt_format: str) -> dict:
+    """The settings that a resumed run must share, plus what they imply (eos ids, prompt format)."""
+    settings = {k: getattr(cfg, k) for k in _RESUME_KEYS}
+    settings.update({k: getattr(cfg, k) for k in _RESUME_IF_SET if getattr(cfg, k)})
+    settings["prompts"] = str(Path(cfg.prompts).resolve()) if cfg.prompts else None
+    settings["weights"] = resolve_weights(cfg.weights, cfg.target, cfg.device)  # what the runtime's target holds
+    settings["row_invariant"] = (not cfg.no_row_invariant
+                                 and unsupported_reason(torch.device(cfg.device), cfg.torch_dtype) is None)
+    settings.update(eos_token_id=eos, prompt_format=prompt_format)
+    return settings
+
+
+def settings_hash(settings: dict) -> str:
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def check_out_dir(out: str | Path, overwrite: bool = False) -> Path:
+    """Fail (runtime.outputs.OutputPathError) unless `out` is new, empty or an evaluation run."""
+    return prepare_output_dir(out, MARKERS, overwrite, what=WHAT, resume=True)
+
+
+def prepare_out_dir(out: Path, settings: dict, overwrite: bool) -> None:
+    """Create `out`, or check that the run it holds used `settings` (or clear it with overwrite:
+    the run's own files only). A file or a directory that holds no evaluation run is refused."""
+    out = check_out_dir(out, overwrite)
+    out.mkdir(parents=True, exist_ok=True)
+    run_file = out / RUN_FILE
+    if overwrite:
+        for name in _OUTPUTS:
+            (out / name).unlink(missing_ok=True)
+    if run_file.is_file():
+        old = json.loads(run_file.read_text())["settings"]
+        if old != settings:
+            diff = [f"{k}: {old.get(k)!r} -> {settings.get(k)!r}" for k in sorted(set(old) | set(settings))
+                    if old.get(k) != settings.get(k)]
+            raise SettingsMismatchError(f"{out} holds a run with different settings ({'; '.join(diff)}); "
+                                        "use a new --out, or --overwrite to discard that run")
+    elif (out / GENERATIONS).is_file():
+        raise SettingsMismatchError(f"{out / GENERATIONS} exists without {RUN_FILE}, so its settings "
+                                    "are unknown; use a new --out, or --overwrite to discard it")
+    atomic_write_text(run_file, json.dumps({"settings": settings, "settings_hash": settings_hash(settings)},
+                                       indent=2) + "\n")
+
+
+def read_generations(path: Path, digest: str | None = None) -> list[dict]:
+    """Complete lines of a generations.jsonl (of one settings hash when given).
+
+    A run killed while writing leaves a partial last line; it is dropped from the file here, so
+    that appending continues on a fresh line.
+    """
+    if not path.is_file():
+        return []
+    text = path.read_text(encoding="utf-8")
+    if text and not text.endswith("\n"):
+        text = text[:text.rfind("\n") + 1]
+        atomic_write_text(path, text)
+    records = [json.loads(line) for line in text.splitlines() if line.strip()]
+    return [r for r in records if digest is None or r.get("settings_hash") == digest]
+
+
+def seed_for(seed: int, prompt_id: str, turn: int) -> int:
+    """Per-(prompt, turn) seed, independent of method order and of resuming."""
+    return (seed * 1_000_003 + zlib.crc32(prompt_id.encode()) * 64 + turn) % (2**63 - 1)
+
+
+class _RunLoader(DrafterLoader):
+    """What a run's drafter specs name, loaded once per run: draft models as the runner loads them
+    (--draft-vocab, --compile, sharing the target's copy when they name it), @auto trees timed on
+    the run's prompts."""
+
+    def __init__(self, runner: Runner) -> None:
+        super().__init__()
+        self.runner = runner
+
+    def model(self, name: str, target):
+        return self.runner._draft_model(name)
+
+    def calibration_prompts(self):
+        r = self.runner
+        return ((p.id, torch.tensor(encode(r.tokenizer, [p.turns[0]], [], r.cfg.raw))) for p in r.calibration)
+
+
+class Runner:
+    """Loads each model once and decodes one prompt with one method."""
+
+    def __init__(self, cfg: EvalConfig, tokenizer, eos: list[int]) -> None:
+        import runtime
+
+        self.cfg, self.tokenizer, self.eos = cfg, tokenizer, eos
+        self._runtime = runtime
+        self._models: dict[tuple[str, str], object] = {}
+        self.calibration: list[Prompt] = []  # prompts an `@auto` EAGLE-3 tree is measured on (the first that fits)
+        self.loader = _RunLoader(self)  # loads what the drafter specs name, each once per run
+
+    @property
+    def tree_auto(self) -> dict[str, dict]:
+        """method name -> specdec.drafters.eagle.auto's record of its @auto tree."""
+        return dict(self.loader.tree_auto)
+
+    def _cached(self, key: tuple[str, str], load):
+        if key not in self._models:
+            self._models[key] = load()
+        return self._models[key]
+
+    @property
+    def target(self):
+        return self._runtime_model(self.cfg.target)
+
+    def _runtime_model(self, name: str):
+        return self._cached(("runtime", name), lambda: self._runtime.load_model(
+            name, dtype=self.cfg.torch_dtype, device=self.cfg.device, compile=self.cfg.compile,
+            weights=self.cfg.weights, row_invariant=not self.cfg.no_row_invariant))
+
+    def _draft_model(self, name: str):
+        """The draft model `name`: with --draft-vocab N a copy of its own (the target never takes
+        it), the vocabulary restricted before the model is compiled."""
+        cfg = self.cfg
+        if not cfg.draft_vocab:
+            return self._runtime_model(name)
+
+        def load():
+            from specdec.drafters.draft_vocab import restrict_vocab
+
+            model = self._runtime.load_model(name, dtype=cfg.torch_dtype, device=cfg.device, weights=cfg.weights,
+                                             row_invariant=not cfg.no_row_invariant)
+            restrict_vocab(model, self._frequent_tokens(model.config.vocab_size))
+            return self._runtime.compile_decode(model) if cfg.compile else model
+
+        return self._cached(("draft", name), load)
+
+    def _frequent_tokens(self, vocab_size: int) -> torch.Tensor:
+        from specdec.drafters.draft_vocab import frequent_tokens
+
+        return self._cached(("draft-vocab", str(vocab_size)), lambda: frequent_tokens(
+            self.tokenizer, self.cfg.draft_vocab, vocab_size))
+
+    def _hf_model(self, name: str):
+        pad = self.tokenizer.pad_token_id
+        if pad is None and self.eos:
+            pad = self.eos[0]
+        return self._cached(("hf", name), lambda: load_hf_model(
+            name, self.cfg.torch_dtype, self.cfg.device, eos_token_id=self.eos or None, pad_token_id=pad))
+
+    def draft_for(self, spec: MethodSpec):
+        """The `draft=` argument of specdec.generate for a specdec method."""
+        if spec.kind == "plain":
+            return None
+        if spec.drafter is None:
+            raise ValueError(f"{spec.name} is not a specdec method")
+        return spec.drafter.load(self.target, self.loader)
+
+    def llama_server(self, spec: MethodSpec):
+        """The running llama-server of a llamacpp method (started on first use, stopped by `close`)."""
+        from runtime.loading import gguf_source
+        from specdec.evaluation.llamacpp import LlamaServer, server_binary
+
+        def start():
+            server_binary()  # a clear error before anything else when llama.cpp is not built
+            target = gguf_source(self.cfg.target)
+            if target is None:
+                raise ValueError(f"{spec.name}: llama.cpp runs GGUF files, and the target {self.cfg.target!r} is "
+                                 "neither a catalogue name nor a .gguf file")
+            draft = None
+            if spec.kind == "llamacpp-spec":
+                draft = gguf_source(spec.arg)
+                if draft is None:
+                    raise ValueError(f"{spec.name}: the draft {spec.arg!r} is neither a catalogue name nor a .gguf "
+                                     "file")
+                if str(spec.arg) != str(self.cfg.target):  # the check `draft:` methods get from generate()
+                    from specdec.drafters.model import check_token_strings
+
+                    check_token_strings(spec.arg, self.cfg.target, sample=64)
+            k = spec.num_draft_tokens or self.cfg.num_draft_tokens
+            server = LlamaServer(target, draft, k if isinstance(k, int) else LLAMACPP_DRAFT_MAX,
+                                 threads=self.cfg.threads or torch.get_num_threads())
+            server.start()
+            return server
+
+        return self._cached(("llamacpp", spec.name), start)
+
+    def close(self) -> None:
+        """Stop the llama.cpp servers this runner started."""
+        for key, value in self._models.items():
+            if key[0] == "llamacpp":
+                value.stop()
+
+    def hf_generator(self, spec: MethodSpec) -> HFGenerator:
+        assistant = self._hf_model(spec.arg) if spec.kind == "hf-assisted" else None
+        return self._cached(("hfgen", spec.name), lambda: HFGenerator(
+            self._hf_model(self.cfg.target), spec.kind, assistant, self.cfg.hf_pld_tokens))
+
+    def decode(self, spec: MethodSpec, ids: list[int], seed: int) -> tuple[list[int], dict | None, float]:
+        """(new tokens, stats dict or None, wall seconds) for one prompt."""
+        cfg = self.cfg
+        if spec.kind in LLAMACPP_MODES:
+            from specdec.evaluation.llamacpp import stats_from_timings
+
+            server = self.llama_server(spec)
+            start = time.perf_counter()
+            new, timings = server.complete(ids, cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k, seed)
+            wall = time.perf_counter() - start
+            new = new_tokens(new, frozenset(self.eos))
+            return new, stats_from_timings(timings, len(new), wall), wall
+        if spec.kind in HF_MODES:
+            gen = self.hf_generator(spec)
+            if cfg.temperature > 0:
+                torch.manual_seed(seed)  # transformers samples from the global generator
+            start = time.perf_counter()
+            new = gen.generate(ids, cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k)
+            return new, None, time.perf_counter() - start
+        import specdec
+
+        target, draft = self.target, self.draft_for(spec)
+        generator = torch.Generator(device=cfg.device).manual_seed(seed)
+        own = spec.draft_length  # medusa's and eagle's @N sized their tree (k unused)
+        sampling = cfg.sampling
+        start = time.perf_counter()
+        out = specdec.generate(target, [torch.tensor(ids)], draft=draft, max_new_tokens=sampling.max_new_tokens,
+                               temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                               num_draft_tokens=own or cfg.num_draft_tokens,
+                               eos_token_id=self.eos or None,
+                               generator=generator)
+        wall = time.perf_counter() - start
+        return new_tokens(out.sequences[0][len(ids):].tolist(), frozenset(self.eos)), out.stats.to_dict(), wall
+
+    def run_prompt(self, spec: MethodSpec, prompt: Prompt) -> dict:
+        """Decode every turn of a prompt (later turns follow the method's own answers)."""
+        answers, output_ids, tokens, wall, stats = [], [], 0, 0.0, None
+        for turn in range(len(prompt.turns)):
+            ids = encode(self.tokenizer, list(prompt.turns[:turn + 1]), answers, self.cfg.raw)
+            new, st, secs = self.decode(spec, ids, seed_for(self.cfg.seed, prompt.id, turn))
+            answers.append(self.tokenizer.decode(new, skip_special_tokens=True))
+            output_ids.append(new)
+            tokens, wall = tokens + len(new), wall + secs
+            if st is not None:
+                stats = AcceptanceStats.from_dict(st) if stats is None else stats.merge(AcceptanceStats.from_dict(st))
+        return {"id": prompt.id, "category": prompt.category, "method": spec.name, "turns": list(prompt.turns),
+                "outputs": answers, "output_ids": output_ids, "new_tokens": tokens, "wall_s": wall,
+                "tokens_per_second": tokens / wall if wall > 0 else 0.0,
+                "stats": stats.to_dict() if stats is not None else None}
+
+
+def versions() -> dict:
+    """Software and machine the run used."""
+    import importlib.metadata
+    import platform
+
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__,
+            "specdec": importlib.metadata.version("specdec"), "python": platform.python_version(),
+            "platform": platform.platform(), "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "cpu": hardware.cpu_summary()}
+
+
+def run_eval(cfg: EvalConfig, command: str | None = None, progress: bool = True) -> dict:
+    """Run (or resume) an evaluation; writes the files in `cfg.out` and returns the report dict.
+
+    Fails at once (runtime.outputs.OutputPathError) when `cfg.out` is a file, a directory that
+    holds no evaluation run, or the directory of a run still going on (its lock)."""
+    out = check_out_dir(cfg.out, cfg.overwrite)
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        with output_lock(out, "specdec eval"):
+            return _run_locked(cfg, out, command, progress)
+    except BaseException:
+        if created and not any(out.iterdir()):
+            out.rmdir()  # bad input found before anything was written: leave no empty directory behind
+        raise
+
+
+def _run_locked(cfg: EvalConfig, out: Path, command: str | None, progress: bool) -> dict:
+    import runtime
+    from specdec.evaluation.report import build_report, write_report
+
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    specs = cfg.method_specs
+    if any(s.kind in LLAMACPP_MODES for s in specs):
+        from specdec.evaluation.llamacpp import server_binary
+
+        server_binary()  # not built: say how, before any model loads
+    prompts = load_prompts(cfg.prompts, cfg.dataset, cfg.limit, cfg.all_turns)
+    tokenizer = runtime.load_tokenizer(cfg.target)
+    eos = eos_ids(cfg.target, tokenizer)
+    settings = run_settings(cfg, eos, "raw" if cfg.raw else "chat")
+    if not cfg.raw:
+        encode(tokenizer, [prompts[0].turns[0]], [], raw=False)  # fails early without a chat template
+    prepare_out_dir(out, settings, cfg.overwrite)
+    digest = settings_hash(settings)
+    path = out / GENERATIONS
+    previous = read_generations(path, digest)
+    skipped = {r["id"] for r in previous if r.get("skipped")}  # prompts that did not fit: never retried
+    done = {(r["id"], r["method"]) for r in previous}
+    todo = [(p, s) for p in prompts if p.id not in skipped for s in specs if (p.id, s.name) not in done]
+    runner = Runner(cfg, tokenizer, eos)
+    try:
+        _generate_all(runner, cfg, specs, prompts, todo, skipped, path, digest, progress)
+    finally:
+        runner.close()
+    if runner.tree_auto:
+        atomic_write_text(out / "tree_auto.json", json.dumps(runner.tree_auto, indent=1))
+    records = read_generations(path, digest)
+    report = build_report(records, settings, [s.name for s in specs], [p.id for p in prompts],
+                          command=command if command is not None else command_line("eval", cfg),
+                          versions=versions())
+    write_report(out, report)
+    return report
+
+
+def _generate_all(runner: Runner, cfg: EvalConfig, specs: list[MethodSpec], prompts: list[Prompt],
+                  todo: list[tuple[Prompt, MethodSpec]], skipped: set[str], path: Path, digest: str,
+                  progress: bool) -> None:
+    """Warm every pending method up, then decode `todo` prompt-major, appending each line to `path`."""
+    runner.calibration = [p for p in prompts if p.id not in skipped]
+    pending = {s.name for _, s in todo}
+    for spec in specs:  # warm-up: untimed, unrecorded generations on the first prompt that fits
+        if spec.name in pending:
+            for _ in range(cfg.warmup):
+                _warm_up(runner, spec, [p for p in prompts if p.id not in skipped])
+    with path.open("a", encoding="utf-8") as fh, \
+            progress_bar(total=len(todo), desc="eval", unit="gen", disable=not progress) as bar:
+        for prompt, spec in todo:  # prompt-major: all methods on prompt 1, then prompt 2, ...
+            bar.set_postfix_str(f"{prompt.id} {spec.name}", refresh=False)
+            if prompt.id in skipped:  # an earlier method found it too long
+                bar.update()
+                continue
+            try:
+                rec = runner.run_prompt(spec, prompt)
+            except ContextLengthError as err:
+                skipped.add(prompt.id)
+                rec = {"id": prompt.id, "category": prompt.category, "method": spec.name, "skipped": str(err)}
+                bar.write(f"specdec eval: skipping prompt {prompt.id}: {err}", file=sys.stderr)
+            rec["settings_hash"] = digest
+            fh.write(json.dumps(rec) + "\n")
+            fh.flush()
+            bar.update()
+
+
+# draft lengths a compiled warm-up also runs, so that every block size a draft length of `auto` (or any
+# k <= 7) can pick is compiled before timing: blocks of 2, 4 and 8 tokens, the draft's feeds of 1 and 2
+COMPILE_WARMUP_DRAFTS = (1, 3, 7)
+
+
+def _warm_up(runner: Runner, spec: MethodSpec, prompts: list[Prompt]) -> None:
+    """One untimed generation of `spec` on the first of `prompts` whose first turn fits the context;
+    with --compile, drafting methods also run at COMPILE_WARMUP_DRAFTS (a few tokens each)."""
+    for prompt in prompts:
+        ids = encode(runner.tokenizer, [prompt.turns[0]], [], runner.cfg.raw)
+        try:
+            runner.decode(spec, ids, runner.cfg.seed)
+        except ContextLengthError:
+            continue
+        if runner.cfg.compile and spec.kind in DRAFT_LENGTH_KINDS:
+            for k in COMPILE_WARMUP_DRAFTS:
+                runner.decode(dataclasses.replace(spec, num_draft_tokens=k), ids, runner.cfg.seed)
+        return
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    """Add the `eval` subcommand to an argparse subparsers object."""
+    d = {f.name: f.default for f in dataclasses.fields(EvalConfig)}
+    p = subparsers.add_parser(
+        "eval", help="compare decoding methods: acceptance (tau) and speed on a prompt set",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="output directory: new, empty, or an earlier run's (re-running "
+                   "with it resumes; a directory specdec did not write is refused)")
+    p.add_argument("--methods", default=d["methods"],
+                   help="comma-separated methods: plain, hf, hf-assisted:X, hf-pld, llamacpp, llamacpp-spec:X@K "
+                        "(`make llamacpp` first), and drafter specs (the grammar of specdec serve --draft and "
+                        "generate(draft=...)): draft:X, ngram, hybrid:X, A+B (chain drafters tried in order), "
+                        "medusa:PATH, eagle:PATH; draft/ngram/hybrid take @K for their own draft length, "
+                        "e.g. ngram@3, draft:X@auto, medusa @N its tree's nodes, and eagle @N for its tree's nodes "
+                        "(@N:DxK also its depth and top-k, e.g. @96:8x10) or @auto to time tree sizes first "
+                        "(default: %(default)s)")
+    p.add_argument("--target", default=d["target"], help="target model: catalogue name, checkpoint dir, "
+                   ".gguf or hub id (default: %(default)s)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompts", default=d["prompts"], help="jsonl prompt file: {\"prompt\"} or "
+                     "MT-bench style {\"question_id\", \"category\", \"turns\"} lines")
+    src.add_argument("--dataset", default=d["dataset"], choices=DATASETS, help="a built-in prompt set")
+    p.add_argument("--limit", type=int, default=d["limit"], help="use the first N prompts (default: all)")
+    p.add_argument("--raw", action="store_true", help="feed prompts as plain completions instead of "
+                   "applying the chat template")
+    p.add_argument("--all-turns", action="store_true", help="MT-bench files: answer every turn, each "
+                   "after the method's own previous answers (default: first turn only)")
+    p.add_argument("--dtype", default=d["dtype"], choices=list(DTYPES), help="(default: %(default)s)")
+    p.add_argument("--device", default=d["device"], help="cpu or cuda (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=d["max_new_tokens"], help="(default: %(default)s)")
+    p.add_argument("--num-draft-tokens", default=d["num_draft_tokens"],
+                   help="draft tokens per step k, an integer or 'auto' (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=d["temperature"], help="0 = greedy (default: "
+                   "%(default)s)")
+    p.add_argument("--top-p", type=float, default=d["top_p"], help="(default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=d["top_k"], help="0 = off (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=d["seed"], help="seed of the per-prompt generators "
+                   "(default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=d["warmup"], help="untimed warm-up generations per "
+                   "method before timing (default: %(default)s)")
+    p.add_argument("--hf-pld-tokens", type=int, default=d["hf_pld_tokens"],
+                   help="prompt_lookup_num_tokens of the hf-pld baseline (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=d["threads"], help="torch.set_num_threads for the run "
+                   "(default: torch's default, one per core)")
+    p.add_argument("--compile", action="store_true", help="runtime.compile_decode the target and the "
+                   "draft models of the specdec methods (torch.compile; transformers baselines stay "
+                   "as transformers runs them); compiling happens in the untimed warm-up")
+    p.add_argument("--draft-vocab", type=int, default=d["draft_vocab"], metavar="N",
+                   help="draft models score only the N most frequent tokens (FR-Spec; a multiple of "
+                   "16, e.g. 65536 of qwen's 151936): a cheaper LM head for the draft, output still "
+                   "lossless (default: 0 = the full vocabulary)")
+    p.add_argument("--weights", default=d["weights"], choices=list(WEIGHTS),
+                   help="how the runtime holds a GGUF model's weights (catalogue names, .gguf files): gguf = its "
+                        "4-bit blocks (CPU kernels), dense = dequantized to --dtype, auto = gguf where the CPU "
+                        "has the AVX-512 VNNI kernels (default: %(default)s)")
+    p.add_argument("--no-row-invariant", action="store_true",
+                   help="the batch-dependent kernels instead of the row-invariant ones (bf16 on the CPU), as a "
+                        "speed baseline: greedy speculative output may then differ from plain decoding at "
+                        "near-tied tokens")
+    p.add_argument("--overwrite", action="store_true", help="discard a run already in --out (its own files "
+                   "only; other files there are never deleted)")
+    p.set_defaults(func=main)
+    return p
+
+
+def main(args: argparse.Namespace) -> int:
+    """Entry point of `specdec eval`: runs, prints the Markdown report, returns the exit code."""
+    from specdec.evaluation.report import render_markdown
+
+    names = {f.name for f in dataclasses.fields(EvalConfig)}
+    cfg = EvalConfig(**{k: v for k, v in vars(args).items() if k in names})
+    report = run_eval(cfg)
+    print(render_markdown(report))
+    print(f"wrote {cfg.out}/report.json, report.md, acceptance.png, speedup.png, {GENERATIONS}")
+    return 0
+
+
+if __name__ == "__main__":
+    _parser = argparse.ArgumentParser(prog="python -m specdec.evaluation.evaluate")
+    register(_parser.add_subparsers(dest="command", required=True))
+    _args = _parser.parse_args(["eval", *sys.argv[1:]])
+    sys.exit(_args.func(_args))

@@ -1,0 +1,185 @@
+"""`specdec serve`: load a target and its drafter, then serve them over OpenAI-compatible HTTP.
+
+    specdec serve --model qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct \\
+        --max-batch 4 --port 8000
+
+Drafters: `--draft SPEC` in the grammar of `specdec eval --methods` (specdec.drafters.spec):
+`ngram[@K]`, `draft:NAME_OR_PATH[@K]` (a bare NAME_OR_PATH is a draft model too), chain drafters
+joined by '+' tried in order (`ngram+NAME`), `medusa:DIR[@N]`, `eagle:DIR[@N[:DxK]]` or
+`eagle:DIR@auto` (tree sizes timed on this machine at start-up); none = plain decoding. `--eagle
+PATH` (with `--eagle-tree`, `--eagle-depth`, `--eagle-top-k`) and `--medusa PATH` are aliases of
+those specs. Loading a drafter reports on stderr (`specdec generate` shares it).
+Requests join the running batch between steps (`specdec.serving.engine.Engine`, at most --max-batch rows).
+The address is checked and the models loaded before the server starts, so a taken port or a bad
+model path fails at once with one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import socket
+import sys
+
+from runtime.hardware import DTYPES
+from runtime.loading import WEIGHTS
+from specdec.drafters.eagle.drafter import EagleTreeConfig
+from specdec.drafters.spec import DrafterLoader, DrafterSpec
+from specdec.options import WEIGHTS_HELP
+
+
+def check_address(host: str, port: int) -> None:
+    """Fail fast (before any model loads) when host:port cannot be bound."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as err:
+            hint = "another process listens there: pick another --port" if err.errno == errno.EADDRINUSE \
+                else "check --host and --port"
+            raise ValueError(f"cannot listen on {host}:{port} ({err.strerror}); {hint}") from err
+
+
+def drafter_spec(args: argparse.Namespace) -> DrafterSpec | None:
+    """The DrafterSpec of --draft, or of its aliases --eagle (with --eagle-tree / --eagle-depth /
+    --eagle-top-k) and --medusa; None = plain decoding."""
+    if args.eagle:
+        depth, top_k = args.eagle_depth, args.eagle_top_k
+        shape = None if depth is None and top_k is None else (EagleTreeConfig.depth if depth is None else depth,
+                                                              EagleTreeConfig.top_k if top_k is None else top_k)
+        return DrafterSpec("eagle", args.eagle, args.eagle_tree, shape)
+    if args.medusa:
+        return DrafterSpec("medusa", args.medusa)
+    return DrafterSpec.parse(args.draft, bare="draft") if args.draft else None
+
+
+def load_drafter(args: argparse.Namespace, target):
+    """The `draft` argument of the Engine (and of generate()) for --draft / --eagle / --medusa (None =
+    plain decoding): the spec's models and heads, loaded as --dtype / --device / --weights /
+    --compile say, each load reported on stderr."""
+    spec = drafter_spec(args)
+    if spec is None:
+        return None
+    loader = DrafterLoader(log=lambda line: print(line, file=sys.stderr, flush=True),
+                           calibration=_calibration(args.model), dtype=DTYPES[args.dtype], device=args.device,
+                           compile=getattr(args, "compile", False), weights=args.weights)
+    return spec.load(target, loader)
+
+
+# the prompt an `@auto` EAGLE-3 tree is timed on (a server has no prompt set of its own)
+CALIBRATION_PROMPT = ("Write a Python function that returns the longest palindromic substring of a string, "
+                      "with a docstring and a few doctests.")
+
+
+def _calibration(model: str):
+    """(label, ids) of CALIBRATION_PROMPT, tokenized when an @auto tree asks for it."""
+    import torch
+
+    import runtime
+    from specdec.evaluation.prompts import encode
+
+    tok = runtime.load_tokenizer(model)
+    yield "calibration", torch.tensor(encode(tok, [CALIBRATION_PROMPT], [], raw=not getattr(tok, "chat_template",
+                                                                                           None)))
+
+
+def main(args: argparse.Namespace) -> int:
+    """Entry point of `specdec serve`: check the address, load, then serve until interrupted."""
+    import runtime
+    from specdec.evaluation.prompts import eos_ids
+    from specdec.serving.engine import Engine
+    from specdec.serving.server import create_app, serve
+
+    if args.max_batch < 1:
+        raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
+    check_address(args.host, args.port)
+    spec = drafter_spec(args)  # a bad --draft fails before any model loads
+    print(f"loading target {args.model} ({args.dtype}, {args.device}{', compiled' if args.compile else ''})",
+          flush=True)
+    target = runtime.load_model(args.model, dtype=DTYPES[args.dtype], device=args.device, compile=args.compile,
+                                weights=args.weights, row_invariant=not args.no_row_invariant)
+    tokenizer = runtime.load_tokenizer(args.model)
+    draft = load_drafter(args, target)
+    eos = eos_ids(args.model, tokenizer)
+    engine = Engine(target, draft, max_batch=args.max_batch, max_len=args.max_len,
+                    num_draft_tokens=own_draft_length(spec, args.num_draft_tokens), eos_token_id=eos or None)
+    name = args.served_model_name or args.model
+    drafter = str(spec) if spec is not None else "none (plain decoding)"
+    print(f"serving {name!r} on http://{args.host}:{args.port}/v1 (drafter {drafter}, max batch {args.max_batch}, "
+          f"eos ids {eos})", flush=True)
+    print(batch_mode(target), flush=True)
+    serve(create_app(engine, tokenizer, name, max_model_len=args.max_len), host=args.host, port=args.port,
+          log_level=args.log_level)
+    return 0
+
+
+def own_draft_length(spec: DrafterSpec | None, num_draft_tokens: int | str) -> int | str:
+    """--num-draft-tokens, or the spec's own @K in its place."""
+    own = spec.draft_length if spec is not None else None
+    return num_draft_tokens if own is None else own
+
+
+def batch_mode(target) -> str:
+    """One line saying whether a greedy answer depends on the batch it is decoded in."""
+    if getattr(target, "row_invariant", False):
+        return ("row-invariant kernels: a greedy answer is the same whatever requests share its batch, and "
+                "equals plain decoding")
+    return ("batch-dependent kernels (--no-row-invariant, float32, or a device without the row-invariant "
+            "kernels): in bf16 a greedy answer may differ at near-tied tokens with the requests sharing its batch")
+
+
+def add_drafter_args(p: argparse.ArgumentParser) -> None:
+    """--draft / --eagle / --medusa and the EAGLE-3 tree's options (`load_drafter` reads them;
+    `specdec generate` shares them)."""
+    from specdec.cli import tree_nodes_arg
+
+    drafter = p.add_mutually_exclusive_group()
+    drafter.add_argument("--draft", default=None, metavar="SPEC",
+                         help="the drafter, as in specdec eval --methods: ngram[@K], draft:NAME_OR_PATH[@K] (or just "
+                              "NAME_OR_PATH), several chain drafters joined by '+' tried in order (e.g. "
+                              "'ngram+qwen2.5-coder-0.5b-instruct'), medusa:DIR[@N], eagle:DIR[@N[:DxK]] or "
+                              "eagle:DIR@auto; @K replaces --num-draft-tokens; omit for plain decoding")
+    drafter.add_argument("--eagle", default=None, metavar="PATH", help="an EAGLE-3 head directory (alias of --draft "
+                         "eagle:PATH@N:DxK with the three options below)")
+    drafter.add_argument("--medusa", default=None, metavar="PATH", help="a Medusa heads directory (alias of --draft "
+                         "medusa:PATH)")
+    p.add_argument("--eagle-tree", type=tree_nodes_arg, default=None, metavar="N|auto",
+                   help="--eagle: nodes the dynamic tree keeps (at most top_k + (depth - 1) * top_k^2), or auto to "
+                        "time sizes up to 64 on this machine first (small trees win on a CPU; default: "
+                        f"{EagleTreeConfig.total_tokens})")
+    p.add_argument("--eagle-depth", type=int, default=None, help=f"--eagle: levels of the tree (default: "
+                   f"{EagleTreeConfig.depth})")
+    p.add_argument("--eagle-top-k", type=int, default=None, help="--eagle: children per expanded node and nodes "
+                   f"expanded per level (default: {EagleTreeConfig.top_k})")
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    """Add the `serve` subcommand to an argparse subparsers object."""
+    from specdec.cli import DEFAULT_MODEL, draft_length_arg
+
+    p = subparsers.add_parser("serve", help="serve a model over OpenAI-compatible HTTP with continuous batching",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=DEFAULT_MODEL, help="target: catalogue name, checkpoint dir, .gguf or hub id "
+                   "(default: %(default)s)")
+    add_drafter_args(p)
+    p.add_argument("--max-batch", type=int, default=4, help="rows decoded together (default: %(default)s)")
+    p.add_argument("--max-len", type=int, default=None, help="prompt + generated tokens per request (default: the "
+                   "model's context)")
+    p.add_argument("--num-draft-tokens", type=draft_length_arg, default=5, help="drafts per step (default: "
+                   "%(default)s)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, loopback "
+                   "only; 0.0.0.0 exposes the server to the network)")
+    p.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES), help="(default: %(default)s)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
+    p.add_argument("--weights", default="auto", choices=list(WEIGHTS), help=WEIGHTS_HELP)
+    p.add_argument("--compile", action="store_true", help="torch.compile the decode steps of the target and "
+                   "draft models (the first request of each shape compiles)")
+    p.add_argument("--no-row-invariant", action="store_true",
+                   help="the batch-dependent kernels instead of the row-invariant ones (bf16 on the CPU): a "
+                        "greedy answer may then differ with the requests it shares a batch with")
+    p.add_argument("--served-model-name", default=None, help="the model name requests must use (default: --model)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (default: %(default)s)")
+    p.set_defaults(func=main)
+    return p

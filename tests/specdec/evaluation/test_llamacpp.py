@@ -1,0 +1,75 @@
+"""llama.cpp as a baseline of `specdec eval`: method parsing, the message when it is not built, the
+stats of its speculative decoding, and (where `make llamacpp` has run) a real run on smollm2."""
+
+import json
+
+import pytest
+
+from specdec.evaluation import llamacpp
+from specdec.evaluation.evaluate import EvalConfig, MethodSpec, parse_methods, run_eval
+from specdec.evaluation.llamacpp import LlamaCppUnavailable, stats_from_timings
+from specdec.stats import AcceptanceStats
+
+SMOLLM2 = "smollm2-135m-instruct"
+
+
+def test_methods_parse():
+    assert MethodSpec.parse("llamacpp") == MethodSpec("llamacpp", "llamacpp")
+    spec = MethodSpec.parse("llamacpp-spec:qwen2.5-coder-0.5b-instruct@4")
+    assert (spec.kind, spec.arg, spec.num_draft_tokens) == ("llamacpp-spec", "qwen2.5-coder-0.5b-instruct", 4)
+    with pytest.raises(ValueError, match="integer"):
+        MethodSpec.parse("llamacpp-spec:x.gguf@auto")
+    with pytest.raises(ValueError, match="needs a model"):
+        MethodSpec.parse("llamacpp-spec")
+    with pytest.raises(ValueError, match="takes no argument"):
+        MethodSpec.parse("llamacpp:x")
+    assert len(parse_methods("llamacpp-spec:a@2,llamacpp-spec:a@4")) == 2  # llama.cpp's draft lengths compared
+    with pytest.raises(ValueError, match="at most one method of each baseline kind"):
+        parse_methods("llamacpp-spec:a@4,llamacpp-spec:b@4")
+
+
+def test_a_missing_build_is_refused_with_the_command_that_builds_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_LLAMACPP", str(tmp_path / "nowhere"))
+    assert not llamacpp.available()
+    with pytest.raises(LlamaCppUnavailable, match="make llamacpp"):
+        llamacpp.server_binary()
+    cfg = EvalConfig(out=str(tmp_path / "run"), methods="plain,llamacpp", target=SMOLLM2, dataset="humaneval",
+                     limit=1, max_new_tokens=4)
+    with pytest.raises(LlamaCppUnavailable, match="make llamacpp"):
+        run_eval(cfg, progress=False)
+    assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+def test_speculative_timings_become_acceptance_stats():
+    assert stats_from_timings({"predicted_n": 10}, 10, 1.0) is None  # plain decoding drafts nothing
+    stats = AcceptanceStats.from_dict(stats_from_timings({"draft_n": 12, "draft_n_accepted": 9}, 20, 2.0))
+    assert stats.target_forwards == 11 and stats.acceptance_rate == 0.75
+    assert stats.mean_accepted_tokens == pytest.approx(20 / 11)
+
+
+@pytest.mark.real_model
+@pytest.mark.skipif(not llamacpp.available(), reason="llama.cpp not built here (make llamacpp)")
+def test_eval_runs_llamacpp_on_the_same_gguf(tmp_path):
+    methods = f"plain,llamacpp,llamacpp-spec:{SMOLLM2}@3"
+    cfg = EvalConfig(out=str(tmp_path / "run"), methods=methods, target=SMOLLM2, dataset="humaneval", limit=2,
+                     raw=True, max_new_tokens=24, warmup=0)
+    report = run_eval(cfg, progress=False)
+    plain, spec = (report["methods"][m]["overall"] for m in ("llamacpp", f"llamacpp-spec:{SMOLLM2}@3"))
+    assert plain["tokens_per_second"] > 0 and plain["tau"] is None
+    assert spec["tau"] > 2.5  # the model drafting for itself: nearly every draft is accepted
+    assert {"speedup_vs_llamacpp", "speedup_vs_llamacpp-spec@3"} <= set(report["methods"]["plain"]["overall"])
+    lines = [json.loads(x) for x in (tmp_path / "run" / "generations.jsonl").read_text().splitlines()]
+    outputs = {}
+    for line in lines:
+        outputs.setdefault(line["id"], {})[line["method"]] = line["output_ids"]
+    for by_method in outputs.values():  # llama.cpp's greedy speculative decoding equals its plain decoding
+        assert by_method["llamacpp"] == by_method[f"llamacpp-spec:{SMOLLM2}@3"]
+
+
+@pytest.mark.real_model
+@pytest.mark.skipif(not llamacpp.available(), reason="llama.cpp not built here (make llamacpp)")
+def test_a_draft_with_another_tokenizer_is_refused(tmp_path):
+    cfg = EvalConfig(out=str(tmp_path / "run"), methods="plain,llamacpp-spec:qwen2.5-coder-0.5b-instruct@3",
+                     target=SMOLLM2, dataset="humaneval", limit=1, raw=True, max_new_tokens=8, warmup=0)
+    with pytest.raises(ValueError, match="tokenizers disagree"):
+        run_eval(cfg, progress=False)

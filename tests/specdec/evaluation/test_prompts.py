@@ -1,0 +1,87 @@
+"""specdec.evaluation.prompts: jsonl / MT-bench parsing, HumanEval, limits, chat-template and raw encoding."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from test_evaluate import tiny_tokenizer
+
+from specdec.evaluation.prompts import Prompt, encode, humaneval_prompts, load_prompts, read_jsonl_prompts
+
+
+def _jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n")
+    return path
+
+
+def test_plain_jsonl(tmp_path):
+    path = _jsonl(tmp_path / "p.jsonl", [{"prompt": "a b", "category": "code", "id": "x1"}, {"prompt": "c"}])
+    assert read_jsonl_prompts(path) == [Prompt("x1", "code", ("a b",)), Prompt("1", "default", ("c",))]
+
+
+def test_mtbench_first_turn_and_all_turns(tmp_path):
+    rows = [{"question_id": 81, "category": "writing", "turns": ["t1", "t2"]},
+            {"question_id": 101, "category": "reasoning", "turns": ["only"]}]
+    path = _jsonl(tmp_path / "mt.jsonl", rows)
+    assert load_prompts(path) == [Prompt("81", "writing", ("t1",)), Prompt("101", "reasoning", ("only",))]
+    assert load_prompts(path, all_turns=True)[0].turns == ("t1", "t2")
+    assert load_prompts(path, limit=1) == [Prompt("81", "writing", ("t1",))]
+
+
+@pytest.mark.parametrize("rows, msg", [
+    ([{"text": "x"}], "needs 'prompt'"), ([{"turns": []}], "non-empty list"), ([{"prompt": ""}], "empty"),
+    ([{"prompt": "a", "id": 1}, {"prompt": "b", "id": 1}], "repeats prompt ids"), ([[1, 2]], "JSON object")])
+def test_bad_jsonl(tmp_path, rows, msg):
+    with pytest.raises(ValueError, match=msg):
+        read_jsonl_prompts(_jsonl(tmp_path / "bad.jsonl", rows))
+
+
+def test_bad_sources(tmp_path):
+    (tmp_path / "broken.jsonl").write_text('{"prompt": "a"}\n{"prompt": \n')
+    with pytest.raises(ValueError, match=r"broken.jsonl:2 is not valid JSON"):
+        read_jsonl_prompts(tmp_path / "broken.jsonl")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_prompts(tmp_path / "missing.jsonl")
+    with pytest.raises(ValueError, match="exactly one"):
+        load_prompts()
+    with pytest.raises(ValueError, match="unknown dataset"):
+        load_prompts(dataset="mmlu")
+    with pytest.raises(ValueError, match="limit"):
+        load_prompts(dataset="humaneval", limit=0)
+
+
+def test_humaneval():
+    problems = humaneval_prompts()
+    assert len(problems) == 164 and len({p.id for p in problems}) == 164
+    assert problems[0].id == "HumanEval/0" and problems[0].category == "humaneval"
+    assert problems[0].turns[0].lstrip().startswith("from typing import List")
+    assert [p.id for p in load_prompts(dataset="humaneval", limit=20)] == [p.id for p in problems[:20]]
+
+
+def test_encode_chat_and_raw():
+    tok = tiny_tokenizer()
+    chat = encode(tok, ["hello world"], [], raw=False)
+    assert tok.convert_ids_to_tokens(chat) == ["<|user|>", "hello", "world", "<|assistant|>"]
+    assert tok.convert_ids_to_tokens(encode(tok, ["hello world"], [], raw=True)) == ["hello", "world"]
+    two = encode(tok, ["hello", "print x"], ["the world"], raw=False)
+    assert tok.convert_ids_to_tokens(two) == ["<|user|>", "hello", "<|assistant|>", "the", "world", "<|user|>",
+                                              "print", "x", "<|assistant|>"]
+    assert tok.convert_ids_to_tokens(encode(tok, ["def", "x"], ["return"], raw=True)) == ["def", "return", "x"]
+    with pytest.raises(ValueError, match="one answer per earlier turn"):
+        encode(tok, ["a", "b"], [], raw=False)
+    tok.chat_template = None
+    with pytest.raises(ValueError, match="--raw"):
+        encode(tok, ["hello"], [], raw=False)
+
+
+def test_sharegpt_heldout_opening_turns():
+    from runtime.data import sharegpt_conversations
+
+    prompts = load_prompts(dataset="sharegpt", limit=5)
+    assert len(prompts) == 5 and {p.category for p in prompts} == {"sharegpt"}
+    convs = sharegpt_conversations(split="heldout")
+    for p in prompts:
+        conv = convs[int(p.id.split("/")[1])]
+        assert conv[0]["role"] == "user" and p.turns == (conv[0]["content"],) and len(p.turns[0]) >= 32

@@ -1,0 +1,447 @@
+"""specdec serve: the HTTP server on a tiny checkpoint, driven by the real openai client and raw HTTP.
+
+A uvicorn server on a free loopback port serves a tiny random Llama (float32, n-gram drafter,
+batches of up to 4). Greedy answers must equal specdec.generate on the prompt alone; bad requests
+get OpenAI's error JSON with a 4xx status and the server keeps serving; concurrent requests all
+finish once; a client that drops its stream cancels its request; stop strings end the text before
+them; n choices are rows of the batch, choice i sampled as a request with seed + i.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import re
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+import runtime
+import specdec
+from specdec.cli import main as cli_main
+from specdec.drafters import EagleTreeConfig
+from specdec.drafters.ngram import NgramDrafter
+from specdec.serving.command import load_drafter
+from specdec.serving.command import register as register_serve
+from specdec.serving.engine import Engine
+from specdec.serving.server import ServerThread, create_app
+
+openai = pytest.importorskip("openai")
+
+WORDS = ["<unk>", "<|eos|>", "<|user|>", "<|assistant|>", "<|system|>", "def", "return", "the", "a", "of", "x",
+         "print", "hello", "world"]
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|> {% endif %}")
+MODEL = "tiny-llama"
+MAX_LEN = 1024
+PROMPTS = ["return a of x", "print the world", "def hello x", "hello world", "the x of a", "print hello",
+           "def the world", "a x a x"]
+
+
+def tiny_tokenizer(eos: str) -> PreTrainedTokenizerFast:
+    """A 128-word whitespace tokenizer with a chat template (built offline)."""
+    words = WORDS + [f"w{i}" for i in range(128 - len(WORDS))]
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token=eos,
+                                   additional_special_tokens=["<|user|>", "<|assistant|>", "<|system|>"],
+                                   chat_template=CHAT_TEMPLATE)
+
+
+def greedy(target, ids: list[int], max_new_tokens: int, eos: int) -> list[int]:
+    out = specdec.generate(target, [torch.tensor(ids)], max_new_tokens=max_new_tokens, eos_token_id=eos)
+    return out.sequences[0][len(ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    """A random tiny Llama checkpoint whose eos is the 4th new token greedy decoding gives PROMPTS[0]."""
+    path = tmp_path_factory.mktemp("server") / "ckpt"
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=MAX_LEN,
+                      bos_token_id=None, pad_token_id=None, eos_token_id=1)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    tok = tiny_tokenizer("<|eos|>")
+    probe = runtime.load_model(path, dtype=torch.float32)
+    ids = tok(PROMPTS[0])["input_ids"]
+    out = greedy(probe, ids, 8, eos=1)
+    eos_id = next(t for i, t in enumerate(out) if i >= 3 and t not in out[:i] and t > 4)
+    tiny_tokenizer(tok.convert_ids_to_tokens(eos_id)).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def served(ckpt):
+    """(server, target, tokenizer, engine): the app running in a thread, torn down after the module."""
+    target = runtime.load_model(ckpt, dtype=torch.float32)
+    tok = runtime.load_tokenizer(ckpt)
+    engine = Engine(target, "ngram", max_batch=4, max_len=MAX_LEN, num_draft_tokens=3,
+                    eos_token_id=tok.eos_token_id)
+    with ServerThread(create_app(engine, tok, MODEL, max_model_len=MAX_LEN)) as server:
+        yield server, target, tok, engine
+
+
+def client(server) -> "openai.OpenAI":
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def post(server, path: str, body: bytes | dict) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    conn.request("POST", path, body=data, headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    status, payload = resp.status, json.loads(resp.read())
+    conn.close()
+    return status, payload
+
+
+def get(server, path: str) -> tuple[int, str]:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.request("GET", path)
+    resp = conn.getresponse()
+    status, text = resp.status, resp.read().decode()
+    conn.close()
+    return status, text
+
+
+def chat_ids(tok, text: str) -> list[int]:
+    rendered = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                       tokenize=False)
+    return tok(rendered, add_special_tokens=False)["input_ids"]
+
+
+def test_openai_client_streams_a_completion_and_a_chat_completion(served):
+    server, target, tok, _ = served
+    c = client(server)
+    ids = tok(PROMPTS[1])["input_ids"]
+    want = greedy(target, ids, 20, tok.eos_token_id)
+    stream = c.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=20, temperature=0, stream=True,
+                                  stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert text == tok.decode(want, skip_special_tokens=True)
+    assert len(chunks) > 3  # streamed step by step, not in one piece
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] in ("stop", "length")
+    assert chunks[-1].usage.completion_tokens == len(want) and chunks[-1].usage.prompt_tokens == len(ids)
+
+    want = greedy(target, chat_ids(tok, PROMPTS[2]), 16, tok.eos_token_id)
+    stream = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPTS[2]}],
+                                       max_tokens=16, temperature=0, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == tok.decode(want, skip_special_tokens=True)
+    assert chunks[-1].choices[0].finish_reason == ("stop" if want[-1] == tok.eos_token_id else "length")
+
+
+def test_answers_equal_generate_with_usage_and_finish_reason(served):
+    server, target, tok, _ = served
+    c = client(server)
+    ids = tok(PROMPTS[0])["input_ids"]
+    want = greedy(target, ids, 12, tok.eos_token_id)
+    assert want[-1] == tok.eos_token_id and len(want) == 4  # the checkpoint's eos ends this answer
+    got = c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0)
+    assert got.choices[0].text == tok.decode(want, skip_special_tokens=True)
+    assert got.choices[0].finish_reason == "stop"
+    assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (len(ids), 4)
+
+    ids = tok(PROMPTS[3])["input_ids"]
+    want = greedy(target, ids, 9, tok.eos_token_id)
+    status, body = post(server, "/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": 9,
+                                                     "temperature": 0})
+    assert status == 200 and body["object"] == "text_completion"
+    assert body["choices"][0]["text"] == tok.decode(want, skip_special_tokens=True)
+    assert body["choices"][0]["finish_reason"] == ("stop" if want[-1] == tok.eos_token_id else "length")
+
+    want = greedy(target, chat_ids(tok, PROMPTS[4]), 10, tok.eos_token_id)
+    got = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPTS[4]}],
+                                    max_tokens=10, temperature=0)
+    assert got.choices[0].message.content == tok.decode(want, skip_special_tokens=True)
+    assert got.usage.completion_tokens == len(want)
+
+
+def test_a_seed_makes_sampling_repeatable(served):
+    server, _, _, _ = served
+    c = client(server)
+    texts = [c.completions.create(model=MODEL, prompt=PROMPTS[5], max_tokens=12, temperature=1.0, seed=7)
+             .choices[0].text for _ in range(2)]
+    assert texts[0] == texts[1]
+
+
+def test_stop_strings_end_the_text_before_them_plain_and_streamed(served):
+    server, target, tok, _ = served
+    c = client(server)
+    full = tok.decode(greedy(target, tok(PROMPTS[1])["input_ids"], 20, tok.eos_token_id), skip_special_tokens=True)
+    words = full.split()
+    assert len(words) >= 6, full
+    stop = f"{words[3]} {words[4]}"
+    want = full[:full.find(stop)]
+    got = c.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=20, temperature=0, stop=[stop, "zzz"])
+    assert (got.choices[0].text, got.choices[0].finish_reason) == (want, "stop")
+    # tokens up to the one that completed the stop string, however many the last step accepted
+    ids = greedy(target, tok(PROMPTS[1])["input_ids"], 20, tok.eos_token_id)
+    upto = next(m for m in range(1, 21) if stop in tok.decode(ids[:m], skip_special_tokens=True))
+    assert got.usage.completion_tokens == upto
+    chunks = list(c.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=20, temperature=0, stop=stop,
+                                       stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    got = c.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=20, temperature=0, stop="not in it")
+    assert got.choices[0].text == full
+
+
+def test_n_choices_are_rows_of_the_batch_and_each_follows_its_seed(served):
+    server, target, tok, _ = served
+    c = client(server)
+    got = c.completions.create(model=MODEL, prompt=PROMPTS[6], max_tokens=8, temperature=1.0, seed=11, n=3)
+    assert [ch.index for ch in got.choices] == [0, 1, 2]
+    alone = [c.completions.create(model=MODEL, prompt=PROMPTS[6], max_tokens=8, temperature=1.0, seed=11 + i)
+             for i in range(3)]
+    assert [ch.text for ch in got.choices] == [a.choices[0].text for a in alone]
+    assert got.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    assert got.usage.prompt_tokens == alone[0].usage.prompt_tokens
+
+    messages = [{"role": "user", "content": PROMPTS[7]}]
+    whole = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=1.0, seed=3, n=2)
+    texts = {0: "", 1: ""}
+    finish = {}
+    for ch in c.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=1.0, seed=3, n=2,
+                                        stream=True):
+        choice = ch.choices[0]
+        texts[choice.index] += choice.delta.content or ""
+        if choice.finish_reason:
+            finish[choice.index] = choice.finish_reason
+    assert texts == {ch.index: ch.message.content for ch in whole.choices}
+    assert finish == {ch.index: ch.finish_reason for ch in whole.choices}
+    greedy_two = c.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=5, temperature=0, n=2)
+    assert greedy_two.choices[0].text == greedy_two.choices[1].text
+
+
+GOOD = {"model": MODEL, "prompt": "hello world", "max_tokens": 4, "temperature": 0}
+BAD = [  # (path, body, status, param, code)
+    ("/v1/completions", {**GOOD, "model": "gpt-4"}, 404, "model", "model_not_found"),
+    ("/v1/completions", {**GOOD, "max_tokens": -3}, 400, "max_tokens", "invalid_value"),
+    ("/v1/completions", {**GOOD, "max_tokens": 0}, 400, "max_tokens", "invalid_value"),
+    ("/v1/completions", {**GOOD, "max_tokens": "ten"}, 400, "max_tokens", "invalid_type"),
+    ("/v1/completions", b'{"model": "tiny-llama", "prompt": ', 400, None, "invalid_json"),
+    ("/v1/completions", b'["a list"]', 400, None, "invalid_json"),
+    ("/v1/completions", {"model": MODEL, "max_tokens": 4}, 400, "prompt", "missing_required_parameter"),
+    ("/v1/completions", {"prompt": "hello", "max_tokens": 4}, 400, "model", "missing_required_parameter"),
+    ("/v1/chat/completions", {"model": MODEL, "max_tokens": 4}, 400, "messages", "missing_required_parameter"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, 400, "messages",
+     "invalid_value"),
+    ("/v1/completions", {**GOOD, "prompt": "x " * MAX_LEN}, 400, "prompt", "context_length_exceeded"),
+    ("/v1/completions", {**GOOD, "max_tokens": MAX_LEN}, 400, "max_tokens", "context_length_exceeded"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x " * MAX_LEN}]}, 400,
+     "messages", "context_length_exceeded"),
+    ("/v1/completions", {**GOOD, "prompt": [5, 999]}, 400, "prompt", "invalid_value"),
+    ("/v1/completions", {**GOOD, "temperature": -0.5}, 400, "temperature", "invalid_value"),
+    ("/v1/completions", {**GOOD, "temperature": 3}, 400, "temperature", "invalid_value"),
+    ("/v1/completions", {**GOOD, "temperature": "hot"}, 400, "temperature", "invalid_type"),
+    ("/v1/completions", {**GOOD, "top_p": 0}, 400, "top_p", "invalid_value"),
+    ("/v1/completions", {**GOOD, "n": 0}, 400, "n", "invalid_value"),
+    ("/v1/completions", {**GOOD, "best_of": 2}, 400, "best_of", "unsupported_parameter"),
+    ("/v1/completions", {**GOOD, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "invalid_value"),
+    ("/v1/completions", {**GOOD, "prompt": ["a", "b"]}, 400, "prompt", "invalid_value"),
+    ("/v1/nothing", GOOD, 404, None, "404"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param,code", BAD, ids=[f"{b[4]}-{b[3]}-{i}" for i, b in enumerate(BAD)])
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(served, path, body, status, param, code):
+    server = served[0]
+    got_status, got = post(server, path, body)
+    assert got_status == status
+    assert set(got) == {"error"} and set(got["error"]) == {"message", "type", "param", "code"}
+    assert (got["error"]["param"], got["error"]["code"], got["error"]["type"]) == (param, code,
+                                                                                   "invalid_request_error")
+    assert len(got["error"]["message"]) > 20
+    ok_status, ok = post(server, "/v1/completions", GOOD)
+    assert ok_status == 200 and ok["usage"]["completion_tokens"] >= 1
+
+
+def test_openai_client_raises_on_an_unknown_model(served):
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client(served[0]).completions.create(model="nope", prompt="hello", max_tokens=2)
+
+
+def test_models_health_and_metrics(served):
+    server = served[0]
+    models = client(server).models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    status, text = get(server, "/health")
+    assert status == 200 and json.loads(text)["status"] == "ok"
+    post(server, "/v1/completions", GOOD)
+    status, text = get(server, "/metrics")
+    assert status == 200
+    for name in ("specdec_time_to_first_token_seconds_bucket", "specdec_time_per_output_token_seconds_bucket",
+                 "specdec_queue_length", "specdec_running_rows", "specdec_acceptance_rate", "specdec_tau"):
+        assert name in text
+    def value(name: str) -> float:
+        return float(re.search(rf"^{name} ([0-9.e+]+)$", text, re.M).group(1))
+
+    assert value("specdec_generated_tokens_total") >= 4
+    assert value("specdec_time_to_first_token_seconds_count") >= 1
+    assert value("specdec_time_per_output_token_seconds_count") >= 1
+    assert 0 < value("specdec_tau") and 0 <= value("specdec_acceptance_rate") <= 1
+
+
+def test_concurrent_requests_all_finish_once(served):
+    server, target, tok, _ = served
+    results: dict[int, list] = {i: [] for i in range(len(PROMPTS))}
+
+    def ask(i: int) -> None:
+        status, body = post(server, "/v1/completions", {"model": MODEL, "prompt": PROMPTS[i], "max_tokens": 24,
+                                                         "temperature": 0})
+        results[i].append((status, body))
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    ids = set()
+    for i, prompt in enumerate(PROMPTS):
+        assert len(results[i]) == 1
+        status, body = results[i][0]
+        assert status == 200
+        want = greedy(target, tok(prompt)["input_ids"], 24, tok.eos_token_id)
+        assert body["choices"][0]["text"] == tok.decode(want, skip_special_tokens=True), prompt
+        ids.add(body["id"])
+    assert len(ids) == len(PROMPTS)
+
+
+def _cancelled(server) -> float:
+    text = get(server, "/metrics")[1]
+    found = re.search(r'^specdec_requests_total\{finish_reason="cancelled"\} ([0-9.e+]+)$', text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_a_client_that_drops_its_stream_cancels_the_request(served):
+    server, target, tok, engine = served
+    prompt = next(p for p in PROMPTS if tok.eos_token_id not in greedy(target, tok(p)["input_ids"], 200,
+                                                                       tok.eos_token_id))
+    before = _cancelled(server)
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_LEN - 8, "temperature": 0, "stream": True}
+    conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.readline().startswith(b"data: {")
+    conn.close()
+    deadline = time.monotonic() + 20
+    while _cancelled(server) == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _cancelled(server) == before + 1
+    while (engine.running or engine.waiting) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.running == 0 and engine.waiting == 0
+    assert post(server, "/v1/completions", GOOD)[0] == 200
+
+
+def test_serve_builds_the_eagle_tree_from_its_flags(ckpt, tmp_path, capsys):
+    target = runtime.load_model(ckpt, dtype=torch.float32)
+    torch.manual_seed(0)
+    specdec.save_eagle(specdec.Eagle3Head(specdec.Eagle3Config.from_target(target, aux_layers=(0, 1, 1))),
+                       tmp_path / "eagle")
+    parser = argparse.ArgumentParser(prog="specdec")
+    register_serve(parser.add_subparsers(dest="command"))
+    base = ["serve", "--model", str(ckpt), "--eagle", str(tmp_path / "eagle"), "--eagle-depth", "3",
+            "--eagle-top-k", "2"]
+    drafter = load_drafter(parser.parse_args([*base, "--eagle-tree", "6"]), target)
+    assert drafter.tree == EagleTreeConfig(3, 2, 6)
+    drafter = load_drafter(parser.parse_args([*base, "--eagle-tree", "auto"]), target)
+    assert drafter.tree.total_tokens in (2, 4, 8)  # the sizes a 3 x 2 tree (10 candidates) can hold
+    assert "chosen: " in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parser.parse_args([*base, "--eagle-tree", "0"])
+    wide = ["serve", "--model", str(ckpt), "--eagle", str(tmp_path / "eagle"), "--eagle-depth", "4", "--eagle-top-k",
+            "5", "--eagle-tree", "80"]  # tree nodes are no draft length (capped at 64): a 4 x 5 tree holds 80
+    assert load_drafter(parser.parse_args(wide), target).tree == EagleTreeConfig(4, 5, 80)
+    with pytest.raises(ValueError, match="exceeds the 80 candidates"):
+        load_drafter(parser.parse_args([*wide[:-1], "81"]), target)
+
+
+def test_generate_cli_drafts_with_an_eagle_head_or_medusa_heads(ckpt, tmp_path, capsys):
+    target = runtime.load_model(ckpt, dtype=torch.float32)
+    tok = runtime.load_tokenizer(ckpt)
+    torch.manual_seed(0)
+    specdec.save_eagle(specdec.Eagle3Head(specdec.Eagle3Config.from_target(target, aux_layers=(0, 1, 1))),
+                       tmp_path / "eagle")
+    want = tok.decode(greedy(target, chat_ids(tok, PROMPTS[3]), 8, tok.eos_token_id), skip_special_tokens=True)
+    base = ["generate", "--model", str(ckpt), "--prompt", PROMPTS[3], "--dtype", "float32", "--max-new-tokens", "8"]
+    for extra in (["--eagle", str(tmp_path / "eagle"), "--eagle-tree", "4"], ["--draft", "ngram"], []):
+        capsys.readouterr()
+        assert cli_main([*base, *extra]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith(want) and "| tau" in out  # the streamed text (greedy = plain), then the stats
+
+
+def test_serve_fails_fast_on_a_bad_model_path(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("SPECDEC_DEBUG", raising=False)
+    assert cli_main(["serve", "--model", str(tmp_path / "missing"), "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("specdec serve: error:") and "missing" in err[0]
+
+
+def test_serve_fails_fast_on_a_taken_port(served, capsys, monkeypatch):
+    monkeypatch.delenv("SPECDEC_DEBUG", raising=False)
+    assert cli_main(["serve", "--model", "unused", "--port", str(served[0].port)]) == 2
+    assert "pick another --port" in capsys.readouterr().err
+
+
+class _FailingDrafter(NgramDrafter):
+    """An n-gram drafter whose proposals fail: the engine's step raises on the engine thread."""
+
+    def propose(self, seqs, k, rows):
+        raise RuntimeError("drafter exploded")
+
+
+def test_a_failed_step_answers_its_request_500_and_later_ones_503(ckpt):
+    target = runtime.load_model(ckpt, dtype=torch.float32)
+    tok = runtime.load_tokenizer(ckpt)
+    engine = Engine(target, _FailingDrafter(), max_batch=2, max_len=64, eos_token_id=tok.eos_token_id)
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}
+    with ServerThread(create_app(engine, tok, MODEL)) as server:
+        status, payload = post(server, "/v1/completions", body)
+        assert status == 500 and "drafter exploded" in payload["error"]["message"]
+        assert payload["error"]["code"] == "engine_failed"
+        status, payload = post(server, "/v1/completions", body)
+        assert status == 503 and "restart the server" in payload["error"]["message"]
+        assert get(server, "/health")[0] == 503
+
+
+def test_a_server_thread_on_a_taken_port_fails_and_leaves_no_thread(served):
+    from fastapi import FastAPI
+
+    server = ServerThread(FastAPI(), port=served[0].port)
+    with pytest.raises(RuntimeError, match="did not start on 127.0.0.1"):
+        server.start(timeout_s=20)
+    assert not server._thread.is_alive()
+
+
+@pytest.mark.real_model
+def test_openai_client_streams_from_smollm2_as_generate_decodes():
+    """The real byte-level tokenizer and chat template: streamed text (non-ASCII too) equals generate()."""
+    from specdec.evaluation.evaluate import eos_ids
+
+    name = "smollm2-135m-instruct"
+    target = runtime.load_model(name, dtype=torch.float32)
+    tok = runtime.load_tokenizer(name)
+    eos = eos_ids(name, tok)
+    engine = Engine(target, "ngram", max_batch=2, max_len=512, eos_token_id=eos)
+    messages = [{"role": "user", "content": "Repeat exactly: こんにちは 世界"}]  # characters split over tokens
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = tok(ids, add_special_tokens=False)["input_ids"]
+    out = specdec.generate(target, [torch.tensor(ids)], max_new_tokens=32, eos_token_id=eos)
+    want = tok.decode(out.sequences[0][len(ids):], skip_special_tokens=True)
+    with ServerThread(create_app(engine, tok, name)) as server:
+        stream = client(server).chat.completions.create(model=name, messages=messages, max_tokens=32,
+                                                        temperature=0, stream=True)
+        got = "".join(ch.choices[0].delta.content or "" for ch in stream)
+    assert got == want and "こんにちは" in got and "\ufffd" not in got
