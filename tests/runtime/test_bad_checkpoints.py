@@ -347,7 +347,7 @@ def target():
 
 
 def test_medusa_num_heads_is_checked_before_any_head_is_built(tmp_path, target, monkeypatch):
-    from specdec.drafters.medusa.drafter import io as medusa_io
+    from specdec.drafters.medusa import io as medusa_io
 
     _heads(tmp_path)
     _edit_json(tmp_path / "medusa_config.json", num_heads=20_000)
@@ -364,7 +364,7 @@ def test_medusa_num_heads_is_checked_before_any_head_is_built(tmp_path, target, 
 
 
 def test_medusa_shapes_are_checked_against_the_config(tmp_path, target, monkeypatch):
-    from specdec.drafters.medusa.drafter import io as medusa_io
+    from specdec.drafters.medusa import io as medusa_io
 
     _heads(tmp_path, hidden=32, shared_lm_head=False)  # heads of a narrower model ...
     _edit_json(tmp_path / "medusa_config.json", hidden_size=64)  # ... whose config was edited to fit

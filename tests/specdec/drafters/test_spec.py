@@ -52,9 +52,9 @@ def test_defaults_live_once():
     assert DrafterSpec.parse("eagle:e@16").eagle_tree == EagleTreeConfig(total_tokens=16)
     assert DrafterSpec("eagle", "e", shape=(3, 6)).size == EagleTreeConfig.total_tokens
     assert DrafterSpec.parse("eagle:e@auto").eagle_tree is None  # timed first
-    from distill.train_medusa import TrainConfig
+    from distill.train_medusa import MedusaTrainConfig
 
-    assert TrainConfig.tree_nodes == DEFAULT_TREE_NODES
+    assert MedusaTrainConfig.tree_nodes == DEFAULT_TREE_NODES
     assert set(DRAFTERS) >= {"ngram", "draft", "hybrid", "medusa", "eagle"}
 
 

@@ -383,7 +383,7 @@ def test_a_second_eval_on_the_same_out_fails_at_once(workdir: Path, tmp_path: Pa
 
 def _specdec(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "specdec.cli", *argv], capture_output=True, text=True, timeout=300,
-                          cwd=Path(__file__).resolve().parents[2], env={**os.environ, "SPECDEC_DEBUG": ""})
+                          cwd=Path(__file__).resolve().parents[3], env={**os.environ, "SPECDEC_DEBUG": ""})
 
 
 def test_cli_bad_out_and_busy_out_are_one_line_errors(workdir: Path, tmp_path: Path):
