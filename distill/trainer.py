@@ -30,6 +30,7 @@ import math
 import shutil
 import tempfile
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
@@ -174,7 +175,7 @@ class StepCheckpoints:
             shutil.rmtree(p, ignore_errors=True)
 
 
-class Task:
+class Task(ABC):
     """What a training method supplies to `Trainer`. Override what differs from these defaults.
 
     module(): the module whose forward is the training forward (accelerate prepares it: under DDP
@@ -194,8 +195,9 @@ class Task:
     eval_every: int | None = None  # evaluate() every this many steps (and at the start and the end)
     total_steps: int = 0
 
+    @abstractmethod
     def module(self) -> nn.Module:
-        raise NotImplementedError
+        """See the class docstring."""
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for p in self.module().parameters() if p.requires_grad]
@@ -203,11 +205,13 @@ class Task:
     def begin(self, run: Trainer) -> None:
         """Called once after the accelerator is ready and any checkpoint is restored (run.step)."""
 
+    @abstractmethod
     def micro_batches(self, run: Trainer, step: int) -> Sequence:
-        raise NotImplementedError
+        """See the class docstring."""
 
+    @abstractmethod
     def loss(self, run: Trainer, micro) -> torch.Tensor:
-        raise NotImplementedError
+        """See the class docstring."""
 
     def end_step(self, run: Trainer) -> None:
         """Called after each optimizer step (run.step already counts it): keep per-step records here."""
@@ -216,13 +220,13 @@ class Task:
         """A held-out measurement of the current weights (a dict of numbers), or None for none."""
         return None
 
+    @abstractmethod
     def save_weights(self, directory: Path) -> None:
         """Write the trained weights into a checkpoint directory (safetensors)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def load_weights(self, directory: Path) -> None:
         """Restore the weights `save_weights` wrote; ValueError when they belong to another setup."""
-        raise NotImplementedError
 
     def state(self) -> dict:
         """The task's own JSON state kept in a checkpoint (e.g. per-step records)."""
