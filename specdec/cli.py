@@ -15,7 +15,7 @@ import torch
 
 from runtime.hardware import DTYPES
 from runtime.loading import WEIGHTS
-from specdec.options import WEIGHTS_HELP, parse_draft_length
+from specdec.options import DEFAULT_NUM_DRAFT_TOKENS, WEIGHTS_HELP, parse_draft_length
 
 DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
@@ -131,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--num-draft-tokens", type=draft_length_arg, default=5,
+    p.add_argument("--num-draft-tokens", type=draft_length_arg, default=DEFAULT_NUM_DRAFT_TOKENS,
                    help="drafts per step (1-64), or 'auto' to tune it per step")
     p.add_argument("--seed", type=int, default=0, help="seed of the torch.Generator used for sampling")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")

@@ -17,7 +17,7 @@ import torch
 from specdec.capture import DecodeObserver
 from specdec.decode import decode, decode_steps
 from specdec.drafters import draft_length_of, make_drafter
-from specdec.options import parse_draft_length
+from specdec.options import DEFAULT_NUM_DRAFT_TOKENS, parse_draft_length
 from specdec.rows import RowState, eos_set, normalize_prompts
 from specdec.sampling import RowSampling, SamplingParams
 from specdec.stats import AcceptanceStats
@@ -47,7 +47,7 @@ def as_runtime_model(model):
 
 @torch.inference_mode()
 def generate(target, input_ids, draft=None, max_new_tokens: int = 128, temperature: float = 0.0,
-             top_p: float = 1.0, top_k: int = 0, num_draft_tokens: int | str = 5,
+             top_p: float = 1.0, top_k: int = 0, num_draft_tokens: int | str = DEFAULT_NUM_DRAFT_TOKENS,
              eos_token_id: int | list[int] | None = None, generator: torch.Generator | None = None,
              pad_token_id: int | None = None, attention_mask: torch.Tensor | None = None, streamer=None,
              observer: DecodeObserver | list[DecodeObserver] | None = None) -> GenerateOutput:
@@ -123,7 +123,7 @@ def _prepare(target, input_ids, draft, max_new_tokens: int, temperature: float, 
 
 
 def stream(target, input_ids, draft=None, max_new_tokens: int = 128, temperature: float = 0.0,
-           top_p: float = 1.0, top_k: int = 0, num_draft_tokens: int | str = 5,
+           top_p: float = 1.0, top_k: int = 0, num_draft_tokens: int | str = DEFAULT_NUM_DRAFT_TOKENS,
            eos_token_id: int | list[int] | None = None,
            generator: torch.Generator | None = None) -> Iterator[list[int]]:
     """generate() as an iterator: yields, step by step, the new token ids of one prompt that each

@@ -4,6 +4,7 @@ settings' checks live on `specdec.sampling.SamplingParams`)."""
 from __future__ import annotations
 
 MAX_NUM_DRAFT_TOKENS = 64
+DEFAULT_NUM_DRAFT_TOKENS = 5  # drafts per step of generate(), the engine, specdec eval / serve / generate
 
 
 def parse_draft_length(value: int | str) -> int | str:

@@ -16,6 +16,7 @@ import torch
 
 from specdec.drafters.medusa.heads import MedusaHeads
 from specdec.drafters.medusa.tree import build_tree, expected_length
+from specdec.options import DEFAULT_NUM_DRAFT_TOKENS
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ class TreeCost:
 
 
 def decode_cost(model: torch.nn.Module, rows: list[torch.Tensor], tokens: int,
-                draft=None, num_draft_tokens: int = 5) -> tuple[float, float, float]:
+                draft=None, num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS) -> tuple[float, float, float]:
     """(seconds per decoding step after the prefill, seconds of it drafting, tokens per such step)
     of greedy decoding `tokens` tokens of every prompt in `rows` (1-D ids), one prompt at a time;
     draft: what `specdec.generate` takes (None = plain decoding), with `num_draft_tokens`."""

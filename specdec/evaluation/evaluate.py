@@ -77,7 +77,7 @@ from specdec.drafters.spec import DRAFT_LENGTH, DRAFTERS, GRAMMAR, DrafterLoader
 from specdec.evaluation.baselines import BASELINES, HF_MODES, LLAMACPP_MODES, HFGenerator, load_hf_model, new_tokens
 from specdec.evaluation.prompts import DATASETS, Prompt, encode, eos_ids, load_prompts
 from specdec.evaluation.report import baseline_label
-from specdec.options import parse_draft_length
+from specdec.options import DEFAULT_NUM_DRAFT_TOKENS, parse_draft_length
 from specdec.sampling import SamplingParams
 from specdec.stats import AcceptanceStats
 
@@ -187,11 +187,11 @@ class EvalConfig:
     all_turns: bool = False
     dtype: str = "bfloat16"
     device: str = "cpu"
-    max_new_tokens: int = 128
-    num_draft_tokens: int | str = 5
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
+    max_new_tokens: int = SamplingParams.max_new_tokens  # the sampling defaults live on SamplingParams
+    num_draft_tokens: int | str = DEFAULT_NUM_DRAFT_TOKENS
+    temperature: float = SamplingParams.temperature
+    top_p: float = SamplingParams.top_p
+    top_k: int = SamplingParams.top_k
     seed: int = 0
     warmup: int = 1
     hf_pld_tokens: int = 10

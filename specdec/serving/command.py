@@ -25,7 +25,7 @@ from runtime.hardware import DTYPES
 from runtime.loading import WEIGHTS
 from specdec.drafters.eagle.drafter import EagleTreeConfig
 from specdec.drafters.spec import DrafterLoader, DrafterSpec
-from specdec.options import WEIGHTS_HELP
+from specdec.options import DEFAULT_NUM_DRAFT_TOKENS, WEIGHTS_HELP
 
 
 def check_address(host: str, port: int) -> None:
@@ -165,8 +165,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=4, help="rows decoded together (default: %(default)s)")
     p.add_argument("--max-len", type=int, default=None, help="prompt + generated tokens per request (default: the "
                    "model's context)")
-    p.add_argument("--num-draft-tokens", type=draft_length_arg, default=5, help="drafts per step (default: "
-                   "%(default)s)")
+    p.add_argument("--num-draft-tokens", type=draft_length_arg, default=DEFAULT_NUM_DRAFT_TOKENS,
+                   help="drafts per step (default: %(default)s)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, loopback "
                    "only; 0.0.0.0 exposes the server to the network)")
     p.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")

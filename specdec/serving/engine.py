@@ -43,7 +43,7 @@ from runtime.errors import ContextLengthError
 from specdec.decode import DecodeLoop, cache_slack
 from specdec.drafters import draft_length_of, make_drafter
 from specdec.generate import as_runtime_model
-from specdec.options import parse_draft_length
+from specdec.options import DEFAULT_NUM_DRAFT_TOKENS, parse_draft_length
 from specdec.rows import RowState, eos_set, runs
 from specdec.sampling import RowSampling, SamplingParams
 from specdec.stats import AcceptanceStats
@@ -102,7 +102,8 @@ class Engine:
     """
 
     def __init__(self, target, draft=None, *, max_batch: int = 4, max_len: int | None = None,
-                 num_draft_tokens: int | str = 5, eos_token_id: int | list[int] | None = None) -> None:
+                 num_draft_tokens: int | str = DEFAULT_NUM_DRAFT_TOKENS,
+                 eos_token_id: int | list[int] | None = None) -> None:
         target = as_runtime_model(target)
         positions = target.config.max_position_embeddings
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
