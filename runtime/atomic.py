@@ -2,10 +2,11 @@
 
 A reader (or a resumed job) sees either the old file or the complete new one, never a torn one.
 
-`tempfile` makes its files 0600 and its directories 0700, and a rename keeps the mode: an output
-built in one would stay private to its writer (a vLLM service running as another user could not
-read an export). `apply_umask` gives such a file or directory the mode `open()` / `mkdir()` would
-have given it, which every writer of an output applies before renaming it into place.
+`tempfile` makes its files 0600 and its directories 0700 (and safetensors' `save_file` its files
+0600), and a rename keeps the mode: an output built that way would stay private to its writer (a
+vLLM service running as another user could not read an export). `apply_umask` gives such files and
+directories the mode `open()` / `mkdir()` would have given them, which every writer of an output
+applies before renaming it into place.
 """
 
 from __future__ import annotations
@@ -37,14 +38,18 @@ def current_umask() -> int:
     return mask
 
 
-def apply_umask(path: str | Path) -> None:
+def apply_umask(path: str | Path, *, recursive: bool = False) -> None:
     """Give file or directory `path` the mode a plain `open()` / `mkdir()` would have given it:
-    0o666 & ~umask for a file, 0o777 & ~umask for a directory (not followed through a link)."""
-    mode = os.lstat(path).st_mode
-    if stat.S_ISLNK(mode):
-        return
-    base = 0o777 if stat.S_ISDIR(mode) else 0o666
-    os.chmod(path, base & ~current_umask())
+    0o666 & ~umask for a file, 0o777 & ~umask for a directory (a link is left alone, not followed).
+    recursive: also everything under directory `path` (safetensors' save_file, too, writes 0600)."""
+    mask = current_umask()
+    paths = [Path(path)]
+    if recursive:
+        paths += [Path(top) / name for top, dirs, files in os.walk(path) for name in (*dirs, *files)]
+    for p in paths:
+        mode = os.lstat(p).st_mode
+        if not stat.S_ISLNK(mode):
+            os.chmod(p, (0o777 if stat.S_ISDIR(mode) else 0o666) & ~mask)
 
 
 def atomic_write(path: str | Path, write: Callable[[str], object]) -> Path:

@@ -177,8 +177,8 @@ def write_output_dir(path: str | Path, write: Callable[[Path], object], marker: 
     created = make_dirs(real.parent)
     tmp = Path(tempfile.mkdtemp(prefix=f".{real.name}.", suffix=".tmp", dir=real.parent))
     try:
-        apply_umask(tmp)  # mkdtemp's 0700 would keep the output from other users
         write(tmp)
+        apply_umask(tmp, recursive=True)  # mkdtemp's 0700 and save_file's 0600 would keep it from other users
         files = sorted({*os.listdir(tmp), marker})
         (tmp / marker).write_text(json.dumps({**meta, "files": files}, indent=1))
         prepare_output_dir(path, marker, overwrite, what=what)  # again: `write` may have taken minutes

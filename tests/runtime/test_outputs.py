@@ -11,6 +11,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from runtime.atomic import apply_umask, atomic_write_text, current_umask
 from runtime.outputs import OutputPathError, check_output_file, make_dirs, prepare_output_dir, write_output_dir
@@ -36,8 +38,12 @@ def _snapshot(root: Path) -> list[str]:
 
 
 def _write(tmp: Path) -> None:
-    (tmp / "weights.bin").write_bytes(b"\0" * 8)
-    atomic_write_text(tmp / "config.json", "{}")  # a file made through mkstemp, as save_file's are
+    """What writers do: safetensors' save_file (which makes its file 0600), an atomic write (mkstemp's
+    0600), a private subdirectory."""
+    save_file({"w": torch.zeros(2)}, str(tmp / "weights.safetensors"))
+    atomic_write_text(tmp / "config.json", "{}")
+    (tmp / "tokenizer").mkdir(mode=0o700)
+    (tmp / "tokenizer" / "vocab.json").write_text("{}")
 
 
 @pytest.mark.parametrize("mask, file_mode, dir_mode", [(0o022, 0o644, 0o755), (0o077, 0o600, 0o700),
@@ -48,8 +54,9 @@ def test_outputs_get_the_umasks_modes(tmp_path, mask, file_mode, dir_mode):
         out = write_output_dir(tmp_path / "out", _write, "m.json", {})
         atomic_write_text(tmp_path / "single.txt", "x")
     assert _mode(out) == dir_mode
-    assert {p.name: _mode(p) for p in out.iterdir()} == {"weights.bin": file_mode, "config.json": file_mode,
-                                                         "m.json": file_mode}
+    assert {str(p.relative_to(out)): _mode(p) for p in out.rglob("*")} == {
+        "weights.safetensors": file_mode, "config.json": file_mode, "m.json": file_mode, "tokenizer": dir_mode,
+        "tokenizer/vocab.json": file_mode}
     assert _mode(tmp_path / "single.txt") == file_mode
 
 
