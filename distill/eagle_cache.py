@@ -19,7 +19,9 @@ Shards are safetensors files (bf16 states by default) of about `shard_tokens` po
 int64, records in order. Every `heldout_every`-th record goes to the held-out split (0: none). Resumable as
 the Medusa cache is (distill.train_medusa.HiddenCacheWriter): shards are written atomically, each
 followed by the manifest, whose `records_done` counts exactly the records on disk, and a cache of
-other records (by the last cached record's id) is refused rather than extended.
+other records (by the last cached record's id) is refused rather than extended. Nothing is created
+before there is something to store: a run refused on its arguments, or given no records, leaves no
+empty cache directory behind.
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ class EagleCacheWriter:
     """Appends the features of records, in record order, to an EAGLE-3 feature cache directory.
 
     `add` buffers a record; buffers are written as shards of about `shard_tokens` positions, each
-    followed by the manifest. Call `flush()` to write what is buffered.
+    followed by the manifest. Call `flush()` to write what is buffered. The directory and its split
+    folders are created with the first shard or manifest, not by the constructor.
     """
 
     def __init__(self, out_dir: str | Path, hidden_size: int, aux_layers: tuple[int, ...], heldout_every: int = 20,
@@ -74,8 +77,6 @@ class EagleCacheWriter:
             raise ValueError(f"{self.out_dir} caches hidden size {m['hidden_size']}, aux layers {m['aux_layers']}, "
                              f"every {m['heldout_every']}th record held out; this run asks for {hidden_size}, "
                              f"{list(aux_layers)}, {heldout_every}: use another cache directory")
-        for split in SPLITS:
-            (self.out_dir / split).mkdir(parents=True, exist_ok=True)
         self.heldout_every, self.shard_tokens, self.dtype = heldout_every, shard_tokens, dtype
         self.buf: dict[str, list[dict[str, torch.Tensor]]] = {s: [] for s in SPLITS}
         self.pending = 0  # records added since the last manifest write
@@ -118,7 +119,10 @@ class EagleCacheWriter:
             self.flush()
 
     def flush(self) -> None:
-        """Write the buffered records as shards, then the manifest."""
+        """Write the buffered records as shards, then the manifest; nothing when no record was added
+        since the last flush."""
+        if not self.pending:
+            return
         for split, recs in self.buf.items():
             if not recs:
                 continue
@@ -130,6 +134,10 @@ class EagleCacheWriter:
         self.manifest["records_done"] += self.pending
         self.manifest["last_id"] = self.last_id
         self.pending = 0
+        self.write_manifest()
+
+    def write_manifest(self) -> None:
+        """Write the manifest (atomically), creating the directory if needed."""
         atomic_write_text(self.out_dir / MANIFEST, json.dumps(self.manifest, indent=1))
 
 
@@ -155,7 +163,9 @@ def cache_eagle_states(target, records: list[dict], out_dir: str | Path, aux_lay
                        dtype: torch.dtype = torch.bfloat16, deadline: float | None = None) -> Path:
     """Store the aux and final-norm states of `records` ({"id", "prompt_ids", "output_ids"},
     distill.selfdistill) under `out_dir` (see the module docstring). Records the cache already holds
-    are skipped; `deadline` (time.monotonic()) stops before the next batch. Returns `out_dir`."""
+    are skipped; `deadline` (time.monotonic()) stops before the next batch, and the cache then holds
+    the records done so far (its manifest is written even when that is none of them). No records:
+    nothing is created. Returns `out_dir`."""
     writer = EagleCacheWriter(out_dir, target.config.hidden_size, aux_layers, heldout_every, shard_tokens, dtype)
     writer.check_continues(records)
     todo = records[writer.records_done:]
@@ -182,6 +192,8 @@ def cache_eagle_states(target, records: list[dict], out_dir: str | Path, aux_lay
     finally:  # also when stopped (Ctrl-C, SIGTERM): what was computed is kept
         writer.flush()
         bar.close()
+    if records and not (writer.out_dir / MANIFEST).is_file():  # the deadline came before the first batch
+        writer.write_manifest()
     return Path(out_dir)
 
 

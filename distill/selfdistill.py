@@ -7,7 +7,9 @@ runtime (`specdec.generate`, batched, greedy or sampled). Records go to a jsonl 
 prompt: {"id", "prompt_ids", "output_ids"}. Generation resumes where a previous run stopped:
 finished ids are skipped and a torn last line is dropped. An existing file that is not such a
 jsonl (or a directory) is refused before any work (`check_records_file`): it is never appended
-to or truncated.
+to or truncated. The file and the caches are created with the first records written: a run that
+is refused, fails before its first batch, or has nothing to generate leaves no empty jsonl or
+cache behind.
 """
 
 from __future__ import annotations
@@ -16,11 +18,13 @@ import json
 import os
 import re
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
 
 import specdec
+from distill.eagle_cache import MANIFEST
 from runtime.outputs import check_output_file
 from runtime.progress import progress
 from specdec.capture import StateCapture
@@ -176,26 +180,10 @@ def generate_selfdistill(model, tokenizer, out_path: str | Path, prompts: list[t
         if not aux_layers:
             raise ValueError("an EAGLE-3 feature cache needs the target layers it stores (aux_layers)")
         check_eagle_cache_dir(eagle_cache)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
     _drop_torn_tail(out_path)
     records = read_records(out_path)
-    writer = None
-    if hidden_cache is not None:
-        from distill.train_medusa import HiddenCacheWriter, cache_hidden_states
-
-        cache_hidden_states(model, records, hidden_cache, num_heads, deadline=deadline)
-        writer = HiddenCacheWriter(hidden_cache, num_heads, model.config.hidden_size)
-        if writer.records_done < len(records):  # the deadline came while catching up
-            return len(records)
-    features = None
-    if eagle_cache is not None:
-        from distill.eagle_cache import EagleCacheWriter, cache_eagle_states
-
-        cache_eagle_states(model, records, eagle_cache, tuple(aux_layers), heldout_every=heldout_every,
-                           deadline=deadline)
-        features = EagleCacheWriter(eagle_cache, model.config.hidden_size, tuple(aux_layers), heldout_every)
-        if features.records_done < len(records):  # the deadline came while catching up
-            return len(records)
+    if not _catch_up(model, records, hidden_cache, num_heads, eagle_cache, aux_layers, heldout_every, deadline):
+        return len(records)  # the deadline came while catching up
     done = {r["id"] for r in records}
     todo = [p for p in prompts if p[0] not in done]
     eos = stop_token_ids(tokenizer)
@@ -204,32 +192,78 @@ def generate_selfdistill(model, tokenizer, out_path: str | Path, prompts: list[t
     todo = [p for lo in range(0, len(todo), window) for p in sorted(todo[lo:lo + window], key=lambda p: len(p[1]))]
     batches = [todo[i:i + batch_size] for i in range(0, len(todo), batch_size)]
     bar = progress(total=len(todo), desc="self-distillation answers", unit="prompt")
+    hidden_writer = features = None  # the caches' writers, opened with the file
     try:
-        with open(out_path, "a") as f:
+        with ExitStack() as stack:
+            f = None  # opened with the first records: a run that writes none creates nothing
             for batch in batches:
                 if deadline is not None and time.monotonic() > deadline:
                     break
                 gen = torch.Generator().manual_seed(seed * 1_000_003 + batch[0][0])
                 rows = [torch.tensor(ids, dtype=torch.long) for _, ids in batch]
-                capture = StateCapture(hidden=writer is not None or features is not None,
-                                       aux_layers=tuple(aux_layers) if features is not None else None)
+                capture = StateCapture(hidden=hidden_cache is not None or eagle_cache is not None,
+                                       aux_layers=tuple(aux_layers) if eagle_cache is not None else None)
                 out = specdec.generate(model, rows, max_new_tokens=max_new_tokens, temperature=temperature,
                                        eos_token_id=eos, generator=gen, observer=capture)
                 recs = [{"id": idx, "prompt_ids": ids, "output_ids": seq[len(ids):].tolist()}
                         for (idx, ids), seq in zip(batch, out.sequences)]
+                if f is None:
+                    hidden_writer, features = _cache_writers(model, hidden_cache, num_heads, eagle_cache, aux_layers,
+                                                             heldout_every)
+                    out_path.parent.mkdir(parents=True, exist_ok=True)
+                    f = stack.enter_context(open(out_path, "a"))
                 f.writelines(json.dumps(rec) + "\n" for rec in recs)
                 f.flush()
                 os.fsync(f.fileno())
-                if writer is not None:  # after the records are on disk: the caches never run ahead
+                if hidden_writer is not None:  # after the records are on disk: the caches never run ahead
                     for rec, hid in zip(recs, capture.hidden_states):
-                        writer.add(rec, hid)
+                        hidden_writer.add(rec, hid)
                 if features is not None:
                     for rec, hid, aux in zip(recs, capture.hidden_states, capture.aux_states):
                         features.add(rec, aux, hid)
                 bar.update(len(batch))
     finally:  # an interrupted run keeps the states of every record already written
-        for w in (writer, features):
+        for w in (hidden_writer, features):
             if w is not None:
                 w.flush()
         bar.close()
     return len(read_records(out_path))
+
+
+def _has_manifest(cache: str | Path | None) -> bool:
+    return cache is not None and (Path(cache) / MANIFEST).is_file()  # the Medusa cache's is named alike
+
+
+def _catch_up(model, records: list[dict], hidden_cache, num_heads: int, eagle_cache, aux_layers,
+              heldout_every: int, deadline: float | None) -> bool:
+    """Cache the states of the records the file holds but a cache lacks (a killed run), checking that
+    an existing cache belongs to these records; False when the deadline came first. A new cache
+    beside a file without records needs nothing and is not created."""
+    caught_up = True
+    if hidden_cache is not None and (records or _has_manifest(hidden_cache)):
+        from distill.train_medusa import HiddenCacheWriter, cache_hidden_states
+
+        cache_hidden_states(model, records, hidden_cache, num_heads, deadline=deadline)
+        caught_up = HiddenCacheWriter(hidden_cache, num_heads, model.config.hidden_size).records_done >= len(records)
+    if caught_up and eagle_cache is not None and (records or _has_manifest(eagle_cache)):
+        from distill.eagle_cache import EagleCacheWriter, cache_eagle_states
+
+        cache_eagle_states(model, records, eagle_cache, tuple(aux_layers), heldout_every=heldout_every,
+                           deadline=deadline)
+        writer = EagleCacheWriter(eagle_cache, model.config.hidden_size, tuple(aux_layers), heldout_every)
+        caught_up = writer.records_done >= len(records)
+    return caught_up
+
+
+def _cache_writers(model, hidden_cache, num_heads: int, eagle_cache, aux_layers, heldout_every: int) -> tuple:
+    """(HiddenCacheWriter or None, EagleCacheWriter or None): writers of the caches asked for."""
+    hidden_writer = features = None
+    if hidden_cache is not None:
+        from distill.train_medusa import HiddenCacheWriter
+
+        hidden_writer = HiddenCacheWriter(hidden_cache, num_heads, model.config.hidden_size)
+    if eagle_cache is not None:
+        from distill.eagle_cache import EagleCacheWriter
+
+        features = EagleCacheWriter(eagle_cache, model.config.hidden_size, tuple(aux_layers), heldout_every)
+    return hidden_writer, features

@@ -52,7 +52,7 @@ from distill.selfdistill import read_records
 from distill.trainer import CheckpointDir, Panel, Task, Trainer, TrainerConfig, running_mean, trainer_field
 from runtime.outputs import prepare_output_dir
 from specdec.drafters.eagle.head import Eagle3Config, Eagle3Head, UnrollCache, default_aux_layers
-from specdec.drafters.eagle.io import read_eagle_config, save_eagle
+from specdec.drafters.eagle.io import read_eagle_config, write_eagle_files
 
 CHECKPOINT = "checkpoint"
 TRAINER = "eagle_trainer.json"
@@ -364,7 +364,7 @@ class EagleTask(Task):
         self.accuracy.append(self.hits)
 
     def save_weights(self, directory: Path) -> None:
-        save_eagle(self.head, directory)
+        write_eagle_files(self.head, directory)  # the trainer's fresh checkpoint directory
 
     def load_weights(self, directory: Path) -> None:
         saved = read_eagle_config(directory, self.target)
@@ -451,7 +451,8 @@ def train_eagle(target, data, config: EagleTrainConfig = EagleTrainConfig(), out
     if run.acc.is_main_process:  # only the main process evaluates and writes
         if heldout:
             held = evaluate(head, target.embed, heldout, task.weight, k, config.decay, config.batch_tokens)
-        save_eagle(copy.deepcopy(head).to(SAVE_DTYPES[config.save_dtype]), out_dir, speculative_tokens=k)
+        # into the training directory check_train_dir accepted (beside its checkpoints and reports)
+        write_eagle_files(copy.deepcopy(head).to(SAVE_DTYPES[config.save_dtype]), out_dir, speculative_tokens=k)
     vocab = torch.zeros(V, dtype=torch.bool)
     vocab[draft_ids.cpu()] = True
     recent = task.accuracy[-50:]

@@ -42,7 +42,7 @@ from torch import nn
 
 from distill.accel import autocast_mode, global_mean, synced_clock
 from distill.config_args import at_least, check_fields, positive
-from runtime.atomic import atomic_write, atomic_write_text
+from runtime.atomic import apply_umask, atomic_write, atomic_write_text
 from runtime.progress import progress
 
 OPTIMIZER = "optimizer.pt"
@@ -129,6 +129,7 @@ class CheckpointDir:
         tmp = Path(tempfile.mkdtemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent))
         try:
             fill(tmp)
+            apply_umask(tmp, recursive=True)  # mkdtemp's 0700 and save_file's 0600 would keep it from others
             (tmp / self.meta).write_text(json.dumps(state))
             if self.path.exists():  # else the old one, if any, is the only complete checkpoint: kept until now
                 shutil.rmtree(self.old, ignore_errors=True)
@@ -162,6 +163,7 @@ class StepCheckpoints:
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".tmp", dir=self.root))
         try:
             fill(tmp)
+            apply_umask(tmp, recursive=True)  # mkdtemp's 0700 and save_file's 0600 would keep it from others
             (tmp / self.meta).write_text(json.dumps(state))
             final = self.root / name
             if final.exists():

@@ -1,24 +1,67 @@
 """Atomic file writes: write to a temporary file beside the target, then rename over it.
 
 A reader (or a resumed job) sees either the old file or the complete new one, never a torn one.
+
+`tempfile` makes its files 0600 and its directories 0700 (and safetensors' `save_file` its files
+0600), and a rename keeps the mode: an output built that way would stay private to its writer (a
+vLLM service running as another user could not read an export). `apply_umask` gives such files and
+directories the mode `open()` / `mkdir()` would have given them, which every writer of an output
+applies before renaming it into place.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 
+def current_umask() -> int:
+    """The process's umask.
+
+    Read from /proc/self/status ("Umask:", Linux 4.7+), which changes nothing. Elsewhere it is read
+    the only other way there is, `os.umask`, which sets it and sets it back: the umask is
+    process-wide, so a file another thread creates in that instant gets the probe value 0o077
+    (private, the safe side), never a more open mode than asked for.
+    """
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
+def apply_umask(path: str | Path, *, recursive: bool = False) -> None:
+    """Give file or directory `path` the mode a plain `open()` / `mkdir()` would have given it:
+    0o666 & ~umask for a file, 0o777 & ~umask for a directory (a link is left alone, not followed).
+    recursive: also everything under directory `path` (safetensors' save_file, too, writes 0600)."""
+    mask = current_umask()
+    paths = [Path(path)]
+    if recursive:
+        paths += [Path(top) / name for top, dirs, files in os.walk(path) for name in (*dirs, *files)]
+    for p in paths:
+        mode = os.lstat(p).st_mode
+        if not stat.S_ISLNK(mode):
+            os.chmod(p, (0o777 if stat.S_ISDIR(mode) else 0o666) & ~mask)
+
+
 def atomic_write(path: str | Path, write: Callable[[str], object]) -> Path:
-    """Call `write(tmp_path)` to produce the file, then move it to `path` (temp removed on error)."""
+    """Call `write(tmp_path)` to produce the file, then move it to `path` (temp removed on error).
+    The file gets the umask's mode (`apply_umask`), not tempfile's private 0600."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
         write(tmp)
+        apply_umask(tmp)  # after `write`, which may have replaced the file
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

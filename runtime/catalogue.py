@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from runtime.atomic import apply_umask
 from runtime.errors import CatalogueError, CheckpointError
 from runtime.gguf import CONVERT_STEPS, SOURCE_FILE, convert_gguf
 from runtime.progress import progress as progress_bar
@@ -136,9 +137,9 @@ def build_once(dest: Path, build: Callable[[Path], object]) -> Path:
         for stale in dest.parent.glob(f".{glob.escape(dest.name)}.partial-*"):  # left by a killed build
             shutil.rmtree(stale, ignore_errors=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
-        staging.chmod(0o755)  # mkdtemp makes it private; the cache is shared like any checkpoint dir
         try:
             build(staging)
+            apply_umask(staging, recursive=True)  # mkdtemp and save_file make them private; the cache is shared
             os.rename(staging, dest)
         finally:
             if staging.exists():

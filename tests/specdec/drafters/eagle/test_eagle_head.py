@@ -150,7 +150,7 @@ def test_corrupt_or_missing_files_fail_naming_them(deep, tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="config.json cannot be read as JSON"):
         specdec.load_eagle(tmp_path, deep)
-    specdec.save_eagle(head_for(deep), tmp_path)
+    specdec.save_eagle(head_for(deep), tmp_path, overwrite=True)  # replaces the head whose config was broken
     from safetensors.torch import load_file, save_file
 
     state = load_file(str(tmp_path / "model.safetensors"))

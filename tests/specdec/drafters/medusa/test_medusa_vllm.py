@@ -1,6 +1,8 @@
 """Medusa heads in vLLM's layout (export and import) and in the original Medusa layout (import)."""
 
 import json
+import os
+import stat
 
 import pytest
 import torch
@@ -60,6 +62,31 @@ def test_vllm_export_refuses_unbound_shared_heads_and_foreign_dirs(target, tmp_p
         export_medusa_vllm(distill.attach_medusa(target, num_heads=2), tmp_path / "busy")
     with pytest.raises(ValueError, match="format must be one of"):
         distill.save_medusa(distill.attach_medusa(target, num_heads=2), tmp_path / "y", format="onnx")
+
+
+def test_heads_never_go_into_a_model_checkpoint_and_are_readable_as_the_umask_allows(target, tmp_path):
+    """A model checkpoint has the vLLM layout's file names (config.json, model.safetensors): both
+    writers refuse it untouched; what they write gets the umask's modes."""
+    from runtime.tiny import tiny_pair
+
+    heads = distill.attach_medusa(target, num_heads=2)
+    tiny_pair("llama", seed=0)[1].save_pretrained(tmp_path / "model")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "model").iterdir()}
+    for fmt in ("specdec", "vllm"):
+        for overwrite in (False, True):
+            with pytest.raises(OutputPathError, match="model is a non-empty directory that specdec did not write"):
+                distill.save_medusa(heads, tmp_path / "model", overwrite=overwrite, format=fmt)
+        with pytest.raises(OutputPathError, match="null/x cannot be created for the .*: /dev/null is not a directory"):
+            distill.save_medusa(heads, "/dev/null/x", format=fmt)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "model").iterdir()} == before
+    old = os.umask(0o022)
+    try:
+        outs = [distill.save_medusa(heads, tmp_path / fmt, format=fmt) for fmt in ("specdec", "vllm")]
+    finally:
+        os.umask(old)
+    for out in outs:
+        assert stat.S_IMODE(out.stat().st_mode) == 0o755
+        assert {stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()} == {0o644}
 
 
 def _original_checkpoint(path, target, prefix=True, pt=False, heads=2, layers=1):
