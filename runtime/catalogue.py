@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from runtime.args import describe
 from runtime.errors import CatalogueError, CheckpointError
 from runtime.gguf import CONVERT_STEPS, SOURCE_FILE, convert_gguf
 from runtime.progress import progress as progress_bar
@@ -148,6 +149,8 @@ def build_once(dest: Path, build: Callable[[Path], object]) -> Path:
 
 def entry(name: str) -> CatalogueEntry:
     """The catalogue entry called `name`; CatalogueError listing the known names otherwise."""
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a catalogue model name (a str: {', '.join(CATALOGUE)}), got {describe(name)}")
     if name not in CATALOGUE:
         raise CatalogueError(f"unknown catalogue model {name!r}; known models: {', '.join(CATALOGUE)}")
     return CATALOGUE[name]
