@@ -4,6 +4,7 @@ from runtime.cache import KVCache
 from runtime.compile import compile_decode
 from runtime.config import ModelConfig
 from runtime.errors import (
+    CacheHomeError,
     CacheMemoryError,
     CatalogueError,
     CheckpointError,
@@ -17,7 +18,7 @@ from runtime.model_output import ModelOutput
 
 __all__ = ["KVCache", "ModelConfig", "Transformer", "ModelOutput", "compile_decode", "load_model", "load_tokenizer",
            "fetch", "fetch_gguf", "CATALOGUE", "HFAdapter", "SpecdecError", "CheckpointError", "CatalogueError",
-           "ContextLengthError", "CacheMemoryError", "UnsupportedModelError"]
+           "ContextLengthError", "CacheMemoryError", "CacheHomeError", "UnsupportedModelError"]
 
 
 def __getattr__(name: str):

@@ -31,8 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from runtime.args import describe
 from runtime.atomic import apply_umask
-from runtime.errors import CatalogueError, CheckpointError
+from runtime.errors import CacheHomeError, CatalogueError, CheckpointError
 from runtime.gguf import CONVERT_STEPS, SOURCE_FILE, convert_gguf
 from runtime.progress import progress as progress_bar
 
@@ -99,8 +100,34 @@ CATALOGUE: dict[str, CatalogueEntry] = {
 
 
 def cache_home() -> Path:
-    """Root of specdec's caches: $SPECDEC_HOME, default ~/.cache/specdec."""
-    return Path(os.environ.get("SPECDEC_HOME") or "~/.cache/specdec").expanduser()
+    """Root of specdec's caches: $SPECDEC_HOME, default ~/.cache/specdec. CacheHomeError when that
+    path exists and is not a directory."""
+    home = Path(os.environ.get("SPECDEC_HOME") or "~/.cache/specdec").expanduser()
+    if home.exists() and not home.is_dir():
+        raise CacheHomeError(f"{_home_name(home)} is not a directory; point SPECDEC_HOME at a directory specdec may "
+                             "keep its caches in")
+    return home
+
+
+def _home_name(home: Path) -> str:
+    """How an error names the cache home: the variable and its value, or the default."""
+    if os.environ.get("SPECDEC_HOME"):
+        return f"SPECDEC_HOME={os.environ['SPECDEC_HOME']}"
+    return f"the cache directory {home} (SPECDEC_HOME is unset)"
+
+
+def cache_dir(path: Path) -> Path:
+    """`path`, a directory under `cache_home()`, created if missing and checked writable (a file is
+    created and removed in it); CacheHomeError naming SPECDEC_HOME when it cannot be."""
+    home = cache_home()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as err:
+        raise CacheHomeError(f"{_home_name(home)}: cannot write in {path} ({err.strerror or err}); point "
+                             "SPECDEC_HOME at a directory specdec may write in") from err
+    return path
 
 
 def is_complete(ckpt: Path) -> bool:
@@ -127,7 +154,7 @@ def build_once(dest: Path, build: Callable[[Path], object]) -> Path:
     """
     if is_complete(dest):
         return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    cache_dir(dest.parent)
     with _locked(dest):
         if is_complete(dest):
             return dest
@@ -149,6 +176,8 @@ def build_once(dest: Path, build: Callable[[Path], object]) -> Path:
 
 def entry(name: str) -> CatalogueEntry:
     """The catalogue entry called `name`; CatalogueError listing the known names otherwise."""
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a catalogue model name (a str: {', '.join(CATALOGUE)}), got {describe(name)}")
     if name not in CATALOGUE:
         raise CatalogueError(f"unknown catalogue model {name!r}; known models: {', '.join(CATALOGUE)}")
     return CATALOGUE[name]

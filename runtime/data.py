@@ -39,8 +39,10 @@ _ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assis
 
 
 def data_home() -> Path:
-    """`$SPECDEC_HOME/data` (default `~/.cache/specdec/data`)."""
-    return Path(os.environ.get("SPECDEC_HOME", "~/.cache/specdec")).expanduser() / "data"
+    """`$SPECDEC_HOME/data` (default `~/.cache/specdec/data`; `runtime.catalogue.cache_home`)."""
+    from runtime.catalogue import cache_home
+
+    return cache_home() / "data"
 
 
 def sharegpt_jsonl() -> Path:
@@ -54,7 +56,9 @@ def sharegpt_jsonl() -> Path:
     target = home / "sharegpt_v3.jsonl"
     if target.is_file():
         return target
-    home.mkdir(parents=True, exist_ok=True)
+    from runtime.catalogue import cache_dir
+
+    cache_dir(home)
     text = _raw_sharegpt_text(home)
     decoder = json.JSONDecoder()
     pos = text.index("[") + 1

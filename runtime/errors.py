@@ -23,3 +23,7 @@ class ContextLengthError(SpecdecError, ValueError):
 
 class CacheMemoryError(SpecdecError, MemoryError):
     """A KV cache that would not fit in the memory of its device."""
+
+
+class CacheHomeError(SpecdecError, OSError):
+    """SPECDEC_HOME (default ~/.cache/specdec) names no directory specdec can keep its caches in."""

@@ -10,10 +10,11 @@ from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from runtime.args import check_bool, check_dtype, check_path
 from runtime.compressed_tensors import is_compressed_tensors, load_compressed_tensors
 from runtime.config import HF_SIZE_KEYS, ModelConfig, check_model_type, is_size
 from runtime.errors import CheckpointError
-from runtime.hardware import check_device
+from runtime.hardware import DTYPES, check_device
 from runtime.heap import release_freed_memory
 from runtime.model import Transformer
 from runtime.validate import (
@@ -39,6 +40,7 @@ _LAYER_MAP = {
 }
 _TOP_MAP = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
             "lm_head.weight": "lm_head.weight"}
+SOURCES = "a catalogue name, a checkpoint directory, a .gguf file or a hub id"  # what name_or_path may name
 
 
 def resolve(name_or_path: str | Path) -> Path:
@@ -247,8 +249,14 @@ def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.bfloat16,
     that asks to run its own code (`auto_map`) or has an unsupported model_type raises
     UnsupportedModelError; malformed JSON, shard paths outside the directory, unparsable
     safetensors, a config whose layer count, widths, heads, vocabulary or positions disagree with
-    the weights' headers, integer or NaN weights raise CheckpointError naming the file.
+    the weights' headers, integer or NaN weights raise CheckpointError naming the file. Before
+    that, the arguments themselves (`runtime.args`): dtype is one of `runtime.hardware.DTYPES`
+    (torch.bfloat16, torch.float32, torch.float16, or their names).
     """
+    check_path("name_or_path", name_or_path, SOURCES)
+    dtype = check_dtype("dtype", dtype, DTYPES)
+    check_bool("compile", compile)
+    check_bool("row_invariant", row_invariant)
     if attention is not None and attention not in ("sdpa", "triton"):
         raise ValueError(f"attention must be 'sdpa' or 'triton', got {attention!r}")
     device = check_device(device)
@@ -293,6 +301,7 @@ def load_tokenizer(name_or_path: str | Path):
     """The Hugging Face tokenizer stored with a checkpoint (catalogue name, dir, .gguf or hub id)."""
     from transformers import AutoTokenizer
 
+    check_path("name_or_path", name_or_path, SOURCES)
     ckpt = resolve(name_or_path)
     refuse_remote_code(ckpt)
     try:

@@ -257,10 +257,6 @@ def decode_steps(target, drafter: Drafter | None, state: RowState, num_draft_tok
     cfg = target.config
     max_len = check_lengths(state.prompts, state.max_new_tokens, cfg.max_position_embeddings,
                             cfg.vocab_size) + cache_slack(target, drafter, num_draft_tokens)
-    if state.all_done:
-        for o in observers:  # nothing to decode: the observers still see the rows start
-            o.on_start(target, len(state.prompts))
-        return
     start = time.perf_counter()
     cache = target.new_cache(len(state.prompts), max_len)
     loop = DecodeLoop(target, drafter, state, cache, num_draft_tokens, sampling, observers)

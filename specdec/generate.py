@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.args import check_generator, check_instance, check_int, check_methods, check_model
 from specdec.capture import DecodeObserver
 from specdec.decode import decode, decode_steps
 from specdec.drafters import draft_length_of, make_drafter
@@ -73,7 +74,14 @@ def generate(target, input_ids, draft=None, max_new_tokens: int = 128, temperatu
     layers' states an EAGLE-3 head trains on (with an EAGLE-3 drafter, its own layers).
     streamer: a transformers-style streamer (`put` / `end`, e.g. `TextStreamer(tok)`) that gets
     the prompt, then each step's accepted tokens as they come; one row only.
+
+    Every argument is checked before anything runs: a wrong type raises TypeError, a bad value
+    ValueError, each naming the argument (`runtime.args`); max_new_tokens is an integer >= 1, as in
+    transformers' generate.
     """
+    if streamer is not None:
+        check_methods("streamer", streamer, ("put", "end"), "a transformers-style streamer (e.g. TextStreamer(tok))")
+    observers = _observers(observer)
     num_draft_tokens = parse_draft_length(draft_length_of(draft, num_draft_tokens))
     target, drafter, state, as_tensor = _prepare(target, input_ids, draft, max_new_tokens, temperature, top_p,
                                                  top_k, eos_token_id, generator, pad_token_id, attention_mask)
@@ -88,7 +96,6 @@ def generate(target, input_ids, draft=None, max_new_tokens: int = 128, temperatu
         def on_tokens(emitted: list[list[int]]) -> None:
             if emitted[0]:
                 streamer.put(torch.tensor(emitted[0], dtype=torch.long))  # (n,): the step's accepted tokens
-    observers = [] if observer is None else list(observer) if isinstance(observer, (list, tuple)) else [observer]
     stats = decode(target, drafter, state, num_draft_tokens, temperature, top_k, top_p, generator, on_tokens,
                    observers)
     if streamer is not None:
@@ -108,18 +115,29 @@ def _prepare(target, input_ids, draft, max_new_tokens: int, temperature: float, 
              eos_token_id, generator: torch.Generator | None, pad_token_id: int | None,
              attention_mask: torch.Tensor | None):
     """Checked arguments of generate() / stream() -> (target, drafter, RowState, as_tensor)."""
+    max_new_tokens = check_int("max_new_tokens", max_new_tokens, minimum=1)  # as transformers' generate
     SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)  # checks them
+    check_int("pad_token_id", pad_token_id, optional=True)
+    eos = eos_set(eos_token_id)
     if getattr(target, "output_ids", None) is not None:
         raise ValueError("the target scores a restricted vocabulary (specdec.drafters.draft_vocab.restrict_vocab): "
                          "such a model can only draft; pass the full model as the target")
     target = as_runtime_model(target)
-    if generator is not None and generator.device.type != target.device.type:
-        raise ValueError(f"the generator is on {generator.device} but the target runs on {target.device}; "
-                         f"create it with torch.Generator(device={str(target.device)!r})")
+    check_model("target", target)
+    check_generator("generator", generator, target.device)
     rows, as_tensor = normalize_prompts(input_ids, attention_mask, pad_token_id)
-    state = RowState(rows, max_new_tokens, eos_set(eos_token_id))
+    state = RowState(rows, max_new_tokens, eos)
     drafter = None if draft is None else make_drafter(draft, target, temperature, top_k, top_p, generator)
     return target, drafter, state, as_tensor
+
+
+def _observers(observer) -> list[DecodeObserver]:
+    """generate()'s observer argument as a list: None, one DecodeObserver, or a list of them."""
+    observers = [] if observer is None else list(observer) if isinstance(observer, (list, tuple)) else [observer]
+    for o in observers:
+        check_instance("observer", o, DecodeObserver,
+                       "a specdec.capture.DecodeObserver (e.g. StateCapture(hidden=True)), a list of them, or None")
+    return observers
 
 
 def stream(target, input_ids, draft=None, max_new_tokens: int = 128, temperature: float = 0.0,

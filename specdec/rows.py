@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from runtime.args import check_data, describe
 from runtime.cache import KVCache
 from runtime.errors import ContextLengthError
 from runtime.model_output import ModelOutput
@@ -20,52 +21,105 @@ from runtime.model_output import ModelOutput
 
 def normalize_prompts(input_ids: torch.Tensor | list[torch.Tensor], attention_mask: torch.Tensor | None = None,
                       pad_token_id: int | None = None) -> tuple[list[torch.Tensor], bool]:
-    """Rows as 1-D LongTensors, and whether the input was a (B, T) tensor.
+    """Rows as 1-D LongTensors on the CPU, and whether the input was a (B, T) tensor.
 
-    A padded (B, T) batch needs its `attention_mask` (1 = token, 0 = padding, either side); a
-    batch of several rows that starts or ends with `pad_token_id` and comes without one is
-    refused rather than decoded with the padding as prompt text."""
+    input_ids: a (B, T) or (T,) tensor of integer token ids, or a list of 1-D tensors (or lists of
+    ids) of their own lengths. A padded (B, T) batch takes its `attention_mask` (0 / 1 of its
+    shape, 1 = token, the 0s of a row on one side). Nothing is inferred from `pad_token_id`: a
+    tensor without a mask whose row starts or ends with it (left or right padding) is refused
+    rather than decoded with the padding as prompt text, one row as much as several."""
     if isinstance(input_ids, torch.Tensor):
-        if input_ids.dim() == 1:
+        check_data("input_ids", input_ids)
+        if input_ids.dim() == 1:  # one prompt (T,), its mask (T,) too
             input_ids = input_ids[None]
+            if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 1:
+                attention_mask = attention_mask[None]
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be a LongTensor [B, T] or a list of 1-D LongTensors, "
                              f"got a tensor of shape {tuple(input_ids.shape)}")
+        if input_ids.shape[0] == 0:
+            raise ValueError("input_ids holds no rows (shape (0, T)): pass at least one prompt")
+        _check_ids("input_ids", input_ids)
         if attention_mask is not None:
-            if attention_mask.shape != input_ids.shape:
-                raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids "
-                                 f"{tuple(input_ids.shape)}; they must match")
-            rows = [r[m.bool()] for r, m in zip(input_ids, attention_mask.to(input_ids.device))]
-        elif pad_token_id is not None and input_ids.shape[0] > 1 and bool(
-                ((input_ids[:, 0] == pad_token_id) | (input_ids[:, -1] == pad_token_id)).any()):
-            raise ValueError(f"input_ids looks padded (a row starts or ends with the pad token {pad_token_id}) "
-                             "but no attention_mask was given: pass attention_mask, or the prompts as a list "
-                             "of 1-D tensors of their own lengths")
+            rows = _unpad(input_ids, attention_mask)
         else:
+            if pad_token_id is not None:
+                _refuse_padding(input_ids, pad_token_id)
             rows = list(input_ids)
         as_tensor = True
-    else:
+    elif isinstance(input_ids, (list, tuple)):
         if attention_mask is not None:
-            raise ValueError("attention_mask goes with a (B, T) tensor; a list of rows needs none")
-        rows, as_tensor = [torch.as_tensor(r) for r in input_ids], False
-        if not rows:
+            raise ValueError("attention_mask goes with a (B, T) tensor of input_ids; a list of rows needs none")
+        if not input_ids:
             raise ValueError("input_ids is an empty list: pass at least one prompt")
+        rows, as_tensor = [_row(i, r) for i, r in enumerate(input_ids)], False
+    else:
+        raise TypeError(f"input_ids must be a LongTensor [B, T] or a list of 1-D LongTensors, got "
+                        f"{describe(input_ids)}")
     for i, r in enumerate(rows):
-        if r.dim() != 1:
-            raise ValueError(f"prompt {i} must be 1-D, got shape {tuple(r.shape)}")
         if r.numel() == 0:
-            raise ValueError(f"prompt {i} is empty: every row needs at least one token (e.g. a BOS "
+            raise ValueError(f"input_ids row {i} is empty: every row needs at least one token (e.g. a BOS "
                              "token or a chat template)")
-        if r.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"prompt {i} must hold integer token ids, got {r.dtype}")
     return [r.long().cpu() for r in rows], as_tensor
+
+
+def _check_ids(name: str, ids: torch.Tensor) -> None:
+    """ValueError unless `ids` holds integer token ids (not bools, not floats)."""
+    if ids.dtype == torch.bool or ids.dtype.is_floating_point or ids.dtype.is_complex:
+        raise ValueError(f"{name} must hold integer token ids (torch.long), got {ids.dtype}")
+
+
+def _row(i: int, row) -> torch.Tensor:
+    """Element `i` of a list input_ids as a 1-D tensor of token ids."""
+    if not isinstance(row, torch.Tensor):
+        try:
+            row = torch.as_tensor(row)
+        except (TypeError, ValueError, RuntimeError) as err:  # what torch says of a str, a ragged list, ...
+            raise TypeError(f"input_ids[{i}] must be a 1-D LongTensor (or a list of token ids), got "
+                            f"{describe(row)}") from err
+    check_data(f"input_ids[{i}]", row)
+    if row.dim() != 1:
+        raise ValueError(f"input_ids[{i}] must be 1-D, got shape {tuple(row.shape)}; a list input_ids holds one "
+                         "1-D tensor per prompt ([ids] for one prompt)")
+    _check_ids(f"input_ids[{i}]", row)
+    return row
+
+
+def _unpad(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[torch.Tensor]:
+    """The rows of a padded (B, T) batch without their padding, as `attention_mask` marks it."""
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"attention_mask must be a tensor of 0 / 1 shaped like input_ids, got "
+                        f"{describe(attention_mask)}")
+    check_data("attention_mask", attention_mask)
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids "
+                         f"{tuple(input_ids.shape)}; they must match")
+    mask = attention_mask.to(input_ids.device)
+    if not bool(((mask == 0) | (mask == 1)).all()):
+        raise ValueError("attention_mask must hold only 0 (padding) and 1 (token), got "
+                         f"{sorted(set(mask.flatten().tolist()) - {0, 1})[:4]}")
+    mask = mask.bool()
+    for b, m in enumerate(mask):
+        ones = m.nonzero()
+        if ones.numel() and int(ones[-1]) - int(ones[0]) + 1 != ones.numel():
+            raise ValueError(f"attention_mask row {b} has padding between tokens; each row's padding goes on one "
+                             "side (left or right)")
+    return [r[m] for r, m in zip(input_ids, mask)]
+
+
+def _refuse_padding(input_ids: torch.Tensor, pad_token_id: int) -> None:
+    """ValueError when a row of `input_ids` starts or ends with `pad_token_id`: padded, but no
+    attention_mask says where."""
+    padded = ((input_ids[:, 0] == pad_token_id) | (input_ids[:, -1] == pad_token_id)).nonzero()
+    if padded.numel():
+        raise ValueError(f"input_ids row {int(padded[0])} starts or ends with pad_token_id {pad_token_id} but no "
+                         "attention_mask says which tokens are padding: pass attention_mask (1 = token, 0 = padding), "
+                         "or the prompts as a list of 1-D tensors of their own lengths")
 
 
 def check_lengths(rows: list[torch.Tensor], max_new_tokens: int, max_positions: int, vocab_size: int,
                   slack: int = 0) -> int:
     """Validate prompts against the model; returns the cache length needed per row."""
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     longest = max(r.numel() for r in rows)
     need = longest + max_new_tokens
     if need > max_positions:
@@ -75,7 +129,7 @@ def check_lengths(rows: list[torch.Tensor], max_new_tokens: int, max_positions: 
     for i, r in enumerate(rows):
         lo, hi = int(r.min()), int(r.max())
         if lo < 0 or hi >= vocab_size:
-            raise ValueError(f"prompt {i} holds token id {hi if hi >= vocab_size else lo}, outside the "
+            raise ValueError(f"input_ids row {i} holds token id {hi if hi >= vocab_size else lo}, outside the "
                              f"model's vocabulary [0, {vocab_size})")
     return min(need + slack, max_positions + slack)
 
@@ -185,9 +239,12 @@ def eos_set(eos_token_id: int | list[int] | None) -> frozenset[int]:
     try:
         if any(isinstance(e, bool) for e in ids):
             raise TypeError("a bool is no token id")
-        return frozenset(operator.index(e) for e in ids)
+        out = frozenset(operator.index(e) for e in ids)
     except TypeError as err:
         raise ValueError(f"eos_token_id must be a token id (int) or a list of ids, got {eos_token_id!r}") from err
+    if any(e < 0 for e in out):
+        raise ValueError(f"eos_token_id must hold token ids >= 0, got {eos_token_id!r}")
+    return out
 
 
 def prefill(model, rows: list[torch.Tensor], cache, return_hidden: bool = False, aux_layers: tuple[int, ...] = (),

@@ -207,3 +207,40 @@ def test_directory_in_the_way_is_reported(home):
     with pytest.raises(CheckpointError, match="delete it"):
         runtime.fetch("smollm2-135m-instruct")
     assert (blocker / "notes.txt").is_file()
+
+
+def _sharegpt():
+    from runtime.data import sharegpt_jsonl
+
+    return sharegpt_jsonl()
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file", "/proc"])
+@pytest.mark.parametrize("use", ["fetch", "load_model", "sharegpt"])
+def test_a_cache_home_that_cannot_hold_caches_is_named(tmp_path, monkeypatch, where, use):
+    """SPECDEC_HOME naming a file, a path under a file or a place nobody may write in: the first use
+    says so, naming the variable, and the file stays as it was."""
+    from runtime.errors import CacheHomeError
+
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    value = {"a file": str(notes), "under a file": str(notes / "cache"), "/proc": "/proc/specdec-cache"}[where]
+    monkeypatch.setenv("SPECDEC_HOME", value)
+    call = {"fetch": lambda: runtime.fetch("smollm2-135m-instruct", progress=False),
+            "load_model": lambda: runtime.load_model("smollm2-135m-instruct", weights="dense"),
+            "sharegpt": _sharegpt}[use]
+    start = (f"SPECDEC_HOME={value} is not a directory" if where == "a file"
+             else f"SPECDEC_HOME={value}: cannot write in {value}/")
+    with pytest.raises(CacheHomeError) as err:
+        call()
+    assert str(err.value).startswith(start), str(err.value)
+    assert notes.read_text() == "mine"
+
+
+def test_an_empty_specdec_home_is_the_default(monkeypatch):
+    """SPECDEC_HOME="" is unset for every cache (the data cache once read it as the working directory)."""
+    from runtime.data import data_home
+
+    monkeypatch.setenv("SPECDEC_HOME", "")
+    assert catalogue.cache_home() == Path("~/.cache/specdec").expanduser()
+    assert data_home() == catalogue.cache_home() / "data"

@@ -67,11 +67,12 @@ def test_each_row_stops_at_its_own_eos(pair):
         assert new == f[r.numel():r.numel() + first + 1].tolist()
 
 
-def test_max_new_tokens_bounds_and_zero(pair):
+def test_max_new_tokens_bounds_and_zero_is_refused_as_in_transformers(pair):
     model, _ = pair
     rows = _prompts([4], seed=5)
     assert specdec.generate(model, rows, max_new_tokens=7).sequences[0].numel() == 11
-    assert torch.equal(specdec.generate(model, rows, max_new_tokens=0).sequences[0], rows[0])
+    with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 1, got 0"):
+        specdec.generate(model, rows, max_new_tokens=0)
 
 
 def test_a_transformers_model_works_through_the_adapter(pair):
@@ -159,6 +160,48 @@ def test_a_padded_batch_takes_its_attention_mask_or_is_refused(pair):
     out = specdec.generate(model, batch, attention_mask=mask, max_new_tokens=5, pad_token_id=pad).sequences
     for b, seq in enumerate(alone):
         assert torch.equal(out[b, :seq.numel()], seq)
+
+
+def _padded(rows: list[torch.Tensor], pad: int, width: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows padded with `pad` to `width` on the left or the right -> (ids, attention_mask), (B, width) each."""
+    ids, mask = torch.full((len(rows), width), pad), torch.zeros(len(rows), width, dtype=torch.long)
+    for b, r in enumerate(rows):
+        cols = slice(width - r.numel(), width) if left else slice(0, r.numel())
+        ids[b, cols], mask[b, cols] = r, 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("shape", ["(1, T)", "(T,)", "(2, T)"])
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_padding_without_a_mask_is_refused_for_one_row_too(pair, shape, side):
+    """A prompt padded to a fixed length (padding="max_length") without its mask is refused however many
+    rows it has; with the mask every row decodes as it does alone."""
+    model, _ = pair
+    pad = 0
+    rows = [p.clamp(min=1) for p in _prompts([3, 5], seed=8)]  # no pad inside a prompt
+    ids, mask = _padded(rows if shape == "(2, T)" else rows[:1], pad, width=7, left=side == "left")
+    if shape == "(T,)":
+        ids, mask = ids[0], mask[0]
+    with pytest.raises(ValueError, match=f"^input_ids row 0 starts or ends with pad_token_id {pad} but no "
+                                         "attention_mask says which tokens are padding: pass attention_mask"):
+        specdec.generate(model, ids, max_new_tokens=4, pad_token_id=pad)
+    out = specdec.generate(model, ids, attention_mask=mask, max_new_tokens=4, pad_token_id=pad).sequences
+    assert out.shape[0] == (2 if shape == "(2, T)" else 1)
+    for b, r in enumerate(rows[:out.shape[0]]):
+        alone = specdec.generate(model, [r], max_new_tokens=4).sequences[0]
+        assert torch.equal(out[b, :alone.numel()], alone)
+
+
+def test_a_pad_token_inside_a_prompt_is_a_token(pair):
+    """pad_token_id between real tokens (a chat whose end-of-turn token is also the pad) is no padding:
+    the rows decode as the same prompts given as a list."""
+    model, _ = pair
+    rows = _prompts([6, 6], seed=9)
+    for r in rows:
+        r[0], r[2], r[-1] = 3, 0, 4  # the pad 0 inside, not at either end
+    out = specdec.generate(model, torch.stack(rows), max_new_tokens=5, pad_token_id=0).sequences
+    ref = specdec.generate(model, rows, max_new_tokens=5).sequences
+    assert all(torch.equal(a, b) for a, b in zip(out, ref))
 
 
 def test_nan_logits_fail_fast_with_a_named_error():
