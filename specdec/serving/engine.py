@@ -369,7 +369,8 @@ class Engine:
 
     def _retire(self, row: int, reason: str, finished: list[Request]) -> None:
         """Finish the request in `row` and free the row; a fault of the request (`_faults`), or of the
-        drafter's release of its row, makes the reason "error" (a cancelled request stays cancelled)."""
+        drafter's release of its row, makes the reason "error" (a cancelled request stays cancelled)
+        and zeroes the row's keys and values."""
         req = self.slots[row]
         self.slots[row] = None
         error = self._faults.pop(row, None)
@@ -380,6 +381,10 @@ class Engine:
             error = error or RequestError.of("release", err)
         if error is not None and reason != "cancelled":
             req.error, reason = error, "error"
+            # what a fault left in the row (NaN keys from NaN activations, say) would reach its next
+            # request: the masked-out slots of a row get attention weight 0, and 0 x NaN is NaN
+            self.loop.cache.k[:, row].zero_()
+            self.loop.cache.v[:, row].zero_()
         self._finish(req, reason, finished)
 
     def _finish(self, req: Request, reason: str, finished: list[Request]) -> None:
