@@ -61,7 +61,11 @@ from specdec.verify import Verdict
 
 DEFAULT_MAX_LEN = 4096  # cache positions per row when max_len is not given (capped by the model's)
 _RECENT = 1024  # finished requests whose TTFT / TPOT feed the latency percentiles of `metrics`
-FAULT_STAGES = ("admission", "sampling", "listener", "step", "release")
+# where a request's fault arose -> how its error message says it
+FAULT_STAGES = {"admission": "its admission (the prefill of its prompt, the drafter's admit)",
+                "sampling": "the sampling of its tokens", "listener": "its listener (on_tokens)",
+                "step": "the batch's decode step (the target's forward, the drafter's propose / commit)",
+                "release": "the drafter's release of its row"}
 log = logging.getLogger("specdec.serving.engine")
 
 
@@ -84,7 +88,7 @@ class RequestError:
         return cls(stage, type(err).__name__, str(err))
 
     def __str__(self) -> str:
-        return f"{self.type} in the request's {self.stage}: {self.message}"
+        return f"{self.type} in {FAULT_STAGES[self.stage]}: {self.message}"
 
 
 @dataclass(eq=False)
@@ -189,8 +193,8 @@ class Engine:
         (1, T) token ids, or a list of ints. on_tokens(request, new_ids) is called on the stepping
         thread with the tokens each step accepted, then once with [] when the request finishes
         (not after a cancel); if it raises, the request ends with "error" (its final call comes
-        all the same; an exception there is logged). Checked before queueing: a prompt that does not fit max_len raises
-        ContextLengthError, bad ids or settings ValueError."""
+        all the same; an exception there is logged). Checked before queueing: a prompt that does
+        not fit max_len raises ContextLengthError, bad ids or settings ValueError."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a specdec.SamplingParams, got {type(params).__name__}")
         prompt = self._check_prompt(prompt_ids, params)
