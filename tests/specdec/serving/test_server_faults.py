@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import runtime
-from specdec.serving.engine import Engine
+from specdec.serving.engine import Engine, SamplingParams
 from specdec.serving.server import ServerThread, create_app
 from tests.specdec.serving.conftest import MODEL, get, greedy, post
 
@@ -38,7 +38,7 @@ class _FaultyEngine(Engine):
         super().__init__(*args, **kwargs)
         self.fail_at: dict[tuple[int, ...], int] = {}
 
-    def submit(self, prompt_ids, params=None, *, on_tokens=None, request_id=None):
+    def submit(self, prompt_ids, params=SamplingParams(), *, on_tokens=None, request_id=None):
         call = self.fail_at.get(tuple(torch.as_tensor(prompt_ids).tolist()))
         if call is not None:
             on_tokens = _raising(on_tokens, call)
