@@ -23,6 +23,15 @@ so a seeded request gives the same output whatever else is running (with a fixed
 num_draft_tokens: under "auto" one AutoK picks k for the whole batch, so a row's draft length, and
 with it its draws, depends on the others).
 
+Faults stay with their request. An exception in a request's listener (`on_tokens`), in the
+sampling or verification of its tokens (NaN logits, say), in its admission (the prefill of its
+prompt, the drafter's `admit`) or in its row's release (the drafter's `release`) ends that request
+only: finish_reason "error", `Request.error` saying where and what, its row freed at the end of the
+step. The other rows decode on exactly as if it had finished there. A fault of the batch's shared
+step (the target's forward over every row, the drafter's `propose` / `commit`) is no one request's:
+every request in flight ends with "error", every row is freed, and the next step admits new
+requests as at the start.
+
 One thread calls `step()` (or `run_until_done()`); `submit` and `cancel` may come from any
 thread. Listeners (`on_tokens`) run on the stepping thread.
 """
@@ -30,6 +39,7 @@ thread. Listeners (`on_tokens`) run on the stepping thread.
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 import uuid
@@ -47,9 +57,38 @@ from specdec.options import DEFAULT_NUM_DRAFT_TOKENS, parse_draft_length
 from specdec.rows import RowState, eos_set, runs
 from specdec.sampling import RowSampling, SamplingParams
 from specdec.stats import AcceptanceStats
+from specdec.verify import Verdict
 
 DEFAULT_MAX_LEN = 4096  # cache positions per row when max_len is not given (capped by the model's)
 _RECENT = 1024  # finished requests whose TTFT / TPOT feed the latency percentiles of `metrics`
+# where a request's fault arose -> how its error message says it
+FAULT_STAGES = {"admission": "its admission (the prefill of its prompt, the drafter's admit)",
+                "sampling": "the sampling of its tokens", "listener": "its listener (on_tokens)",
+                "step": "the batch's decode step (the target's forward, the drafter's propose / commit)",
+                "release": "the drafter's release of its row"}
+log = logging.getLogger("specdec.serving.engine")
+
+
+@dataclass(frozen=True)
+class RequestError:
+    """Why a request ended with finish_reason "error": the stage that raised (one of FAULT_STAGES:
+    its admission, the sampling of its tokens, its listener, the batch's shared step, its row's
+    release) and the exception's type name and message."""
+
+    stage: str
+    type: str
+    message: str
+
+    def __post_init__(self) -> None:
+        if self.stage not in FAULT_STAGES:
+            raise ValueError(f"a request's fault stage is one of {', '.join(FAULT_STAGES)}, got {self.stage!r}")
+
+    @classmethod
+    def of(cls, stage: str, err: BaseException) -> RequestError:
+        return cls(stage, type(err).__name__, str(err))
+
+    def __str__(self) -> str:
+        return f"{self.type} in {FAULT_STAGES[self.stage]}: {self.message}"
 
 
 @dataclass(eq=False)
@@ -57,9 +96,9 @@ class Request:
     """One submitted request, updated by the engine's stepping thread.
 
     tokens: the new tokens so far. finish_reason: None while waiting or running, then "stop" (a
-    stop token, kept as the last token, or `cancel(id, "stop")`), "length" (max_new_tokens) or
-    "cancelled". ttft_s:
-    submit to first token; tpot_s: per token after the first; target_forwards / drafted /
+    stop token, kept as the last token, or `cancel(id, "stop")`), "length" (max_new_tokens),
+    "cancelled" or "error" (a fault of this request or of the batch's step: `error` says which).
+    ttft_s: submit to first token; tpot_s: per token after the first; target_forwards / drafted /
     accepted: this request's share of the verification steps (AcceptanceStats' conventions).
     """
 
@@ -68,6 +107,7 @@ class Request:
     params: SamplingParams
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    error: RequestError | None = None
     ttft_s: float | None = None
     tpot_s: float | None = None
     target_forwards: int = 0
@@ -121,16 +161,18 @@ class Engine:
             raise ValueError("the engine serves a runtime Transformer (runtime.load_model); a transformers model's "
                              "cache has no rows to share")
         state = RowState([torch.zeros(0, dtype=torch.long) for _ in range(max_batch)], 0, self.eos)
-        self.loop = DecodeLoop(target, self.drafter, state, cache, num_draft_tokens, [None] * max_batch)
+        self.loop = _IsolatingLoop(target, self.drafter, state, cache, num_draft_tokens, [None] * max_batch)
         if self.drafter is not None:
             self.drafter.reserve(max_batch, room)
         self.slots: list[Request | None] = [None] * max_batch
         self._waiting: collections.deque[Request] = collections.deque()
         self._live: dict[str, Request] = {}
         self._cancel: dict[str, str] = {}  # request id -> the finish reason it is retired with
+        self._faults: dict[int, RequestError] = {}  # row -> the fault its request ends with at the step's end
         self._lock = threading.RLock()  # re-entrant: a listener may submit or cancel
         self._counts = collections.Counter(requests_total=0, requests_finished=0, finished_stop=0,
-                                           finished_length=0, finished_cancelled=0, steps=0)
+                                           finished_length=0, finished_cancelled=0,
+                                           finished_error=0, steps=0)
         self._ttft: collections.deque[float] = collections.deque(maxlen=_RECENT)
         self._tpot: collections.deque[float] = collections.deque(maxlen=_RECENT)
 
@@ -150,8 +192,9 @@ class Engine:
         """Queue a request (thread-safe); it joins the batch at a coming step. prompt_ids: (T,) or
         (1, T) token ids, or a list of ints. on_tokens(request, new_ids) is called on the stepping
         thread with the tokens each step accepted, then once with [] when the request finishes
-        (not after a cancel). Checked before queueing: a prompt that does not fit max_len raises
-        ContextLengthError, bad ids or settings ValueError."""
+        (not after a cancel); if it raises, the request ends with "error" (its final call comes
+        all the same; an exception there is logged). Checked before queueing: a prompt that does
+        not fit max_len raises ContextLengthError, bad ids or settings ValueError."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a specdec.SamplingParams, got {type(params).__name__}")
         prompt = self._check_prompt(prompt_ids, params)
@@ -218,13 +261,21 @@ class Engine:
                 self._retire(b, cancel[req.id], finished)
         with torch.inference_mode():
             self._admit(admitted, finished)
-            emitted = self.loop.step()
+            try:
+                emitted = self.loop.step()
+            except Exception as err:  # the batch's shared forward or draft: no one request to blame
+                emitted = [[] for _ in self.slots]
+                self._take_loop_faults()
+                self._fail_all(err)
+        self._take_loop_faults()
         now = time.perf_counter()
         for b, req in enumerate(self.slots):
-            if req is not None and emitted[b]:
+            if req is not None and emitted[b] and b not in self._faults:
                 self._deliver(req, b, emitted[b], now)
         for b, req in enumerate(self.slots):
-            if req is not None and self.loop.state.done[b]:
+            if req is not None and b in self._faults:
+                self._retire(b, "error", finished)
+            elif req is not None and self.loop.state.done[b]:
                 last = req.tokens[-1] if req.tokens else None
                 self._retire(b, "stop" if last in self.loop.state.stops[b] else "length", finished)
         with self._lock:  # metrics copies the counters under the lock from other threads
@@ -246,33 +297,103 @@ class Engine:
             if self.slots[b].params.max_new_tokens == 0:
                 self._retire(b, "length", finished)
         for run in runs([b for b in free if self.slots[b] is not None]):
-            reqs = [self.slots[b] for b in run]
-            sampling = [RowSampling(r.params, r.generator) for r in reqs]
+            self._admit_run(run)
+
+    def _admit_run(self, run: list[int]) -> None:
+        """Prefill the requests of `run` (consecutive rows) in one forward and deliver their first
+        tokens. If that raises, the rows are released and each is admitted again alone, its
+        generator rewound (its draws are those of an admission of its own): a request whose own
+        admission raises ends with "error"."""
+        reqs = [self.slots[b] for b in run]
+        rewind = [None if r.generator is None else r.generator.get_state() for r in reqs]
+        try:
             first = self.loop.admit(run, [r.prompt for r in reqs], [r.params.max_new_tokens for r in reqs],
-                                    [self.eos | frozenset(r.params.stop_token_ids) for r in reqs], sampling)
-            now = time.perf_counter()
-            for b, req, new in zip(run, reqs, first):
+                                    [self.eos | frozenset(r.params.stop_token_ids) for r in reqs],
+                                    [RowSampling(r.params, r.generator) for r in reqs])
+        except Exception as err:
+            for b in run:
+                self.loop.faults.pop(b, None)
+            if len(run) == 1:
+                self._fault(run[0], "admission", err)
+                return
+            for b, req, state in zip(run, reqs, rewind):
+                try:
+                    self.loop.release(b)
+                except Exception as release_err:
+                    self._fault(b, "release", release_err)
+                    continue
+                if state is not None:
+                    req.generator.set_state(state)
+                self._admit_run([b])
+            return
+        self._take_loop_faults()
+        now = time.perf_counter()
+        for b, req, new in zip(run, reqs, first):
+            if b not in self._faults:
                 self._deliver(req, b, new, now)
 
     def _deliver(self, req: Request, row: int, new: list[int], now: float) -> None:
-        """Hand a step's tokens to the request and its listener."""
+        """Hand a step's tokens to the request and its listener (a listener that raises ends the request)."""
         if req.first_token_at is None:
             req.first_token_at, req.ttft_s = now, now - req.submitted_at
         req.tokens.extend(new)
         s = self.loop.row_stats[row]
         req.target_forwards, req.drafted, req.accepted = s.target_forwards, s.drafted_tokens, s.accepted_tokens
         if req.on_tokens is not None:
-            req.on_tokens(req, list(new))
+            try:
+                req.on_tokens(req, list(new))
+            except Exception as err:
+                self._fault(row, "listener", err)
+
+    def _fault(self, row: int, stage: str, err: Exception) -> None:
+        """Set `row`'s request aside: it decodes nothing more and ends with "error" (its first fault)
+        at the end of this step."""
+        if row in self._faults:
+            return
+        self._faults[row] = RequestError.of(stage, err)
+        self.loop.state.free(row)
+        log.error("request %s ends with an error: %s", self.slots[row].id, self._faults[row], exc_info=err)
+
+    def _take_loop_faults(self) -> None:
+        """The rows whose sampling raised in the loop's last call."""
+        faults, self.loop.faults = self.loop.faults, {}
+        for row, err in faults.items():
+            self._fault(row, "sampling", err)
+
+    def _fail_all(self, err: Exception) -> None:
+        """The batch's step raised: every request in flight ends with "error", and every row's cache
+        starts empty again (the failed forward may have left lengths that no rollback reset)."""
+        rows = [b for b, r in enumerate(self.slots) if r is not None and b not in self._faults]
+        log.error("a decode step failed (the target's forward or the drafter's propose / commit); the %d "
+                  "requests in flight end with an error", len(rows), exc_info=err)
+        for b in rows:
+            self._faults[b] = RequestError.of("step", err)
+            self.loop.state.free(b)
+        self.loop.cache.lengths.zero_()
 
     def _retire(self, row: int, reason: str, finished: list[Request]) -> None:
-        """Finish the request in `row` and free the row."""
+        """Finish the request in `row` and free the row; a fault of the request (`_faults`), or of the
+        drafter's release of its row, makes the reason "error" (a cancelled request stays cancelled)
+        and zeroes the row's keys and values."""
         req = self.slots[row]
         self.slots[row] = None
-        self.loop.release(row)
+        error = self._faults.pop(row, None)
+        try:
+            self.loop.release(row)
+        except Exception as err:  # the row is free all the same: its cache length and state were reset first
+            log.error("releasing the row of request %s failed", req.id, exc_info=err)
+            error = error or RequestError.of("release", err)
+        if error is not None and reason != "cancelled":
+            req.error, reason = error, "error"
+            # what a fault left in the row (NaN keys from NaN activations, say) would reach its next
+            # request: the masked-out slots of a row get attention weight 0, and 0 x NaN is NaN
+            self.loop.cache.k[:, row].zero_()
+            self.loop.cache.v[:, row].zero_()
         self._finish(req, reason, finished)
 
     def _finish(self, req: Request, reason: str, finished: list[Request]) -> None:
-        """Mark `req` finished and, unless cancelled, tell its listener (outside the lock)."""
+        """Mark `req` finished and, unless cancelled, tell its listener (outside the lock; an
+        exception there is logged: the request has ended)."""
         req.finish_reason, req.finished_at = reason, time.perf_counter()
         n = len(req.tokens)
         if req.first_token_at is not None:
@@ -282,19 +403,23 @@ class Engine:
             self._cancel.pop(req.id, None)  # a cancel that raced the finish must not hit a later request of this id
             self._counts["requests_finished"] += 1
             self._counts[f"finished_{reason}"] += 1
-            if reason != "cancelled" and req.first_token_at is not None:
+            if reason in ("stop", "length") and req.first_token_at is not None:
                 self._ttft.append(req.ttft_s)
                 self._tpot.append(req.tpot_s)
         finished.append(req)
         if reason != "cancelled" and req.on_tokens is not None:
-            req.on_tokens(req, [])
+            try:
+                req.on_tokens(req, [])
+            except Exception:
+                log.exception("the listener of request %s raised on its final call (finish reason %r)", req.id,
+                              reason)
 
     @property
     def metrics(self) -> dict:
         """Counters since the start: requests (total, finished, by finish reason), queue and rows,
         steps, and the acceptance figures of every row's verification steps (AcceptanceStats'
         conventions: tau = generated tokens per target forward, per row), and p50 / p95 TTFT and
-        TPOT of the last finished requests."""
+        TPOT of the last requests that finished with "stop" or "length"."""
         s: AcceptanceStats = self.loop.stats
         out = {}
         with self._lock:
@@ -309,3 +434,55 @@ class Engine:
             for q in (50, 95):
                 out[f"{name}_p{q}"] = ordered[min(len(ordered) - 1, q * len(ordered) // 100)] if ordered else 0.0
         return out
+
+
+class _IsolatingLoop(DecodeLoop):
+    """The engine's DecodeLoop: a row whose sampling or verification raises (NaN logits, say) is set
+    aside instead of failing the batch: its exception waits in `faults` (row -> exception) for the
+    engine and the row emits nothing more. The other rows get the tokens the plain loop gives them:
+    each row is sampled by the call it gets there (one row at a time; one verification per group of
+    rows with equal settings, and a sampled row's group is that row alone, its generator being its
+    own). A greedy group that raises is verified again row by row (greedy verification draws nothing,
+    so a row's verdict is the same alone)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.faults: dict[int, Exception] = {}
+
+    def _set_aside(self, row: int, err: Exception) -> None:
+        self.faults.setdefault(row, err)
+        self.state.free(row)
+
+    def _select(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        out = torch.zeros(len(rows), dtype=torch.long, device=logits.device)
+        for i, b in enumerate(rows):
+            try:
+                out[i] = super()._select(logits[i:i + 1], [b])[0]
+            except Exception as err:  # this row's fault: the others keep their tokens
+                self._set_aside(b, err)
+        return out
+
+    def _verify(self, logits: torch.Tensor, tree, valid: torch.Tensor, active: list[int]) -> Verdict:
+        groups: dict[tuple, list[int]] = {}
+        for b in active:
+            groups.setdefault(self.sampling[b].key, []).append(b)
+        paths: list[list[int]] = [[] for _ in range(tree.batch_size)]
+        next_tokens = torch.zeros(tree.batch_size, dtype=torch.long)
+        for key, rows in groups.items():
+            try:
+                parts = [(rows, super()._verify(logits, tree, valid, rows))]
+            except Exception as err:
+                if len(rows) == 1 or key != ("greedy",):
+                    for b in rows:
+                        self._set_aside(b, err)
+                    continue
+                parts = []
+                for b in rows:
+                    try:
+                        parts.append(([b], super()._verify(logits, tree, valid, [b])))
+                    except Exception as row_err:
+                        self._set_aside(b, row_err)
+            for done, part in parts:
+                for b in done:
+                    paths[b], next_tokens[b] = part.paths[b], part.next_tokens[b]
+        return Verdict(paths, next_tokens)

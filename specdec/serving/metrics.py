@@ -4,8 +4,10 @@ Per request, as the client sees it: time to first token (arrival to the first st
 time per output token (first to last token over the tokens after the first), prompt and generated
 token counters (tokens/s is `rate(specdec_generated_tokens_total[1m])`). Read from the engine
 at each scrape: requests by finish reason (the engine's own count, so a request a client drops
-while its last step finishes it counts once), queue length, running rows, and the acceptance
-rate and tau (tokens per target forward, bonus token included) of everything decoded so far.
+while its last step finishes it counts once; "error" = a fault ended it), queue length, running
+rows, and the acceptance rate and tau (tokens per target forward, bonus token included) of
+everything decoded so far. Error replies by code: refused (4xx) and failed (5xx, or a stream's
+error event).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 6
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
-FINISH_REASONS = ("stop", "length", "cancelled")
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
 
 
 class _Requests(Collector):
@@ -51,6 +53,8 @@ class ServerMetrics:
         r.register(_Requests(engine))
         self.rejected = Counter("specdec_rejected_requests", "Requests refused with a 4xx error", ["code"],
                                 registry=r)
+        self.failed = Counter("specdec_failed_requests", "Requests answered with a 5xx error or a stream's error "
+                              "event", ["code"], registry=r)
         self.waiting = Gauge("specdec_queue_length", "Requests waiting for a batch row", registry=r)
         self.running = Gauge("specdec_running_rows", "Batch rows decoding now", registry=r)
         self.acceptance = Gauge("specdec_acceptance_rate", "Accepted / drafted tokens so far", registry=r)
@@ -62,6 +66,11 @@ class ServerMetrics:
             self.ttft.observe(ttft_s)
         if tpot_s is not None:
             self.tpot.observe(tpot_s)
+
+    def count_error(self, err) -> None:
+        """Count an error reply (a specdec.serving.protocol.APIError): refused if 4xx, else failed."""
+        counter = self.rejected if err.status < 500 else self.failed
+        counter.labels(code=err.code or str(err.status)).inc()
 
     def render(self) -> tuple[bytes, str]:
         """(Prometheus text exposition, its content type), the engine gauges read now."""

@@ -5,11 +5,18 @@ or run; it sleeps on a condition when there is nothing to do. The async handlers
 app submit requests (`Engine.submit` is thread-safe) with an `on_tokens` callback that, on the
 engine thread, counts tokens for the metrics and hands each step's new ids to the handler's
 asyncio queue through `loop.call_soon_threadsafe`. A client that disconnects (a closed stream, or
-a plain request whose connection drops) has its request cancelled (`Engine.cancel`).
+a plain request whose connection drops) has its request cancelled (`Engine.cancel`); one that goes
+away before its body arrived whole gets nothing queued. Either is one info line in the log.
+
+A request that ends with an error (the engine's finish reason "error": a fault of that request, or
+of the batch's step; see specdec.serving.engine) or whose text handling raises gets OpenAI's error
+object with status 500 (code "request_failed"), or, streamed, an error event and `data: [DONE]`;
+the other requests are not affected.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as
 server-sent events ending with `data: [DONE]`), GET /v1/models, GET /health, GET /metrics
-(Prometheus). Refused requests get OpenAI's error JSON with a 4xx status (specdec.serving.protocol).
+(Prometheus). Refused requests get OpenAI's error JSON with a 4xx status (specdec.serving.protocol),
+failed ones with a 5xx status.
 
 `create_app(engine, tokenizer, model_name)` builds the app; `ServerThread` runs it with uvicorn
 in a thread (tests, benchmarks); `serve(...)` runs it in the foreground.
@@ -31,6 +38,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from runtime.errors import ContextLengthError
 from specdec.sampling import SamplingParams
@@ -55,8 +63,9 @@ _DISCONNECT_POLL_S = 0.5  # how often a plain (not streamed) request checks that
 class EngineLoop:
     """Runs `engine.step()` in one background thread while requests are waiting or running.
 
-    If a step raises, the loop stops, every request in flight gets the error and later submits
-    are refused (`error` holds it; /health then reports 503)."""
+    The engine ends a failing request itself (finish reason "error"). If a step raises all the same
+    (a fault outside what the engine contains), the loop stops, every request in flight gets the
+    error and later submits are refused (`error` holds it; /health then reports 503)."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
@@ -190,7 +199,13 @@ class _Choices:
 
 
 def _failed(item: Exception) -> APIError:
+    """The error of every request in flight when the engine's loop stopped."""
     return APIError(500, f"generation failed: {item}", type="server_error", code="engine_failed")
+
+
+def _request_failed(why: str) -> APIError:
+    """The error of one request that failed (the others go on)."""
+    return APIError(500, f"generation failed: {why}", type="server_error", code="request_failed")
 
 
 def _sse(obj: dict | str) -> str:
@@ -198,9 +213,21 @@ def _sse(obj: dict | str) -> str:
 
 
 def _error_response(err: APIError, metrics: ServerMetrics | None = None) -> JSONResponse:
-    if metrics is not None and err.status < 500:
-        metrics.rejected.labels(code=err.code or str(err.status)).inc()
+    if metrics is not None:
+        metrics.count_error(err)
     return JSONResponse(err.body(), status_code=err.status)
+
+
+def _take(choices: _Choices, rid: str, item) -> tuple[int, str, str | None] | None:
+    """One queue item applied to `choices` (`_Choices.add`); raises the APIError of a failed
+    request, also when handling its text (detokenizing, stop strings) raises."""
+    if isinstance(item, APIError):
+        raise item
+    try:
+        return choices.add(item)
+    except Exception as err:  # this request's fault: it alone fails
+        log.exception("request %s: handling its generated tokens failed", rid)
+        raise _request_failed(f"{type(err).__name__} while decoding the text: {err}") from err
 
 
 async def _json_body(request: Request) -> dict:
@@ -246,6 +273,12 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int | None = N
     async def api_error(request: Request, err: APIError) -> JSONResponse:
         return _error_response(err, metrics)
 
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, err: ClientDisconnect) -> Response:
+        log.info("%s %s: the client disconnected before its request arrived whole; nothing was queued",
+                 request.method, request.url.path)
+        return Response(status_code=499)  # nobody reads it
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
         message = f"{request.method} {request.url.path}: {err.detail}; see GET /v1/models, POST /v1/completions, " \
@@ -284,9 +317,10 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int | None = N
                 reason = request.finish_reason
                 if request.finished:
                     loop_runner.done(cid)
-                    if reason != "cancelled":
+                    if reason in ("stop", "length"):
                         metrics.finished(progress.ttft(), progress.tpot())
-                post((index, list(new_ids), request.finished, reason))
+                post(_request_failed(str(request.error)) if reason == "error" else
+                     (index, list(new_ids), request.finished, reason))
 
             return on_tokens
 
@@ -296,7 +330,8 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int | None = N
             params = SamplingParams(max_new_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                                     top_k=req.top_k, seed=seed)
             try:
-                loop_runner.submit(list(req.prompt_ids), params, listener(i, cid), cid, on_error=post)
+                loop_runner.submit(list(req.prompt_ids), params, listener(i, cid), cid,
+                                   on_error=lambda err: post(_failed(err)))
             except BaseException as err:
                 cancel(cids[:i])  # the choices queued before this one
                 if isinstance(err, ContextLengthError):
@@ -329,12 +364,11 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int | None = N
                 if time.monotonic() - polled >= _DISCONNECT_POLL_S:  # also while tokens keep coming (n choices)
                     polled = time.monotonic()
                     if await request.is_disconnected():
+                        log.info("request %s: the client disconnected; its rows are freed", rid)
                         return JSONResponse({}, status_code=499)
                 if item is None:
                     continue
-                if isinstance(item, Exception):
-                    raise _failed(item)
-                choices.add(item)
+                _take(choices, rid, item)
             return JSONResponse(response(req, rid, now(), choices.response_choices(), choices.tokens))
         finally:
             choices.close()
@@ -348,10 +382,12 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int | None = N
                         yield _sse(chunk(req, rid, created, None, role=True, index=i))
                 while not choices.done:
                     item = await queue.get()
-                    if isinstance(item, Exception):
-                        yield _sse(_failed(item).body())
+                    try:
+                        added = _take(choices, rid, item)
+                    except APIError as err:
+                        metrics.count_error(err)
+                        yield _sse(err.body())
                         break
-                    added = choices.add(item)
                     if added is None:
                         continue
                     i, delta, reason = added
@@ -362,6 +398,9 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int | None = N
                 if choices.done and req.include_usage:
                     yield _sse(usage_chunk(req, rid, created, choices.tokens))
                 yield _sse("[DONE]")
+            except (asyncio.CancelledError, GeneratorExit):
+                log.info("request %s: the client disconnected mid-stream; its rows are freed", rid)
+                raise
             finally:
                 choices.close()
 
