@@ -114,7 +114,8 @@ class DecodeLoop:
         return emitted
 
     def _select(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        """The next token of each of `rows` from its logits (R, V), by the row's own sampling."""
+        """The next token of each of `rows` from its logits (R, V), by the row's own sampling. An
+        extension point: the serving engine overrides it (and `_verify`) to set a faulty row aside."""
         if self.uniform:
             s = self.sampling[0]
             return select_next(logits, s.temperature, s.top_k, s.top_p, s.generator)
