@@ -31,6 +31,24 @@ def deadline_after(minutes: float | None) -> float | None:
     return time.monotonic() + 60 * minutes if minutes is not None else None
 
 
+def checkpoint_arg(flag: str, name_or_path: str) -> Path:
+    """The checkpoint directory that option `flag` names (runtime's resolve: a catalogue name, a
+    directory, a .gguf file or a hub id), checked before anything loads: CheckpointError naming the
+    flag when the path does not exist or is not a model checkpoint (no config.json), not a later
+    error about what a non-checkpoint lacks (its tokenizer, say)."""
+    from runtime.errors import CheckpointError
+    from runtime.loading import resolve
+
+    try:
+        ckpt = resolve(name_or_path)
+    except CheckpointError as err:
+        raise CheckpointError(f"{flag}: {err}") from err
+    if not (ckpt / "config.json").is_file():
+        raise CheckpointError(f"{flag}: {ckpt} is not a model checkpoint (it has no config.json); pass a checkpoint "
+                              "directory, a .gguf file, a hub id or a catalogue name (specdec fetch --list)")
+    return ckpt
+
+
 def cmd_data(args: argparse.Namespace) -> int:
     import runtime
     from distill.selfdistill import check_records_file, generate_selfdistill, sharegpt_prompts

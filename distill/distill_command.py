@@ -47,7 +47,7 @@ def cmd_draft(args: argparse.Namespace) -> int:
 
     import runtime
     from distill.code_prompts import STUB_CACHE
-    from distill.command import arg_dtype, deadline_after
+    from distill.command import arg_dtype, checkpoint_arg, deadline_after
     from distill.config_args import dataclass_from_args
     from distill.draft import METRICS, DistillConfig, check_distill_dir, distill_draft
     from distill.onpolicy import heldout_prompts, training_prompts
@@ -55,7 +55,9 @@ def cmd_draft(args: argparse.Namespace) -> int:
 
     deadline = deadline_after(args.max_minutes)
     cfg = dataclass_from_args(DistillConfig, args)  # checked before any loading
-    out = check_distill_dir(args.out)  # so is the output directory
+    for flag, name in (("--target", args.target), ("--draft", args.draft)):  # so are the models' paths
+        checkpoint_arg(flag, name)
+    out = check_distill_dir(args.out)  # and the output directory
     tok = runtime.load_tokenizer(args.draft)
     prompts = training_prompts(tok, args.num_prompts, args.max_prompt_tokens, args.code_share,
                                stub_cache=out / STUB_CACHE if args.code_share > 0 else None)
