@@ -15,7 +15,10 @@ from pathlib import Path
 
 import torch
 
+from runtime.argtypes import nonnegative_float, positive_float, positive_int
 from runtime.hardware import DTYPES, batch_dtype
+
+MAX_MINUTES_HELP = "omit it for no limit"
 
 
 def arg_dtype(name: str) -> torch.dtype:
@@ -24,8 +27,26 @@ def arg_dtype(name: str) -> torch.dtype:
 
 
 def deadline_after(minutes: float | None) -> float | None:
-    """The time.monotonic() deadline `minutes` from now (--max-minutes; None or 0: no deadline)."""
-    return time.monotonic() + 60 * minutes if minutes else None
+    """The time.monotonic() deadline `minutes` from now (--max-minutes, a positive_float; None: no deadline)."""
+    return time.monotonic() + 60 * minutes if minutes is not None else None
+
+
+def checkpoint_arg(flag: str, name_or_path: str) -> Path:
+    """The checkpoint directory that option `flag` names (runtime's resolve: a catalogue name, a
+    directory, a .gguf file or a hub id), checked before anything loads: CheckpointError naming the
+    flag when the path does not exist or is not a model checkpoint (no config.json), not a later
+    error about what a non-checkpoint lacks (its tokenizer, say)."""
+    from runtime.errors import CheckpointError
+    from runtime.loading import resolve
+
+    try:
+        ckpt = resolve(name_or_path)
+    except CheckpointError as err:
+        raise CheckpointError(f"{flag}: {err}") from err
+    if not (ckpt / "config.json").is_file():
+        raise CheckpointError(f"{flag}: {ckpt} is not a model checkpoint (it has no config.json); pass a checkpoint "
+                              "directory, a .gguf file, a hub id or a catalogue name (specdec fetch --list)")
+    return ckpt
 
 
 def cmd_data(args: argparse.Namespace) -> int:
@@ -188,18 +209,18 @@ def add_data_args(p: argparse.ArgumentParser) -> None:
     pool = {k: v.default for k, v in inspect.signature(sharegpt_prompts).parameters.items()}
     p.add_argument("--out", required=True, help="jsonl file to append to (new, or one this command wrote: "
                    "another file is refused, never truncated)")
-    p.add_argument("--num-prompts", type=int, default=pool["limit"],
+    p.add_argument("--num-prompts", type=positive_int, default=pool["limit"],
                    help="ShareGPT calibration conversations read for prompts (default: %(default)s)")
-    p.add_argument("--max-prompt-tokens", type=int, default=pool["max_prompt_tokens"],
+    p.add_argument("--max-prompt-tokens", type=positive_int, default=pool["max_prompt_tokens"],
                    help="longer opening turns are skipped (default: %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=gen["max_new_tokens"],
+    p.add_argument("--max-new-tokens", type=positive_int, default=gen["max_new_tokens"],
                    help="answer length cap (default: %(default)s)")
-    p.add_argument("--batch-size", type=int, default=gen["batch_size"],
+    p.add_argument("--batch-size", type=positive_int, default=gen["batch_size"],
                    help="prompts answered per batch (default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=gen["temperature"], help="0 = greedy answers")
+    p.add_argument("--temperature", type=nonnegative_float, default=gen["temperature"], help="0 = greedy answers")
     p.add_argument("--seed", type=int, default=gen["seed"], help="seed of sampled answers")
-    p.add_argument("--max-minutes", type=float, default=None,
-                   help="start no new batch after this many minutes (the same command resumes)")
+    p.add_argument("--max-minutes", type=positive_float, default=None,
+                   help=f"start no new batch after this many minutes (the same command resumes; {MAX_MINUTES_HELP})")
 
 
 def register(subparsers) -> None:
@@ -229,7 +250,8 @@ def register(subparsers) -> None:
     d.add_argument("--hidden-cache", default=None,
                    help="also store the hidden states that generation computes in this directory, so "
                         "`specdec medusa train --hidden-cache DIR` skips its second pass over the answers")
-    d.add_argument("--num-heads", type=int, default=gen["num_heads"], help="heads the --hidden-cache targets are for")
+    d.add_argument("--num-heads", type=positive_int, default=gen["num_heads"],
+                   help="heads the --hidden-cache targets are for")
     d.set_defaults(func=cmd_data)
 
     t = sub.add_parser("train", help="cache hidden states, train heads (Medusa-1), pick their tree")
@@ -239,16 +261,16 @@ def register(subparsers) -> None:
                    "an earlier run's, which training resumes; a directory specdec did not write is refused")
     t.add_argument("--hidden-cache", default=None, help="default: OUT/hidden_cache")
     attach = {k: v.default for k, v in inspect.signature(attach_medusa).parameters.items()}
-    t.add_argument("--num-heads", type=int, default=attach["num_heads"],
+    t.add_argument("--num-heads", type=positive_int, default=attach["num_heads"],
                    help="Medusa heads: head i guesses token t+2+i (default: %(default)s)")
-    t.add_argument("--num-layers", type=int, default=attach["num_layers"],
+    t.add_argument("--num-layers", type=positive_int, default=attach["num_layers"],
                    help="residual blocks per head (default: %(default)s)")
     t.add_argument("--separate-lm-heads", action="store_true",
                    help="a trainable LM head per Medusa head instead of the shared frozen one")
     add_dataclass_args(t.add_argument_group("training (MedusaTrainConfig)"), MedusaTrainConfig)
-    t.add_argument("--max-minutes", type=float, default=None,
+    t.add_argument("--max-minutes", type=positive_float, default=None,
                    help="stop caching and training after this many minutes; the heads are still measured, "
-                        "given their tree and saved, and the same command resumes")
+                        f"given their tree and saved, and the same command resumes ({MAX_MINUTES_HELP})")
     t.set_defaults(func=cmd_train)
 
     r = sub.add_parser("tree", help="rebuild the heads' candidate tree from measured accuracy")

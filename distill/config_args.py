@@ -23,21 +23,10 @@ import typing
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from runtime.argtypes import at_least as at_least  # the `check`s configs use, shared with the plain flags'
+from runtime.argtypes import positive as positive
+
 SCALARS = (bool, int, float, str)
-
-
-def at_least(low: float) -> Callable[[float], None]:
-    """A `check` that accepts values >= `low`."""
-    def check(value: float) -> None:
-        if value < low:
-            raise ValueError(f"must be >= {low}, got {value}")
-    return check
-
-
-def positive(value: float) -> None:
-    """A `check` that accepts values > 0."""
-    if value <= 0:
-        raise ValueError(f"must be > 0, got {value}")
 
 
 def field_type(cls: type, field: dataclasses.Field) -> type:
@@ -88,6 +77,15 @@ def _parser_for(field: dataclasses.Field, kind: type) -> Callable[[str], Any]:
 
     parse.__name__ = kind.__name__
     return parse
+
+
+def field_arg(cls: type, name: str) -> Callable[[str], Any]:
+    """The argparse `type` of field `name` of dataclass `cls`, for a command that takes that field
+    under a flag and help of its own: the value is converted and checked as the field's own flag does."""
+    field = next((f for f in dataclasses.fields(cls) if f.name == name), None)
+    if field is None:
+        raise ValueError(f"{cls.__name__} has no field {name}")
+    return _parser_for(field, field_type(cls, field))
 
 
 def flag_name(name: str) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from runtime.argtypes import nonnegative_int, number_arg, positive_float, positive_int
 from runtime.hardware import DTYPES
 
 DRAFT_DESCRIPTION = """\
@@ -46,7 +47,7 @@ def cmd_draft(args: argparse.Namespace) -> int:
 
     import runtime
     from distill.code_prompts import STUB_CACHE
-    from distill.command import arg_dtype, deadline_after
+    from distill.command import arg_dtype, checkpoint_arg, deadline_after
     from distill.config_args import dataclass_from_args
     from distill.draft import METRICS, DistillConfig, check_distill_dir, distill_draft
     from distill.onpolicy import heldout_prompts, training_prompts
@@ -54,7 +55,9 @@ def cmd_draft(args: argparse.Namespace) -> int:
 
     deadline = deadline_after(args.max_minutes)
     cfg = dataclass_from_args(DistillConfig, args)  # checked before any loading
-    out = check_distill_dir(args.out)  # so is the output directory
+    for flag, name in (("--target", args.target), ("--draft", args.draft)):  # so are the models' paths
+        checkpoint_arg(flag, name)
+    out = check_distill_dir(args.out)  # and the output directory
     tok = runtime.load_tokenizer(args.draft)
     prompts = training_prompts(tok, args.num_prompts, args.max_prompt_tokens, args.code_share,
                                stub_cache=out / STUB_CACHE if args.code_share > 0 else None)
@@ -74,27 +77,28 @@ def cmd_draft(args: argparse.Namespace) -> int:
     return 0
 
 
-def _share(text: str) -> float:
-    value = float(text)
+def _share(value: float) -> None:
+    """The check of --code-share: a fraction in [0, 1)."""
     if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
-    return value
+        raise ValueError(f"must be in [0, 1), got {value:g}")
 
 
 def add_prompt_args(p: argparse.ArgumentParser) -> None:
     """The prompt options of draft distillation (shared with recipes/distill_qwen05_draft.py)."""
-    p.add_argument("--num-prompts", type=int, default=2000,
+    p.add_argument("--num-prompts", type=positive_int, default=2000,
                    help="ShareGPT calibration conversations read for chat prompts (default: %(default)s)")
-    p.add_argument("--code-share", type=_share, default=0.25,
+    p.add_argument("--code-share", type=number_arg(float, _share), default=0.25,
                    help="share of the prompts that are function stubs from this machine's Python sources "
                         "(HumanEval-shaped; 0 = ShareGPT only; default: %(default)s)")
-    p.add_argument("--max-prompt-tokens", type=int, default=256, help="longest prompt kept (default: %(default)s)")
-    p.add_argument("--heldout-prompts", type=int, default=8,
+    p.add_argument("--max-prompt-tokens", type=positive_int, default=256,
+                   help="longest prompt kept (default: %(default)s)")
+    p.add_argument("--heldout-prompts", type=nonnegative_int, default=8,
                    help="held-out ShareGPT prompts for the acceptance measurement (0 = none; default: %(default)s)")
 
 
 def register(subparsers) -> None:
     """Add `distill draft` and `distill recover` (distill.recover_command) to the `specdec` CLI."""
+    from distill.command import MAX_MINUTES_HELP
     from distill.config_args import add_dataclass_args
     from distill.draft import DistillConfig
     from distill.recover_command import add_recover_parser
@@ -113,8 +117,8 @@ def register(subparsers) -> None:
                         "elsewhere)")
     add_prompt_args(d)
     add_dataclass_args(d.add_argument_group("distillation (DistillConfig)"), DistillConfig)
-    d.add_argument("--max-minutes", type=float, default=None,
+    d.add_argument("--max-minutes", type=positive_float, default=None,
                    help="stop training after this many minutes; the draft is still saved, and the same command "
-                        "resumes")
+                        f"resumes ({MAX_MINUTES_HELP})")
     d.set_defaults(func=cmd_draft)
     add_recover_parser(sub)

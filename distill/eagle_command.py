@@ -13,7 +13,8 @@ import json
 import time
 from pathlib import Path
 
-from distill.command import add_data_args, arg_dtype, cmd_data, deadline_after
+from distill.command import MAX_MINUTES_HELP, add_data_args, arg_dtype, cmd_data, deadline_after
+from runtime.argtypes import nonnegative_int, positive_float, positive_int
 from runtime.hardware import DTYPES
 
 TRAIN_DESCRIPTION = """\
@@ -48,9 +49,6 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     deadline = deadline_after(args.max_minutes)
     cfg = dataclass_from_args(EagleTrainConfig, args)  # checked before any loading
-    if args.dataset_answers < 0 or args.dataset_answer_tokens < 1:
-        raise ValueError(f"--dataset-answers must be >= 0 and --dataset-answer-tokens >= 1, got "
-                         f"{args.dataset_answers} and {args.dataset_answer_tokens}")
     out = check_train_dir(args.out)  # so are the output directories and the data
     cache_dir = check_eagle_cache_dir(args.cache or out / CACHE_DIR)
     records = read_records(args.data)
@@ -85,7 +83,7 @@ def _target_args(p: argparse.ArgumentParser) -> None:
 
 def register(subparsers) -> None:
     """Add `eagle data|train` to the `specdec` CLI."""
-    from distill.config_args import add_dataclass_args
+    from distill.config_args import add_dataclass_args, field_arg
     from distill.train_eagle import EagleTrainConfig
 
     eagle = subparsers.add_parser("eagle", help="EAGLE-3 draft heads: self-distillation data, training",
@@ -106,9 +104,10 @@ def register(subparsers) -> None:
                    help="EAGLE-3 feature cache directory that receives the target's aux-layer and final states from "
                         "the generation's own forwards (pass it as `eagle train --cache`: training then needs no "
                         "second pass over the answers)")
-    d.add_argument("--aux-layers", default=defaults.aux_layers,
+    d.add_argument("--aux-layers", type=field_arg(EagleTrainConfig, "aux_layers"), default=defaults.aux_layers,
                    help="with --cache: the three target layers to store, e.g. 2,14,25 (empty: 2, L // 2, L - 3)")
-    d.add_argument("--heldout-every", type=int, default=defaults.heldout_every,
+    d.add_argument("--heldout-every", type=field_arg(EagleTrainConfig, "heldout_every"),
+                   default=defaults.heldout_every,
                    help="with --cache: every N-th record goes to the held-out split (as `eagle train` expects)")
     d.set_defaults(func=cmd_data, hidden_cache=None, num_heads=1)
 
@@ -122,14 +121,15 @@ def register(subparsers) -> None:
     t.add_argument("--out", required=True, help="directory for the head, checkpoints and reports: new, empty, or an "
                    "earlier run's, which training resumes; a directory specdec did not write is refused")
     t.add_argument("--cache", default=None, help="feature cache directory (default: OUT/eagle_cache)")
-    t.add_argument("--dataset-answers", type=int, default=0, metavar="N",
+    t.add_argument("--dataset-answers", type=nonnegative_int, default=0, metavar="N",
                    help="also train on ShareGPT's own answers to N calibration conversations, read teacher-forced "
                         "by the target (about twice the positions per minute of generating answers; features in "
                         "OUT/eagle_cache_answers, resumable; caching counts against --max-minutes); held-out accuracy "
                         "stays on --data's answers (default 0: none)")
-    t.add_argument("--dataset-answer-tokens", type=int, default=256, help="length cap of a ShareGPT answer")
+    t.add_argument("--dataset-answer-tokens", type=positive_int, default=256,
+                   help="length cap of a ShareGPT answer")
     add_dataclass_args(t.add_argument_group("training (EagleTrainConfig)"), EagleTrainConfig)
-    t.add_argument("--max-minutes", type=float, default=None,
+    t.add_argument("--max-minutes", type=positive_float, default=None,
                    help="stop caching and training after this many minutes; the head is still evaluated and "
-                        "saved, and the same command resumes")
+                        f"saved, and the same command resumes ({MAX_MINUTES_HELP})")
     t.set_defaults(func=cmd_train)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from runtime.argtypes import int_at_least, positive_float, positive_int
 from runtime.hardware import DTYPES
 
 RECOVER_DESCRIPTION = """\
@@ -72,15 +73,15 @@ def add_recover_parser(distill_subparsers) -> argparse.ArgumentParser:
                    "empty, or an earlier run's, which training resumes; a directory specdec did not write is refused")
     p.add_argument("--data", default="sharegpt+code", help="training text: sharegpt, code, sharegpt+code or a jsonl "
                    "path (quant.calibration_batches; default: %(default)s)")
-    p.add_argument("--n-train", type=int, default=2048, help="training windows (default: %(default)s)")
-    p.add_argument("--seq-len", type=int, default=256, help="tokens per window (default: %(default)s)")
-    p.add_argument("--heldout", type=int, default=4, help="held-out perplexity windows, half ShareGPT half code "
-                   "(default: %(default)s)")
+    p.add_argument("--n-train", type=positive_int, default=2048, help="training windows (default: %(default)s)")
+    p.add_argument("--seq-len", type=int_at_least(2), default=256, help="tokens per window (default: %(default)s)")
+    p.add_argument("--heldout", type=positive_int, default=4,
+                   help="held-out perplexity windows, half ShareGPT half code (default: %(default)s)")
     p.add_argument("--dtype", default="auto", choices=["auto", *sorted(DTYPES)],
                    help="dtype of the teacher and of the saved student (default auto: bfloat16 where the hardware "
                         "multiplies it natively, else float32); the student trains in float32 under --mixed-precision")
     add_dataclass_args(p.add_argument_group("training (RecoverConfig)"), RecoverConfig)
-    p.add_argument("--max-minutes", type=float, default=None,
+    p.add_argument("--max-minutes", type=positive_float, default=None,
                    help="stop training after this many minutes; the model is still evaluated and saved, and the same "
                         "command resumes")
     p.set_defaults(func=cmd_recover)

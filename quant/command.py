@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 from pathlib import Path
 
+from runtime.argtypes import int_at_least, nonnegative_int, positive_int
 from runtime.hardware import DTYPES
 
 
@@ -26,9 +28,11 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true",
                    help="replace a compressed checkpoint (and OUT-dense export) already in OUT; nothing else is "
                         "ever replaced")
-    p.add_argument("--calib-samples", type=int, default=None, help="override the recipe's calibration n_samples")
-    p.add_argument("--seq-len", type=int, default=None, help="override the recipe's calibration seq_len")
-    p.add_argument("--eval-samples", type=int, default=8,
+    p.add_argument("--calib-samples", type=positive_int, default=None,
+                   help="override the recipe's calibration n_samples")
+    p.add_argument("--seq-len", type=int_at_least(2), default=None,
+                   help="override the recipe's calibration seq_len (also the perplexity windows' length)")
+    p.add_argument("--eval-samples", type=nonnegative_int, default=8,
                    help="held-out ShareGPT windows scored before and after (0 = skip perplexity)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     p.add_argument("--device", default="cpu")
@@ -48,13 +52,10 @@ def run(args: argparse.Namespace) -> int:
     if args.export_dense:
         check_export_out(dense_out, args.overwrite)
     recipe = load_recipe(args.recipe)
-    calib_args = dict(recipe.calibration)
-    if args.calib_samples is not None:
-        calib_args["n_samples"] = args.calib_samples
-    if args.seq_len is not None:
-        calib_args["seq_len"] = args.seq_len
-    if args.eval_samples < 0:
-        raise ValueError(f"--eval-samples must be >= 0, got {args.eval_samples}")
+    overrides = {"n_samples": args.calib_samples, "seq_len": args.seq_len}
+    recipe = replace(recipe, calibration={**recipe.calibration,
+                                          **{k: v for k, v in overrides.items() if v is not None}})  # checked again
+    calib_args = recipe.calibration
     tok = runtime.load_tokenizer(args.model)
     model = runtime.load_model(args.model, dtype=DTYPES[args.dtype], device=args.device, weights="dense")
     evals = (quant.eval_batches(tok, "sharegpt", n_samples=args.eval_samples, seq_len=calib_args["seq_len"])

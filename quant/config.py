@@ -9,6 +9,10 @@ large share of a small model's bytes; a tied head is untied, the embedding stays
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import types
+import typing
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -171,21 +175,59 @@ def config_to_dict(cfg: Config) -> dict[str, Any]:
     return out
 
 
+def unknown_keys(where: str, keys: Iterable[Any], allowed: Iterable[str]) -> None:
+    """ValueError naming each key of `keys` not in `allowed` (with the closest allowed key, when one
+    is close) and listing the allowed keys; `where` says which mapping ("calibration", "Int4WeightOnly")."""
+    allowed = sorted(allowed)
+    unknown = [k for k in keys if k not in allowed]
+    if not unknown:
+        return
+    named = []
+    for key in unknown:
+        close = difflib.get_close_matches(str(key), allowed, n=1)
+        named.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    raise ValueError(f"{where}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(named)}; allowed: "
+                     f"{', '.join(allowed)}")
+
+
+# YAML / JSON value types a config field takes: the test and how a message names it
+_VALUE_TYPES = {bool: (lambda v: isinstance(v, bool), "true or false"),
+                int: (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+                float: (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
+                str: (lambda v: isinstance(v, str), "a string")}
+
+
+def _check_type(kind: str, name: str, hint: Any, value: Any) -> Any:
+    """`value` as field `name` of config `kind` holds it (a list of patterns as a tuple, an integer
+    float as a float); TypeError naming the field when the YAML / JSON type is wrong (a string for a
+    number, ...)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):  # `X | None`
+        if value is None:
+            return value
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    if typing.get_origin(hint) is tuple:  # fnmatch patterns
+        if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+            return tuple(value)
+        raise TypeError(f"{kind}.{name} must be a list of fnmatch patterns (strings), got {value!r}")
+    test, wanted = _VALUE_TYPES[hint]
+    if not test(value):
+        raise TypeError(f"{kind}.{name} must be {wanted}, got {value!r}")
+    return float(value) if hint is float else value
+
+
 def config_from_dict(data: dict[str, Any]) -> Config:
-    """Inverse of `config_to_dict`; unknown types or fields raise ValueError."""
+    """Inverse of `config_to_dict`; an unknown type or key raises ValueError naming it (and the closest
+    valid one), a value of the wrong type TypeError naming the field."""
     if not isinstance(data, dict) or "type" not in data:
         raise ValueError(f"a recipe entry must be a mapping with a 'type' key (one of {', '.join(CONFIGS)}), "
                          f"got {data!r}")
     kind = data["type"]
     if kind not in CONFIGS:
-        raise ValueError(f"unknown config type {kind!r}; use one of {', '.join(CONFIGS)}")
+        close = difflib.get_close_matches(str(kind), list(CONFIGS), n=1)
+        raise ValueError(f"unknown config type {kind!r}{f' (did you mean {close[0]!r}?)' if close else ''}; use "
+                         f"one of {', '.join(CONFIGS)}")
     cls = CONFIGS[kind]
-    names = {f.name for f in dataclasses.fields(cls)}
     fields = {k: v for k, v in data.items() if k != "type"}
-    unknown = sorted(set(fields) - names)
-    if unknown:
-        raise ValueError(f"{kind} has no field(s) {', '.join(unknown)}; valid: {', '.join(sorted(names))}")
-    for key in ("modules", "exclude"):
-        if key in fields and isinstance(fields[key], list):
-            fields[key] = tuple(fields[key])
-    return cls(**fields)
+    unknown_keys(kind, fields, ["type", *(f.name for f in dataclasses.fields(cls))])
+    hints = typing.get_type_hints(cls)
+    return cls(**{k: _check_type(kind, k, hints[k], v) for k, v in fields.items()})

@@ -21,9 +21,30 @@ import yaml
 from torch import nn
 
 from quant.api import quantize_, sparsify_
-from quant.config import Config, SemiStructured24, config_from_dict
+from quant.config import Config, SemiStructured24, config_from_dict, unknown_keys
 
-CALIBRATION_KEYS = {"source", "n_samples", "seq_len", "one_per_text"}
+RECIPE_KEYS = ("steps", "calibration")
+DEFAULT_CALIBRATION = {"source": "sharegpt", "n_samples": 128, "seq_len": 512}
+# key -> (the check of its value, what the message says it must be)
+CALIBRATION_KEYS = {
+    "source": (lambda v: isinstance(v, (str, Path)) and str(v) != "" or hasattr(v, "column_names"),
+               "'sharegpt', 'code', 'sharegpt+code', a .jsonl path or a datasets.Dataset"),
+    "n_samples": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an integer >= 1"),
+    "seq_len": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 2, "an integer >= 2"),
+    "one_per_text": (lambda v: isinstance(v, bool), "true or false"),
+}
+
+
+def check_calibration(calibration: Any) -> None:
+    """ValueError naming an unknown key (and the closest known one) or a bad value of a recipe's
+    `calibration` mapping (the keyword arguments of quant.calibration_batches)."""
+    if not isinstance(calibration, dict):
+        raise ValueError(f"calibration must be a mapping of {', '.join(CALIBRATION_KEYS)}, got {calibration!r}")
+    unknown_keys("calibration", calibration, CALIBRATION_KEYS)
+    for key, value in calibration.items():
+        check, wanted = CALIBRATION_KEYS[key]
+        if not check(value):
+            raise ValueError(f"calibration.{key} must be {wanted}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -31,15 +52,12 @@ class Recipe:
     """Configs applied in order; calibration arguments for quant.calibration_batches."""
 
     steps: tuple[Config, ...]
-    calibration: dict[str, Any] = field(default_factory=lambda: {"source": "sharegpt", "n_samples": 128,
-                                                                  "seq_len": 512})
+    calibration: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_CALIBRATION))
 
     def __post_init__(self) -> None:
         if not self.steps:
             raise ValueError("a recipe needs at least one step")
-        unknown = set(self.calibration) - CALIBRATION_KEYS
-        if unknown:
-            raise ValueError(f"unknown calibration keys {sorted(unknown)}; valid: {sorted(CALIBRATION_KEYS)}")
+        check_calibration(self.calibration)
 
     @property
     def needs_calibration(self) -> bool:
@@ -47,7 +65,9 @@ class Recipe:
 
 
 def load_recipe(path: str | Path) -> Recipe:
-    """Parse a YAML recipe file (see the module docstring); errors name the file and the problem."""
+    """Parse a YAML recipe file (see the module docstring). Unknown keys, at the top, in `calibration`
+    and in each step, are refused by name (with the closest allowed key); errors name the file, the
+    step and the problem."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"recipe {path} does not exist")
@@ -59,9 +79,17 @@ def load_recipe(path: str | Path) -> Recipe:
         data = {"steps": data}
     if not isinstance(data, dict) or not isinstance(data.get("steps"), list):
         raise ValueError(f"recipe {path} must be a list of configs or a mapping with a 'steps' list")
-    calibration = {"source": "sharegpt", "n_samples": 128, "seq_len": 512, **(data.get("calibration") or {})}
     try:
-        return Recipe(tuple(config_from_dict(s) for s in data["steps"]), calibration)
+        unknown_keys("top level", data, RECIPE_KEYS)
+        steps = []
+        for i, step in enumerate(data["steps"]):
+            try:
+                steps.append(config_from_dict(step))
+            except (ValueError, TypeError) as err:
+                raise ValueError(f"step {i + 1}: {err}") from err
+        calibration = data.get("calibration") or {}
+        check_calibration(calibration)  # before the defaults fill it in
+        return Recipe(tuple(steps), {**DEFAULT_CALIBRATION, **calibration})
     except ValueError as err:
         raise ValueError(f"recipe {path}: {err}") from err
 

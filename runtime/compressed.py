@@ -60,36 +60,87 @@ def read_compression_meta(ckpt: Path) -> dict[str, Any]:
 
 
 def _linear(model: torch.nn.Module, name: str, path: Path) -> torch.nn.Linear:
-    """The model's linear layer `name`, which a compressed module of that name replaces."""
+    """The model's linear layer `name`, which a compressed module of that name replaces; CheckpointError
+    naming `path` (compression.json), the name and what it is when it is not a linear of the model."""
     try:
         module = model.get_submodule(name)
     except AttributeError:
         module = None
     if not isinstance(module, torch.nn.Linear):
-        raise CheckpointError(f"{path} lists compressed module {name!r}, which is not a linear layer of this "
-                              "model; the file is corrupt or belongs to another model")
+        what = ("not a module of this model" if module is None
+                else f"of type {type(module).__name__}, not a linear layer")
+        raise CheckpointError(f"{path} lists compressed module {name!r}, which is {what}; compressed modules are "
+                              f"the model's linear layers ({', '.join(_linear_examples(model))}, ...); the file is "
+                              "corrupt or belongs to another model")
     return module
+
+
+def _linear_examples(model: torch.nn.Module) -> list[str]:
+    """The names of the model's first layer's linears and of its LM head, for messages."""
+    return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+            and (n.startswith("layers.0.") or n == "lm_head")]
+
+
+class _MissingTensor(KeyError):
+    """A tensor a compressed module's format needs that the checkpoint does not hold."""
+
+
+class _Tensors(dict):
+    """A module's tensors; a missing one raises _MissingTensor (not a plain KeyError, which a missing
+    field of its compression.json entry raises)."""
+
+    def __missing__(self, key: str) -> torch.Tensor:
+        raise _MissingTensor(key)
 
 
 def _rebuild(name: str, mod_meta: dict[str, Any], local: dict[str, torch.Tensor], linear: torch.nn.Linear,
              path: Path) -> torch.nn.Module:
-    """The compressed module `name` from its meta and tensors, checked against the linear it replaces."""
+    """The compressed module `name` from its meta and tensors, checked against its meta's sizes and the
+    linear it replaces."""
+    fmt = mod_meta.get("format")
     try:
-        module = from_tensors(mod_meta, local)
+        module = from_tensors(mod_meta, _Tensors(local))
+    except _MissingTensor as err:
+        held = ", ".join(f"{name}.{k}" for k in sorted(local))
+        raise CheckpointError(f"{path} lists {name!r} in format {fmt!r}, which needs the tensor {name}.{err.args[0]}, "
+                              f"but {path.parent / 'model.safetensors'} holds {held}; {path.name} does not describe "
+                              "these tensors") from err
+    except KeyError as err:
+        raise CheckpointError(f"{path}: compressed module {name!r} ({fmt!r}) lacks {err} in its entry; the file is "
+                              "corrupt") from err
     except _MALFORMED as err:
-        raise CheckpointError(f"compressed module {name} in {path.parent} is malformed ({type(err).__name__}: "
-                              f"{err}); check {path.name} and model.safetensors") from err
+        raise CheckpointError(f"{path}: compressed module {name!r} in format {fmt!r} is malformed "
+                              f"({type(err).__name__}{': ' + str(err) if str(err) else ''}); {path.name} does not "
+                              f"describe its tensors in {path.parent / 'model.safetensors'} "
+                              f"({', '.join(f'{k} {tuple(v.shape)}' for k, v in local.items())})") from err
     got = (module.out_features, module.in_features)
     if got != tuple(linear.weight.shape):
         raise CheckpointError(f"compressed module {name} in {path.parent} is {got[0]} x {got[1]} (out x in), but "
                               f"the config implies {linear.out_features} x {linear.in_features}; the config does "
                               "not belong to these weights")
+    said = (mod_meta.get("out_features", got[0]), mod_meta.get("in_features", got[1]))
+    if said != got:
+        raise CheckpointError(f"{path} says {name} is {said[0]} x {said[1]} (out x in), but its tensors hold "
+                              f"{got[0]} x {got[1]}; the file does not describe these tensors")
     bias = None if module.bias is None else tuple(module.bias.shape)
     want = None if linear.bias is None else tuple(linear.bias.shape)
     if bias != want:
         raise CheckpointError(f"compressed module {name} in {path.parent} has bias {bias}, the model needs "
                               f"{want}; the checkpoint is corrupt")
     return module
+
+
+def _check_unlisted(model: torch.nn.Module, dense: dict[str, torch.Tensor], meta_path: Path, weights: Path) -> None:
+    """CheckpointError naming the tensors of `weights` that are neither a parameter of the model nor a
+    module compression.json lists: the packed tensors of a module the file does not name (loading would
+    drop them and then miss that module's weight)."""
+    known = set(model.state_dict())
+    stray = sorted(set(dense) - known)
+    if stray:
+        modules = sorted({k.rsplit(".", 1)[0] for k in stray})
+        raise CheckpointError(f"{weights} holds {', '.join(stray[:4])}{' ...' if len(stray) > 4 else ''}, which "
+                              f"are not tensors of the model, and {meta_path.name} lists no compressed module "
+                              f"{', '.join(modules[:4])}; {meta_path} does not describe these weights")
 
 
 def load_compressed(ckpt: Path, hf_config: Any, dtype: torch.dtype = torch.bfloat16,
@@ -115,13 +166,14 @@ def load_compressed(ckpt: Path, hf_config: Any, dtype: torch.dtype = torch.bfloa
     check_finite(tensors, weights)
     with torch.device("meta"):
         model = Transformer(cfg, attention=attention)
+    linears = {name: _linear(model, name, meta_path) for name in modules}
+    _check_unlisted(model, dense, meta_path, weights)
     for name, mod_meta in modules.items():
-        linear = _linear(model, name, meta_path)
         prefix = name + "."
         local = {k[len(prefix):]: v.to(device, copy=True) for k, v in tensors.items() if k.startswith(prefix)}
         if not local:
             raise CheckpointError(f"{ckpt} lists compressed module {name} but stores none of its tensors")
-        model.set_submodule(name, _rebuild(name, mod_meta, local, linear, meta_path))
+        model.set_submodule(name, _rebuild(name, mod_meta, local, linears[name], meta_path))
     # copies, not views of the file's memory map: a view keeps every page of the file resident
     # (as `runtime.loading` does for dense checkpoints), beside what the modules derive from it
     dense = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype, copy=True)

@@ -237,11 +237,83 @@ class PackedLinear:
         return None
 
 
+def _words(count: int, num_bits: int) -> int:
+    """int32 words one packed row of `count` codes of `num_bits` occupies."""
+    return -(-count // (32 // num_bits))
+
+
+def _widths_for(count: int, words: int) -> str:
+    """Which supported widths pack `count` codes into `words` words per row, for a message."""
+    fits = [f"{b}" for b in PACK_BITS if _words(count, b) == words]
+    return f"{words} words fit num_bits={' or '.join(fits)}" if fits else "no supported width gives that"
+
+
+def _zero_point(name: str, zp_packed: torch.Tensor | None, scheme: WeightScheme, rows: int, scale: torch.Tensor,
+                where: Path) -> torch.Tensor | None:
+    """The (N, G) int8 zero points of linear `name` (None when they are all zero), checked against the
+    scheme: an asymmetric grid needs them packed along the output dimension; a symmetric one must not
+    store non-zero ones (the config would then drop half of what the weights mean)."""
+    config = Path(where) / "config.json"
+    if zp_packed is None:
+        if scheme.symmetric:
+            return None
+        raise CheckpointError(f"{config} says symmetric=false for {name}, but {where} has no "
+                              f"{name}.weight_zero_point; the config does not describe these weights")
+    if zp_packed.is_floating_point() or zp_packed.dim() != 2:
+        raise CheckpointError(f"{where}: {name}.weight_zero_point is {zp_packed.dtype} {tuple(zp_packed.shape)}; "
+                              "compressed-tensors stores zero points as 2-D integer codes; the checkpoint is corrupt")
+    if scheme.symmetric and not zp_packed.any():
+        return None  # an all-zero tensor some writers keep for symmetric grids
+    words, groups = _words(rows, scheme.num_bits), scale.shape[1]
+    if zp_packed.dtype != torch.int32 or tuple(zp_packed.shape) != (words, groups):
+        if scheme.symmetric:
+            raise CheckpointError(f"{config} says symmetric=true for {name}, but {where} stores non-zero "
+                                  f"{name}.weight_zero_point {tuple(zp_packed.shape)}; the config does not describe "
+                                  "these weights (an asymmetric grid is symmetric=false)")
+        raise CheckpointError(f"{where}: {name}.weight_zero_point is {zp_packed.dtype} {tuple(zp_packed.shape)}, but "
+                              f"{groups} groups of {rows} rows packed at num_bits={scheme.num_bits} (from {config}) "
+                              f"are int32 ({words}, {groups}); the config does not describe these weights")
+    zp = unpack_int32(zp_packed.t().contiguous(), scheme.num_bits, rows).t().contiguous()  # (N, G)
+    if not zp.any():
+        return None
+    if scheme.symmetric:
+        raise CheckpointError(f"{config} says symmetric=true for {name}, but {where} stores non-zero "
+                              f"{name}.weight_zero_point; the config does not describe these weights (an asymmetric "
+                              "grid is symmetric=false)")
+    return zp
+
+
+def _check_scales(name: str, scale: torch.Tensor, scheme: WeightScheme, N: int, K: int, where: Path) -> int:
+    """The number of scale groups per row; CheckpointError naming the config's strategy / group_size and
+    the stored weight_scale shape when they disagree."""
+    config = Path(where) / "config.json"
+    if not scale.is_floating_point() or scale.dim() != 2 or scale.shape[0] != N:
+        raise CheckpointError(f"{where}: {name}.weight_scale is {scale.dtype} {tuple(scale.shape)}; scales of "
+                              f"weight_shape {(N, K)} are floating point ({N}, groups); the checkpoint is corrupt")
+    stored = scale.shape[1]
+    if scheme.strategy == "channel":
+        if stored != 1:
+            raise CheckpointError(f"{config} says strategy='channel' (one scale per row) for {name}, but its "
+                                  f"weight_scale is {tuple(scale.shape)} (groups of {K / stored:g} inputs); the config "
+                                  "does not describe these weights")
+        return 1
+    size = scheme.group_size
+    if K % size or stored != K // size:
+        raise CheckpointError(f"{config} says group_size={size} for {name} ({K / size:g} groups of its {K} inputs), "
+                              f"but its weight_scale is {tuple(scale.shape)} (groups of {K / stored:g} inputs); the "
+                              "config does not describe these weights")
+    return stored
+
+
 def read_packed(name: str, state: dict[str, torch.Tensor], scheme: WeightScheme, where: Path) -> PackedLinear:
-    """Unpack the compressed-tensors tensors of linear `name`, checking their shapes against each other."""
+    """Unpack the compressed-tensors tensors of linear `name` from checkpoint `where`, checking the
+    scheme (num_bits, strategy, group_size, symmetric: what its config.json says) against the tensors'
+    dtypes and shapes: a config that does not describe the weights fails here, naming both, instead of
+    decoding them into garbage."""
     def get(key: str) -> torch.Tensor | None:
         return state.get(f"{name}.{key}")
 
+    config = Path(where) / "config.json"
     packed, scale, shape = get("weight_packed"), get("weight_scale"), get("weight_shape")
     if scale is None or shape is None:
         raise CheckpointError(f"{where}: {name} has weight_packed but lacks weight_scale or weight_shape; the "
@@ -249,32 +321,18 @@ def read_packed(name: str, state: dict[str, torch.Tensor], scheme: WeightScheme,
     if shape.numel() != 2 or shape.is_floating_point():
         raise CheckpointError(f"{where}: {name}.weight_shape must hold 2 integers (out, in), got {shape.tolist()}")
     N, K = (int(v) for v in shape.tolist())
-    try:
-        codes = unpack_int32(packed, scheme.num_bits, K)
-    except ValueError as err:
-        raise CheckpointError(f"{where}: {name}.weight_packed does not fit weight_shape {(N, K)} at "
-                              f"{scheme.num_bits} bits ({err}); the checkpoint is corrupt") from err
-    groups = 1 if scheme.strategy == "channel" else K // scheme.group_size
-    if codes.shape[0] != N or scale.shape != (N, groups) or (scheme.strategy == "group" and K % scheme.group_size):
-        raise CheckpointError(f"{where}: {name} has weight_packed {tuple(packed.shape)} and weight_scale "
-                              f"{tuple(scale.shape)}, which do not fit weight_shape {(N, K)} with {scheme.describe()} "
-                              "(scales must be (out, in / group_size), or (out, 1) per channel); the checkpoint is "
-                              "corrupt")
-    zp = None
-    if not scheme.symmetric:
-        zp_packed = get("weight_zero_point")
-        if zp_packed is None:
-            raise CheckpointError(f"{where}: {name} is asymmetric but has no weight_zero_point")
-        try:  # packed along the output dimension
-            zp = unpack_int32(zp_packed.t().contiguous(), scheme.num_bits, N).t().contiguous()  # (N, G)
-        except ValueError as err:
-            raise CheckpointError(f"{where}: {name}.weight_zero_point {tuple(zp_packed.shape)} does not fit "
-                                  f"{N} rows at {scheme.num_bits} bits ({err})") from err
-        if zp.shape != scale.shape:
-            raise CheckpointError(f"{where}: {name}.weight_zero_point unpacks to {tuple(zp.shape)}, weight_scale "
-                                  f"is {tuple(scale.shape)}; the checkpoint is corrupt")
-        if not zp.any():
-            zp = None
+    if packed.dtype != torch.int32 or packed.dim() != 2 or packed.shape[0] != N:
+        raise CheckpointError(f"{where}: {name}.weight_packed is {packed.dtype} {tuple(packed.shape)}; the codes of "
+                              f"weight_shape {(N, K)} are packed into int32 words, {N} rows; the checkpoint is corrupt")
+    words = _words(K, scheme.num_bits)
+    if packed.shape[1] != words:
+        raise CheckpointError(f"{where}: {name}.weight_packed {tuple(packed.shape)} does not fit weight_shape "
+                              f"{(N, K)} at num_bits={scheme.num_bits}, the width {config} gives it ({words} int32 "
+                              f"words per row; {_widths_for(K, packed.shape[1])}); the config's num_bits or the "
+                              "weight_shape does not describe these weights")
+    codes = unpack_int32(packed, scheme.num_bits, K)  # (N, K)
+    groups = _check_scales(name, scale, scheme, N, K, where)
+    zp = _zero_point(name, get("weight_zero_point"), scheme, N, scale, where)
     g_idx = get("weight_g_idx")
     if g_idx is not None:
         g_idx = g_idx.to(torch.int64)

@@ -13,6 +13,7 @@ import sys
 
 import torch
 
+from runtime.argtypes import positive_int
 from runtime.hardware import DTYPES
 from runtime.loading import WEIGHTS
 from specdec.options import DEFAULT_NUM_DRAFT_TOKENS, WEIGHTS_HELP, parse_draft_length
@@ -127,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
     p.add_argument("--weights", default="auto", choices=list(WEIGHTS), help=WEIGHTS_HELP)
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -141,8 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Fetch the Qwen2.5-Coder 1.5B/0.5B pair and compare plain, draft, "
                                    "ngram and hybrid decoding with transformers (and llama.cpp, when `make llamacpp` "
                                    "has built it) on HumanEval prompts.")
-    p.add_argument("--limit", type=int, default=3, help="number of HumanEval prompts")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--limit", type=positive_int, default=3, help="number of HumanEval prompts")
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--out", default="runs/demo", help="output directory of the evaluation run")
     p.set_defaults(func=_demo)
 

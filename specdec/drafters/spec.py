@@ -116,22 +116,26 @@ class DrafterSpec:
     def parse(cls, text: str, bare: str | None = None) -> DrafterSpec:
         """The spec `text` names (grammar in the module docstring). `bare`: the kind a word without a
         known kind prefix takes ("draft" on the command lines, where `--draft NAME` names a draft
-        model); None = such a word is an error."""
+        model); None = such a word is an error. A ValueError says what is wrong with `text`, then
+        shows the grammar."""
         if not isinstance(text, str):
             raise TypeError(f"a drafter spec is a string, got {type(text).__name__}")
         name = text.strip()
-        if not name:
-            raise ValueError(f"an empty drafter spec; write one of {GRAMMAR}")
-        if "+" in name:
-            return cls._parse_hybrid(name, bare)
-        return cls._parse_one(name, bare)
+        try:
+            if not name:
+                raise ValueError("an empty drafter spec")
+            return cls._parse_hybrid(name, bare) if "+" in name else cls._parse_one(name, bare)
+        except ValueError as e:
+            raise ValueError(f"{e}; a drafter spec is {GRAMMAR}") from e
 
     @classmethod
     def _parse_hybrid(cls, name: str, bare: str | None) -> DrafterSpec:
         parts = [p.strip() for p in name.split("+")]
         if not all(parts):
-            raise ValueError(f"{name!r} has an empty drafter around '+': join two or more drafters, e.g. "
-                             "ngram+draft:NAME_OR_PATH")
+            where = ("before its first '+'" if not parts[0] else "after its last '+'" if not parts[-1]
+                     else "between two '+'")
+            raise ValueError(f"{name!r} has an empty drafter {where}: a hybrid joins two or more drafters with "
+                             "'+', e.g. ngram+draft:NAME_OR_PATH")
         members = [cls._parse_one(p, bare) for p in parts]
         size = members[-1].size if DRAFTERS[members[-1].kind].size == DRAFT_LENGTH else None
         if size is not None:
@@ -145,12 +149,14 @@ class DrafterSpec:
     def _parse_one(cls, name: str, bare: str | None) -> DrafterSpec:
         base, at, size = name.rpartition("@")
         size, colon, shape = size.partition(":")
+        if at:
+            _check_suffix(name, base, size, colon, shape)
         if not at or not (size.isdigit() or size == "auto") or (colon and not _TREE_SHAPE.fullmatch(shape)):
             base, at, size, colon = name, "", "", ""  # an "@" inside a path is part of the path
         kind, _, arg = base.partition(":")
         if kind not in DRAFTERS:
             if bare is None:
-                raise ValueError(f"unknown drafter {name!r}; write {GRAMMAR}")
+                raise ValueError(f"unknown drafter {name!r}")
             kind, arg = bare, base
         entry = DRAFTERS[kind]
         if at and entry.size is None:
@@ -213,6 +219,28 @@ def _a(what: str) -> str:
 
 def chain_kinds() -> list[str]:
     return [k for k, e in DRAFTERS.items() if e.chain]
+
+
+# what follows "@", by what the suffix sets
+_SUFFIX = {DRAFT_LENGTH: "the draft length K (1-64 or auto)", TREE_NODES: "the tree's nodes N",
+           EAGLE_TREE: "the tree's nodes N (or auto), optionally with :DEPTHxTOP_K"}
+
+
+def _check_suffix(name: str, base: str, size: str, colon: str, shape: str) -> None:
+    """ValueError for an "@" suffix of `name` that cannot be part of a path and is not a valid suffix:
+    a spec that ends in "@", an "@" after a kind that takes no argument (`ngram@x`), or an eagle tree
+    shape that is not DEPTHxTOP_K (`eagle:DIR@6:3x`)."""
+    kind = base.partition(":")[0]
+    entry = DRAFTERS.get(kind)
+    valid = size.isdigit() or size == "auto"
+    if not size and not colon:
+        raise ValueError(f"{name!r} ends in '@' with nothing after it"
+                         + (f": write {_SUFFIX[entry.size]} there, or drop the '@'" if entry and entry.size else ""))
+    shaped = not colon or _TREE_SHAPE.fullmatch(shape)
+    if entry is not None and entry.arg is None and ":" not in base and not (valid and shaped):
+        raise ValueError(f"{name!r}: after {kind}'s '@' comes {_SUFFIX[entry.size]}, got {name[len(base) + 1:]!r}")
+    if entry is not None and entry.size == EAGLE_TREE and valid and not shaped:
+        raise ValueError(f"{name!r}: the tree shape after ':' is DEPTHxTOP_K (e.g. @6:3x2), got {shape!r}")
 
 
 def _check_size(spec: DrafterSpec, size: str) -> int | str:

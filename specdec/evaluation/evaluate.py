@@ -67,7 +67,7 @@ import torch
 
 from runtime import hardware
 from runtime.atomic import atomic_write_text
-from runtime.errors import ContextLengthError
+from runtime.errors import ContextLengthError, SpecdecError
 from runtime.invariant import unsupported_reason
 from runtime.loading import WEIGHTS, resolve_weights
 from runtime.outputs import output_lock, prepare_output_dir
@@ -261,6 +261,14 @@ class SettingsMismatchError(ValueError):
     """--out holds a run made with different settings."""
 
 
+class CorruptRunError(SpecdecError, ValueError):
+    """A file of the run in --out (run.json, a line of generations.jsonl) that cannot be read back."""
+
+
+# what to do about a corrupt file of a run, for the messages
+_START_OVER = "start over with a new --out (or --overwrite, which discards this run)"
+
+
 def run_settings(cfg: EvalConfig, eos: list[int], prompt_format: str) -> dict:
     """The settings that a resumed run must share, plus what they imply (eos ids, prompt format)."""
     settings = {k: getattr(cfg, k) for k in _RESUME_KEYS}
@@ -292,7 +300,7 @@ def prepare_out_dir(out: Path, settings: dict, overwrite: bool) -> None:
         for name in _OUTPUTS:
             (out / name).unlink(missing_ok=True)
     if run_file.is_file():
-        old = json.loads(run_file.read_text())["settings"]
+        old = _read_run_settings(run_file)
         if old != settings:
             diff = [f"{k}: {old.get(k)!r} -> {settings.get(k)!r}" for k in sorted(set(old) | set(settings))
                     if old.get(k) != settings.get(k)]
@@ -305,19 +313,54 @@ def prepare_out_dir(out: Path, settings: dict, overwrite: bool) -> None:
                                        indent=2) + "\n")
 
 
+def _read_run_settings(run_file: Path) -> dict:
+    """The settings recorded in a run's run.json; CorruptRunError naming the file when it is not the
+    JSON object prepare_out_dir writes."""
+    try:
+        settings = json.loads(run_file.read_text(encoding="utf-8")).get("settings")
+    except (ValueError, AttributeError) as err:  # not JSON (JSONDecodeError, UnicodeDecodeError), or not an object
+        raise CorruptRunError(f"{run_file} cannot be read back ({type(err).__name__}: {err}); the file is corrupt: "
+                              f"{_START_OVER}") from err
+    if not isinstance(settings, dict):
+        raise CorruptRunError(f"{run_file} holds no 'settings' object; the file is corrupt: {_START_OVER}")
+    return settings
+
+
+def _read_record(path: Path, number: int, line: str) -> dict:
+    """One generations.jsonl line as a record; CorruptRunError naming the file and the 1-based line."""
+    try:
+        record = json.loads(line)
+    except (ValueError, RecursionError) as err:  # JSONDecodeError; RecursionError: nested too deeply
+        problem = (f"not JSON ({err.msg.removesuffix(' at')} at column {err.colno})"
+                   if isinstance(err, json.JSONDecodeError)
+                   else f"not JSON ({type(err).__name__})")
+    else:
+        if isinstance(record, dict) and isinstance(record.get("id"), str) and isinstance(record.get("method"), str):
+            return record
+        problem = "not a generation record (a JSON object with an 'id' and a 'method')"
+    raise CorruptRunError(f"{path}, line {number}: {problem}; the file is corrupt: delete that line to resume (its "
+                          f"generation is made again), or {_START_OVER}")
+
+
 def read_generations(path: Path, digest: str | None = None) -> list[dict]:
     """Complete lines of a generations.jsonl (of one settings hash when given).
 
     A run killed while writing leaves a partial last line; it is dropped from the file here, so
-    that appending continues on a fresh line.
+    that appending continues on a fresh line. Any other line that is not a record fails as a
+    CorruptRunError naming the file and its 1-based line number.
     """
     if not path.is_file():
         return []
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        line = path.read_bytes()[:err.start].count(b"\n") + 1
+        raise CorruptRunError(f"{path}, line {line}: not UTF-8 text ({err.reason}); the file is corrupt: delete that "
+                              f"line to resume (its generation is made again), or {_START_OVER}") from err
     if text and not text.endswith("\n"):
         text = text[:text.rfind("\n") + 1]
         atomic_write_text(path, text)
-    records = [json.loads(line) for line in text.splitlines() if line.strip()]
+    records = [_read_record(path, n, line) for n, line in enumerate(text.split("\n"), 1) if line.strip()]
     return [r for r in records if digest is None or r.get("settings_hash") == digest]
 
 

@@ -229,6 +229,28 @@ def test_cli_flags_come_from_the_config_and_the_command_takes_more_subcommands()
     assert parser.parse_args(["distill", "other"]).distill_command == "other"
 
 
+def test_a_draft_or_target_that_is_not_a_checkpoint_is_named_before_anything_loads(tmp_path, capsys, monkeypatch):
+    """`distill draft --draft /nonexistent` (or a directory without config.json) names the option and
+    the path; it used to say "no usable tokenizer"."""
+    from specdec.cli import main
+
+    monkeypatch.delenv("SPECDEC_DEBUG", raising=False)
+    model = tmp_path / "model"
+    tiny_model("llama", seed=0).config.hf_config.save_pretrained(model)  # a config.json is what is checked
+    (tmp_path / "empty").mkdir()
+    for target, draft, first in [
+            (model, tmp_path / "nonexistent", f"--draft: '{tmp_path / 'nonexistent'}' does not exist. Pass a local "
+                                              "checkpoint directory"),
+            (model, tmp_path / "empty", f"--draft: {tmp_path / 'empty'} is not a model checkpoint (it has no "
+                                        "config.json)"),
+            (tmp_path / "nonexistent", model, f"--target: '{tmp_path / 'nonexistent'}' does not exist")]:
+        argv = ["distill", "draft", "--target", str(target), "--draft", str(draft), "--out", str(tmp_path / "out")]
+        assert main(argv) == 2
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and err[0].startswith(f"specdec distill: error: {first}"), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "model"]
+
+
 def test_recipe_refuses_a_foreign_output_directory_before_any_work(tmp_path):
     (tmp_path / "mine.txt").write_text("not specdec's")
     proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "distill_qwen05_draft.py"), "--out", str(tmp_path),

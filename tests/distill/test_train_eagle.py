@@ -336,12 +336,14 @@ def test_a_bad_flag_fails_before_anything_loads(tmp_path, capsys):
               "--out", str(tmp_path / "out"), "--ttt-steps", "0"])
     assert "--ttt-steps" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
-    assert main(["eagle", "train", "--target", str(tmp_path / "none"), "--data", str(tmp_path / "none.jsonl"),
-                 "--out", str(tmp_path / "out"), "--dataset-answers", "-1"]) == 2
-    assert "--dataset-answers must be >= 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["eagle", "train", "--target", str(tmp_path / "none"), "--data", str(tmp_path / "none.jsonl"),
+              "--out", str(tmp_path / "out"), "--dataset-answers", "-1"])
+    assert "argument --dataset-answers: must be >= 0" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
-    assert main(["eagle", "data", "--target", str(tmp_path / "none"), "--out", str(tmp_path / "sd.jsonl"),
-                 "--cache", str(tmp_path / "cache"), "--aux-layers", "1,2"]) == 2
+    with pytest.raises(SystemExit):
+        main(["eagle", "data", "--target", str(tmp_path / "none"), "--out", str(tmp_path / "sd.jsonl"),
+              "--cache", str(tmp_path / "cache"), "--aux-layers", "1,2"])
     assert "three comma-separated layer ids" in capsys.readouterr().err
     assert not (tmp_path / "cache").exists() and not (tmp_path / "sd.jsonl").exists()
 

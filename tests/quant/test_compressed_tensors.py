@@ -255,8 +255,48 @@ def test_inconsistent_packed_shapes_fail(tmp_path):
     out, state = _foreign_checkpoint(tmp_path)
     state["model.layers.0.mlp.up_proj.weight_shape"] = torch.tensor([96, 32])
     save_file(state, str(out / "model.safetensors"))
-    with pytest.raises(CheckpointError, match="mlp.up_proj.*do not fit weight_shape"):
+    with pytest.raises(CheckpointError, match="mlp.up_proj.weight_packed .* does not fit weight_shape"):
         runtime.load_model(out)
+
+
+DOWN = "model.layers.0.mlp.down_proj"  # (64, 96): the first packed linear, 4-bit groups of 32 in the checkpoint
+
+
+@pytest.mark.parametrize("change, first", [
+    ({"num_bits": 2}, f"{DOWN}.weight_packed (64, 12) does not fit weight_shape (64, 96) at num_bits=2, the width "
+                      "CONFIG gives it (6 int32 words per row; 12 words fit num_bits=4)"),
+    ({"num_bits": 8}, f"{DOWN}.weight_packed (64, 12) does not fit weight_shape (64, 96) at num_bits=8"),
+    ({"group_size": 16}, f"CONFIG says group_size=16 for {DOWN} (6 groups of its 96 inputs), but its weight_scale "
+                         "is (64, 3) (groups of 32 inputs)"),
+    ({"strategy": "channel", "group_size": None}, f"CONFIG says strategy='channel' (one scale per row) for {DOWN}, "
+                                                  "but its weight_scale is (64, 3)"),
+    ({"symmetric": False}, f"CONFIG says symmetric=false for {DOWN}, but DIR has no {DOWN}.weight_zero_point")],
+    ids=["num_bits-2", "num_bits-8", "group_size", "strategy", "symmetric"])
+def test_config_that_disagrees_with_the_packed_tensors_is_refused(tmp_path, change, first):
+    """A quantization_config whose num_bits, group_size, strategy or symmetric do not describe the
+    packed tensors fails naming config.json, the linear and both values (it used to decode garbage)."""
+    out, _ = _foreign_checkpoint(tmp_path)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"]["config_groups"]["group_0"]["weights"].update(change)
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError) as err:
+        runtime.load_model(out)
+    expected = first.replace("CONFIG", str(out / "config.json")).replace("DIR", str(out))
+    assert str(err.value).splitlines()[0].startswith((f"{out}: {expected}", expected)), str(err.value)
+
+
+def test_symmetric_config_over_asymmetric_zero_points_is_refused(tmp_path):
+    model, _ = tiny_pair("llama", seed=4)
+    quant.quantize_(model, quant.Int4WeightOnly(group_size=32, zero_point="integer"), progress=False)
+    out = quant.save_compressed(model, tmp_path / "w4a16", format="compressed-tensors")
+    runtime.load_model(out, dtype=torch.float32)  # as written: loads
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["symmetric"] = True
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError) as err:
+        runtime.load_model(out, dtype=torch.float32)
+    assert str(err.value).startswith(f"{out / 'config.json'} says symmetric=true for model.layers.0.mlp.down_proj, "
+                                     f"but {out} stores non-zero model.layers.0.mlp.down_proj.weight_zero_point")
 
 
 def test_sparse_model_exports_dense_with_a_log_line(calib, tmp_path, caplog):

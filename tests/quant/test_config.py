@@ -54,7 +54,7 @@ def test_dict_round_trip(cfg):
 def test_bad_recipe_entries():
     with pytest.raises(ValueError, match="unknown config type"):
         config_from_dict({"type": "Int2"})
-    with pytest.raises(ValueError, match="no field"):
+    with pytest.raises(ValueError, match="NF4: unknown key 'bits'; allowed: blocksize, double_quant"):
         config_from_dict({"type": "NF4", "bits": 3})
     with pytest.raises(ValueError, match="'type' key"):
         config_from_dict(["NF4"])

@@ -61,8 +61,47 @@ def test_newer_version_missing_tensors_and_bad_meta_are_clear_errors(tmp_path):
     with pytest.raises(runtime.CheckpointError, match="lacks 1 tensors"):
         runtime.load_model(tmp_path)
     _write(tmp_path, drop="layers.0.mlp.w2.scales")
-    with pytest.raises(runtime.CheckpointError, match="layers.0.mlp.w2 .* is malformed"):
+    with pytest.raises(runtime.CheckpointError, match="lists 'layers.0.mlp.w2' in format 'int8', which needs "
+                                                      "the tensor layers.0.mlp.w2.scales, but .* holds "
+                                                      "layers.0.mlp.w2.qweight;"):
         runtime.load_model(tmp_path)
+
+
+def _edit_entry(tmp_path, name=None, **changes):
+    """Rename the INT8 entry of compression.json to `name` and / or change its fields."""
+    path = tmp_path / "compression.json"
+    meta = json.loads(path.read_text())
+    entry = {**meta["modules"].pop("layers.0.mlp.w2"), **changes}
+    meta["modules"][name or "layers.0.mlp.w2"] = entry
+    path.write_text(json.dumps(meta))
+    return path
+
+
+@pytest.mark.parametrize("name, changes, first", [
+    ("layers.0.mlp", {}, "META lists compressed module 'layers.0.mlp', which is of type MLP, not a linear layer; "
+                         "compressed modules are the model's linear layers (layers.0.attn.wqkv, layers.0.attn.wo, "
+                         "layers.0.mlp.w13, layers.0.mlp.w2, lm_head, ...)"),
+    ("layers.7.mlp.w2", {}, "META lists compressed module 'layers.7.mlp.w2', which is not a module of this model"),
+    ("layers.1.mlp.w2", {}, "WEIGHTS holds layers.0.mlp.w2.qweight, layers.0.mlp.w2.scales, which are not tensors of "
+                            "the model, and compression.json lists no compressed module layers.0.mlp.w2"),
+    (None, {"format": "int4"}, "META lists 'layers.0.mlp.w2' in format 'int4', which needs the tensor "
+                               "layers.0.mlp.w2.zeros, but WEIGHTS holds layers.0.mlp.w2.qweight, "
+                               "layers.0.mlp.w2.scales; compression.json does not describe these tensors"),
+    (None, {"in_features": 7}, "META says layers.0.mlp.w2 is 64 x 7 (out x in), but its tensors hold 64 x 96"),
+    (None, {"format": "int8_mixed"}, "META: compressed module 'layers.0.mlp.w2' ('int8_mixed') lacks 'threshold' "
+                                     "in its entry; the file is corrupt")],
+    ids=["not-a-linear", "not-in-the-model", "unlisted-packed-tensors", "wrong-format", "wrong-sizes", "missing-field"])
+def test_compression_json_that_does_not_describe_the_tensors_is_named(tmp_path, name, changes, first):
+    """A compression.json naming the wrong module, kind or sizes fails as a CheckpointError naming the
+    file, the module and what was expected (it used to end in an empty RuntimeError or load silently)."""
+    _write(tmp_path)
+    meta = _edit_entry(tmp_path, name, **changes)
+    with pytest.raises(runtime.CheckpointError) as err:
+        runtime.load_model(tmp_path, dtype=torch.float32, weights="dense")
+    text = str(err.value)
+    assert len(text.splitlines()) == 1
+    expected = first.replace("META", str(meta)).replace("WEIGHTS", str(tmp_path / "model.safetensors"))
+    assert text.startswith(expected), text
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/self/maps (Linux)")

@@ -10,7 +10,7 @@ import specdec
 from specdec.drafters import DRAFTERS, EagleDrafter, HybridDrafter, MedusaDrafter, ModelDrafter, make_drafter
 from specdec.drafters.eagle.drafter import EagleTreeConfig
 from specdec.drafters.medusa.heads import DEFAULT_TREE_NODES
-from specdec.drafters.spec import DrafterLoader, DrafterSpec
+from specdec.drafters.spec import GRAMMAR, DrafterLoader, DrafterSpec
 from specdec.sampling import SamplingParams
 
 GOOD = {
@@ -60,9 +60,9 @@ def test_defaults_live_once():
 
 @pytest.mark.parametrize("text, msg", [
     ("", "empty drafter spec"),
-    ("ngram+", "empty drafter around '\\+'"),
-    ("+ngram", "empty drafter around '\\+'"),
-    ("beam", "unknown drafter 'beam'; write ngram"),
+    ("ngram+", "empty drafter after its last '\\+'"),
+    ("+ngram", "empty drafter before its first '\\+'"),
+    ("beam", "unknown drafter 'beam'; a drafter spec is ngram"),
     ("draft", "needs a model: write draft:NAME_OR_PATH"),
     ("eagle", "needs a directory: write eagle:DIR"),
     ("ngram:x", "takes no argument"),
@@ -79,6 +79,38 @@ def test_defaults_live_once():
 def test_errors_say_what_is_wrong(text, msg):
     with pytest.raises(ValueError, match=msg):
         DrafterSpec.parse(text)
+
+
+GRAMMAR_TAIL = f"; a drafter spec is {GRAMMAR}"
+
+
+@pytest.mark.parametrize("text, first", [
+    ("ngram+", "'ngram+' has an empty drafter after its last '+': a hybrid joins two or more drafters with '+', "
+               "e.g. ngram+draft:NAME_OR_PATH"),
+    ("+ngram", "'+ngram' has an empty drafter before its first '+'"),
+    ("ngram++draft:x", "'ngram++draft:x' has an empty drafter between two '+'"),
+    ("draft:", "drafter 'draft' needs a model: write draft:NAME_OR_PATH"),
+    ("ngram@", "'ngram@' ends in '@' with nothing after it: write the draft length K (1-64 or auto) there, or drop "
+               "the '@'"),
+    ("ngram@x", "'ngram@x': after ngram's '@' comes the draft length K (1-64 or auto), got 'x'"),
+    ("eagle:@3", "'eagle:@3': drafter 'eagle' needs a directory: write eagle:DIR"),
+    ("eagle:e@6:3x", "'eagle:e@6:3x': the tree shape after ':' is DEPTHxTOP_K (e.g. @6:3x2), got '3x'"),
+    ("draft:m@", "'draft:m@' ends in '@' with nothing after it"),
+    ("", "an empty drafter spec"),
+])
+def test_malformed_specs_say_what_is_wrong_then_show_the_grammar(text, first):
+    """With bare="draft" (the command lines' --draft), a malformed spec is not taken for a model path
+    (`ngram@` used to become the draft model 'ngram@', `ngram+` a path that "has no config.json")."""
+    with pytest.raises(ValueError) as err:
+        DrafterSpec.parse(text, bare="draft")
+    message = str(err.value)
+    assert message.splitlines()[0].startswith(first) and message.endswith(GRAMMAR_TAIL), message
+
+
+def test_an_at_inside_a_path_stays_part_of_the_path():
+    assert DrafterSpec.parse("draft:/u@corp/ckpt") == DrafterSpec("draft", "/u@corp/ckpt")
+    assert DrafterSpec.parse("m@x", bare="draft") == DrafterSpec("draft", "m@x")
+    assert DrafterSpec.parse("eagle:e@6:3x2") == DrafterSpec("eagle", "e", 6, (3, 2))
 
 
 def test_generate_takes_spec_strings(target):
@@ -176,6 +208,10 @@ def test_a_bad_draft_on_the_command_line_fails_first_and_says_why(tmp_path, caps
 
     monkeypatch.delenv("SPECDEC_DEBUG", raising=False)
     for argv in (["generate", "--prompt", "a"], ["serve", "--port", "0"]):
-        assert cli_main([*argv, "--model", str(tmp_path / "missing"), "--draft", "ngram+"]) == 2
-        err = capsys.readouterr().err
-        assert "empty drafter around '+'" in err and "missing" not in err, err
+        for draft, what in [("ngram+", "'ngram+' has an empty drafter after its last '+'"),
+                            ("ngram@", "'ngram@' ends in '@' with nothing after it"),
+                            ("eagle:@3", "'eagle:@3': drafter 'eagle' needs a directory")]:
+            assert cli_main([*argv, "--model", str(tmp_path / "missing"), "--draft", draft]) == 2
+            err = capsys.readouterr().err.splitlines()
+            assert len(err) == 1 and err[0].startswith(f"specdec {argv[0]}: error: {what}"), err
+            assert err[0].endswith(GRAMMAR) and "missing" not in err[0], err

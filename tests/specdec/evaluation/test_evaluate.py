@@ -279,6 +279,37 @@ def test_resume_skips_done_prompts(workdir: Path, monkeypatch):
     assert report["methods"]["hf"]["overall"]["num_prompts"] == 3
 
 
+def test_a_corrupt_line_or_run_file_is_named_with_what_to_do(workdir: Path, capsys, monkeypatch):
+    """Resuming over a corrupt generations.jsonl line names the file and its 1-based line number and
+    says what to do (it used to be a bare JSON error); a corrupt run.json names that file."""
+    from specdec.cli import main
+
+    out = workdir / "corrupt"
+    argv = ["eval", "--out", str(out), "--target", str(workdir / "ckpt"), "--prompts", str(workdir / "prompts.jsonl"),
+            "--methods", "plain", "--limit", "2", "--warmup", "0", "--dtype", "float32", "--max-new-tokens", "4"]
+    monkeypatch.delenv("SPECDEC_DEBUG", raising=False)
+    assert main(argv) == 0
+    path = out / "generations.jsonl"
+    good = path.read_text().splitlines()
+    then = "the file is corrupt: delete that line to resume (its generation is made again), or start over with a " \
+           "new --out (or --overwrite, which discards this run)"
+    capsys.readouterr()
+    for bad, problem in [('{"id": "p1", "meth', "not JSON (Unterminated string starting at column 14)"),
+                         ("[1, 2]", "not a generation record (a JSON object with an 'id' and a 'method')")]:
+        path.write_text("\n".join([good[0], bad, good[1]]) + "\n")
+        assert main(argv) == 2
+        err = capsys.readouterr().err.splitlines()
+        assert err == [f"specdec eval: error: {path}, line 2: {problem}; {then}"], err
+    path.write_text("\n".join(good) + "\n")
+    (out / "run.json").write_text('{"settings": ')
+    assert main(argv) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"specdec eval: error: {out / 'run.json'} cannot be read back "
+                                               "(JSONDecodeError: Expecting value"), err
+    assert err[0].endswith("the file is corrupt: start over with a new --out (or --overwrite, which discards "
+                           "this run)"), err
+
+
 def test_settings_mismatch_fails_unless_overwrite(workdir: Path):
     cfg = dict(out=str(workdir / "mismatch"), methods="plain", target=str(workdir / "ckpt"),
                prompts=str(workdir / "prompts.jsonl"), dtype="float32", max_new_tokens=4, limit=1, warmup=0)
