@@ -10,6 +10,8 @@ command line is parsed, before any model loads. The usual ones are named:
     nonnegative_int    counts where 0 means none (--eval-samples, --heldout-prompts, ...)
     positive_float     durations (--max-minutes: omit it for no limit)
     nonnegative_float  temperatures (0 = greedy)
+    unit_interval      probabilities in (0, 1] (--top-p)
+    port_number        TCP ports, 0-65535
 """
 
 from __future__ import annotations
@@ -32,6 +34,14 @@ def positive(value: float) -> None:
     """A check that accepts values > 0."""
     if value <= 0:
         raise ValueError(f"must be > 0, got {value}")
+
+
+def within(low: float, high: float, low_open: bool = False) -> Callable[[float], None]:
+    """A check that accepts values in [low, high] (in (low, high] with `low_open`)."""
+    def check(value: float) -> None:
+        if value > high or value < low or low_open and value == low:
+            raise ValueError(f"must be in {'(' if low_open else '['}{low}, {high}], got {value}")
+    return check
 
 
 def number_arg(kind: type, check: Callable[[Any], None]) -> Callable[[str], Any]:
@@ -59,6 +69,8 @@ positive_int = number_arg(int, at_least(1))
 nonnegative_int = number_arg(int, at_least(0))
 positive_float = number_arg(float, positive)
 nonnegative_float = number_arg(float, at_least(0))
+unit_interval = number_arg(float, within(0, 1, low_open=True))  # top-p
+port_number = number_arg(int, within(0, 65535))
 
 
 def int_at_least(low: int) -> Callable[[str], int]:

@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from runtime.argtypes import positive_int
+from runtime.argtypes import nonnegative_float, nonnegative_int, positive_int, unit_interval
 from runtime.hardware import DTYPES
 from runtime.loading import WEIGHTS
 from specdec.options import DEFAULT_NUM_DRAFT_TOKENS, WEIGHTS_HELP, parse_draft_length
@@ -129,9 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
     p.add_argument("--weights", default="auto", choices=list(WEIGHTS), help=WEIGHTS_HELP)
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--temperature", type=nonnegative_float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=unit_interval, default=1.0, help="in (0, 1]; 1 = off")
+    p.add_argument("--top-k", type=nonnegative_int, default=0, help="0 = off")
     p.add_argument("--num-draft-tokens", type=draft_length_arg, default=DEFAULT_NUM_DRAFT_TOKENS,
                    help="drafts per step (1-64), or 'auto' to tune it per step")
     p.add_argument("--seed", type=int, default=0, help="seed of the torch.Generator used for sampling")
@@ -150,6 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
     return parser
+
+
+def command_name(args: argparse.Namespace) -> str:
+    """The command as typed, a nested subcommand included ("distill draft", "eagle data")."""
+    nested = next((v for k, v in vars(args).items() if k.endswith("_command") and isinstance(v, str)), None)
+    return f"{args.command} {nested}" if nested else args.command
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         text = " ".join(str(err).split()) or type(err).__name__  # one line
         if not known:
             text = f"{type(err).__name__}: {text} (SPECDEC_DEBUG=1 shows the traceback)"
-        print(f"specdec {args.command}: error: {text}", file=sys.stderr)
+        print(f"specdec {command_name(args)}: error: {text}", file=sys.stderr)
         return 2
     finally:
         if not joined and dist.is_available() and dist.is_initialized():  # the command ran under accelerate launch

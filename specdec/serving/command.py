@@ -21,6 +21,7 @@ import errno
 import socket
 import sys
 
+from runtime.argtypes import port_number, positive_int
 from runtime.hardware import DTYPES
 from runtime.loading import WEIGHTS
 from specdec.drafters.eagle.drafter import EagleTreeConfig
@@ -147,10 +148,10 @@ def add_drafter_args(p: argparse.ArgumentParser) -> None:
                    help="--eagle: nodes the dynamic tree keeps (at most top_k + (depth - 1) * top_k^2), or auto to "
                         "time sizes up to 64 on this machine first (small trees win on a CPU; default: "
                         f"{EagleTreeConfig.total_tokens})")
-    p.add_argument("--eagle-depth", type=int, default=None, help=f"--eagle: levels of the tree (default: "
+    p.add_argument("--eagle-depth", type=positive_int, default=None, help=f"--eagle: levels of the tree (default: "
                    f"{EagleTreeConfig.depth})")
-    p.add_argument("--eagle-top-k", type=int, default=None, help="--eagle: children per expanded node and nodes "
-                   f"expanded per level (default: {EagleTreeConfig.top_k})")
+    p.add_argument("--eagle-top-k", type=positive_int, default=None, help="--eagle: children per expanded node "
+                   f"and nodes expanded per level (default: {EagleTreeConfig.top_k})")
 
 
 def register(subparsers) -> argparse.ArgumentParser:
@@ -162,14 +163,14 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model", default=DEFAULT_MODEL, help="target: catalogue name, checkpoint dir, .gguf or hub id "
                    "(default: %(default)s)")
     add_drafter_args(p)
-    p.add_argument("--max-batch", type=int, default=4, help="rows decoded together (default: %(default)s)")
-    p.add_argument("--max-len", type=int, default=None, help="prompt + generated tokens per request (default: the "
-                   "model's context)")
+    p.add_argument("--max-batch", type=positive_int, default=4, help="rows decoded together (default: %(default)s)")
+    p.add_argument("--max-len", type=positive_int, default=None, help="prompt + generated tokens per request "
+                   "(default: the model's context)")
     p.add_argument("--num-draft-tokens", type=draft_length_arg, default=DEFAULT_NUM_DRAFT_TOKENS,
                    help="drafts per step (default: %(default)s)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, loopback "
                    "only; 0.0.0.0 exposes the server to the network)")
-    p.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    p.add_argument("--port", type=port_number, default=8000, help="(default: %(default)s)")
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES), help="(default: %(default)s)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
     p.add_argument("--weights", default="auto", choices=list(WEIGHTS), help=WEIGHTS_HELP)

@@ -247,7 +247,7 @@ def test_a_draft_or_target_that_is_not_a_checkpoint_is_named_before_anything_loa
         argv = ["distill", "draft", "--target", str(target), "--draft", str(draft), "--out", str(tmp_path / "out")]
         assert main(argv) == 2
         err = capsys.readouterr().err.splitlines()
-        assert len(err) == 1 and err[0].startswith(f"specdec distill: error: {first}"), err
+        assert len(err) == 1 and err[0].startswith(f"specdec distill draft: error: {first}"), err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "model"]
 
 

@@ -143,12 +143,13 @@ def test_medusa_commands_refuse_paths_specdec_did_not_write_before_loading_anyth
     model = ["--model", str(tmp_path / "no-such-model")]
     proc = _specdec("medusa", "data", *model, "--out", str(tmp_path / "notes.txt"))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-    assert proc.stderr.splitlines()[0].startswith("specdec medusa: error: ")
+    assert proc.stderr.splitlines()[0].startswith("specdec medusa data: error: ")
     assert "notes.txt exists and is not a self-distillation jsonl" in proc.stderr.splitlines()[0]
     proc = _specdec("medusa", "train", *model, "--data", str(tmp_path / "sd.jsonl"), "--out", str(tmp_path / "home"))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     first = proc.stderr.splitlines()[0]
-    assert first.startswith("specdec medusa: error: ") and "home is a non-empty directory that specdec did" in first
+    assert first.startswith("specdec medusa train: error: ")
+    assert "home is a non-empty directory that specdec did" in first
     cases = [(["data", *model, "--out", str(tmp_path / "sd.jsonl"), "--hidden-cache", str(tmp_path / "home")],
               "home is a non-empty directory that specdec did not write"),
              (["train", *model, "--data", str(tmp_path / "sd.jsonl"), "--out", str(tmp_path / "notes.txt")],
@@ -161,7 +162,7 @@ def test_medusa_commands_refuse_paths_specdec_did_not_write_before_loading_anyth
     for argv, message in cases:
         assert main(["medusa", *argv]) == 2
         first = capsys.readouterr().err.splitlines()[0]
-        assert first.startswith("specdec medusa: error: ") and message in first, (argv, first)
+        assert first.startswith(f"specdec medusa {argv[0]}: error: ") and message in first, (argv, first)
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["home", "notes.txt"]
 
