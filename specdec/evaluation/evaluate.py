@@ -123,7 +123,8 @@ class MethodSpec:
         if not at or not (k.isdigit() or k == "auto") or (colon and not _TREE_SHAPE.fullmatch(shape)):
             base, at, k, colon = name, "", "", ""  # an "@" inside a path is part of the path
         kind, _, arg = base.partition(":")
-        if kind in DRAFTERS or (kind not in BASE_KINDS and "+" in name):
+        leading = name.partition("@")[0].partition(":")[0]  # "ngram" of a malformed "ngram@": the spec says why
+        if kind in DRAFTERS or leading in DRAFTERS or (kind not in BASE_KINDS and "+" in name):
             spec = DrafterSpec.parse(name)
             return cls(name, spec.kind, spec.arg, spec.size, spec.shape)
         if kind not in BASE_KINDS:
