@@ -631,7 +631,11 @@ class NF4Linear(QuantizedLinear):
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> "NF4Linear":
         state = {k: v for k, v in tensors.items() if k != "bias"}
-        return cls(int(meta["in_features"]), int(meta["out_features"]), state, tensors.get("bias"))
+        k, n, q = int(meta["in_features"]), int(meta["out_features"]), tensors["qweight"]
+        if q.dtype != torch.uint8 or 2 * q.numel() != n * k:
+            raise ValueError(f"nf4 weights of a {n} x {k} linear are {n * k // 2} uint8 bytes (two codes each), "
+                             f"got {q.dtype} {tuple(q.shape)}")
+        return cls(k, n, state, tensors.get("bias"))
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         import bitsandbytes as bnb

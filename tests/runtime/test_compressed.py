@@ -89,8 +89,12 @@ def _edit_entry(tmp_path, name=None, **changes):
                                "layers.0.mlp.w2.scales; compression.json does not describe these tensors"),
     (None, {"in_features": 7}, "META says layers.0.mlp.w2 is 64 x 7 (out x in), but its tensors hold 64 x 96"),
     (None, {"format": "int8_mixed"}, "META: compressed module 'layers.0.mlp.w2' ('int8_mixed') lacks 'threshold' "
-                                     "in its entry; the file is corrupt")],
-    ids=["not-a-linear", "not-in-the-model", "unlisted-packed-tensors", "wrong-format", "wrong-sizes", "missing-field"])
+                                     "in its entry; the file is corrupt"),
+    (None, {"format": "nf4"}, "META: compressed module 'layers.0.mlp.w2' in format 'nf4' is malformed (ValueError: "
+                              "nf4 weights of a 64 x 96 linear are 3072 uint8 bytes (two codes each), got torch.int8 "
+                              "(64, 96))")],
+    ids=["not-a-linear", "not-in-the-model", "unlisted-packed-tensors", "wrong-format", "wrong-sizes", "missing-field",
+         "nf4-over-int8"])
 def test_compression_json_that_does_not_describe_the_tensors_is_named(tmp_path, name, changes, first):
     """A compression.json naming the wrong module, kind or sizes fails as a CheckpointError naming the
     file, the module and what was expected (it used to end in an empty RuntimeError or load silently)."""
