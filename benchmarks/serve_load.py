@@ -126,6 +126,9 @@ def stream_request(port: int, ids: list[int], max_tokens: int, res: Result) -> N
             if data == b"[DONE]":
                 break
             chunk = json.loads(data)
+            if chunk.get("error"):  # the server ended this request with an error event
+                res.error = f"stream error: {chunk['error'].get('message', chunk['error'])}"
+                return
             res.response_id = chunk.get("id", res.response_id)
             if chunk.get("usage"):
                 res.tokens = chunk["usage"]["completion_tokens"]
