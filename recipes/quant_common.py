@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import subprocess
 import sys
@@ -23,6 +22,7 @@ import quant
 import runtime
 from quant.checkpoint import check_compressed_out
 from runtime.atomic import atomic_write_text
+from runtime.catalogue import cache_home
 from runtime.outputs import OutputPathError, check_output_file
 
 
@@ -81,7 +81,8 @@ def add_calib_source(ap: argparse.ArgumentParser, default: str) -> None:
 
 
 def compressed_home() -> Path:
-    return Path(os.environ.get("SPECDEC_HOME", "~/.cache/specdec")).expanduser() / "compressed"
+    """$SPECDEC_HOME/compressed, through the catalogue's reading of SPECDEC_HOME (and its check)."""
+    return cache_home() / "compressed"
 
 
 def eval_windows(tok, n_eval: int, seq_len: int) -> dict[str, torch.Tensor]:
