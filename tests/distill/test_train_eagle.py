@@ -312,6 +312,47 @@ def test_training_refuses_a_directory_specdec_did_not_write(target, features, tm
     assert sorted(p.name for p in (tmp_path / "home").iterdir()) == ["notes.txt"]
 
 
+def _tree(root) -> dict[str, bytes | None]:
+    """Every path under `root` with its bytes (None for a directory): a snapshot to compare."""
+    return {str(p.relative_to(root)): None if p.is_dir() else p.read_bytes() for p in sorted(root.rglob("*"))}
+
+
+def test_a_refused_or_failed_training_leaves_no_output_directory(target, records, features, tmp_path, monkeypatch):
+    cfg = EagleTrainConfig(epochs=1, **FAST)
+    other = cache_eagle_states(target, records[:6], tmp_path / "other", (0, 1, 2), heldout_every=5)
+    (tmp_path / "empty").mkdir()
+    before = _tree(tmp_path)
+    out = tmp_path / "new" / "out"
+    bad = [{"id": "x", "prompt_ids": [1, 2], "output_ids": [3, V]}]
+    for data, config, error, message in [
+            (42, cfg, TypeError, "data must be a feature cache directory"),
+            ([], cfg, ValueError, "no self-distillation records in data"),
+            (tmp_path / "none.jsonl", cfg, ValueError, "no self-distillation records in "),
+            (bad, cfg, ValueError, "data record 0 (id 'x') holds tokens that are not ids of the target's"),
+            ([{"id": 0}], cfg, TypeError, "data record 0 must be a dict with the token lists"),
+            (records, EagleTrainConfig(**{**FAST, "aux_layers": "1,2,9"}), ValueError, "aux_layers must be"),
+            (other, cfg, ValueError, f"{other} caches aux layers [0, 1, 2] of hidden size 64; this head reads"),
+            (records, cfg, ValueError, f"{out / 'eagle_cache'} has no train records")]:  # the deadline has passed
+        for where in (out, tmp_path / "empty"):
+            with pytest.raises(error) as err:
+                distill.train_eagle(target, data, config, where, deadline=0.0)
+            assert str(err.value).startswith(message.replace("new/out", where.relative_to(tmp_path).as_posix()))
+            assert _tree(tmp_path) == before
+    te = importlib.import_module("distill.train_eagle")
+
+    def failing(*args, **kwargs):  # the first batch fails (out of memory, say)
+        raise RuntimeError("first batch failed")
+
+    monkeypatch.setattr(te, "ttt_loss", failing)
+    for where in (out, tmp_path / "empty"):
+        with pytest.raises(RuntimeError, match="^first batch failed$"):
+            distill.train_eagle(target, features, cfg, where)
+        assert _tree(tmp_path) == before
+    with pytest.raises(RuntimeError, match="^first batch failed$"):  # features cached first: kept, to resume from
+        distill.train_eagle(target, records[:10], cfg, out)
+    assert {"eagle_cache/manifest.json", "eagle_cache/train"} <= set(_tree(out))
+
+
 def test_the_eagle_commands_explain_themselves(capsys):
     from specdec.cli import main
 
