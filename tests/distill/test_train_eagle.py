@@ -417,6 +417,28 @@ def test_eagle_train_end_to_end_on_a_tiny_checkpoint(records, tmp_path, capsys, 
     assert "aux layers" in capsys.readouterr().err
 
 
+def test_eagle_train_out_of_time_before_its_first_record_leaves_no_empty_cache(records, tmp_path, capsys,
+                                                                              monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    from runtime.tiny import tiny_hf_config
+    from specdec.cli import main
+
+    monkeypatch.delenv("SPECDEC_DEBUG", raising=False)
+    AutoModelForCausalLM.from_config(tiny_hf_config(num_hidden_layers=4)).save_pretrained(tmp_path / "tiny")
+    data = tmp_path / "records.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records[:6]))
+    before = _tree(tmp_path)
+    argv = ["eagle", "train", "--target", str(tmp_path / "tiny"), "--dtype", "float32", "--data", str(data),
+            "--aux-layers", "1,2,3", "--max-minutes", "1e-9"]
+    for extra, cache in [([], tmp_path / "new" / "head" / "eagle_cache"),
+                         (["--cache", str(tmp_path / "features")], tmp_path / "features")]:
+        assert main([*argv, "--out", str(tmp_path / "new" / "head"), *extra]) == 2
+        last = capsys.readouterr().err.strip().splitlines()[-1]  # after the progress bars
+        assert last.startswith(f"specdec eagle: error: {cache} has no train records")
+        assert _tree(tmp_path) == before
+
+
 def test_eagle_train_reads_dataset_answers_beside_the_targets_own(records, word_tokenizer, tmp_path, capsys,
                                                                    monkeypatch):
     from transformers import AutoModelForCausalLM
