@@ -435,7 +435,7 @@ def test_eagle_train_out_of_time_before_its_first_record_leaves_no_empty_cache(r
                          (["--cache", str(tmp_path / "features")], tmp_path / "features")]:
         assert main([*argv, "--out", str(tmp_path / "new" / "head"), *extra]) == 2
         last = capsys.readouterr().err.strip().splitlines()[-1]  # after the progress bars
-        assert last.startswith(f"specdec eagle: error: {cache} has no train records")
+        assert last.startswith(f"specdec eagle train: error: {cache} has no train records")
         assert _tree(tmp_path) == before
 
 
