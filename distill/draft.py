@@ -50,7 +50,7 @@ from distill.onpolicy import DATA_SOURCES, batch_source, make_batch, sample_answ
 from distill.trainer import Panel, StepCheckpoints, Task, Trainer, TrainerConfig, series, trainer_field
 from runtime.atomic import atomic_write, atomic_write_text
 from runtime.hf_state import dense_hf_state
-from runtime.outputs import prepare_output_dir
+from runtime.outputs import created_output, prepare_output_dir
 
 CHECKPOINTS = "distill_checkpoint"
 HELDOUT_ANSWERS = "heldout_answers.json"
@@ -131,16 +131,20 @@ def check_distill_dir(out_dir: str | Path) -> Path:
     return prepare_output_dir(out_dir, TRAIN_MARKERS, what="draft distillation directory", resume=True)
 
 
-def _prompt_ids(prompts) -> list[list[int]]:
-    """Prompt token lists from lists of ids, 1-D tensors or (id, ids) pairs (distill.selfdistill's)."""
+def _prompt_ids(prompts, vocab_size: int, what: str = "prompts") -> list[list[int]]:
+    """Prompt token lists from lists of ids, 1-D tensors or (id, ids) pairs (distill.selfdistill's);
+    ValueError for an empty prompt or a token id outside [0, vocab_size), naming `what`."""
     out = []
-    for p in prompts:
+    for i, p in enumerate(prompts):
         if isinstance(p, tuple) and len(p) == 2 and not isinstance(p[1], int):
             p = p[1]
-        ids = p.tolist() if isinstance(p, torch.Tensor) else list(p)
+        ids = [int(t) for t in (p.tolist() if isinstance(p, torch.Tensor) else list(p))]
         if not ids:
-            raise ValueError("an empty prompt: every prompt needs at least one token")
-        out.append([int(t) for t in ids])
+            raise ValueError(f"{what}[{i}] is empty: every prompt needs at least one token")
+        if not 0 <= min(ids) <= max(ids) < vocab_size:
+            raise ValueError(f"{what}[{i}] holds token id {min(ids) if min(ids) < 0 else max(ids)}, outside the "
+                             f"models' vocabulary [0, {vocab_size}): prompts tokenized for another model?")
+        out.append(ids)
     return out
 
 
@@ -334,23 +338,25 @@ def distill_draft(target, draft, prompts, config: DistillConfig = DistillConfig(
     share the vocabulary. out_dir: new, empty or a draft distillation directory (TRAIN_MARKERS;
     else OutputPathError), resumed from when `resume`; it receives checkpoints, the draft (with
     `tokenizer`), heldout_answers.json, distill_metrics.json and distill.png; without it nothing is
-    saved. deadline: a time.monotonic() value after which no step starts (the schedule decays
-    toward it). stop_after: end this call after that many steps in all (the schedule still spans
-    config.steps; the same call later resumes).
+    saved. The models, prompts and `out_dir` are checked before `out_dir` is created, and a run
+    that fails before it wrote anything there removes a new `out_dir` again. deadline: a
+    time.monotonic() value after which no step starts (the schedule decays toward it). stop_after:
+    end this call after that many steps in all (the schedule still spans config.steps; the same
+    call later resumes).
     """
     if target.config.vocab_size != draft.config.vocab_size:
         raise ValueError(f"the target scores {target.config.vocab_size} tokens and the draft "
                          f"{draft.config.vocab_size}: a draft must share its target's vocabulary")
-    train_prompts = _prompt_ids(prompts)
+    V = target.config.vocab_size
+    train_prompts = _prompt_ids(prompts, V)
     if not train_prompts:
         raise ValueError("no training prompts; pass prompt token lists (e.g. distill.sharegpt_prompts(tok))")
     if isinstance(heldout, HeldoutSet):
-        held, held_prompts = heldout, heldout.prompts
+        held, held_prompts = heldout, _prompt_ids(heldout.prompts, V, "heldout.prompts")
     else:
-        held, held_prompts = None, _prompt_ids(heldout) if heldout is not None else []
+        held, held_prompts = None, _prompt_ids(heldout, V, "heldout") if heldout is not None else []
     if out_dir is not None:
         out_dir = check_distill_dir(out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
     draft.train().requires_grad_(not config.lora)
     if config.lora:
         _add_lora(draft, config)  # peft leaves only the adapters trainable
@@ -360,6 +366,16 @@ def distill_draft(target, draft, prompts, config: DistillConfig = DistillConfig(
     if not any(p.requires_grad for p in draft.parameters()):
         raise ValueError("nothing to train: freeze_embeddings froze the only trainable weights")
     task = DraftTask(target, draft, train_prompts, held, held_prompts, config, eos_token_id, out_dir)
+    if out_dir is None:
+        return _train(task, config, None, tokenizer, deadline, resume, stop_after)
+    with created_output(out_dir):  # a run that fails before it wrote anything leaves no new directory
+        return _train(task, config, out_dir, tokenizer, deadline, resume, stop_after)
+
+
+def _train(task: DraftTask, config: DistillConfig, out_dir: Path | None, tokenizer, deadline: float | None,
+           resume: bool, stop_after: int | None):
+    """`distill_draft`'s training, saving and report for a checked `task`, into `out_dir` (which
+    exists) or nowhere; returns the draft."""
     ckpt = StepCheckpoints(out_dir / CHECKPOINTS) if out_dir is not None else None
     run = Trainer(task, config, out_dir, ckpt).fit(deadline, resume, stop_after)
     raw = run.raw
@@ -374,5 +390,5 @@ def distill_draft(target, draft, prompts, config: DistillConfig = DistillConfig(
                     twin=[(*series(evals, "tau"), "tau (speculative decoding)")],
                     twin_label="tau (tokens / target forward)", marker="o")] if evals else []
     run.report({"processes": run.acc.num_processes, "losses": run.losses, "heldout": evals,
-                "heldout_prompts": len(held_prompts), "train_prompts": len(train_prompts)}, panels)
+                "heldout_prompts": len(task.held_prompts), "train_prompts": len(task.prompts)}, panels)
     return draft

@@ -36,7 +36,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     import runtime
     from distill.config_args import dataclass_from_args
     from distill.dataset_answers import cache_answer_states
-    from distill.eagle_cache import cache_eagle_states, check_eagle_cache_dir
+    from distill.eagle_cache import MANIFEST, cache_eagle_states, check_eagle_cache_dir
     from distill.selfdistill import read_records
     from distill.train_eagle import (
         ANSWERS_CACHE_DIR,
@@ -46,6 +46,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         read_metrics,
         train_eagle,
     )
+    from runtime.outputs import created_output
 
     deadline = deadline_after(args.max_minutes)
     cfg = dataclass_from_args(EagleTrainConfig, args)  # checked before any loading
@@ -56,16 +57,20 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise ValueError(f"no records in {args.data}; run `specdec eagle data` first")
     target = runtime.load_model(args.target, dtype=arg_dtype(args.dtype), weights="dense")
     state = PartialState(cpu=target.device.type == "cpu")
-    with state.main_process_first():  # under accelerate launch the main process caches, the others read
-        caches = [cache_eagle_states(target, records, cache_dir, cfg.layers(target.config.num_layers),
-                                     heldout_every=cfg.heldout_every,
-                                     deadline=deadline if state.is_main_process else time.monotonic())]
-        if args.dataset_answers:  # ShareGPT's own answers, read teacher-forced, trained on beside the target's
-            caches.append(cache_answer_states(target, runtime.load_tokenizer(args.target), out / ANSWERS_CACHE_DIR,
-                                              cfg.layers(target.config.num_layers), args.dataset_answers,
-                                              args.dataset_answer_tokens,
-                                              deadline=deadline if state.is_main_process else time.monotonic()))
-    train_eagle(target, caches, cfg, out, deadline=deadline)
+    # a run that fails before it cached a record (or checkpointed) leaves new directories as they were:
+    # an empty cache (the deadline came first) is no result
+    with created_output(out, own=(f"{CACHE_DIR}/{MANIFEST}", f"{ANSWERS_CACHE_DIR}/{MANIFEST}")), \
+            created_output(cache_dir, own=(MANIFEST,)):
+        with state.main_process_first():  # under accelerate launch the main process caches, the others read
+            caches = [cache_eagle_states(target, records, cache_dir, cfg.layers(target.config.num_layers),
+                                         heldout_every=cfg.heldout_every,
+                                         deadline=deadline if state.is_main_process else time.monotonic())]
+            if args.dataset_answers:  # ShareGPT's own answers, read teacher-forced, trained on beside the target's
+                caches.append(cache_answer_states(target, runtime.load_tokenizer(args.target),
+                                                  out / ANSWERS_CACHE_DIR, cfg.layers(target.config.num_layers),
+                                                  args.dataset_answers, args.dataset_answer_tokens,
+                                                  deadline=deadline if state.is_main_process else time.monotonic()))
+        train_eagle(target, caches, cfg, out, deadline=deadline)
     metrics = read_metrics(out)
     held = metrics["heldout"] or {}
     print(json.dumps({"steps": metrics["steps"], "planned_steps": metrics["planned_steps"],

@@ -36,7 +36,7 @@ from distill.config_args import at_least, positive
 from distill.divergence import token_divergence
 from distill.trainer import CheckpointDir, Panel, Task, Trainer, TrainerConfig, series, trainer_field
 from runtime.atomic import atomic_write
-from runtime.outputs import prepare_output_dir
+from runtime.outputs import created_output, prepare_output_dir
 from runtime.qlinear import QuantizedLinear, Sparse24Int4Linear, Sparse24Linear, unpack_24_indices
 
 CHECKPOINT, TRAINER = "checkpoint", "recover_trainer.json"
@@ -101,20 +101,24 @@ def unmask_sparse(model: nn.Module) -> dict[str, MaskedSparse24]:
     """Replace every Sparse24Linear of `model` by a MaskedSparse24 in place; returns them by name.
 
     Fails for other compressed linears (INT4 / INT8 / 2:4 with INT4 values): their codes cannot
-    take gradient updates; recover the 2:4 model first, then quantize it.
+    take gradient updates; recover the 2:4 model first, then quantize it. A model it refuses is left
+    unchanged.
     """
-    found = {}
-    for name, mod in list(model.named_modules()):
+    sparse = []
+    for name, mod in model.named_modules():  # every module checked before the first is replaced
         if isinstance(mod, Sparse24Int4Linear) or (isinstance(mod, QuantizedLinear)
                                                    and not isinstance(mod, Sparse24Linear)):
             raise ValueError(f"{name} is a {type(mod).__name__}: recover trains 2:4 students with 16-bit kept "
                              "values (Sparse24Linear); sparsify without int4_group_size, recover, then quantize")
         if isinstance(mod, Sparse24Linear):
-            found[name] = MaskedSparse24(mod).to(mod.values.device)
-            model.set_submodule(name, found[name])
-    if not found:
+            sparse.append((name, mod))
+    if not sparse:
         raise ValueError("the student has no 2:4-sparse linears; prune it first with "
                          "quant.sparsify_(model, quant.SemiStructured24(...))")
+    found = {}
+    for name, mod in sparse:
+        found[name] = MaskedSparse24(mod).to(mod.values.device)
+        model.set_submodule(name, found[name])
     return found
 
 
@@ -175,14 +179,19 @@ def _trained(student: nn.Module, config: RecoverConfig) -> dict[str, nn.Paramete
     return out
 
 
-def _check_windows(name: str, windows: torch.Tensor | None) -> None:
+def _check_windows(name: str, windows: torch.Tensor | None, vocab_size: int) -> None:
+    """ValueError unless `windows` (None allowed) is a LongTensor (N, T), N >= 1, T >= 2, of ids in [0, vocab_size)."""
     if windows is None:
         return
     if not isinstance(windows, torch.Tensor) or windows.dim() != 2 or windows.dtype != torch.long \
-            or windows.shape[1] < 2:
+            or windows.shape[0] < 1 or windows.shape[1] < 2:
         what = f"{windows.dtype} {tuple(windows.shape)}" if isinstance(windows, torch.Tensor) else type(windows)
-        raise ValueError(f"{name} must be a LongTensor (N, T) of token windows with T >= 2 (quant.calibration_batches "
-                         f"gives them), got {what}")
+        raise ValueError(f"{name} must be a LongTensor (N, T) of token windows with N >= 1 and T >= 2 "
+                         f"(quant.calibration_batches gives them), got {what}")
+    lo, hi = int(windows.min()), int(windows.max())
+    if lo < 0 or hi >= vocab_size:
+        raise ValueError(f"{name} holds token id {lo if lo < 0 else hi}, outside the student's vocabulary "
+                         f"[0, {vocab_size}): windows tokenized for another model?")
 
 
 class RecoverTask(Task):
@@ -257,16 +266,18 @@ def recover(student: nn.Module, teacher: nn.Module, data: torch.Tensor, config: 
     (never trained on). The student keeps its 2:4 structure exactly (module docstring) and its
     dtype; it is in eval mode on return and saves with quant.save_compressed.
     out_dir: new, empty or a recovery directory (resumed from when `resume`); it receives the
-    checkpoints, recovery.png and metrics.json. Without it nothing is written.
+    checkpoints, recovery.png and metrics.json. Without it nothing is written. The models, the
+    windows and `out_dir` are checked before anything is changed or created, and a run that fails
+    before its first checkpoint removes a new `out_dir` again.
     deadline: a time.monotonic() value at which training stops (the final evaluation still runs);
     the cosine decay then follows the time spent (distill.trainer.set_lr).
     Returns the metrics (steps, losses, held-out perplexities, seconds, config).
     """
-    _check_windows("data", data)
-    _check_windows("heldout", heldout)
     if teacher.config.vocab_size != student.config.vocab_size:
         raise ValueError(f"teacher vocabulary {teacher.config.vocab_size} != student vocabulary "
                          f"{student.config.vocab_size}: recover distils a model into its own compressed copy")
+    _check_windows("data", data, student.config.vocab_size)
+    _check_windows("heldout", heldout, student.config.vocab_size)
     if out_dir is not None:
         out_dir = check_recover_dir(out_dir)
     dtype = student.dtype
@@ -274,9 +285,18 @@ def recover(student: nn.Module, teacher: nn.Module, data: torch.Tensor, config: 
     student.float().train()
     teacher.eval().requires_grad_(False)
     task = RecoverTask(student, teacher, _trained(student, config), data, heldout, config)
+    if out_dir is None:
+        return _train(task, config, None, dtype, deadline, resume)
+    with created_output(out_dir):  # a run that fails before its first checkpoint leaves no new directory
+        return _train(task, config, out_dir, dtype, deadline, resume)
+
+
+def _train(task: RecoverTask, config: RecoverConfig, out_dir: Path | None, dtype: torch.dtype,
+           deadline: float | None, resume: bool) -> dict:
+    """`recover`'s training and report for a checked `task`, into `out_dir` (which exists) or
+    nowhere; the student goes back to 2:4 linears in `dtype`. Returns the metrics."""
+    teacher, data, heldout = task.teacher, task.data, task.heldout
     run = Trainer(task, config, out_dir, CheckpointDir(out_dir / CHECKPOINT, TRAINER) if out_dir is not None else None)
-    if out_dir is not None and run.acc.is_main_process:
-        out_dir.mkdir(parents=True, exist_ok=True)
     teacher.to(run.acc.device)
     run.fit(deadline, resume)
     student = run.raw

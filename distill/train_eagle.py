@@ -50,7 +50,8 @@ from distill.config_args import at_least
 from distill.eagle_cache import MANIFEST, EagleSplit, cache_eagle_states, load_split, read_manifest
 from distill.selfdistill import read_records
 from distill.trainer import CheckpointDir, Panel, Task, Trainer, TrainerConfig, running_mean, trainer_field
-from runtime.outputs import prepare_output_dir
+from runtime.model_output import check_aux_layers
+from runtime.outputs import created_output, prepare_output_dir
 from specdec.drafters.eagle.head import Eagle3Config, Eagle3Head, UnrollCache, default_aux_layers
 from specdec.drafters.eagle.io import read_eagle_config, write_eagle_files
 
@@ -296,24 +297,58 @@ def _differences(saved: Eagle3Config, wanted: Eagle3Config) -> str:
     return ", ".join(f"{k} (checkpoint {old[k]!r}, asked {new[k]!r})" for k in new if old[k] != new[k])
 
 
-def _feature_dirs(target, data, config: EagleTrainConfig, out_dir: Path | None, scratch: Path,
-                  deadline: float | None) -> list[Path]:
-    """The feature caches to train on: `data` itself when it is one cache or a list of them, else
-    the records it names (a jsonl path or a list of records) cached into OUT/eagle_cache (or
-    `scratch` without OUT)."""
+def _training_data(target, data, layers: tuple[int, ...]) -> list[Path] | list[dict]:
+    """What `train_eagle` trains on, checked before anything is created: the feature caches `data`
+    names (one directory or a list of them, each read by the target's hidden size and `layers`), or
+    the self-distillation records it holds (a jsonl path or a list of {"id", "prompt_ids",
+    "output_ids"}: at least one, token ids of the target's vocabulary). ValueError / TypeError."""
     if isinstance(data, (list, tuple)) and data and all(isinstance(d, (str, Path)) for d in data):
         missing = [str(d) for d in data if not (Path(d) / MANIFEST).is_file()]
         if missing:
             raise ValueError(f"not EAGLE-3 feature caches (no {MANIFEST}): {missing}")
-        return [Path(d) for d in data]
-    if isinstance(data, (str, Path)) and (Path(data) / MANIFEST).is_file():
-        return [Path(data)]
-    records = read_records(data) if isinstance(data, (str, Path)) else list(data)
-    if not records:
-        raise ValueError(f"no self-distillation records in {data if isinstance(data, (str, Path)) else 'data'}; "
-                         "run `specdec eagle data` first")
+        dirs = [Path(d) for d in data]
+    elif isinstance(data, (str, Path)) and (Path(data) / MANIFEST).is_file():
+        dirs = [Path(data)]
+    elif isinstance(data, (str, Path, list, tuple)):
+        records = read_records(data) if isinstance(data, (str, Path)) else list(data)
+        if not records:
+            raise ValueError(f"no self-distillation records in {data if isinstance(data, (str, Path)) else 'data'}; "
+                             "run `specdec eagle data` first")
+        _check_records(records, target.config.vocab_size)
+        return records
+    else:
+        raise TypeError(f"data must be a feature cache directory, a list of them, a self-distillation jsonl path or "
+                        f"a list of records, got {type(data).__name__}")
+    for d in dirs:
+        manifest = read_manifest(d)
+        if tuple(manifest["aux_layers"]) != layers or manifest["hidden_size"] != target.config.hidden_size:
+            raise ValueError(f"{d} caches aux layers {manifest['aux_layers']} of hidden size "
+                             f"{manifest['hidden_size']}; this head reads layers {list(layers)} of hidden size "
+                             f"{target.config.hidden_size}: use another cache")
+    return dirs
+
+
+def _check_records(records: list, vocab_size: int) -> None:
+    """TypeError / ValueError unless every record has token lists "prompt_ids" and "output_ids" of
+    ids in [0, vocab_size)."""
+    for i, r in enumerate(records):
+        if not (isinstance(r, dict) and all(isinstance(r.get(k), list) for k in ("prompt_ids", "output_ids"))):
+            raise TypeError(f"data record {i} must be a dict with the token lists 'prompt_ids' and 'output_ids' "
+                            f"(distill.selfdistill's records), got {type(r).__name__}")
+        ids = r["prompt_ids"] + r["output_ids"]
+        if not all(isinstance(t, int) for t in ids) or (ids and not 0 <= min(ids) <= max(ids) < vocab_size):
+            raise ValueError(f"data record {i} (id {r.get('id')!r}) holds tokens that are not ids of the target's "
+                             f"vocabulary [0, {vocab_size}): records of another model?")
+
+
+def _feature_dirs(target, data: list[Path] | list[dict], config: EagleTrainConfig, out_dir: Path | None,
+                  scratch: Path, deadline: float | None) -> list[Path]:
+    """The feature caches to train on: `data` itself when it is caches (`_training_data`), else its
+    records cached into OUT/eagle_cache (or `scratch` without OUT)."""
+    if isinstance(data[0], Path):
+        return data
     cache = (out_dir if out_dir is not None else scratch) / CACHE_DIR
-    return [cache_eagle_states(target, records, cache, config.layers(target.config.num_layers),
+    return [cache_eagle_states(target, data, cache, config.layers(target.config.num_layers),
                                heldout_every=config.heldout_every, deadline=deadline)]
 
 
@@ -394,15 +429,29 @@ def train_eagle(target, data, config: EagleTrainConfig = EagleTrainConfig(), out
     others' held-out records are not read: cache them with heldout_every=0, as the recipes do).
     out_dir: new, empty or an EAGLE-3 training directory (TRAIN_MARKERS; else OutputPathError); it
     receives the checkpoints (resumed from when `resume`), the head (specdec.load_eagle(out_dir,
-    target)), loss.png and metrics.json. Without it nothing is saved. deadline: a time.monotonic()
-    value at which caching and training stop early (held-out evaluation and saving still run); see
-    distill.trainer.Trainer.fit.
+    target)), loss.png and metrics.json. Without it nothing is saved. `data`, the aux layers and
+    `out_dir` are checked before `out_dir` is created (ValueError / TypeError / OutputPathError), and
+    a run that fails before it cached or checkpointed anything removes a new `out_dir` again.
+    deadline: a time.monotonic() value at which caching and training stop early (held-out
+    evaluation and saving still run); see distill.trainer.Trainer.fit.
     """
-    from accelerate import PartialState
-
     if out_dir is not None:
         out_dir = check_train_dir(out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
+    layers = check_aux_layers(config.layers(target.config.num_layers), target.config.num_layers)
+    data = _training_data(target, data, layers)
+    if out_dir is None:
+        return _train(target, data, config, None, layers, deadline, resume)
+    # a run that fails before a result (a checkpoint, cached features) leaves no new directory; an empty
+    # cache (the deadline came before its first record) is no result
+    with created_output(out_dir, own=(f"{CACHE_DIR}/{MANIFEST}",)):
+        return _train(target, data, config, out_dir, layers, deadline, resume)
+
+
+def _train(target, data: list[Path] | list[dict], config: EagleTrainConfig, out_dir: Path | None,
+           layers: tuple[int, int, int], deadline: float | None, resume: bool) -> Eagle3Head:
+    """`train_eagle` on checked data (`_training_data`), into `out_dir` (which exists) or nowhere."""
+    from accelerate import PartialState
+
     state = PartialState(cpu=target.device.type == "cpu")  # as the Accelerator below will ask
     with tempfile.TemporaryDirectory(prefix="eagle-features-") as scratch, state.main_process_first():
         # several processes: the main one fills OUT/eagle_cache, the others then only read it
@@ -410,13 +459,7 @@ def train_eagle(target, data, config: EagleTrainConfig = EagleTrainConfig(), out
         reader = not state.is_main_process and out_dir is not None
         data_dirs = _feature_dirs(target, data, config, out_dir, Path(scratch),
                                   time.monotonic() if reader else deadline)
-        layers = config.layers(target.config.num_layers)
         manifests = [read_manifest(d) for d in data_dirs]
-        for data_dir, manifest in zip(data_dirs, manifests):
-            if tuple(manifest["aux_layers"]) != layers or manifest["hidden_size"] != target.config.hidden_size:
-                raise ValueError(f"{data_dir} caches aux layers {manifest['aux_layers']} of hidden size "
-                                 f"{manifest['hidden_size']}; this head reads layers {list(layers)} of hidden size "
-                                 f"{target.config.hidden_size}: use another cache")
         # an extra cache a deadline stopped before its first shard adds nothing (the first one must hold records)
         splits = [load_split(d, "train") for i, (d, m) in enumerate(zip(data_dirs, manifests))
                   if i == 0 or m["shards"]["train"]]

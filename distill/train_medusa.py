@@ -31,7 +31,7 @@ from distill.accel import Forward, count_weights, local_part
 from distill.config_args import at_least
 from distill.trainer import CheckpointDir, Task, Trainer, TrainerConfig, trainer_field
 from runtime.atomic import atomic_write
-from runtime.outputs import prepare_manifest_dir, prepare_output_dir
+from runtime.outputs import created_output, prepare_manifest_dir, prepare_output_dir
 from runtime.progress import progress
 from specdec.drafters.medusa.heads import DEFAULT_TREE_NODES, MedusaHeads, choose_tree
 from specdec.drafters.medusa.io import CONFIG, save_medusa
@@ -202,8 +202,12 @@ def cache_hidden_states(model, records: list[dict], out_dir: str | Path, num_hea
 def load_cached(data_dir: str | Path, split: str, num_heads: int,
                 hidden: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
     """All shards of one split: hidden (N, C) and targets (N, num_heads); each record's positions
-    are consecutive rows, in order. hidden=False reads the targets only (hidden is then None)."""
+    are consecutive rows, in order. hidden=False reads the targets only (hidden is then None).
+    ValueError when `data_dir` is not a hidden-state cache or holds no positions of `split`."""
     data_dir = Path(data_dir)
+    if not (data_dir / MANIFEST).is_file():
+        raise ValueError(f"{data_dir} is not a {CACHE} (no {MANIFEST}); build one with `specdec medusa data` "
+                         "(distill.cache_hidden_states)")
     manifest = json.loads((data_dir / MANIFEST).read_text())
     if manifest["num_heads"] < num_heads:
         raise ValueError(f"{data_dir} holds targets for {manifest['num_heads']} heads, {num_heads} "
@@ -428,7 +432,9 @@ def train_medusa(heads: MedusaHeads, data_dir: str | Path, out_dir: str | Path,
 
     Writes to `out_dir`: the heads (distill.save_medusa; their tree built from the held-out
     accuracy), `checkpoint/` (resumed from when `resume`), `loss.png` and `metrics.json`.
-    `out_dir` must be new, empty or a Medusa training directory (TRAIN_MARKERS), else OutputPathError.
+    `out_dir` must be new, empty or a Medusa training directory (TRAIN_MARKERS), else OutputPathError;
+    `data_dir` must be a cache of these heads' model, else ValueError: both are checked before `out_dir`
+    is created, and a run that fails before its first checkpoint removes it again.
     deadline: a time.monotonic() value at which training stops early (evaluation still runs); the
     cosine decay then follows the time spent (distill.trainer.set_lr). Training starts from the
     heads' whole vocabulary; with vocab="data" the trained heads guess among the training answers'
@@ -436,10 +442,29 @@ def train_medusa(heads: MedusaHeads, data_dir: str | Path, out_dir: str | Path,
     Returns the metrics: per-head top-1 / top-k accuracy, the accuracy table, the tree, losses.
     """
     out_dir = check_train_dir(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     K = heads.num_heads
-    hidden, targets = load_cached(data_dir, "train", K)
+    hidden, targets = load_cached(data_dir, "train", K)  # the data is checked before `out_dir` is created
     hidden_ho, targets_ho = load_cached(data_dir, "heldout", K)
+    _check_cache_fits(heads, data_dir, hidden, torch.cat([targets, targets_ho]))
+    with created_output(out_dir):  # a run that fails before its first checkpoint leaves no new directory
+        return _train(heads, hidden, targets, hidden_ho, targets_ho, out_dir, config, deadline, resume)
+
+
+def _check_cache_fits(heads: MedusaHeads, data_dir: str | Path, hidden: torch.Tensor, targets: torch.Tensor) -> None:
+    """ValueError unless the cached states have the heads' hidden size and the targets are token ids
+    of the heads' vocabulary (a cache of another model)."""
+    C, V = heads.config.hidden_size, heads.config.vocab_size
+    ids = targets[targets != IGNORE]
+    if hidden.shape[1] != C or (ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < V):
+        raise ValueError(f"{data_dir} caches hidden size {hidden.shape[1]} and token ids up to "
+                         f"{int(ids.max()) if ids.numel() else None}; these heads read hidden size {C} and score "
+                         f"{V} tokens: the cache belongs to another model, use one built for this model")
+
+
+def _train(heads: MedusaHeads, hidden: torch.Tensor, targets: torch.Tensor, hidden_ho: torch.Tensor,
+           targets_ho: torch.Tensor, out_dir: Path, config: MedusaTrainConfig, deadline: float | None,
+           resume: bool) -> dict:
+    """`train_medusa` on loaded, checked data, into `out_dir` (which exists)."""
     heads.restrict_vocab(None)  # which tokens the heads guess among is decided by this training
     heads.requires_grad_(True)
     vocab = None

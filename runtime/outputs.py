@@ -17,7 +17,8 @@ Every refusal is an `OutputPathError` (a `SpecdecError` and a `ValueError`) whos
 the path and what to do. `output_lock` keeps two jobs out of one directory at once. What a writer
 creates gets the umask's modes (runtime.atomic.apply_umask), so other users read an output as they
 would a file the user made; directories a failed write created are removed again (`make_dirs`,
-`remove_dirs`).
+`remove_dirs`), and a run that fails before it wrote a result leaves its output path as it found it
+(`created_output`).
 """
 
 from __future__ import annotations
@@ -107,6 +108,50 @@ def remove_dirs(created: Sequence[Path]) -> None:
             d.rmdir()
         except OSError:
             return
+
+
+@contextmanager
+def created_output(path: str | Path, own: Sequence[str] = ()) -> Iterator[Path]:
+    """Create directory `path` (and its missing parents) for a run that writes into it, and when the
+    run fails (an exception, Ctrl-C included) before it wrote a result, put `path` back as it was.
+
+    "Before a result": `path` was new or empty and now holds nothing but the files `own` names
+    (paths relative to `path` of files that mean nothing without a result, e.g. an evaluation's
+    run.json) and empty directories. Those files and directories are removed, then the directories
+    this call created, so a refused run leaves no trace. Anything else under `path` (a checkpoint,
+    cached features, a record, a file someone else put there) keeps the whole directory as it is,
+    for a resumed run to go on from; a directory that held something before the call is never
+    changed. Call it after the arguments are checked (`prepare_output_dir`): it creates `path`.
+    """
+    path = Path(path).expanduser()
+    fresh = not path.exists() or (path.is_dir() and not _entries(path))
+    created = make_dirs(path)
+    try:
+        yield path
+    except BaseException:
+        if fresh:
+            _remove_own(path, set(own))
+            remove_dirs(created)
+        raise
+
+
+def _remove_own(path: Path, own: set[str]) -> None:
+    """Remove the files `own` names under `path` and the directories below it, but only when that is
+    everything `path` holds (a link, or any other file, leaves it all in place). Never raises: it runs
+    while the run's own error propagates."""
+    files, dirs = [], []
+    for top, subdirs, names in os.walk(path):
+        dirs += [Path(top) / d for d in subdirs]
+        files += [Path(top) / n for n in names]
+    if any(d.is_symlink() for d in dirs) or any(f.relative_to(path).as_posix() not in own for f in files):
+        return
+    try:
+        for f in files:
+            f.unlink()
+        for d in reversed(dirs):  # os.walk lists a directory before the ones inside it
+            d.rmdir()
+    except OSError:  # something appeared or went meanwhile: what is left stays, and the run's own error is raised
+        return
 
 
 def prepare_manifest_dir(path: str | Path, manifest: str, what: str, accepts: Callable[[dict], bool],

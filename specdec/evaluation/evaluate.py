@@ -51,6 +51,7 @@ report.md), and a resumed run does not try it again.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -70,7 +71,7 @@ from runtime.atomic import atomic_write_text
 from runtime.errors import ContextLengthError, SpecdecError
 from runtime.invariant import unsupported_reason
 from runtime.loading import WEIGHTS, resolve_weights
-from runtime.outputs import output_lock, prepare_output_dir
+from runtime.outputs import created_output, output_lock, prepare_output_dir
 from runtime.progress import progress as progress_bar
 from specdec.drafters.draft_vocab import ALIGN as DRAFT_VOCAB_ALIGN
 from specdec.drafters.spec import DRAFT_LENGTH, DRAFTERS, GRAMMAR, DrafterLoader, DrafterSpec
@@ -564,17 +565,13 @@ def run_eval(cfg: EvalConfig, command: str | None = None, progress: bool = True)
     """Run (or resume) an evaluation; writes the files in `cfg.out` and returns the report dict.
 
     Fails at once (runtime.outputs.OutputPathError) when `cfg.out` is a file, a directory that
-    holds no evaluation run, or the directory of a run still going on (its lock)."""
+    holds no evaluation run, or the directory of a run still going on (its lock). A run that fails
+    before its first generations line (bad input, a model that raises) leaves a new or empty
+    `cfg.out` as it was: its run.json goes again (`created_output`); once a line is written the
+    directory stays, to be resumed."""
     out = check_out_dir(cfg.out, cfg.overwrite)
-    created = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
-    try:
-        with output_lock(out, "specdec eval"):
-            return _run_locked(cfg, out, command, progress)
-    except BaseException:
-        if created and not any(out.iterdir()):
-            out.rmdir()  # bad input found before anything was written: leave no empty directory behind
-        raise
+    with created_output(out, own=(RUN_FILE,)), output_lock(out, "specdec eval"):
+        return _run_locked(cfg, out, command, progress)
 
 
 def _run_locked(cfg: EvalConfig, out: Path, command: str | None, progress: bool) -> dict:
@@ -619,15 +616,17 @@ def _run_locked(cfg: EvalConfig, out: Path, command: str | None, progress: bool)
 def _generate_all(runner: Runner, cfg: EvalConfig, specs: list[MethodSpec], prompts: list[Prompt],
                   todo: list[tuple[Prompt, MethodSpec]], skipped: set[str], path: Path, digest: str,
                   progress: bool) -> None:
-    """Warm every pending method up, then decode `todo` prompt-major, appending each line to `path`."""
+    """Warm every pending method up, then decode `todo` prompt-major, appending each line to `path`
+    (opened with the first line: a run that fails before it creates no empty file)."""
     runner.calibration = [p for p in prompts if p.id not in skipped]
     pending = {s.name for _, s in todo}
     for spec in specs:  # warm-up: untimed, unrecorded generations on the first prompt that fits
         if spec.name in pending:
             for _ in range(cfg.warmup):
                 _warm_up(runner, spec, [p for p in prompts if p.id not in skipped])
-    with path.open("a", encoding="utf-8") as fh, \
-            progress_bar(total=len(todo), desc="eval", unit="gen", disable=not progress) as bar:
+    with contextlib.ExitStack() as stack:
+        bar = stack.enter_context(progress_bar(total=len(todo), desc="eval", unit="gen", disable=not progress))
+        fh = None
         for prompt, spec in todo:  # prompt-major: all methods on prompt 1, then prompt 2, ...
             bar.set_postfix_str(f"{prompt.id} {spec.name}", refresh=False)
             if prompt.id in skipped:  # an earlier method found it too long
@@ -640,6 +639,8 @@ def _generate_all(runner: Runner, cfg: EvalConfig, specs: list[MethodSpec], prom
                 rec = {"id": prompt.id, "category": prompt.category, "method": spec.name, "skipped": str(err)}
                 bar.write(f"specdec eval: skipping prompt {prompt.id}: {err}", file=sys.stderr)
             rec["settings_hash"] = digest
+            if fh is None:
+                fh = stack.enter_context(path.open("a", encoding="utf-8"))
             fh.write(json.dumps(rec) + "\n")
             fh.flush()
             bar.update()

@@ -2,6 +2,7 @@
 
 import argparse
 import copy
+import importlib
 import json
 
 import pytest
@@ -13,7 +14,7 @@ import runtime
 from distill.config_args import dataclass_from_args
 from distill.recover import MaskedSparse24, RecoverConfig, kd_loss, window_perplexity
 from distill.recover_command import add_recover_parser, cmd_recover
-from runtime.qlinear import Sparse24Linear, unpack_24_indices
+from runtime.qlinear import Int8Linear, Sparse24Linear, unpack_24_indices
 from runtime.tiny import tiny_model
 
 CFG = dict(steps=40, batch_size=8, micro_batch=4, lr=1e-2, warmup_steps=2, eval_every=10, checkpoint_every=10,
@@ -161,6 +162,47 @@ def test_recover_refuses_bad_input(teacher):
         distill.recover(_student(teacher), teacher, torch.zeros(4, 8), RecoverConfig(**CFG))
     with pytest.raises(ValueError, match="RecoverConfig.micro_batch"):
         RecoverConfig(micro_batch=0)
+
+
+def _tree(root) -> dict[str, bytes | None]:
+    """Every path under `root` with its bytes (None for a directory): a snapshot to compare."""
+    return {str(p.relative_to(root)): None if p.is_dir() else p.read_bytes() for p in sorted(root.rglob("*"))}
+
+
+def test_a_refused_or_failed_recovery_leaves_no_output_directory_and_the_student_as_it_was(teacher, tmp_path,
+                                                                                          monkeypatch):
+    (tmp_path / "empty").mkdir()
+    before = _tree(tmp_path)
+    cfg = RecoverConfig(**CFG)
+    student = _student(teacher)
+    mixed = _student(teacher)  # its last sparse linear an INT8 one: refused before any module is replaced
+    last = list(_sparse(mixed))[-1]
+    out_f, in_f = mixed.get_submodule(last).out_features, mixed.get_submodule(last).in_features
+    mixed.set_submodule(last, Int8Linear(torch.zeros(out_f, in_f, dtype=torch.int8), torch.ones(out_f)))
+    outside = _windows(4, 0)
+    outside[2, 5] = 128
+    for where in (tmp_path / "new" / "out", tmp_path / "empty"):
+        for model, data, heldout, message in [
+                (student, outside, None,
+                 "data holds token id 128, outside the student's vocabulary [0, 128)"),
+                (student, _windows(4, 0), _windows(2, 1) - 200, "heldout holds token id -"),
+                (student, _windows(4, 0)[:0], None, "data must be a LongTensor (N, T) of token windows with N >= 1"),
+                (mixed, _windows(4, 0), None, f"{last} is a Int8Linear")]:
+            with pytest.raises(ValueError) as err:
+                distill.recover(model, teacher, data, cfg, where, heldout=heldout)
+            assert str(err.value).startswith(message)
+        assert _tree(tmp_path) == before
+    assert not any(isinstance(m, MaskedSparse24) for m in [*student.modules(), *mixed.modules()])
+    rc = importlib.import_module("distill.recover")
+
+    def failing(*args, **kwargs):  # the first batch fails (out of memory, say)
+        raise RuntimeError("first batch failed")
+
+    monkeypatch.setattr(rc, "kd_loss", failing)
+    for where in (tmp_path / "new" / "out", tmp_path / "empty"):
+        with pytest.raises(RuntimeError, match="^first batch failed$"):
+            distill.recover(_student(teacher), teacher, _windows(8, 0), cfg, where)
+        assert _tree(tmp_path) == before
 
 
 def test_recover_command_flags_are_the_configs():

@@ -312,6 +312,47 @@ def test_training_refuses_a_directory_specdec_did_not_write(target, features, tm
     assert sorted(p.name for p in (tmp_path / "home").iterdir()) == ["notes.txt"]
 
 
+def _tree(root) -> dict[str, bytes | None]:
+    """Every path under `root` with its bytes (None for a directory): a snapshot to compare."""
+    return {str(p.relative_to(root)): None if p.is_dir() else p.read_bytes() for p in sorted(root.rglob("*"))}
+
+
+def test_a_refused_or_failed_training_leaves_no_output_directory(target, records, features, tmp_path, monkeypatch):
+    cfg = EagleTrainConfig(epochs=1, **FAST)
+    other = cache_eagle_states(target, records[:6], tmp_path / "other", (0, 1, 2), heldout_every=5)
+    (tmp_path / "empty").mkdir()
+    before = _tree(tmp_path)
+    out = tmp_path / "new" / "out"
+    bad = [{"id": "x", "prompt_ids": [1, 2], "output_ids": [3, V]}]
+    for data, config, error, message in [
+            (42, cfg, TypeError, "data must be a feature cache directory"),
+            ([], cfg, ValueError, "no self-distillation records in data"),
+            (tmp_path / "none.jsonl", cfg, ValueError, "no self-distillation records in "),
+            (bad, cfg, ValueError, "data record 0 (id 'x') holds tokens that are not ids of the target's"),
+            ([{"id": 0}], cfg, TypeError, "data record 0 must be a dict with the token lists"),
+            (records, EagleTrainConfig(**{**FAST, "aux_layers": "1,2,9"}), ValueError, "aux_layers must be"),
+            (other, cfg, ValueError, f"{other} caches aux layers [0, 1, 2] of hidden size 64; this head reads"),
+            (records, cfg, ValueError, f"{out / 'eagle_cache'} has no train records")]:  # the deadline has passed
+        for where in (out, tmp_path / "empty"):
+            with pytest.raises(error) as err:
+                distill.train_eagle(target, data, config, where, deadline=0.0)
+            assert str(err.value).startswith(message.replace("new/out", where.relative_to(tmp_path).as_posix()))
+            assert _tree(tmp_path) == before
+    te = importlib.import_module("distill.train_eagle")
+
+    def failing(*args, **kwargs):  # the first batch fails (out of memory, say)
+        raise RuntimeError("first batch failed")
+
+    monkeypatch.setattr(te, "ttt_loss", failing)
+    for where in (out, tmp_path / "empty"):
+        with pytest.raises(RuntimeError, match="^first batch failed$"):
+            distill.train_eagle(target, features, cfg, where)
+        assert _tree(tmp_path) == before
+    with pytest.raises(RuntimeError, match="^first batch failed$"):  # features cached first: kept, to resume from
+        distill.train_eagle(target, records[:10], cfg, out)
+    assert {"eagle_cache/manifest.json", "eagle_cache/train"} <= set(_tree(out))
+
+
 def test_the_eagle_commands_explain_themselves(capsys):
     from specdec.cli import main
 
@@ -374,6 +415,28 @@ def test_eagle_train_end_to_end_on_a_tiny_checkpoint(records, tmp_path, capsys, 
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["steps"] == summary["steps"]
     assert main(argv[:-2] + ["--aux-layers", "0,1,2"]) == 2  # the cache holds other layers
     assert "aux layers" in capsys.readouterr().err
+
+
+def test_eagle_train_out_of_time_before_its_first_record_leaves_no_empty_cache(records, tmp_path, capsys,
+                                                                              monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    from runtime.tiny import tiny_hf_config
+    from specdec.cli import main
+
+    monkeypatch.delenv("SPECDEC_DEBUG", raising=False)
+    AutoModelForCausalLM.from_config(tiny_hf_config(num_hidden_layers=4)).save_pretrained(tmp_path / "tiny")
+    data = tmp_path / "records.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records[:6]))
+    before = _tree(tmp_path)
+    argv = ["eagle", "train", "--target", str(tmp_path / "tiny"), "--dtype", "float32", "--data", str(data),
+            "--aux-layers", "1,2,3", "--max-minutes", "1e-9"]
+    for extra, cache in [([], tmp_path / "new" / "head" / "eagle_cache"),
+                         (["--cache", str(tmp_path / "features")], tmp_path / "features")]:
+        assert main([*argv, "--out", str(tmp_path / "new" / "head"), *extra]) == 2
+        last = capsys.readouterr().err.strip().splitlines()[-1]  # after the progress bars
+        assert last.startswith(f"specdec eagle train: error: {cache} has no train records")
+        assert _tree(tmp_path) == before
 
 
 def test_eagle_train_reads_dataset_answers_beside_the_targets_own(records, word_tokenizer, tmp_path, capsys,

