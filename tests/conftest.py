@@ -18,6 +18,18 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def tree_snapshot(root: Path) -> dict[str, bytes | None]:
+    """Every path under `root` with its bytes (None for a directory), in sorted order."""
+    return {str(p.relative_to(root)): None if p.is_dir() else p.read_bytes() for p in sorted(Path(root).rglob("*"))}
+
+
+@pytest.fixture
+def snapshot():
+    """`snapshot(root)`: the tree under `root` (tree_snapshot), to check a refused or failed call left
+    it as it was."""
+    return tree_snapshot
+
+
 def _bf16_exact(t: torch.Tensor) -> torch.Tensor:
     """Round to bfloat16 and back: such values survive a bf16 checkpoint unchanged."""
     return t.to(torch.bfloat16).to(torch.float32)

@@ -49,10 +49,6 @@ def checkpoints(tmp_path_factory, tiny_llama, tiny_qwen2, gguf_writer):
             "nan": nan, "other_vocab": root / "other_vocab", "root": root}
 
 
-def _snapshot(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
-
-
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "SPECDEC_DEBUG"}
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
@@ -103,13 +99,13 @@ NESTED = ("eagle", "medusa", "distill")  # commands whose error line names their
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_bad_input_through_the_cli_is_one_line_and_changes_nothing(checkpoints, tmp_path, case):
+def test_bad_input_through_the_cli_is_one_line_and_changes_nothing(checkpoints, tmp_path, case, snapshot):
     argv, start = CASES[case]
     paths = {k: str(v) for k, v in checkpoints.items()}
     user = checkpoints["root"] / "user"
     user.mkdir(exist_ok=True)
     (user / "notes.txt").write_text("the user's own file\n")
-    before = _snapshot(checkpoints["root"])
+    before = snapshot(checkpoints["root"])
     result = _cli(*[a.format(**paths) for a in argv], cwd=REPO)
     command = " ".join(argv[:2]) if argv[0] in NESTED else argv[0]
     assert result.returncode == 2, result.stderr[-2000:]
@@ -117,7 +113,7 @@ def test_bad_input_through_the_cli_is_one_line_and_changes_nothing(checkpoints, 
     errors = [line for line in result.stderr.splitlines() if line.startswith(f"specdec {command}: error: ")]
     assert len(errors) == 1, result.stderr[-2000:]
     assert errors[0].startswith(f"specdec {command}: error: {start.format(**paths)}"), errors[0]
-    after = _snapshot(checkpoints["root"])
+    after = snapshot(checkpoints["root"])
     assert after == before  # nothing was written, moved or deleted (the cache lives elsewhere)
 
 
@@ -153,13 +149,13 @@ def _head(model) -> specdec.Eagle3Head:
 
 
 @pytest.mark.parametrize("case", list(API_CASES))
-def test_bad_input_through_the_api_names_it_in_one_line_and_changes_nothing(checkpoints, case):
+def test_bad_input_through_the_api_names_it_in_one_line_and_changes_nothing(checkpoints, case, snapshot):
     call, kind, start = API_CASES[case]
     paths = {k: str(v) for k, v in checkpoints.items()}
     model = runtime.load_model(checkpoints["good"], dtype=torch.float32)
-    before = _snapshot(checkpoints["root"])
+    before = snapshot(checkpoints["root"])
     with pytest.raises(kind) as err:
         call(model, paths)
     text = str(err.value)
     assert len(text.splitlines()) == 1 and text.startswith(start.format(**paths)), text
-    assert _snapshot(checkpoints["root"]) == before
+    assert snapshot(checkpoints["root"]) == before

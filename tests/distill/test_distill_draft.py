@@ -173,15 +173,10 @@ def test_bad_inputs_are_refused():
         DistillConfig(divergence="kl")
 
 
-def _tree(root: Path) -> dict[str, bytes | None]:
-    """Every path under `root` with its bytes (None for a directory): a snapshot to compare."""
-    return {str(p.relative_to(root)): None if p.is_dir() else p.read_bytes() for p in sorted(root.rglob("*"))}
-
-
-def test_a_refused_or_failed_distillation_leaves_no_output_directory(tmp_path, monkeypatch):
+def test_a_refused_or_failed_distillation_leaves_no_output_directory(tmp_path, monkeypatch, snapshot):
     target = tiny_model("llama", seed=0)
     (tmp_path / "empty").mkdir()
-    before = _tree(tmp_path)
+    before = snapshot(tmp_path)
     cfg = DistillConfig(steps=2, **FAST)
     for where in (tmp_path / "new" / "out", tmp_path / "empty"):
         for prompts, heldout, message in [([[5, 6], [7, 128]], None, "prompts[1] holds token id 128, outside the "
@@ -192,7 +187,7 @@ def test_a_refused_or_failed_distillation_leaves_no_output_directory(tmp_path, m
             with pytest.raises(ValueError) as err:
                 distill_draft(target, tiny_model("llama", seed=1), prompts, cfg, where, heldout=heldout)
             assert str(err.value).startswith(message)
-        assert _tree(tmp_path) == before
+        assert snapshot(tmp_path) == before
     dd = importlib.import_module("distill.draft")
 
     def failing(*args, **kwargs):  # the first batch fails (out of memory, say)
@@ -202,7 +197,7 @@ def test_a_refused_or_failed_distillation_leaves_no_output_directory(tmp_path, m
     for where in (tmp_path / "new" / "out", tmp_path / "empty"):
         with pytest.raises(RuntimeError, match="^first batch failed$"):
             distill_draft(target, tiny_model("llama", seed=1), _prompts(4), cfg, where)
-        assert _tree(tmp_path) == before
+        assert snapshot(tmp_path) == before
 
 
 _TWO_PROCESS_SCRIPT = """

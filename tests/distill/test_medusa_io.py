@@ -97,22 +97,18 @@ def test_load_refuses_weights_that_disagree_with_the_config(tiny_model, tmp_path
         distill.load_medusa(tmp_path, tiny_model)
 
 
-def _snapshot(root) -> dict:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-def test_save_writes_only_where_heads_may_go_and_replaces_heads_only_on_request(tiny_model, tmp_path):
+def test_save_writes_only_where_heads_may_go_and_replaces_heads_only_on_request(tiny_model, tmp_path, snapshot):
     heads = distill.attach_medusa(tiny_model, num_heads=2)
     (tmp_path / "file").write_text("mine")
     (tmp_path / "home").mkdir()
     (tmp_path / "home" / "notes.txt").write_text("keep me")
-    before = _snapshot(tmp_path)
+    before = snapshot(tmp_path)
     for overwrite in (False, True):
         with pytest.raises(OutputPathError, match="file exists and is not a directory"):
             distill.save_medusa(heads, tmp_path / "file", overwrite=overwrite)
         with pytest.raises(OutputPathError, match="home is a non-empty directory that specdec did not write"):
             distill.save_medusa(heads, tmp_path / "home", overwrite=overwrite)
-    assert _snapshot(tmp_path) == before
+    assert snapshot(tmp_path) == before
     distill.save_medusa(heads, tmp_path / "h")
     with pytest.raises(OutputPathError, match=r"h already holds a Medusa heads directory.*--overwrite"):
         distill.save_medusa(heads, tmp_path / "h")

@@ -164,15 +164,10 @@ def test_recover_refuses_bad_input(teacher):
         RecoverConfig(micro_batch=0)
 
 
-def _tree(root) -> dict[str, bytes | None]:
-    """Every path under `root` with its bytes (None for a directory): a snapshot to compare."""
-    return {str(p.relative_to(root)): None if p.is_dir() else p.read_bytes() for p in sorted(root.rglob("*"))}
-
-
 def test_a_refused_or_failed_recovery_leaves_no_output_directory_and_the_student_as_it_was(teacher, tmp_path,
-                                                                                          monkeypatch):
+                                                                                          monkeypatch, snapshot):
     (tmp_path / "empty").mkdir()
-    before = _tree(tmp_path)
+    before = snapshot(tmp_path)
     cfg = RecoverConfig(**CFG)
     student = _student(teacher)
     mixed = _student(teacher)  # its last sparse linear an INT8 one: refused before any module is replaced
@@ -191,7 +186,7 @@ def test_a_refused_or_failed_recovery_leaves_no_output_directory_and_the_student
             with pytest.raises(ValueError) as err:
                 distill.recover(model, teacher, data, cfg, where, heldout=heldout)
             assert str(err.value).startswith(message)
-        assert _tree(tmp_path) == before
+        assert snapshot(tmp_path) == before
     assert not any(isinstance(m, MaskedSparse24) for m in [*student.modules(), *mixed.modules()])
     rc = importlib.import_module("distill.recover")
 
@@ -202,7 +197,7 @@ def test_a_refused_or_failed_recovery_leaves_no_output_directory_and_the_student
     for where in (tmp_path / "new" / "out", tmp_path / "empty"):
         with pytest.raises(RuntimeError, match="^first batch failed$"):
             distill.recover(_student(teacher), teacher, _windows(8, 0), cfg, where)
-        assert _tree(tmp_path) == before
+        assert snapshot(tmp_path) == before
 
 
 def test_recover_command_flags_are_the_configs():

@@ -312,16 +312,12 @@ def test_training_refuses_a_directory_specdec_did_not_write(target, features, tm
     assert sorted(p.name for p in (tmp_path / "home").iterdir()) == ["notes.txt"]
 
 
-def _tree(root) -> dict[str, bytes | None]:
-    """Every path under `root` with its bytes (None for a directory): a snapshot to compare."""
-    return {str(p.relative_to(root)): None if p.is_dir() else p.read_bytes() for p in sorted(root.rglob("*"))}
-
-
-def test_a_refused_or_failed_training_leaves_no_output_directory(target, records, features, tmp_path, monkeypatch):
+def test_a_refused_or_failed_training_leaves_no_output_directory(target, records, features, tmp_path, monkeypatch,
+                                                                 snapshot):
     cfg = EagleTrainConfig(epochs=1, **FAST)
     other = cache_eagle_states(target, records[:6], tmp_path / "other", (0, 1, 2), heldout_every=5)
     (tmp_path / "empty").mkdir()
-    before = _tree(tmp_path)
+    before = snapshot(tmp_path)
     out = tmp_path / "new" / "out"
     bad = [{"id": "x", "prompt_ids": [1, 2], "output_ids": [3, V]}]
     for data, config, error, message in [
@@ -337,7 +333,7 @@ def test_a_refused_or_failed_training_leaves_no_output_directory(target, records
             with pytest.raises(error) as err:
                 distill.train_eagle(target, data, config, where, deadline=0.0)
             assert str(err.value).startswith(message.replace("new/out", where.relative_to(tmp_path).as_posix()))
-            assert _tree(tmp_path) == before
+            assert snapshot(tmp_path) == before
     te = importlib.import_module("distill.train_eagle")
 
     def failing(*args, **kwargs):  # the first batch fails (out of memory, say)
@@ -347,10 +343,10 @@ def test_a_refused_or_failed_training_leaves_no_output_directory(target, records
     for where in (out, tmp_path / "empty"):
         with pytest.raises(RuntimeError, match="^first batch failed$"):
             distill.train_eagle(target, features, cfg, where)
-        assert _tree(tmp_path) == before
+        assert snapshot(tmp_path) == before
     with pytest.raises(RuntimeError, match="^first batch failed$"):  # features cached first: kept, to resume from
         distill.train_eagle(target, records[:10], cfg, out)
-    assert {"eagle_cache/manifest.json", "eagle_cache/train"} <= set(_tree(out))
+    assert {"eagle_cache/manifest.json", "eagle_cache/train"} <= set(snapshot(out))
 
 
 def test_the_eagle_commands_explain_themselves(capsys):
@@ -418,7 +414,7 @@ def test_eagle_train_end_to_end_on_a_tiny_checkpoint(records, tmp_path, capsys, 
 
 
 def test_eagle_train_out_of_time_before_its_first_record_leaves_no_empty_cache(records, tmp_path, capsys,
-                                                                              monkeypatch):
+                                                                              monkeypatch, snapshot):
     from transformers import AutoModelForCausalLM
 
     from runtime.tiny import tiny_hf_config
@@ -428,7 +424,7 @@ def test_eagle_train_out_of_time_before_its_first_record_leaves_no_empty_cache(r
     AutoModelForCausalLM.from_config(tiny_hf_config(num_hidden_layers=4)).save_pretrained(tmp_path / "tiny")
     data = tmp_path / "records.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in records[:6]))
-    before = _tree(tmp_path)
+    before = snapshot(tmp_path)
     argv = ["eagle", "train", "--target", str(tmp_path / "tiny"), "--dtype", "float32", "--data", str(data),
             "--aux-layers", "1,2,3", "--max-minutes", "1e-9"]
     for extra, cache in [([], tmp_path / "new" / "head" / "eagle_cache"),
@@ -436,7 +432,7 @@ def test_eagle_train_out_of_time_before_its_first_record_leaves_no_empty_cache(r
         assert main([*argv, "--out", str(tmp_path / "new" / "head"), *extra]) == 2
         last = capsys.readouterr().err.strip().splitlines()[-1]  # after the progress bars
         assert last.startswith(f"specdec eagle train: error: {cache} has no train records")
-        assert _tree(tmp_path) == before
+        assert snapshot(tmp_path) == before
 
 
 def test_eagle_train_reads_dataset_answers_beside_the_targets_own(records, word_tokenizer, tmp_path, capsys,

@@ -251,17 +251,12 @@ def test_training_refuses_a_directory_specdec_did_not_write_before_any_work(tiny
     assert (tmp_path / "file").read_text() == "mine"
 
 
-def _tree(root) -> dict[str, bytes | None]:
-    """Every path under `root` with its bytes (None for a directory): a snapshot to compare."""
-    return {str(p.relative_to(root)): None if p.is_dir() else p.read_bytes() for p in sorted(root.rglob("*"))}
-
-
-def test_a_refused_or_failed_training_leaves_no_output_directory(tiny_model, records, tmp_path, monkeypatch):
+def test_a_refused_or_failed_training_leaves_no_output_directory(tiny_model, records, tmp_path, monkeypatch, snapshot):
     from runtime.tiny import tiny_model as random_model
 
     data = cache_hidden_states(tiny_model, records[:10], tmp_path / "cache", num_heads=1, heldout_every=5)
     (tmp_path / "empty").mkdir()
-    before = _tree(tmp_path)
+    before = snapshot(tmp_path)
     heads = distill.attach_medusa(tiny_model, num_heads=1)
     cfg = MedusaTrainConfig(epochs=1, batch_size=64, mixed_precision="no")
     with pytest.raises(ValueError, match="^.*no-cache is not a hidden-state cache"):
@@ -270,7 +265,7 @@ def test_a_refused_or_failed_training_leaves_no_output_directory(tiny_model, rec
     with pytest.raises(ValueError, match=r"^.*cache caches hidden size 64 and token ids up to \d+; these heads read "
                                          "hidden size 96"):
         distill.train_medusa(wide, data, tmp_path / "new" / "heads", cfg)
-    assert _tree(tmp_path) == before
+    assert snapshot(tmp_path) == before
     tm = importlib.import_module("distill.train_medusa")
 
     def failing(*args, **kwargs):  # the first batch fails (out of memory, say)
@@ -280,4 +275,4 @@ def test_a_refused_or_failed_training_leaves_no_output_directory(tiny_model, rec
     for out in (tmp_path / "new" / "heads", tmp_path / "empty"):
         with pytest.raises(RuntimeError, match="^first batch failed$"):
             distill.train_medusa(heads, data, out, cfg)
-        assert _tree(tmp_path) == before
+        assert snapshot(tmp_path) == before

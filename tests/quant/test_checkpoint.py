@@ -95,10 +95,6 @@ def test_export_dense_loads_in_transformers_with_equal_logits(cfg, calib, eval_w
     assert torch.allclose(_logits(reloaded, eval_windows), got, atol=1e-4)
 
 
-def _snapshot(root) -> dict:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
-
-
 def test_overwrite_is_explicit_atomic_and_leaves_no_temporaries(calib, tokenizer, tmp_path):
     model = _compress(tiny_model("llama", seed=5), quant.Int8WeightOnly(), calib)
     quant.save_compressed(model, tmp_path / "c", tokenizer=tokenizer)
@@ -113,12 +109,12 @@ def test_overwrite_is_explicit_atomic_and_leaves_no_temporaries(calib, tokenizer
     runtime.load_model(tmp_path / "c")
 
 
-def test_save_and_export_never_touch_a_file_or_a_directory_specdec_did_not_write(calib, tmp_path):
+def test_save_and_export_never_touch_a_file_or_a_directory_specdec_did_not_write(calib, tmp_path, snapshot):
     model = _compress(tiny_model("llama", seed=5), quant.Int8WeightOnly(), calib)
     (tmp_path / "file").write_text("mine")
     (tmp_path / "home").mkdir()
     (tmp_path / "home" / "notes.txt").write_text("keep me")
-    before = _snapshot(tmp_path)
+    before = snapshot(tmp_path)
     for save in (quant.save_compressed, quant.export_dense):
         for overwrite in (False, True):
             with pytest.raises(OutputPathError, match="file exists and is not a directory"):
@@ -128,13 +124,13 @@ def test_save_and_export_never_touch_a_file_or_a_directory_specdec_did_not_write
     # a user's file inside a previous checkpoint: --overwrite refuses rather than delete it
     quant.save_compressed(model, tmp_path / "c")
     (tmp_path / "c" / "README.md").write_text("my notes")
-    before = _snapshot(tmp_path)
+    before = snapshot(tmp_path)
     with pytest.raises(OutputPathError, match="not part of the compressed checkpoint.*README.md"):
         quant.save_compressed(model, tmp_path / "c", overwrite=True)
     # --overwrite replaces a checkpoint of the same kind only
     with pytest.raises(OutputPathError, match="holds a compressed checkpoint.*not a dense export"):
         quant.export_dense(model, tmp_path / "c", overwrite=True)
-    assert _snapshot(tmp_path) == before
+    assert snapshot(tmp_path) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c", "file", "home"]
 
 

@@ -126,23 +126,19 @@ def test_compress_refuses_unknown_recipe_keys_and_bad_counts_on_the_command_line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.yaml"]
 
 
-def _snapshot(root) -> dict:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
-
-
 def _cli(*argv: str, cwd) -> subprocess.CompletedProcess:
     env = {**os.environ, "SPECDEC_DEBUG": ""}
     return subprocess.run([sys.executable, "-m", "specdec.cli", *argv], capture_output=True, text=True, cwd=cwd,
                           env=env, timeout=300)
 
 
-def test_compress_refuses_bad_output_paths_before_any_work(tmp_path):
+def test_compress_refuses_bad_output_paths_before_any_work(tmp_path, snapshot):
     """A file, or a directory specdec did not write (even with --overwrite), fails with one line and
     exit status 2 before the model is loaded (it does not exist here); nothing is touched."""
     (tmp_path / "file").write_text("mine")
     (tmp_path / "home").mkdir()
     (tmp_path / "home" / "notes.txt").write_text("keep me")
-    before = _snapshot(tmp_path)
+    before = snapshot(tmp_path)
     base = ["compress", "--model", str(tmp_path / "no-such-model"), "--recipe", str(tmp_path / "r.yaml")]
     for out, extra, message in [("file", [], "file exists and is not a directory"),
                                 ("home", ["--overwrite"], "home is a non-empty directory that specdec did not write")]:
@@ -151,7 +147,7 @@ def test_compress_refuses_bad_output_paths_before_any_work(tmp_path):
         first = proc.stderr.splitlines()[0]
         assert first.startswith("specdec compress: error: ") and message in first, proc.stderr
         assert "Traceback" not in proc.stderr
-    assert _snapshot(tmp_path) == before and sorted(p.name for p in tmp_path.iterdir()) == ["file", "home"]
+    assert snapshot(tmp_path) == before and sorted(p.name for p in tmp_path.iterdir()) == ["file", "home"]
 
 
 def test_compress_needs_overwrite_to_replace_its_own_checkpoint(tmp_path):

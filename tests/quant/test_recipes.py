@@ -13,10 +13,6 @@ ROOT = Path(__file__).resolve().parents[2]
 RECIPES = ROOT / "recipes"
 
 
-def _snapshot(root) -> dict:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
-
-
 def _recipe(name: str, *argv: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(RECIPES / f"{name}.py"), *argv], capture_output=True, text=True,
                           cwd=ROOT, timeout=300, env={**os.environ, "SPECDEC_DEBUG": ""})
@@ -39,7 +35,7 @@ def recipes_on_path(monkeypatch):
     return quant_common
 
 
-def test_check_outputs_accepts_new_and_earlier_outputs_and_refuses_the_rest(recipes_on_path, tmp_path):
+def test_check_outputs_accepts_new_and_earlier_outputs_and_refuses_the_rest(recipes_on_path, tmp_path, snapshot):
     from runtime.outputs import OutputPathError
 
     check = recipes_on_path.check_outputs
@@ -54,7 +50,7 @@ def test_check_outputs_accepts_new_and_earlier_outputs_and_refuses_the_rest(reci
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
     (tmp_path / "notes.json").write_text('{"my": "settings"}')
-    before = _snapshot(tmp_path)
+    before = snapshot(tmp_path)
     with pytest.raises(OutputPathError, match="mine is a non-empty directory that specdec did not write"):
         check(tmp_path, [tmp_path / "mine"], summary, overwrite=True)
     with pytest.raises(OutputPathError, match="notes.json exists and is not a recipe summary"):
@@ -63,5 +59,5 @@ def test_check_outputs_accepts_new_and_earlier_outputs_and_refuses_the_rest(reci
         check(tmp_path / "notes.json", [], summary, overwrite=True)
     recipes_on_path.write_summary(summary, [{"name": "int8"}])
     assert json.loads(summary.read_text()) == [{"name": "int8"}]
-    assert {k: v for k, v in _snapshot(tmp_path).items() if k != "rows.json"} == \
+    assert {k: v for k, v in snapshot(tmp_path).items() if k != "rows.json"} == \
         {k: v for k, v in before.items() if k != "rows.json"}

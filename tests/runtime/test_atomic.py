@@ -22,11 +22,6 @@ from runtime.outputs import (
 )
 
 
-def _snapshot(root) -> dict:
-    """Every file under `root` with its bytes (what a test checks is left untouched)."""
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
-
-
 def _write(names):
     def write(tmp):
         for name in names:
@@ -48,11 +43,11 @@ def test_new_and_empty_directories_are_accepted(tmp_path):
     assert prepare_output_dir(tmp_path / "empty", "m.json") == tmp_path / "empty"
 
 
-def test_a_file_and_a_foreign_directory_are_refused_untouched(tmp_path):
+def test_a_file_and_a_foreign_directory_are_refused_untouched(tmp_path, snapshot):
     (tmp_path / "file").write_text("mine")
     (tmp_path / "home").mkdir()
     (tmp_path / "home" / "notes.txt").write_text("keep me")
-    before = _snapshot(tmp_path)
+    before = snapshot(tmp_path)
     with pytest.raises(OutputPathError, match=r"file.* is not a directory.*nothing was written") as err:
         write_output_dir(tmp_path / "file", _write(["w"]), "m.json", {}, overwrite=True)
     assert isinstance(err.value, SpecdecError) and isinstance(err.value, ValueError)
@@ -65,11 +60,11 @@ def test_a_file_and_a_foreign_directory_are_refused_untouched(tmp_path):
         prepare_output_dir(tmp_path / "ckpt", "specdec_export.json", overwrite=True, what="dense export")
     (tmp_path / "ckpt" / "compression.json").unlink()
     (tmp_path / "ckpt").rmdir()
-    assert _snapshot(tmp_path) == before
+    assert snapshot(tmp_path) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "home"]  # no temporaries left
 
 
-def test_overwrite_replaces_only_a_previous_output_of_the_same_kind(tmp_path):
+def test_overwrite_replaces_only_a_previous_output_of_the_same_kind(tmp_path, snapshot):
     out = tmp_path / "out"
     write_output_dir(out, _write(["a", "b"]), "m.json", {"v": 1}, what="thing")
     assert json.loads((out / "m.json").read_text()) == {"v": 1, "files": ["a", "b", "m.json"]}
@@ -80,10 +75,10 @@ def test_overwrite_replaces_only_a_previous_output_of_the_same_kind(tmp_path):
     assert sorted(os.listdir(out)) == ["a", "m.json"]  # b was the previous output's: replaced with it
     # a file the user added is never moved or deleted: the overwrite is refused instead
     (out / "notes.txt").write_text("keep me")
-    before = _snapshot(tmp_path)
+    before = snapshot(tmp_path)
     with pytest.raises(OutputPathError, match=r"not part of the thing.*notes.txt"):
         write_output_dir(out, _write(["a"]), "m.json", {"v": 3}, overwrite=True, what="thing")
-    assert _snapshot(tmp_path) == before and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert snapshot(tmp_path) == before and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
 def test_resume_accepts_an_output_of_the_same_kind(tmp_path):

@@ -40,11 +40,6 @@ def _mode(path: Path) -> int:
     return stat.S_IMODE(path.stat().st_mode)
 
 
-def _snapshot(root: Path) -> list[str]:
-    """Every entry under `root`, files and directories (what a refused run must leave as it was)."""
-    return sorted(str(p.relative_to(root)) + ("/" if p.is_dir() else "") for p in root.rglob("*"))
-
-
 def _write(tmp: Path) -> None:
     """What writers do: safetensors' save_file (which makes its file 0600), an atomic write (mkstemp's
     0600), a private subdirectory."""
@@ -80,13 +75,13 @@ def test_apply_umask_opens_a_private_file_and_directory_as_far_as_the_umask_allo
 
 
 @pytest.mark.parametrize("where", ["/dev/null/x", "FILE/x", "FILE/deeper/x"])
-def test_a_path_under_a_file_is_refused_at_the_check(tmp_path, where):
+def test_a_path_under_a_file_is_refused_at_the_check(tmp_path, where, snapshot):
     (tmp_path / "FILE").write_text("mine")
     path = where.replace("FILE", str(tmp_path / "FILE"))
     parent = "/dev/null" if where.startswith("/dev") else str(tmp_path / "FILE")
     if where.startswith("/dev") and not Path("/dev/null").exists():
         pytest.skip("no /dev/null")
-    before = _snapshot(tmp_path)
+    before = snapshot(tmp_path)
     want = rf"^{re.escape(path)} cannot be created for the thing: {re.escape(parent)} is not a directory"
     with pytest.raises(OutputPathError, match=want):
         prepare_output_dir(path, "m.json", what="thing")
@@ -94,7 +89,7 @@ def test_a_path_under_a_file_is_refused_at_the_check(tmp_path, where):
         check_output_file(path, what="thing")
     with pytest.raises(OutputPathError, match=want):
         write_output_dir(path, _write, "m.json", {}, what="thing")
-    assert _snapshot(tmp_path) == before
+    assert snapshot(tmp_path) == before
 
 
 def test_a_directory_that_takes_no_new_entries_is_refused_at_the_check():
@@ -107,17 +102,17 @@ def test_a_directory_that_takes_no_new_entries_is_refused_at_the_check():
         check_output_file("/proc/x/y.jsonl", what="records")
 
 
-def test_a_failed_write_removes_the_directories_it_created(tmp_path):
+def test_a_failed_write_removes_the_directories_it_created(tmp_path, snapshot):
     (tmp_path / "keep").mkdir()
 
     def fail(tmp: Path) -> None:
         (tmp / "half").write_text("x")
         raise RuntimeError("disk full")
 
-    before = _snapshot(tmp_path)
+    before = snapshot(tmp_path)
     with pytest.raises(RuntimeError, match="disk full"):
         write_output_dir(tmp_path / "keep" / "a" / "b" / "out", fail, "m.json", {})
-    assert _snapshot(tmp_path) == before  # a/b made for the output are gone again; keep stays
+    assert snapshot(tmp_path) == before  # a/b made for the output are gone again; keep stays
 
 
 def test_make_dirs_returns_only_what_it_created(tmp_path):
@@ -140,35 +135,35 @@ def _settings(out: Path) -> None:
     (out / "cache" / "train").mkdir(parents=True)
 
 
-def test_a_run_that_fails_before_a_result_leaves_a_new_or_empty_path_as_it_was(tmp_path):
+def test_a_run_that_fails_before_a_result_leaves_a_new_or_empty_path_as_it_was(tmp_path, snapshot):
     (tmp_path / "empty").mkdir()
-    before = _snapshot(tmp_path)
+    before = snapshot(tmp_path)
     _fail_in(tmp_path / "new" / "deeper" / "out", lambda out: None)  # nothing written: the new parents go too
-    assert _snapshot(tmp_path) == before
+    assert snapshot(tmp_path) == before
     for out in (tmp_path / "new" / "out", tmp_path / "empty"):  # its own files and empty folders go with it
         _fail_in(out, _settings)
-        assert _snapshot(tmp_path) == before
+        assert snapshot(tmp_path) == before
     with created_output(tmp_path / "done", own=["run.json"]) as out:  # no failure: nothing is removed
         _settings(out)
-    assert _snapshot(tmp_path / "done") == ["cache/", "cache/train/", "run.json"]
+    assert list(snapshot(tmp_path / "done")) == ["cache", "cache/train", "run.json"]
 
 
-def test_a_run_that_fails_after_a_result_or_in_a_used_directory_keeps_everything(tmp_path):
+def test_a_run_that_fails_after_a_result_or_in_a_used_directory_keeps_everything(tmp_path, snapshot):
     def result(out: Path) -> None:  # a checkpoint, a record: a resumed run goes on from it
         _settings(out)
         (out / "cache" / "train" / "shard_00000.safetensors").write_bytes(b"x")
 
     _fail_in(tmp_path / "new", result)
-    assert _snapshot(tmp_path / "new") == ["cache/", "cache/train/", "cache/train/shard_00000.safetensors",
-                                           "run.json"]
+    assert list(snapshot(tmp_path / "new")) == ["cache", "cache/train", "cache/train/shard_00000.safetensors",
+                                                 "run.json"]
     (tmp_path / "used").mkdir()
     (tmp_path / "used" / "run.json").write_text("{\"settings\": 1}")  # a run resumed: nothing of it is removed
     _fail_in(tmp_path / "used", lambda out: (out / "cache").mkdir())
-    assert _snapshot(tmp_path / "used") == ["cache/", "run.json"]
+    assert list(snapshot(tmp_path / "used")) == ["cache", "run.json"]
     assert (tmp_path / "used" / "run.json").read_text() == "{\"settings\": 1}"
     # someone else's file appears in the new directory: it all stays
     _fail_in(tmp_path / "other", lambda out: (_settings(out), (out / "notes.txt").write_text("keep me")))
-    assert _snapshot(tmp_path / "other") == ["cache/", "cache/train/", "notes.txt", "run.json"]
+    assert list(snapshot(tmp_path / "other")) == ["cache", "cache/train", "notes.txt", "run.json"]
     with pytest.raises(KeyboardInterrupt):  # Ctrl-C before a result: as an error
         with created_output(tmp_path / "stopped"):
             raise KeyboardInterrupt

@@ -29,29 +29,24 @@ def _head(target, seed: int = 0) -> specdec.Eagle3Head:
         return specdec.Eagle3Head(specdec.Eagle3Config.from_target(target, aux_layers=(0, 1, 1)))
 
 
-def _snapshot(root) -> dict:
-    """Every entry under `root`: a file's bytes, None for a directory."""
-    return {str(p.relative_to(root)): None if p.is_dir() else p.read_bytes() for p in sorted(root.rglob("*"))}
-
-
-def test_a_model_checkpoint_is_refused_untouched_and_still_loads(pair, tmp_path):
+def test_a_model_checkpoint_is_refused_untouched_and_still_loads(pair, tmp_path, snapshot):
     target, hf = pair
     ckpt = tmp_path / "model"
     hf.save_pretrained(ckpt)  # config.json + model.safetensors, the names a head directory uses
-    before = _snapshot(tmp_path)
+    before = snapshot(tmp_path)
     for overwrite in (False, True):
         with pytest.raises(OutputPathError, match=rf"^{ckpt} is a non-empty directory that specdec did not write"):
             specdec.save_eagle(_head(target), ckpt, overwrite=overwrite)
-    assert _snapshot(tmp_path) == before
+    assert snapshot(tmp_path) == before
     runtime.load_model(ckpt, dtype=torch.float32)
 
 
-def test_a_foreign_directory_and_a_file_are_refused(pair, tmp_path):
+def test_a_foreign_directory_and_a_file_are_refused(pair, tmp_path, snapshot):
     target = pair[0]
     (tmp_path / "home").mkdir()
     (tmp_path / "home" / "notes.txt").write_text("keep me")
     (tmp_path / "file").write_text("mine")
-    before = _snapshot(tmp_path)
+    before = snapshot(tmp_path)
     with pytest.raises(OutputPathError, match="home is a non-empty directory that specdec did not write"):
         specdec.save_eagle(_head(target), tmp_path / "home")
     with pytest.raises(OutputPathError, match="file exists and is not a directory"):
@@ -59,27 +54,27 @@ def test_a_foreign_directory_and_a_file_are_refused(pair, tmp_path):
     with pytest.raises(OutputPathError, match=r"file/h cannot be created for the EAGLE-3 head directory: .*file is not "
                                               "a directory"):
         specdec.save_eagle(_head(target), tmp_path / "file" / "h")
-    assert _snapshot(tmp_path) == before
+    assert snapshot(tmp_path) == before
 
 
-def test_a_head_is_replaced_only_with_overwrite_and_never_with_a_users_file_in_it(pair, tmp_path):
+def test_a_head_is_replaced_only_with_overwrite_and_never_with_a_users_file_in_it(pair, tmp_path, snapshot):
     target = pair[0]
     out = specdec.save_eagle(_head(target, seed=0), tmp_path / "h")
     assert json.loads((out / MARKER).read_text())["files"] == ["config.json", "model.safetensors", MARKER]
-    first = _snapshot(tmp_path)
+    first = snapshot(tmp_path)
     with pytest.raises(OutputPathError, match=r"h already holds an EAGLE-3 head directory \(specdec_eagle.json\).*"
                                               "--overwrite"):
         specdec.save_eagle(_head(target, seed=1), out)
-    assert _snapshot(tmp_path) == first
+    assert snapshot(tmp_path) == first
     specdec.save_eagle(_head(target, seed=1), out, overwrite=True)
     loaded = specdec.load_eagle(out, target)
     assert torch.equal(loaded.fc.weight, _head(target, seed=1).fc.weight)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["h"]  # no temporaries beside it
     (out / "README.md").write_text("my notes")
-    before = _snapshot(tmp_path)
+    before = snapshot(tmp_path)
     with pytest.raises(OutputPathError, match="not part of the EAGLE-3 head directory.*README.md"):
         specdec.save_eagle(_head(target, seed=2), out, overwrite=True)
-    assert _snapshot(tmp_path) == before
+    assert snapshot(tmp_path) == before
 
 
 def test_other_kinds_of_specdec_output_are_named(pair, tmp_path):
