@@ -85,29 +85,36 @@ def cmd_train(args: argparse.Namespace) -> int:
     from distill.config_args import dataclass_from_args
     from distill.selfdistill import read_records
     from distill.train_medusa import (
+        MANIFEST,
         MedusaTrainConfig,
         cache_hidden_states,
         check_cache_dir,
         check_train_dir,
         train_medusa,
     )
+    from runtime.outputs import created_output
     from specdec.drafters.medusa.heads import attach_medusa
 
     deadline = deadline_after(args.max_minutes)
     cfg = dataclass_from_args(MedusaTrainConfig, args)  # checked before any loading
-    check_train_dir(args.out)  # so are the output directories and the data
-    cache_dir = check_cache_dir(args.hidden_cache or Path(args.out) / "hidden_cache")
+    out = check_train_dir(args.out)  # so are the output directories and the data
+    cache_dir = check_cache_dir(args.hidden_cache or out / "hidden_cache")
     records = read_records(args.data)
     if not records:
         raise ValueError(f"no records in {args.data}; run `specdec medusa data` first")
     model = runtime.load_model(args.model, dtype=arg_dtype(args.dtype), weights="dense")
     state = PartialState(cpu=model.device.type == "cpu")
-    with state.main_process_first():  # under accelerate launch the main process caches, the others read
-        cache_hidden_states(model, records, cache_dir, args.num_heads,
-                            deadline=deadline if state.is_main_process else time.monotonic())
-    heads = attach_medusa(model, num_heads=args.num_heads, num_layers=args.num_layers,
-                          shared_lm_head=not args.separate_lm_heads)
-    metrics = train_medusa(heads, cache_dir, args.out, cfg, deadline=deadline)
+    # a run that ends before a result (the deadline came before the first cached record or training step)
+    # leaves new directories as they were; cached records are kept for the same command to resume
+    inside = cache_dir.resolve().parent == out.resolve()
+    with created_output(out, own=(f"{cache_dir.name}/{MANIFEST}",) if inside else ()), \
+            created_output(cache_dir, own=(MANIFEST,)):
+        with state.main_process_first():  # under accelerate launch the main process caches, the others read
+            cache_hidden_states(model, records, cache_dir, args.num_heads,
+                                deadline=deadline if state.is_main_process else time.monotonic())
+        heads = attach_medusa(model, num_heads=args.num_heads, num_layers=args.num_layers,
+                              shared_lm_head=not args.separate_lm_heads)
+        metrics = train_medusa(heads, cache_dir, out, cfg, deadline=deadline)
     print(json.dumps({k: metrics[k] for k in ("steps", "top1_accuracy", "expected_accepted_per_step")}))
     return 0
 
