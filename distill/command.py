@@ -49,6 +49,23 @@ def checkpoint_arg(flag: str, name_or_path: str) -> Path:
     return ckpt
 
 
+def training_records(path: str | Path, data_command: str) -> list[dict]:
+    """The records of --data, a self-distillation jsonl (distill.selfdistill.read_records); ValueError
+    naming --data when `path` does not exist, is not a file or holds no complete record."""
+    from distill.selfdistill import RECORDS, read_records
+
+    path = Path(path)
+    fix = f"run `specdec {data_command} --out {path}` first"
+    if not path.exists():
+        raise ValueError(f"--data: {path} does not exist; pass the {RECORDS} file, or {fix}")
+    if not path.is_file():
+        raise ValueError(f"--data: {path} is not a file; pass the {RECORDS} file (specdec {data_command} --out)")
+    records = read_records(path)
+    if not records:
+        raise ValueError(f"--data: no records in {path}; {fix}")
+    return records
+
+
 def cmd_data(args: argparse.Namespace) -> int:
     import runtime
     from distill.selfdistill import check_records_file, generate_selfdistill, sharegpt_prompts
@@ -83,7 +100,6 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     import runtime
     from distill.config_args import dataclass_from_args
-    from distill.selfdistill import read_records
     from distill.train_medusa import (
         MANIFEST,
         MedusaTrainConfig,
@@ -99,9 +115,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = dataclass_from_args(MedusaTrainConfig, args)  # checked before any loading
     out = check_train_dir(args.out)  # so are the output directories and the data
     cache_dir = check_cache_dir(args.hidden_cache or out / "hidden_cache")
-    records = read_records(args.data)
-    if not records:
-        raise ValueError(f"no records in {args.data}; run `specdec medusa data` first")
+    records = training_records(args.data, "medusa data")
     model = runtime.load_model(args.model, dtype=arg_dtype(args.dtype), weights="dense")
     state = PartialState(cpu=model.device.type == "cpu")
     # a run that ends before a result (the deadline came before the first cached record or training step)

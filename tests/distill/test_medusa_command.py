@@ -157,7 +157,9 @@ def test_medusa_commands_refuse_paths_specdec_did_not_write_before_loading_anyth
              (["train", *model, "--data", str(tmp_path / "notes.txt"), "--out", str(tmp_path / "new")],
               "notes.txt is not a self-distillation jsonl"),
              (["train", *model, "--data", str(tmp_path / "sd.jsonl"), "--out", str(tmp_path / "new")],
-              "no records in"),
+              "--data: " + str(tmp_path / "sd.jsonl") + " does not exist"),
+             (["train", *model, "--data", str(tmp_path / "home"), "--out", str(tmp_path / "new")],
+              "--data: " + str(tmp_path / "home") + " is not a file"),
              (["tree", *model, "--heads", str(tmp_path / "home")], "home is not a Medusa heads directory")]
     for argv, message in cases:
         assert main(["medusa", *argv]) == 2
