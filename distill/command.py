@@ -68,7 +68,7 @@ def training_records(path: str | Path, data_command: str) -> list[dict]:
 
 def cmd_data(args: argparse.Namespace) -> int:
     import runtime
-    from distill.selfdistill import check_records_file, generate_selfdistill, sharegpt_prompts
+    from distill.selfdistill import check_chat_template, check_records_file, generate_selfdistill, sharegpt_prompts
     from distill.train_medusa import check_cache_dir
 
     check_records_file(args.out)  # bad output paths fail before the model loads
@@ -81,9 +81,10 @@ def cmd_data(args: argparse.Namespace) -> int:
 
         eagle = EagleTrainConfig(aux_layers=args.aux_layers, heldout_every=args.heldout_every)  # checked here
         check_eagle_cache_dir(eagle_cache)
+    tok = runtime.load_tokenizer(args.model)
+    check_chat_template(tok, args.model_flag)  # the prompts are chat turns: fail before the model loads
     model = runtime.load_model(args.model, dtype=arg_dtype(args.dtype), weights="dense")
     layers = eagle.layers(model.config.num_layers) if eagle is not None else None
-    tok = runtime.load_tokenizer(args.model)
     prompts = sharegpt_prompts(tok, split="calibration", limit=args.num_prompts,
                                max_prompt_tokens=args.max_prompt_tokens)
     n = generate_selfdistill(model, tok, args.out, prompts, max_new_tokens=args.max_new_tokens,
@@ -273,7 +274,7 @@ def register(subparsers) -> None:
                         "`specdec medusa train --hidden-cache DIR` skips its second pass over the answers")
     d.add_argument("--num-heads", type=positive_int, default=gen["num_heads"],
                    help="heads the --hidden-cache targets are for")
-    d.set_defaults(func=cmd_data)
+    d.set_defaults(func=cmd_data, model_flag="--model")
 
     t = sub.add_parser("train", help="cache hidden states, train heads (Medusa-1), pick their tree")
     common(t, batched=True)

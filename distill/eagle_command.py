@@ -111,7 +111,7 @@ def register(subparsers) -> None:
     d.add_argument("--heldout-every", type=field_arg(EagleTrainConfig, "heldout_every"),
                    default=defaults.heldout_every,
                    help="with --cache: every N-th record goes to the held-out split (as `eagle train` expects)")
-    d.set_defaults(func=cmd_data, hidden_cache=None, num_heads=1)
+    d.set_defaults(func=cmd_data, hidden_cache=None, num_heads=1, model_flag="--target")
 
     t = sub.add_parser("train", help="cache the target's features, train an EAGLE-3 head (training-time test)",
                        description=TRAIN_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
