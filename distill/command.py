@@ -49,6 +49,19 @@ def checkpoint_arg(flag: str, name_or_path: str) -> Path:
     return ckpt
 
 
+def check_seq_len(seq_len: int, **models: str) -> None:
+    """ValueError naming --seq-len and the model when `seq_len` is more than the positions of one of
+    `models` (flag name without dashes -> name or path; its config's max_position_embeddings), read
+    from config.json before any weights load."""
+    from runtime.loading import read_hf_config
+
+    for flag, name in models.items():
+        limit = read_hf_config(checkpoint_arg(f"--{flag}", name)).max_position_embeddings
+        if seq_len > limit:
+            raise ValueError(f"--seq-len {seq_len} is more than the {limit} positions of --{flag} {name} "
+                             f"(max_position_embeddings); pass --seq-len {limit} or less")
+
+
 def training_records(path: str | Path, data_command: str) -> list[dict]:
     """The records of --data, a self-distillation jsonl (distill.selfdistill.read_records); ValueError
     naming --data when `path` does not exist, is not a file or holds no complete record."""
