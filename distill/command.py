@@ -49,9 +49,39 @@ def checkpoint_arg(flag: str, name_or_path: str) -> Path:
     return ckpt
 
 
+def check_seq_len(seq_len: int, **models: str) -> None:
+    """ValueError naming --seq-len and the model when `seq_len` is more than the positions of one of
+    `models` (flag name without dashes -> name or path; its config's max_position_embeddings), read
+    from config.json before any weights load."""
+    from runtime.loading import read_hf_config
+
+    for flag, name in models.items():
+        limit = read_hf_config(checkpoint_arg(f"--{flag}", name)).max_position_embeddings
+        if seq_len > limit:
+            raise ValueError(f"--seq-len {seq_len} is more than the {limit} positions of --{flag} {name} "
+                             f"(max_position_embeddings); pass --seq-len {limit} or less")
+
+
+def training_records(path: str | Path, data_command: str) -> list[dict]:
+    """The records of --data, a self-distillation jsonl (distill.selfdistill.read_records); ValueError
+    naming --data when `path` does not exist, is not a file or holds no complete record."""
+    from distill.selfdistill import RECORDS, read_records
+
+    path = Path(path)
+    fix = f"run `specdec {data_command} --out {path}` first"
+    if not path.exists():
+        raise ValueError(f"--data: {path} does not exist; pass the {RECORDS} file, or {fix}")
+    if not path.is_file():
+        raise ValueError(f"--data: {path} is not a file; pass the {RECORDS} file (specdec {data_command} --out)")
+    records = read_records(path)
+    if not records:
+        raise ValueError(f"--data: no records in {path}; {fix}")
+    return records
+
+
 def cmd_data(args: argparse.Namespace) -> int:
     import runtime
-    from distill.selfdistill import check_records_file, generate_selfdistill, sharegpt_prompts
+    from distill.selfdistill import check_chat_template, check_records_file, generate_selfdistill, sharegpt_prompts
     from distill.train_medusa import check_cache_dir
 
     check_records_file(args.out)  # bad output paths fail before the model loads
@@ -64,9 +94,10 @@ def cmd_data(args: argparse.Namespace) -> int:
 
         eagle = EagleTrainConfig(aux_layers=args.aux_layers, heldout_every=args.heldout_every)  # checked here
         check_eagle_cache_dir(eagle_cache)
+    tok = runtime.load_tokenizer(args.model)
+    check_chat_template(tok, args.model_flag)  # the prompts are chat turns: fail before the model loads
     model = runtime.load_model(args.model, dtype=arg_dtype(args.dtype), weights="dense")
     layers = eagle.layers(model.config.num_layers) if eagle is not None else None
-    tok = runtime.load_tokenizer(args.model)
     prompts = sharegpt_prompts(tok, split="calibration", limit=args.num_prompts,
                                max_prompt_tokens=args.max_prompt_tokens)
     n = generate_selfdistill(model, tok, args.out, prompts, max_new_tokens=args.max_new_tokens,
@@ -83,31 +114,35 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     import runtime
     from distill.config_args import dataclass_from_args
-    from distill.selfdistill import read_records
     from distill.train_medusa import (
+        MANIFEST,
         MedusaTrainConfig,
         cache_hidden_states,
         check_cache_dir,
         check_train_dir,
         train_medusa,
     )
+    from runtime.outputs import created_output
     from specdec.drafters.medusa.heads import attach_medusa
 
     deadline = deadline_after(args.max_minutes)
     cfg = dataclass_from_args(MedusaTrainConfig, args)  # checked before any loading
-    check_train_dir(args.out)  # so are the output directories and the data
-    cache_dir = check_cache_dir(args.hidden_cache or Path(args.out) / "hidden_cache")
-    records = read_records(args.data)
-    if not records:
-        raise ValueError(f"no records in {args.data}; run `specdec medusa data` first")
+    out = check_train_dir(args.out)  # so are the output directories and the data
+    cache_dir = check_cache_dir(args.hidden_cache or out / "hidden_cache")
+    records = training_records(args.data, "medusa data")
     model = runtime.load_model(args.model, dtype=arg_dtype(args.dtype), weights="dense")
     state = PartialState(cpu=model.device.type == "cpu")
-    with state.main_process_first():  # under accelerate launch the main process caches, the others read
-        cache_hidden_states(model, records, cache_dir, args.num_heads,
-                            deadline=deadline if state.is_main_process else time.monotonic())
-    heads = attach_medusa(model, num_heads=args.num_heads, num_layers=args.num_layers,
-                          shared_lm_head=not args.separate_lm_heads)
-    metrics = train_medusa(heads, cache_dir, args.out, cfg, deadline=deadline)
+    # a run that ends before a result (the deadline came before the first cached record or training step)
+    # leaves new directories as they were; cached records are kept for the same command to resume
+    inside = cache_dir.resolve().parent == out.resolve()
+    with created_output(out, own=(f"{cache_dir.name}/{MANIFEST}",) if inside else ()), \
+            created_output(cache_dir, own=(MANIFEST,)):
+        with state.main_process_first():  # under accelerate launch the main process caches, the others read
+            cache_hidden_states(model, records, cache_dir, args.num_heads,
+                                deadline=deadline if state.is_main_process else time.monotonic())
+        heads = attach_medusa(model, num_heads=args.num_heads, num_layers=args.num_layers,
+                              shared_lm_head=not args.separate_lm_heads)
+        metrics = train_medusa(heads, cache_dir, out, cfg, deadline=deadline)
     print(json.dumps({k: metrics[k] for k in ("steps", "top1_accuracy", "expected_accepted_per_step")}))
     return 0
 
@@ -252,7 +287,7 @@ def register(subparsers) -> None:
                         "`specdec medusa train --hidden-cache DIR` skips its second pass over the answers")
     d.add_argument("--num-heads", type=positive_int, default=gen["num_heads"],
                    help="heads the --hidden-cache targets are for")
-    d.set_defaults(func=cmd_data)
+    d.set_defaults(func=cmd_data, model_flag="--model")
 
     t = sub.add_parser("train", help="cache hidden states, train heads (Medusa-1), pick their tree")
     common(t, batched=True)

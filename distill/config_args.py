@@ -9,6 +9,9 @@ check from `field(metadata=...)`:
     check:   a function that raises ValueError("must be ...") for a bad value; argparse reports it
              against the flag while the command line is parsed, before anything is loaded
 
+A float field must be finite (nan and inf are refused by flag and by config alike), and a field
+that may be None (`float | None`) takes `none` on the command line.
+
 A config calls `check_fields(self)` first in `__post_init__`, so a value is checked the same way
 whether it comes from code or from the command line; checks that relate several fields stay in
 `__post_init__` and reach the command line when `dataclass_from_args` builds the config.
@@ -18,21 +21,28 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from runtime.argtypes import at_least as at_least  # the `check`s configs use, shared with the plain flags'
+from runtime.argtypes import number_arg
 from runtime.argtypes import positive as positive
 
 SCALARS = (bool, int, float, str)
 
 
+def _optional(hint: Any) -> bool:
+    """Whether type hint `hint` is a union (`X | None`)."""
+    return isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
+
+
 def field_type(cls: type, field: dataclasses.Field) -> type:
     """The scalar type of `field` (bool, int, float or str); `X | None` gives X."""
     hint = typing.get_type_hints(cls)[field.name]
-    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+    if _optional(hint):
         hint = next(a for a in typing.get_args(hint) if a is not type(None))
     if hint not in SCALARS:
         raise TypeError(f"{cls.__name__}.{field.name}: a command-line flag needs a bool, int, float or str "
@@ -41,9 +51,12 @@ def field_type(cls: type, field: dataclasses.Field) -> type:
 
 
 def _check_value(field: dataclasses.Field, value: Any) -> None:
-    """Raise ValueError("must ...") when `value` breaks the field's choices or check (None passes)."""
+    """Raise ValueError("must ...") when `value` is a float that is not finite or breaks the field's
+    choices or check (None passes)."""
     if value is None:
         return
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"must be a finite number, got {value}")
     choices = field.metadata.get("choices")
     if choices is not None and value not in choices:
         raise ValueError(f"must be one of {', '.join(map(repr, choices))}, got {value!r}")
@@ -62,18 +75,24 @@ def check_fields(config: Any) -> None:
             raise ValueError(f"{type(config).__name__}.{f.name} {err}") from None
 
 
-def _parser_for(field: dataclasses.Field, kind: type) -> Callable[[str], Any]:
-    """argparse `type` of a non-bool field: convert, then check (errors name the flag)."""
+def _parser_for(field: dataclasses.Field, kind: type, optional: bool) -> Callable[[str], Any]:
+    """argparse `type` of a non-bool field: convert (ints and finite floats through
+    runtime.argtypes.number_arg; `none` for a field that may be None), then check (errors name the flag)."""
+    def check(value: Any) -> None:
+        _check_value(field, value)
+
+    convert = number_arg(kind, check) if kind in (int, float) else None
+
     def parse(text: str) -> Any:
+        if optional and text.lower() == "none":
+            return None
+        if convert is not None:
+            return convert(text)
         try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {text!r}") from None
-        try:
-            _check_value(field, value)
+            check(text)
         except ValueError as err:
             raise argparse.ArgumentTypeError(str(err)) from None
-        return value
+        return text
 
     parse.__name__ = kind.__name__
     return parse
@@ -85,7 +104,7 @@ def field_arg(cls: type, name: str) -> Callable[[str], Any]:
     field = next((f for f in dataclasses.fields(cls) if f.name == name), None)
     if field is None:
         raise ValueError(f"{cls.__name__} has no field {name}")
-    return _parser_for(field, field_type(cls, field))
+    return _parser_for(field, field_type(cls, field), _optional(typing.get_type_hints(cls)[field.name]))
 
 
 def flag_name(name: str) -> str:
@@ -126,7 +145,8 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type,
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, **common)
         else:
-            parser.add_argument(flag, type=_parser_for(f, kind), choices=f.metadata.get("choices"), **common)
+            optional = _optional(typing.get_type_hints(cls)[f.name])
+            parser.add_argument(flag, type=_parser_for(f, kind, optional), choices=f.metadata.get("choices"), **common)
 
 
 def dataclass_from_args(cls: type, args: argparse.Namespace, **changes: Any) -> Any:

@@ -51,7 +51,7 @@ def cmd_draft(args: argparse.Namespace) -> int:
     from distill.config_args import dataclass_from_args
     from distill.draft import METRICS, DistillConfig, check_distill_dir, distill_draft
     from distill.onpolicy import heldout_prompts, training_prompts
-    from distill.selfdistill import stop_token_ids
+    from distill.selfdistill import check_chat_template, stop_token_ids
 
     deadline = deadline_after(args.max_minutes)
     cfg = dataclass_from_args(DistillConfig, args)  # checked before any loading
@@ -59,6 +59,7 @@ def cmd_draft(args: argparse.Namespace) -> int:
         checkpoint_arg(flag, name)
     out = check_distill_dir(args.out)  # and the output directory
     tok = runtime.load_tokenizer(args.draft)
+    check_chat_template(tok, "--draft")  # the prompts are chat turns
     prompts = training_prompts(tok, args.num_prompts, args.max_prompt_tokens, args.code_share,
                                stub_cache=out / STUB_CACHE if args.code_share > 0 else None)
     held = heldout_prompts(tok, args.heldout_prompts, args.max_prompt_tokens)

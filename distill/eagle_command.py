@@ -13,7 +13,7 @@ import json
 import time
 from pathlib import Path
 
-from distill.command import MAX_MINUTES_HELP, add_data_args, arg_dtype, cmd_data, deadline_after
+from distill.command import MAX_MINUTES_HELP, add_data_args, arg_dtype, cmd_data, deadline_after, training_records
 from runtime.argtypes import nonnegative_int, positive_float, positive_int
 from runtime.hardware import DTYPES
 
@@ -37,7 +37,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     from distill.config_args import dataclass_from_args
     from distill.dataset_answers import cache_answer_states
     from distill.eagle_cache import MANIFEST, cache_eagle_states, check_eagle_cache_dir
-    from distill.selfdistill import read_records
     from distill.train_eagle import (
         ANSWERS_CACHE_DIR,
         CACHE_DIR,
@@ -52,9 +51,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = dataclass_from_args(EagleTrainConfig, args)  # checked before any loading
     out = check_train_dir(args.out)  # so are the output directories and the data
     cache_dir = check_eagle_cache_dir(args.cache or out / CACHE_DIR)
-    records = read_records(args.data)
-    if not records:
-        raise ValueError(f"no records in {args.data}; run `specdec eagle data` first")
+    records = training_records(args.data, "eagle data")
     target = runtime.load_model(args.target, dtype=arg_dtype(args.dtype), weights="dense")
     state = PartialState(cpu=target.device.type == "cpu")
     # a run that fails before it cached a record (or checkpointed) leaves new directories as they were:
@@ -114,7 +111,7 @@ def register(subparsers) -> None:
     d.add_argument("--heldout-every", type=field_arg(EagleTrainConfig, "heldout_every"),
                    default=defaults.heldout_every,
                    help="with --cache: every N-th record goes to the held-out split (as `eagle train` expects)")
-    d.set_defaults(func=cmd_data, hidden_cache=None, num_heads=1)
+    d.set_defaults(func=cmd_data, hidden_cache=None, num_heads=1, model_flag="--target")
 
     t = sub.add_parser("train", help="cache the target's features, train an EAGLE-3 head (training-time test)",
                        description=TRAIN_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)

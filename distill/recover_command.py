@@ -34,13 +34,14 @@ def cmd_recover(args: argparse.Namespace) -> int:
 
     import quant
     import runtime
-    from distill.command import arg_dtype, deadline_after
+    from distill.command import arg_dtype, check_seq_len, deadline_after
     from distill.config_args import dataclass_from_args
     from distill.recover import RecoverConfig, check_recover_dir, recover
 
     deadline = deadline_after(args.max_minutes)
     cfg = dataclass_from_args(RecoverConfig, args)  # checked before any loading
     out = check_recover_dir(args.out)  # so is the output directory
+    check_seq_len(args.seq_len, teacher=args.teacher, student=args.student)  # and the windows' length
     tok = runtime.load_tokenizer(args.teacher)
     train = quant.calibration_batches(tok, args.data, n_samples=args.n_train, seq_len=args.seq_len)  # (N, T)
     half = max(1, args.heldout // 2)

@@ -32,8 +32,21 @@ from specdec.capture import StateCapture
 STOP_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "</s>")
 
 
+def check_chat_template(tokenizer, flag: str = "the model") -> None:
+    """ValueError naming `flag` and the tokenizer's model when the tokenizer has no chat template,
+    which formats every prompt here (as `specdec eval` refuses one without --raw)."""
+    from specdec.evaluation.prompts import has_chat_template
+
+    if not has_chat_template(tokenizer):
+        raise ValueError(f"{flag} {tokenizer.name_or_path}: the tokenizer has no chat template, which formats the "
+                         "prompts; use a chat model (an instruct checkpoint), or add a chat_template to its "
+                         "tokenizer_config.json")
+
+
 def chat_prompt_ids(tokenizer, text: str) -> list[int]:
-    """Token ids of one user turn formatted by the tokenizer's chat template (generation prompt on)."""
+    """Token ids of one user turn formatted by the tokenizer's chat template (generation prompt on);
+    ValueError without one (`check_chat_template`)."""
+    check_chat_template(tokenizer)
     chat = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                          add_generation_prompt=True)
     return tokenizer(chat, add_special_tokens=False)["input_ids"]

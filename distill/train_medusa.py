@@ -443,11 +443,32 @@ def train_medusa(heads: MedusaHeads, data_dir: str | Path, out_dir: str | Path,
     """
     out_dir = check_train_dir(out_dir)
     K = heads.num_heads
+    if _past(deadline) and not _cached_shards(data_dir, "train"):  # the deadline stopped the cache, not the data
+        raise ValueError(f"{out_of_time('any training position was cached')} (the {CACHE} {data_dir} holds "
+                         "none yet)")
     hidden, targets = load_cached(data_dir, "train", K)  # the data is checked before `out_dir` is created
     hidden_ho, targets_ho = load_cached(data_dir, "heldout", K)
     _check_cache_fits(heads, data_dir, hidden, torch.cat([targets, targets_ho]))
     with created_output(out_dir):  # a run that fails before its first checkpoint leaves no new directory
         return _train(heads, hidden, targets, hidden_ho, targets_ho, out_dir, config, deadline, resume)
+
+
+def out_of_time(before: str) -> str:
+    """The message of a run whose time budget ended `before` it had a result (nothing was trained)."""
+    return (f"the time budget (--max-minutes, the deadline) ran out before {before}: no heads were trained or "
+            "saved; allow more time and run the same command again (it resumes what was cached)")
+
+
+def _past(deadline: float | None) -> bool:
+    return deadline is not None and time.monotonic() > deadline
+
+
+def _cached_shards(data_dir: str | Path, split: str) -> int:
+    """How many shards of `split` the manifest of `data_dir` lists (0 without a readable manifest)."""
+    try:
+        return len(json.loads((Path(data_dir) / MANIFEST).read_text())["shards"][split])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
 
 
 def _check_cache_fits(heads: MedusaHeads, data_dir: str | Path, hidden: torch.Tensor, targets: torch.Tensor) -> None:
@@ -475,6 +496,8 @@ def _train(heads: MedusaHeads, hidden: torch.Tensor, targets: torch.Tensor, hidd
         targets = torch.where(targets == IGNORE, targets, remap[targets.clamp(min=0)])
     task = MedusaTask(heads, hidden, targets, vocab, config)
     run = Trainer(task, config, out_dir, CheckpointDir(out_dir / "checkpoint")).fit(deadline, resume)
+    if run.step == 0:  # only the deadline ends a fit before its first step
+        raise ValueError(out_of_time("the first training step"))
     heads.eval().requires_grad_(False)
     if task.vocab is not None:  # the heads learned to rank these tokens only: they guess among them
         heads.restrict_vocab(task.vocab)

@@ -61,7 +61,7 @@ class TrainerConfig:
     warmup_steps: int = field(default=20, metadata={"help": "steps of linear learning-rate warm-up",
                                                     "check": at_least(0)})
     max_grad_norm: float | None = field(default=None, metadata={
-        "help": "gradient clipping: largest total gradient norm (None: no clipping)", "check": positive})
+        "help": "gradient clipping: largest total gradient norm (none: no clipping)", "check": positive})
     checkpoint_every: int = field(default=100, metadata={"help": "steps between resumable checkpoints",
                                                          "check": at_least(1)})
     mixed_precision: str = field(default="auto", metadata={

@@ -58,6 +58,12 @@ def run(args: argparse.Namespace) -> int:
     calib_args = recipe.calibration
     tok = runtime.load_tokenizer(args.model)
     model = runtime.load_model(args.model, dtype=DTYPES[args.dtype], device=args.device, weights="dense")
+    limit = model.config.max_position_embeddings
+    used = recipe.needs_calibration or args.eval_samples  # windows to calibrate on or to score
+    if used and calib_args["seq_len"] > limit:  # checked before any of them is made
+        given = "--seq-len" if args.seq_len is not None else f"the calibration seq_len of {args.recipe}"
+        raise ValueError(f"{given} {calib_args['seq_len']} is more than the {limit} positions of --model {args.model} "
+                         f"(max_position_embeddings); pass --seq-len {limit} or less")
     evals = (quant.eval_batches(tok, "sharegpt", n_samples=args.eval_samples, seq_len=calib_args["seq_len"])
              if args.eval_samples else None)
     ppl_before = quant.perplexity(model, evals, progress=True) if evals is not None else None

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from distill.config_args import add_dataclass_args, at_least, check_fields, dataclass_from_args
+from distill.config_args import add_dataclass_args, at_least, check_fields, dataclass_from_args, flag_name
 from distill.train_medusa import MedusaTrainConfig
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
@@ -45,7 +45,7 @@ def test_flags_take_the_field_defaults_types_and_help():
 def test_bad_values_are_rejected_by_flag_and_by_the_config(capsys):
     p = parser()
     for argv, message in ((["--steps", "0"], "argument --steps: must be >= 1, got 0"),
-                          (["--steps", "two"], "argument --steps: expected int, got 'two'"),
+                          (["--steps", "two"], "argument --steps: expected an integer, got 'two'"),
                           (["--mode", "medium"], "argument --mode: must be one of 'fast', 'slow', got 'medium'")):
         with pytest.raises(SystemExit):
             p.parse_args(argv)
@@ -54,6 +54,46 @@ def test_bad_values_are_rejected_by_flag_and_by_the_config(capsys):
         Example(steps=0)
     with pytest.raises(ValueError, match="Example.mode must be one of 'fast', 'slow', got 'medium'"):
         Example(mode="medium")
+
+
+@pytest.mark.parametrize("text", ["nan", "inf", "-inf", "NaN"])
+def test_non_finite_floats_are_rejected_by_flag_and_by_the_config(text, capsys):
+    with pytest.raises(SystemExit):
+        parser().parse_args([f"--rate={text}"])
+    assert "argument --rate: expected a finite number" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="Example.rate must be a finite number"):
+        Example(rate=float(text))
+
+
+def _float_fields():
+    from distill.config_args import field_type
+    from distill.draft import DistillConfig
+    from distill.recover import RecoverConfig
+    from distill.train_eagle import EagleTrainConfig
+
+    return [(cls, f.name) for cls in (MedusaTrainConfig, EagleTrainConfig, DistillConfig, RecoverConfig)
+            for f in dataclasses.fields(cls) if field_type(cls, f) is float]
+
+
+@pytest.mark.parametrize("cls, name", _float_fields())
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_every_float_field_of_the_training_configs_refuses_non_finite_values(cls, name, value, capsys):
+    with pytest.raises(ValueError, match=f"{cls.__name__}.{name} must be a finite number"):
+        cls(**{name: value})
+    p = argparse.ArgumentParser()
+    add_dataclass_args(p, cls)
+    with pytest.raises(SystemExit):
+        p.parse_args([f"{flag_name(name)}={value}"])
+    assert f"argument {flag_name(name)}: expected a finite number" in capsys.readouterr().err
+
+
+def test_an_optional_field_takes_none_on_the_command_line():
+    p = argparse.ArgumentParser()
+    add_dataclass_args(p, MedusaTrainConfig)
+    for text in ("none", "None"):
+        assert p.parse_args(["--max-grad-norm", text]).max_grad_norm is None
+    assert p.parse_args(["--max-grad-norm", "2"]).max_grad_norm == 2.0
+    assert "(none: no clipping)" in " ".join(p.format_help().split())
 
 
 def test_skip_rename_and_caller_defaults():

@@ -157,7 +157,9 @@ def test_medusa_commands_refuse_paths_specdec_did_not_write_before_loading_anyth
              (["train", *model, "--data", str(tmp_path / "notes.txt"), "--out", str(tmp_path / "new")],
               "notes.txt is not a self-distillation jsonl"),
              (["train", *model, "--data", str(tmp_path / "sd.jsonl"), "--out", str(tmp_path / "new")],
-              "no records in"),
+              "--data: " + str(tmp_path / "sd.jsonl") + " does not exist"),
+             (["train", *model, "--data", str(tmp_path / "home"), "--out", str(tmp_path / "new")],
+              "--data: " + str(tmp_path / "home") + " is not a file"),
              (["tree", *model, "--heads", str(tmp_path / "home")], "home is not a Medusa heads directory")]
     for argv, message in cases:
         assert main(["medusa", *argv]) == 2
@@ -165,6 +167,34 @@ def test_medusa_commands_refuse_paths_specdec_did_not_write_before_loading_anyth
         assert first.startswith(f"specdec medusa {argv[0]}: error: ") and message in first, (argv, first)
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["home", "notes.txt"]
+
+
+def test_train_out_of_time_names_the_budget_and_leaves_no_output(tmp_path, capsys, monkeypatch, snapshot):
+    """A budget that ends before the first cached record, or before the first step of training on a
+    cache --hidden-cache already holds, is reported as such, and OUT is left as it was (a new one removed)."""
+    import json
+
+    monkeypatch.delenv("SPECDEC_DEBUG", raising=False)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "tiny")
+    model = runtime.load_model(tmp_path / "tiny", dtype=torch.float32)
+    g = torch.Generator().manual_seed(1)
+    records = [{"id": i, "prompt_ids": torch.randint(0, 128, (4,), generator=g).tolist(),
+                "output_ids": torch.randint(0, 128, (12,), generator=g).tolist()} for i in range(10)]
+    (tmp_path / "sd.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    cache = cache_hidden_states(model, records, tmp_path / "cache", num_heads=2, dtype=torch.float32)
+    (tmp_path / "empty").mkdir()
+    before = snapshot(tmp_path)
+    argv = ["medusa", "train", "--model", str(tmp_path / "tiny"), "--dtype", "float32", "--data",
+            str(tmp_path / "sd.jsonl"), "--num-heads", "2", "--max-minutes", "1e-9"]
+    for extra, when in ((["--out", str(tmp_path / "new" / "heads")], "any training position was cached"),
+                        (["--out", str(tmp_path / "empty")], "any training position was cached"),
+                        (["--out", str(tmp_path / "new"), "--hidden-cache", str(cache)], "the first training step")):
+        assert main(argv + extra) == 2
+        first = capsys.readouterr().err.strip().splitlines()[-1]
+        assert first.startswith("specdec medusa train: error: the time budget (--max-minutes") and when in first
+        assert snapshot(tmp_path) == before
 
 
 def test_the_medusa_recipe_refuses_a_directory_it_did_not_write_in_one_line(tmp_path):

@@ -210,6 +210,27 @@ def test_recover_command_flags_are_the_configs():
         p.parse_args(["--student", "s", "--teacher", "t", "--out", "o", "--micro-batch", "0"])
 
 
+@pytest.mark.parametrize("seq_len, short", [(257, "teacher"), (200, "student")])
+def test_recover_command_refuses_windows_longer_than_a_models_positions_before_loading(seq_len, short, tmp_path,
+                                                                                       capsys, monkeypatch, snapshot):
+    """Only the configs exist (no tokenizer, no weights): the check comes before anything loads."""
+    from runtime.tiny import tiny_hf_config
+    from specdec.cli import main
+
+    monkeypatch.delenv("SPECDEC_DEBUG", raising=False)
+    limits = {"teacher": 256, "student": 256 if short == "teacher" else 128}
+    for name, limit in limits.items():
+        tiny_hf_config(max_position_embeddings=limit).save_pretrained(tmp_path / name)
+    before = snapshot(tmp_path)
+    assert main(["distill", "recover", "--student", str(tmp_path / "student"), "--teacher", str(tmp_path / "teacher"),
+                 "--out", str(tmp_path / "out"), "--seq-len", str(seq_len)]) == 2
+    first = capsys.readouterr().err.splitlines()[0]
+    limit = limits[short]
+    assert first == (f"specdec distill recover: error: --seq-len {seq_len} is more than the {limit} positions "
+                     f"of --{short} {tmp_path / short} (max_position_embeddings); pass --seq-len {limit} or less")
+    assert snapshot(tmp_path) == before
+
+
 def test_bf16_autocast_trains_and_keeps_the_mask(teacher):
     student = _student(teacher)
     masks = _masks(student)

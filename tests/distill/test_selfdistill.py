@@ -18,6 +18,36 @@ def test_chat_prompt_and_stop_tokens(word_tokenizer):
     assert stop_token_ids(word_tokenizer) == [2]
 
 
+@pytest.mark.parametrize("command, flag", [("medusa data", "--model"), ("eagle data", "--target"),
+                                           ("distill draft", "--draft")])
+def test_commands_refuse_a_tokenizer_without_chat_template_by_model_before_loading_it(command, flag, word_tokenizer,
+                                                                                      tmp_path, capsys, monkeypatch,
+                                                                                      snapshot):
+    """The checkpoint has a config and a tokenizer but no weights: the tokenizer is checked first."""
+    import copy
+
+    from transformers import LlamaConfig
+
+    from specdec.cli import main
+
+    monkeypatch.delenv("SPECDEC_DEBUG", raising=False)
+    ckpt = tmp_path / "plain"
+    LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2).save_pretrained(ckpt)
+    plain = copy.deepcopy(word_tokenizer)
+    plain.chat_template = None
+    plain.save_pretrained(ckpt)
+    before = snapshot(tmp_path)
+    models = {"--draft": ["--target", str(ckpt), "--draft", str(ckpt)]}.get(flag, [flag, str(ckpt)])
+    out = str(tmp_path / ("sd.jsonl" if command.endswith("data") else "out"))
+    assert main([*command.split(), *models, "--out", out]) == 2
+    first = capsys.readouterr().err.splitlines()[0]
+    assert first.startswith(f"specdec {command}: error: {flag} {ckpt}: the tokenizer has no chat template"), first
+    assert "use a chat model" in first and snapshot(tmp_path) == before
+    with pytest.raises(ValueError, match="has no chat template"):
+        chat_prompt_ids(plain, "w1")
+
+
 @pytest.mark.parametrize("text, code", [
     ("Write a Python function that sorts a list", True), ("In Java, replace {object} in a string", True),
     ("Use C# to get the thumbnail", True), ("How do I learn Node.js?", True), ("call the API.", True),

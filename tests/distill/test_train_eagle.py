@@ -385,6 +385,22 @@ def test_a_bad_flag_fails_before_anything_loads(tmp_path, capsys):
     assert not (tmp_path / "cache").exists() and not (tmp_path / "sd.jsonl").exists()
 
 
+@pytest.mark.parametrize("data, message", [("nowhere.jsonl", "nowhere.jsonl does not exist"),
+                                           (".", "is not a file"), ("empty.jsonl", "no records in")])
+def test_eagle_train_names_data_that_is_missing_or_empty_before_anything_loads(data, message, tmp_path, capsys,
+                                                                               monkeypatch, snapshot):
+    from specdec.cli import main
+
+    monkeypatch.delenv("SPECDEC_DEBUG", raising=False)
+    (tmp_path / "empty.jsonl").write_text("")
+    before = snapshot(tmp_path)
+    assert main(["eagle", "train", "--target", str(tmp_path / "none"), "--data", str(tmp_path / data),
+                 "--out", str(tmp_path / "out")]) == 2
+    first = capsys.readouterr().err.splitlines()[0]
+    assert first.startswith("specdec eagle train: error: --data: ") and message in first
+    assert "specdec eagle data" in first and snapshot(tmp_path) == before
+
+
 def test_eagle_train_end_to_end_on_a_tiny_checkpoint(records, tmp_path, capsys, monkeypatch):
     from transformers import AutoModelForCausalLM
 

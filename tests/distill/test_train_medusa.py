@@ -276,3 +276,16 @@ def test_a_refused_or_failed_training_leaves_no_output_directory(tiny_model, rec
         with pytest.raises(RuntimeError, match="^first batch failed$"):
             distill.train_medusa(heads, data, out, cfg)
         assert snapshot(tmp_path) == before
+
+
+def test_a_run_whose_deadline_came_before_a_result_says_so_and_leaves_no_output(tiny_model, records, tmp_path,
+                                                                                snapshot):
+    empty = cache_hidden_states(tiny_model, records, tmp_path / "late", num_heads=1, deadline=0.0)  # no record
+    full = cache_hidden_states(tiny_model, records[:10], tmp_path / "cache", num_heads=1, heldout_every=5)
+    before = snapshot(tmp_path)
+    heads = distill.attach_medusa(tiny_model, num_heads=1)
+    cfg = MedusaTrainConfig(epochs=1, batch_size=64, mixed_precision="no")
+    for data, when in ((empty, "any training position was cached"), (full, "the first training step")):
+        with pytest.raises(ValueError, match=f"^the time budget .* ran out before {when}.* allow more time"):
+            distill.train_medusa(heads, data, tmp_path / "heads", cfg, deadline=0.0)
+        assert snapshot(tmp_path) == before

@@ -163,3 +163,17 @@ def test_compress_needs_overwrite_to_replace_its_own_checkpoint(tmp_path):
                    "--out", str(tmp_path / "out"), "--export-dense", "--overwrite"])
     with pytest.raises(OutputPathError, match="out-dense is a non-empty directory"):
         args.func(args)
+
+
+@pytest.mark.parametrize("flag, recipe_seq_len, given", [(["--seq-len", "100000"], 32, "--seq-len 100000"),
+                                                         ([], 4096, "the calibration seq_len of")])
+def test_compress_refuses_windows_longer_than_the_models_positions(tiny_dir, tmp_path, flag, recipe_seq_len, given):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"calibration: {{source: sharegpt, n_samples: 4, seq_len: {recipe_seq_len}}}\n"
+                      "steps:\n  - {type: Int8WeightOnly, modules: ['*.attn.*']}\n")
+    args = _parse(["compress", "--model", str(tiny_dir), "--recipe", str(recipe), "--out", str(tmp_path / "out"),
+                   "--dtype", "float32", *flag])
+    with pytest.raises(ValueError, match=f"^{given}.* is more than the 512 positions of --model {tiny_dir} "
+                                         r"\(max_position_embeddings\); pass --seq-len 512 or less$"):
+        args.func(args)
+    assert not (tmp_path / "out").exists()
