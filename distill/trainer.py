@@ -238,6 +238,12 @@ class Task(ABC):
         """Restore what `state()` returned."""
 
 
+def out_of_time(before: str) -> str:
+    """The message of a run whose time budget ended `before` it had a result (nothing was trained)."""
+    return (f"the time budget (--max-minutes, the deadline) ran out before {before}: nothing was trained or "
+            "saved; allow more time and run the same command again (it resumes what was cached)")
+
+
 class Trainer:
     """Runs `task` under `config` (a TrainerConfig): see the module docstring.
 
@@ -380,6 +386,8 @@ class Trainer:
             self.bar.close()
             if self.step and self._saved != self.step:
                 self.save_checkpoint()
+        if self.step == 0 and last > 0:  # only the deadline ends a fit before its first step
+            raise ValueError(out_of_time("the first training step"))
         if task.eval_every:
             self._evaluate()  # the final weights, when the last measurement was earlier
         return self
