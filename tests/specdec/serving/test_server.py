@@ -332,6 +332,19 @@ def test_serve_fails_fast_on_a_taken_port(served, capsys, monkeypatch):
     assert "pick another --port" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags,named,hint", [
+    (["--host", ""], "--host is empty", "0.0.0.0 to listen on all interfaces"),
+    (["--host", "  "], "--host is empty", "0.0.0.0 to listen on all interfaces"),
+    (["--served-model-name", ""], "--served-model-name is empty", "pass a name"),
+])
+def test_serve_refuses_an_empty_host_or_served_model_name_before_loading(tmp_path, capsys, monkeypatch, flags,
+                                                                         named, hint):
+    monkeypatch.delenv("SPECDEC_DEBUG", raising=False)
+    assert cli_main(["serve", "--model", str(tmp_path / "missing"), "--port", "0", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"specdec serve: error: {named}") and hint in err[0]
+
+
 class _FailingDrafter(NgramDrafter):
     """An n-gram drafter whose proposals fail: every batch step raises inside the engine."""
 
