@@ -186,6 +186,14 @@ BAD = [  # (path, body, status, param, code)
     ("/v1/completions", {**GOOD, "best_of": 2}, 400, "best_of", "unsupported_parameter"),
     ("/v1/completions", {**GOOD, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "invalid_value"),
     ("/v1/completions", {**GOOD, "prompt": ["a", "b"]}, 400, "prompt", "invalid_value"),
+    ("/v1/completions", {**GOOD, "foo": 1}, 400, "foo", "unknown_parameter"),
+    ("/v1/completions", {**GOOD, "stop_token_ids": [999]}, 400, "stop_token_ids", "unknown_parameter"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "foo": 1}, 400, "foo",
+     "unknown_parameter"),
+    ("/v1/completions", {**GOOD, "seed": -1}, 400, "seed", "invalid_value"),
+    ("/v1/completions", {**GOOD, "seed": 2 ** 70}, 400, "seed", "invalid_value"),
+    ("/v1/completions", b"[" * 100000 + b"]" * 100000, 400, None, "invalid_json"),
+    ("/v1/completions", b'{"model": "tiny-llama", "prompt": [' + b"7" * 5000 + b']}', 400, None, "invalid_json"),
     ("/v1/nothing", GOOD, 404, None, "404"),
 ]
 
