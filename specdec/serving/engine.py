@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from runtime.args import check_data, check_model, describe
 from runtime.cache import KVCache
 from runtime.errors import ContextLengthError
 from specdec.decode import DecodeLoop, cache_slack
@@ -145,6 +146,7 @@ class Engine:
                  num_draft_tokens: int | str = DEFAULT_NUM_DRAFT_TOKENS,
                  eos_token_id: int | list[int] | None = None) -> None:
         target = as_runtime_model(target)
+        check_model("target", target)
         positions = target.config.max_position_embeddings
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
@@ -154,6 +156,10 @@ class Engine:
         num_draft_tokens = parse_draft_length(draft_length_of(draft, num_draft_tokens))
         self.target, self.max_batch, self.max_len = target, max_batch, max_len
         self.eos = eos_set(eos_token_id)
+        vocab = target.config.vocab_size
+        if any(e >= vocab for e in self.eos):
+            raise ValueError(f"eos_token_id holds token id {max(self.eos)}, outside the model's vocabulary "
+                             f"[0, {vocab}); pass the tokenizer's eos id of this model")
         self.drafter = None if draft is None else make_drafter(draft, target)
         room = max_len + cache_slack(target, self.drafter, num_draft_tokens)
         cache = target.new_cache(max_batch, room)
@@ -194,12 +200,21 @@ class Engine:
         thread with the tokens each step accepted, then once with [] when the request finishes
         (not after a cancel); if it raises, the request ends with "error" (its final call comes
         all the same; an exception there is logged). Checked before queueing: a prompt that does
-        not fit max_len raises ContextLengthError, bad ids or settings ValueError."""
+        not fit max_len raises ContextLengthError, bad ids or settings ValueError, an argument of the
+        wrong type TypeError. request_id: a unique non-empty str (None: a fresh one)."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a specdec.SamplingParams, got {type(params).__name__}")
+        if on_tokens is not None and not callable(on_tokens):
+            raise TypeError(f"on_tokens must be a callable on_tokens(request, new_ids) or None, got "
+                            f"{describe(on_tokens)}")
+        if request_id is not None and not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str or None (a fresh id), got {describe(request_id)}")
+        if request_id is not None and not request_id:
+            raise ValueError("request_id is empty; pass a non-empty str or None (a fresh id)")
         prompt = self._check_prompt(prompt_ids, params)
         generator = params.generator(self.target.device)
-        req = Request(request_id or uuid.uuid4().hex, prompt, params, on_tokens=on_tokens, generator=generator)
+        rid = uuid.uuid4().hex if request_id is None else request_id
+        req = Request(rid, prompt, params, on_tokens=on_tokens, generator=generator)
         with self._lock:
             if req.id in self._live:
                 raise ValueError(f"request id {req.id!r} is already waiting or running; use a unique id")
@@ -210,13 +225,25 @@ class Engine:
 
     def _check_prompt(self, prompt_ids, params: SamplingParams) -> torch.Tensor:
         """The prompt as a 1-D LongTensor on the CPU, checked against the model and max_len."""
-        prompt = torch.as_tensor(prompt_ids)
+        if isinstance(prompt_ids, torch.Tensor):
+            check_data("prompt_ids", prompt_ids)
+            prompt = prompt_ids
+        elif isinstance(prompt_ids, (list, tuple)):
+            try:
+                prompt = torch.as_tensor(prompt_ids)
+            except (TypeError, ValueError, RuntimeError) as err:  # what torch says of strings, ragged lists, ...
+                raise TypeError(f"prompt_ids must be a 1-D LongTensor or a list of token ids, got "
+                                f"{describe(prompt_ids)}") from err
+        else:
+            raise TypeError(f"prompt_ids must be a 1-D LongTensor or a list of token ids (tokenize a text first), "
+                            f"got {describe(prompt_ids)}")
         if prompt.dim() == 2 and prompt.shape[0] == 1:
             prompt = prompt[0]
         if prompt.dim() != 1 or prompt.numel() == 0:
-            raise ValueError(f"a prompt is a non-empty 1-D sequence of token ids, got shape {tuple(prompt.shape)}")
+            raise ValueError(f"prompt_ids must be a non-empty 1-D sequence of token ids, got shape "
+                             f"{tuple(prompt.shape)}")
         if prompt.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"a prompt holds integer token ids, got {prompt.dtype}")
+            raise ValueError(f"prompt_ids must hold integer token ids (torch.long), got {prompt.dtype}")
         vocab = self.target.config.vocab_size
         lo, hi = int(prompt.min()), int(prompt.max())
         if lo < 0 or hi >= vocab:
