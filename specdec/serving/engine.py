@@ -32,6 +32,9 @@ step (the target's forward over every row, the drafter's `propose` / `commit`) i
 every request in flight ends with "error", every row is freed, and the next step admits new
 requests as at the start.
 
+A request's fault is one warning line in the log (`specdec.serving.engine`: the request's id, the
+stage, the exception's type and message); its traceback is logged at debug level.
+
 One thread calls `step()` (or `run_until_done()`); `submit` and `cancel` may come from any
 thread. Listeners (`on_tokens`) run on the stepping thread.
 """
@@ -379,7 +382,7 @@ class Engine:
             return
         self._faults[row] = RequestError.of(stage, err)
         self.loop.state.free(row)
-        log.error("request %s ends with an error: %s", self.slots[row].id, self._faults[row], exc_info=err)
+        _log_fault(self.slots[row].id, "ends with an error", self._faults[row], err)
 
     def _take_loop_faults(self) -> None:
         """The rows whose sampling raised in the loop's last call."""
@@ -408,8 +411,9 @@ class Engine:
         try:
             self.loop.release(row)
         except Exception as err:  # the row is free all the same: its cache length and state were reset first
-            log.error("releasing the row of request %s failed", req.id, exc_info=err)
-            error = error or RequestError.of("release", err)
+            fault = RequestError.of("release", err)
+            _log_fault(req.id, "could not release its row", fault, err)
+            error = error or fault
         if error is not None and reason != "cancelled":
             req.error, reason = error, "error"
             # what a fault left in the row (NaN keys from NaN activations, say) would reach its next
@@ -437,9 +441,10 @@ class Engine:
         if reason != "cancelled" and req.on_tokens is not None:
             try:
                 req.on_tokens(req, [])
-            except Exception:
-                log.exception("the listener of request %s raised on its final call (finish reason %r)", req.id,
-                              reason)
+            except Exception as err:  # already said if the listener is what ended the request
+                again = req.error is not None and req.error.stage == "listener"
+                _log_fault(req.id, f"(finish reason {reason!r}) raised on its listener's final call",
+                           RequestError.of("listener", err), err, warn=not again)
 
     @property
     def metrics(self) -> dict:
@@ -461,6 +466,13 @@ class Engine:
             for q in (50, 95):
                 out[f"{name}_p{q}"] = ordered[min(len(ordered) - 1, q * len(ordered) // 100)] if ordered else 0.0
         return out
+
+
+def _log_fault(request_id: str, what: str, fault: RequestError, err: BaseException, warn: bool = True) -> None:
+    """One warning line for a request's fault (its id, the stage, the exception's type and message;
+    at debug level unless `warn`), and its traceback at debug level."""
+    log.log(logging.WARNING if warn else logging.DEBUG, "request %s %s: %s", request_id, what, fault)
+    log.debug("traceback of request %s's %s", request_id, type(err).__name__, exc_info=err)
 
 
 class _IsolatingLoop(DecodeLoop):
