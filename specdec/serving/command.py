@@ -41,6 +41,17 @@ def check_address(host: str, port: int) -> None:
             raise ValueError(f"cannot listen on {host}:{port} ({err.strerror}); {hint}") from err
 
 
+def check_names(args: argparse.Namespace) -> None:
+    """Refuse an empty --host (the socket layer would bind every interface, not the loopback the
+    default promises) and an empty --served-model-name (no request could name the model)."""
+    if not args.host.strip():
+        raise ValueError("--host is empty, which would listen on every interface; pass 127.0.0.1 (loopback "
+                         "only, the default) or 0.0.0.0 to listen on all interfaces")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise ValueError("--served-model-name is empty, a name no request can send; pass a name or leave it out "
+                         "(requests then name --model)")
+
+
 def drafter_spec(args: argparse.Namespace) -> DrafterSpec | None:
     """The DrafterSpec of --draft, or of its aliases --eagle (with --eagle-tree / --eagle-depth /
     --eagle-top-k) and --medusa; None = plain decoding."""
@@ -93,6 +104,7 @@ def main(args: argparse.Namespace) -> int:
 
     if args.max_batch < 1:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
+    check_names(args)
     check_address(args.host, args.port)
     spec = drafter_spec(args)  # a bad --draft fails before any model loads
     print(f"loading target {args.model} ({args.dtype}, {args.device}{', compiled' if args.compile else ''})",

@@ -32,6 +32,9 @@ step (the target's forward over every row, the drafter's `propose` / `commit`) i
 every request in flight ends with "error", every row is freed, and the next step admits new
 requests as at the start.
 
+A request's fault is one warning line in the log (`specdec.serving.engine`: the request's id, the
+stage, the exception's type and message); its traceback is logged at debug level.
+
 One thread calls `step()` (or `run_until_done()`); `submit` and `cancel` may come from any
 thread. Listeners (`on_tokens`) run on the stepping thread.
 """
@@ -48,6 +51,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from runtime.args import check_data, check_model, describe
 from runtime.cache import KVCache
 from runtime.errors import ContextLengthError
 from specdec.decode import DecodeLoop, cache_slack
@@ -145,6 +149,7 @@ class Engine:
                  num_draft_tokens: int | str = DEFAULT_NUM_DRAFT_TOKENS,
                  eos_token_id: int | list[int] | None = None) -> None:
         target = as_runtime_model(target)
+        check_model("target", target)
         positions = target.config.max_position_embeddings
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
@@ -154,6 +159,10 @@ class Engine:
         num_draft_tokens = parse_draft_length(draft_length_of(draft, num_draft_tokens))
         self.target, self.max_batch, self.max_len = target, max_batch, max_len
         self.eos = eos_set(eos_token_id)
+        vocab = target.config.vocab_size
+        if any(e >= vocab for e in self.eos):
+            raise ValueError(f"eos_token_id holds token id {max(self.eos)}, outside the model's vocabulary "
+                             f"[0, {vocab}); pass the tokenizer's eos id of this model")
         self.drafter = None if draft is None else make_drafter(draft, target)
         room = max_len + cache_slack(target, self.drafter, num_draft_tokens)
         cache = target.new_cache(max_batch, room)
@@ -194,12 +203,21 @@ class Engine:
         thread with the tokens each step accepted, then once with [] when the request finishes
         (not after a cancel); if it raises, the request ends with "error" (its final call comes
         all the same; an exception there is logged). Checked before queueing: a prompt that does
-        not fit max_len raises ContextLengthError, bad ids or settings ValueError."""
+        not fit max_len raises ContextLengthError, bad ids or settings ValueError, an argument of the
+        wrong type TypeError. request_id: a unique non-empty str (None: a fresh one)."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a specdec.SamplingParams, got {type(params).__name__}")
+        if on_tokens is not None and not callable(on_tokens):
+            raise TypeError(f"on_tokens must be a callable on_tokens(request, new_ids) or None, got "
+                            f"{describe(on_tokens)}")
+        if request_id is not None and not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str or None (a fresh id), got {describe(request_id)}")
+        if request_id is not None and not request_id:
+            raise ValueError("request_id is empty; pass a non-empty str or None (a fresh id)")
         prompt = self._check_prompt(prompt_ids, params)
         generator = params.generator(self.target.device)
-        req = Request(request_id or uuid.uuid4().hex, prompt, params, on_tokens=on_tokens, generator=generator)
+        rid = uuid.uuid4().hex if request_id is None else request_id
+        req = Request(rid, prompt, params, on_tokens=on_tokens, generator=generator)
         with self._lock:
             if req.id in self._live:
                 raise ValueError(f"request id {req.id!r} is already waiting or running; use a unique id")
@@ -210,13 +228,25 @@ class Engine:
 
     def _check_prompt(self, prompt_ids, params: SamplingParams) -> torch.Tensor:
         """The prompt as a 1-D LongTensor on the CPU, checked against the model and max_len."""
-        prompt = torch.as_tensor(prompt_ids)
+        if isinstance(prompt_ids, torch.Tensor):
+            check_data("prompt_ids", prompt_ids)
+            prompt = prompt_ids
+        elif isinstance(prompt_ids, (list, tuple)):
+            try:
+                prompt = torch.as_tensor(prompt_ids)
+            except (TypeError, ValueError, RuntimeError) as err:  # what torch says of strings, ragged lists, ...
+                raise TypeError(f"prompt_ids must be a 1-D LongTensor or a list of token ids, got "
+                                f"{describe(prompt_ids)}") from err
+        else:
+            raise TypeError(f"prompt_ids must be a 1-D LongTensor or a list of token ids (tokenize a text first), "
+                            f"got {describe(prompt_ids)}")
         if prompt.dim() == 2 and prompt.shape[0] == 1:
             prompt = prompt[0]
         if prompt.dim() != 1 or prompt.numel() == 0:
-            raise ValueError(f"a prompt is a non-empty 1-D sequence of token ids, got shape {tuple(prompt.shape)}")
+            raise ValueError(f"prompt_ids must be a non-empty 1-D sequence of token ids, got shape "
+                             f"{tuple(prompt.shape)}")
         if prompt.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"a prompt holds integer token ids, got {prompt.dtype}")
+            raise ValueError(f"prompt_ids must hold integer token ids (torch.long), got {prompt.dtype}")
         vocab = self.target.config.vocab_size
         lo, hi = int(prompt.min()), int(prompt.max())
         if lo < 0 or hi >= vocab:
@@ -352,7 +382,7 @@ class Engine:
             return
         self._faults[row] = RequestError.of(stage, err)
         self.loop.state.free(row)
-        log.error("request %s ends with an error: %s", self.slots[row].id, self._faults[row], exc_info=err)
+        _log_fault(self.slots[row].id, "ends with an error", self._faults[row], err)
 
     def _take_loop_faults(self) -> None:
         """The rows whose sampling raised in the loop's last call."""
@@ -381,8 +411,9 @@ class Engine:
         try:
             self.loop.release(row)
         except Exception as err:  # the row is free all the same: its cache length and state were reset first
-            log.error("releasing the row of request %s failed", req.id, exc_info=err)
-            error = error or RequestError.of("release", err)
+            fault = RequestError.of("release", err)
+            _log_fault(req.id, "could not release its row", fault, err)
+            error = error or fault
         if error is not None and reason != "cancelled":
             req.error, reason = error, "error"
             # what a fault left in the row (NaN keys from NaN activations, say) would reach its next
@@ -410,9 +441,10 @@ class Engine:
         if reason != "cancelled" and req.on_tokens is not None:
             try:
                 req.on_tokens(req, [])
-            except Exception:
-                log.exception("the listener of request %s raised on its final call (finish reason %r)", req.id,
-                              reason)
+            except Exception as err:  # already said if the listener is what ended the request
+                again = req.error is not None and req.error.stage == "listener"
+                _log_fault(req.id, f"(finish reason {reason!r}) raised on its listener's final call",
+                           RequestError.of("listener", err), err, warn=not again)
 
     @property
     def metrics(self) -> dict:
@@ -434,6 +466,13 @@ class Engine:
             for q in (50, 95):
                 out[f"{name}_p{q}"] = ordered[min(len(ordered) - 1, q * len(ordered) // 100)] if ordered else 0.0
         return out
+
+
+def _log_fault(request_id: str, what: str, fault: RequestError, err: BaseException, warn: bool = True) -> None:
+    """One warning line for a request's fault (its id, the stage, the exception's type and message;
+    at debug level unless `warn`), and its traceback at debug level."""
+    log.log(logging.WARNING if warn else logging.DEBUG, "request %s %s: %s", request_id, what, fault)
+    log.debug("traceback of request %s's %s", request_id, type(err).__name__, exc_info=err)
 
 
 class _IsolatingLoop(DecodeLoop):

@@ -4,7 +4,9 @@
 `APIError`, whose `body()` is OpenAI's error object `{"error": {"message", "type", "param",
 "code"}}` and whose `status` the HTTP reply carries. Parameters the server does not implement
 (best_of, logprobs, echo, penalties, ...) are refused by name with a 400 instead of being ignored
-silently; unknown extra fields are ignored, as OpenAI-compatible servers do.
+silently, and so is a field the server does not know (a typo, another server's extension such as
+`stop_token_ids`): 400 `unknown_parameter` naming it. `user` (OpenAI's end-user tag) is taken and
+has no effect.
 
 `IncrementalText` turns a growing list of token ids into text deltas for streaming: it decodes only
 the ids from the previous step on (the prefix / read offsets of vLLM's incremental detokenizer, so
@@ -23,7 +25,13 @@ from dataclasses import dataclass
 _UNSUPPORTED = {"best_of": (None, 1), "echo": (None, False), "logprobs": (None, False, 0),
                 "top_logprobs": (None, 0), "suffix": (None, ""),
                 "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
-                "tools": (None, []), "response_format": (None, {"type": "text"})}
+                "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
+                "function_call": (None, "none"), "response_format": (None, {"type": "text"})}
+# the fields each endpoint takes (besides the _UNSUPPORTED ones at their defaults)
+_COMMON = ("model", "temperature", "top_p", "top_k", "seed", "n", "stop", "stream", "stream_options", "user")
+_FIELDS = {"completions": ("prompt", "max_tokens") + _COMMON,
+           "chat": ("messages", "max_completion_tokens", "max_tokens") + _COMMON}
+MAX_SEED = 2 ** 63  # seeds are in [0, MAX_SEED), as SamplingParams takes them
 _ROLES = ("system", "user", "assistant")
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
 MAX_N = 16  # choices per request: each is one row of the batch
@@ -77,7 +85,16 @@ def _check_type(body: dict, name: str, types: tuple[type, ...], what: str):
     return value
 
 
-def _common(body: dict, served_model: str) -> dict:
+def _known(body: dict, endpoint: str) -> None:
+    """Refuse the first field that `endpoint` does not take (not one of its _FIELDS nor _UNSUPPORTED)."""
+    fields = _FIELDS[endpoint]
+    for name in body:
+        if name not in fields and name not in _UNSUPPORTED:
+            raise APIError(400, f"unknown parameter {name!r}; leave it out (this endpoint takes: "
+                           f"{', '.join(fields)})", name, "unknown_parameter")
+
+
+def _common(body: dict, served_model: str, endpoint: str) -> dict:
     """The settings both endpoints share, checked; raises APIError naming the first bad field."""
     if "model" not in body or body["model"] is None:
         raise APIError(400, f"missing required parameter 'model'; this server serves {served_model!r}",
@@ -89,8 +106,8 @@ def _common(body: dict, served_model: str) -> dict:
     for name, allowed in _UNSUPPORTED.items():
         if name in body and body[name] not in allowed:
             raise APIError(400, f"'{name}' = {body[name]!r} is not supported by specdec serve; leave it out "
-                           f"(supported: model, prompt/messages, max_tokens, temperature, top_p, top_k, seed, n, stop, "
-                           f"stream, stream_options)", name, "unsupported_parameter")
+                           f"(supported: {', '.join(_FIELDS[endpoint])})", name, "unsupported_parameter")
+    _known(body, endpoint)
     temperature = _check_type(body, "temperature", (int, float), "a number between 0 and 2")
     temperature = 1.0 if temperature is None else float(temperature)
     if not 0.0 <= temperature <= 2.0:
@@ -103,7 +120,9 @@ def _common(body: dict, served_model: str) -> dict:
     top_k = _check_type(body, "top_k", (int,), "an integer >= 0 (0 = off)") or 0
     if top_k < 0:
         raise APIError(400, f"'top_k' must be >= 0 (0 = off), got {top_k}", "top_k", "invalid_value")
-    seed = _check_type(body, "seed", (int,), "an integer")
+    seed = _check_type(body, "seed", (int,), "an integer in [0, 2**63)")
+    if seed is not None and not 0 <= seed < MAX_SEED:
+        raise APIError(400, f"'seed' must be in [0, 2**63), got {seed}", "seed", "invalid_value")
     stream = _check_type(body, "stream", (bool,), "true or false") or False
     options = _check_type(body, "stream_options", (dict,), "an object like {\"include_usage\": true}") or {}
     include_usage = options.get("include_usage", False)
@@ -150,7 +169,7 @@ def _is_ids(value) -> bool:
 def parse_completion(body: dict, served_model: str, tokenizer, vocab_size: int) -> GenerationRequest:
     """A /v1/completions body: `prompt` is a string, a list of token ids, or a one-element list of
     either (OpenAI's batch form with one prompt). max_tokens defaults to 16, as OpenAI's does."""
-    common = _common(body, served_model)
+    common = _common(body, served_model, "completions")
     if "prompt" not in body or body["prompt"] is None:
         raise APIError(400, "missing required parameter 'prompt' (a string or a list of token ids)", "prompt",
                        "missing_required_parameter")
@@ -200,7 +219,7 @@ def _message_text(message, index: int) -> tuple[str, str]:
 def parse_chat(body: dict, served_model: str, tokenizer) -> GenerationRequest:
     """A /v1/chat/completions body: the messages through the tokenizer's chat template with a
     generation prompt. max_tokens (or max_completion_tokens) defaults to what the context leaves."""
-    common = _common(body, served_model)
+    common = _common(body, served_model, "chat")
     messages = body.get("messages")
     if messages is None:
         raise APIError(400, "missing required parameter 'messages' (a list of {role, content})", "messages",

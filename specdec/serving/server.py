@@ -234,9 +234,12 @@ async def _json_body(request: Request) -> dict:
     raw = await request.body()
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError, an integer of too many digits
         raise APIError(400, f"the request body is not valid JSON ({err}); send a JSON object", None,
                        "invalid_json") from err
+    except RecursionError as err:  # arrays or objects nested deeper than the parser's stack
+        raise APIError(400, "the request body is not valid JSON here: it nests arrays or objects deeper than the "
+                       "parser goes; send a flat JSON object", None, "invalid_json") from err
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}", None,
                        "invalid_json")

@@ -257,6 +257,42 @@ def test_bad_requests_are_refused_at_submit(target):
         Engine(target, max_len=10 ** 6)
 
 
+@pytest.mark.parametrize("target_arg,error,first", [
+    (None, TypeError, "target must be a runtime model"),
+    ("/path/ckpt", TypeError, "target must be a loaded model, got the path or name '/path/ckpt'; load it first: "
+                              "runtime.load_model('/path/ckpt')"),
+])
+def test_an_engine_needs_a_loaded_model(target_arg, error, first):
+    with pytest.raises(error) as err:
+        Engine(target_arg)
+    assert str(err.value).startswith(first)
+
+
+def test_an_engine_refuses_an_eos_id_outside_the_vocabulary(target):
+    with pytest.raises(ValueError, match=rf"^eos_token_id holds token id {10 ** 6}, outside the model's vocabulary"):
+        Engine(target, max_batch=1, max_len=32, eos_token_id=[1, 10 ** 6])
+
+
+@pytest.mark.parametrize("prompt,kw,error,first", [
+    (None, {}, TypeError, "prompt_ids must be a 1-D LongTensor or a list of token ids (tokenize a text first), "
+                          "got None"),
+    ("hello", {}, TypeError, "prompt_ids must be a 1-D LongTensor or a list of token ids (tokenize a text first), "
+                             "got 'hello'"),
+    ([1, "a"], {}, TypeError, "prompt_ids must be a 1-D LongTensor or a list of token ids, got [1, 'a']"),
+    (torch.tensor([1, 2], device="meta"), {}, ValueError, "prompt_ids is on the meta device"),
+    ([1.5, 2.0], {}, ValueError, "prompt_ids must hold integer token ids"),
+    ([1, 2], dict(on_tokens=5), TypeError, "on_tokens must be a callable"),
+    ([1, 2], dict(request_id=5), TypeError, "request_id must be a str or None"),
+    ([1, 2], dict(request_id=""), ValueError, "request_id is empty"),
+])
+def test_submit_names_the_bad_argument(target, prompt, kw, error, first):
+    engine = Engine(target, max_batch=1, max_len=32)
+    with pytest.raises(error) as err:
+        engine.submit(prompt, SamplingParams(max_new_tokens=2), **kw)
+    assert str(err.value).startswith(first)
+    assert engine.waiting == 0
+
+
 def test_zero_new_tokens_finishes_at_once(target):
     engine = Engine(target, max_batch=1)
     req = engine.submit(torch.tensor([1, 2, 3]), SamplingParams(max_new_tokens=0))

@@ -84,13 +84,34 @@ def test_a_listener_that_raises_on_its_final_call_is_logged(target, caplog):
         if not new:
             raise ValueError("final call fault")
 
-    caplog.set_level(logging.ERROR, logger="specdec.serving.engine")
+    caplog.set_level(logging.WARNING, logger="specdec.serving.engine")
     first = engine.submit(prompts[0], SamplingParams(max_new_tokens=5), on_tokens=listen)
     other = engine.submit(prompts[1], SamplingParams(max_new_tokens=9))
     engine.run_until_done()
     assert first.finish_reason == "length" and first.error is None  # it had ended: its tokens are whole
     assert other.tokens == _alone(target, "ngram", prompts[1], SamplingParams(max_new_tokens=9))
-    assert "raised on its final call" in caplog.text and "final call fault" in caplog.text
+    assert ("raised on its listener's final call: ValueError in its listener (on_tokens): final call fault"
+            in caplog.text)
+
+
+def test_a_listener_that_always_raises_is_one_warning_line_and_its_traceback_is_debug_only(target, caplog):
+    engine = Engine(target, "ngram", max_batch=2)
+    prompts = _prompts(2, seed=23)
+
+    def listen(req, new):
+        raise KeyError("listener broke")
+
+    caplog.set_level(logging.DEBUG, logger="specdec.serving.engine")
+    bad = engine.submit(prompts[0], SamplingParams(max_new_tokens=6), on_tokens=listen, request_id="bad-1")
+    engine.submit(prompts[1], SamplingParams(max_new_tokens=6))
+    engine.run_until_done()
+    assert bad.finish_reason == "error" and bad.error.stage == "listener"
+    records = [r for r in caplog.records if r.name == "specdec.serving.engine"]
+    warnings = [r for r in records if r.levelno >= logging.WARNING]
+    assert [r.getMessage() for r in warnings] == ["request bad-1 ends with an error: KeyError in its listener "
+                                                  "(on_tokens): 'listener broke'"]
+    assert not any(r.exc_info for r in warnings)
+    assert any(r.exc_info and r.levelno == logging.DEBUG for r in records)  # the traceback, for debugging
 
 
 def _poisoned(target, token: int):

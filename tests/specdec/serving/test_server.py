@@ -186,6 +186,14 @@ BAD = [  # (path, body, status, param, code)
     ("/v1/completions", {**GOOD, "best_of": 2}, 400, "best_of", "unsupported_parameter"),
     ("/v1/completions", {**GOOD, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "invalid_value"),
     ("/v1/completions", {**GOOD, "prompt": ["a", "b"]}, 400, "prompt", "invalid_value"),
+    ("/v1/completions", {**GOOD, "foo": 1}, 400, "foo", "unknown_parameter"),
+    ("/v1/completions", {**GOOD, "stop_token_ids": [999]}, 400, "stop_token_ids", "unknown_parameter"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "foo": 1}, 400, "foo",
+     "unknown_parameter"),
+    ("/v1/completions", {**GOOD, "seed": -1}, 400, "seed", "invalid_value"),
+    ("/v1/completions", {**GOOD, "seed": 2 ** 70}, 400, "seed", "invalid_value"),
+    ("/v1/completions", b"[" * 100000 + b"]" * 100000, 400, None, "invalid_json"),
+    ("/v1/completions", b'{"model": "tiny-llama", "prompt": [' + b"7" * 5000 + b']}', 400, None, "invalid_json"),
     ("/v1/nothing", GOOD, 404, None, "404"),
 ]
 
@@ -330,6 +338,19 @@ def test_serve_fails_fast_on_a_taken_port(served, capsys, monkeypatch):
     monkeypatch.delenv("SPECDEC_DEBUG", raising=False)
     assert cli_main(["serve", "--model", "unused", "--port", str(served[0].port)]) == 2
     assert "pick another --port" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,named,hint", [
+    (["--host", ""], "--host is empty", "0.0.0.0 to listen on all interfaces"),
+    (["--host", "  "], "--host is empty", "0.0.0.0 to listen on all interfaces"),
+    (["--served-model-name", ""], "--served-model-name is empty", "pass a name"),
+])
+def test_serve_refuses_an_empty_host_or_served_model_name_before_loading(tmp_path, capsys, monkeypatch, flags,
+                                                                         named, hint):
+    monkeypatch.delenv("SPECDEC_DEBUG", raising=False)
+    assert cli_main(["serve", "--model", str(tmp_path / "missing"), "--port", "0", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"specdec serve: error: {named}") and hint in err[0]
 
 
 class _FailingDrafter(NgramDrafter):

@@ -1,11 +1,12 @@
 """The OpenAI wire format of specdec serve without a server: stop strings cut the streamed text
-exactly where the whole text would be cut, whatever the token boundaries; n and stop are checked."""
+exactly where the whole text would be cut, whatever the token boundaries; n, stop and seed are checked,
+and a field the server does not know is refused by name."""
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from specdec.serving.protocol import APIError, IncrementalText, parse_completion
+from specdec.serving.protocol import APIError, IncrementalText, parse_chat, parse_completion
 
 MODEL = "m"
 
@@ -81,6 +82,34 @@ def test_n_and_stop_are_parsed_and_checked(chars):
         with pytest.raises(APIError) as err:
             parse_completion(_body(**bad), MODEL, chars, 30)
         assert (err.value.status, err.value.param, err.value.code) == (400, param, code)
+
+
+@pytest.mark.parametrize("field,value,code", [
+    ("foo", 1, "unknown_parameter"),
+    ("stop_token_ids", [999], "unknown_parameter"),  # vLLM's extension: not taken here, so not ignored
+    ("messages", [{"role": "user", "content": "a"}], "unknown_parameter"),  # a chat field on /v1/completions
+    ("seed", -1, "invalid_value"),
+    ("seed", 2 ** 70, "invalid_value"),
+    ("seed", 2 ** 63, "invalid_value"),
+    ("seed", 1.5, "invalid_type"),
+    ("tool_choice", "auto", "unsupported_parameter"),
+])
+def test_unknown_fields_and_seeds_out_of_range_are_refused_by_name(chars, field, value, code):
+    with pytest.raises(APIError) as err:
+        parse_completion(_body(**{field: value}), MODEL, chars, 30)
+    assert (err.value.status, err.value.param, err.value.code) == (400, field, code)
+    assert repr(field) in err.value.message or f"'{field}'" in err.value.message
+
+
+def test_chat_refuses_a_completions_field_and_both_take_the_openai_defaults_and_user(chars, monkeypatch):
+    monkeypatch.setattr(chars, "chat_template", "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "ab"}]}
+    with pytest.raises(APIError) as err:
+        parse_chat({**chat, "prompt": "ab"}, MODEL, chars)
+    assert (err.value.param, err.value.code) == ("prompt", "unknown_parameter")
+    defaults = dict(user="u1", logprobs=False, presence_penalty=0, tool_choice="none", seed=2 ** 63 - 1)
+    assert parse_chat({**chat, **defaults}, MODEL, chars).seed == 2 ** 63 - 1
+    assert parse_completion(_body(**defaults), MODEL, chars, 30).prompt_ids == (1, 2)
 
 
 def test_each_step_decodes_only_the_ids_since_the_step_before(chars):
