@@ -184,3 +184,16 @@ def test_a_checkpoint_is_readable_by_others_as_the_umask_allows(calib, tokenizer
     for out in outs:
         assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~mask, out
         assert {stat.S_IMODE(p.stat().st_mode) for p in out.rglob("*")} == {0o666 & ~mask}, out
+
+
+@pytest.mark.parametrize("format", FORMATS)
+@pytest.mark.parametrize("path", ["", " "])
+def test_an_empty_path_is_refused_not_read_as_the_current_directory(calib, tmp_path, monkeypatch, format, path):
+    monkeypatch.chdir(tmp_path)
+    model = _compress(tiny_model("llama", seed=5), quant.Int8WeightOnly(), calib)
+    with pytest.raises(OutputPathError, match=r"^an empty path is not an output location for the .*; give a "
+                                              r"directory path"):
+        quant.save_compressed(model, path, format=format)
+    with pytest.raises(OutputPathError, match=r"^an empty path is not an output location for the dense export"):
+        quant.export_dense(model, path)
+    assert list(tmp_path.iterdir()) == []
