@@ -18,6 +18,7 @@ from quant.config import NF4, Config, Int4WeightOnly, Int8Mixed, Int8WeightOnly,
 from quant.gptq import solve
 from quant.grids import check_group_size, int4_module, int4_rtn, int8_rtn, mask_24
 from quant.layerwise import compress_layerwise
+from runtime.args import check_data, check_module, describe
 from runtime.qlinear import Int8MixedLinear, NF4Linear, Sparse24Int4Linear, Sparse24Linear, pack_24_indices, pack_int4
 
 
@@ -56,9 +57,24 @@ def _record(model: nn.Module, cfg: Config) -> None:
     model.compression_recipe = recipe
 
 
-def _need_calibration(cfg: Config, calibration: torch.Tensor | None, what: str) -> torch.Tensor:
+def _need_calibration(model: nn.Module, calibration: torch.Tensor | None, what: str) -> torch.Tensor:
+    """`calibration` when it is what layer-wise calibration runs on: a LongTensor (N, T), N >= 1 and
+    T >= 1, of token ids in the model's vocabulary (TypeError / ValueError naming it otherwise)."""
+    fix = "pass calibration=quant.calibration_batches(tokenizer, ...)"
     if calibration is None:
-        raise ValueError(f"{what} needs calibration windows: pass calibration=quant.calibration_batches(tok, ...)")
+        raise ValueError(f"{what} needs calibration windows: {fix}")
+    if not isinstance(calibration, torch.Tensor):
+        raise TypeError(f"calibration must be a LongTensor (N, T) of token ids, got {describe(calibration)}; {fix}")
+    if calibration.dtype != torch.long or calibration.dim() != 2 or 0 in calibration.shape:
+        raise ValueError(f"calibration must be a LongTensor (N, T) of token ids with N, T >= 1, got a "
+                         f"{calibration.dtype} tensor of shape {tuple(calibration.shape)}; {fix}")
+    check_data("calibration", calibration)
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    low, high = int(calibration.min()), int(calibration.max())
+    if low < 0 or (vocab is not None and high >= vocab):
+        where = f"outside the model's vocabulary (0..{vocab - 1})" if vocab is not None else "not a token id"
+        raise ValueError(f"calibration holds token id {low if low < 0 else high}, {where}; build it with the "
+                         f"model's own tokenizer: {fix}")
     return calibration
 
 
@@ -115,6 +131,7 @@ def quantize_(model: nn.Module, config: Config, calibration: torch.Tensor | None
     config: Int8WeightOnly, Int4WeightOnly (method "rtn" or "gptq"), NF4 or Int8Mixed.
     calibration: LongTensor (N, T) windows (quant.calibration_batches), needed by GPTQ.
     """
+    check_module("model", model, "a model to compress (runtime.load_model)")
     if isinstance(config, SemiStructured24):
         raise ValueError("SemiStructured24 is a sparsity config: use quant.sparsify_(model, config, ...)")
     if type(config) not in _HANDLERS:
@@ -131,6 +148,7 @@ def sparsify_(model: nn.Module, config: SemiStructured24, calibration: torch.Ten
     method "magnitude" needs no calibration; "wanda" and "sparsegpt" need calibration windows.
     With `int4_group_size`, SparseGPT also quantizes the kept weights to INT4 (Sparse24Int4Linear).
     """
+    check_module("model", model, "a model to compress (runtime.load_model)")
     if not isinstance(config, SemiStructured24):
         raise ValueError(f"sparsify_ takes a SemiStructured24 config, got {config!r}; quantize with quant.quantize_")
     return _apply(model, config, calibration, progress)
@@ -170,7 +188,7 @@ def _int4_weight_only(model, targets, cfg: Int4WeightOnly, calibration, progress
         _replace_each(model, targets, lambda mod: int4_rtn(mod.weight.detach(), cfg.group_size, _bias(mod), cfg.grid,
                                                            cfg.zero_point))
         return
-    batches = _need_calibration(cfg, calibration, "Int4WeightOnly(method='gptq')")
+    batches = _need_calibration(model, calibration, "Int4WeightOnly(method='gptq')")
 
     def gptq(name: str, mod: nn.Linear, stats) -> nn.Module:
         res = solve(mod.weight, stats.H, damp=cfg.damp, block_size=cfg.block_size, group_size=cfg.group_size,
@@ -204,7 +222,7 @@ def _semi_structured_24(model, targets, config: SemiStructured24, calibration, p
     if config.method == "magnitude":
         _replace_each(model, targets, _magnitude_24)
     elif config.method == "wanda":
-        batches = _need_calibration(config, calibration, "SemiStructured24(method='wanda')")
+        batches = _need_calibration(model, calibration, "SemiStructured24(method='wanda')")
 
         def wanda(name: str, mod: nn.Linear, stats) -> nn.Module:
             w = mod.weight.detach()
@@ -213,7 +231,7 @@ def _semi_structured_24(model, targets, config: SemiStructured24, calibration, p
 
         compress_layerwise(model, batches, targets, "norms", wanda, "wanda", progress=progress)
     else:
-        batches = _need_calibration(config, calibration, "SemiStructured24(method='sparsegpt')")
+        batches = _need_calibration(model, calibration, "SemiStructured24(method='sparsegpt')")
 
         def sparsegpt(name: str, mod: nn.Linear, stats) -> nn.Module:
             w = mod.weight.detach()

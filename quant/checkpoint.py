@@ -10,6 +10,7 @@ directory specdec did not write, is refused (OutputPathError) and never touched.
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from runtime.args import check_bool, check_instance, check_methods, check_module
 from runtime.compressed import FORMAT_VERSION
 from runtime.hf_state import dense_hf_state, is_tied
 from runtime.outputs import prepare_output_dir, write_output_dir
@@ -55,6 +57,15 @@ def check_export_out(out_dir: str | Path, overwrite: bool = False) -> Path:
     return prepare_output_dir(out_dir, EXPORT_MARKER, overwrite, what=EXPORT)
 
 
+def _check_save_args(model: Any, out_dir: Any, tokenizer: Any, overwrite: Any) -> None:
+    """TypeError naming the argument of save_compressed / export_dense that has the wrong type."""
+    check_module("model", model, "a model compressed by quant.quantize_ / quant.sparsify_")
+    check_instance("out_dir", out_dir, (str, os.PathLike), "a directory path (a str or a Path)")
+    if tokenizer is not None:
+        check_methods("tokenizer", tokenizer, ["save_pretrained"], "a tokenizer (runtime.load_tokenizer) or None")
+    check_bool("overwrite", overwrite)
+
+
 def _write_common(tmp: Path, hf_config: Any, tokenizer: Any) -> None:
     hf_config.to_json_file(str(tmp / "config.json"))
     if tokenizer is not None:
@@ -75,6 +86,7 @@ def save_compressed(model: nn.Module, out_dir: str | Path, tokenizer: Any = None
     load too (INT8 / INT4 only; see `quant.compressed_tensors`). `out_dir` must be new or empty;
     `overwrite=True` replaces a previous output of the same format there (and nothing else).
     """
+    _check_save_args(model, out_dir, tokenizer, overwrite)
     if format not in FORMATS:
         raise ValueError(f"save_compressed format must be one of {FORMATS}, got {format!r}")
     if format == "compressed-tensors":
@@ -114,6 +126,7 @@ def export_dense(model: nn.Module, out_dir: str | Path, tokenizer: Any = None,
     specdec_export.json marks the directory as specdec's (the recipe, the dtype, the list of
     files); `out_dir` must be new or empty, and `overwrite=True` replaces a dense export there.
     """
+    _check_save_args(model, out_dir, tokenizer, overwrite)
     check_export_out(out_dir, overwrite)
     state = dense_hf_state(model, dtype)
     hf_config = copy.deepcopy(model.config.hf_config)

@@ -1,5 +1,9 @@
 """Compression configs: frozen dataclasses validated on construction, plus recipe (de)serialisation.
 
+Every field is type-checked first (`_check_type`: a bool field takes only True / False, an int
+field no "64" or 64.0, a float field any real number), the same check for the Python API and for a
+recipe's YAML; then the values are range-checked.
+
 Every config selects the `nn.Linear` modules it compresses by fully-qualified name
 (`fnmatch` patterns over names such as `layers.3.mlp.w13`): `modules` to include, `exclude`
 to drop. Embeddings are never touched; `lm_head` only with `include_lm_head=True` (it is a
@@ -15,6 +19,8 @@ import typing
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
+
+from runtime.args import describe
 
 GROUP_SIZES = (32, 64, 128, 256)
 NF4_BLOCKSIZES = (64, 128, 256, 512, 1024, 2048, 4096)
@@ -32,12 +38,10 @@ class ModuleFilter:
     include_lm_head: bool = False
 
     def __post_init__(self) -> None:
-        for field in ("modules", "exclude"):
-            value = getattr(self, field)
-            if isinstance(value, str) or not all(isinstance(p, str) for p in value):
-                raise ValueError(f"{type(self).__name__}.{field} must be a tuple of fnmatch patterns "
-                                 f"(e.g. ('layers.*.mlp.*',)), got {value!r}")
-            object.__setattr__(self, field, tuple(value))
+        kind = type(self).__name__
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            object.__setattr__(self, f.name, _check_type(kind, f.name, hints[f.name], getattr(self, f.name)))
         if not self.modules:
             raise ValueError(f"{type(self).__name__}.modules is empty: nothing would be compressed")
 
@@ -190,8 +194,8 @@ def unknown_keys(where: str, keys: Iterable[Any], allowed: Iterable[str]) -> Non
                      f"{', '.join(allowed)}")
 
 
-# YAML / JSON value types a config field takes: the test and how a message names it
-_VALUE_TYPES = {bool: (lambda v: isinstance(v, bool), "true or false"),
+# value types a config field takes: the test and how a message names it (YAML's and Python's spelling)
+_VALUE_TYPES = {bool: (lambda v: isinstance(v, bool), "a boolean (true or false)"),
                 int: (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
                 float: (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
                 str: (lambda v: isinstance(v, str), "a string")}
@@ -199,8 +203,8 @@ _VALUE_TYPES = {bool: (lambda v: isinstance(v, bool), "true or false"),
 
 def _check_type(kind: str, name: str, hint: Any, value: Any) -> Any:
     """`value` as field `name` of config `kind` holds it (a list of patterns as a tuple, an integer
-    float as a float); TypeError naming the field when the YAML / JSON type is wrong (a string for a
-    number, ...)."""
+    as a float for a float field); TypeError naming the field when the type is wrong (a string for a
+    number, "yes" for a bool, ...)."""
     if typing.get_origin(hint) in (typing.Union, types.UnionType):  # `X | None`
         if value is None:
             return value
@@ -208,10 +212,10 @@ def _check_type(kind: str, name: str, hint: Any, value: Any) -> Any:
     if typing.get_origin(hint) is tuple:  # fnmatch patterns
         if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
             return tuple(value)
-        raise TypeError(f"{kind}.{name} must be a list of fnmatch patterns (strings), got {value!r}")
+        raise TypeError(f"{kind}.{name} must be a list of fnmatch patterns (strings), got {describe(value)}")
     test, wanted = _VALUE_TYPES[hint]
     if not test(value):
-        raise TypeError(f"{kind}.{name} must be {wanted}, got {value!r}")
+        raise TypeError(f"{kind}.{name} must be {wanted}, got {describe(value)}")
     return float(value) if hint is float else value
 
 
@@ -229,5 +233,4 @@ def config_from_dict(data: dict[str, Any]) -> Config:
     cls = CONFIGS[kind]
     fields = {k: v for k, v in data.items() if k != "type"}
     unknown_keys(kind, fields, ["type", *(f.name for f in dataclasses.fields(cls))])
-    hints = typing.get_type_hints(cls)
-    return cls(**{k: _check_type(kind, k, hints[k], v) for k, v in fields.items()})
+    return cls(**fields)  # __post_init__ checks each value's type

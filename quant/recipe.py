@@ -35,6 +35,56 @@ CALIBRATION_KEYS = {
 }
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a mapping key written twice (plain YAML keeps the last one, so a
+    second `steps:` would silently drop the first); keys a `<<` merge brings in may be overridden."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        lines: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                if key in lines:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} is written twice (first at line {lines[key]}); write each key once",
+                        key_node.start_mark)
+                lines[key] = key_node.start_mark.line + 1
+            except TypeError:  # an unhashable key: SafeLoader's own error names it
+                continue
+        return super().construct_mapping(node, deep)
+
+
+def _yaml_error(err: yaml.YAMLError) -> str:
+    """A YAML error in one line: the problem and where it is (PyYAML's own text spans several)."""
+    mark = getattr(err, "problem_mark", None)
+    problem = getattr(err, "problem", None)
+    if mark is None or problem is None:
+        return " ".join(str(err).split())
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
+
+
+def _read_yaml(path: Path) -> Any:
+    """The YAML document in file `path`; ValueError naming the file when it is a directory, cannot be
+    read, is not UTF-8 text or not valid YAML, FileNotFoundError when it does not exist."""
+    if path.is_dir():
+        raise ValueError(f"recipe {path} is a directory; give the recipe's YAML file")
+    if not path.is_file():
+        raise FileNotFoundError(f"recipe {path} does not exist")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"recipe {path} is not a UTF-8 text file ({err.reason} at byte {err.start}); give a YAML "
+                         "recipe") from None
+    except OSError as err:
+        raise ValueError(f"recipe {path} cannot be read ({err.strerror}); give a readable YAML file") from None
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)
+    except yaml.YAMLError as err:
+        raise ValueError(f"recipe {path} is not valid YAML: {_yaml_error(err)}") from err
+
+
 def check_calibration(calibration: Any) -> None:
     """ValueError naming an unknown key (and the closest known one) or a bad value of a recipe's
     `calibration` mapping (the keyword arguments of quant.calibration_batches)."""
@@ -69,12 +119,7 @@ def load_recipe(path: str | Path) -> Recipe:
     and in each step, are refused by name (with the closest allowed key); errors name the file, the
     step and the problem."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"recipe {path} does not exist")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        raise ValueError(f"recipe {path} is not valid YAML ({err})") from err
+    data = _read_yaml(path)
     if isinstance(data, list):
         data = {"steps": data}
     if not isinstance(data, dict) or not isinstance(data.get("steps"), list):

@@ -113,3 +113,21 @@ def check_model(name: str, model: Any) -> None:
     if not (callable(getattr(model, "new_cache", None)) and hasattr(model, "config")):
         raise TypeError(f"{name} must be a runtime model (runtime.load_model) or a transformers PreTrainedModel, "
                         f"got {describe(model)}")
+
+
+def check_module(name: str, value: Any, what: str) -> None:
+    """TypeError unless `value` is a torch.nn.Module; a path or name is refused with the call that
+    loads it; `what` names what fits."""
+    if isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{name} must be {what}, got the path or name {str(value)!r}; load it first: "
+                        f"runtime.load_model({str(value)!r})")
+    if not isinstance(value, torch.nn.Module):
+        raise TypeError(f"{name} must be {what}, got {describe(value)}")
+
+
+def describe_line(value: Any) -> str:
+    """`value` as a one-line error message shows it: a torch module (whose repr spans many lines) by
+    its class, anything else as `describe` shows it."""
+    if isinstance(value, torch.nn.Module):
+        return f"a {type(value).__name__} module"
+    return describe(value)

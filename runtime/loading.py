@@ -130,8 +130,15 @@ def read_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
     raise CheckpointError(f"{ckpt} holds no weights (no *.safetensors, no pytorch_model*.bin)")
 
 
-def to_runtime_state(hf_state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Rename and fuse Hugging Face tensors into the Transformer's parameter names."""
+def _checkpoint(source: str | Path | None) -> str:
+    """How a message names the checkpoint the tensors came from (its directory, when known)."""
+    return "the checkpoint" if source is None else f"checkpoint {source}"
+
+
+def to_runtime_state(hf_state: dict[str, torch.Tensor], cfg: ModelConfig,
+                     source: str | Path | None = None) -> dict[str, torch.Tensor]:
+    """Rename and fuse Hugging Face tensors into the Transformer's parameter names; `source` (the
+    checkpoint directory) is what a CheckpointError names."""
     out: dict[str, torch.Tensor] = {}
     for ours, theirs in _TOP_MAP.items():
         if theirs in hf_state:
@@ -146,35 +153,38 @@ def to_runtime_state(hf_state: dict[str, torch.Tensor], cfg: ModelConfig) -> dic
                 continue
             if len(present) != len(names):
                 missing = sorted(set(names) - set(present))
-                raise CheckpointError(f"checkpoint is missing {', '.join(missing)}")
+                raise CheckpointError(f"{_checkpoint(source)} is missing {', '.join(missing)}; fetch or convert "
+                                      "it again")
             tensors = [hf_state[n] for n in names]
             out[f"layers.{i}.{ours}"] = tensors[0] if len(tensors) == 1 else torch.cat(tensors, 0)
     return out
 
 
 def from_hf_state(hf_state: dict[str, torch.Tensor], hf_config: Any, dtype: torch.dtype = torch.float32,
-                  device: torch.device | str = "cpu", attention: str | None = None) -> Transformer:
+                  device: torch.device | str = "cpu", attention: str | None = None,
+                  source: str | Path | None = None) -> Transformer:
     """Build a Transformer on `meta` and assign the given Hugging Face tensors to it.
 
     The tensors are checked against the config first (layer count, shapes, floating dtypes:
     `runtime.validate.check_tensors`), so a config that disagrees with them builds nothing.
+    `source`: the checkpoint directory they came from, which a CheckpointError names.
     """
     cfg = model_config(hf_config)
-    check_tensors(cfg, tensor_infos(hf_state), HF_LAYOUT)
+    check_tensors(cfg, tensor_infos(hf_state), HF_LAYOUT, source)
     with torch.device("meta"):
         model = Transformer(cfg, attention=attention)
-    state = to_runtime_state(hf_state, cfg)
+    state = to_runtime_state(hf_state, cfg, source)
     expected = set(model.state_dict())
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
         expected.discard("lm_head.weight")
     missing = sorted(expected - set(state))
     if missing:
-        raise CheckpointError(f"checkpoint lacks {len(missing)} tensors the model needs, e.g. "
+        raise CheckpointError(f"{_checkpoint(source)} lacks {len(missing)} tensors the model needs, e.g. "
                               f"{', '.join(missing[:4])}")
     for name, tensor in state.items():
         if not torch.isfinite(tensor).all():
-            raise CheckpointError(f"tensor {name} holds NaN or inf values; the checkpoint is corrupt")
+            raise CheckpointError(f"tensor {name} holds NaN or inf values; {_checkpoint(source)} is corrupt")
     # a tensor taken as is from a safetensors file would stay a view of its memory map, which keeps
     # every page of the file resident (RssFile: +3.6 GB for the 1.5B): copy those into the model's own memory
     mapped = {id(t) for t in hf_state.values()}
@@ -288,7 +298,7 @@ def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.bfloat16,
         if files:  # the headers against the config, before any weight is read
             check_tensors(cfg, read_headers(files), HF_LAYOUT, ckpt)
         model = from_hf_state(read_state_dict(ckpt), hf_config, dtype=dtype, device=device,
-                              attention=attention)
+                              attention=attention, source=ckpt)
     release_freed_memory()  # the load's temporaries (`runtime.heap`)
     model.source = ckpt  # lets a drafter compare tokenizers with its target
     model.want_row_invariant = bool(row_invariant)
@@ -297,14 +307,41 @@ def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.bfloat16,
     return model
 
 
+# files a Hugging Face tokenizer is read from (fast, sentencepiece, BPE, WordPiece, its settings)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tokenizer_config.json")
+_TOKENIZER_FIX = "copy the base model's tokenizer files into it, or load the tokenizer from the base model"
+
+
+def _check_tokenizer_files(ckpt: Path) -> list[str]:
+    """The tokenizer files in `ckpt` (TOKENIZER_FILES, *.tiktoken); CheckpointError when there are none,
+    or when tokenizer.json is not a `tokenizers` file (a JSON object with a "model" mapping)."""
+    present = [n for n in TOKENIZER_FILES if (ckpt / n).is_file()] + sorted(p.name for p in ckpt.glob("*.tiktoken"))
+    if not present:
+        raise CheckpointError(f"no usable tokenizer in {ckpt}: it holds none of {', '.join(TOKENIZER_FILES)}; "
+                              f"{_TOKENIZER_FIX}")
+    file = ckpt / "tokenizer.json"
+    if file.is_file():
+        raw = read_json(file)
+        if not isinstance(raw.get("model"), dict):
+            raise CheckpointError(f"{file} is not a tokenizers file: it has no \"model\" mapping (keys: "
+                                  f"{', '.join(sorted(raw)[:6]) or 'none'}); the file is corrupt: {_TOKENIZER_FIX}")
+    return present
+
+
 def load_tokenizer(name_or_path: str | Path):
-    """The Hugging Face tokenizer stored with a checkpoint (catalogue name, dir, .gguf or hub id)."""
+    """The Hugging Face tokenizer stored with a checkpoint (catalogue name, dir, .gguf or hub id).
+
+    A directory without tokenizer files, a tokenizer.json that is not a `tokenizers` file, or files
+    transformers cannot read raise CheckpointError naming the directory or file, in one line."""
     from transformers import AutoTokenizer
 
     check_path("name_or_path", name_or_path, SOURCES)
     ckpt = resolve(name_or_path)
     refuse_remote_code(ckpt)
+    present = _check_tokenizer_files(ckpt)
     try:
         return AutoTokenizer.from_pretrained(ckpt, trust_remote_code=False)
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"no usable tokenizer in {ckpt} ({err})") from err
+    except Exception as err:  # transformers and the tokenizers library raise many types (KeyError, Exception)
+        reason = " ".join(str(err).split())
+        raise CheckpointError(f"no usable tokenizer in {ckpt} ({', '.join(present)}): {type(err).__name__}: "
+                              f"{reason}; {_TOKENIZER_FIX}") from err

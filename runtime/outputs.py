@@ -89,6 +89,14 @@ def _check_creatable(path: Path, what: str) -> None:
                               "in a writable directory (nothing was written)") from None
 
 
+def _check_not_empty(path: str | Path, what: str, kind: str) -> None:
+    """OutputPathError for an empty (or blank) path, which Path() would read as the current directory;
+    `kind` ("directory", "file") says what path to give instead."""
+    if not str(path).strip():
+        raise OutputPathError(f"an empty path is not an output location for the {what}; give a {kind} path "
+                              "(nothing was written)")
+
+
 def make_dirs(path: str | Path) -> list[Path]:
     """Create directory `path` and its missing parents; returns the directories this call created,
     outermost first (for `remove_dirs` when what was to go into them fails)."""
@@ -176,12 +184,14 @@ def prepare_output_dir(path: str | Path, marker: str | Sequence[str], overwrite:
                        what: str = "specdec output", resume: bool = False) -> Path:
     """Check that `path` may receive a `what` (whose marker file(s) are `marker`); create nothing.
 
-    Returns `path` (user-expanded). Raises OutputPathError when `path` is a file (or anything but a
+    Returns `path` (user-expanded). Raises OutputPathError when `path` is empty or blank (which would
+    mean the current directory), a file (or anything but a
     directory), a new path that cannot be created (`_check_creatable`), a non-empty directory
     without the marker, or, unless `resume` or `overwrite`, a directory that already holds such an
     output. Call it before any expensive work, so bad input fails at once; writers call it again
     just before they write.
     """
+    _check_not_empty(path, what, "directory")
     path = Path(path).expanduser()
     markers = _markers(marker)
     if not path.exists() and not path.is_symlink():
@@ -272,9 +282,10 @@ def _install(tmp: Path, path: Path, marker: str, files: list[str], what: str) ->
 
 def check_output_file(path: str | Path, *, what: str = "output file", looks_like: Callable[[Path], bool]
                       | None = None) -> Path:
-    """Check that `path` may receive a file output: not a directory, a new path that can be created
-    (`_check_creatable`), and when it exists, `looks_like(path)` (a file specdec wrote, e.g. a jsonl
-    it appends to). Returns `path`."""
+    """Check that `path` may receive a file output: not empty or blank, not a directory, a new path that
+    can be created (`_check_creatable`), and when it exists, `looks_like(path)` (a file specdec wrote,
+    e.g. a jsonl it appends to). Returns `path`."""
+    _check_not_empty(path, what, "file")
     path = Path(path).expanduser()
     if path.is_dir():
         raise OutputPathError(f"{path} is a directory; the {what} is a file: give a file path")

@@ -1,6 +1,7 @@
 """attach / save / load of Medusa heads, and the load checks."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -115,3 +116,21 @@ def test_save_writes_only_where_heads_may_go_and_replaces_heads_only_on_request(
     (tmp_path / "h" / "notes.txt").write_text("mine")
     distill.save_medusa(heads, tmp_path / "h", overwrite=True)
     assert (tmp_path / "h" / "notes.txt").read_text() == "mine"  # heads files replaced, nothing else touched
+
+
+@pytest.mark.parametrize("format", ["specdec", "vllm"])
+@pytest.mark.parametrize("bad", [None, "heads", "eagle"])
+def test_save_refuses_what_is_no_medusa_heads_before_creating_the_directory(tiny_model, tmp_path, format, bad):
+    if bad == "eagle":
+        bad = specdec.Eagle3Head(specdec.Eagle3Config.from_target(tiny_model, aux_layers=(0, 0, 0)))
+    hint = "; save an EAGLE-3 head with specdec.save_eagle" if isinstance(bad, specdec.Eagle3Head) else ""
+    with pytest.raises(TypeError, match=r"^save_medusa heads must be Medusa heads .*, got .*" + re.escape(hint) + "$"):
+        distill.save_medusa(bad, tmp_path / "m0", format=format)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("bad, want", [(None, r"got None \(NoneType\)"), ("x", r"got the path or name 'x'")])
+def test_load_names_a_model_argument_that_is_no_model(tiny_model, tmp_path, bad, want):
+    distill.save_medusa(distill.attach_medusa(tiny_model, num_heads=2), tmp_path / "h")
+    with pytest.raises(TypeError, match=rf"^model must be .*{want}"):
+        distill.load_medusa(tmp_path / "h", bad)

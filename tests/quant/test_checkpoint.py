@@ -184,3 +184,32 @@ def test_a_checkpoint_is_readable_by_others_as_the_umask_allows(calib, tokenizer
     for out in outs:
         assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~mask, out
         assert {stat.S_IMODE(p.stat().st_mode) for p in out.rglob("*")} == {0o666 & ~mask}, out
+
+
+@pytest.mark.parametrize("format", FORMATS)
+@pytest.mark.parametrize("path", ["", " "])
+def test_an_empty_path_is_refused_not_read_as_the_current_directory(calib, tmp_path, monkeypatch, format, path):
+    monkeypatch.chdir(tmp_path)
+    model = _compress(tiny_model("llama", seed=5), quant.Int8WeightOnly(), calib)
+    with pytest.raises(OutputPathError, match=r"^an empty path is not an output location for the .*; give a "
+                                              r"directory path"):
+        quant.save_compressed(model, path, format=format)
+    with pytest.raises(OutputPathError, match=r"^an empty path is not an output location for the dense export"):
+        quant.export_dense(model, path)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("save", [quant.save_compressed, quant.export_dense], ids=["save_compressed", "export_dense"])
+@pytest.mark.parametrize("args, want", [
+    ({"model": None}, r"^model must be a model compressed by quant.quantize_ / quant.sparsify_, got None"),
+    ({"out_dir": 5}, r"^out_dir must be a directory path \(a str or a Path\), got 5 \(int\)"),
+    ({"tokenizer": "tok"}, r"^tokenizer must be a tokenizer \(runtime.load_tokenizer\) or None with save_pretrained"
+                           r"\(\), got 'tok' \(str\)"),
+    ({"overwrite": "yes"}, r"^overwrite must be True or False, got 'yes' \(str\)"),
+], ids=["model", "out_dir", "tokenizer", "overwrite"])
+def test_a_bad_argument_is_named_before_anything_is_written(calib, tmp_path, save, args, want):
+    model = _compress(tiny_model("llama", seed=5), quant.Int8WeightOnly(), calib)
+    call = {"model": model, "out_dir": tmp_path / "c", **args}
+    with pytest.raises(TypeError, match=want):
+        save(call.pop("model"), call.pop("out_dir"), **call)
+    assert list(tmp_path.iterdir()) == []

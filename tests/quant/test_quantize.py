@@ -161,3 +161,37 @@ def test_quantize_refuses_a_config_without_a_handler_naming_the_ones_it_takes():
     with pytest.raises(ValueError, match="sparsify_ takes a SemiStructured24"):
         quant.sparsify_(model, quant.Int8WeightOnly(), progress=False)
     assert not any(isinstance(m, QuantizedLinear) for m in model.modules())  # refused before any change
+
+
+@pytest.mark.parametrize("verb, cfg", [(quant.quantize_, quant.Int8WeightOnly()),
+                                       (quant.sparsify_, quant.SemiStructured24(method="magnitude"))])
+@pytest.mark.parametrize("bad, want", [(None, r"got None \(NoneType\)"), ("model-dir", r"got the path or name"),
+                                       ({}, r"got \{\} \(dict\)")])
+def test_a_model_argument_that_is_no_module_is_named(verb, cfg, bad, want):
+    with pytest.raises(TypeError, match=rf"^model must be a model to compress \(runtime.load_model\), {want}"):
+        verb(bad, cfg, progress=False)
+
+
+GPTQ = quant.Int4WeightOnly(group_size=32, method="gptq")
+
+
+@pytest.mark.parametrize("cfg", [GPTQ, quant.SemiStructured24(method="wanda")], ids=["gptq", "wanda"])
+@pytest.mark.parametrize("bad, error, want", [
+    ("code", TypeError, r"^calibration must be a LongTensor \(N, T\) of token ids, got 'code' \(str\)"),
+    ([], TypeError, r"^calibration must be a LongTensor \(N, T\) of token ids, got \[\] \(list\)"),
+    ([torch.zeros(1, 16, dtype=torch.long)], TypeError, r"got \[tensor.*\(list\)"),
+    (torch.rand(1, 16), ValueError, r"with N, T >= 1, got a torch.float32 tensor of shape \(1, 16\)"),
+    (torch.zeros(0, 16, dtype=torch.long), ValueError, r"got a torch.int64 tensor of shape \(0, 16\)"),
+    (torch.zeros(16, dtype=torch.long), ValueError, r"got a torch.int64 tensor of shape \(16,\)"),
+    (torch.full((1, 16), 999), ValueError, r"^calibration holds token id 999, outside the model's vocabulary "
+                                           r"\(0..127\); build it with the model's own tokenizer"),
+    (torch.full((1, 16), -1), ValueError, r"^calibration holds token id -1, outside"),
+], ids=["str", "empty-list", "list", "float", "no-rows", "1d", "oov", "negative"])
+def test_bad_calibration_is_named_before_the_model_changes(cfg, bad, error, want):
+    model = tiny_model("llama", seed=0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    verb = quant.sparsify_ if isinstance(cfg, quant.SemiStructured24) else quant.quantize_
+    with pytest.raises(error, match=want):
+        verb(model, cfg, calibration=bad, progress=False)
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)

@@ -80,3 +80,32 @@ def test_unsupported_model_type_points_at_the_adapter(tmp_path):
     with pytest.raises(UnsupportedModelError) as err:
         runtime.load_model(tmp_path)
     assert "'gpt2'" in str(err.value) and "HFAdapter" in str(err.value)
+
+
+def test_a_checkpoint_missing_one_part_of_a_fused_weight_is_named_by_its_directory(tiny_llama, tmp_path):
+    from safetensors.torch import save_file
+
+    tiny_llama.config.save_pretrained(tmp_path)
+    state = {k: v.clone() for k, v in tiny_llama.state_dict().items() if k != "model.layers.1.mlp.up_proj.weight"}
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=rf"^checkpoint {tmp_path} is missing model.layers.1.mlp.up_proj.weight; "
+                                              "fetch or convert it again$"):
+        runtime.load_model(tmp_path, dtype=torch.float32, weights="dense")
+
+
+@pytest.mark.parametrize("files, want", [
+    ({}, r"^no usable tokenizer in {d}: it holds none of tokenizer.json, tokenizer.model, vocab.json, vocab.txt, "
+         r"tokenizer_config.json; copy the base model's tokenizer files into it"),
+    ({"tokenizer.json": '{"x": 1}'}, r"^{d}/tokenizer.json is not a tokenizers file: it has no \"model\" mapping "
+                                     r"\(keys: x\); the file is corrupt"),
+    ({"tokenizer.json": "[1, 2]"}, r"^{d}/tokenizer.json holds a JSON list, not an object"),
+    ({"tokenizer.json": '{"model": {"type": "BPE"}}'}, r"^no usable tokenizer in {d} \(tokenizer.json\): KeyError: "
+                                                      r"'added_tokens'; copy the base model's tokenizer files"),
+], ids=["none", "no-model", "list", "no-added-tokens"])
+def test_a_missing_or_broken_tokenizer_is_one_line_naming_the_directory_or_file(tiny_llama, tmp_path, files, want):
+    tiny_llama.config.save_pretrained(tmp_path)
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    with pytest.raises(CheckpointError, match=want.replace("{d}", str(tmp_path))) as err:
+        runtime.load_tokenizer(tmp_path)
+    assert "\n" not in str(err.value)

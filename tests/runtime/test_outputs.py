@@ -168,3 +168,18 @@ def test_a_run_that_fails_after_a_result_or_in_a_used_directory_keeps_everything
         with created_output(tmp_path / "stopped"):
             raise KeyboardInterrupt
     assert not (tmp_path / "stopped").exists()
+
+
+
+@pytest.mark.parametrize("path", ["", "   ", "\t"])
+def test_an_empty_path_is_refused_even_in_an_empty_current_directory(tmp_path, monkeypatch, path, snapshot):
+    monkeypatch.chdir(tmp_path)
+    before = snapshot(tmp_path)
+    want = r"^an empty path is not an output location for the thing; give a {} path \(nothing was written\)$"
+    with pytest.raises(OutputPathError, match=want.format("directory")):
+        prepare_output_dir(path, "m.json", what="thing")
+    with pytest.raises(OutputPathError, match=want.format("directory")):
+        write_output_dir(path, _write, "m.json", {}, what="thing")
+    with pytest.raises(OutputPathError, match=want.format("file")):
+        check_output_file(path, what="thing")
+    assert snapshot(tmp_path) == before

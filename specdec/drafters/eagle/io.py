@@ -30,6 +30,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from runtime.args import check_model, check_path, describe_line
 from runtime.atomic import atomic_write, atomic_write_text
 from runtime.config import is_size
 from runtime.errors import CheckpointError
@@ -92,7 +93,8 @@ def save_eagle(head: Eagle3Head, path: str | Path, speculative_tokens: int = 3, 
     drafts when not told otherwise), an int >= 1.
     """
     if not isinstance(head, Eagle3Head):
-        raise TypeError(f"save_eagle takes an Eagle3Head, got {type(head).__name__}")
+        hint = "; save Medusa heads with distill.save_medusa" if type(head).__name__ == "MedusaHeads" else ""
+        raise TypeError(f"save_eagle head must be an Eagle3Head, got {describe_line(head)}{hint}")
     if isinstance(speculative_tokens, bool) or not isinstance(speculative_tokens, int) or speculative_tokens < 1:
         raise ValueError(f"save_eagle speculative_tokens must be an int >= 1, got {speculative_tokens!r}")
     return write_output_dir(path, lambda tmp: write_eagle_files(head, tmp, speculative_tokens), MARKER,
@@ -203,6 +205,8 @@ def check_eagle_tensors(config: Eagle3Config, tensors: Mapping[str, TensorInfo],
 def load_eagle(path: str | Path, target, dtype: torch.dtype | None = None) -> Eagle3Head:
     """Load the EAGLE-3 head in directory `path` (speculators eagle3 format) for runtime model
     `target`, on its device, in `dtype` (default the target's), in eval mode without gradients."""
+    check_path("path", path, "an EAGLE-3 head directory")
+    check_model("target", target)
     path = Path(path)
     config = read_eagle_config(path, target)
     weights = path / WEIGHTS

@@ -37,9 +37,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from runtime.args import check_model, check_path, describe_line
 from runtime.atomic import atomic_write
 from runtime.errors import CheckpointError
-from runtime.outputs import prepare_output_dir, write_output_dir
+from runtime.outputs import make_dirs, prepare_output_dir, remove_dirs, write_output_dir
 from runtime.validate import TensorInfo, check_finite, read_headers, read_json
 from specdec.drafters.medusa.heads import MedusaConfig, MedusaHeads
 
@@ -135,6 +136,8 @@ def load_medusa(path: str | Path, model, dtype: torch.dtype | None = None,
     any of the three layouts (`medusa_layout`). Fails with CheckpointError when the heads were
     trained for another hidden size or vocabulary, or when `shared_lm_head` is given and differs
     from the saved mode."""
+    check_path("path", path, "a Medusa heads directory")
+    check_model("model", model)
     layout = medusa_layout(path)
     if layout != "specdec":
         config, state = read_foreign_heads(path, layout, model)
@@ -310,21 +313,37 @@ def save_medusa(heads: MedusaHeads, path: str | Path, overwrite: bool = False, f
     accuracy table included, is saved as it is. `path` must be new, empty or a Medusa directory;
     heads already there are replaced only with `overwrite=True` (OutputPathError otherwise).
     format "vllm": vLLM's Medusa layout (`export_medusa_vllm`)."""
+    _check_heads(heads, "save_medusa")
     if format not in FORMATS:
         raise ValueError(f"save_medusa format must be one of {FORMATS}, got {format!r}")
     if format == "vllm":
         return export_medusa_vllm(heads, path, overwrite=overwrite)
     path = prepare_output_dir(path, HEADS_MARKERS, overwrite, what="Medusa heads directory")
-    path.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in heads.state_dict().items()}
-    atomic_write(path / WEIGHTS, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+    config = {"format": "specdec-medusa", "version": 1, **heads.config.to_dict()}
 
     def write_json(tmp: str) -> None:
         with open(tmp, "w") as f:
-            json.dump({"format": "specdec-medusa", "version": 1, **heads.config.to_dict()}, f, indent=1)
+            json.dump(config, f, indent=1)
 
-    atomic_write(path / CONFIG, write_json)
+    created = make_dirs(path)
+    try:
+        atomic_write(path / WEIGHTS, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+        atomic_write(path / CONFIG, write_json)
+    except BaseException:
+        if created:  # a directory this call made holds nothing usable without its config
+            (path / WEIGHTS).unlink(missing_ok=True)
+            remove_dirs(created)
+        raise
     return path
+
+
+def _check_heads(heads: object, verb: str) -> None:
+    """TypeError unless `heads` is a MedusaHeads (an EAGLE-3 head is pointed to its own saver)."""
+    if not isinstance(heads, MedusaHeads):
+        hint = "; save an EAGLE-3 head with specdec.save_eagle" if type(heads).__name__ == "Eagle3Head" else ""
+        raise TypeError(f"{verb} heads must be Medusa heads (a MedusaHeads from specdec medusa train or "
+                        f"distill.load_medusa), got {describe_line(heads)}{hint}")
 
 
 def vllm_state(heads: MedusaHeads) -> dict[str, torch.Tensor]:
@@ -364,6 +383,7 @@ def export_medusa_vllm(heads: MedusaHeads, path: str | Path, overwrite: bool = F
     """Write the heads in vLLM's Medusa draft-model layout to directory `path` (new or empty, or a
     previous export with `overwrite=True`), atomically; returns it. vLLM serves it with
     `--speculative-config '{"method": "medusa", "model": PATH, "num_speculative_tokens": K}'`."""
+    _check_heads(heads, "export_medusa_vllm")
     state, config = vllm_state(heads), vllm_config(heads)
 
     def write(tmp: Path) -> None:

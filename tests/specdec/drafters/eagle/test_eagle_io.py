@@ -100,3 +100,18 @@ def test_speculative_tokens_must_be_a_positive_int(pair, tmp_path, bad):
     with pytest.raises(ValueError, match=rf"speculative_tokens must be an int >= 1, got {bad!r}"):
         specdec.save_eagle(_head(pair[0]), tmp_path / "h", speculative_tokens=bad)
     assert not (tmp_path / "h").exists()
+
+
+@pytest.mark.parametrize("bad, want", [(None, r"got None \(NoneType\)"), ("x", r"got the path or name 'x'"),
+                                       (torch.nn.Linear(2, 2), r"got Linear")])
+def test_load_eagle_names_a_target_that_is_no_model(pair, tmp_path, bad, want):
+    path = specdec.save_eagle(_head(pair[0]), tmp_path / "h")
+    with pytest.raises(TypeError, match=rf"^target must be .*{want}"):
+        specdec.load_eagle(path, bad)
+
+
+@pytest.mark.parametrize("bad", [None, "head", 3])
+def test_save_eagle_names_a_head_that_is_no_eagle3_head_and_writes_nothing(tmp_path, bad):
+    with pytest.raises(TypeError, match=r"^save_eagle head must be an Eagle3Head, got "):
+        specdec.save_eagle(bad, tmp_path / "h")
+    assert not (tmp_path / "h").exists()
