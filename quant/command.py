@@ -10,7 +10,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from runtime.argtypes import int_at_least, nonnegative_int, positive_int
+from runtime.argtypes import int_at_least, nonnegative_int, path_arg, positive_int
 from runtime.hardware import DTYPES
 
 
@@ -19,8 +19,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser("compress", help="quantize / sparsify a model with a YAML recipe",
                               description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="catalogue name, checkpoint dir, .gguf file or hub id")
-    p.add_argument("--recipe", required=True, type=Path, help="YAML recipe (a list of configs, or steps + calibration)")
-    p.add_argument("--out", required=True, type=Path,
+    p.add_argument("--recipe", required=True, type=path_arg,
+                   help="YAML recipe (a list of configs, or steps + calibration)")
+    p.add_argument("--out", required=True, type=path_arg,
                    help="output directory, new or empty (written atomically; a file or a directory specdec did "
                         "not write is refused)")
     p.add_argument("--export-dense", action="store_true",

@@ -8,7 +8,6 @@ SmolLM2's width 576 is not a multiple of 128, so `--int4` (2:4 then INT4 of the 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import torch
 from quant_common import (
@@ -25,13 +24,14 @@ from recipe_errors import run
 
 import quant
 import runtime
+from runtime.argtypes import path_arg
 
 MODEL = "smollm2-135m-instruct"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=compressed_home())
+    ap.add_argument("--out", type=path_arg, default=compressed_home())
     add_calib_source(ap, "sharegpt")
     ap.add_argument("--n-calib", type=int, default=32)
     ap.add_argument("--n-eval", type=int, default=16)

@@ -21,6 +21,7 @@ from recipe_errors import run
 
 import quant
 import runtime
+from runtime.argtypes import path_arg
 from runtime.atomic import atomic_write_text
 from runtime.hardware import DTYPES
 from runtime.outputs import check_output_file
@@ -71,7 +72,7 @@ def main() -> None:
                          "long conversations / files), or each window from the start of its own text")
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--out", type=path_arg, default=None)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 on a shared CPU)")
     args = ap.parse_args()
     names = args.configs.split(",")

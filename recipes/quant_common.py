@@ -21,6 +21,7 @@ import torch
 import quant
 import runtime
 from quant.checkpoint import check_compressed_out
+from runtime.argtypes import path_arg
 from runtime.atomic import atomic_write_text
 from runtime.catalogue import cache_home
 from runtime.outputs import OutputPathError, check_output_file
@@ -30,7 +31,7 @@ def recipe_args(description: str, calib_source: str = "sharegpt") -> argparse.Na
     """The options every draft recipe takes (output dir, calibration text and sizes, evaluation
     sizes, eval step); `calib_source` is the recipe's default calibration text."""
     ap = argparse.ArgumentParser(description=description)
-    ap.add_argument("--out", type=Path, default=compressed_home(), help="where compressed checkpoints go")
+    ap.add_argument("--out", type=path_arg, default=compressed_home(), help="where compressed checkpoints go")
     add_calib_source(ap, calib_source)
     ap.add_argument("--n-calib", type=int, default=64, help="calibration windows")
     ap.add_argument("--n-eval", type=int, default=16, help="perplexity windows per text set")

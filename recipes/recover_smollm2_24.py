@@ -39,6 +39,7 @@ import runtime
 from distill.budget import RunBudget
 from distill.config_args import add_dataclass_args, dataclass_from_args
 from distill.recover import RECOVER_MARKERS, RecoverConfig
+from runtime.argtypes import path_arg
 from runtime.atomic import atomic_write, atomic_write_text
 from runtime.hardware import cpu_summary
 from runtime.outputs import prepare_output_dir
@@ -55,7 +56,7 @@ DEFAULTS = {"steps": 4000, "batch_size": 4, "micro_batch": 4, "lr": 2e-4, "warmu
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True, help="run directory (a rerun with the same OUT resumes)")
+    ap.add_argument("--out", type=path_arg, required=True, help="run directory (a rerun with the same OUT resumes)")
     ap.add_argument("--max-minutes", type=float, default=60.0, help="budget of the recovery and its final evaluation")
     ap.add_argument("--n-calib", type=int, default=64, help="SparseGPT calibration windows (ShareGPT + code)")
     ap.add_argument("--method", default="sparsegpt", choices=("sparsegpt", "wanda", "magnitude"),

@@ -17,7 +17,10 @@ import torch
 
 
 def describe(value: Any) -> str:
-    """`value` as an error message shows it: its repr (cut at 60 characters) and its type."""
+    """`value` as a one-line error message shows it: its repr (cut at 60 characters) and its type; a
+    torch module (whose repr spans many lines) by its class."""
+    if isinstance(value, torch.nn.Module):
+        return f"a {type(value).__name__} module"
     text = repr(value)
     if len(text) > 60:
         text = text[:57] + "..."
@@ -123,11 +126,3 @@ def check_module(name: str, value: Any, what: str) -> None:
                         f"runtime.load_model({str(value)!r})")
     if not isinstance(value, torch.nn.Module):
         raise TypeError(f"{name} must be {what}, got {describe(value)}")
-
-
-def describe_line(value: Any) -> str:
-    """`value` as a one-line error message shows it: a torch module (whose repr spans many lines) by
-    its class, anything else as `describe` shows it."""
-    if isinstance(value, torch.nn.Module):
-        return f"a {type(value).__name__} module"
-    return describe(value)

@@ -12,6 +12,7 @@ command line is parsed, before any model loads. The usual ones are named:
     nonnegative_float  temperatures (0 = greedy)
     unit_interval      probabilities in (0, 1] (--top-p)
     port_number        TCP ports, 0-65535
+    path_arg           paths, never empty
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 
@@ -76,3 +78,11 @@ port_number = number_arg(int, within(0, 65535))
 def int_at_least(low: int) -> Callable[[str], int]:
     """An argparse `type` for an integer >= `low` (e.g. a window length, which needs 2 tokens)."""
     return number_arg(int, at_least(low))
+
+
+def path_arg(text: str) -> Path:
+    """An argparse `type` for a file or directory path: not empty (Path("") would be the current
+    directory, which nobody means)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path; give a file or directory path")
+    return Path(text)

@@ -442,7 +442,7 @@ def load_compressed_tensors(ckpt: Path, hf_config: Any, dtype: torch.dtype = tor
     check_tensors(cfg, tensor_infos(dense), where=ckpt)
     with torch.device("meta"):
         model = Transformer(cfg, attention=attention)
-    runtime_state = to_runtime_state(dense, cfg)
+    runtime_state = to_runtime_state(dense, cfg, ckpt)
     for ours, parts in modules.items():
         bias = runtime_state.pop(f"{ours}.bias", None)
         module = to_runtime_module(parts, None if bias is None else bias.to(dtype))

@@ -69,8 +69,8 @@ CASES = {  # name -> (argv with {placeholders}, the start of the error text afte
                     "argument --temperature: expected a finite number"),
     "too long": (["generate", "--model", "{good}", "--prompt", "a", "--max-new-tokens", "100000"], "prompt ("),
     "draft length": (["generate", "--model", "{good}", "--prompt", "a", "--num-draft-tokens", "0"], "argument"),
-    "vocabulary": (["generate", "--model", "{good}", "--prompt", "a", "--draft", "{other_vocab}"],
-                   "draft and target tokenizers disagree"),
+    "draft without a tokenizer": (["generate", "--model", "{good}", "--prompt", "a", "--draft", "{other_vocab}"],
+                                   "no usable tokenizer in {other_vocab}: it holds none of tokenizer.json"),
     "compress into a file": (["compress", "--model", "{good}", "--recipe", "recipes/quant_int8.yaml", "--out",
                               "{root}/user/notes.txt"], "{root}/user/notes.txt exists and is not a directory"),
     "compress into a user dir": (["compress", "--model", "{good}", "--recipe", "recipes/quant_int8.yaml", "--out",
@@ -93,6 +93,8 @@ CASES = {  # name -> (argv with {placeholders}, the start of the error text afte
                       "--draft: '{root}/nowhere' does not exist"),
     "head over a model": (["eagle", "train", "--target", "{good}", "--data", "{root}/sd.jsonl", "--out", "{good}"],
                           "{good} is a non-empty directory that specdec did not write"),
+    "compress into an empty path": (["compress", "--model", "{good}", "--recipe", "recipes/quant_int8.yaml", "--out",
+                                     ""], "argument --out: an empty path; give a file or directory path"),
     "server batch": (["serve", "--model", "{good}", "--max-batch", "0"], "argument --max-batch: must be >= 1, got 0"),
 }
 NESTED = ("eagle", "medusa", "distill")  # commands whose error line names their subcommand too

@@ -30,7 +30,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from runtime.args import check_model, check_path, describe_line
+from runtime.args import check_model, check_path, describe
 from runtime.atomic import atomic_write, atomic_write_text
 from runtime.config import is_size
 from runtime.errors import CheckpointError
@@ -94,7 +94,7 @@ def save_eagle(head: Eagle3Head, path: str | Path, speculative_tokens: int = 3, 
     """
     if not isinstance(head, Eagle3Head):
         hint = "; save Medusa heads with distill.save_medusa" if type(head).__name__ == "MedusaHeads" else ""
-        raise TypeError(f"save_eagle head must be an Eagle3Head, got {describe_line(head)}{hint}")
+        raise TypeError(f"save_eagle head must be an Eagle3Head, got {describe(head)}{hint}")
     if isinstance(speculative_tokens, bool) or not isinstance(speculative_tokens, int) or speculative_tokens < 1:
         raise ValueError(f"save_eagle speculative_tokens must be an int >= 1, got {speculative_tokens!r}")
     return write_output_dir(path, lambda tmp: write_eagle_files(head, tmp, speculative_tokens), MARKER,

@@ -37,7 +37,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from runtime.args import check_model, check_path, describe_line
+from runtime.args import check_model, check_path, describe
 from runtime.atomic import atomic_write
 from runtime.errors import CheckpointError
 from runtime.outputs import make_dirs, prepare_output_dir, remove_dirs, write_output_dir
@@ -343,7 +343,7 @@ def _check_heads(heads: object, verb: str) -> None:
     if not isinstance(heads, MedusaHeads):
         hint = "; save an EAGLE-3 head with specdec.save_eagle" if type(heads).__name__ == "Eagle3Head" else ""
         raise TypeError(f"{verb} heads must be Medusa heads (a MedusaHeads from specdec medusa train or "
-                        f"distill.load_medusa), got {describe_line(heads)}{hint}")
+                        f"distill.load_medusa), got {describe(heads)}{hint}")
 
 
 def vllm_state(heads: MedusaHeads) -> dict[str, torch.Tensor]:

@@ -103,7 +103,7 @@ def test_speculative_tokens_must_be_a_positive_int(pair, tmp_path, bad):
 
 
 @pytest.mark.parametrize("bad, want", [(None, r"got None \(NoneType\)"), ("x", r"got the path or name 'x'"),
-                                       (torch.nn.Linear(2, 2), r"got Linear")])
+                                       (torch.nn.Linear(2, 2), r"got a Linear module")])
 def test_load_eagle_names_a_target_that_is_no_model(pair, tmp_path, bad, want):
     path = specdec.save_eagle(_head(pair[0]), tmp_path / "h")
     with pytest.raises(TypeError, match=rf"^target must be .*{want}"):
