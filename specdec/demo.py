@@ -16,11 +16,12 @@ DEMO_DRAFT = "qwen2.5-coder-0.5b-instruct"
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    """Fetch both models (cached after the first run), evaluate, print the Markdown report."""
+    """Check --out, fetch both models (cached after the first run), evaluate, print the Markdown report."""
     import runtime
-    from specdec.evaluation.evaluate import EvalConfig, run_eval
+    from specdec.evaluation.evaluate import EvalConfig, check_out_dir, run_eval
     from specdec.evaluation.report import render_markdown
 
+    check_out_dir(args.out, overwrite=True)  # a path that cannot take the run fails before the downloads
     for name in (DEMO_TARGET, DEMO_DRAFT):
         print(f"model {name}: {runtime.fetch(name)}")
     from specdec.drafters.spec import DrafterSpec

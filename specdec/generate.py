@@ -14,11 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.args import check_generator, check_instance, check_int, check_methods, check_model
+from runtime.args import check_generator, check_instance, check_int, check_methods, check_model, same_device
 from specdec.capture import DecodeObserver
 from specdec.decode import decode, decode_steps
 from specdec.drafters import draft_length_of, make_drafter
-from specdec.options import DEFAULT_NUM_DRAFT_TOKENS, parse_draft_length
+from specdec.options import DEFAULT_NUM_DRAFT_TOKENS, check_draft_length, parse_draft_length
 from specdec.rows import RowState, eos_set, normalize_prompts
 from specdec.sampling import RowSampling, SamplingParams
 from specdec.stats import AcceptanceStats
@@ -82,7 +82,7 @@ def generate(target, input_ids, draft=None, max_new_tokens: int = 128, temperatu
     if streamer is not None:
         check_methods("streamer", streamer, ("put", "end"), "a transformers-style streamer (e.g. TextStreamer(tok))")
     observers = _observers(observer)
-    num_draft_tokens = parse_draft_length(draft_length_of(draft, num_draft_tokens))
+    num_draft_tokens = parse_draft_length(draft_length_of(draft, check_draft_length(num_draft_tokens)))
     target, drafter, state, as_tensor = _prepare(target, input_ids, draft, max_new_tokens, temperature, top_p,
                                                  top_k, eos_token_id, generator, pad_token_id, attention_mask)
     rows = state.prompts
@@ -125,10 +125,31 @@ def _prepare(target, input_ids, draft, max_new_tokens: int, temperature: float, 
     target = as_runtime_model(target)
     check_model("target", target)
     check_generator("generator", generator, target.device)
+    _check_eos_vocab(eos, target.config.vocab_size)
+    _check_ids_device(input_ids, target.device)
     rows, as_tensor = normalize_prompts(input_ids, attention_mask, pad_token_id)
     state = RowState(rows, max_new_tokens, eos)
     drafter = None if draft is None else make_drafter(draft, target, temperature, top_k, top_p, generator)
     return target, drafter, state, as_tensor
+
+
+def _check_eos_vocab(eos: frozenset[int], vocab_size: int) -> None:
+    """ValueError for a stop token outside the model's vocabulary: it could never be generated."""
+    outside = sorted(e for e in eos if e >= vocab_size)
+    if outside:
+        raise ValueError(f"eos_token_id {outside[0]} is outside the model's vocabulary [0, {vocab_size}), so it could "
+                         "never stop a row; pass the tokenizer's eos_token_id")
+
+
+def _check_ids_device(input_ids, device: torch.device) -> None:
+    """ValueError for input_ids (a tensor, or a list's tensor rows) on an accelerator other than the
+    model's device. Ids on the CPU, where tokenizers put them, go with a model on any device."""
+    tensors = [input_ids] if isinstance(input_ids, torch.Tensor) else \
+        [r for r in input_ids if isinstance(r, torch.Tensor)] if isinstance(input_ids, (list, tuple)) else []
+    for t in tensors:
+        if t.device.type not in ("cpu", "meta") and not same_device(t.device, device):
+            raise ValueError(f"input_ids is on {t.device} but the model runs on {device}; move them there with "
+                             f"input_ids.to({str(device)!r}) (or pass them on the CPU)")
 
 
 def _observers(observer) -> list[DecodeObserver]:
@@ -152,7 +173,7 @@ def stream(target, input_ids, draft=None, max_new_tokens: int = 128, temperature
         for ids in specdec.stream(model, prompt_ids, draft="ngram", eos_token_id=tok.eos_token_id):
             print(tok.decode(ids), end="", flush=True)
     """
-    num_draft_tokens = parse_draft_length(draft_length_of(draft, num_draft_tokens))
+    num_draft_tokens = parse_draft_length(draft_length_of(draft, check_draft_length(num_draft_tokens)))
     target, drafter, state, _ = _prepare(target, input_ids, draft, max_new_tokens, temperature, top_p, top_k,
                                          eos_token_id, generator, None, None)
     if len(state.prompts) != 1:

@@ -21,6 +21,17 @@ def parse_draft_length(value: int | str) -> int | str:
     return value
 
 
+def check_draft_length(value: int | str) -> int | str:
+    """num_draft_tokens of the Python API: an int in [1, 64] or "auto". Unlike parse_draft_length
+    (which reads command-line text), a string other than "auto" is a TypeError, as "8" is for
+    max_new_tokens."""
+    if isinstance(value, str) and value != "auto":
+        hint = f"; pass {int(value)}, an int" if value.strip().isdigit() else ""
+        raise TypeError(f"num_draft_tokens must be an integer in [1, {MAX_NUM_DRAFT_TOKENS}] or 'auto', got {value!r} "
+                        f"(str){hint}")
+    return parse_draft_length(value)
+
+
 WEIGHTS_HELP = ("how a GGUF model (catalogue name, .gguf file) holds its weights: gguf = its 4-bit blocks, run by "
                 "the CPU kernels; dense = dequantized to --dtype; auto = gguf where the CPU has AVX-512 VNNI "
                 "(default: %(default)s)")

@@ -31,6 +31,7 @@ import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from specdec.options import parse_draft_length
 
@@ -155,12 +156,15 @@ class DrafterSpec:
             base, at, size, colon = name, "", "", ""  # an "@" inside a path is part of the path
         kind, _, arg = base.partition(":")
         if kind not in DRAFTERS:
+            _check_misspelled(name, base)
             if bare is None:
                 raise ValueError(f"unknown drafter {name!r}")
             kind, arg = bare, base
         entry = DRAFTERS[kind]
         if at and entry.size is None:
             raise ValueError(f"{name!r}: {kind} takes no @ suffix")
+        if entry.arg == "DIR" and arg:
+            _check_dir_suffix(name, kind, arg, bool(at))
         value = (int(size) if size.isdigit() else size) if at else None
         try:
             return cls(kind, arg or None, value, tuple(map(int, shape.split("x"))) if colon else None)
@@ -222,7 +226,7 @@ def chain_kinds() -> list[str]:
 
 
 # what follows "@", by what the suffix sets
-_SUFFIX = {DRAFT_LENGTH: "the draft length K (1-64 or auto)", TREE_NODES: "the tree's nodes N",
+_SUFFIX = {DRAFT_LENGTH: "the draft length K (1-64 or auto)", TREE_NODES: "the tree's nodes N (an integer >= 1)",
            EAGLE_TREE: "the tree's nodes N (or auto), optionally with :DEPTHxTOP_K"}
 
 
@@ -241,6 +245,34 @@ def _check_suffix(name: str, base: str, size: str, colon: str, shape: str) -> No
         raise ValueError(f"{name!r}: after {kind}'s '@' comes {_SUFFIX[entry.size]}, got {name[len(base) + 1:]!r}")
     if entry is not None and entry.size == EAGLE_TREE and valid and not shaped:
         raise ValueError(f"{name!r}: the tree shape after ':' is DEPTHxTOP_K (e.g. @6:3x2), got {shape!r}")
+
+
+def _check_misspelled(name: str, base: str) -> None:
+    """ValueError for a word without a known kind that is a misspelled spec rather than a model path
+    (one that does not exist): a known kind before a second '@' (`ngram@@3`, `ngram@3@4`) or a kind
+    in other case (`NGRAM`, `Draft:x`)."""
+    if Path(base).expanduser().exists():
+        return
+    leading = re.split(r"[@:]", name, maxsplit=1)[0]
+    if leading in DRAFTERS and name.count("@") > 1:
+        raise ValueError(f"{name!r} has a second '@': a spec takes one '@' suffix, e.g. {leading}@4")
+    if leading != leading.lower() and leading.lower() in DRAFTERS:
+        raise ValueError(f"unknown drafter kind {leading!r}: kinds are lowercase, write "
+                         f"{leading.lower() + name[len(leading):]!r}")
+
+
+def _check_dir_suffix(name: str, kind: str, arg: str, sized: bool) -> None:
+    """ValueError for an "@" inside a medusa / eagle directory that does not exist: a second '@'
+    (`medusa:DIR@4@5`) or a size that is no valid suffix (`medusa:DIR@x`, `medusa:DIR@-1`), which
+    would otherwise be read as part of the directory's name."""
+    if "@" not in arg or Path(arg).expanduser().exists():
+        return
+    tail = arg.rpartition("@")[2]
+    if sized or tail.partition(":")[0].isdigit() or tail.partition(":")[0] == "auto":
+        raise ValueError(f"{name!r} has a second '@' (and no directory {arg!r} exists): write {kind}:DIR@N with "
+                         "one '@'")
+    raise ValueError(f"{name!r}: after {kind}'s '@' comes {_SUFFIX[DRAFTERS[kind].size]}, got {tail!r} (and no "
+                     f"directory {arg!r} exists)")
 
 
 def _check_size(spec: DrafterSpec, size: str) -> int | str:

@@ -116,6 +116,28 @@ def stream_bandwidth(mib: int = 1024, repeats: int = 20, device: str = "cpu") ->
     return x.numel() * 4 / secs
 
 
+def probe_bytes(cfg: BenchConfig) -> list[tuple[str, int, int, int]]:
+    """(option, its value, its default, bytes allocated) of each bandwidth probe: the N x N float32
+    draw and its copy in the model's dtype (--matvec-size), the float32 tensor of --stream-mib."""
+    elem = DTYPES[cfg.dtype].itemsize
+    return [("--matvec-size", cfg.matvec_size, BenchConfig.matvec_size,
+             cfg.matvec_size ** 2 * (4 + (elem if elem != 4 else 0))),
+            ("--stream-mib", cfg.stream_mib, BenchConfig.stream_mib, cfg.stream_mib * 2**20)]
+
+
+def check_probe_memory(cfg: BenchConfig) -> None:
+    """ValueError, before anything loads, when a bandwidth probe would not fit in the device's free
+    memory (host memory for the CPU), naming its option and both sizes."""
+    from runtime.cache import available_memory
+    from runtime.hardware import check_device
+
+    free = available_memory(check_device(cfg.device))
+    for flag, value, default, need in probe_bytes(cfg):
+        if need > free:
+            raise ValueError(f"{flag} {value} needs {need / 2**30:.1f} GiB for its bandwidth probe, but {cfg.device} "
+                             f"has {free / 2**30:.1f} GiB free; lower {flag} (default: {default})")
+
+
 def _is_bench_result(path: Path) -> bool:
     """True for a JSON file `run_bench` wrote (the only kind of file cfg.json replaces)."""
     try:
@@ -134,6 +156,7 @@ def run_bench(cfg: BenchConfig, command: str | None = None, progress: bool = Tru
 
     if cfg.json:
         check_output_file(cfg.json, what="bench result JSON", looks_like=_is_bench_result)
+    check_probe_memory(cfg)
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     dtype = DTYPES[cfg.dtype]

@@ -45,6 +45,9 @@ class Prompt:
 def read_jsonl_prompts(path: str | Path, all_turns: bool = False) -> list[Prompt]:
     """Prompts from a jsonl file of `{"prompt": ...}` or MT-bench style `{"turns": [...]}` lines."""
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"prompt file {path} is a directory; pass a jsonl file (one prompt per line) or --dataset "
+                         f"({', '.join(DATASETS)})")
     if not path.is_file():
         raise FileNotFoundError(f"prompt file {path} does not exist; pass a jsonl file or --dataset "
                                 f"({', '.join(DATASETS)})")
@@ -68,6 +71,7 @@ def read_jsonl_prompts(path: str | Path, all_turns: bool = False) -> list[Prompt
 
 
 def _from_record(rec: dict, where: str, index: int, all_turns: bool) -> Prompt:
+    """The Prompt of one jsonl record; a ValueError starts with `where` (the file and its 1-based line)."""
     if not isinstance(rec, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(rec).__name__}")
     if "turns" in rec:
@@ -75,12 +79,20 @@ def _from_record(rec: dict, where: str, index: int, all_turns: bool) -> Prompt:
         if not isinstance(turns, list) or not turns:
             raise ValueError(f"{where}: 'turns' must be a non-empty list of strings")
         pid = rec.get("question_id", rec.get("id", index))
-        return Prompt(str(pid), str(rec.get("category", "default")),
-                      tuple(turns) if all_turns else (turns[0],))
+        return _prompt(where, str(pid), str(rec.get("category", "default")),
+                       tuple(turns) if all_turns else (turns[0],))
     if "prompt" in rec:
-        return Prompt(str(rec.get("id", index)), str(rec.get("category", "default")), (rec["prompt"],))
+        return _prompt(where, str(rec.get("id", index)), str(rec.get("category", "default")), (rec["prompt"],))
     raise ValueError(f"{where}: a line needs 'prompt' (plain jsonl) or 'turns' (MT-bench style); "
                      f"found keys {sorted(rec)}")
+
+
+def _prompt(where: str, pid: str, category: str, turns: tuple) -> Prompt:
+    """Prompt(pid, category, turns), its check's ValueError prefixed with `where`."""
+    try:
+        return Prompt(pid, category, turns)
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from err
 
 
 def humaneval_prompts() -> list[Prompt]:

@@ -111,3 +111,73 @@ def test_eagle_data_with_a_negative_budget_exits_2_without_a_traceback(tmp_path)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.splitlines()[-1] == "specdec eagle data: error: argument --max-minutes: must be > 0, got -1.0"
     assert list(tmp_path.iterdir()) == []
+
+
+# (argv, the error after "specdec CMD: error: "): options that used to be dropped or run something else
+REFUSED = [
+    (["generate", "--prompt", "P", "--draft", ""], "--draft is empty; pass a drafter spec (e.g. ngram or "
+     "draft:NAME_OR_PATH), or omit --draft for plain decoding"),
+    (["generate", "--prompt", "P", "--draft", "  "], "--draft is empty"),
+    (["generate", "--prompt", "P", "--eagle", ""], "--eagle is empty; pass an EAGLE-3 head directory"),
+    (["generate", "--prompt", "P", "--medusa", ""], "--medusa is empty; pass a Medusa heads directory"),
+    (["generate", "--prompt", "P", "--eagle-tree", "8"], "--eagle-tree only apply with --eagle; add --eagle PATH "
+     "(an EAGLE-3 head), or drop --eagle-tree"),
+    (["generate", "--prompt", "P", "--eagle-depth", "3", "--eagle-top-k", "2"], "--eagle-depth, --eagle-top-k only "
+     "apply with --eagle; add --eagle PATH (an EAGLE-3 head), or drop --eagle-depth and --eagle-top-k"),
+    (["generate", "--prompt", "P", "--draft", "ngram", "--eagle-top-k", "2"], "--eagle-top-k only apply with --eagle"),
+    (["generate", "--prompt", "P", "--draft", "eagle:heads", "--eagle-depth", "3"], "--eagle-depth only apply with "
+     "--eagle; write the tree in the --draft spec instead (eagle:DIR@N:DEPTHxTOP_K), or drop --eagle-depth"),
+    (["fetch", ""], "the catalogue name is empty; pass one (specdec fetch --list lists them)"),
+    (["fetch", "--list", "extra"], "--list takes no name, got 'extra'; run `specdec fetch --list` alone, or "
+     "`specdec fetch extra` to download it"),
+]
+
+
+@pytest.mark.parametrize("argv, message", REFUSED, ids=[" ".join(a) for a, _ in REFUSED])
+def test_dropped_drafter_and_fetch_options_are_refused(tmp_path, capsys, monkeypatch, argv, message):
+    """Refused before any model loads or downloads (SPECDEC_HOME points at an empty directory)."""
+    monkeypatch.delenv("SPECDEC_DEBUG", raising=False)
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
+    assert main(argv) == 2
+    assert capsys.readouterr().err.splitlines()[-1].startswith(f"specdec {argv[0]}: error: {message}")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("value, message", [("99999999999999999999999", "must be in [0, 9223372036854775807], got "
+                                                                          "99999999999999999999999"),
+                                            ("-1", "must be in [0, 9223372036854775807], got -1"),
+                                            ("1.5", "expected an integer, got '1.5'")])
+def test_generate_seeds_outside_what_a_generator_takes_fail_while_parsing(capsys, value, message):
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--prompt", "P", "--seed", value])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"specdec generate: error: argument --seed: {message}"
+
+
+@pytest.mark.parametrize("flag", ["--matvec-size", "--stream-mib"])
+def test_bench_probes_larger_than_free_memory_are_refused_before_loading(tmp_path, capsys, monkeypatch, flag):
+    monkeypatch.delenv("SPECDEC_DEBUG", raising=False)
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
+    assert main(["bench", "--model", str(tmp_path / "none"), flag, "99999999"]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    default = 8192 if flag == "--matvec-size" else 1024
+    assert err.startswith(f"specdec bench: error: {flag} 99999999 needs ")
+    assert err.endswith(f"lower {flag} (default: {default})")
+    assert "GiB for its bandwidth probe, but cpu has " in err
+
+
+def test_demo_checks_its_output_path_before_fetching(tmp_path, capsys, monkeypatch):
+    import runtime
+
+    def no_fetch(name):
+        raise AssertionError(f"fetched {name} before checking --out")
+
+    monkeypatch.delenv("SPECDEC_DEBUG", raising=False)
+    monkeypatch.setattr(runtime, "fetch", no_fetch)
+    (tmp_path / "file").write_text("mine")
+    for out, message in [(tmp_path / "file", "exists and is not a directory"),
+                         ("/proc/x", "/proc/x cannot be created for the evaluation run")]:
+        assert main(["demo", "--out", str(out)]) == 2
+        err = capsys.readouterr().err.splitlines()[-1]
+        assert err.startswith("specdec demo: error: ") and message in err, err
+    assert (tmp_path / "file").read_text() == "mine"

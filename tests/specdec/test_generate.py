@@ -146,6 +146,35 @@ def test_bad_requests_fail_with_clear_messages(pair):
         specdec.generate(model, torch.tensor([[5]]), eos_token_id="108")  # not the digits 1, 0, 8
 
 
+@pytest.mark.parametrize("kwargs, error, first", [
+    (dict(eos_token_id=10**6), ValueError, "eos_token_id 1000000 is outside the model's vocabulary [0, 128)"),
+    (dict(eos_token_id=[3, 128]), ValueError, "eos_token_id 128 is outside the model's vocabulary [0, 128)"),
+    (dict(num_draft_tokens="3"), TypeError, "num_draft_tokens must be an integer in [1, 64] or 'auto', got '3' (str); "
+                                            "pass 3, an int"),
+    (dict(num_draft_tokens="many", draft="ngram@2"), TypeError, "num_draft_tokens must be an integer in [1, 64]"),
+    (dict(num_draft_tokens=0), ValueError, "num_draft_tokens must be between 1 and 64"),
+])
+def test_out_of_vocabulary_stops_and_text_draft_lengths_are_refused(pair, kwargs, error, first):
+    model, _ = pair
+    with pytest.raises(error) as err:
+        specdec.generate(model, torch.tensor([[5, 6]]), max_new_tokens=2, **kwargs)
+    assert str(err.value).startswith(first)
+
+
+def test_auto_and_the_last_token_id_are_accepted(pair):
+    model, _ = pair
+    out = specdec.generate(model, torch.tensor([[5, 6]]), max_new_tokens=3, draft="ngram", num_draft_tokens="auto",
+                           eos_token_id=127)
+    assert out.sequences.shape[0] == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device to hold the input ids")
+def test_input_ids_on_another_device_than_the_model_are_refused(pair):
+    model, _ = pair  # on the CPU
+    with pytest.raises(ValueError, match=r"^input_ids is on cuda:0 but the model runs on cpu; move them"):
+        specdec.generate(model, torch.tensor([[5, 6]], device="cuda"), max_new_tokens=2)
+
+
 def test_a_padded_batch_takes_its_attention_mask_or_is_refused(pair):
     model, _ = pair
     rows = _prompts([6, 3], seed=3)

@@ -97,6 +97,16 @@ GRAMMAR_TAIL = f"; a drafter spec is {GRAMMAR}"
     ("eagle:e@6:3x", "'eagle:e@6:3x': the tree shape after ':' is DEPTHxTOP_K (e.g. @6:3x2), got '3x'"),
     ("draft:m@", "'draft:m@' ends in '@' with nothing after it"),
     ("", "an empty drafter spec"),
+    ("ngram@@3", "'ngram@@3' has a second '@': a spec takes one '@' suffix, e.g. ngram@4"),
+    ("ngram@3@4", "'ngram@3@4' has a second '@'"),
+    ("NGRAM", "unknown drafter kind 'NGRAM': kinds are lowercase, write 'ngram'"),
+    ("Draft:m@4", "unknown drafter kind 'Draft': kinds are lowercase, write 'draft:m@4'"),
+    ("medusa:heads@x", "'medusa:heads@x': after medusa's '@' comes the tree's nodes N (an integer >= 1), got 'x' "
+                       "(and no directory 'heads@x' exists)"),
+    ("medusa:heads@-1", "'medusa:heads@-1': after medusa's '@' comes the tree's nodes N (an integer >= 1), got '-1'"),
+    ("medusa:heads@4@5", "'medusa:heads@4@5' has a second '@' (and no directory 'heads@4' exists): write "
+                         "medusa:DIR@N with one '@'"),
+    ("eagle:head@x", "'eagle:head@x': after eagle's '@' comes the tree's nodes N (or auto)"),
 ])
 def test_malformed_specs_say_what_is_wrong_then_show_the_grammar(text, first):
     """With bare="draft" (the command lines' --draft), a malformed spec is not taken for a model path
@@ -111,6 +121,17 @@ def test_an_at_inside_a_path_stays_part_of_the_path():
     assert DrafterSpec.parse("draft:/u@corp/ckpt") == DrafterSpec("draft", "/u@corp/ckpt")
     assert DrafterSpec.parse("m@x", bare="draft") == DrafterSpec("draft", "m@x")
     assert DrafterSpec.parse("eagle:e@6:3x2") == DrafterSpec("eagle", "e", 6, (3, 2))
+
+
+@pytest.mark.parametrize("path, spec", [("ngram@", "{}@3"), ("ngram@3", "{}@4"), ("NGRAM", "{}"),
+                                        ("heads@x", "medusa:{}"), ("heads@-1", "medusa:{}"),
+                                        ("heads@4", "medusa:{}@5"), ("head@x", "eagle:{}")])
+def test_existing_paths_that_look_like_misspelled_specs_stay_paths(tmp_path, monkeypatch, path, spec):
+    """What the malformed-spec errors refuse is taken as a path when that path exists."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / path).mkdir()
+    parsed = DrafterSpec.parse(spec.format(path), bare="draft")
+    assert parsed.arg == path and parsed.kind == ("draft" if spec.startswith("{}") else spec.partition(":")[0])
 
 
 def test_generate_takes_spec_strings(target):

@@ -38,6 +38,24 @@ def test_bad_jsonl(tmp_path, rows, msg):
         read_jsonl_prompts(_jsonl(tmp_path / "bad.jsonl", rows))
 
 
+@pytest.mark.parametrize("rows, first", [
+    ([{"prompt": "a"}, {"prompt": 5}], "bad.jsonl:2: prompt '1' has an empty or non-text turn: 5"),
+    ([{"prompt": ""}], "bad.jsonl:1: prompt '0' has an empty or non-text turn: ''"),
+    ([{"turns": ["a", None]}], "bad.jsonl:1: prompt '0' has an empty or non-text turn: None"),
+])
+def test_a_bad_turn_names_the_file_and_its_line(tmp_path, rows, first):
+    path = tmp_path / "bad.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ValueError) as err:
+        read_jsonl_prompts(path, all_turns=True)
+    assert str(err.value) == f"{tmp_path}/{first}"
+
+
+def test_a_directory_is_no_prompt_file(tmp_path):
+    with pytest.raises(ValueError, match=rf"^prompt file {tmp_path} is a directory; pass a jsonl file"):
+        load_prompts(tmp_path)
+
+
 def test_bad_sources(tmp_path):
     (tmp_path / "broken.jsonl").write_text('{"prompt": "a"}\n{"prompt": \n')
     with pytest.raises(ValueError, match=r"broken.jsonl:2 is not valid JSON"):
