@@ -24,7 +24,6 @@ DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 # --seed: what torch.Generator.manual_seed takes without overflowing (a signed 64-bit integer >= 0)
 seed_arg = number_arg(int, within(0, 2**63 - 1))
 # the EAGLE-3 tree options that only --eagle reads
-EAGLE_TREE_FLAGS = (("eagle_tree", "--eagle-tree"), ("eagle_depth", "--eagle-depth"), ("eagle_top_k", "--eagle-top-k"))
 COMMAND_MODULES = ("specdec.evaluation.evaluate", "specdec.evaluation.bench", "quant.command", "distill.command",
                    "distill.eagle_command", "specdec.serving.command", "distill.distill_command")
 
@@ -63,28 +62,11 @@ def tree_nodes_arg(text: str) -> int | str:
     return int(text)
 
 
-def check_drafter_flags(args: argparse.Namespace) -> None:
-    """ValueError for drafter options that would be quietly dropped: an empty --draft, --eagle or
-    --medusa (which would mean plain decoding) and the EAGLE-3 tree options without --eagle
-    (drafter_spec reads them only with --eagle; an eagle:DIR spec carries its tree in the spec)."""
-    for flag, what in (("draft", "a drafter spec (e.g. ngram or draft:NAME_OR_PATH)"),
-                       ("eagle", "an EAGLE-3 head directory"), ("medusa", "a Medusa heads directory")):
-        value = getattr(args, flag)
-        if value is not None and not value.strip():
-            raise ValueError(f"--{flag} is empty; pass {what}, or omit --{flag} for plain decoding")
-    given = [flag for name, flag in EAGLE_TREE_FLAGS if getattr(args, name) is not None]
-    if given and not args.eagle:
-        where = ("write the tree in the --draft spec instead (eagle:DIR@N:DEPTHxTOP_K)"
-                 if args.draft and args.draft.strip().startswith("eagle:") else "add --eagle PATH (an EAGLE-3 head)")
-        raise ValueError(f"{', '.join(given)} only apply with --eagle; {where}, or drop {' and '.join(given)}")
-
-
 def _generate(args: argparse.Namespace) -> int:
     import runtime
     import specdec
     from specdec.serving.command import drafter_spec, load_drafter, own_draft_length
 
-    check_drafter_flags(args)
     spec = drafter_spec(args)  # a bad --draft fails before any model loads
     # checked first
     model = runtime.load_model(args.model, dtype=DTYPES[args.dtype], device=args.device, weights=args.weights)

@@ -52,9 +52,31 @@ def check_names(args: argparse.Namespace) -> None:
                          "(requests then name --model)")
 
 
+EAGLE_TREE_FLAGS = (("eagle_tree", "--eagle-tree"), ("eagle_depth", "--eagle-depth"), ("eagle_top_k", "--eagle-top-k"))
+
+
+def check_drafter_flags(args: argparse.Namespace) -> None:
+    """ValueError for drafter options that would be quietly dropped: an empty --draft, --eagle or
+    --medusa (which would mean plain decoding) and the EAGLE-3 tree options without --eagle
+    (drafter_spec reads them only with --eagle; an eagle:DIR spec carries its tree in the spec)."""
+    for flag, what in (("draft", "a drafter spec (e.g. ngram or draft:NAME_OR_PATH)"),
+                       ("eagle", "an EAGLE-3 head directory"), ("medusa", "a Medusa heads directory")):
+        value = getattr(args, flag)
+        if value is not None and not value.strip():
+            raise ValueError(f"--{flag} is empty; pass {what}, or omit --{flag} for plain decoding")
+    given = [flag for name, flag in EAGLE_TREE_FLAGS if getattr(args, name) is not None]
+    if given and not args.eagle:
+        where = ("write the tree in the --draft spec instead (eagle:DIR@N:DEPTHxTOP_K)"
+                 if args.draft and args.draft.strip().startswith("eagle:") else "add --eagle PATH (an EAGLE-3 head)")
+        verb = "applies" if len(given) == 1 else "apply"
+        raise ValueError(f"{', '.join(given)} only {verb} with --eagle; {where}, or drop {' and '.join(given)}")
+
+
 def drafter_spec(args: argparse.Namespace) -> DrafterSpec | None:
     """The DrafterSpec of --draft, or of its aliases --eagle (with --eagle-tree / --eagle-depth /
-    --eagle-top-k) and --medusa; None = plain decoding."""
+    --eagle-top-k) and --medusa; None = plain decoding. Options that would be dropped are refused
+    first (check_drafter_flags)."""
+    check_drafter_flags(args)
     if args.eagle:
         depth, top_k = args.eagle_depth, args.eagle_top_k
         shape = None if depth is None and top_k is None else (EagleTreeConfig.depth if depth is None else depth,

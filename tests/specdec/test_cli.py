@@ -120,13 +120,16 @@ REFUSED = [
     (["generate", "--prompt", "P", "--draft", "  "], "--draft is empty"),
     (["generate", "--prompt", "P", "--eagle", ""], "--eagle is empty; pass an EAGLE-3 head directory"),
     (["generate", "--prompt", "P", "--medusa", ""], "--medusa is empty; pass a Medusa heads directory"),
-    (["generate", "--prompt", "P", "--eagle-tree", "8"], "--eagle-tree only apply with --eagle; add --eagle PATH "
+    (["generate", "--prompt", "P", "--eagle-tree", "8"], "--eagle-tree only applies with --eagle; add --eagle PATH "
      "(an EAGLE-3 head), or drop --eagle-tree"),
     (["generate", "--prompt", "P", "--eagle-depth", "3", "--eagle-top-k", "2"], "--eagle-depth, --eagle-top-k only "
      "apply with --eagle; add --eagle PATH (an EAGLE-3 head), or drop --eagle-depth and --eagle-top-k"),
-    (["generate", "--prompt", "P", "--draft", "ngram", "--eagle-top-k", "2"], "--eagle-top-k only apply with --eagle"),
-    (["generate", "--prompt", "P", "--draft", "eagle:heads", "--eagle-depth", "3"], "--eagle-depth only apply with "
+    (["generate", "--prompt", "P", "--draft", "ngram", "--eagle-top-k", "2"],
+     "--eagle-top-k only applies with --eagle"),
+    (["generate", "--prompt", "P", "--draft", "eagle:heads", "--eagle-depth", "3"], "--eagle-depth only applies with "
      "--eagle; write the tree in the --draft spec instead (eagle:DIR@N:DEPTHxTOP_K), or drop --eagle-depth"),
+    (["serve", "--port", "0", "--draft", ""], "--draft is empty; pass a drafter spec"),
+    (["serve", "--port", "0", "--eagle-tree", "8"], "--eagle-tree only applies with --eagle"),
     (["fetch", ""], "the catalogue name is empty; pass one (specdec fetch --list lists them)"),
     (["fetch", "--list", "extra"], "--list takes no name, got 'extra'; run `specdec fetch --list` alone, or "
      "`specdec fetch extra` to download it"),
