@@ -95,6 +95,8 @@ CASES = {  # name -> (argv with {placeholders}, the start of the error text afte
                           "{good} is a non-empty directory that specdec did not write"),
     "compress into an empty path": (["compress", "--model", "{good}", "--recipe", "recipes/quant_int8.yaml", "--out",
                                      ""], "argument --out: an empty path; give a file or directory path"),
+    "bench into an empty path": (["bench", "--json", ""], "an empty path is not an output location for the bench "
+                                                          "result JSON"),
     "server batch": (["serve", "--model", "{good}", "--max-batch", "0"], "argument --max-batch: must be >= 1, got 0"),
 }
 NESTED = ("eagle", "medusa", "distill")  # commands whose error line names their subcommand too

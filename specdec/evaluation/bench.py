@@ -154,7 +154,7 @@ def run_bench(cfg: BenchConfig, command: str | None = None, progress: bool = Tru
     import specdec
     from specdec.evaluation.prompts import humaneval_prompts
 
-    if cfg.json:
+    if cfg.json is not None:
         check_output_file(cfg.json, what="bench result JSON", looks_like=_is_bench_result)
     check_probe_memory(cfg)
     if cfg.threads is not None:
@@ -217,7 +217,7 @@ def run_bench(cfg: BenchConfig, command: str | None = None, progress: bool = Tru
     }
     result["speedup_vs_transformers"] = (result["runtimes"]["specdec"]["tokens_per_second"]
                                          / result["runtimes"]["transformers"]["tokens_per_second"])
-    if cfg.json:
+    if cfg.json is not None:
         atomic_write_text(cfg.json, json.dumps(result, indent=2) + "\n")
     return result
 
