@@ -17,7 +17,7 @@ def parse_draft_length(value: int | str) -> int | str:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"num_draft_tokens must be an integer >= 1 or 'auto', got {value!r}")
     if not 1 <= value <= MAX_NUM_DRAFT_TOKENS:
-        raise ValueError(f"num_draft_tokens must be between 1 and {MAX_NUM_DRAFT_TOKENS} or 'auto', got {value}")
+        raise ValueError(f"num_draft_tokens must be an integer in [1, {MAX_NUM_DRAFT_TOKENS}] or 'auto', got {value}")
     return value
 
 

@@ -28,7 +28,7 @@ GENERATE = {  # case -> (keyword arguments, the exception, the start of its mess
     "max_new_tokens bool": (dict(max_new_tokens=True), TypeError, "max_new_tokens must be an integer >= 1, got True"),
     "max_new_tokens -1": (dict(max_new_tokens=-1), ValueError, "max_new_tokens must be an integer >= 1, got -1"),
     "max_new_tokens 0": (dict(max_new_tokens=0), ValueError, "max_new_tokens must be an integer >= 1, got 0"),
-    "num_draft_tokens 0": (dict(num_draft_tokens=0), ValueError, "num_draft_tokens must be between 1 and 64"),
+    "num_draft_tokens 0": (dict(num_draft_tokens=0), ValueError, "num_draft_tokens must be an integer in [1, 64]"),
     "num_draft_tokens float": (dict(num_draft_tokens=2.5), ValueError, "num_draft_tokens must be an integer"),
     "temperature str": (dict(temperature="1"), ValueError, "temperature must be a finite number >= 0"),
     "temperature nan": (dict(temperature=float("nan")), ValueError, "temperature must be a finite number >= 0"),

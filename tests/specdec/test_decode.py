@@ -115,8 +115,8 @@ def test_same_size_vocabularies_with_different_tokens_are_a_clear_error(tmp_path
 
 
 def test_impossible_draft_lengths_are_rejected(target):
-    for k in (0, -1, "many"):
-        with pytest.raises(ValueError, match="num_draft_tokens"):
+    for k, kind in ((0, ValueError), (-1, ValueError), ("many", TypeError)):
+        with pytest.raises(kind, match="^num_draft_tokens must be an integer in \\[1, 64\\] or 'auto'"):
             specdec.generate(target, _rows(), draft="ngram", max_new_tokens=4, num_draft_tokens=k)
 
 

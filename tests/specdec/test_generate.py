@@ -152,7 +152,7 @@ def test_bad_requests_fail_with_clear_messages(pair):
     (dict(num_draft_tokens="3"), TypeError, "num_draft_tokens must be an integer in [1, 64] or 'auto', got '3' (str); "
                                             "pass 3, an int"),
     (dict(num_draft_tokens="many", draft="ngram@2"), TypeError, "num_draft_tokens must be an integer in [1, 64]"),
-    (dict(num_draft_tokens=0), ValueError, "num_draft_tokens must be between 1 and 64"),
+    (dict(num_draft_tokens=0), ValueError, "num_draft_tokens must be an integer in [1, 64]"),
 ])
 def test_out_of_vocabulary_stops_and_text_draft_lengths_are_refused(pair, kwargs, error, first):
     model, _ = pair
