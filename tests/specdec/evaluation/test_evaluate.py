@@ -125,7 +125,8 @@ def test_parse_methods():
                      ("ngram@3:2x2", "only eagle takes a tree shape"), ("eagle:e@0", "total_tokens must be"),
                      ("eagle:e@40:2x4", "exceeds the 20 candidates"), ("eagle:e@auto:1x0", "top_k must be"),
                      ("eagle:e@auto:1x1", "this shape holds 1"),
-                     ("hf@3", "draft length"), ("ngram@0", "between 1 and 64"), ("ngram@65", "between 1 and 64"),
+                     ("hf@3", "draft length"), ("ngram@0", "an integer in \\[1, 64\\]"),
+                     ("ngram@65", "an integer in \\[1, 64\\]"),
                      ("plain,plain", "repeat"), ("hf-assisted:a,hf-assisted:b", "at most one"), (" , ", "no methods")]:
         with pytest.raises(ValueError, match=msg):
             parse_methods(bad)
