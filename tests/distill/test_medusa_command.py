@@ -20,13 +20,18 @@ from distill.train_medusa import MedusaTrainConfig, cache_hidden_states
 from specdec.cli import build_parser, main
 
 
+def _tiny_checkpoint(path):
+    """A 1-layer random Llama saved at `path` (a checkpoint the CLI can name), loaded in float32."""
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    return runtime.load_model(path, dtype=torch.float32)
+
+
 def test_tree_restricts_older_heads_to_the_training_vocabulary(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("SPECDEC_DEBUG", raising=False)
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "tiny")
-    model = runtime.load_model(tmp_path / "tiny", dtype=torch.float32)
+    model = _tiny_checkpoint(tmp_path / "tiny")
     g = torch.Generator().manual_seed(1)
     records = [{"id": i, "prompt_ids": torch.randint(0, 128, (4,), generator=g).tolist(),
                 "output_ids": torch.randint(0, 48, (20,), generator=g).tolist()} for i in range(30)]
@@ -175,10 +180,7 @@ def test_train_out_of_time_names_the_budget_and_leaves_no_output(tmp_path, capsy
     import json
 
     monkeypatch.delenv("SPECDEC_DEBUG", raising=False)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "tiny")
-    model = runtime.load_model(tmp_path / "tiny", dtype=torch.float32)
+    model = _tiny_checkpoint(tmp_path / "tiny")
     g = torch.Generator().manual_seed(1)
     records = [{"id": i, "prompt_ids": torch.randint(0, 128, (4,), generator=g).tolist(),
                 "output_ids": torch.randint(0, 128, (12,), generator=g).tolist()} for i in range(10)]
