@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from runtime.argtypes import nonnegative_float, positive_float, positive_int
+from runtime.argtypes import nonnegative_float, positive_float, positive_int, seed_number
 from runtime.hardware import DTYPES, batch_dtype
 
 MAX_MINUTES_HELP = "omit it for no limit"
@@ -253,7 +253,7 @@ def add_data_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=positive_int, default=gen["batch_size"],
                    help="prompts answered per batch (default: %(default)s)")
     p.add_argument("--temperature", type=nonnegative_float, default=gen["temperature"], help="0 = greedy answers")
-    p.add_argument("--seed", type=int, default=gen["seed"], help="seed of sampled answers")
+    p.add_argument("--seed", type=seed_number, default=gen["seed"], help="seed of sampled answers")
     p.add_argument("--max-minutes", type=positive_float, default=None,
                    help=f"start no new batch after this many minutes (the same command resumes; {MAX_MINUTES_HELP})")
 

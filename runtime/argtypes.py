@@ -12,6 +12,7 @@ command line is parsed, before any model loads. The usual ones are named:
     nonnegative_float  temperatures (0 = greedy)
     unit_interval      probabilities in (0, 1] (--top-p)
     port_number        TCP ports, 0-65535
+    seed_number        generator seeds, 0 to 2**63 - 1
     path_arg           paths, never empty
 """
 
@@ -73,6 +74,7 @@ positive_float = number_arg(float, positive)
 nonnegative_float = number_arg(float, at_least(0))
 unit_interval = number_arg(float, within(0, 1, low_open=True))  # top-p
 port_number = number_arg(int, within(0, 65535))
+seed_number = number_arg(int, within(0, 2**63 - 1))  # what torch.Generator.manual_seed takes without overflow
 
 
 def int_at_least(low: int) -> Callable[[str], int]:

@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from runtime.argtypes import nonnegative_float, nonnegative_int, number_arg, positive_int, unit_interval, within
+from runtime.argtypes import nonnegative_float, nonnegative_int, positive_int, seed_number, unit_interval
 from runtime.hardware import DTYPES
 from runtime.loading import WEIGHTS
 from specdec.options import DEFAULT_NUM_DRAFT_TOKENS, WEIGHTS_HELP, parse_draft_length
@@ -21,8 +21,6 @@ from specdec.options import DEFAULT_NUM_DRAFT_TOKENS, WEIGHTS_HELP, parse_draft_
 DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 # modules that add their own subcommands with register(subparsers)
-# --seed: what torch.Generator.manual_seed takes without overflowing (a signed 64-bit integer >= 0)
-seed_arg = number_arg(int, within(0, 2**63 - 1))
 # the EAGLE-3 tree options that only --eagle reads
 COMMAND_MODULES = ("specdec.evaluation.evaluate", "specdec.evaluation.bench", "quant.command", "distill.command",
                    "distill.eagle_command", "specdec.serving.command", "distill.distill_command")
@@ -142,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=nonnegative_int, default=0, help="0 = off")
     p.add_argument("--num-draft-tokens", type=draft_length_arg, default=DEFAULT_NUM_DRAFT_TOKENS,
                    help="drafts per step (1-64), or 'auto' to tune it per step")
-    p.add_argument("--seed", type=seed_arg, default=0, help="seed of the torch.Generator used for sampling, in "
+    p.add_argument("--seed", type=seed_number, default=0, help="seed of the torch.Generator used for sampling, in "
                    "[0, 2**63)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.set_defaults(func=_generate)

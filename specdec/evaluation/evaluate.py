@@ -67,6 +67,7 @@ from pathlib import Path
 import torch
 
 from runtime import hardware
+from runtime.argtypes import seed_number
 from runtime.atomic import atomic_write_text
 from runtime.errors import ContextLengthError, SpecdecError
 from runtime.invariant import unsupported_reason
@@ -702,7 +703,7 @@ def register(subparsers) -> argparse.ArgumentParser:
                    "%(default)s)")
     p.add_argument("--top-p", type=float, default=d["top_p"], help="(default: %(default)s)")
     p.add_argument("--top-k", type=int, default=d["top_k"], help="0 = off (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=d["seed"], help="seed of the per-prompt generators "
+    p.add_argument("--seed", type=seed_number, default=d["seed"], help="seed of the per-prompt generators "
                    "(default: %(default)s)")
     p.add_argument("--warmup", type=int, default=d["warmup"], help="untimed warm-up generations per "
                    "method before timing (default: %(default)s)")

@@ -77,6 +77,9 @@ NUMBERS = [
     (["serve"], "--port", "70000", "must be in [0, 65535], got 70000"),
     (["serve"], "--eagle-top-k", "0", "must be >= 1, got 0"),
     (["demo"], "--limit", "0", "must be >= 1, got 0"),
+    (["eval", "--out", "O", "--prompts", "P.jsonl"], "--seed", "-5", "must be in [0, 9223372036854775807], got -5"),
+    (["medusa", "data", "--model", "M", "--out", "O.jsonl"], "--seed", "-1", "must be in [0, 9223372036854775807], "
+                                                                             "got -1"),
     (["compress", "--model", "M", "--recipe", "R", "--out", "O"], "--calib-samples", "-1", "must be >= 1, got -1"),
     (["compress", "--model", "M", "--recipe", "R", "--out", "O"], "--seq-len", "0", "must be >= 2, got 0"),
 ]
