@@ -3,7 +3,6 @@
 import json
 import os
 import stat
-from pathlib import Path
 
 import pytest
 import torch
@@ -162,8 +161,6 @@ def test_saving_a_dense_model_is_refused(tmp_path):
                                            ("/proc/x", "/proc is not a writable directory")])
 @pytest.mark.parametrize("format", FORMATS)
 def test_a_path_that_cannot_be_created_fails_at_the_check(calib, where, reason, format):
-    if not Path(where).parent.exists():
-        pytest.skip(f"no {Path(where).parent}")
     model = _compress(tiny_model("llama", seed=5), quant.Int8WeightOnly(), calib)
     with pytest.raises(OutputPathError, match=rf"^{where} cannot be created for the .*: {reason}"):
         quant.save_compressed(model, where, format=format)

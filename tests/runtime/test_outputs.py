@@ -79,8 +79,6 @@ def test_a_path_under_a_file_is_refused_at_the_check(tmp_path, where, snapshot):
     (tmp_path / "FILE").write_text("mine")
     path = where.replace("FILE", str(tmp_path / "FILE"))
     parent = "/dev/null" if where.startswith("/dev") else str(tmp_path / "FILE")
-    if where.startswith("/dev") and not Path("/dev/null").exists():
-        pytest.skip("no /dev/null")
     before = snapshot(tmp_path)
     want = rf"^{re.escape(path)} cannot be created for the thing: {re.escape(parent)} is not a directory"
     with pytest.raises(OutputPathError, match=want):
@@ -93,8 +91,6 @@ def test_a_path_under_a_file_is_refused_at_the_check(tmp_path, where, snapshot):
 
 
 def test_a_directory_that_takes_no_new_entries_is_refused_at_the_check():
-    if not Path("/proc/self").is_dir():
-        pytest.skip("no /proc")
     with pytest.raises(OutputPathError, match=r"^/proc/x cannot be created for the thing: /proc is not a writable "
                                               r"directory \(.+\); choose a path in a writable directory"):
         prepare_output_dir("/proc/x", "m.json", what="thing")
