@@ -25,9 +25,11 @@ forwards take a program (`Transformer._static_fits`), and at which size:
   output; a 2-token feed after the prompt (a draft's catch-up) has a 2-token program of its own.
   Longer ones (a prompt of more than 8 tokens) run eagerly rather than compile a 16- or 32-token
   program (a minute-long compile per shape);
-- a Medusa tree step, with a `block_mask` (B, N, N) (which tree tokens each one sees) and no
-  selected logits, of up to MAX_BLOCK_TOKENS (256) tokens, at its own size N, unpadded (a tree
-  keeps its size for a whole generation), unless a sliding window cuts into a row.
+- a tree step, with a `block_mask` (B, N, N) (which tree tokens each one sees) and no selected
+  logits, of up to MAX_BLOCK_TOKENS (256) tokens, unless a sliding window cuts into a row: up to
+  DECODE_STATIC_TOKENS padded as a causal step (a suffix match's tree changes size every step;
+  a padding token sees only itself), larger ones (Medusa's, EAGLE's trees keep their size for a
+  whole generation) at their own size N.
 
 Everything else runs eagerly: a forward without a cache, one with a full (B, T, S) `mask`, a
 causal forward of more than 32 tokens (more than 8 with selected logits), a tree step of more

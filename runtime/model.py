@@ -343,14 +343,18 @@ class Transformer(nn.Module):
         """`forward` through `compiled_step` -> ModelOutput(logits (B, T, V), hidden (B, T, C), aux
         states (B, T, len(aux_layers) * C) or None); advances the cache.
 
-        A causal step's T is padded by `static_tokens`; a block-mask step (a tree, whose size is
-        fixed for a whole generation) runs at its own T."""
+        A causal step's T is padded by `static_tokens`, and so is a block-mask step (a tree) of up to
+        DECODE_STATIC_TOKENS tokens; a larger tree (Medusa's, EAGLE's: one size for a whole
+        generation) runs at its own T."""
         B, T = tokens.shape
         cache.check_room(T)
         filled = int(cache.lengths.max())
         # selected logits after the prompt: a draft's catch-up feed (a 2-token prompt stays padded,
         # so a target never compiles, with its own weight copy, a program only drafts need)
-        padded = T if block_mask is not None else static_tokens(T, selected and filled > 0, self.row_cost)
+        if block_mask is None:
+            padded = static_tokens(T, selected and filled > 0, self.row_cost)
+        else:  # a small tree (a suffix match's) changes size every step: padded like a causal block
+            padded = static_tokens(T, row_cost=self.row_cost) if T <= DECODE_STATIC_TOKENS else T
         if B * padded == 1 and self.row_invariant:
             # a 1-row program has Inductor split its norms' reductions across threads, which sums in
             # another order than every program of 2+ rows does (`runtime.invariant`); the linears run
@@ -363,6 +367,10 @@ class Transformer(nn.Module):
             last = self.config.max_position_embeddings - 1
             tokens = torch.cat([tokens, tokens[:, -1:].expand(-1, padded - T)], dim=1)  # (B, T+P)
             positions = torch.cat([positions, (positions[:, -1:] + extra).clamp(max=last)], dim=1)
+            if block_mask is not None:  # a padding token sees itself (and the cache) only
+                grown = torch.eye(padded, dtype=torch.bool, device=block_mask.device).repeat(B, 1, 1)
+                grown[:, :T, :T] = block_mask
+                block_mask = grown  # (B, T+P, T+P)
         out = self.compiled_step(tokens, positions, cache.k, cache.v, cache.lengths, block_mask, aux_layers)
         cache.lengths += T
         return ModelOutput(out.logits[:, :T], out.hidden[:, :T], None if out.aux is None else out.aux[:, :T])

@@ -243,7 +243,8 @@ class DecodeLoop:
 def _tree_rows(tree: DraftTree, idx: torch.Tensor) -> DraftTree:
     """The trees of rows `idx` (R,) of a batch's DraftTree."""
     part = DraftTree(tree.tokens[idx], tree.parents[idx], tree.lens[idx],
-                     None if tree.q is None else tree.q[idx.to(tree.q.device)])
+                     None if tree.q is None else tree.q[idx.to(tree.q.device)],
+                     None if tree.scores is None else tree.scores[idx])
     if tree.is_chain:
         part._cache["chain"] = True
     return part

@@ -43,12 +43,16 @@ class DraftTree:
     q (B, N, V) or None: the distribution each node was drawn from when the draft was sampled
         (siblings drawn independently from their parent's distribution); None when the draft is
         deterministic (argmax, top-k, n-gram lookup), i.e. q is one-hot.
+    scores (B, N) or None: the drafter's own estimate that each node's whole path is accepted (a
+        suffix match's frequencies, a draft model's probabilities); their sum over a row is the
+        accepted length it expects. None when the drafter makes no estimate.
     """
 
     tokens: torch.Tensor
     parents: torch.Tensor
     lens: torch.Tensor
     q: torch.Tensor | None = None
+    scores: torch.Tensor | None = None
     _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -60,17 +64,21 @@ class DraftTree:
         if self.q is not None and self.q.shape[:2] != self.tokens.shape:
             raise ValueError(f"DraftTree.q must be (B, N, V) with (B, N) = {tuple(self.tokens.shape)}, "
                              f"got {tuple(self.q.shape)}")
+        if self.scores is not None and self.scores.shape != self.tokens.shape:
+            raise ValueError(f"DraftTree.scores must be (B, N) = {tuple(self.tokens.shape)}, got "
+                             f"{tuple(self.scores.shape)}")
         n = self.tokens.shape[1]
         if n and bool(((self.parents < -1) | (self.parents >= torch.arange(n, device=self.parents.device))).any()):
             raise ValueError("DraftTree.parents must satisfy -1 <= parents[b, i] < i (a parent precedes "
                              "its children)")
 
     @classmethod
-    def chain(cls, tokens: torch.Tensor, lens: torch.Tensor, q: torch.Tensor | None = None) -> "DraftTree":
-        """A chain of drafts per row: tokens (B, k), lens (B,), q (B, k, V) or None."""
+    def chain(cls, tokens: torch.Tensor, lens: torch.Tensor, q: torch.Tensor | None = None,
+              scores: torch.Tensor | None = None) -> "DraftTree":
+        """A chain of drafts per row: tokens (B, k), lens (B,), q (B, k, V) or None, scores (B, k) or None."""
         B, k = tokens.shape
         parents = (torch.arange(k) - 1)[None].expand(B, k).contiguous()
-        tree = cls(tokens, parents, lens, q)
+        tree = cls(tokens, parents, lens, q, scores)
         tree._cache["chain"] = True
         return tree
 
@@ -82,7 +90,7 @@ class DraftTree:
     def truncate(self, n: int) -> "DraftTree":
         """The first n nodes (valid nodes are a prefix, and parents precede children)."""
         tree = DraftTree(self.tokens[:, :n], self.parents[:, :n], self.lens.clamp(max=n),
-                         None if self.q is None else self.q[:, :n])
+                         None if self.q is None else self.q[:, :n], None if self.scores is None else self.scores[:, :n])
         if self._cache.get("chain"):
             tree._cache["chain"] = True
         return tree

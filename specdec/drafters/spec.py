@@ -4,6 +4,8 @@
 the recipes all read this grammar:
 
     ngram[@K]                   prompt lookup (n-gram), its own draft length K (1-64 or auto)
+    suffix[@N]                  suffix decoding over the prompt, the output and earlier responses;
+                                trees of up to N nodes
     draft:NAME_OR_PATH[@K]      a draft model (catalogue name, checkpoint dir, .gguf or hub id)
     hybrid:NAME_OR_PATH[@K]     = ngram+draft:NAME_OR_PATH
     medusa:DIR[@N]              Medusa heads, their candidate tree rebuilt with N nodes
@@ -55,14 +57,16 @@ class DrafterKind:
 
 DRAFTERS: dict[str, DrafterKind] = {
     "ngram": DrafterKind(None, DRAFT_LENGTH, True, "specdec.drafters.ngram:from_spec"),
+    "suffix": DrafterKind(None, TREE_NODES, False, "specdec.drafters.suffix:from_spec"),
     "draft": DrafterKind("NAME_OR_PATH", DRAFT_LENGTH, True, "specdec.drafters.model:from_spec"),
     "hybrid": DrafterKind("NAME_OR_PATH", DRAFT_LENGTH, False, "specdec.drafters.hybrid:from_spec"),  # ngram+draft:X
     "medusa": DrafterKind("DIR", TREE_NODES, False, "specdec.drafters.medusa.drafter:from_spec"),
     "eagle": DrafterKind("DIR", EAGLE_TREE, False, "specdec.drafters.eagle.drafter:from_spec"),
 }
 
-GRAMMAR = ("ngram[@K], draft:NAME_OR_PATH[@K], hybrid:NAME_OR_PATH[@K], medusa:DIR[@N], eagle:DIR[@N[:DxK]] "
-           "(or @auto[:DxK]), or chain drafters joined by '+' tried in order (e.g. ngram+draft:NAME@4)")
+GRAMMAR = ("ngram[@K], suffix[@N], draft:NAME_OR_PATH[@K], hybrid:NAME_OR_PATH[@K], medusa:DIR[@N], "
+           "eagle:DIR[@N[:DxK]] (or @auto[:DxK]), or chain drafters joined by '+' tried in order "
+           "(e.g. ngram+draft:NAME@4)")
 
 
 @dataclass(frozen=True)
@@ -285,7 +289,7 @@ def _check_size(spec: DrafterSpec, size: str) -> int | str:
                          f"got {value!r}")
     if size == TREE_NODES:
         if value == "auto" or value < 1:
-            raise ValueError(f"{spec.kind}:{spec.arg}@{value}: the tree's nodes N must be an integer >= 1")
+            raise ValueError(f"{DrafterSpec(spec.kind, spec.arg)}@{value}: the tree's nodes N must be an integer >= 1")
         return value
     from specdec.drafters.eagle.auto import SIZES
     from specdec.drafters.eagle.drafter import EagleTreeConfig

@@ -586,7 +586,7 @@ def _run_locked(cfg: EvalConfig, out: Path, command: str | None, progress: bool)
         from specdec.evaluation.llamacpp import server_binary
 
         server_binary()  # not built: say how, before any model loads
-    prompts = load_prompts(cfg.prompts, cfg.dataset, cfg.limit, cfg.all_turns)
+    prompts = load_prompts(cfg.prompts, cfg.dataset, cfg.limit, cfg.all_turns, raw=cfg.raw)
     tokenizer = runtime.load_tokenizer(cfg.target)
     eos = eos_ids(cfg.target, tokenizer)
     settings = run_settings(cfg, eos, "raw" if cfg.raw else "chat")

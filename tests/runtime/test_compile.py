@@ -170,9 +170,10 @@ def _tree_block(parent: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("family,extra,compiled_tree", [("qwen2", {}, True),
                                                         ("mistral", {"sliding_window": 12}, False)])
 def test_block_mask_steps_run_compiled_and_equal_eager_steps(family, extra, compiled_tree):
-    """A tree step (block_mask over the new tokens) runs compiled at its own size, unpadded, with
-    the eager model's logits, hidden states and cache; one that the sliding window cuts (a 9-token
-    row + 6 tree tokens over a 12-token window) runs eagerly."""
+    """A tree step (block_mask over the new tokens) runs compiled, a tree of up to 8 tokens padded to
+    8 (a suffix match's tree changes size every step), with the eager model's logits, hidden states
+    and cache; one that the sliding window cuts (a 9-token row + 6 tree tokens over a 12-token
+    window) runs eagerly."""
     from specdec.rows import prefill
 
     parent = [-1, 0, 0, 1, 1, 2]
@@ -197,7 +198,7 @@ def test_block_mask_steps_run_compiled_and_equal_eager_steps(family, extra, comp
     assert torch.equal(ce.lengths, cc.lengths) and ce.lengths.tolist() == [11, 15]
     for b, n in enumerate(ce.lengths.tolist()):
         assert _rel(cc.k[:, b, :, :n], ce.k[:, b, :, :n]) <= 1e-5
-    assert ((2, 6) in calls) == compiled_tree  # the tree's own size: no padding to 8
+    assert ((2, 8) in calls) == compiled_tree  # padded like a causal block of 6 tokens
     with pytest.raises(ValueError, match="either mask"):
         eager(tree_ids, pos, ce, mask=torch.ones(2, 6, 21, dtype=torch.bool), block_mask=block)
 

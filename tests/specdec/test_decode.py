@@ -24,11 +24,11 @@ def _same(a, b):
 
 
 @pytest.mark.parametrize("k", [1, 3, "auto"])
-@pytest.mark.parametrize("which", ["self", "random", "ngram", "hybrid", "hf"])
+@pytest.mark.parametrize("which", ["self", "random", "ngram", "suffix", "hybrid", "hf"])
 def test_greedy_output_equals_plain_for_every_drafter(target, random_draft, which, k):
     rows = _rows(seed=1)
     plain = specdec.generate(target, rows, max_new_tokens=24).sequences
-    draft = {"self": target, "random": random_draft, "ngram": "ngram",
+    draft = {"self": target, "random": random_draft, "ngram": "ngram", "suffix": "suffix",
              "hybrid": ["ngram", random_draft],
              "hf": tiny_pair("qwen2", seed=7, vocab_size=V, num_hidden_layers=1)[1]}[which]
     out = specdec.generate(target, rows, draft=draft, max_new_tokens=24, num_draft_tokens=k)
@@ -250,7 +250,7 @@ def _bf16_drafter(target, which):
     return which
 
 
-@pytest.mark.parametrize("which", ["ngram", "draft", "hybrid", "medusa", "eagle"])
+@pytest.mark.parametrize("which", ["ngram", "suffix", "draft", "hybrid", "medusa", "eagle"])
 def test_bf16_greedy_output_equals_plain_for_every_drafter(wide_bf16, which):
     g = torch.Generator().manual_seed(3)
     rows = [torch.randint(0, 16, (n,), generator=g).repeat(2) for n in (4, 11, 7)]  # ragged rows

@@ -1,0 +1,219 @@
+"""Suffix decoding: draft what followed the current context in the prompt, the output so far, or
+earlier responses (SuffixDecoding, arXiv 2411.04975), with no model.
+
+Each row keeps a suffix trie (`specdec.drafters.suffix_tree`) of its prompt and output; a
+`SuffixCache` shared by every row and request (the serving engine's, or one per process for
+`generate()`) keeps earlier responses, bounded to `max_tokens` tokens (oldest response evicted
+first). Per step, each row's last tokens are matched in both, and the tree of the most frequent
+continuations with the higher expected accepted length (`Speculation.score`) is proposed: its
+size follows the match (at most max_factor * match length nodes, none below min_prob, at most
+`max_nodes`). The tree is deterministic (q one-hot), so verification is lossless as for every
+drafter; each node carries its frequency estimate in `DraftTree.scores`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from specdec.drafter import Drafter, DraftTree
+from specdec.drafters.suffix_tree import Speculation, SuffixTrie, _Node
+
+DEFAULT_CACHE_TOKENS = 1 << 16  # response tokens the shared cache keeps (nodes <= tokens * depth)
+
+
+@dataclass(frozen=True)
+class SuffixConfig:
+    """depth: tokens per trie path (match + continuation, vLLM's max_tree_depth); max_nodes: the
+    most nodes a step drafts (the spec's @N; 7 fits the compiled 8-token verification program);
+    max_factor: nodes per matched token; min_prob: the least path probability a node may have;
+    cache_tokens: the shared cache's bound when this drafter makes its own (0: no shared cache)."""
+
+    depth: int = 24
+    max_nodes: int = 7
+    max_factor: float = 1.0
+    min_prob: float = 0.1
+    cache_tokens: int = DEFAULT_CACHE_TOKENS
+
+    def __post_init__(self) -> None:
+        for name, low in (("depth", 2), ("max_nodes", 1), ("cache_tokens", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"SuffixConfig.{name} must be an integer >= {low}, got {value!r}")
+        if not self.max_factor > 0:
+            raise ValueError(f"SuffixConfig.max_factor must be > 0, got {self.max_factor!r}")
+        if not 0 <= self.min_prob < 1:
+            raise ValueError(f"SuffixConfig.min_prob must be in [0, 1), got {self.min_prob!r}")
+
+
+class SuffixCache:
+    """Responses shared across requests: a suffix trie of at most `max_tokens` tokens, the oldest
+    response evicted first when a new token would pass the bound (so nodes <= max_tokens * depth).
+    Thread-safe: rows of several generate() calls may share it."""
+
+    def __init__(self, max_tokens: int = DEFAULT_CACHE_TOKENS, depth: int = SuffixConfig.depth) -> None:
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"a suffix cache holds max_tokens >= 1 tokens, got {max_tokens!r}")
+        self.max_tokens = max_tokens
+        self.trie = SuffixTrie(depth)
+        self.tokens = 0
+        self.evicted = 0  # responses evicted so far
+        self._responses: OrderedDict[int, list[int]] = OrderedDict()  # key -> its tokens, oldest first
+        self._keys = itertools.count()
+        self._lock = threading.Lock()
+
+    @property
+    def depth(self) -> int:
+        return self.trie.depth
+
+    @property
+    def responses(self) -> int:
+        return len(self._responses)
+
+    def open(self) -> int:
+        """A key for a new response."""
+        with self._lock:
+            key = next(self._keys)
+            self._responses[key] = []
+            return key
+
+    def extend(self, key: int, windows: list[_Node], tokens: list[int]) -> list[_Node] | None:
+        """Append `tokens` to response `key` (its open windows: [] at first); the new windows, or
+        None once the response was evicted (then it is no longer cached)."""
+        with self._lock:
+            seq = self._responses.get(key)
+            if seq is None:
+                return None
+            room = self.max_tokens - len(seq)  # a response longer than the bound keeps its start
+            tokens = tokens[:max(room, 0)]
+            while self.tokens + len(tokens) > self.max_tokens:
+                self._evict_oldest(but=key)
+            seq.extend(tokens)
+            self.tokens += len(tokens)
+            return self.trie.extend(windows, tokens)
+
+    def _evict_oldest(self, but: int) -> None:
+        key = next(k for k in self._responses if k != but)  # exists: the others hold the excess
+        seq = self._responses.pop(key)
+        self.trie.remove(seq)
+        self.tokens -= len(seq)
+        self.evicted += 1
+
+    def speculate(self, context: list[int], config: SuffixConfig) -> Speculation:
+        with self._lock:
+            return self.trie.speculate(context, config.max_nodes, config.max_factor, config.min_prob)
+
+    def clear(self) -> None:
+        """Forget every response (rows still extending theirs stop caching them)."""
+        with self._lock:
+            self._responses.clear()
+            self.trie = SuffixTrie(self.trie.depth)
+            self.tokens = 0
+
+
+_SHARED: dict[tuple[int, int], SuffixCache] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_cache(max_tokens: int = DEFAULT_CACHE_TOKENS, depth: int = SuffixConfig.depth) -> SuffixCache:
+    """The process's cache of this bound and depth: what every `suffix` drafter made from a spec
+    shares, so generate() calls learn from the responses of earlier ones."""
+    with _SHARED_LOCK:
+        return _SHARED.setdefault((max_tokens, depth), SuffixCache(max_tokens, depth))
+
+
+class _Row:
+    """One row's state: its own trie (prompt + output), the tokens it has read, its response's key
+    and open windows in the shared cache."""
+
+    def __init__(self, prompt: torch.Tensor, depth: int, cache: SuffixCache | None) -> None:
+        self.trie = SuffixTrie(depth)
+        ids = prompt.tolist()
+        self.windows = self.trie.extend([], ids)
+        self.read = len(ids)
+        self.prompt_len = len(ids)
+        self.key = cache.open() if cache is not None else None
+        self.cache_windows: list[_Node] | None = []
+
+
+class SuffixDrafter(Drafter):
+    """Suffix decoding over each row's prompt and output and a shared cache of earlier responses
+    (module docstring). `cache`: the SuffixCache to share (default: the process's, of
+    config.cache_tokens; none when that is 0)."""
+
+    name = "suffix"
+    adaptive = False
+
+    def __init__(self, config: SuffixConfig | None = None, cache: SuffixCache | None = None) -> None:
+        self.config = config or SuffixConfig()
+        if cache is None and self.config.cache_tokens:
+            cache = shared_cache(self.config.cache_tokens, self.config.depth)
+        if cache is not None and cache.depth != self.config.depth:
+            raise ValueError(f"the suffix cache has depth {cache.depth} but the drafter's config {self.config.depth}")
+        self.cache = cache
+        self.rows: list[_Row | None] = []
+
+    def max_nodes(self, k: int) -> int:
+        return self.config.max_nodes
+
+    def begin(self, prompts: list[torch.Tensor], max_len: int, hidden: torch.Tensor | None) -> None:
+        self.rows = [_Row(p, self.config.depth, self.cache) for p in prompts]
+
+    def reserve(self, batch_size: int, max_len: int) -> None:
+        self.rows = [None] * batch_size
+
+    def admit(self, row: int, prompt: torch.Tensor, hidden: torch.Tensor | None) -> None:
+        self.rows[row] = _Row(prompt, self.config.depth, self.cache)
+
+    def release(self, row: int) -> None:
+        self.rows[row] = None
+
+    def _read(self, state: _Row, seq: torch.Tensor) -> list[int]:
+        """Add what row `state` committed since it last read `seq` to its trie and to the cache; its
+        context (the last depth - 1 tokens)."""
+        new = seq[state.read:].tolist()
+        if new:
+            state.windows = state.trie.extend(state.windows, new)
+            state.read = seq.numel()
+            if state.cache_windows is not None and self.cache is not None:
+                out = seq[max(state.prompt_len, seq.numel() - len(new)):].tolist()  # response tokens only
+                state.cache_windows = self.cache.extend(state.key, state.cache_windows, out)
+        return seq[max(0, seq.numel() - self.config.depth + 1):].tolist()
+
+    def speculate(self, row: int, seq: torch.Tensor) -> Speculation:
+        """Row `row`'s best tree after `seq`: its own trie's or the shared cache's, whichever scores higher."""
+        state = self.rows[row]
+        context = self._read(state, seq)
+        c = self.config
+        best = state.trie.speculate(context, c.max_nodes, c.max_factor, c.min_prob)
+        if self.cache is not None:
+            shared = self.cache.speculate(context, c)
+            if shared.score > best.score:
+                best = shared
+        return best
+
+    def propose(self, seqs: list[torch.Tensor], k: int, rows: list[int]) -> DraftTree:
+        B, n = len(seqs), self.config.max_nodes
+        tokens = torch.zeros(B, n, dtype=torch.long)  # (B, N)
+        parents = (torch.arange(n) - 1)[None].repeat(B, 1)  # (B, N): padding nodes form a chain
+        scores = torch.zeros(B, n)  # (B, N)
+        lens = torch.zeros(B, dtype=torch.long)  # (B,)
+        for b in rows:
+            spec = self.speculate(b, seqs[b])
+            m = len(spec.tokens)
+            if m:
+                tokens[b, :m] = torch.tensor(spec.tokens)
+                parents[b, :m] = torch.tensor(spec.parents)
+                scores[b, :m] = torch.tensor(spec.probs)
+                lens[b] = m
+        return DraftTree(tokens, parents, lens, scores=scores)
+
+
+def from_spec(spec, target, loader) -> SuffixDrafter:
+    """`suffix[@N]` (specdec.drafters.spec): a SuffixDrafter drafting trees of up to N nodes, sharing
+    the process's cache (the serving engine keeps one drafter, so its requests share it)."""
+    return SuffixDrafter(SuffixConfig() if spec.size is None else SuffixConfig(max_nodes=spec.size))
