@@ -289,6 +289,23 @@ def decode(target, drafter: Drafter | None, state: RowState, num_draft_tokens: i
     return stats
 
 
+def compile_block_steps(target, batch_size: int = 1) -> None:
+    """Run every compiled program a verification step of up to DECODE_STATIC_TOKENS tokens may take,
+    causal (a chain) and with a block mask (a tree), on a scratch cache: a drafter whose trees change
+    size every step (`suffix`) would otherwise compile them, a minute each, while it is timed."""
+    if not getattr(target, "compiled", False):
+        return
+    cache = target.new_cache(batch_size, 2 * DECODE_STATIC_TOKENS + 2)
+    device = target.device
+    with torch.inference_mode():
+        for T in range(2, DECODE_STATIC_TOKENS + 1):
+            for block in (None, torch.ones(T, T, dtype=torch.bool, device=device).tril()):
+                cache.lengths.fill_(1)
+                tokens = torch.zeros(batch_size, T, dtype=torch.long, device=device)
+                positions = 1 + torch.arange(T, device=device)[None].expand(batch_size, T)
+                target(tokens, positions, cache, block_mask=None if block is None else block.expand(batch_size, T, T))
+
+
 def _aux_layers(drafter: Drafter | None, observers: list[DecodeObserver]) -> tuple[int, ...]:
     """The one set of aux layers the target's forwards compute: the drafter's (EAGLE-3) and the
     observers' must be the same where both name some."""

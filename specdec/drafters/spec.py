@@ -318,6 +318,13 @@ class DrafterLoader:
         self._cache: dict[tuple, object] = {}
         self.tree_auto: dict[str, dict] = {}  # spec text -> specdec.drafters.eagle.auto's record of an @auto tree
 
+    def suffix_cache(self, depth: int, max_tokens: int):
+        """The shared cache of earlier responses a `suffix` drafter of this depth drafts from: the
+        process's (`specdec.drafters.suffix.shared_cache`); `specdec eval` keeps one per method."""
+        from specdec.drafters.suffix import shared_cache
+
+        return shared_cache(max_tokens, depth)
+
     def cached(self, key: tuple, load: Callable[[], object]):
         if key not in self._cache:
             self._cache[key] = load()

@@ -214,6 +214,8 @@ class SuffixDrafter(Drafter):
 
 
 def from_spec(spec, target, loader) -> SuffixDrafter:
-    """`suffix[@N]` (specdec.drafters.spec): a SuffixDrafter drafting trees of up to N nodes, sharing
-    the process's cache (the serving engine keeps one drafter, so its requests share it)."""
-    return SuffixDrafter(SuffixConfig() if spec.size is None else SuffixConfig(max_nodes=spec.size))
+    """`suffix[@N]` (specdec.drafters.spec): a SuffixDrafter drafting trees of up to N nodes from the
+    cache the loader gives (the process's by default; the serving engine keeps one drafter, so its
+    requests share it)."""
+    config = SuffixConfig() if spec.size is None else SuffixConfig(max_nodes=spec.size)
+    return SuffixDrafter(config, cache=loader.suffix_cache(config.depth, config.cache_tokens))

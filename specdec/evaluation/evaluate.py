@@ -74,6 +74,7 @@ from runtime.invariant import unsupported_reason
 from runtime.loading import WEIGHTS, resolve_weights
 from runtime.outputs import created_output, output_lock, prepare_output_dir
 from runtime.progress import progress as progress_bar
+from specdec.decode import compile_block_steps
 from specdec.drafters.draft_vocab import ALIGN as DRAFT_VOCAB_ALIGN
 from specdec.drafters.spec import DRAFT_LENGTH, DRAFTERS, GRAMMAR, DrafterLoader, DrafterSpec
 from specdec.evaluation.baselines import BASELINES, HF_MODES, LLAMACPP_MODES, HFGenerator, load_hf_model, new_tokens
@@ -384,6 +385,19 @@ class _RunLoader(DrafterLoader):
     def model(self, name: str, target):
         return self.runner._draft_model(name)
 
+    def suffix_cache(self, depth: int, max_tokens: int):
+        """One cache of earlier responses per method, so no method drafts from another's answers;
+        emptied after the warm-up (`clear_suffix_caches`), so none drafts from a warm-up's."""
+        from specdec.drafters.suffix import SuffixCache
+
+        key = ("suffix-cache", self.runner.method, depth, max_tokens)
+        return self.cached(key, lambda: SuffixCache(max_tokens, depth))
+
+    def clear_suffix_caches(self) -> None:
+        for key, cache in self._cache.items():
+            if key[0] == "suffix-cache":
+                cache.clear()
+
     def calibration_prompts(self):
         r = self.runner
         return ((p.id, torch.tensor(encode(r.tokenizer, [p.turns[0]], [], r.cfg.raw))) for p in r.calibration)
@@ -400,6 +414,7 @@ class Runner:
         self._models: dict[tuple[str, str], object] = {}
         self.calibration: list[Prompt] = []  # prompts an `@auto` EAGLE-3 tree is measured on (the first that fits)
         self.loader = _RunLoader(self)  # loads what the drafter specs name, each once per run
+        self.method = ""  # the method whose drafter is loading (its suffix cache is its own)
 
     @property
     def tree_auto(self) -> dict[str, dict]:
@@ -456,6 +471,7 @@ class Runner:
             return None
         if spec.drafter is None:
             raise ValueError(f"{spec.name} is not a specdec method")
+        self.method = spec.name
         return spec.drafter.load(self.target, self.loader)
 
     def llama_server(self, spec: MethodSpec):
@@ -625,6 +641,7 @@ def _generate_all(runner: Runner, cfg: EvalConfig, specs: list[MethodSpec], prom
         if spec.name in pending:
             for _ in range(cfg.warmup):
                 _warm_up(runner, spec, [p for p in prompts if p.id not in skipped])
+    runner.loader.clear_suffix_caches()  # the timed prompts draft only from earlier timed answers
     with contextlib.ExitStack() as stack:
         bar = stack.enter_context(progress_bar(total=len(todo), desc="eval", unit="gen", disable=not progress))
         fh = None
@@ -664,6 +681,8 @@ def _warm_up(runner: Runner, spec: MethodSpec, prompts: list[Prompt]) -> None:
         if runner.cfg.compile and spec.kind in DRAFT_LENGTH_KINDS:
             for k in COMPILE_WARMUP_DRAFTS:
                 runner.decode(dataclasses.replace(spec, num_draft_tokens=k), ids, runner.cfg.seed)
+        if runner.cfg.compile and spec.kind == "suffix":
+            compile_block_steps(runner.target)  # its trees change size every step
         return
 
 

@@ -475,3 +475,27 @@ def test_cli_bad_out_and_busy_out_are_one_line_errors(workdir: Path, tmp_path: P
     assert (tmp_path / "home" / "notes.txt").read_text() == "keep me"
     assert sorted(p.name for p in (tmp_path / "home").iterdir()) == ["notes.txt"]
     assert list((tmp_path / "busy").iterdir()) == []
+
+
+def test_suffix_methods_draft_from_their_own_answers_and_not_the_warm_up(workdir: Path):
+    """Each method keeps its own cache of earlier answers, emptied after the warm-up: a run with a
+    warm-up drafts exactly as one without, and a second suffix method does not see the first's."""
+    base = dict(target=str(workdir / "ckpt"), prompts=str(workdir / "prompts.jsonl"), dtype="float32",
+                max_new_tokens=12, limit=3)
+    runs = [run_eval(EvalConfig(out=str(workdir / f"suffix{w}"), methods="suffix,suffix@4", warmup=w, **base),
+                     progress=False) for w in (0, 1)]
+    gens = [[json.loads(x) for x in (workdir / f"suffix{w}" / "generations.jsonl").read_text().splitlines()]
+            for w in (0, 1)]
+    counts = [[{k: g["stats"][k] for k in ("drafted_tokens", "accepted_tokens", "target_forwards")} for g in run]
+              for run in gens]
+    assert counts[0] == counts[1] and any(c["accepted_tokens"] for c in counts[0])
+    assert runs[0]["methods"]["suffix"]["overall"]["num_prompts"] == 3
+    runner = Runner(EvalConfig(out=str(workdir / "unused"), methods="suffix", **base), None, [])
+    caches = []
+    for method in ("suffix", "suffix@4"):
+        runner.method = method
+        caches.append(runner.loader.suffix_cache(24, 100))
+    assert caches[0] is not caches[1] and caches[1] is runner.loader.suffix_cache(24, 100)
+    caches[0].extend(caches[0].open(), [], [5, 6, 7])
+    runner.loader.clear_suffix_caches()
+    assert caches[0].tokens == 0 and caches[0].responses == 0
