@@ -208,8 +208,9 @@ class DecodeLoop:
                                    None if aux is None else aux[b, chose])  # (n, V), (n, C), (n, nC)
                 for o in self.observers:
                     o.on_step(b, mine)
-            if auto is not None:
-                auto.observe(len(path), int(valid[b].sum()), tree.num_nodes + 1, target_s)
+            if auto is not None:  # rows of a fixed-size tree tell the draft length nothing (drafted 0)
+                tuned = tree.tuned is None or bool(tree.tuned[b])
+                auto.observe(len(path) * tuned, int(valid[b].sum()) * tuned, tree.num_nodes + 1, target_s)
         _keep_paths(cache, start_len, verdict, active)
         if drafter is not None:
             drafter.commit(Accepted(state.sequences(), verdict.paths, self._told(hid, aux)))
@@ -244,7 +245,7 @@ def _tree_rows(tree: DraftTree, idx: torch.Tensor) -> DraftTree:
     """The trees of rows `idx` (R,) of a batch's DraftTree."""
     part = DraftTree(tree.tokens[idx], tree.parents[idx], tree.lens[idx],
                      None if tree.q is None else tree.q[idx.to(tree.q.device)],
-                     None if tree.scores is None else tree.scores[idx])
+                     None if tree.scores is None else tree.scores[idx], None if tree.tuned is None else tree.tuned[idx])
     if tree.is_chain:
         part._cache["chain"] = True
     return part

@@ -46,6 +46,9 @@ class DraftTree:
     scores (B, N) or None: the drafter's own estimate that each node's whole path is accepted (a
         suffix match's frequencies, a draft model's probabilities); their sum over a row is the
         accepted length it expects. None when the drafter makes no estimate.
+    tuned (B,) bool or None: the rows whose drafts follow the step's k, which the loop's `auto`
+        draft length learns from (a composite drafter's rows that took a fixed-size member's tree
+        are not); None = every row.
     """
 
     tokens: torch.Tensor
@@ -53,6 +56,7 @@ class DraftTree:
     lens: torch.Tensor
     q: torch.Tensor | None = None
     scores: torch.Tensor | None = None
+    tuned: torch.Tensor | None = None
     _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -90,7 +94,8 @@ class DraftTree:
     def truncate(self, n: int) -> "DraftTree":
         """The first n nodes (valid nodes are a prefix, and parents precede children)."""
         tree = DraftTree(self.tokens[:, :n], self.parents[:, :n], self.lens.clamp(max=n),
-                         None if self.q is None else self.q[:, :n], None if self.scores is None else self.scores[:, :n])
+                         None if self.q is None else self.q[:, :n], None if self.scores is None else self.scores[:, :n],
+                         self.tuned)
         if self._cache.get("chain"):
             tree._cache["chain"] = True
         return tree

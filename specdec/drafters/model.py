@@ -5,11 +5,18 @@ the row committed since (the tokens the target accepted, up to k + 1), then deco
 greedily or by sampling with the target's temperature / top-k / top-p (the distributions go
 with the drafts, for lossless verification). `commit` rolls the cache back to the longest
 prefix it shares with the committed sequences.
+
+Confidence-bounded drafting (llama.cpp's `--draft-p-min`, vLLM's dynamic speculation length): a
+row stops drafting at the first token whose draft probability falls below `p_min` (the top
+probability of the draft's distribution, at temperature 1 for greedy drafts), and the step stops
+when every row has; k (fixed or `auto`'s choice from its cost model) stays the upper bound. Each
+draft's `DraftTree.scores` is the product of those probabilities along its chain.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,6 +26,15 @@ from runtime.errors import SpecdecError
 from specdec.drafter import Accepted, Drafter, DraftTree
 from specdec.rows import CacheRow, prefill, runs
 from specdec.sampling import check_finite, probs_from_logits
+
+
+@dataclass(frozen=True)
+class DraftModel:
+    """generate()'s draft argument for `draft:NAME[@K:pP]`: the model and the probability below which
+    a row stops drafting (0: never stops early); generate() adds its sampling (a ModelDrafter)."""
+
+    model: object
+    p_min: float = 0.0
 
 
 class VocabularyMismatchError(SpecdecError, ValueError):
@@ -31,9 +47,12 @@ class ModelDrafter(Drafter):
     name = "draft"
 
     def __init__(self, model, target, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                 generator: torch.Generator | None = None) -> None:
+                 generator: torch.Generator | None = None, p_min: float = 0.0) -> None:
         check_vocabularies(model, target)
+        if isinstance(p_min, bool) or not isinstance(p_min, (int, float)) or not 0 <= p_min < 1:
+            raise ValueError(f"p_min (a draft stops below this probability) must be in [0, 1), got {p_min!r}")
         self.model, self.temperature, self.top_k, self.top_p = model, temperature, top_k, top_p
+        self.p_min = float(p_min)
         self.generator = generator
         # a model restricted to a frequent-token vocabulary (specdec.drafters.draft_vocab) scores those ids only
         self.output_ids = getattr(model, "output_ids", None)  # (N,) or None
@@ -129,10 +148,15 @@ class ModelDrafter(Drafter):
         logits = self._feed(chunks)
         t1 = time.perf_counter()
         tokens = torch.zeros(B, k, dtype=torch.long)  # (B, k)
+        scores = torch.zeros(B, k)  # (B, k): product of the draft's probabilities along the chain
         sampled = self.temperature > 0
         ids = self.output_ids
         vocab = self.model.config.vocab_size if ids is not None else logits.shape[-1]
         q = torch.zeros(B, k, vocab, device=logits.device) if sampled else None  # (B, k, V) on the draft's device
+        lens = torch.zeros(B, dtype=torch.long)  # (B,)
+        going = list(rows)  # rows still drafting
+        path = torch.ones(B)  # (B,)
+        forwards = 0
         for i in range(k):
             if sampled:  # drawn where the draft runs, with the caller's generator (same device)
                 probs = probs_from_logits(logits, self.temperature, self.top_k, self.top_p)  # (B, V|N)
@@ -141,19 +165,26 @@ class ModelDrafter(Drafter):
                     q[:, i] = probs
                 else:
                     q[:, i, ids.to(probs.device)] = probs  # zero outside the draft's vocabulary
+                top = probs.max(-1).values.float().cpu()  # (B,)
             else:
                 col = logits.argmax(-1).cpu()
+                top = torch.softmax(logits.float(), -1).max(-1).values.cpu()  # (B,)
             nxt = col if ids is None else ids[col]
             tokens[:, i] = nxt
-            if i + 1 < k:
-                logits = self._feed([nxt[b:b + 1] if b in rows else nxt[:0] for b in range(B)])
-        lens = torch.zeros(B, dtype=torch.long)
-        lens[rows] = k
+            path = path * top
+            scores[:, i] = path
+            going = [b for b in going if top[b] >= self.p_min]
+            lens[going] = i + 1
+            if i + 1 < k and going:
+                logits = self._feed([nxt[b:b + 1] if b in going else nxt[:0] for b in range(B)])
+                forwards += 1
+            else:
+                break
         if not prefill:
             self.first_s = _ema(self.first_s, t1 - t0)
-        if k > 1:
-            self.step_s = _ema(self.step_s, (time.perf_counter() - t1) / (k - 1))
-        return DraftTree.chain(tokens, lens, q)
+        if forwards:
+            self.step_s = _ema(self.step_s, (time.perf_counter() - t1) / forwards)
+        return DraftTree.chain(tokens, lens, q, scores)
 
     def draft_cost(self, k: int) -> float:
         """Seconds to propose k tokens: the catch-up forward, then k - 1 one-token forwards (a
@@ -200,7 +231,7 @@ def check_token_strings(d_src: str | Path, t_src: str | Path, sample: int) -> No
             f"draft {a!r}, target {b!r}); use a draft trained with the target's tokenizer")
 
 
-def from_spec(spec, target, loader):
-    """`draft:NAME_OR_PATH[@K]` (specdec.drafters.spec): the draft model, loaded by `loader`; generate()
-    wraps it in a ModelDrafter with its sampling."""
-    return loader.model(spec.arg, target)
+def from_spec(spec, target, loader) -> DraftModel:
+    """`draft:NAME_OR_PATH[@K[:pP]]` (specdec.drafters.spec): the draft model, loaded by `loader`, and its
+    p_min; generate() makes the ModelDrafter with its sampling."""
+    return DraftModel(loader.model(spec.arg, target), spec.p_min or 0.0)

@@ -7,12 +7,15 @@ the recipes all read this grammar:
     suffix[@N]                  suffix decoding over the prompt, the output and earlier responses;
                                 trees of up to N nodes
     draft:NAME_OR_PATH[@K]      a draft model (catalogue name, checkpoint dir, .gguf or hub id)
+    draft:NAME_OR_PATH@K:pP     ... each row stops drafting below draft probability P (0 <= P < 1)
     hybrid:NAME_OR_PATH[@K]     = ngram+draft:NAME_OR_PATH
     medusa:DIR[@N]              Medusa heads, their candidate tree rebuilt with N nodes
     eagle:DIR[@N[:DxK]]         an EAGLE-3 head; its dynamic tree keeps N nodes, D levels, top-k K
     eagle:DIR@auto[:DxK]        ... N timed on this machine first (specdec.drafters.eagle.auto)
-    A+B[+C...][@K]              chain drafters (ngram, draft:X) tried in order per step; the @K
+    A+B[+C...][@K[:pP]]         chain drafters (ngram, draft:X) tried in order per step; the @K
                                 after the last member is the whole list's draft length
+    A|B[|C...]                  drafters (ngram, suffix, draft:X, each with its own @) asked per
+                                step, each row verifying the proposal it expects most of
 
 The defaults live once: the EAGLE tree's on `EagleTreeConfig`, the Medusa tree's in
 `specdec.drafters.medusa.heads.DEFAULT_TREE_NODES`, the draft length in generate()'s `num_draft_tokens`. An "@"
@@ -40,6 +43,7 @@ from specdec.options import parse_draft_length
 # what the "@..." suffix of a kind means
 DRAFT_LENGTH, TREE_NODES, EAGLE_TREE = "draft length", "tree nodes", "eagle tree"
 _TREE_SHAPE = re.compile(r"[0-9]+x[0-9]+")  # eagle's @N:DEPTHxTOP_K
+_P_MIN = re.compile(r"p(0(\.[0-9]*)?|\.[0-9]+)")  # a draft model's @K:pP
 
 
 @dataclass(frozen=True)
@@ -60,13 +64,15 @@ DRAFTERS: dict[str, DrafterKind] = {
     "suffix": DrafterKind(None, TREE_NODES, False, "specdec.drafters.suffix:from_spec"),
     "draft": DrafterKind("NAME_OR_PATH", DRAFT_LENGTH, True, "specdec.drafters.model:from_spec"),
     "hybrid": DrafterKind("NAME_OR_PATH", DRAFT_LENGTH, False, "specdec.drafters.hybrid:from_spec"),  # ngram+draft:X
+    "best": DrafterKind(None, None, False, "specdec.drafters.composite:from_spec"),  # A|B, written with '|'
     "medusa": DrafterKind("DIR", TREE_NODES, False, "specdec.drafters.medusa.drafter:from_spec"),
     "eagle": DrafterKind("DIR", EAGLE_TREE, False, "specdec.drafters.eagle.drafter:from_spec"),
 }
 
-GRAMMAR = ("ngram[@K], suffix[@N], draft:NAME_OR_PATH[@K], hybrid:NAME_OR_PATH[@K], medusa:DIR[@N], "
-           "eagle:DIR[@N[:DxK]] (or @auto[:DxK]), or chain drafters joined by '+' tried in order "
-           "(e.g. ngram+draft:NAME@4)")
+GRAMMAR = ("ngram[@K], suffix[@N], draft:NAME_OR_PATH[@K[:pP]], hybrid:NAME_OR_PATH[@K[:pP]], medusa:DIR[@N], "
+           "eagle:DIR[@N[:DxK]] (or @auto[:DxK]), chain drafters joined by '+' tried in order "
+           "(e.g. ngram+draft:NAME@4), or drafters joined by '|', the best chosen per step "
+           "(e.g. suffix|draft:NAME@auto)")
 
 
 @dataclass(frozen=True)
@@ -74,20 +80,26 @@ class DrafterSpec:
     """A drafter named in the grammar above: `kind` (a key of DRAFTERS), `arg` (model name, path or
     directory; None for ngram and for an A+B hybrid), `size` (the "@" value: the draft length K, an
     int or "auto", for ngram / draft / hybrid; the tree's nodes for medusa and eagle, "auto" for
-    eagle; None = the default), `shape` (eagle: the tree's (depth, top_k); None = EagleTreeConfig's)
-    and `members` (an A+B hybrid's chain drafters, in order). Checked on construction."""
+    eagle; None = the default), `shape` (eagle: the tree's (depth, top_k); None = EagleTreeConfig's),
+    `members` (an A+B hybrid's chain drafters, in order; an A|B composite's drafters, kind "best")
+    and `p_min` (draft models: the probability below which a row stops drafting; None = never).
+    Checked on construction."""
 
     kind: str
     arg: str | None = None
     size: int | str | None = None
     shape: tuple[int, int] | None = None
     members: tuple[DrafterSpec, ...] = ()
+    p_min: float | None = None
 
     def __post_init__(self) -> None:
         entry = DRAFTERS.get(self.kind)
         if entry is None:
             raise ValueError(f"unknown drafter kind {self.kind!r}; choose from {', '.join(DRAFTERS)}")
-        if self.members:
+        if self.kind == "best":
+            object.__setattr__(self, "members", tuple(self.members))
+            self._check_composite()
+        elif self.members:
             object.__setattr__(self, "members", tuple(self.members))
             self._check_members()
         elif entry.arg is not None and not self.arg:
@@ -104,6 +116,33 @@ class DrafterSpec:
                 object.__setattr__(self, "size", EagleTreeConfig.total_tokens)
         if self.size is not None:
             object.__setattr__(self, "size", _check_size(self, entry.size))
+        if self.p_min is not None:
+            self._check_p_min()
+
+    def _check_p_min(self) -> None:
+        p = self.p_min
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
+            raise ValueError(f"a draft model's p_min (:pP) is a probability in [0, 1), got {p!r}")
+        if self.size is None:
+            raise ValueError(f"{self}: write the draft length before the probability, @K:pP (e.g. @auto:p{p})")
+        if self.kind not in ("draft", "hybrid") or (self.members and all(m.kind != "draft" for m in self.members)):
+            raise ValueError(f"{DrafterSpec(self.kind, self.arg, members=self.members)}: only a draft model stops "
+                             "drafting below a probability (:pP); write it after a draft:NAME@K")
+        object.__setattr__(self, "p_min", float(p))
+
+    def _check_composite(self) -> None:
+        if self.arg or self.size is not None or self.p_min is not None:
+            raise ValueError("a composite A|B takes no argument, size or p_min of its own: its members carry theirs")
+        if len(self.members) < 2:
+            raise ValueError(f"a composite joins two or more drafters with '|', got {len(self.members)}")
+        allowed = [k for k, e in DRAFTERS.items() if e.chain or k == "suffix"]
+        for m in self.members:
+            if not isinstance(m, DrafterSpec) or m.kind not in allowed:
+                raise ValueError(f"a composite's members are drafters that read no target states "
+                                 f"({', '.join(allowed)}), got {m}")
+        lengths = {m.draft_length for m in self.members} - {None}
+        if len(lengths) > 1:
+            raise ValueError(f"a composite's members share one draft length K, got {sorted(map(str, lengths))}")
 
     def _check_members(self) -> None:
         if self.kind != "hybrid" or self.arg:
@@ -129,9 +168,24 @@ class DrafterSpec:
         try:
             if not name:
                 raise ValueError("an empty drafter spec")
+            if "|" in name:
+                return cls._parse_composite(name, bare)
             return cls._parse_hybrid(name, bare) if "+" in name else cls._parse_one(name, bare)
         except ValueError as e:
             raise ValueError(f"{e}; a drafter spec is {GRAMMAR}") from e
+
+    @classmethod
+    def _parse_composite(cls, name: str, bare: str | None) -> DrafterSpec:
+        parts = [p.strip() for p in name.split("|")]
+        if not all(parts):
+            raise ValueError(f"{name!r} has an empty drafter beside a '|': a composite joins two or more drafters "
+                             "with '|', e.g. suffix|draft:NAME_OR_PATH@auto")
+        if any("+" in p for p in parts):
+            raise ValueError(f"{name!r}: a composite's members are single drafters; a hybrid (A+B) cannot be one")
+        try:
+            return cls("best", members=tuple(cls._parse_one(p, bare) for p in parts))
+        except ValueError as e:
+            raise ValueError(e.args[0] if name in str(e) else f"{name!r}: {e}") from e
 
     @classmethod
     def _parse_hybrid(cls, name: str, bare: str | None) -> DrafterSpec:
@@ -143,10 +197,11 @@ class DrafterSpec:
                              "'+', e.g. ngram+draft:NAME_OR_PATH")
         members = [cls._parse_one(p, bare) for p in parts]
         size = members[-1].size if DRAFTERS[members[-1].kind].size == DRAFT_LENGTH else None
+        p_min = members[-1].p_min
         if size is not None:
             members[-1] = cls(members[-1].kind, members[-1].arg)
         try:
-            return cls("hybrid", None, size, None, tuple(members))
+            return cls("hybrid", None, size, None, tuple(members), p_min)
         except ValueError as e:
             raise ValueError(f"{name!r}: {e}") from e
 
@@ -156,8 +211,10 @@ class DrafterSpec:
         size, colon, shape = size.partition(":")
         if at:
             _check_suffix(name, base, size, colon, shape)
-        if not at or not (size.isdigit() or size == "auto") or (colon and not _TREE_SHAPE.fullmatch(shape)):
-            base, at, size, colon = name, "", "", ""  # an "@" inside a path is part of the path
+        p_min = bool(colon and _P_MIN.fullmatch(shape))
+        if not at or not (size.isdigit() or size == "auto") or (colon and not p_min
+                                                                 and not _TREE_SHAPE.fullmatch(shape)):
+            base, at, size, colon, p_min = name, "", "", "", False  # an "@" inside a path is part of the path
         kind, _, arg = base.partition(":")
         if kind not in DRAFTERS:
             _check_misspelled(name, base)
@@ -171,11 +228,15 @@ class DrafterSpec:
             _check_dir_suffix(name, kind, arg, bool(at))
         value = (int(size) if size.isdigit() else size) if at else None
         try:
+            if p_min:
+                return cls(kind, arg or None, value, p_min=float(shape[1:]))
             return cls(kind, arg or None, value, tuple(map(int, shape.split("x"))) if colon else None)
         except ValueError as e:
             raise ValueError(e.args[0] if name in str(e) else f"{name!r}: {e}") from e
 
     def __str__(self) -> str:
+        if self.kind == "best":
+            return "|".join(map(str, self.members))
         if self.members:
             text = "+".join(map(str, self.members))
         else:
@@ -184,19 +245,26 @@ class DrafterSpec:
             text += f"@{self.size}"
             if self.shape is not None:
                 text += ":{}x{}".format(*self.shape)
+            if self.p_min is not None:
+                text += f":p{self.p_min:g}"
         return text
 
     @property
     def draft_length(self) -> int | str | None:
         """The spec's own draft length (an int or "auto"; in place of num_draft_tokens), None when it
-        has none or its "@" sizes a tree."""
+        has none or its "@" sizes a tree; a composite's: its members' (they share one)."""
+        if self.kind == "best":
+            return next((m.draft_length for m in self.members if m.draft_length is not None), None)
         return self.size if DRAFTERS[self.kind].size == DRAFT_LENGTH else None
 
     @property
     def parts(self) -> tuple[DrafterSpec, ...]:
         """The drafters tried in order: a hybrid's members (hybrid:X = ngram, draft:X), else the spec itself."""
         if self.kind == "hybrid" and not self.members:
-            return DrafterSpec("ngram"), DrafterSpec("draft", self.arg)
+            return DrafterSpec("ngram"), DrafterSpec("draft", self.arg, self.size, p_min=self.p_min)
+        if self.kind == "hybrid" and self.p_min is not None:  # the list's @K:pP is its draft models'
+            return tuple(DrafterSpec(m.kind, m.arg, self.size, p_min=self.p_min) if m.kind == "draft" else m
+                         for m in self.members)
         return self.members or (self,)
 
     @property
@@ -236,8 +304,8 @@ _SUFFIX = {DRAFT_LENGTH: "the draft length K (1-64 or auto)", TREE_NODES: "the t
 
 def _check_suffix(name: str, base: str, size: str, colon: str, shape: str) -> None:
     """ValueError for an "@" suffix of `name` that cannot be part of a path and is not a valid suffix:
-    a spec that ends in "@", an "@" after a kind that takes no argument (`ngram@x`), or an eagle tree
-    shape that is not DEPTHxTOP_K (`eagle:DIR@6:3x`)."""
+    a spec that ends in "@", an "@" after a kind that takes no argument (`ngram@x`), an eagle tree
+    shape that is not DEPTHxTOP_K (`eagle:DIR@6:3x`), or a probability out of [0, 1) (`@auto:p1.5`)."""
     kind = base.partition(":")[0]
     entry = DRAFTERS.get(kind)
     valid = size.isdigit() or size == "auto"
@@ -249,6 +317,8 @@ def _check_suffix(name: str, base: str, size: str, colon: str, shape: str) -> No
         raise ValueError(f"{name!r}: after {kind}'s '@' comes {_SUFFIX[entry.size]}, got {name[len(base) + 1:]!r}")
     if entry is not None and entry.size == EAGLE_TREE and valid and not shaped:
         raise ValueError(f"{name!r}: the tree shape after ':' is DEPTHxTOP_K (e.g. @6:3x2), got {shape!r}")
+    if valid and re.fullmatch(r"p[0-9.]+", shape) and not _P_MIN.fullmatch(shape):
+        raise ValueError(f"{name!r}: a draft model's :pP is a probability in [0, 1) (e.g. @auto:p0.5), got {shape!r}")
 
 
 def _check_misspelled(name: str, base: str) -> None:

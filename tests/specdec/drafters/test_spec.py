@@ -26,6 +26,15 @@ GOOD = {
     "eagle:e": DrafterSpec("eagle", "e"),
     "eagle:e@96:8x10": DrafterSpec("eagle", "e", 96, (8, 10)),
     "eagle:e@auto:3x4": DrafterSpec("eagle", "e", "auto", (3, 4)),
+    "suffix": DrafterSpec("suffix"),
+    "suffix@12": DrafterSpec("suffix", size=12),
+    "draft:m@auto:p0.6": DrafterSpec("draft", "m", "auto", p_min=0.6),
+    "hybrid:m@4:p0.3": DrafterSpec("hybrid", "m", 4, p_min=0.3),
+    "ngram+draft:m@auto:p0.5": DrafterSpec("hybrid", size="auto", p_min=0.5,
+                                           members=(DrafterSpec("ngram"), DrafterSpec("draft", "m"))),
+    "suffix|draft:m@auto": DrafterSpec("best", members=(DrafterSpec("suffix"), DrafterSpec("draft", "m", "auto"))),
+    "ngram|suffix@5|draft:m@4:p0.6": DrafterSpec("best", members=(
+        DrafterSpec("ngram"), DrafterSpec("suffix", size=5), DrafterSpec("draft", "m", 4, p_min=0.6))),
 }
 
 
@@ -44,6 +53,10 @@ def test_draft_length_and_parts():
     assert DrafterSpec.parse("draft:x+ngram").parts == (DrafterSpec("draft", "x"), DrafterSpec("ngram"))
     assert DrafterSpec.parse("qwen@3", bare="draft") == DrafterSpec("draft", "qwen", 3)  # --draft NAME
     assert DrafterSpec.parse("ngram+qwen", bare="draft").parts[1] == DrafterSpec("draft", "qwen")
+    # a list's @K:pP is its draft models'
+    assert DrafterSpec.parse("hybrid:x@4:p0.5").parts[1] == DrafterSpec("draft", "x", 4, p_min=0.5)
+    assert DrafterSpec.parse("suffix|draft:x@auto").draft_length == "auto"
+    assert DrafterSpec.parse("suffix|ngram").draft_length is None
 
 
 def test_defaults_live_once():
@@ -75,6 +88,15 @@ def test_defaults_live_once():
     ("eagle:e@auto:1x1", "this shape holds 1"),
     ("eagle:e+ngram", "members draft chains"),
     ("ngram@3+draft:x", "share one draft length: write it once after the last member"),
+    ("suffix@0", "the tree's nodes N must be an integer >= 1"),
+    ("suffix:x", "takes no argument"),
+    ("ngram+suffix", "members draft chains"),
+    ("draft:x@auto:p1.5", "a probability in \\[0, 1\\)"),
+    ("eagle:e@6:p0.5", "DEPTHxTOP_K"),
+    ("suffix|", "empty drafter beside a '\\|'"),
+    ("suffix|medusa:h", "read no target states"),
+    ("suffix|ngram+draft:x", "a hybrid \\(A\\+B\\) cannot be one"),
+    ("ngram@3|draft:x@4", "share one draft length K"),
 ])
 def test_errors_say_what_is_wrong(text, msg):
     with pytest.raises(ValueError, match=msg):

@@ -1,0 +1,115 @@
+"""The composite drafter (`A|B`): lossless with any members, each row verifies the proposal it
+expects most of, a costly member runs only where it can pay, and calibration follows acceptance."""
+
+import pytest
+import torch
+
+import specdec
+from specdec.drafter import Accepted, Drafter, DraftTree
+from specdec.drafters import CompositeDrafter, DrafterSpec, make_drafter
+from specdec.drafters.suffix import SuffixCache, SuffixConfig, SuffixDrafter
+from tests.specdec.test_decode import _rows, _same, assert_two_token_law
+
+
+class Fixed(Drafter):
+    """Proposes `tokens` as a chain with per-node scores `scores` to every asked row; counts calls."""
+
+    def __init__(self, name: str, tokens: list[int], scores: list[float] | None, cost: float = 0.0,
+                 adaptive: bool = False) -> None:
+        self.name, self.tokens, self.scores, self.cost, self.adaptive = name, tokens, scores, cost, adaptive
+        self.asked: list[list[int]] = []
+
+    def propose(self, seqs, k, rows):
+        self.asked.append(list(rows))
+        B, n = len(seqs), len(self.tokens)
+        tokens = torch.tensor(self.tokens).repeat(B, 1)
+        lens = torch.zeros(B, dtype=torch.long)
+        lens[rows] = n
+        scores = None if self.scores is None else torch.tensor(self.scores).repeat(B, 1)
+        return DraftTree.chain(tokens, lens, scores=scores)
+
+    def draft_cost(self, k):
+        return self.cost
+
+
+def _suffix():
+    return SuffixDrafter(SuffixConfig(), cache=SuffixCache(4096))
+
+
+@pytest.mark.parametrize("k", [3, "auto"])
+def test_greedy_output_equals_plain_with_every_kind_of_member(target, random_draft, k):
+    rows = _rows(seed=9, lengths=(3, 12, 6, 2))
+    plain = specdec.generate(target, rows, max_new_tokens=30).sequences
+    for members in ([_suffix(), make_drafter(random_draft, target)], [make_drafter("ngram", target), _suffix(),
+                                                                      make_drafter(target, target)]):
+        out = specdec.generate(target, rows, draft=CompositeDrafter(members), max_new_tokens=30, num_draft_tokens=k)
+        assert _same(out.sequences, plain)
+
+
+def test_sampling_keeps_the_joint_law_of_two_tokens(target, random_draft):
+    n = 3000
+    prompt = torch.stack([torch.arange(64), (torch.arange(64) * 7 + 3) % 64], dim=1).flatten()
+    kw = dict(temperature=0.8, top_k=12, top_p=0.9)
+    suffix = SuffixDrafter(SuffixConfig(depth=4, max_nodes=2, max_factor=4.0), cache=SuffixCache(4096, 4))
+    comp = CompositeDrafter([suffix, make_drafter(random_draft, target, generator=torch.Generator().manual_seed(3),
+                                                  **kw)])
+    out = specdec.generate(target, [prompt] * n, draft=comp, max_new_tokens=3, num_draft_tokens=2,
+                           generator=torch.Generator().manual_seed(4), **kw)
+    assert out.stats.drafted_tokens >= n
+    assert_two_token_law(target, prompt, out.sequences, kw)
+
+
+def _step(comp: CompositeDrafter, accepted: list[int]) -> DraftTree:
+    """One propose of 2 rows and a commit accepting accepted[b] nodes of row b."""
+    seqs = [torch.tensor([1, 2, 3])] * 2
+    tree = comp.propose(seqs, 4, [0, 1])
+    comp.commit(Accepted(seqs, [list(range(min(a, int(tree.lens[b])))) for b, a in enumerate(accepted)]))
+    return tree
+
+
+def test_each_row_verifies_the_proposal_with_the_most_expected_tokens():
+    long = Fixed("long", [5, 6, 7, 8], [0.9, 0.3, 0.1, 0.05])  # expects 1.35
+    sure = Fixed("sure", [9, 10], [0.95, 0.9])  # expects 1.85
+    comp = CompositeDrafter([long, sure])
+    tree = _step(comp, [2, 2])
+    assert tree.tokens[:, :2].tolist() == [[9, 10], [9, 10]] and tree.lens.tolist() == [2, 2]
+    assert comp.chosen == [1, 1] and tree.scores[0, :2].tolist() == pytest.approx([0.95, 0.9])
+    assert tree.tuned.tolist() == [False, False]  # fixed-size members: auto learns nothing from them
+
+
+def test_calibration_turns_away_from_a_member_whose_drafts_are_rejected():
+    bold = Fixed("bold", [5, 6, 7], [0.9, 0.9, 0.9])  # claims 2.7 tokens; none is ever accepted
+    modest = Fixed("modest", [9], None)  # no estimate (its one draft); always accepted
+    comp = CompositeDrafter([bold, modest])
+    seqs = [torch.tensor([1, 2, 3])] * 2
+    picks = []
+    for _ in range(12):
+        comp.propose(seqs, 4, [0, 1])
+        picks.append(comp.chosen[0])
+        comp.commit(Accepted(seqs, [[] if c == 0 else [0] for c in comp.chosen]))
+    assert picks[0] == 0 and picks[-1] == 1 and comp.records[0].calibration() < 0.4
+
+
+def test_a_costly_member_runs_only_for_rows_where_it_can_pay():
+    cheap = Fixed("cheap", [5, 6, 7, 8], [1.0, 1.0, 1.0, 1.0])  # a sure long match
+    costly = Fixed("costly", [9, 10, 11, 12], [0.5, 0.4, 0.3, 0.2], cost=0.05, adaptive=True)
+    comp = CompositeDrafter([costly, cheap])
+    comp.target_s = 0.1
+    comp._end = 1e-9  # a verification was timed before this step
+    tree = comp.propose([torch.tensor([1, 2])] * 2, 4, [0, 1])
+    assert cheap.asked == [[0, 1]] and costly.asked == []  # asked cheapest first; nothing left to gain
+    assert tree.tokens[0].tolist() == [5, 6, 7, 8]
+    weak = Fixed("weak", [5], [0.1])
+    comp = CompositeDrafter([costly, weak])
+    comp.target_s, comp._end = 0.1, 1e-9
+    tree = comp.propose([torch.tensor([1, 2])] * 2, 4, [0, 1])
+    assert costly.asked == [[0, 1]] and comp.chosen == [0, 0] and tree.tuned.tolist() == [True, True]
+
+
+def test_the_spec_builds_a_composite_with_generates_sampling(target):
+    comp = make_drafter("suffix|ngram", target)
+    assert isinstance(comp, CompositeDrafter) and comp.name == "suffix|ngram" and comp.adaptive  # ngram drafts k
+    spec = DrafterSpec.parse("ngram|draft:x@auto:p0.4")
+    assert spec.kind == "best" and spec.draft_length == "auto" and spec.members[1].p_min == 0.4
+    with pytest.raises(ValueError, match="two or more"):
+        CompositeDrafter([_suffix()])
