@@ -88,7 +88,8 @@ from specdec.stats import AcceptanceStats
 BASE_KINDS = ("plain", "hf", "hf-assisted", "hf-pld", "llamacpp", "llamacpp-spec")
 METHOD_KINDS = ("plain", *DRAFTERS, *BASE_KINDS[1:])
 _NEEDS_ARG = ("hf-assisted", "llamacpp-spec")
-DRAFT_LENGTH_KINDS = tuple(k for k, e in DRAFTERS.items() if e.size == DRAFT_LENGTH)  # @K = their draft length
+# @K = their draft length (a composite's: its members')
+DRAFT_LENGTH_KINDS = (*(k for k, e in DRAFTERS.items() if e.size == DRAFT_LENGTH), "best")
 # methods that take @K (medusa and eagle: the tree's nodes)
 _DRAFTING = (*(k for k, e in DRAFTERS.items() if e.size is not None), "llamacpp-spec")
 LLAMACPP_DRAFT_MAX = 4  # llamacpp-spec's drafts when neither @K nor an integer --num-draft-tokens says
@@ -127,9 +128,9 @@ class MethodSpec:
             base, at, k, colon = name, "", "", ""  # an "@" inside a path is part of the path
         kind, _, arg = base.partition(":")
         leading = name.partition("@")[0].partition(":")[0]  # "ngram" of a malformed "ngram@": the spec says why
-        if kind in DRAFTERS or leading in DRAFTERS or (kind not in BASE_KINDS and "+" in name):
+        if kind in DRAFTERS or leading in DRAFTERS or (kind not in BASE_KINDS and ("+" in name or "|" in name)):
             spec = DrafterSpec.parse(name)
-            return cls(name, spec.kind, spec.arg, spec.size, spec.shape)
+            return cls(name, spec.kind, spec.arg, spec.draft_length if spec.kind == "best" else spec.size, spec.shape)
         if kind not in BASE_KINDS:
             raise ValueError(f"unknown method {text!r}; choose from plain, hf, hf-assisted:NAME_OR_PATH, hf-pld, "
                              f"llamacpp, llamacpp-spec:NAME_OR_GGUF@K, or a drafter: {GRAMMAR}")
@@ -681,7 +682,8 @@ def _warm_up(runner: Runner, spec: MethodSpec, prompts: list[Prompt]) -> None:
         if runner.cfg.compile and spec.kind in DRAFT_LENGTH_KINDS:
             for k in COMPILE_WARMUP_DRAFTS:
                 runner.decode(dataclasses.replace(spec, num_draft_tokens=k), ids, runner.cfg.seed)
-        if runner.cfg.compile and spec.kind == "suffix":
+        members = spec.drafter.members if spec.kind == "best" else ()
+        if runner.cfg.compile and (spec.kind == "suffix" or any(m.kind == "suffix" for m in members)):
             compile_block_steps(runner.target)  # its trees change size every step
         return
 

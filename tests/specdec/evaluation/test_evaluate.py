@@ -490,6 +490,10 @@ def test_suffix_methods_draft_from_their_own_answers_and_not_the_warm_up(workdir
               for run in gens]
     assert counts[0] == counts[1] and any(c["accepted_tokens"] for c in counts[0])
     assert runs[0]["methods"]["suffix"]["overall"]["num_prompts"] == 3
+    ck = workdir / "ckpt"
+    both = run_eval(EvalConfig(out=str(workdir / "composite"), methods=f"plain,suffix|draft:{ck}@auto:p0.2",
+                               **base), progress=False)
+    assert both["methods"][f"suffix|draft:{ck}@auto:p0.2"]["overall"]["num_prompts"] == 3
     runner = Runner(EvalConfig(out=str(workdir / "unused"), methods="suffix", **base), None, [])
     caches = []
     for method in ("suffix", "suffix@4"):
