@@ -81,6 +81,8 @@ class DecodeLoop:
         self.pending = torch.zeros(B, dtype=torch.long)  # (B,): each row's next root, not yet scored
         self.stats = AcceptanceStats(num_calls=1)
         self.row_stats = [AcceptanceStats() for _ in range(B)]
+        # drafter name (a hybrid's or composite's member) -> the steps of the rows that verified its proposals
+        self.by_drafter: dict[str, AcceptanceStats] = {}
         for o in self.observers:
             o.on_start(target, B)
 
@@ -202,6 +204,9 @@ class DecodeLoop:
             emitted[b] = state.new[b][-n:]
             stats.record_step(deepest, reached, len(path), n)
             self.row_stats[b].record_step(deepest, reached, len(path), n)
+            if deepest:
+                source = self.by_drafter.setdefault(drafter.source(b), AcceptanceStats())
+                source.record_step(deepest, reached, len(path), n)
             if self.observers and n:
                 chose = torch.tensor([0] + [1 + i for i in path][:n - 1], device=logits.device)  # (n,)
                 mine = ModelOutput(logits[b, chose], None if hid is None else hid[b, chose],

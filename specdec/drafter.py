@@ -252,3 +252,8 @@ class Drafter(ABC):
     def draft_cost(self, k: int) -> float:
         """Seconds one `propose` of k tokens is expected to take (for num_draft_tokens="auto")."""
         return 0.0
+
+    def source(self, row: int) -> str:
+        """The name of the drafter whose proposal row `row` verified in the last step (a list or a
+        composite of drafters: the member's), for acceptance per drafter."""
+        return self.name

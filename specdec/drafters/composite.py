@@ -156,6 +156,10 @@ class CompositeDrafter(Drafter):
             if c >= 0:
                 self.records[c].observe(self.raw[b], len(accepted.paths[b]))
 
+    def source(self, row: int) -> str:
+        c = self.chosen[row] if row < len(self.chosen) else -1
+        return self.drafters[c].name if c >= 0 else self.name
+
     def member_counts(self) -> dict[str, int]:
         """member name -> rows whose proposal it made, so far."""
         return {d.name: r.steps for d, r in zip(self.drafters, self.records)}

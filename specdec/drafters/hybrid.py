@@ -20,6 +20,7 @@ class HybridDrafter(Drafter):
                              f"{', '.join(trees)} drafts trees from the target's hidden states: pass it alone")
         self.drafters = drafters
         self.name = "+".join(d.name for d in drafters)
+        self.owners: dict[int, str] = {}  # row -> the member whose proposal it took last step
 
     def draft_cost(self, k: int) -> float:
         return max(d.draft_cost(k) for d in self.drafters)
@@ -49,6 +50,7 @@ class HybridDrafter(Drafter):
         tokens = torch.zeros(B, k, dtype=torch.long)  # (B, k)
         lens = torch.zeros(B, dtype=torch.long)  # (B,)
         owner: dict[int, DraftTree] = {}
+        self.owners = {}
         todo = list(rows)
         for d in self.drafters:
             if not todo:
@@ -60,6 +62,7 @@ class HybridDrafter(Drafter):
                 n = int(tree.lens[b])
                 if n > 0:
                     tokens[b, :n], lens[b], owner[b] = tree.tokens[b, :n], n, tree
+                    self.owners[b] = d.name
             todo = [b for b in todo if b not in owner]
         sampled = [t.q for t in owner.values() if t.q is not None]
         if not sampled:
@@ -69,6 +72,10 @@ class HybridDrafter(Drafter):
             if tree.q is not None:
                 q[b, :tree.q.shape[1]] = tree.q[b]
         return DraftTree.chain(tokens, lens, q)
+
+
+    def source(self, row: int) -> str:
+        return self.owners.get(row, self.name)
 
 
 def from_spec(spec, target, loader) -> list:

@@ -451,7 +451,9 @@ class Engine:
         """Counters since the start: requests (total, finished, by finish reason), queue and rows,
         steps, and the acceptance figures of every row's verification steps (AcceptanceStats'
         conventions: tau = generated tokens per target forward, per row), and p50 / p95 TTFT and
-        TPOT of the last requests that finished with "stop" or "length"."""
+        TPOT of the last requests that finished with "stop" or "length". `by_drafter`: per drafter (a
+        composite's or hybrid's member) the steps that verified its proposals, their drafted and
+        accepted tokens, acceptance rate and tau over those steps."""
         s: AcceptanceStats = self.loop.stats
         out = {}
         with self._lock:
@@ -462,6 +464,10 @@ class Engine:
                    accepted=s.accepted_tokens, tau=s.mean_accepted_tokens, mean_accepted_tokens=s.mean_accepted_tokens,
                    acceptance_rate=s.acceptance_rate, per_position_acceptance=s.per_position_acceptance,
                    draft_s=s.draft_s, verify_s=s.verify_s)
+        out["by_drafter"] = {name: {"steps": d.target_forwards, "drafted": d.drafted_tokens,
+                                    "accepted": d.accepted_tokens, "acceptance_rate": d.acceptance_rate,
+                                    "tau": d.mean_accepted_tokens}
+                             for name, d in sorted(self.loop.by_drafter.items())}
         for name, ordered in recent.items():
             for q in (50, 95):
                 out[f"{name}_p{q}"] = ordered[min(len(ordered) - 1, q * len(ordered) // 100)] if ordered else 0.0

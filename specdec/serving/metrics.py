@@ -6,14 +6,15 @@ token counters (tokens/s is `rate(specdec_generated_tokens_total[1m])`). Read fr
 at each scrape: requests by finish reason (the engine's own count, so a request a client drops
 while its last step finishes it counts once; "error" = a fault ended it), queue length, running
 rows, and the acceptance rate and tau (tokens per target forward, bonus token included) of
-everything decoded so far. Error replies by code: refused (4xx) and failed (5xx, or a stream's
-error event).
+everything decoded so far, also per drafter (the member of a composite or hybrid that made
+each verified proposal: which drafter pays on this traffic). Error replies by code: refused
+(4xx) and failed (5xx, or a stream's error event).
 """
 
 from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -37,6 +38,28 @@ class _Requests(Collector):
         yield family
 
 
+class _ByDrafter(Collector):
+    """specdec_drafter_{steps,drafted_tokens,accepted_tokens}_total{drafter} and
+    specdec_drafter_{acceptance_rate,tau}{drafter}: the steps whose proposal each drafter made (a
+    composite's or hybrid's member), read from the engine."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def collect(self):
+        by = self.engine.metrics.get("by_drafter", {})
+        for key, kind, text in (("steps", "counter", "Verification steps of a row that took this drafter's proposal"),
+                                ("drafted", "counter", "Draft tokens of this drafter that were verified"),
+                                ("accepted", "counter", "Draft tokens of this drafter that were accepted"),
+                                ("acceptance_rate", "gauge", "Accepted / drafted tokens of this drafter so far"),
+                                ("tau", "gauge", "Tokens per target forward on the steps of this drafter")):
+            name = f"specdec_drafter_{key}" + ("_tokens" if key in ("drafted", "accepted") else "")
+            family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(name, text, labels=["drafter"])
+            for drafter, figures in by.items():
+                family.add_metric([drafter], figures[key])
+            yield family
+
+
 class ServerMetrics:
     """The server's metrics; `engine` is read at each `render()`."""
 
@@ -51,6 +74,7 @@ class ServerMetrics:
         self.prompt_tokens = Counter("specdec_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generated_tokens = Counter("specdec_generated_tokens", "Tokens generated", registry=r)
         r.register(_Requests(engine))
+        r.register(_ByDrafter(engine))
         self.rejected = Counter("specdec_rejected_requests", "Requests refused with a 4xx error", ["code"],
                                 registry=r)
         self.failed = Counter("specdec_failed_requests", "Requests answered with a 5xx error or a stream's error "

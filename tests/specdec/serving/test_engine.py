@@ -427,3 +427,28 @@ def test_bf16_requests_served_together_each_equal_the_request_alone():
     engine.run_until_done()
     for req, p, n in zip(requests, prompts, lengths):
         assert req.tokens == _alone(target, "ngram", p, n)
+
+
+def test_the_suffix_cache_is_shared_across_requests_and_metrics_name_each_drafter(target):
+    """Served twice, the same prompts draft from the first pass's answers: tau rises, outputs equal
+    plain decoding, and the metrics count the steps of each member of the composite."""
+    from specdec.drafters import CompositeDrafter, make_drafter
+    from specdec.drafters.suffix import SuffixCache, SuffixConfig, SuffixDrafter
+
+    drafter = CompositeDrafter([SuffixDrafter(SuffixConfig(), cache=SuffixCache(4096)), make_drafter("ngram", target)])
+    engine = Engine(target, drafter, max_batch=3)
+    prompts = _prompts([5, 9, 3, 12], seed=3)
+    tau = []
+    for _ in range(2):
+        before = engine.metrics
+        reqs = [engine.submit(p, SamplingParams(max_new_tokens=16)) for p in prompts]
+        engine.run_until_done()
+        after = engine.metrics
+        tau.append((after["generated_tokens"] - before["generated_tokens"])
+                   / (after["target_forwards"] - before["target_forwards"]))
+        for req, p in zip(reqs, prompts):
+            assert req.tokens == _alone(target, None, p, 16)
+    assert tau[1] > 1.3 * tau[0]
+    by = engine.metrics["by_drafter"]
+    assert by["suffix"]["steps"] > 0 and by["suffix"]["accepted"] > 0
+    assert sum(d["steps"] for d in by.values()) <= engine.metrics["target_forwards"]

@@ -223,6 +223,8 @@ def test_models_health_and_metrics(served):
     status, text = get(server, "/health")
     assert status == 200 and json.loads(text)["status"] == "ok"
     post(server, "/v1/completions", GOOD)
+    for prompt in PROMPTS:  # enough text for the n-gram drafter to propose
+        post(server, "/v1/completions", {**GOOD, "prompt": prompt, "max_tokens": 24})
     status, text = get(server, "/metrics")
     assert status == 200
     for name in ("specdec_time_to_first_token_seconds_bucket", "specdec_time_per_output_token_seconds_bucket",
@@ -235,6 +237,9 @@ def test_models_health_and_metrics(served):
     assert value("specdec_time_to_first_token_seconds_count") >= 1
     assert value("specdec_time_per_output_token_seconds_count") >= 1
     assert 0 < value("specdec_tau") and 0 <= value("specdec_acceptance_rate") <= 1
+    steps = re.search(r'^specdec_drafter_steps_total\{drafter="ngram"\} ([0-9.e+]+)$', text, re.M)
+    assert steps and float(steps.group(1)) >= 1
+    assert 'specdec_drafter_acceptance_rate{drafter="ngram"}' in text
 
 
 def test_concurrent_requests_all_finish_once(served):
