@@ -24,6 +24,7 @@ import sys
 from runtime.argtypes import port_number, positive_int
 from runtime.hardware import DTYPES
 from runtime.loading import WEIGHTS
+from specdec.decode import compile_block_steps
 from specdec.drafters.eagle.drafter import EagleTreeConfig
 from specdec.drafters.spec import DrafterLoader, DrafterSpec
 from specdec.options import DEFAULT_NUM_DRAFT_TOKENS, WEIGHTS_HELP
@@ -138,6 +139,9 @@ def main(args: argparse.Namespace) -> int:
     eos = eos_ids(args.model, tokenizer)
     engine = Engine(target, draft, max_batch=args.max_batch, max_len=args.max_len,
                     num_draft_tokens=own_draft_length(spec, args.num_draft_tokens), eos_token_id=eos or None)
+    if args.compile and spec is not None and "suffix" in {p.kind for p in (spec.members or (spec,))}:
+        print("compiling the verification programs of suffix trees (they change size every step)", flush=True)
+        compile_block_steps(target, args.max_batch)
     name = args.served_model_name or args.model
     drafter = str(spec) if spec is not None else "none (plain decoding)"
     print(f"serving {name!r} on http://{args.host}:{args.port}/v1 (drafter {drafter}, max batch {args.max_batch}, "
