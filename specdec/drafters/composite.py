@@ -5,7 +5,9 @@ suffix matches cost nothing, a draft model a forward per token). Each proposal's
 length is the member's own estimate (`DraftTree.scores`: suffix frequencies, draft-model
 probabilities; else its number of drafts) times the member's calibration (accepted / estimated,
 decayed, over the steps it was verified). A costly member runs only for the rows where what it
-usually gets accepted, per second of drafting plus verifying, beats the best proposal in hand
+usually gets accepted, per second of drafting plus verifying its proposals (each member's
+verifications are timed apart: a draft model's chain of k is a block of k + 1 rows, which on a
+4-bit target costs up to twice a 2-row suffix tree), beats the best proposal in hand
 (llama.cpp's chained speculation and ArcticInference's suffix + model hybrid choose the same
 way); each row then verifies its proposal with the most expected accepted tokens. The loop's
 `auto` draft length learns only from rows that verified a member drafting k (`DraftTree.tuned`).
@@ -30,6 +32,10 @@ class _Record:
         self.accepted = self.expected = 1.0  # calibration starts at 1: the member's own estimate
         self.per_step = 2.0  # optimistic, so every member is tried until it is measured
         self.steps = 0
+        self.verify_s = 0.0  # decayed seconds of the verifications of its proposals (0: none timed)
+
+    def time(self, seconds: float) -> None:
+        self.verify_s = seconds if not self.verify_s else DECAY * self.verify_s + (1 - DECAY) * seconds
 
     def calibration(self) -> float:
         return min(max(self.accepted / self.expected, 0.05), 2.0)
@@ -59,6 +65,7 @@ class CompositeDrafter(Drafter):
         self.expected: list[float] = []  # per row: what that proposal was expected to get accepted (calibrated)
         self.raw: list[float] = []  # per row: the same, before calibration
         self.target_s = 0.0  # decayed seconds from the end of one propose to the next (verification)
+        self.plain_s = 0.0  # the same, of steps that verified no proposal
         self._end = 0.0
 
     def max_nodes(self, k: int) -> int:
@@ -93,19 +100,26 @@ class CompositeDrafter(Drafter):
 
     def propose(self, seqs: list[torch.Tensor], k: int, rows: list[int]) -> DraftTree:
         start = time.perf_counter()
-        if self._end:
-            self.target_s = start - self._end if not self.target_s else DECAY * self.target_s + (1 - DECAY) * (
-                start - self._end)
+        if self._end:  # the last step's verification, charged to the members whose proposals it verified
+            took = start - self._end
+            self.target_s = took if not self.target_s else DECAY * self.target_s + (1 - DECAY) * took
+            chosen = {c for c in self.chosen if c >= 0}
+            for c in chosen:
+                self.records[c].time(took)
+            if not chosen:
+                self.plain_s = took if not self.plain_s else DECAY * self.plain_s + (1 - DECAY) * took
         B = len(seqs)
         verify_s = self.target_s or 1.0
-        best_rate = {b: 1.0 / verify_s for b in rows}  # a plain step: one token per verification
+        best_rate = {b: 1.0 / (self.plain_s or verify_s) for b in rows}  # a plain step: one token per verification
         trees: dict[int, DraftTree] = {}
         raw = torch.zeros(len(self.drafters), B)  # (M, B)
         expected = torch.full((len(self.drafters), B), -1.0)  # (M, B): -1 = not asked
         for i in sorted(range(len(self.drafters)), key=lambda i: self.drafters[i].draft_cost(k)):
             d, record = self.drafters[i], self.records[i]
             cost = d.draft_cost(k)
-            hoped = (1 + record.per_step) / (verify_s + cost)
+            # a member's proposals have their own verification cost (a draft model's chain of k: k + 1 rows)
+            member_s = record.verify_s or verify_s
+            hoped = (1 + record.per_step) / (member_s + cost)
             ask = [b for b in rows if cost == 0 or hoped > best_rate[b]]
             if not ask:
                 continue
@@ -113,7 +127,7 @@ class CompositeDrafter(Drafter):
             for b in ask:
                 raw[i, b] = self._estimate(i, tree, b)
                 expected[i, b] = raw[i, b] * record.calibration()
-                best_rate[b] = max(best_rate[b], (1 + float(expected[i, b])) / (verify_s + cost))
+                best_rate[b] = max(best_rate[b], (1 + float(expected[i, b])) / (member_s + cost))
         chosen = expected.argmax(0)  # (B,): ties go to the first member
         self.chosen = [int(chosen[b]) if b in rows and int(trees[int(chosen[b])].lens[b]) else -1
                        for b in range(B)]

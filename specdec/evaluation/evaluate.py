@@ -6,8 +6,9 @@ generations. Methods (`--methods`, comma-separated):
 
     plain            specdec.generate(target, ids)                      (this runtime, no draft)
     a drafter spec   specdec.generate(target, ids, draft=SPEC)          (specdec.drafters.spec)
-                     ngram[@K], draft:X[@K], hybrid:X[@K] (= ngram+draft:X), A+B[@K] (chain
-                     drafters tried in order), medusa:PATH[@N], eagle:PATH[@N[:DxK]] / @auto[:DxK]
+                     ngram[@K], suffix[@N], draft:X[@K[:pP]], hybrid:X[@K] (= ngram+draft:X),
+                     A+B[@K] (chain drafters tried in order), A|B (the best proposal per step),
+                     medusa:PATH[@N], eagle:PATH[@N[:DxK]] / @auto[:DxK]
     hf               transformers generate() on the same checkpoint and dtype
     hf-assisted:X    transformers assisted generation, assistant_model = X
     hf-pld           transformers prompt lookup (prompt_lookup_num_tokens)
@@ -699,7 +700,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--methods", default=d["methods"],
                    help="comma-separated methods: plain, hf, hf-assisted:X, hf-pld, llamacpp, llamacpp-spec:X@K "
                         "(`make llamacpp` first), and drafter specs (the grammar of specdec serve --draft and "
-                        "generate(draft=...)): draft:X, ngram, hybrid:X, A+B (chain drafters tried in order), "
+                        "generate(draft=...)): draft:X, ngram, suffix, hybrid:X, A+B (chain drafters tried in "
+                        "order), A|B (each step the best member's proposal; quote it in a shell), "
                         "medusa:PATH, eagle:PATH; draft/ngram/hybrid take @K for their own draft length, "
                         "e.g. ngram@3, draft:X@auto, medusa @N its tree's nodes, and eagle @N for its tree's nodes "
                         "(@N:DxK also its depth and top-k, e.g. @96:8x10) or @auto to time tree sizes first "

@@ -174,10 +174,13 @@ def add_drafter_args(p: argparse.ArgumentParser) -> None:
 
     drafter = p.add_mutually_exclusive_group()
     drafter.add_argument("--draft", default=None, metavar="SPEC",
-                         help="the drafter, as in specdec eval --methods: ngram[@K], draft:NAME_OR_PATH[@K] (or just "
-                              "NAME_OR_PATH), several chain drafters joined by '+' tried in order (e.g. "
-                              "'ngram+qwen2.5-coder-0.5b-instruct'), medusa:DIR[@N], eagle:DIR[@N[:DxK]] or "
-                              "eagle:DIR@auto; @K replaces --num-draft-tokens; omit for plain decoding")
+                         help="the drafter, as in specdec eval --methods: ngram[@K], suffix[@N] (suffix decoding, its "
+                              "cache of earlier answers shared by every request), draft:NAME_OR_PATH[@K[:pP]] (or "
+                              "just NAME_OR_PATH; :pP stops a draft below probability P), several chain drafters "
+                              "joined by '+' tried in order (e.g. 'ngram+qwen2.5-coder-0.5b-instruct'), several "
+                              "joined by '|' the best chosen per step (e.g. 'suffix|draft:NAME@auto'), "
+                              "medusa:DIR[@N], eagle:DIR[@N[:DxK]] or eagle:DIR@auto; @K replaces "
+                              "--num-draft-tokens; omit for plain decoding")
     drafter.add_argument("--eagle", default=None, metavar="PATH", help="an EAGLE-3 head directory (alias of --draft "
                          "eagle:PATH@N:DxK with the three options below)")
     drafter.add_argument("--medusa", default=None, metavar="PATH", help="a Medusa heads directory (alias of --draft "
