@@ -20,6 +20,7 @@ import time
 import torch
 
 from specdec.drafter import Accepted, Drafter, DraftTree
+from specdec.drafters.group import DrafterGroup
 
 DECAY = 0.9  # weight of the past in a member's calibration and acceptance averages
 
@@ -47,7 +48,7 @@ class _Record:
         self.steps += 1
 
 
-class CompositeDrafter(Drafter):
+class CompositeDrafter(DrafterGroup):
     """Members asked per step (module docstring); each row verifies the proposal it expects most of."""
 
     def __init__(self, drafters: list[Drafter]) -> None:
@@ -75,21 +76,8 @@ class CompositeDrafter(Drafter):
         return max(d.draft_cost(k) for d in self.drafters if d.adaptive) if self.adaptive else 0.0
 
     def begin(self, prompts: list[torch.Tensor], max_len: int, hidden: torch.Tensor | None) -> None:
-        for d in self.drafters:
-            d.begin(prompts, max_len, hidden)
+        super().begin(prompts, max_len, hidden)
         self._end = 0.0
-
-    def reserve(self, batch_size: int, max_len: int) -> None:
-        for d in self.drafters:
-            d.reserve(batch_size, max_len)
-
-    def admit(self, row: int, prompt: torch.Tensor, hidden: torch.Tensor | None) -> None:
-        for d in self.drafters:
-            d.admit(row, prompt, hidden)
-
-    def release(self, row: int) -> None:
-        for d in self.drafters:
-            d.release(row)
 
     def _estimate(self, i: int, tree: DraftTree, b: int) -> float:
         """Member i's raw estimate of the accepted length of row b's proposal."""
@@ -164,8 +152,7 @@ class CompositeDrafter(Drafter):
         return DraftTree(tokens, parents, lens, q, scores, tuned)
 
     def commit(self, accepted: Accepted) -> None:
-        for d in self.drafters:
-            d.commit(accepted)
+        super().commit(accepted)
         for b, c in enumerate(self.chosen):
             if c >= 0:
                 self.records[c].observe(self.raw[b], len(accepted.paths[b]))

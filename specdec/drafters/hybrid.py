@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from specdec.drafter import Accepted, Drafter, DraftTree
+from specdec.drafter import Drafter, DraftTree
+from specdec.drafters.group import DrafterGroup
 
 
-class HybridDrafter(Drafter):
+class HybridDrafter(DrafterGroup):
     """Chain drafters tried in order per step: each row takes the first non-empty proposal
     (n-gram lookup first, so the draft model runs only for rows where the lookup finds nothing)."""
 
@@ -24,26 +25,6 @@ class HybridDrafter(Drafter):
 
     def draft_cost(self, k: int) -> float:
         return max(d.draft_cost(k) for d in self.drafters)
-
-    def begin(self, prompts: list[torch.Tensor], max_len: int, hidden: torch.Tensor | None) -> None:
-        for d in self.drafters:
-            d.begin(prompts, max_len, hidden)
-
-    def reserve(self, batch_size: int, max_len: int) -> None:
-        for d in self.drafters:
-            d.reserve(batch_size, max_len)
-
-    def admit(self, row: int, prompt: torch.Tensor, hidden: torch.Tensor | None) -> None:
-        for d in self.drafters:
-            d.admit(row, prompt, hidden)
-
-    def release(self, row: int) -> None:
-        for d in self.drafters:
-            d.release(row)
-
-    def commit(self, accepted: Accepted) -> None:
-        for d in self.drafters:
-            d.commit(accepted)
 
     def propose(self, seqs: list[torch.Tensor], k: int, rows: list[int]) -> DraftTree:
         B = len(seqs)
