@@ -79,8 +79,9 @@ class CompositeDrafter(DrafterGroup):
         super().begin(prompts, max_len, hidden)
         self._end = 0.0
 
-    def _estimate(self, i: int, tree: DraftTree, b: int) -> float:
-        """Member i's raw estimate of the accepted length of row b's proposal."""
+    @staticmethod
+    def _estimate(tree: DraftTree, b: int) -> float:
+        """A member's raw estimate of the accepted length of row b's proposal in `tree`."""
         n = int(tree.lens[b])
         if not n:
             return 0.0
@@ -113,7 +114,7 @@ class CompositeDrafter(DrafterGroup):
                 continue
             tree = trees[i] = d.propose(seqs, k, ask)
             for b in ask:
-                raw[i, b] = self._estimate(i, tree, b)
+                raw[i, b] = self._estimate(tree, b)
                 expected[i, b] = raw[i, b] * record.calibration()
                 best_rate[b] = max(best_rate[b], (1 + float(expected[i, b])) / (member_s + cost))
         chosen = expected.argmax(0)  # (B,): ties go to the first member
@@ -161,9 +162,6 @@ class CompositeDrafter(DrafterGroup):
         c = self.chosen[row] if row < len(self.chosen) else -1
         return self.drafters[c].name if c >= 0 else self.name
 
-    def member_counts(self) -> dict[str, int]:
-        """member name -> rows whose proposal it made, so far."""
-        return {d.name: r.steps for d, r in zip(self.drafters, self.records)}
 
 
 class CompositeDraft(tuple):

@@ -54,7 +54,6 @@ class HybridDrafter(DrafterGroup):
                 q[b, :tree.q.shape[1]] = tree.q[b]
         return DraftTree.chain(tokens, lens, q)
 
-
     def source(self, row: int) -> str:
         return self.owners.get(row, self.name)
 

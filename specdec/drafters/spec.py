@@ -268,6 +268,11 @@ class DrafterSpec:
         return self.members or (self,)
 
     @property
+    def kinds(self) -> frozenset[str]:
+        """The kinds of drafter this spec runs: its own, or its members' (a hybrid's parts, a composite's)."""
+        return frozenset(p.kind for p in (self.members if self.kind == "best" else self.parts))
+
+    @property
     def eagle_tree(self):
         """eagle: the EagleTreeConfig of a fixed size (the defaults filled in); None for @auto."""
         from specdec.drafters.eagle.drafter import EagleTreeConfig

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.drafter import Drafter, DraftTree
-from specdec.drafters.suffix_tree import Speculation, SuffixTrie, _Node
+from specdec.drafters.suffix_tree import Speculation, SuffixTrie, TrieNode
 
 DEFAULT_CACHE_TOKENS = 1 << 16  # response tokens the shared cache keeps (nodes <= tokens * depth)
 
@@ -81,7 +81,7 @@ class SuffixCache:
             self._responses[key] = []
             return key
 
-    def extend(self, key: int, windows: list[_Node], tokens: list[int]) -> list[_Node] | None:
+    def extend(self, key: int, windows: list[TrieNode], tokens: list[int]) -> list[TrieNode] | None:
         """Append `tokens` to response `key` (its open windows: [] at first); the new windows, or
         None once the response was evicted (then it is no longer cached)."""
         with self._lock:
@@ -137,7 +137,7 @@ class _Row:
         self.read = len(ids)
         self.prompt_len = len(ids)
         self.key = cache.open() if cache is not None else None
-        self.cache_windows: list[_Node] | None = []
+        self.cache_windows: list[TrieNode] | None = []
 
 
 class SuffixDrafter(Drafter):

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 
-class _Node:
+class TrieNode:
     """count: occurrences of this node's path; cont: those followed by another token inside a window
     (= the sum of the children's counts); children: next token -> node."""
 
@@ -30,7 +30,7 @@ class _Node:
     def __init__(self) -> None:
         self.count = 0
         self.cont = 0
-        self.children: dict[int, _Node] = {}
+        self.children: dict[int, TrieNode] = {}
 
 
 @dataclass(frozen=True)
@@ -62,26 +62,26 @@ class SuffixTrie:
             raise ValueError(f"a suffix trie's depth is an integer >= 2 (a context token and one to propose), "
                              f"got {depth!r}")
         self.depth = depth
-        self.root = _Node()
+        self.root = TrieNode()
         self.nodes = 1
 
-    def extend(self, windows: list[_Node], tokens: Sequence[int]) -> list[_Node]:
+    def extend(self, windows: list[TrieNode], tokens: Sequence[int]) -> list[TrieNode]:
         """Append `tokens` to the sequence whose open windows are `windows` (the nodes of its last
         1, 2, ... depth tokens, shortest first; [] for a new sequence); returns its new windows."""
         for t in tokens:
             windows = self._append(windows, int(t))
         return windows
 
-    def _append(self, windows: list[_Node], t: int) -> list[_Node]:
+    def _append(self, windows: list[TrieNode], t: int) -> list[TrieNode]:
         grown = [self._child(self.root, t)]
         for node in windows[:self.depth - 1]:  # a window of `depth` tokens is full
             grown.append(self._child(node, t))
         return grown
 
-    def _child(self, node: _Node, t: int) -> _Node:
+    def _child(self, node: TrieNode, t: int) -> TrieNode:
         child = node.children.get(t)
         if child is None:
-            child = node.children[t] = _Node()
+            child = node.children[t] = TrieNode()
             self.nodes += 1
         child.count += 1
         node.cont += 1
@@ -103,7 +103,7 @@ class SuffixTrie:
                     break
                 node = child
 
-    def find(self, pattern: Sequence[int]) -> _Node | None:
+    def find(self, pattern: Sequence[int]) -> TrieNode | None:
         """The node of `pattern` (at most `depth` tokens), None when it never occurred."""
         node = self.root
         for t in pattern:
@@ -138,13 +138,13 @@ class SuffixTrie:
         return best
 
 
-def _best_first(node: _Node, size: int, min_prob: float, match_len: int) -> Speculation:
+def _best_first(node: TrieNode, size: int, min_prob: float, match_len: int) -> Speculation:
     """Up to `size` nodes of `node`'s subtree, most probable paths first."""
     tokens, parents, probs = [], [], []
-    heap: list[tuple[float, int, int, int, _Node]] = []  # (-prob, tie, parent index, token, node)
+    heap: list[tuple[float, int, int, int, TrieNode]] = []  # (-prob, tie, parent index, token, node)
     tie = 0
 
-    def push(parent: _Node, index: int, prob: float) -> None:
+    def push(parent: TrieNode, index: int, prob: float) -> None:
         nonlocal tie
         for t, child in parent.children.items():
             p = prob * child.count / parent.cont
@@ -163,7 +163,7 @@ def _best_first(node: _Node, size: int, min_prob: float, match_len: int) -> Spec
     return Speculation(tuple(tokens), tuple(parents), tuple(probs), match_len)
 
 
-def _size(node: _Node) -> int:
+def _size(node: TrieNode) -> int:
     """Nodes in the subtree of `node`, itself included."""
     total, stack = 0, [node]
     while stack:

@@ -683,8 +683,7 @@ def _warm_up(runner: Runner, spec: MethodSpec, prompts: list[Prompt]) -> None:
         if runner.cfg.compile and spec.kind in DRAFT_LENGTH_KINDS:
             for k in COMPILE_WARMUP_DRAFTS:
                 runner.decode(dataclasses.replace(spec, num_draft_tokens=k), ids, runner.cfg.seed)
-        members = spec.drafter.members if spec.kind == "best" else ()
-        if runner.cfg.compile and (spec.kind == "suffix" or any(m.kind == "suffix" for m in members)):
+        if runner.cfg.compile and spec.drafter is not None and "suffix" in spec.drafter.kinds:
             compile_block_steps(runner.target)  # its trees change size every step
         return
 

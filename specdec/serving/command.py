@@ -139,7 +139,7 @@ def main(args: argparse.Namespace) -> int:
     eos = eos_ids(args.model, tokenizer)
     engine = Engine(target, draft, max_batch=args.max_batch, max_len=args.max_len,
                     num_draft_tokens=own_draft_length(spec, args.num_draft_tokens), eos_token_id=eos or None)
-    if args.compile and spec is not None and "suffix" in {p.kind for p in (spec.members or (spec,))}:
+    if args.compile and spec is not None and "suffix" in spec.kinds:
         print("compiling the verification programs of suffix trees (they change size every step)", flush=True)
         compile_block_steps(target, args.max_batch)
     name = args.served_model_name or args.model
