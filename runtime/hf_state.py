@@ -18,40 +18,44 @@ def is_tied(model: nn.Module) -> bool:
     return isinstance(head, nn.Linear) and embed is not None and head.weight is embed.weight
 
 
+def hf_linear_parts(model: nn.Module) -> dict[str, list[tuple[str, int, int]]]:
+    """Runtime linear name -> the Hugging Face weights it holds, as (name, first row, end row): q/k/v
+    share `attn.wqkv`, gate/up share `mlp.w13`; the LM head is listed unless it is tied."""
+    cfg = model.config
+    q, kv, ff, hidden = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size,
+                         cfg.hidden_size)
+    parts = {} if is_tied(model) else {"lm_head": [("lm_head.weight", 0, model.lm_head.out_features)]}
+    for i in range(len(model.layers)):
+        p = f"model.layers.{i}."
+        parts[f"layers.{i}.attn.wqkv"] = [(p + "self_attn.q_proj.weight", 0, q),
+                                          (p + "self_attn.k_proj.weight", q, q + kv),
+                                          (p + "self_attn.v_proj.weight", q + kv, q + 2 * kv)]
+        parts[f"layers.{i}.attn.wo"] = [(p + "self_attn.o_proj.weight", 0, hidden)]
+        parts[f"layers.{i}.mlp.w13"] = [(p + "mlp.gate_proj.weight", 0, ff), (p + "mlp.up_proj.weight", ff, 2 * ff)]
+        parts[f"layers.{i}.mlp.w2"] = [(p + "mlp.down_proj.weight", 0, hidden)]
+    return parts
+
+
 def dense_hf_state(model: nn.Module, dtype: torch.dtype | None = None,
                    skip: set[str] | frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
     """Hugging Face-named dense tensors (q/k/v and gate/up split again; compressed linears dequantized).
 
     skip: runtime linear names (e.g. "layers.0.attn.wqkv") whose weights are left out (their biases
     stay): an export that stores them in another form."""
-    cfg = model.config
     dtype = dtype or model.dtype
-
-    def weight(mod: nn.Module) -> torch.Tensor | None:
-        if any(mod is model.get_submodule(name) for name in skip):
-            return None
-        w = mod.dequantize(dtype) if isinstance(mod, QuantizedLinear) else mod.weight.to(dtype)
-        return w.detach().cpu()
-
-    def split(w: torch.Tensor | None, sizes: list[int]) -> list[torch.Tensor | None]:
-        return [None] * len(sizes) if w is None else list(w.split(sizes, 0))
-
-    q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     out = {"model.embed_tokens.weight": model.embed.weight.to(dtype).cpu(),
            "model.norm.weight": model.norm.weight.to(dtype).cpu()}
-    if not is_tied(model):
-        out["lm_head.weight"] = weight(model.lm_head)
+    for name, parts in hf_linear_parts(model).items():
+        mod = model.get_submodule(name)
+        if name not in skip:
+            w = mod.dequantize(dtype) if isinstance(mod, QuantizedLinear) else mod.weight.to(dtype)
+            for hf_name, start, stop in parts:
+                out[hf_name] = w.detach()[start:stop].cpu()
+        if mod.bias is not None:
+            for hf_name, start, stop in parts:
+                out[hf_name.removesuffix("weight") + "bias"] = mod.bias.detach().to(dtype)[start:stop].cpu()
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
         out[p + "input_layernorm.weight"] = layer.attn_norm.weight.to(dtype).cpu()
         out[p + "post_attention_layernorm.weight"] = layer.mlp_norm.weight.to(dtype).cpu()
-        for part, t in zip("qkv", split(weight(layer.attn.wqkv), [q_size, kv_size, kv_size])):
-            out[p + f"self_attn.{part}_proj.weight"] = t
-        if layer.attn.wqkv.bias is not None:
-            for part, t in zip("qkv", layer.attn.wqkv.bias.to(dtype).cpu().split([q_size, kv_size, kv_size], 0)):
-                out[p + f"self_attn.{part}_proj.bias"] = t
-        out[p + "self_attn.o_proj.weight"] = weight(layer.attn.wo)
-        gate, up = split(weight(layer.mlp.w13), [cfg.intermediate_size] * 2)
-        out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = gate, up
-        out[p + "mlp.down_proj.weight"] = weight(layer.mlp.w2)
-    return {k: v.contiguous().clone() for k, v in out.items() if v is not None}
+    return {k: v.contiguous().clone() for k, v in out.items()}
