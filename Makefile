@@ -26,7 +26,7 @@ LLAMACPP_VERSION := 0.3.36
 LLAMACPP_HOME ?= $(or $(SPECDEC_HOME),$(HOME)/.cache/specdec)/llama.cpp
 llamacpp:
 	@mkdir -p $(LLAMACPP_HOME)
-	cd $(LLAMACPP_HOME) && $(PIP) download --no-deps --no-binary :all: -d . llama-cpp-python==$(LLAMACPP_VERSION) \
+	cd $(LLAMACPP_HOME) && $(PIP) download --no-deps --no-binary llama-cpp-python -d . llama-cpp-python==$(LLAMACPP_VERSION) \
 		&& tar xzf llama_cpp_python-$(LLAMACPP_VERSION).tar.gz
 	$(PIP) install cmake ninja
 	cmake -S $(LLAMACPP_HOME)/llama_cpp_python-$(LLAMACPP_VERSION)/vendor/llama.cpp -B $(LLAMACPP_HOME)/build \

@@ -1,4 +1,4 @@
-"""The `specdec` command line: fetch, generate, eval, bench, compress, medusa, demo.
+"""The `specdec` command line: fetch, generate, eval, bench, compress, medusa, eagle, serve, distill, export, demo.
 
 This is the one module inside the packages that wires runtime, specdec, quant and distill
 together; every subcommand's defaults equal the defaults of the function it calls.
@@ -23,7 +23,8 @@ DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 # modules that add their own subcommands with register(subparsers)
 # the EAGLE-3 tree options that only --eagle reads
 COMMAND_MODULES = ("specdec.evaluation.evaluate", "specdec.evaluation.bench", "quant.command", "distill.command",
-                   "distill.eagle_command", "specdec.serving.command", "distill.distill_command")
+                   "distill.eagle_command", "specdec.serving.command", "distill.distill_command",
+                   "quant.export_command")
 
 
 def _fetch(args: argparse.Namespace) -> int:

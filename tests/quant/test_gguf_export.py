@@ -1,0 +1,246 @@
+"""`specdec export gguf` through llama.cpp's real converter: tiny random Llama models with the smollm2
+tokenizer (the converter needs a tokenizer it knows), read back by gguf-py and by our own GGUF
+loader (transformers' dequantization, which also undoes llama's q/k row order), and the refusals.
+
+The converter is fetched once (the llama-cpp-python sdist, 77 MB); offline and uncached these skip.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+
+import quant
+import runtime
+import runtime.loading
+from quant.gguf_export import GGUFExportError, export_gguf
+from quant.llamacpp_convert import ConverterError, converter_dir
+from runtime.outputs import OutputPathError
+from runtime.tiny import tiny_hf_config
+from specdec.evaluation import llamacpp
+from specdec.evaluation.llamacpp import LlamaServer
+
+SMOLLM2 = "smollm2-135m-instruct"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+@pytest.fixture(scope="module")
+def converter():
+    try:
+        return converter_dir()
+    except ConverterError as err:
+        pytest.skip(f"llama.cpp's converter is not available: {err}")
+
+
+@pytest.fixture(scope="module")
+def smol_tokenizer(converter):
+    try:
+        return runtime.load_tokenizer(SMOLLM2)
+    except Exception as err:  # noqa: BLE001 - any failure to fetch the real model means: not here
+        pytest.skip(f"{SMOLLM2} is not cached and cannot be fetched: {err}")
+
+
+def _dense_dir(path, model_type: str, tokenizer, seed: int = 0):
+    """A tiny random model of the tokenizer's vocabulary, saved as a Hugging Face directory."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_hf_config(model_type, vocab_size=len(tokenizer), num_hidden_layers=4, intermediate_size=128,
+                         tie_word_embeddings=False)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    hf.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _compressed_dir(path, dense, tokenizer, config):
+    model = runtime.load_model(dense, dtype=torch.float32, weights="dense")
+    quant.quantize_(model, config)
+    quant.save_compressed(model, path, tokenizer=tokenizer)
+    return path
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids, torch.arange(ids.shape[1])[None], None).logits[0]  # (T, V)
+
+
+def _assert_same_model(gguf_file, ckpt):
+    """The GGUF, loaded by our loader (transformers' dequantization, stored as bf16, which also undoes
+    llama's q/k row order), computes the checkpoint's logits up to bf16 rounding: a tensor under the
+    wrong name or in the wrong row order would be off by its whole size."""
+    ours = _logits(runtime.load_model(ckpt, dtype=torch.float32, weights="dense"), IDS)
+    back = _logits(runtime.load_model(gguf_file, dtype=torch.float32, weights="dense"), IDS)
+    assert float((back - ours).norm() / ours.norm()) < 1e-2
+
+
+IDS = torch.tensor([[1, 200, 3000, 17, 42, 9000, 5, 77]])  # (1, T)
+
+
+@pytest.fixture(scope="module")
+def llama_dense(tmp_path_factory, smol_tokenizer):
+    return _dense_dir(tmp_path_factory.mktemp("llama") / "dense", "llama", smol_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def tiny_exports(llama_dense, smol_tokenizer, tmp_path_factory):
+    """(checkpoint, GGUFExport) of each kind of model export of the tiny llama: dense, INT4 (groups of 64,
+    the LM head too) -> Q4_1, INT8 -> Q8_0 with float32 float tensors (into a folder export_gguf makes)."""
+    d = tmp_path_factory.mktemp("tiny_exports")
+    int4 = _compressed_dir(d / "int4", llama_dense, smol_tokenizer,
+                           quant.Int4WeightOnly(group_size=64, include_lm_head=True))
+    int8 = _compressed_dir(d / "int8", llama_dense, smol_tokenizer, quant.Int8WeightOnly())
+    return {"dense": (llama_dense, export_gguf(llama_dense, d / "dense.gguf")),
+            "q4_1": (int4, export_gguf(int4, d / "q4_1.gguf")),
+            "q8_0": (int8, export_gguf(int8, d / "new" / "q8_0.gguf", dense_type="f32"))}
+
+
+@pytest.mark.real_model
+def test_int4_checkpoint_becomes_q4_1_with_its_own_codes(tiny_exports):
+    ckpt, result = tiny_exports["q4_1"]
+    assert result.kind == "compressed" and len(result.tensors) == 4 * 7 + 1  # q k v o gate up down, lm_head
+    assert all(t.exact and t.gguf_type == "Q4_1" and t.rel_error < 1e-3 for t in result.tensors)
+    reader = GGUFReader(result.path)
+    types = {t.name: t.tensor_type for t in reader.tensors}
+    assert types["blk.0.attn_q.weight"] == GGMLQuantizationType.Q4_1
+    assert types["output.weight"] == GGMLQuantizationType.Q4_1
+    assert types["token_embd.weight"] == GGMLQuantizationType.BF16
+    assert str(reader.get_field("specdec.export.source").contents()) == str(ckpt)
+    _assert_same_model(result.path, ckpt)
+    assert "int4 linears -> Q4_1 (exact codes)" in result.summary()
+
+
+@pytest.mark.real_model
+def test_int8_checkpoint_becomes_q8_0(tiny_exports):
+    _, result = tiny_exports["q8_0"]  # (export_gguf checks each replaced tensor against the converter's copy)
+    assert all(t.exact and t.gguf_type == "Q8_0" for t in result.tensors)
+    assert max(t.rel_error for t in result.tensors) < 1e-3  # the float16 rounding of the row scales
+    reader = GGUFReader(result.path)
+    assert {t.name: t.tensor_type for t in reader.tensors}["token_embd.weight"] == GGMLQuantizationType.F32
+
+
+@pytest.mark.real_model
+def test_dense_checkpoint_goes_through_the_converter_as_it_is(tiny_exports):
+    ckpt, result = tiny_exports["dense"]
+    assert result.kind == "dense" and not result.tensors
+    assert {t.tensor_type for t in GGUFReader(result.path).tensors} == {GGMLQuantizationType.BF16,
+                                                                       GGMLQuantizationType.F32}  # norms: F32
+    with pytest.raises(OutputPathError, match="--overwrite"):
+        export_gguf(ckpt, result.path)
+    assert export_gguf(ckpt, result.path, overwrite=True).path == result.path
+
+
+def _head(tmp_path, target_dir, **norms):
+    from specdec.drafters.eagle.head import Eagle3Config, Eagle3Head
+    from specdec.drafters.eagle.io import save_eagle
+
+    target = runtime.load_model(target_dir, dtype=torch.float32, weights="dense")
+    torch.manual_seed(0)
+    head = Eagle3Head(Eagle3Config.from_target(target, draft_vocab_size=256, **norms))
+    head.set_draft_vocab(torch.arange(0, 1024, 4))
+    return save_eagle(head, tmp_path / f"head{len(norms)}")
+
+
+@pytest.mark.real_model
+def test_eagle3_head_converts_with_its_target(llama_dense, tmp_path):
+    head = _head(tmp_path, llama_dense, norm_before_fc=True)
+    result = export_gguf(head, tmp_path / "eagle.gguf", target=llama_dense)
+    reader = GGUFReader(result.path)
+    assert str(reader.get_field("general.architecture").contents()) == "eagle3"
+    assert list(reader.get_field("eagle3.target_layers").contents()) == [2, 2, 1]
+    assert bool(reader.get_field("eagle3.norm_before_fc").contents())
+    d2t = {t.name: t for t in reader.tensors}["d2t"]
+    assert np.array_equal(np.asarray(d2t.data), np.arange(0, 1024, 4))  # absolute target ids in llama.cpp
+    with pytest.raises(GGUFExportError, match="--target"):
+        export_gguf(head, tmp_path / "x.gguf")
+    with pytest.raises(GGUFExportError, match="for EAGLE-3 heads"):
+        export_gguf(llama_dense, tmp_path / "x.gguf", target=llama_dense)
+
+
+@pytest.mark.real_model
+def test_eagle3_options_llamacpp_lacks_are_refused(llama_dense, tmp_path):
+    head = _head(tmp_path, llama_dense, fc_norm=True, norm_output=True)
+    with pytest.raises(GGUFExportError, match="fc_norm, norm_output.*--no-fc-norm --no-norm-output"):
+        export_gguf(head, tmp_path / "x.gguf", target=llama_dense)
+    assert not (tmp_path / "x.gguf").exists()
+
+
+@pytest.mark.real_model
+def test_a_head_for_another_target_is_refused(llama_dense, smol_tokenizer, tmp_path):
+    head = _head(tmp_path, llama_dense)
+    other = _dense_dir(tmp_path / "wide", "llama", smol_tokenizer)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "hidden_size": 128}))
+    with pytest.raises(GGUFExportError, match="hidden size 64"):
+        export_gguf(head, tmp_path / "x.gguf", target=other)
+
+
+def test_what_cannot_be_exported_is_refused_before_any_work(tmp_path, snapshot):
+    (tmp_path / "model.gguf").write_bytes(b"GGUF" + bytes(20))
+    with pytest.raises(GGUFExportError, match="already a GGUF"):
+        export_gguf(tmp_path / "model.gguf", tmp_path / "out.gguf")
+    medusa = tmp_path / "medusa"
+    medusa.mkdir()
+    (medusa / "medusa_config.json").write_text("{}")
+    with pytest.raises(GGUFExportError, match="Medusa heads, which llama.cpp does not run"):
+        export_gguf(medusa, tmp_path / "out.gguf")
+    (tmp_path / "notes.txt").write_text("mine")
+    before = snapshot(tmp_path)
+    with pytest.raises(OutputPathError, match="not a GGUF file written by specdec"):
+        export_gguf(medusa, tmp_path / "notes.txt", overwrite=True)
+    with pytest.raises(OutputPathError, match=r"\*\.gguf"):
+        export_gguf(medusa, tmp_path / "out.bin")
+    with pytest.raises(ValueError, match="dense_type"):
+        export_gguf(medusa, tmp_path / "out.gguf", dense_type="q4_0")
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.real_model
+def test_the_command_line_writes_and_summarises(llama_dense, tmp_path, converter):
+    out = tmp_path / "cli.gguf"
+    proc = subprocess.run([sys.executable, "-m", "specdec.cli", "export", "gguf", str(llama_dense), "--out", str(out)],
+                          capture_output=True, text=True, cwd=Path(__file__).parents[2])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"wrote {out}" in proc.stdout and out.is_file()
+
+
+needs_llamacpp = pytest.mark.skipif(not llamacpp.available(), reason="llama.cpp not built here (make llamacpp)")
+PROMPT = [1, 504, 3458, 282, 4193, 314]  # token ids of the smollm2 vocabulary
+
+
+@pytest.fixture(scope="module")
+def smol_exports(converter, smol_tokenizer, tmp_path_factory):
+    """The real smollm2 as a bf16 GGUF, its RTN INT4 (groups of 32) as Q4_1, and a random EAGLE-3 head for it."""
+    d = tmp_path_factory.mktemp("smol_exports")
+    dense = runtime.loading.resolve(SMOLLM2)
+    int4 = _compressed_dir(d / "int4", dense, smol_tokenizer, quant.Int4WeightOnly(group_size=32))
+    head = _head(d, dense, norm_before_fc=True)
+    return {"dense": export_gguf(SMOLLM2, d / "dense.gguf").path, "q4_1": export_gguf(int4, d / "q4_1.gguf").path,
+            "eagle3": export_gguf(head, d / "eagle3.gguf", target=SMOLLM2).path}
+
+
+@pytest.mark.real_model
+@needs_llamacpp
+@pytest.mark.parametrize("kind", ["dense", "q4_1", "q8_0"])
+def test_llamacpp_loads_and_runs_every_model_export(tiny_exports, kind):
+    with LlamaServer(tiny_exports[kind][1].path, threads=2) as server:
+        new, _ = server.complete(PROMPT, 8)
+    assert new and all(0 <= t < 49152 for t in new)
+
+
+@pytest.mark.real_model
+@needs_llamacpp
+@pytest.mark.parametrize("draft", ["q4_1", "eagle3"])
+def test_llamacpp_drafting_with_our_exports_gives_its_plain_output(smol_exports, draft):
+    with LlamaServer(smol_exports["dense"], threads=2) as server:
+        plain, _ = server.complete(PROMPT, 32)
+    with LlamaServer(smol_exports["dense"], smol_exports[draft], draft_max=3, threads=2,
+                     eagle3=draft == "eagle3") as server:
+        spec, timings = server.complete(PROMPT, 32)
+    assert spec == plain and timings["draft_n"] > 0
