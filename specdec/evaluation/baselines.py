@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 HF_MODES = ("hf", "hf-assisted", "hf-pld")
-LLAMACPP_MODES = ("llamacpp", "llamacpp-spec")  # specdec.evaluation.llamacpp
+LLAMACPP_MODES = ("llamacpp", "llamacpp-spec", "llamacpp-eagle3")  # specdec.evaluation.llamacpp
 BASELINES = HF_MODES + LLAMACPP_MODES  # methods that name a speedup_vs_<kind> column of the report
 
 

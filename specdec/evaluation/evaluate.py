@@ -14,9 +14,11 @@ generations. Methods (`--methods`, comma-separated):
     hf-pld           transformers prompt lookup (prompt_lookup_num_tokens)
     llamacpp         llama.cpp's plain decoding of the target's GGUF (specdec.evaluation.llamacpp; `make llamacpp`)
     llamacpp-spec:X  llama.cpp's speculative decoding, draft X (catalogue name or .gguf), @K drafts at most
+    llamacpp-eagle3:H  llama.cpp's EAGLE-3 decoding, head H a .gguf (`specdec export gguf HEAD --target T`),
+                     a greedy chain of exactly @K drafts (no confidence cut-off: as eagle:HEAD@K:Kx1)
 
 X is a catalogue name or checkpoint directory. `@K` is a drafter's own draft length (an integer
-or auto) in place of `--num-draft-tokens` (llamacpp-spec an integer only; default: the run's k,
+or auto) in place of `--num-draft-tokens` (llamacpp-spec and llamacpp-eagle3 an integer only; default: the run's k,
 or 4 when that is auto): `draft:X@3,draft:X@7,draft:X@auto` compares draft lengths in one
 alternating run. For medusa, `@N` rebuilds the heads' tree with N nodes. For eagle, `@N` is the
 number of nodes the dynamic tree keeps (default: specdec.drafters.eagle.drafter.EagleTreeConfig's),
@@ -86,13 +88,13 @@ from specdec.sampling import SamplingParams
 from specdec.stats import AcceptanceStats
 
 # methods that are no drafter of this runtime; every other method is a drafter spec (specdec.drafters.spec)
-BASE_KINDS = ("plain", "hf", "hf-assisted", "hf-pld", "llamacpp", "llamacpp-spec")
+BASE_KINDS = ("plain", "hf", "hf-assisted", "hf-pld", "llamacpp", "llamacpp-spec", "llamacpp-eagle3")
 METHOD_KINDS = ("plain", *DRAFTERS, *BASE_KINDS[1:])
-_NEEDS_ARG = ("hf-assisted", "llamacpp-spec")
+_NEEDS_ARG = ("hf-assisted", "llamacpp-spec", "llamacpp-eagle3")
 # @K = their draft length (a composite's: its members')
 DRAFT_LENGTH_KINDS = (*(k for k, e in DRAFTERS.items() if e.size == DRAFT_LENGTH), "best")
 # methods that take @K (medusa and eagle: the tree's nodes)
-_DRAFTING = (*(k for k, e in DRAFTERS.items() if e.size is not None), "llamacpp-spec")
+_DRAFTING = (*(k for k, e in DRAFTERS.items() if e.size is not None), "llamacpp-spec", "llamacpp-eagle3")
 LLAMACPP_DRAFT_MAX = 4  # llamacpp-spec's drafts when neither @K nor an integer --num-draft-tokens says
 _TREE_SHAPE = re.compile(r"[0-9]+x[0-9]+")  # a drafter's @N:DEPTHxTOP_K, refused by the other methods
 DTYPES = {name: hardware.DTYPES[name] for name in ("bfloat16", "float32")}  # the dtypes runs are measured in
@@ -134,7 +136,8 @@ class MethodSpec:
             return cls(name, spec.kind, spec.arg, spec.draft_length if spec.kind == "best" else spec.size, spec.shape)
         if kind not in BASE_KINDS:
             raise ValueError(f"unknown method {text!r}; choose from plain, hf, hf-assisted:NAME_OR_PATH, hf-pld, "
-                             f"llamacpp, llamacpp-spec:NAME_OR_GGUF@K, or a drafter: {GRAMMAR}")
+                             "llamacpp, llamacpp-spec:NAME_OR_GGUF@K, llamacpp-eagle3:HEAD_GGUF@K, or a drafter: "
+                             f"{GRAMMAR}")
         if kind in _NEEDS_ARG and not arg:
             raise ValueError(f"method {kind!r} needs a model: write {kind}:NAME_OR_PATH")
         if kind not in _NEEDS_ARG and arg:
@@ -143,7 +146,7 @@ class MethodSpec:
             raise ValueError(f"{text!r}: only {', '.join(_DRAFTING)} take a draft length @K")
         if colon:
             raise ValueError(f"{text!r}: only eagle takes a tree shape (@N:DEPTHxTOP_K)")
-        if kind == "llamacpp-spec" and k == "auto":
+        if kind in ("llamacpp-spec", "llamacpp-eagle3") and k == "auto":
             raise ValueError(f"{text!r}: llama.cpp drafts a fixed number of tokens at most: write @K, an integer")
         return cls(name, kind, arg or None, parse_draft_length(k) if at else None)
 
@@ -174,8 +177,8 @@ def parse_methods(text: str | list[str] | tuple[str, ...]) -> list[MethodSpec]:
         raise ValueError(f"methods repeat: {names}")
     labels = [label for label in map(baseline_label, names) if label]
     if len(set(labels)) != len(labels):
-        raise ValueError(f"at most one method of each baseline kind ({', '.join(BASELINES)}; llamacpp-spec: one per "
-                         "@K): they name the speedup_vs_<baseline> columns")
+        raise ValueError(f"at most one method of each baseline kind ({', '.join(BASELINES)}; llamacpp-spec and "
+                         "llamacpp-eagle3: one per @K): they name the speedup_vs_<baseline> columns")
     return specs
 
 
@@ -488,6 +491,11 @@ class Runner:
                 raise ValueError(f"{spec.name}: llama.cpp runs GGUF files, and the target {self.cfg.target!r} is "
                                  "neither a catalogue name nor a .gguf file")
             draft = None
+            if spec.kind == "llamacpp-eagle3":
+                draft = Path(spec.arg).expanduser()
+                if draft.suffix != ".gguf" or not draft.is_file():
+                    raise ValueError(f"{spec.name}: llama.cpp reads an EAGLE-3 head as a .gguf file; write one with "
+                                     f"`specdec export gguf HEAD_DIR --target {self.cfg.target} --out HEAD.gguf`")
             if spec.kind == "llamacpp-spec":
                 draft = gguf_source(spec.arg)
                 if draft is None:
@@ -499,7 +507,8 @@ class Runner:
                     check_token_strings(spec.arg, self.cfg.target, sample=64)
             k = spec.num_draft_tokens or self.cfg.num_draft_tokens
             server = LlamaServer(target, draft, k if isinstance(k, int) else LLAMACPP_DRAFT_MAX,
-                                 threads=self.cfg.threads or torch.get_num_threads())
+                                 threads=self.cfg.threads or torch.get_num_threads(),
+                                 eagle3=spec.kind == "llamacpp-eagle3")
             server.start()
             return server
 
@@ -697,7 +706,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output directory: new, empty, or an earlier run's (re-running "
                    "with it resumes; a directory specdec did not write is refused)")
     p.add_argument("--methods", default=d["methods"],
-                   help="comma-separated methods: plain, hf, hf-assisted:X, hf-pld, llamacpp, llamacpp-spec:X@K "
+                   help="comma-separated methods: plain, hf, hf-assisted:X, hf-pld, llamacpp, llamacpp-spec:X@K, "
+                        "llamacpp-eagle3:HEAD.gguf@K "
                         "(`make llamacpp` first), and drafter specs (the grammar of specdec serve --draft and "
                         "generate(draft=...)): draft:X, ngram, suffix, hybrid:X, A+B (chain drafters tried in "
                         "order), A|B (each step the best member's proposal; quote it in a shell), "

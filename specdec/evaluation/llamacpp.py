@@ -73,11 +73,12 @@ def _needs_no_repack() -> bool:
 
 class LlamaServer:
     """One `llama-server` process on `model` (a .gguf), with `draft` (a .gguf) for speculative
-    decoding of up to `draft_max` tokens; a context manager that stops the process on exit."""
+    decoding of up to `draft_max` tokens (`eagle3`: `draft` is an EAGLE-3 head, drafting exactly
+    `draft_max`); a context manager that stops the process on exit."""
 
     def __init__(self, model: Path, draft: Path | None = None, draft_max: int = 4, threads: int | None = None,
-                 context: int = 4096) -> None:
-        self.model, self.draft, self.draft_max = Path(model), draft, draft_max
+                 context: int = 4096, eagle3: bool = False) -> None:
+        self.model, self.draft, self.draft_max, self.eagle3 = Path(model), draft, draft_max, eagle3
         self.threads = threads or os.cpu_count() or 1
         self.context = context
         self.port = _free_port()
@@ -89,7 +90,11 @@ class LlamaServer:
                "--host", "127.0.0.1", "--port", str(self.port), "--no-webui", "-np", "1"]
         if _needs_no_repack():
             cmd.append("--no-repack")
-        if self.draft is not None:
+        if self.draft is not None and self.eagle3:
+            # a chain of exactly draft_max tokens (no probability cut-off), the shape eagle:HEAD@K:Kx1 drafts
+            cmd += ["-md", str(self.draft), "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(self.draft_max),
+                    "--spec-draft-p-min", "0"]
+        elif self.draft is not None:
             cmd += ["-md", str(self.draft), "--spec-type", "draft-simple", "--spec-draft-n-max", str(self.draft_max)]
         return cmd
 

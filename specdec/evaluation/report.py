@@ -44,7 +44,7 @@ def baseline_label(method: str) -> str | None:
     if kind not in BASELINES:
         return None
     _, at, k = method.rpartition("@")
-    return f"{kind}@{k}" if kind == "llamacpp-spec" and at else kind
+    return f"{kind}@{k}" if kind in ("llamacpp-spec", "llamacpp-eagle3") and at else kind
 
 
 def _group(records: dict[str, dict[str, dict]], ids: list[str], method: str, first: str) -> dict:

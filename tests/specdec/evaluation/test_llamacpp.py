@@ -7,7 +7,8 @@ import pytest
 
 from specdec.evaluation import llamacpp
 from specdec.evaluation.evaluate import EvalConfig, MethodSpec, parse_methods, run_eval
-from specdec.evaluation.llamacpp import LlamaCppUnavailable, stats_from_timings
+from specdec.evaluation.llamacpp import LlamaCppUnavailable, LlamaServer, stats_from_timings
+from specdec.evaluation.report import baseline_label
 from specdec.stats import AcceptanceStats
 
 SMOLLM2 = "smollm2-135m-instruct"
@@ -26,6 +27,21 @@ def test_methods_parse():
     assert len(parse_methods("llamacpp-spec:a@2,llamacpp-spec:a@4")) == 2  # llama.cpp's draft lengths compared
     with pytest.raises(ValueError, match="at most one method of each baseline kind"):
         parse_methods("llamacpp-spec:a@4,llamacpp-spec:b@4")
+
+
+def test_eagle3_method_parses_and_drafts_a_fixed_chain(tmp_path, monkeypatch):
+    spec = MethodSpec.parse("llamacpp-eagle3:out/head.gguf@5")
+    assert (spec.kind, spec.arg, spec.num_draft_tokens) == ("llamacpp-eagle3", "out/head.gguf", 5)
+    assert baseline_label(spec.name) == "llamacpp-eagle3@5"
+    with pytest.raises(ValueError, match="integer"):
+        MethodSpec.parse("llamacpp-eagle3:head.gguf@auto")
+    with pytest.raises(ValueError, match="needs a model"):
+        MethodSpec.parse("llamacpp-eagle3")
+    monkeypatch.setenv("SPECDEC_LLAMACPP", str(tmp_path))
+    (tmp_path / "llama-server").write_text("")
+    cmd = LlamaServer(tmp_path / "t.gguf", tmp_path / "h.gguf", draft_max=5, eagle3=True).command()
+    assert cmd[cmd.index("--spec-type") + 1] == "draft-eagle3"
+    assert cmd[cmd.index("--spec-draft-n-max") + 1] == "5" and cmd[cmd.index("--spec-draft-p-min") + 1] == "0"
 
 
 def test_a_missing_build_is_refused_with_the_command_that_builds_it(tmp_path, monkeypatch):
@@ -72,4 +88,13 @@ def test_a_draft_with_another_tokenizer_is_refused(tmp_path):
     cfg = EvalConfig(out=str(tmp_path / "run"), methods="plain,llamacpp-spec:qwen2.5-coder-0.5b-instruct@3",
                      target=SMOLLM2, dataset="humaneval", limit=1, raw=True, max_new_tokens=8, warmup=0)
     with pytest.raises(ValueError, match="tokenizers disagree"):
+        run_eval(cfg, progress=False)
+
+
+@pytest.mark.real_model
+@pytest.mark.skipif(not llamacpp.available(), reason="llama.cpp not built here (make llamacpp)")
+def test_an_eagle3_head_that_is_not_a_gguf_is_refused_with_the_export_command(tmp_path):
+    cfg = EvalConfig(out=str(tmp_path / "run"), methods=f"plain,llamacpp-eagle3:{tmp_path}@3", target=SMOLLM2,
+                     dataset="humaneval", limit=1, raw=True, max_new_tokens=4, warmup=0)
+    with pytest.raises(ValueError, match="specdec export gguf HEAD_DIR --target smollm2-135m-instruct"):
         run_eval(cfg, progress=False)
