@@ -40,7 +40,6 @@ import argparse
 import http.client
 import json
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -58,6 +57,7 @@ from runtime.atomic import atomic_write_text
 from runtime.hardware import DTYPES, cpu_summary
 from runtime.loading import resolve
 from specdec.evaluation.evaluate import eos_ids, versions
+from specdec.evaluation.llamacpp import free_port
 from specdec.evaluation.prompts import encode, humaneval_prompts, sharegpt_prompts
 from specdec.serving.engine import Engine, SamplingParams
 from specdec.serving.server import ServerThread, create_app
@@ -210,12 +210,6 @@ def run_vllm_mode(python: str, model: str, prompts: list[list[int]], offsets: li
         proc.terminate()
         proc.wait(timeout=60)
         log.close()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_engine_mode(engine: Engine, prompts: list[list[int]], offsets: list[float],

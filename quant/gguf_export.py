@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
@@ -30,12 +29,12 @@ from pathlib import Path
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, Keys, LlamaFileType
-from safetensors.torch import save_file
 
+from quant.checkpoint import export_dense
 from quant.gguf_tensors import REQUANT, block_error, target_type, to_blocks
 from quant.llamacpp_convert import convert
 from runtime.errors import CheckpointError, SpecdecError
-from runtime.hf_state import dense_hf_state, hf_linear_parts
+from runtime.hf_state import hf_linear_parts
 from runtime.outputs import OutputPathError, check_output_file
 from runtime.qlinear import QuantizedLinear
 
@@ -43,9 +42,6 @@ DENSE_TYPES = ("bf16", "f16", "f32")
 TORCH_DTYPES = {"bf16": torch.bfloat16, "f16": torch.float32, "f32": torch.float32}  # f16: the converter rounds
 FILE_TYPES = {GGMLQuantizationType.Q4_1: LlamaFileType.MOSTLY_Q4_1,
               GGMLQuantizationType.Q8_0: LlamaFileType.MOSTLY_Q8_0}
-# files of a checkpoint directory the converter reads besides the weights (config, tokenizer, chat template)
-SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
-              "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja")
 # EAGLE-3 options llama.cpp's graph (src/models/eagle3.cpp) does not compute
 EAGLE_UNSUPPORTED = ("fc_norm", "norm_output")
 MATCH_TOLERANCE = 1e-2  # relative error between our weights and the converter's float copy of them (dtype rounding)
@@ -134,22 +130,6 @@ def check_eagle_for_llamacpp(head_dir: Path, target_dir: Path) -> dict:
                               f"{layer.get('vocab_size')}, but {target_dir} has {target.get('hidden_size')} and "
                               f"{target.get('vocab_size')}: pass the head's own target as --target")
     return raw
-
-
-def _write_hf_dir(model: torch.nn.Module, ckpt: Path, out: Path, dtype: torch.dtype) -> None:
-    """A dense Hugging Face directory of `model` (loaded from `ckpt`) that the converter reads."""
-    out.mkdir()
-    save_file(dense_hf_state(model, dtype), out / "model.safetensors", metadata={"format": "pt"})
-    for name in SIDE_FILES:
-        if (ckpt / name).is_file():
-            shutil.copy(ckpt / name, out / name)
-    if not any((out / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
-        raise CheckpointError(f"{ckpt} has no tokenizer files, which a GGUF carries: save the checkpoint with its "
-                              "tokenizer (quant.save_compressed(..., tokenizer=tok))")
-    config = json.loads((out / "config.json").read_text())
-    config.pop("quantization_config", None)
-    config["torch_dtype"] = str(dtype).removeprefix("torch.")
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def _llama_permute(rows: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -257,7 +237,7 @@ def export_gguf(source: str | Path, out: str | Path, *, target: str | Path | Non
     whose layout maps onto no GGUF type becomes (gguf_tensors.REQUANT: "auto" is Q4_1 for 4-bit
     formats, Q8_0 for 8-bit, a float copy for 2:4 sparse); target: the target model of an EAGLE-3
     head (catalogue name, directory or .gguf), required for heads and refused otherwise."""
-    from runtime.loading import load_model, resolve
+    from runtime.loading import load_model, load_tokenizer, resolve
 
     if dense_type not in DENSE_TYPES:
         raise ValueError(f"dense_type must be one of {DENSE_TYPES}, got {dense_type!r}")
@@ -282,7 +262,8 @@ def export_gguf(source: str | Path, out: str | Path, *, target: str | Path | Non
             convert(ckpt, staged, dense_type)
         else:
             model = load_model(ckpt, dtype=TORCH_DTYPES[dense_type], weights="dense")
-            _write_hf_dir(model, ckpt, tmp / "hf", TORCH_DTYPES[dense_type])
+            # the converter reads a plain Hugging Face directory: quant's dense export, tokenizer included
+            export_dense(model, tmp / "hf", tokenizer=load_tokenizer(ckpt), dtype=TORCH_DTYPES[dense_type])
             convert(tmp / "hf", tmp / "dense.gguf", dense_type)
             reader = GGUFReader(tmp / "dense.gguf")
             replaced, reports = _quantized_tensors(model, reader, requant)

@@ -59,7 +59,8 @@ def available() -> bool:
     return (bin_dir() / SERVER).is_file()
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -81,7 +82,7 @@ class LlamaServer:
         self.model, self.draft, self.draft_max, self.eagle3 = Path(model), draft, draft_max, eagle3
         self.threads = threads or os.cpu_count() or 1
         self.context = context
-        self.port = _free_port()
+        self.port = free_port()
         self.proc: subprocess.Popen | None = None
         self.log: list[str] = []
 

