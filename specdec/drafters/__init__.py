@@ -40,7 +40,8 @@ def make_drafter(draft, target, temperature: float = 0.0, top_k: int = 0, top_p:
     if isinstance(draft, Drafter):
         return draft
     if isinstance(draft, CompositeDraft):
-        return CompositeDrafter([make_drafter(d, target, temperature, top_k, top_p, generator, loader) for d in draft])
+        return CompositeDrafter([make_drafter(d, target, temperature, top_k, top_p, generator, loader) for d in draft],
+                                draft.records)
     if isinstance(draft, DraftModel):
         return ModelDrafter(as_runtime_model(draft.model), target, temperature, top_k, top_p, generator, draft.p_min)
     if isinstance(draft, (list, tuple)):

@@ -11,10 +11,17 @@ verifications are timed apart: a draft model's chain of k is a block of k + 1 ro
 (llama.cpp's chained speculation and ArcticInference's suffix + model hybrid choose the same
 way); each row then verifies its proposal with the most expected accepted tokens. The loop's
 `auto` draft length learns only from rows that verified a member drafting k (`DraftTree.tuned`).
+
+What a composite learns of its members (calibration and accepted per step) outlives a generate()
+call: a composite made from a spec keeps it per process and per spec text (`shared_records`;
+`specdec eval` keeps it per method), so a call starts calibrated instead of trusting every member's
+own estimate for its first steps. Timings are measured afresh per call (one step each): a compile or
+a longer prompt in one call says nothing of the next's.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -25,7 +32,7 @@ from specdec.drafters.group import DrafterGroup
 DECAY = 0.9  # weight of the past in a member's calibration and acceptance averages
 
 
-class _Record:
+class MemberRecord:
     """A member's decayed averages over the rows that verified its proposal: tokens accepted,
     tokens it expected, and accepted per step (what running it is hoped to bring)."""
 
@@ -33,10 +40,6 @@ class _Record:
         self.accepted = self.expected = 1.0  # calibration starts at 1: the member's own estimate
         self.per_step = 2.0  # optimistic, so every member is tried until it is measured
         self.steps = 0
-        self.verify_s = 0.0  # decayed seconds of the verifications of its proposals (0: none timed)
-
-    def time(self, seconds: float) -> None:
-        self.verify_s = seconds if not self.verify_s else DECAY * self.verify_s + (1 - DECAY) * seconds
 
     def calibration(self) -> float:
         return min(max(self.accepted / self.expected, 0.05), 2.0)
@@ -48,10 +51,30 @@ class _Record:
         self.steps += 1
 
 
+_SHARED: dict[str, list[MemberRecord]] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_records(name: str, members: int) -> list[MemberRecord]:
+    """The process's records of the composite spelt `name` (its spec text), one per member: what
+    every composite made from that spec learns from and starts with."""
+    with _SHARED_LOCK:
+        records = _SHARED.setdefault(name, [MemberRecord() for _ in range(members)])
+    if len(records) != members:
+        raise ValueError(f"composite {name!r} has {members} members but its records hold {len(records)}")
+    return records
+
+
+def _decayed(average: float, seconds: float) -> float:
+    return seconds if not average else DECAY * average + (1 - DECAY) * seconds
+
+
 class CompositeDrafter(DrafterGroup):
     """Members asked per step (module docstring); each row verifies the proposal it expects most of."""
 
-    def __init__(self, drafters: list[Drafter]) -> None:
+    def __init__(self, drafters: list[Drafter], records: list[MemberRecord] | None = None) -> None:
+        """`records`: what is known of the members, updated in place (default: fresh, this
+        drafter's own; a spec's composite passes the process's, `shared_records`)."""
         if len(drafters) < 2:
             raise ValueError(f"a composite drafter chooses among two or more drafters, got {len(drafters)}")
         reads = [d.name for d in drafters if d.needs_hidden or d.hidden_layers]
@@ -61,7 +84,11 @@ class CompositeDrafter(DrafterGroup):
         self.drafters = drafters
         self.name = "|".join(d.name for d in drafters)
         self.adaptive = any(d.adaptive for d in drafters)
-        self.records = [_Record() for _ in drafters]
+        if records is not None and len(records) != len(drafters):
+            raise ValueError(f"a composite of {len(drafters)} drafters takes {len(drafters)} records, "
+                             f"got {len(records)}")
+        self.records = [MemberRecord() for _ in drafters] if records is None else records
+        self.verify_s = [0.0] * len(drafters)  # per member: decayed seconds of verifying its proposals (0: none)
         self.chosen: list[int] = []  # per row: the member whose proposal was verified last step (-1: none)
         self.expected: list[float] = []  # per row: what that proposal was expected to get accepted (calibrated)
         self.raw: list[float] = []  # per row: the same, before calibration
@@ -77,7 +104,8 @@ class CompositeDrafter(DrafterGroup):
 
     def begin(self, prompts: list[torch.Tensor], max_len: int, hidden: torch.Tensor | None) -> None:
         super().begin(prompts, max_len, hidden)
-        self._end = 0.0
+        self._end = self.target_s = self.plain_s = 0.0
+        self.verify_s = [0.0] * len(self.drafters)
 
     @staticmethod
     def _estimate(tree: DraftTree, b: int) -> float:
@@ -91,12 +119,12 @@ class CompositeDrafter(DrafterGroup):
         start = time.perf_counter()
         if self._end:  # the last step's verification, charged to the members whose proposals it verified
             took = start - self._end
-            self.target_s = took if not self.target_s else DECAY * self.target_s + (1 - DECAY) * took
+            self.target_s = _decayed(self.target_s, took)
             chosen = {c for c in self.chosen if c >= 0}
             for c in chosen:
-                self.records[c].time(took)
+                self.verify_s[c] = _decayed(self.verify_s[c], took)
             if not chosen:
-                self.plain_s = took if not self.plain_s else DECAY * self.plain_s + (1 - DECAY) * took
+                self.plain_s = _decayed(self.plain_s, took)
         B = len(seqs)
         verify_s = self.target_s or 1.0
         best_rate = {b: 1.0 / (self.plain_s or verify_s) for b in rows}  # a plain step: one token per verification
@@ -107,7 +135,7 @@ class CompositeDrafter(DrafterGroup):
             d, record = self.drafters[i], self.records[i]
             cost = d.draft_cost(k)
             # a member's proposals have their own verification cost (a draft model's chain of k: k + 1 rows)
-            member_s = record.verify_s or verify_s
+            member_s = self.verify_s[i] or verify_s
             hoped = (1 + record.per_step) / (member_s + cost)
             ask = [b for b in rows if cost == 0 or hoped > best_rate[b]]
             if not ask:
@@ -163,12 +191,21 @@ class CompositeDrafter(DrafterGroup):
         return self.drafters[c].name if c >= 0 else self.name
 
 
-
 class CompositeDraft(tuple):
     """generate()'s draft argument for `A|B`: the members' draft arguments, which generate() turns
-    into drafters with its sampling and joins in a CompositeDrafter (a plain list is a hybrid)."""
+    into drafters with its sampling and joins in a CompositeDrafter (a plain list is a hybrid), and
+    the records that composite starts from and updates (None: fresh)."""
+
+    records: list[MemberRecord] | None
+
+    def __new__(cls, members, records: list[MemberRecord] | None = None) -> CompositeDraft:
+        draft = super().__new__(cls, members)
+        draft.records = records
+        return draft
 
 
 def from_spec(spec, target, loader) -> CompositeDraft:
-    """`A|B[|C...]` (specdec.drafters.spec): its members' draft arguments."""
-    return CompositeDraft(m.load(target, loader) for m in spec.members)
+    """`A|B[|C...]` (specdec.drafters.spec): its members' draft arguments and the loader's records
+    of the composite spelt as `spec` (`DrafterLoader.composite_records`)."""
+    members = [m.load(target, loader) for m in spec.members]
+    return CompositeDraft(members, loader.composite_records(str(spec), len(members)))

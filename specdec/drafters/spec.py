@@ -400,6 +400,14 @@ class DrafterLoader:
 
         return shared_cache(max_tokens, depth)
 
+    def composite_records(self, name: str, members: int):
+        """What the composite spelt `name` knows of its `members` members, kept across generate()
+        calls: the process's (`specdec.drafters.composite.shared_records`); `specdec eval` keeps
+        them per method."""
+        from specdec.drafters.composite import shared_records
+
+        return shared_records(name, members)
+
     def cached(self, key: tuple, load: Callable[[], object]):
         if key not in self._cache:
             self._cache[key] = load()

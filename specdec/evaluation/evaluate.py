@@ -398,6 +398,13 @@ class _RunLoader(DrafterLoader):
         key = ("suffix-cache", self.runner.method, depth, max_tokens)
         return self.cached(key, lambda: SuffixCache(max_tokens, depth))
 
+    def composite_records(self, name: str, members: int):
+        """One composite's records per method, learnt from the warm-up on (calibration, not answers)."""
+        from specdec.drafters.composite import MemberRecord
+
+        key = ("composite-records", self.runner.method, name)
+        return self.cached(key, lambda: [MemberRecord() for _ in range(members)])
+
     def clear_suffix_caches(self) -> None:
         for key, cache in self._cache.items():
             if key[0] == "suffix-cache":

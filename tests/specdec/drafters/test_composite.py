@@ -9,6 +9,7 @@ import torch
 import specdec
 from specdec.drafter import Accepted, Drafter, DraftTree
 from specdec.drafters import CompositeDrafter, DrafterSpec, make_drafter
+from specdec.drafters.composite import MemberRecord, shared_records
 from specdec.drafters.suffix import SuffixCache, SuffixConfig, SuffixDrafter
 from tests.specdec.test_decode import _rows, _same, assert_two_token_law
 
@@ -114,3 +115,34 @@ def test_the_spec_builds_a_composite_with_generates_sampling(target):
     assert spec.kind == "best" and spec.draft_length == "auto" and spec.members[1].p_min == 0.4
     with pytest.raises(ValueError, match="two or more"):
         CompositeDrafter([_suffix()])
+
+
+def test_a_composite_starts_from_the_records_it_is_given():
+    bold = Fixed("bold", [5, 6, 7], [0.9, 0.9, 0.9])
+    modest = Fixed("modest", [9], None)
+    records = [MemberRecord(), MemberRecord()]
+    first = CompositeDrafter([bold, modest], records)
+    seqs = [torch.tensor([1, 2, 3])] * 2
+    for _ in range(12):  # bold's drafts are all rejected
+        first.propose(seqs, 4, [0, 1])
+        first.commit(Accepted(seqs, [[] if c == 0 else [0] for c in first.chosen]))
+    fresh, taught = CompositeDrafter([bold, modest]), CompositeDrafter([bold, modest], records)
+    for comp in (fresh, taught):
+        comp.begin(seqs, 16, None)
+        comp.propose(seqs, 4, [0, 1])
+    assert fresh.chosen == [0, 0] and taught.chosen == [1, 1]  # the taught one no longer trusts bold
+    with pytest.raises(ValueError, match="takes 2 records, got 1"):
+        CompositeDrafter([bold, modest], [MemberRecord()])
+
+
+def test_a_spec_composite_keeps_its_records_across_generate_calls(target):
+    rows = _rows(seed=5, lengths=(9, 14))
+    records = shared_records("ngram|suffix", 2)
+    steps = [r.steps for r in records]
+    for _ in range(2):
+        specdec.generate(target, rows, draft="ngram|suffix", max_new_tokens=12, num_draft_tokens=3)
+        assert sum(r.steps for r in records) > sum(steps)  # the call's drafter updated the process's records
+        steps = [r.steps for r in records]
+    assert make_drafter("ngram|suffix", target).records is records
+    with pytest.raises(ValueError, match="has 3 members but its records hold 2"):
+        shared_records("ngram|suffix", 3)

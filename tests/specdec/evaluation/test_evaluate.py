@@ -503,3 +503,7 @@ def test_suffix_methods_draft_from_their_own_answers_and_not_the_warm_up(workdir
     caches[0].extend(caches[0].open(), [], [5, 6, 7])
     runner.loader.clear_suffix_caches()
     assert caches[0].tokens == 0 and caches[0].responses == 0
+    records = [runner.loader.composite_records("ngram|suffix", 2)]  # composites: one set of records per method
+    runner.method = "suffix"
+    records.append(runner.loader.composite_records("ngram|suffix", 2))
+    assert records[0] is not records[1] and records[1] is runner.loader.composite_records("ngram|suffix", 2)
