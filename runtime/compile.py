@@ -29,7 +29,9 @@ forwards take a program (`Transformer._static_fits`), and at which size:
   logits, of up to MAX_BLOCK_TOKENS (256) tokens, unless a sliding window cuts into a row: up to
   DECODE_STATIC_TOKENS padded as a causal step (a suffix match's tree changes size every step;
   a padding token sees only itself), larger ones (Medusa's, EAGLE's trees keep their size for a
-  whole generation) at their own size N.
+  whole generation) at their own size N. These larger programs call their kernels from a Python
+  wrapper, the others from C++ (`cpp_wrapper`): on 2 cores Inductor builds smollm2's C++ wrapper
+  in ~4 minutes per program against ~40 s, and it saves ~4 ms of a 1-token step.
 
 Everything else runs eagerly: a forward without a cache, one with a full (B, T, S) `mask`, a
 causal forward of more than 32 tokens (more than 8 with selected logits), a tree step of more
@@ -93,11 +95,20 @@ def static_tokens(num_tokens: int, selected: bool = False, row_cost: bool = Fals
     return max(8, 1 << (num_tokens - 1).bit_length())
 
 
+def uses_cpp_wrapper(num_tokens: int, cpp_wrapper: bool = True) -> bool:
+    """Whether the program of a `num_tokens`-token step calls its kernels from C++: only with
+    `cpp_wrapper` and up to DECODE_STATIC_TOKENS tokens. A larger (Medusa / EAGLE tree) program gets
+    the Python wrapper: Inductor builds the C++ one ~6x slower (minutes per tree size on 2 cores) to
+    save a few ms a call (benchmarks/compile_wrapper.py, BENCHMARKS.md section 7)."""
+    return cpp_wrapper and num_tokens <= DECODE_STATIC_TOKENS
+
+
 def compile_step(step: Step, device: torch.device, cpp_wrapper: bool = True,
                  max_autotune: bool | None = None, freeze_weights: bool = False,
                  eager_rounding: Callable[[], bool] = lambda: False) -> Step:
     """`torch.compile` a model's `static_step` (on `device`): the function that
-    `Transformer.compile_decode` stores as `compiled_step`. Options as `compile_decode`;
+    `Transformer.compile_decode` stores as `compiled_step`. Options as `compile_decode` (cpp_wrapper
+    applies to the programs of up to DECODE_STATIC_TOKENS tokens; larger ones call their kernels from Python);
     eager_rounding() says, per call, whether programs compiled then round every bf16 intermediate
     as eager does (the model's `row_invariant`, on which the compiler also guards)."""
     cxx = torch._inductor.config.cpp.cxx  # what Inductor's CPU backend invokes ($CXX when torch loaded)
@@ -120,7 +131,8 @@ def compile_step(step: Step, device: torch.device, cpp_wrapper: bool = True,
         # emulate_precision_casts: round every bf16 intermediate as eager does; otherwise whether a
         # fused value is rounded depends on the fusion, which differs between block sizes, and a
         # row's logits would depend on the program (`runtime.invariant`)
-        with torch._inductor.config.patch(freezing=freeze_weights, cpp_wrapper=cpp_wrapper,
+        with torch._inductor.config.patch(freezing=freeze_weights,
+                                          cpp_wrapper=uses_cpp_wrapper(tokens.shape[1], cpp_wrapper),
                                           emulate_precision_casts=eager_rounding(), **autotune), \
                 torch._dynamo.config.patch(automatic_dynamic_shapes=False):
             return compiled(tokens, positions, k, v, lengths, block_mask, aux_layers)

@@ -188,7 +188,8 @@ class Transformer(nn.Module):
         """Compile this model's short forwards in place and return the model (`runtime.compile`).
 
         Sets `compiled_step` to the `torch.compile`d `static_step`. cpp_wrapper: let Inductor call
-        the kernels from C++ rather than Python (less per-call overhead).
+        the kernels of the programs of up to 8 tokens from C++ rather than Python (less per-call
+        overhead; tree programs always use Python, whose wrapper builds several times faster).
         max_autotune: True lets Inductor also generate its own GEMM kernels (CPU: the CPP GEMM
         template, which covers the packed INT8 / INT4 weight-only matmuls) and keep the fastest per
         shape, compiling several times longer; None leaves Inductor's setting alone. Outputs equal

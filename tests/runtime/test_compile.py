@@ -5,7 +5,7 @@ import torch
 
 import specdec
 from runtime import KVCache, compile_decode
-from runtime.compile import MAX_STATIC_TOKENS, static_tokens
+from runtime.compile import MAX_STATIC_TOKENS, static_tokens, uses_cpp_wrapper
 from runtime.tiny import tiny_model
 from specdec.capture import StateCapture
 
@@ -201,6 +201,33 @@ def test_block_mask_steps_run_compiled_and_equal_eager_steps(family, extra, comp
     assert ((2, 8) in calls) == compiled_tree  # padded like a causal block of 6 tokens
     with pytest.raises(ValueError, match="either mask"):
         eager(tree_ids, pos, ce, mask=torch.ones(2, 6, 21, dtype=torch.bool), block_mask=block)
+
+
+def test_tree_programs_above_eight_tokens_use_the_python_wrapper():
+    """A 12-node tree (Medusa's, EAGLE's) runs compiled at its own size, equal to the eager step; its
+    program calls its kernels from Python (the C++ wrapper builds for minutes per tree size on 2
+    cores), while steps of up to 8 tokens keep the C++ wrapper."""
+    from specdec.rows import prefill
+
+    assert [uses_cpp_wrapper(n) for n in (1, 2, 8, 9, 65)] == [True, True, True, False, False]
+    assert not uses_cpp_wrapper(1, cpp_wrapper=False)
+    parent = [-1, 0, 0, 1, 1, 2, 2, 3, 4, 5, 6, 7]
+    block = _tree_block(parent)[None]  # (1, 12, 12)
+    depth = torch.tensor([0, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 4])
+    tree_ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(4))
+    eager = tiny_model("qwen2", seed=4)
+    compiled = compile_decode(tiny_model("qwen2", seed=4))
+    calls = []
+    compiled.compiled_step = _counting(compiled.compiled_step, calls)
+    outs = []
+    with torch.inference_mode():
+        for m in (eager, compiled):
+            cache = m.new_cache(1, 40)
+            prefill(m, _prompts([7], seed=4), cache)
+            pos = cache.lengths[:, None] + depth[None]  # (1, N)
+            outs.append(m(tree_ids, pos, cache, block_mask=block).logits)
+    assert _rel(outs[1], outs[0]) <= 1e-5
+    assert calls[-1] == (1, 12)  # the tree at its own size (the 7-token prefill took the 8-token program)
 
 
 def test_compiled_steps_return_the_eager_hidden_states():
