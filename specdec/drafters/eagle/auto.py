@@ -29,7 +29,9 @@ def measure_eagle_trees(target, head: Eagle3Head, rows: list[torch.Tensor], size
     """(plain step seconds on rows[0], one specdec.drafters.tree_cost.TreeCost per size: `nodes` the tree's
     total_tokens, `heads_s` the head's drafting, `expected_tau` the measured tokens per step), each
     size decoding `tokens` tokens of every prompt of `rows` (1-D ids), the fastest of `repeats`,
-    after a warm-up. Sizes larger than a tree of this depth and top_k can hold are left out."""
+    each after a warm-up of its own (on a compiled target the first steps of a tree size build its
+    program, minutes on a CPU, which the timing must not see). Sizes larger than a tree of this
+    depth and top_k can hold are left out."""
     most = EagleTreeConfig(depth, top_k, 1).candidates
     fits = sorted({n for n in sizes if n <= most})
     if not fits or fits[0] < 1:
@@ -37,12 +39,12 @@ def measure_eagle_trees(target, head: Eagle3Head, rows: list[torch.Tensor], size
                          f"top_k-{top_k} tree), got {sizes}")
     if not rows or tokens < 2 or repeats < 1:
         raise ValueError(f"need prompts, tokens >= 2 and repeats >= 1, got {len(rows)} prompts, {tokens} and {repeats}")
-    decode_cost(target, rows[:1], 4, EagleDrafter(head, target, EagleTreeConfig(depth, top_k, fits[-1])))  # warm-up
-    step_seconds(target, rows[0], 4)
+    step_seconds(target, rows[0], 4)  # warm-up
     plain = min(step_seconds(target, rows[0], tokens)[0] for _ in range(repeats))
     out = []
     for n in fits:
         drafter = EagleDrafter(head, target, EagleTreeConfig(depth, top_k, n))
+        decode_cost(target, rows[:1], 4, drafter)  # warm-up: a compiled target builds this size's program here
         step, in_head, tau = min(decode_cost(target, rows, tokens, drafter) for _ in range(repeats))
         out.append(TreeCost(nodes=n, step_s=step, heads_s=in_head, vs_plain=step / plain, expected_tau=tau,
                             expected_speedup=tau * plain / step))

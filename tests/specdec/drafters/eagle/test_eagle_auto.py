@@ -34,6 +34,23 @@ def test_auto_times_every_size_and_picks_the_highest_expected_speed(deep):
     assert torch.equal(out.sequences[0], specdec.generate(deep, rows[:1], max_new_tokens=12).sequences[0])
 
 
+def test_each_size_is_warmed_up_before_it_is_timed(deep, monkeypatch):
+    """On a compiled target a tree size's first steps build its program: every size decodes a few
+    untimed tokens before its timed run, so the build never counts as its step cost."""
+    from specdec.drafters.eagle import auto
+
+    calls = []
+
+    def recording(model, rows, tokens, draft=None, num_draft_tokens=5):
+        calls.append((None if draft is None else draft.tree.total_tokens, tokens))
+        return decode_cost(model, rows, tokens, draft, num_draft_tokens)
+
+    monkeypatch.setattr(auto, "decode_cost", recording)
+    auto.measure_eagle_trees(deep, random_head(deep), prompts(1, seed=6), sizes=(2, 8), depth=3, top_k=4, tokens=6)
+    drafted = [c for c in calls if c[0] is not None]
+    assert drafted == [(2, 4), (2, 6), (8, 4), (8, 6)]
+
+
 def test_a_sizes_tau_is_measured_on_its_own_decoding(deep):
     """Tokens per step after the prefill, over every prompt, from each size's own run."""
     head = random_head(deep)
