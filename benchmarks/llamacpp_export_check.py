@@ -30,6 +30,7 @@ from quant.gguf_export import export_gguf
 from runtime.atomic import atomic_write_text
 from runtime.hardware import cpu_summary
 from specdec.evaluation.evaluate import EvalConfig, command_line, read_generations, run_eval
+from specdec.evaluation.llamacpp import build_options
 
 TOLERANCE = 0.10  # the bound on |llama.cpp / specdec - 1| for an EAGLE-3 head's acceptance
 
@@ -74,11 +75,16 @@ def compare(records: list[dict], ours: str, theirs: str) -> dict:
             "tau_ratio": b["tau"] / a["tau"] if a.get("tau") else None}
 
 
+def _options(options: dict[str, str]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in options.items()) or "unknown options (no CMakeCache.txt)"
+
+
 def markdown(result: dict) -> str:
     lines = [f"# llama.cpp runs specdec's exports ({result['date']})", "",
              f"Target `{result['target']}`, {result['dataset']} x {result['limit']}, greedy, "
              f"{result['max_new_tokens']} new tokens, {result['dtype']} here, GGUF float tensors "
-             f"{result['dense_type']}; CPU: {result['cpu']}.", "",
+             f"{result['dense_type']}; CPU: {result['cpu']}; llama.cpp built with "
+             f"{_options(result.get('llamacpp_build', {}))}.", "",
              f"Command: `{result['command']}`", "",
              "| drafter | engine | method | acceptance | tau | speculative == plain | acceptance ratio | tau ratio |",
              "|---|---|---|---:|---:|---:|---:|---:|"]
@@ -128,7 +134,7 @@ def main() -> int:
     cpu = cpu_summary()
     result = {"date": date.today().isoformat(), "target": args.target, "dataset": args.dataset, "limit": args.limit,
               "max_new_tokens": args.max_new_tokens, "dtype": args.dtype, "k": k,
-              "dense_type": args.dense_type,
+              "dense_type": args.dense_type, "llamacpp_build": build_options(),
               "cpu": "{model}, {cores} cores, {flags}".format(**{**cpu, "flags": " ".join(cpu["flags"])}),
               "command": "python benchmarks/llamacpp_export_check.py " + " ".join(sys.argv[1:]),
               "comparisons": {name: compare(records, ours, theirs) for name, (ours, theirs) in pairs.items()}}

@@ -10,6 +10,13 @@ llamacpp` builds it from the source that the llama-cpp-python sdist on the packa
 into `$SPECDEC_HOME/llama.cpp/build/bin` (or set SPECDEC_LLAMACPP to a directory holding
 `llama-server`); without it these methods are refused with that hint.
 
+That build runs ggml's llamafile GEMMs (tinyBLAS) for forwards of 2+ tokens and its own dot
+products for one token, so a token's logits depend on the forward's size and llama.cpp's
+speculative output leaves its plain output at near-ties. `make llamacpp-invariant` builds without
+them (`-DGGML_LLAMAFILE=OFF`, into `build-invariant/bin`: point SPECDEC_LLAMACPP there), where its
+speculative output equals its plain output (BENCHMARKS.md section 10); `build_options()` says which
+build runs.
+
 On CPUs with AMX the server runs with weight repacking off (`--no-repack`): ggml's AMX path
 crashes at the first forward on the 2-core Xeon VMs this was built on; elsewhere llama.cpp
 keeps its repacked (faster) layouts.
@@ -42,6 +49,21 @@ def bin_dir() -> Path:
 
     env = os.environ.get("SPECDEC_LLAMACPP")
     return Path(env).expanduser() if env else cache_home() / "llama.cpp" / "build" / "bin"
+
+
+def build_options(names: tuple[str, ...] = ("GGML_LLAMAFILE", "GGML_NATIVE")) -> dict[str, str]:
+    """The cmake options of the llama.cpp build in `bin_dir()` (its CMakeCache.txt), those of `names`
+    that were set; {} where the build left no cache (a binary copied from elsewhere)."""
+    cache = bin_dir().parent / "CMakeCache.txt"
+    if not cache.is_file():
+        return {}
+    found = {}
+    for line in cache.read_text(errors="replace").splitlines():
+        key, _, value = line.partition("=")
+        name = key.split(":", 1)[0]
+        if name in names:
+            found[name] = value
+    return found
 
 
 def server_binary() -> Path:

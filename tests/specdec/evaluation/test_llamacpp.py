@@ -56,6 +56,17 @@ def test_a_missing_build_is_refused_with_the_command_that_builds_it(tmp_path, mo
     assert not (tmp_path / "run").exists()  # refused before anything was written
 
 
+def test_build_options_come_from_the_builds_cmake_cache(tmp_path, monkeypatch):
+    """The check reports how llama.cpp was built (GGML_LLAMAFILE decides whether its batched forwards
+    round like its one-token ones); a build without a CMake cache reports nothing."""
+    (tmp_path / "bin").mkdir()
+    monkeypatch.setenv("SPECDEC_LLAMACPP", str(tmp_path / "bin"))
+    assert llamacpp.build_options() == {}
+    (tmp_path / "CMakeCache.txt").write_text("# comment\n//ggml: use LLAMAFILE\nGGML_LLAMAFILE:BOOL=OFF\n"
+                                             "GGML_NATIVE:BOOL=ON\nGGML_LLAMAFILE_EXTRA:BOOL=1\n")
+    assert llamacpp.build_options() == {"GGML_LLAMAFILE": "OFF", "GGML_NATIVE": "ON"}
+
+
 def test_speculative_timings_become_acceptance_stats():
     assert stats_from_timings({"predicted_n": 10}, 10, 1.0) is None  # plain decoding drafts nothing
     stats = AcceptanceStats.from_dict(stats_from_timings({"draft_n": 12, "draft_n_accepted": 9}, 20, 2.0))
