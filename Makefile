@@ -38,6 +38,6 @@ llamacpp:
 
 # llama.cpp without its llamafile GEMMs (tinyBLAS), which it runs for forwards of 2+ tokens only: its
 # speculative output then equals its plain output (benchmarks/llamacpp_export_check.py with
-# SPECDEC_LLAMACPP=$(LLAMACPP_HOME)/build-invariant/bin); slower prefill, so not the speed baseline.
+# SPECDEC_LLAMACPP=$(LLAMACPP_HOME)/build-invariant/bin); the speed baseline stays the default build.
 llamacpp-invariant:
 	$(MAKE) llamacpp LLAMACPP_BUILD=build-invariant LLAMACPP_FLAGS=-DGGML_LLAMAFILE=OFF
