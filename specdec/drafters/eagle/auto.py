@@ -29,9 +29,10 @@ def measure_eagle_trees(target, head: Eagle3Head, rows: list[torch.Tensor], size
     """(plain step seconds on rows[0], one specdec.drafters.tree_cost.TreeCost per size: `nodes` the tree's
     total_tokens, `heads_s` the head's drafting, `expected_tau` the measured tokens per step), each
     size decoding `tokens` tokens of every prompt of `rows` (1-D ids), the fastest of `repeats`,
-    each after a warm-up of its own (on a compiled target the first steps of a tree size build its
-    program, minutes on a CPU, which the timing must not see). Sizes larger than a tree of this
-    depth and top_k can hold are left out."""
+    each after a warm-up of its own: on a compiled target the whole timed decoding once (its first
+    steps of a tree size build programs, minutes on a CPU, and which shapes a size meets depends on
+    its drafts), else a few tokens. Sizes larger than a tree of this depth and top_k can hold are
+    left out."""
     most = EagleTreeConfig(depth, top_k, 1).candidates
     fits = sorted({n for n in sizes if n <= most})
     if not fits or fits[0] < 1:
@@ -44,7 +45,12 @@ def measure_eagle_trees(target, head: Eagle3Head, rows: list[torch.Tensor], size
     out = []
     for n in fits:
         drafter = EagleDrafter(head, target, EagleTreeConfig(depth, top_k, n))
-        decode_cost(target, rows[:1], 4, drafter)  # warm-up: a compiled target builds this size's program here
+        # warm-up. A compiled target builds a program per step shape the first time it meets it, which the
+        # timing must not see: run the timed decoding once untimed (greedy, so the same drafts and shapes)
+        if getattr(target, "compiled", False):
+            decode_cost(target, rows, tokens, drafter)
+        else:
+            decode_cost(target, rows[:1], 4, drafter)
         step, in_head, tau = min(decode_cost(target, rows, tokens, drafter) for _ in range(repeats))
         out.append(TreeCost(nodes=n, step_s=step, heads_s=in_head, vs_plain=step / plain, expected_tau=tau,
                             expected_speedup=tau * plain / step))

@@ -35,8 +35,9 @@ def test_auto_times_every_size_and_picks_the_highest_expected_speed(deep):
 
 
 def test_each_size_is_warmed_up_before_it_is_timed(deep, monkeypatch):
-    """On a compiled target a tree size's first steps build its program: every size decodes a few
-    untimed tokens before its timed run, so the build never counts as its step cost."""
+    """On a compiled target a tree size's first steps build its programs: every size decodes untimed
+    before its timed run (a few tokens eagerly, the whole run compiled), so no build counts as its
+    step cost."""
     from specdec.drafters.eagle import auto
 
     calls = []
@@ -46,9 +47,16 @@ def test_each_size_is_warmed_up_before_it_is_timed(deep, monkeypatch):
         return decode_cost(model, rows, tokens, draft, num_draft_tokens)
 
     monkeypatch.setattr(auto, "decode_cost", recording)
-    auto.measure_eagle_trees(deep, random_head(deep), prompts(1, seed=6), sizes=(2, 8), depth=3, top_k=4, tokens=6)
-    drafted = [c for c in calls if c[0] is not None]
-    assert drafted == [(2, 4), (2, 6), (8, 4), (8, 6)]
+    head, rows = random_head(deep), prompts(1, seed=6)
+    auto.measure_eagle_trees(deep, head, rows, sizes=(2, 8), depth=3, top_k=4, tokens=6)
+    assert [c for c in calls if c[0] is not None] == [(2, 4), (2, 6), (8, 4), (8, 6)]
+    # a compiled target (here its uncompiled static step: the same routing, no build) repeats the timed run untimed,
+    # because which step shapes (chain or tree, padded size) a size meets depends on its drafts
+    calls.clear()
+    compiled = tiny_model("llama", seed=5, vocab_size=V, num_hidden_layers=6)
+    compiled.compiled_step = compiled.static_step
+    auto.measure_eagle_trees(compiled, head, rows, sizes=(2, 8), depth=3, top_k=4, tokens=6)
+    assert [c for c in calls if c[0] is not None] == [(2, 6), (2, 6), (8, 6), (8, 6)]
 
 
 def test_a_sizes_tau_is_measured_on_its_own_decoding(deep):
