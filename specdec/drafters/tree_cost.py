@@ -55,6 +55,17 @@ def decode_cost(model: torch.nn.Module, rows: list[torch.Tensor], tokens: int,
     return wall / steps, drafting / steps, new / steps
 
 
+def warm_up(model: torch.nn.Module, rows: list[torch.Tensor], tokens: int, draft=None) -> None:
+    """Decode untimed before timing `decode_cost(model, rows, tokens, draft)`. A compiled model builds a
+    program the first time it meets a step shape (minutes on a CPU), and which shapes a tree size
+    meets depends on its drafts (a chain runs without a block mask): it runs that whole decoding once
+    (greedy, so the same drafts and shapes). An eager model decodes a few tokens of the first row."""
+    if getattr(model, "compiled", False):
+        decode_cost(model, rows, tokens, draft)
+    else:
+        decode_cost(model, rows[:1], 4, draft)
+
+
 def step_seconds(model: torch.nn.Module, row: torch.Tensor, tokens: int,
                  heads: MedusaHeads | None = None) -> tuple[float, float]:
     """(seconds per decoding step after the prefill, seconds of it in the heads) over `tokens`
@@ -66,7 +77,7 @@ def measure_trees(model: torch.nn.Module, heads: MedusaHeads, row: torch.Tensor,
                   accuracy: list[list[float]], tokens: int = 24,
                   repeats: int = 2) -> tuple[float, list[TreeCost]]:
     """(plain step seconds, one TreeCost per size): the fastest of `repeats` timings of `tokens`
-    tokens each, after a warm-up. Leaves the heads on their last tree: set the one you want."""
+    tokens each, each size after its `warm_up`. Leaves the heads on their last tree: set the one you want."""
     if not sizes or min(sizes) < 1:
         raise ValueError(f"tree sizes must be >= 1 node, got {sizes}")
     if tokens < 2 or repeats < 1:
@@ -77,6 +88,7 @@ def measure_trees(model: torch.nn.Module, heads: MedusaHeads, row: torch.Tensor,
     for n in sizes:
         tree = build_tree(accuracy, n)
         heads.set_tree(tree)
+        warm_up(model, [row], tokens, heads)
         step, in_heads = min(step_seconds(model, row, tokens, heads) for _ in range(repeats))
         tau = 1 + expected_length(tree, accuracy)
         out.append(TreeCost(nodes=n, step_s=step, heads_s=in_heads, vs_plain=step / plain, expected_tau=tau,

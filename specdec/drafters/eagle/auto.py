@@ -18,7 +18,7 @@ import torch
 
 from specdec.drafters.eagle.drafter import EagleDrafter, EagleTreeConfig
 from specdec.drafters.eagle.head import Eagle3Head
-from specdec.drafters.tree_cost import TreeCost, best_tree, cost_report, decode_cost, step_seconds
+from specdec.drafters.tree_cost import TreeCost, best_tree, cost_report, decode_cost, step_seconds, warm_up
 
 SIZES = (2, 4, 8, 12, 16, 24, 32, 48, 64)  # tree nodes tried by auto (those a depth x top_k tree can hold)
 
@@ -29,10 +29,9 @@ def measure_eagle_trees(target, head: Eagle3Head, rows: list[torch.Tensor], size
     """(plain step seconds on rows[0], one specdec.drafters.tree_cost.TreeCost per size: `nodes` the tree's
     total_tokens, `heads_s` the head's drafting, `expected_tau` the measured tokens per step), each
     size decoding `tokens` tokens of every prompt of `rows` (1-D ids), the fastest of `repeats`,
-    each after a warm-up of its own: on a compiled target the whole timed decoding once (its first
-    steps of a tree size build programs, minutes on a CPU, and which shapes a size meets depends on
-    its drafts), else a few tokens. Sizes larger than a tree of this depth and top_k can hold are
-    left out."""
+    each after its `specdec.drafters.tree_cost.warm_up` (a compiled target builds a program per step
+    shape the first time it meets one). Sizes larger than a tree of this depth and top_k can hold
+    are left out."""
     most = EagleTreeConfig(depth, top_k, 1).candidates
     fits = sorted({n for n in sizes if n <= most})
     if not fits or fits[0] < 1:
@@ -45,12 +44,7 @@ def measure_eagle_trees(target, head: Eagle3Head, rows: list[torch.Tensor], size
     out = []
     for n in fits:
         drafter = EagleDrafter(head, target, EagleTreeConfig(depth, top_k, n))
-        # warm-up. A compiled target builds a program per step shape the first time it meets it, which the
-        # timing must not see: run the timed decoding once untimed (greedy, so the same drafts and shapes)
-        if getattr(target, "compiled", False):
-            decode_cost(target, rows, tokens, drafter)
-        else:
-            decode_cost(target, rows[:1], 4, drafter)
+        warm_up(target, rows, tokens, drafter)
         step, in_head, tau = min(decode_cost(target, rows, tokens, drafter) for _ in range(repeats))
         out.append(TreeCost(nodes=n, step_s=step, heads_s=in_head, vs_plain=step / plain, expected_tau=tau,
                             expected_speedup=tau * plain / step))

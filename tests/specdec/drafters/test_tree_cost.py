@@ -34,6 +34,32 @@ def test_measure_trees_times_each_size_and_scores_it_from_the_accuracy_table(mod
     assert len(heads.tree.paths) == 4  # left on the last size measured
 
 
+def test_each_medusa_tree_is_warmed_up_before_it_is_timed(model, monkeypatch):
+    """tree_cost.warm_up runs before each size's timing: a few tokens eagerly, the whole timed
+    decoding on a compiled model (here its uncompiled static step: the same routing, no build), so a
+    program build never counts as a tree's step cost, even with repeats=1."""
+    from specdec.drafters import tree_cost
+
+    calls = []
+    original = tree_cost.decode_cost
+
+    def recording(m, rows, tokens, draft=None, num_draft_tokens=5):
+        calls.append((draft is not None, tokens))
+        return original(m, rows, tokens, draft, num_draft_tokens)
+
+    monkeypatch.setattr(tree_cost, "decode_cost", recording)
+    heads = distill.attach_medusa(model, num_heads=3)
+    measure_trees(model, heads, torch.arange(3, 11), [1, 4], TABLE, tokens=6, repeats=1)
+    assert [c for c in calls if c[0]] == [(True, 4), (True, 6), (True, 4), (True, 6)]
+    calls.clear()
+    model.compiled_step = model.static_step
+    try:
+        measure_trees(model, heads, torch.arange(3, 11), [1, 4], TABLE, tokens=6, repeats=1)
+    finally:
+        model.compiled_step = None
+    assert [c for c in calls if c[0]] == [(True, 6), (True, 6), (True, 6), (True, 6)]
+
+
 def test_measure_trees_rejects_impossible_sizes(model):
     heads = distill.attach_medusa(model, num_heads=3)
     with pytest.raises(ValueError, match="tree sizes must be >= 1"):

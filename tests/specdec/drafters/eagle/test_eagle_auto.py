@@ -38,6 +38,7 @@ def test_each_size_is_warmed_up_before_it_is_timed(deep, monkeypatch):
     """On a compiled target a tree size's first steps build its programs: every size decodes untimed
     before its timed run (a few tokens eagerly, the whole run compiled), so no build counts as its
     step cost."""
+    from specdec.drafters import tree_cost
     from specdec.drafters.eagle import auto
 
     calls = []
@@ -47,6 +48,7 @@ def test_each_size_is_warmed_up_before_it_is_timed(deep, monkeypatch):
         return decode_cost(model, rows, tokens, draft, num_draft_tokens)
 
     monkeypatch.setattr(auto, "decode_cost", recording)
+    monkeypatch.setattr(tree_cost, "decode_cost", recording)  # the warm-ups (tree_cost.warm_up)
     head, rows = random_head(deep), prompts(1, seed=6)
     auto.measure_eagle_trees(deep, head, rows, sizes=(2, 8), depth=3, top_k=4, tokens=6)
     assert [c for c in calls if c[0] is not None] == [(2, 4), (2, 6), (8, 4), (8, 6)]
