@@ -218,7 +218,8 @@ class DecodeLoop:
                 auto.observe(len(path) * tuned, int(valid[b].sum()) * tuned, tree.num_nodes + 1, target_s)
         _keep_paths(cache, start_len, verdict, active)
         if drafter is not None:
-            drafter.commit(Accepted(state.sequences(), verdict.paths, self._told(hid, aux)))
+            drafter.commit(Accepted(state.sequences(), verdict.paths, self._told(hid, aux), block=tree.num_nodes + 1,
+                                    target_s=target_s))
         self.pending = verdict.next_tokens
         stats.verify_s += time.perf_counter() - t_verify
         return emitted

@@ -163,11 +163,19 @@ class Accepted:
         next root is hidden[b, 1 + paths[b][-1]] (hidden[b, 0] when the path is empty). For a
         drafter with `hidden_layers`, the states entering those target layers instead
         (B, 1 + N, len(hidden_layers) * C), from the same verification forward.
+    block: the rows that verification scored per row (1 + N; 0 when not told).
+    target_s: the seconds the target's forward and the verification took (0.0 when not told): what
+        a drafter that sizes its proposals by cost learns from (`specdec.drafters.cut.BlockCosts`).
+    verified: per row, whether this drafter's proposal is the one that was verified (a composite
+        verifies one member's per row and tells each member so); None: every row's was.
     """
 
     seqs: list[torch.Tensor]
     paths: list[list[int]]
     hidden: torch.Tensor | None = None
+    block: int = 0
+    target_s: float = 0.0
+    verified: list[bool] | None = None
 
     def last_hidden(self) -> torch.Tensor:
         """(B, C): per row, the hidden state that chose the next root."""

@@ -21,6 +21,7 @@ a longer prompt in one call says nothing of the next's.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -181,7 +182,8 @@ class CompositeDrafter(DrafterGroup):
         return DraftTree(tokens, parents, lens, q, scores, tuned)
 
     def commit(self, accepted: Accepted) -> None:
-        super().commit(accepted)
+        for i, d in enumerate(self.drafters):  # each member told which rows verified its proposal
+            d.commit(dataclasses.replace(accepted, verified=[c == i for c in self.chosen]))
         for b, c in enumerate(self.chosen):
             if c >= 0:
                 self.records[c].observe(self.raw[b], len(accepted.paths[b]))

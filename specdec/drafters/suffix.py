@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.drafter import Drafter, DraftTree
+from specdec.drafter import Accepted, Drafter, DraftTree
+from specdec.drafters.cut import BlockCosts, NodeCalibration, best_cut
 from specdec.drafters.suffix_tree import Speculation, SuffixTrie, TrieNode
 
 DEFAULT_CACHE_TOKENS = 1 << 16  # response tokens the shared cache keeps (nodes <= tokens * depth)
@@ -31,13 +32,16 @@ class SuffixConfig:
     """depth: tokens per trie path (match + continuation, vLLM's max_tree_depth); max_nodes: the
     most nodes a step drafts (the spec's @N; 7 fits the compiled 8-token verification program);
     max_factor: nodes per matched token; min_prob: the least path probability a node may have;
-    cache_tokens: the shared cache's bound when this drafter makes its own (0: no shared cache)."""
+    cache_tokens: the shared cache's bound when this drafter makes its own (0: no shared cache);
+    cut: cut each tree to its best nodes by expected tokens per second of verification, once two
+    block sizes were timed (`specdec.drafters.cut`); False verifies every node the size rule allows."""
 
     depth: int = 24
     max_nodes: int = 7
     max_factor: float = 1.0
     min_prob: float = 0.1
     cache_tokens: int = DEFAULT_CACHE_TOKENS
+    cut: bool = True
 
     def __post_init__(self) -> None:
         for name, low in (("depth", 2), ("max_nodes", 1), ("cache_tokens", 0)):
@@ -48,6 +52,8 @@ class SuffixConfig:
             raise ValueError(f"SuffixConfig.max_factor must be > 0, got {self.max_factor!r}")
         if not 0 <= self.min_prob < 1:
             raise ValueError(f"SuffixConfig.min_prob must be in [0, 1), got {self.min_prob!r}")
+        if not isinstance(self.cut, bool):
+            raise ValueError(f"SuffixConfig.cut must be True or False, got {self.cut!r}")
 
 
 class SuffixCache:
@@ -156,6 +162,9 @@ class SuffixDrafter(Drafter):
             raise ValueError(f"the suffix cache has depth {cache.depth} but the drafter's config {self.config.depth}")
         self.cache = cache
         self.rows: list[_Row | None] = []
+        self.costs = BlockCosts()  # this machine's verification seconds by block size
+        self.calibration = NodeCalibration()  # how often nodes are accepted, by their path probability
+        self.proposed: dict[int, list[float]] = {}  # row -> its last proposal's path probabilities
 
     def max_nodes(self, k: int) -> int:
         return self.config.max_nodes
@@ -202,15 +211,27 @@ class SuffixDrafter(Drafter):
         parents = (torch.arange(n) - 1)[None].repeat(B, 1)  # (B, N): padding nodes form a chain
         scores = torch.zeros(B, n)  # (B, N)
         lens = torch.zeros(B, dtype=torch.long)  # (B,)
+        cut = self.config.cut and self.costs.known()
+        self.proposed = {}
         for b in rows:
             spec = self.speculate(b, seqs[b])
-            m = len(spec.tokens)
+            m = best_cut([self.calibration.value(p) for p in spec.probs], self.costs) if cut else len(spec.tokens)
             if m:
-                tokens[b, :m] = torch.tensor(spec.tokens)
-                parents[b, :m] = torch.tensor(spec.parents)
-                scores[b, :m] = torch.tensor(spec.probs)
+                self.proposed[b] = list(spec.probs[:m])
+                tokens[b, :m] = torch.tensor(spec.tokens[:m])
+                parents[b, :m] = torch.tensor(spec.parents[:m])
+                scores[b, :m] = torch.tensor(spec.probs[:m])
                 lens[b] = m
         return DraftTree(tokens, parents, lens, scores=scores)
+
+    def commit(self, accepted: Accepted) -> None:
+        """Learn the verification's cost by block size and how much of the verified trees was accepted."""
+        if accepted.target_s > 0:
+            self.costs.observe(accepted.block, accepted.target_s)
+        for b, probs in self.proposed.items():
+            if accepted.verified is None or accepted.verified[b]:
+                kept = set(accepted.paths[b])
+                self.calibration.observe(probs, [i in kept for i in range(len(probs))])
 
 
 def from_spec(spec, target, loader) -> SuffixDrafter:

@@ -21,6 +21,10 @@ class Fixed(Drafter):
                  adaptive: bool = False) -> None:
         self.name, self.tokens, self.scores, self.cost, self.adaptive = name, tokens, scores, cost, adaptive
         self.asked: list[list[int]] = []
+        self.verified: list[list[bool] | None] = []  # what each commit told it
+
+    def commit(self, accepted):
+        self.verified.append(accepted.verified)
 
     def propose(self, seqs, k, rows):
         self.asked.append(list(rows))
@@ -78,6 +82,16 @@ def test_each_row_verifies_the_proposal_with_the_most_expected_tokens():
     assert tree.tokens[:, :2].tolist() == [[9, 10], [9, 10]] and tree.lens.tolist() == [2, 2]
     assert comp.chosen == [1, 1] and tree.scores[0, :2].tolist() == pytest.approx([0.95, 0.9])
     assert tree.tuned.tolist() == [False, False]  # fixed-size members: auto learns nothing from them
+
+
+def test_each_member_is_told_which_rows_verified_its_proposal():
+    long = Fixed("long", [5, 6, 7, 8], [0.9, 0.3, 0.1, 0.05])
+    sure = Fixed("sure", [9, 10], [0.95, 0.9])
+    comp = CompositeDrafter([long, sure])
+    seqs = [torch.tensor([1, 2])] * 2
+    comp.propose(seqs, 4, [0])  # row 1 is not asked: no member's proposal is verified there
+    comp.commit(Accepted(seqs, [[0], []]))
+    assert comp.chosen == [1, -1] and long.verified == [[False, False]] and sure.verified == [[True, False]]
 
 
 def test_calibration_turns_away_from_a_member_whose_drafts_are_rejected():

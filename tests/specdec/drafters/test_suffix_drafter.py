@@ -5,13 +5,16 @@ import pytest
 import torch
 
 import specdec
+from specdec.drafter import Accepted
+from specdec.drafters.cut import BlockCosts
 from specdec.drafters.suffix import SuffixCache, SuffixConfig, SuffixDrafter, shared_cache
 from specdec.drafters.suffix_tree import SuffixTrie
 from tests.specdec.test_decode import _rows, _same, assert_two_token_law
 
 
 def _drafter(cache_tokens: int = 4096, **config) -> SuffixDrafter:
-    config = SuffixConfig(**config)
+    """The size rule alone by default (cut=False): a cut follows measured timings, so proposals would vary."""
+    config = SuffixConfig(**{"cut": False, **config})
     return SuffixDrafter(config, cache=SuffixCache(cache_tokens, config.depth))
 
 
@@ -52,7 +55,7 @@ def test_the_shared_cache_raises_acceptance_on_a_repeated_workload(target):
     first = specdec.generate(target, rows, draft=drafter, max_new_tokens=40).stats
     second = specdec.generate(target, rows, draft=drafter, max_new_tokens=40).stats
     assert second.mean_accepted_tokens > 1.3 * first.mean_accepted_tokens
-    without = SuffixDrafter(SuffixConfig(cache_tokens=0))
+    without = SuffixDrafter(SuffixConfig(cache_tokens=0, cut=False))
     assert without.cache is None
     again = [specdec.generate(target, rows, draft=without, max_new_tokens=40).stats for _ in range(2)]
     assert again[0].mean_accepted_tokens == again[1].mean_accepted_tokens  # nothing carried over
@@ -98,3 +101,40 @@ def test_drafters_made_from_a_spec_share_the_process_cache(target):
         SuffixDrafter(SuffixConfig(depth=8), cache=SuffixCache(10, depth=6))
     with pytest.raises(ValueError, match="min_prob"):
         SuffixConfig(min_prob=1.0)
+
+
+def _timed(table: dict[int, float]) -> BlockCosts:
+    costs = BlockCosts()
+    for block, seconds in table.items():
+        costs.observe(block, seconds)
+    return costs
+
+
+def test_the_cut_verifies_only_the_nodes_that_pay_on_the_measured_costs():
+    prompt = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8] * 3)
+    seq = torch.cat([prompt, torch.tensor([1, 2, 3])])
+    lens = {}
+    for name, table in (("uncut", None), ("free rows", {1: 1.0, 8: 1.0}), ("costly rows", {1: 1.0, 2: 1.05, 8: 10.0})):
+        drafter = SuffixDrafter(SuffixConfig(max_factor=4.0, cut=table is not None), cache=None)
+        if table:
+            drafter.costs = _timed(table)
+        drafter.begin([prompt], 64, None)
+        tree = drafter.propose([seq], 7, [0])
+        lens[name] = int(tree.lens[0])
+        assert tree.tokens[0, :lens[name]].tolist() == [4, 5, 6, 7, 8, 1, 2][:lens[name]]
+    assert lens == {"uncut": 7, "free rows": 7, "costly rows": 1}
+    # what was verified teaches the calibration; a row whose proposal another member's replaced does not
+    drafter.commit(Accepted([seq], [[]], block=2, target_s=1.05, verified=[False]))
+    assert drafter.calibration.value(1.0) == pytest.approx(0.95)  # the prior of its bin
+    drafter.commit(Accepted([seq], [[]], block=2, target_s=1.05))
+    assert drafter.calibration.value(1.0) == pytest.approx(0.95 * 2 * 0.98 / (2 * 0.98 + 1))  # its node rejected
+
+
+def test_a_cutting_drafter_learns_the_costs_from_the_loop_and_stays_lossless(target):
+    rows = _rows(seed=5, lengths=(3, 12, 6, 1))
+    plain = specdec.generate(target, rows, max_new_tokens=30).sequences
+    drafter = SuffixDrafter(SuffixConfig(max_factor=4.0), cache=SuffixCache(4096))
+    assert drafter.config.cut and not drafter.costs.known()
+    for _ in range(2):
+        assert _same(specdec.generate(target, rows, draft=drafter, max_new_tokens=30).sequences, plain)
+    assert drafter.costs.known()  # timed by the decode loop, block size by block size

@@ -1,0 +1,107 @@
+"""Cut a proposal to the part worth verifying: expected tokens per second of verification.
+
+Where verification rows are not free (a CPU's four-bit target: 8 rows cost about twice one row,
+BENCHMARKS.md section 9), a drafter that proposes every node its matches allow pays for rows that
+are rarely accepted. A proposal's nodes listed best first (parents before children) have
+prefixes that are trees themselves; the prefix of n nodes emits 1 + (expected accepted of its
+nodes) tokens for one verification of n + 1 rows, so the rule keeps the n (0 = a plain step)
+that maximises
+
+    (1 + sum of the first n nodes' measured acceptance) / cost(n + 1)
+
+with cost(r) the measured seconds of verifying r rows on this machine (`BlockCosts`, fed by the
+decode loop through `Accepted.block` / `Accepted.target_s`) and a node's acceptance measured for
+its drafter by the node's own path probability (`NodeCalibration`). In a batch the block is the
+largest row's; each row is cut as if alone.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+
+SAMPLES = 8  # verification timings kept per block size (their median is its cost)
+OUTLIER = 20.0  # a timing above this many times the cheapest block's cost is a compile, not a step
+
+
+class BlockCosts:
+    """Seconds of one verification by its block size (rows scored), measured as decoding goes: the
+    median of the last SAMPLES timings per size; a size not measured yet is interpolated linearly
+    between the measured sizes around it (past the largest, extended by the last two)."""
+
+    def __init__(self) -> None:
+        self._times: dict[int, deque[float]] = {}
+
+    def observe(self, block: int, seconds: float) -> None:
+        """One verification of `block` rows that took `seconds` (ignored: a first step's compile)."""
+        if block < 1 or seconds <= 0:
+            return
+        if self._times and seconds > OUTLIER * min(self.cost(b) for b in self._times):
+            return
+        self._times.setdefault(block, deque(maxlen=SAMPLES)).append(seconds)
+
+    def known(self) -> bool:
+        """Whether two block sizes were measured (what a cut needs to compare sizes)."""
+        return len(self._times) >= 2
+
+    def cost(self, block: int) -> float:
+        """Estimated seconds of verifying `block` rows (needs one measured size)."""
+        if not self._times:
+            raise ValueError("no verification was timed yet")
+        if block in self._times:
+            return statistics.median(self._times[block])
+        sizes = sorted(self._times)
+        below = [s for s in sizes if s < block]
+        above = [s for s in sizes if s > block]
+        if below and above:
+            lo, hi = below[-1], above[0]
+        elif above:  # smaller than any measured size: no cheaper than the smallest
+            return self.cost(above[0])
+        elif len(below) >= 2:
+            lo, hi = below[-2], below[-1]
+        else:
+            return self.cost(below[-1])
+        c_lo, c_hi = self.cost(lo), self.cost(hi)
+        return max(c_lo + (c_hi - c_lo) * (block - lo) / (hi - lo), min(c_lo, c_hi))
+
+
+class NodeCalibration:
+    """How often a drafter's nodes are accepted, by the drafter's own probability for them: decayed
+    accepted / verified counts in `bins` equal bins of [0, 1], each starting at its midpoint (a weak
+    prior of `prior` nodes). A frequency is not a probability: a suffix path seen once has
+    probability 1 but is accepted about 3 times in 4, and one of 0.4 about 1 in 6 (BENCHMARKS.md
+    section 9); one ratio for all nodes over-values the weak ones, so each bin is valued at what its
+    nodes are measured to bring."""
+
+    def __init__(self, bins: int = 10, prior: float = 2.0, decay: float = 0.98) -> None:
+        self.bins, self.decay = bins, decay
+        self.accepted = [(b + 0.5) / bins * prior for b in range(bins)]
+        self.verified = [prior] * bins
+
+    def _bin(self, p: float) -> int:
+        return min(max(int(p * self.bins), 0), self.bins - 1)
+
+    def value(self, p: float) -> float:
+        """The measured acceptance of nodes of probability p."""
+        b = self._bin(p)
+        return self.accepted[b] / self.verified[b]
+
+    def observe(self, probs: list[float], accepted: list[bool]) -> None:
+        """Nodes verified in one step: their probabilities and whether each was accepted."""
+        for p, ok in zip(probs, accepted):
+            b = self._bin(p)
+            self.accepted[b] = self.decay * self.accepted[b] + ok
+            self.verified[b] = self.decay * self.verified[b] + 1
+
+
+def best_cut(values: list[float], costs: BlockCosts) -> int:
+    """How many of a proposal's first nodes (best first; `values`: each one's chance of acceptance) to
+    verify: the n in 0..len(values) with the most expected tokens per second, 0 when a plain step
+    beats every cut."""
+    best, best_rate, expected = 0, 1.0 / costs.cost(1), 0.0
+    for n, v in enumerate(values, 1):
+        expected += v
+        rate = (1 + expected) / costs.cost(n + 1)
+        if rate > best_rate:
+            best, best_rate = n, rate
+    return best
