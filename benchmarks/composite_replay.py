@@ -112,22 +112,21 @@ def below(probs: list[float], p: float) -> list[int]:
     return stop[:-1]
 
 
-def plain_pass(target, draft, tok, prompts, max_new: int, eos: list[int]) -> list[dict]:
-    """Per prompt: its plain output, time to first token, and the draft's teacher-forced guesses."""
+def plain_pass(target, draft, prompts: list[tuple[str, torch.Tensor]], max_new: int, eos: list[int]) -> list[dict]:
+    """Per prompt (id, 1-D ids): its plain output, time to first token, and the draft's teacher-forced guesses."""
     records = []
-    for p in prompts:
-        ids = torch.tensor(encode(tok, [p.turns[0]], [], False))
-        res = generate(target, [ids], max_new_tokens=max_new, eos_token_id=eos)
+    for pid, ids in prompts:
+        res = generate(target, [ids], max_new_tokens=max_new, eos_token_id=eos or None)
         out = res.sequences[0][ids.numel():].tolist()
-        full = torch.cat([ids, torch.tensor(out)])
+        full = torch.cat([ids, torch.tensor(out, dtype=torch.long)])
         with torch.no_grad():
             logits = draft(full[None], torch.arange(full.numel())[None], None).logits[0].float()  # (T, Vd)
         probs, cols = logits[ids.numel() - 1:-1].softmax(-1).max(-1)  # (N,): the draft's guess for out[i]
         pred = draft.output_ids[cols] if getattr(draft, "output_ids", None) is not None else cols
-        records.append({"id": p.id, "ids": ids.tolist(), "out": out, "ttft_s": res.stats.ttft_s,
+        records.append({"id": pid, "ids": ids.tolist(), "out": out, "ttft_s": res.stats.ttft_s,
                         "wall_s": res.stats.wall_s, "draft_run": runs_of(pred.tolist(), out),
                         "draft_p": probs.tolist()})
-        print(f"{p.id}: {len(out)} tokens, plain {len(out) / res.stats.wall_s:.1f} tok/s", flush=True)
+        print(f"{pid}: {len(out)} tokens, plain {len(out) / res.stats.wall_s:.1f} tok/s", flush=True)
     return records
 
 
@@ -396,7 +395,8 @@ def main() -> None:
             restrict_vocab(draft, frequent_tokens(tok, args.draft_vocab, draft.config.vocab_size))
         prompts = load_prompts(dataset=args.dataset, limit=args.limit)
         if records is None:
-            records = plain_pass(target, draft, tok, prompts, args.max_new_tokens, eos_ids(args.target, tok))
+            rows = [(q.id, torch.tensor(encode(tok, [q.turns[0]], [], False))) for q in prompts]
+            records = plain_pass(target, draft, rows, args.max_new_tokens, eos_ids(args.target, tok))
             (args.out / "members.json").write_text(json.dumps(records))
         if args.costs is None:
             if not args.no_compile:
