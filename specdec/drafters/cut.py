@@ -40,6 +40,10 @@ class BlockCosts:
             return
         self._times.setdefault(block, deque(maxlen=SAMPLES)).append(seconds)
 
+    def sizes(self) -> list[int]:
+        """The block sizes measured, smallest first."""
+        return sorted(self._times)
+
     def known(self) -> bool:
         """Whether two block sizes were measured (what a cut needs to compare sizes)."""
         return len(self._times) >= 2
