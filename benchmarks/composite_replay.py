@@ -20,10 +20,13 @@ as `specdec eval` reports them:
   hybrid@k, suffix>draft@k         fixed order: the cheap member's proposal if it has one, else the draft
   composite                        the CompositeDrafter's rule on the replayed costs (records kept
                                    across prompts, as in `specdec eval`)
+  suffix cut, cut composite        the suffix tree cut as `specdec.drafters.cut` cuts it, alone or beside
+                                   the draft model's chain cut alike
   oracle                           the fastest sequence of steps, each verifying one member's proposal
-                                   (shortest path over positions, knowing every acceptance in advance):
-                                   no per-step choice among these members can beat it
-  oracle+merged                    the same, with trees that join the suffix proposal and a draft chain
+                                   (any cut of it; shortest path over positions, knowing every acceptance
+                                   in advance): no per-step choice among these members can beat it
+  oracle+merged, oracle M          the same with trees that join the suffix proposal and a draft chain,
+                                   and with only the members M
 
 The replay approximates the real run in three ways: the draft's teacher-forced forward rounds like a
 prefill, not like its incremental steps (an argmax may differ where two tokens tie in bf16); a tree
@@ -55,6 +58,7 @@ from specdec.evaluation.prompts import encode, eos_ids, load_prompts
 from specdec.generate import generate
 
 KS = range(1, 8)  # draft lengths replayed (the compiled 8-row program holds 7 drafts and the root)
+MEMBERS = ("suffix", "ngram", "draft")
 
 
 class ProbeDrafter(Drafter):
@@ -232,13 +236,15 @@ class Replay:
                 yield "merged", s - self.rows_cost(min(k, self.stop[i]) + 1) + self.rows_cost(n) + self.suffix_s, \
                     max(t, sfx[1])
 
-    def oracle(self, merged: bool = False) -> tuple[float, dict]:
-        """The fastest decoding of positions 1..N (token 0 is the prefill's), knowing every acceptance:
-        (seconds, steps per member)."""
+    def oracle(self, merged: bool = False, members: tuple[str, ...] = MEMBERS) -> tuple[float, dict]:
+        """The fastest decoding of positions 1..N (token 0 is the prefill's), knowing every acceptance, with
+        `members` (and plain steps): (seconds, steps per member)."""
+        allowed = {"plain", "merged", *members}
         best = [0.0] * (self.N + 1)
         pick: list[tuple[str, int] | None] = [None] * (self.N + 1)
         for i in range(self.N - 1, 0, -1):
-            best[i], pick[i] = min((s + best[i + t], (name, t)) for name, s, t in self.actions(i, merged))
+            best[i], pick[i] = min((s + best[i + t], (name, t)) for name, s, t in self.actions(i, merged)
+                                   if name in allowed)
         used: dict[str, int] = {}
         i = 1
         while i < self.N:
@@ -360,6 +366,8 @@ def policies(records: list[dict], costs: dict, pmin: float | None) -> dict:
             steps[name] = steps.get(name, 0) + n
     out["oracle_steps"] = steps
     out["oracle+merged"] = rate([p.oracle(merged=True)[0] for p in plays])
+    for members in (("suffix",), ("ngram",), ("draft",), ("suffix", "draft")):
+        out[f"oracle {'+'.join(members)}"] = rate([p.oracle(members=members)[0] for p in plays])
     return out
 
 
