@@ -5,10 +5,13 @@ Each row keeps a suffix trie (`specdec.drafters.suffix_tree`) of its prompt and 
 `SuffixCache` shared by every row and request (the serving engine's, or one per process for
 `generate()`) keeps earlier responses, bounded to `max_tokens` tokens (oldest response evicted
 first). Per step, each row's last tokens are matched in both, and the tree of the most frequent
-continuations with the higher expected accepted length (`Speculation.score`) is proposed: its
+continuations with the higher expected accepted length (`Speculation.score`) is taken: its
 size follows the match (at most max_factor * match length nodes, none below min_prob, at most
-`max_nodes`). The tree is deterministic (q one-hot), so verification is lossless as for every
-drafter; each node carries its frequency estimate in `DraftTree.scores`.
+`max_nodes`), and it is cut to the best nodes worth their verification rows on this machine
+(`specdec.drafters.cut`: block costs timed by the decode loop, nodes valued at the acceptance
+measured for their probability) before it is proposed. The tree is deterministic (q one-hot), so
+verification is lossless as for every drafter; each node carries its frequency estimate in
+`DraftTree.scores`.
 """
 
 from __future__ import annotations

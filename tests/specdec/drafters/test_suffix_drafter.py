@@ -6,9 +6,9 @@ import torch
 
 import specdec
 from specdec.drafter import Accepted
-from specdec.drafters.cut import BlockCosts
 from specdec.drafters.suffix import SuffixCache, SuffixConfig, SuffixDrafter, shared_cache
 from specdec.drafters.suffix_tree import SuffixTrie
+from tests.specdec.drafters.test_cut import _costs
 from tests.specdec.test_decode import _rows, _same, assert_two_token_law
 
 
@@ -103,13 +103,6 @@ def test_drafters_made_from_a_spec_share_the_process_cache(target):
         SuffixConfig(min_prob=1.0)
 
 
-def _timed(table: dict[int, float]) -> BlockCosts:
-    costs = BlockCosts()
-    for block, seconds in table.items():
-        costs.observe(block, seconds)
-    return costs
-
-
 def test_the_cut_verifies_only_the_nodes_that_pay_on_the_measured_costs():
     prompt = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8] * 3)
     seq = torch.cat([prompt, torch.tensor([1, 2, 3])])
@@ -117,7 +110,7 @@ def test_the_cut_verifies_only_the_nodes_that_pay_on_the_measured_costs():
     for name, table in (("uncut", None), ("free rows", {1: 1.0, 8: 1.0}), ("costly rows", {1: 1.0, 2: 1.05, 8: 10.0})):
         drafter = SuffixDrafter(SuffixConfig(max_factor=4.0, cut=table is not None), cache=None)
         if table:
-            drafter.costs = _timed(table)
+            drafter.costs = _costs(table)
         drafter.begin([prompt], 64, None)
         tree = drafter.propose([seq], 7, [0])
         lens[name] = int(tree.lens[0])
