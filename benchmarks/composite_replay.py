@@ -257,16 +257,16 @@ class Replay:
         """Seconds when each step takes the first member of `order` with a proposal (plain if none)."""
         i, total = 1, 0.0
         while i < self.N:
-            step = None
-            for name in order:
-                step = {"suffix": lambda: self.suffix(i), "ngram": lambda: self.ngram(i, k),
-                        "draft": lambda: self.draft(i, k)[:2]}[name]()
-                if step:
-                    break
-            s, t = step or self.plain()
+            s, t = next(filter(None, (self._proposal(name, i, k) for name in order)), self.plain())
             total += s
             i += t
         return total
+
+    def _proposal(self, name: str, i: int, k: int) -> tuple[float, int] | None:
+        """(seconds, tokens) of verifying member `name`'s proposal at position i (None: it has none)."""
+        if name == "suffix":
+            return self.suffix(i)
+        return self.ngram(i, k) if name == "ngram" else self.draft(i, k)[:2]
 
     def composite(self, records: list[MemberRecord], k: int) -> float:
         """Seconds with the CompositeDrafter's rule (suffix asked first; the draft model when the accepted
@@ -283,14 +283,16 @@ class Replay:
                 best_rate = max(best_rate, (1 + raw * sfx_rec.calibration()) / sfx[0])
                 options.append((raw * sfx_rec.calibration(), 0, *sfx, raw))
             s, t, raw = self.draft(i, k)
+            drafted = 0.0
             if (1 + drf_rec.per_step) / s > best_rate:
-                options.append((raw * drf_rec.calibration(), 1, s, t, raw))
+                drafted = s - self.rows_cost(min(k, self.stop[i]) + 1)  # paid whichever proposal is verified
+                options.append((raw * drf_rec.calibration(), 1, s - drafted, t, raw))
             if not options:
                 s, t = self.plain()
             else:
                 _, member, s, t, raw = max(options, key=lambda o: (o[0], -o[1]))
                 records[member].observe(raw, t - 1)
-            total += s
+            total += s + drafted
             i += t
         return total
 
