@@ -302,9 +302,11 @@ def compile_block_steps(target, batch_size: int = 1) -> None:
     size every step (`suffix`) would otherwise compile them, a minute each, while it is timed."""
     if not getattr(target, "compiled", False):
         return
-    cache = target.new_cache(batch_size, 2 * DECODE_STATIC_TOKENS + 2)
     device = target.device
     with torch.inference_mode():
+        # made in inference mode as generate()'s caches are: the compiler guards on the tensors' dispatch
+        # keys, so programs built for an ordinary cache are rebuilt at a timed step's first use
+        cache = target.new_cache(batch_size, 2 * DECODE_STATIC_TOKENS + 2)
         for T in range(2, DECODE_STATIC_TOKENS + 1):
             for block in (None, torch.ones(T, T, dtype=torch.bool, device=device).tril()):
                 cache.lengths.fill_(1)

@@ -261,3 +261,39 @@ def test_bf16_greedy_output_equals_plain_for_every_drafter(wide_bf16, which):
     if which == "ngram":  # and a row's output does not depend on its batch
         for r, seq in zip(rows, plain.sequences):
             assert torch.equal(specdec.generate(wide_bf16, [r], max_new_tokens=20).sequences[0], seq)
+
+
+class _ChainsAndTrees(Drafter):
+    """Proposes a 2-node chain and a 3-node tree (two siblings) on alternate steps."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def max_nodes(self, k):
+        return 3
+
+    def propose(self, seqs, k, rows):
+        self.steps += 1
+        B = len(seqs)
+        lens = torch.zeros(B, dtype=torch.long)
+        lens[rows] = 2 if self.steps % 2 else 3
+        tokens = torch.tensor([[1, 2, 3]] * B)
+        parents = torch.tensor([[-1, 0, 1] if self.steps % 2 else [-1, -1, 0]] * B)
+        return DraftTree(tokens, parents, lens)
+
+
+def test_compile_block_steps_builds_the_programs_that_decoding_then_runs():
+    """Its programs are the ones generate() uses (same tensor kinds: made in inference mode), so a
+    drafter whose blocks change shape compiles nothing while it is timed."""
+    from torch._dynamo.utils import counters
+
+    from runtime import compile_decode
+    from specdec.decode import compile_block_steps
+
+    model = compile_decode(tiny_model("llama", seed=7), cpp_wrapper=False)
+    prompt = torch.arange(5)
+    specdec.generate(model, [prompt], max_new_tokens=3)  # the prompt's and the 1-token programs
+    compile_block_steps(model)
+    compiled = counters["stats"]["unique_graphs"]
+    specdec.generate(model, [prompt], draft=_ChainsAndTrees(), max_new_tokens=12)
+    assert counters["stats"]["unique_graphs"] == compiled
