@@ -18,10 +18,9 @@ as `specdec eval` reports them:
 
   suffix, ngram@k, draft@k         one member alone (k fixed, the best k shown)
   hybrid@k, suffix>draft@k         fixed order: the cheap member's proposal if it has one, else the draft
-  composite                        the CompositeDrafter's rule on the replayed costs (records kept
-                                   across prompts, as in `specdec eval`)
-  suffix cut, cut composite        the suffix tree cut as `specdec.drafters.cut` cuts it, alone or beside
-                                   the draft model's chain cut alike
+  suffix cut                       the suffix tree cut as `specdec.drafters.cut` cuts it
+  composite@k                      the CompositeDrafter's rule beside the cut suffix (its records and
+                                   gate kept across prompts, as in `specdec eval`)
   oracle                           the fastest sequence of steps, each verifying one member's proposal
                                    (any cut of it; shortest path over positions, knowing every acceptance
                                    in advance): no per-step choice among these members can beat it
@@ -49,8 +48,8 @@ import torch
 
 import runtime
 from specdec.drafter import Drafter, DraftTree
-from specdec.drafters.composite import MemberRecord
-from specdec.drafters.cut import NodeCalibration
+from specdec.drafters.composite import AskGate, MemberRecord
+from specdec.drafters.cut import BlockCosts, NodeCalibration, best_cut
 from specdec.drafters.ngram import NgramDrafter
 from specdec.drafters.suffix import SuffixCache, SuffixConfig, SuffixDrafter
 from specdec.drafters.tree_cost import decode_cost, warm_up
@@ -187,6 +186,9 @@ class Replay:
     def __init__(self, rec: dict, costs: dict, pmin: float | None = None) -> None:
         self.rec, self.N = rec, len(rec["out"])
         self.verify = {int(n): s for n, s in costs["verify"].items()}
+        self.costs = BlockCosts()  # the same, as the drafters' cut reads them
+        for n, seconds in self.verify.items():
+            self.costs.observe(n, seconds)
         self.draft_s = {int(k): s for k, s in costs["draft"].items()}
         self.suffix_s = rec["suffix_s"]
         self.stop = below(rec["draft_p"], pmin) if pmin else [self.N] * self.N
@@ -268,74 +270,60 @@ class Replay:
             return self.suffix(i)
         return self.ngram(i, k) if name == "ngram" else self.draft(i, k)[:2]
 
-    def composite(self, records: list[MemberRecord], k: int) -> float:
-        """Seconds with the CompositeDrafter's rule (suffix asked first; the draft model when the accepted
-        tokens it is hoped to bring, per second, beat the proposal in hand; the higher calibrated
-        expectation verified), its records kept across prompts."""
-        sfx_rec, drf_rec = records
+    def composite(self, cal: NodeCalibration, records: list[MemberRecord] | None, k: int) -> float:
+        """Seconds with the suffix tree cut as `specdec.drafters.cut` cuts it (its nodes valued by `cal`,
+        learnt as decoding goes) and, with `records` (suffix, draft: kept across prompts, as `specdec
+        eval` keeps a method's), the CompositeDrafter's rule beside the draft model: each proposal
+        valued at (1 + its calibrated estimate) per second of verifying it, the draft run where its
+        gate measured that steps which ran it emitted more per second, started on the prompt where the
+        record says starting pays (the replay has no start-up cost: the draft's prompt prefill is not
+        in its costs), the best proposal verified (a plain step when there is none)."""
+        plain_rate = 1.0 / self.verify[1]
         i, total = 1, 0.0
+        state = "new"  # the draft on this prompt: new, started or declined
+        saved = 0.0  # seconds its steps saved on this prompt
         while i < self.N:
-            best_rate = 1.0 / self.verify[1]
-            options = []  # (calibrated expectation, member, seconds, tokens, raw estimate)
-            sfx = self.suffix(i)
-            if sfx:
-                raw = sum(self.rec["suffix_p"][i])
-                best_rate = max(best_rate, (1 + raw * sfx_rec.calibration()) / sfx[0])
-                options.append((raw * sfx_rec.calibration(), 0, *sfx, raw))
-            s, t, raw = self.draft(i, k)
-            drafted = 0.0
-            if (1 + drf_rec.per_step) / s > best_rate:
-                drafted = s - self.rows_cost(min(k, self.stop[i]) + 1)  # paid whichever proposal is verified
-                options.append((raw * drf_rec.calibration(), 1, s - drafted, t, raw))
-            if not options:
-                s, t = self.plain()
-            else:
-                _, member, s, t, raw = max(options, key=lambda o: (o[0], -o[1]))
-                records[member].observe(raw, t - 1)
-            total += s + drafted
-            i += t
-        return total
-
-
-    def cut_rule(self, cals: list[NodeCalibration], draft: MemberRecord | None, k: int) -> float:
-        """Seconds with proposals cut as `specdec.drafters.cut` cuts them: the suffix tree to the prefix
-        with the most expected tokens per second of verification (each node valued at the acceptance
-        measured for its path probability); with `draft`, the draft model's chain is cut alike and runs
-        only when the tokens it is hoped to bring per second of drafting and verifying beat the best
-        cut in hand (drafting done is no longer a cost when the cuts are compared)."""
-        i, total = 1, 0.0
-        while i < self.N:
-            best = (1.0 / self.verify[1], None, 0)  # (rate, member, nodes): a plain step
-            run = 0.0
-            for n, p in enumerate(self.rec["suffix_p"][i], 1):
-                run += cals[0].value(p)
-                best = max(best, ((1 + run) / (self.rows_cost(n + 1) + self.suffix_s), 0, n))
-            total += self.suffix_s if self.rec["suffix"][i] else 0.0
-            drafted: list[float] = []
-            if draft is not None and (1 + draft.per_step) / (self.rows_cost(k + 1) + self.draft_s[k]) > best[0]:
+            probs = self.rec["suffix_p"][i]
+            n = best_cut([cal.value(p) for p in probs], self.costs)
+            seconds = self.suffix_s if self.rec["suffix"][i] else 0.0
+            options = []  # (rate, member, nodes, raw estimate): members in order, ties to the first
+            if n:
+                raw = sum(probs[:n])
+                calibration = records[0].calibration() if records else 1.0
+                options.append(((1 + raw * calibration) / self.rows_cost(n + 1), 0, n, raw))
+            gate_bin = AskGate.bin(max([plain_rate] + [o[0] for o in options]) / plain_rate)
+            ran = records is not None and state != "declined" and records[1].gate.ask(gate_bin)
+            starting = ran and state == "new"
+            if starting:
+                state = "started" if records[1].should_start() else "declined"
+                ran = state == "started"
+            if ran:
                 m = min(k, self.stop[i])
-                total += self.draft_s[max(m if m == k else m + 1, 1)]
-                run, path = 0.0, 1.0
-                for n, q in enumerate(self.rec["draft_p"][i:i + m], 1):
-                    path *= q
-                    drafted.append(path)
-                    run += cals[1].value(path)
-                    best = max(best, ((1 + run) / self.rows_cost(n + 1), 1, n))
-            _, member, n = best
-            if member is None:
-                total += self.verify[1]
-                i += 1
-                continue
+                drafting, _, raw = self.draft(i, k)
+                seconds += drafting - self.rows_cost(m + 1)
+                if m:
+                    options.append(((1 + raw * records[1].calibration()) / self.rows_cost(m + 1), 1, m, raw))
+            _, member, n, raw = max(options, key=lambda o: o[0]) if options else (0.0, -1, 0, 0.0)
             if member == 0:
                 acc = self.rec["suffix_acc"][i][n]
-                cals[0].observe(self.rec["suffix_p"][i][:n], self.rec["suffix_ok"][i][:n])
+                cal.observe(probs[:n], self.rec["suffix_ok"][i][:n])
             else:
-                acc = min(n, self.rec["draft_run"][i])
-                cals[1].observe(drafted[:n], [j < acc for j in range(n)])
-                draft.observe(1.0, acc)
-            total += self.rows_cost(n + 1)
-            i += min(1 + acc, self.N - i)
+                acc = min(n, self.rec["draft_run"][i]) if member == 1 else 0
+            if member >= 0 and records:
+                records[member].observe(raw, acc)
+            seconds += self.rows_cost(n + 1)
+            tokens = min(1 + acc, self.N - i)
+            if records is not None and not starting:
+                skipped = records[1].gate.rate(gate_bin, False)
+                if ran and skipped:
+                    saved += tokens / skipped - seconds
+                records[1].gate.observe(gate_bin, ran, tokens, seconds)
+            total += seconds
+            i += tokens
+        if state == "started":
+            records[1].finish(0.0, saved)
         return total
+
 
 def policies(records: list[dict], costs: dict, pmin: float | None) -> dict:
     """tokens/s with the prefill (median over prompts, as `specdec eval`) of each policy."""
@@ -350,16 +338,13 @@ def policies(records: list[dict], costs: dict, pmin: float | None) -> dict:
         by_k = {k: rate([p.fixed(order, k) for p in plays]) for k in KS}
         k = max(by_k, key=by_k.get)
         out[f"{name}@{k}"] = by_k[k]
+    out["suffix cut"] = rate([p.composite(NodeCalibration(), None, 1) for p in plays])
     by_k = {}
     for k in KS:
         kept = [MemberRecord(), MemberRecord()]  # kept across prompts, as `specdec eval` keeps a method's
-        by_k[k] = rate([p.composite(kept, k) for p in plays])
+        by_k[k] = rate([p.composite(NodeCalibration(), kept, k) for p in plays])
     k = max(by_k, key=by_k.get)
     out[f"composite@{k}"] = by_k[k]
-    out["suffix cut"] = rate([p.cut_rule([NodeCalibration(), NodeCalibration()], None, 1) for p in plays])
-    by_k = {k: rate([p.cut_rule([NodeCalibration(), NodeCalibration()], MemberRecord(), k) for p in plays]) for k in KS}
-    k = max(by_k, key=by_k.get)
-    out[f"cut composite@{k}"] = by_k[k]
     seconds, used = zip(*(p.oracle() for p in plays))
     out["oracle"] = rate(list(seconds))
     steps: dict[str, int] = {}

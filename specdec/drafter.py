@@ -206,6 +206,8 @@ class Drafter(ABC):
     name: how reports call it.
     adaptive: True when `propose(k)` drafts (up to) k tokens, so `num_draft_tokens="auto"` may
         tune k per step from `draft_cost`; False for a fixed tree, which ignores k.
+    costly: True when proposing runs a model (a forward per token, a prompt prefill per row): a
+        composite drafter runs it only where it has measured to pay (`specdec.drafters.composite`).
     needs_hidden: True when `begin` and `commit` need the target's final hidden states.
     hidden_layers: target layer ids (vLLM's numbering: layer i's input, 0 = the embedding) whose
         states `begin` and `commit` get instead of the final ones (an EAGLE-3 head's three layers);
@@ -217,6 +219,7 @@ class Drafter(ABC):
 
     name: str = "drafter"
     adaptive: bool = True
+    costly: bool = False
     needs_hidden: bool = False
     hidden_layers: tuple[int, ...] = ()
     typical: TypicalAcceptance | None = None

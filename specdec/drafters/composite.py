@@ -1,26 +1,35 @@
 """Several drafters at once, the best chosen per step and per row (`A|B` in the drafter grammar).
 
-Per step the members are asked cheapest first (their measured `draft_cost`: n-gram lookup and
-suffix matches cost nothing, a draft model a forward per token). Each proposal's expected accepted
-length is the member's own estimate (`DraftTree.scores`: suffix frequencies, draft-model
-probabilities; else its number of drafts) times the member's calibration (accepted / estimated,
-decayed, over the steps it was verified). A costly member runs only for the rows where what it
-usually gets accepted, per second of drafting plus verifying its proposals (each member's
-verifications are timed apart: a draft model's chain of k is a block of k + 1 rows, which on a
-4-bit target costs up to twice a 2-row suffix tree), beats the best proposal in hand
-(llama.cpp's chained speculation and ArcticInference's suffix + model hybrid choose the same
-way); each row then verifies its proposal with the most expected accepted tokens. The loop's
-`auto` draft length learns only from rows that verified a member drafting k (`DraftTree.tuned`).
+Per step the members that cost nothing to ask (n-gram lookup, suffix matches) propose first. Each
+proposal is valued at its expected accepted tokens per second of verification: (1 + the member's
+own estimate, `DraftTree.scores` or its number of drafts, times the member's calibration:
+accepted / estimated, decayed) over the measured seconds of verifying its rows
+(`specdec.drafters.cut.BlockCosts`, timed by the decode loop); a plain step is the proposal of
+nothing. A costly member (`Drafter.costly`: a draft model, a forward per token) runs for a row only
+where running it has paid: its `AskGate` compares the measured tokens per second of the steps that ran it against
+those that did not, per bin of how much better than a plain step the best proposal in hand already
+is, and tries the other choice now and then to stay measured (llama.cpp's chained speculation and
+ArcticInference's suffix + model hybrid choose among proposals alike; their estimates, not
+measurements, decide when the model runs, which on a 4-bit CPU target asked the 0.5B draft where it
+lost a fifth of the suffix's speed). Each row then verifies the proposal with the most expected
+tokens per second (drafting done is no longer a cost; a member that cuts its proposal, as the
+suffix drafter does, has already weighed it against a plain step). The loop's `auto` draft length
+learns only from rows that verified a member drafting k (`DraftTree.tuned`).
 
-What a composite learns of its members (calibration and accepted per step) outlives a generate()
-call: a composite made from a spec keeps it per process and per spec text (`shared_records`;
-`specdec eval` keeps it per method), so a call starts calibrated instead of trusting every member's
-own estimate for its first steps. Timings are measured afresh per call (one step each): a compile or
-a longer prompt in one call says nothing of the next's.
+A costly member also costs something to start on a row: a draft model prefills the prompt (on the
+4-bit 0.5B ~0.45 s for 150 tokens, a tenth of a 128-token answer's decoding). So it is started on
+a row only when the gate first asks for it there, and only if, on the rows finished with it, the
+seconds its steps saved (each step's tokens at the measured rate of not running it, less the
+step's seconds) exceeded the seconds starting it took; otherwise once every START_EXPLORE rows.
+
+What a composite learns of its members (calibration, the gates) outlives a generate() call: a
+composite made from a spec keeps it per process and per spec text (`shared_records`; `specdec eval`
+keeps it per method). Verification costs are measured afresh per call.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import threading
 import time
@@ -28,19 +37,82 @@ import time
 import torch
 
 from specdec.drafter import Accepted, Drafter, DraftTree
+from specdec.drafters.cut import OUTLIER, BlockCosts
 from specdec.drafters.group import DrafterGroup
 
-DECAY = 0.9  # weight of the past in a member's calibration and acceptance averages
+DECAY = 0.9  # weight of the past in a member's calibration
+GATE_DECAY = 0.95  # weight of the past in a gate's tokens and seconds
+GATE_EDGES = (1.05, 1.4, 2.0)  # bins of the best rate in hand, as a multiple of a plain step's
+EXPLORE = 48  # a gate takes the choice it has not taken for this many steps of a bin once (replayed: 12-96)
+ROW_DECAY = 0.8  # weight of the past in a member's start-up and saved seconds per row
+START_EXPLORE = 8  # a member that has not paid for its start-up is still started once in this many rows
+
+
+class AskGate:
+    """Whether to run a costly member for a row: per bin of the best rate already in hand (a multiple
+    of a plain step's, `GATE_EDGES`), the decayed tokens emitted and seconds spent by the steps that
+    ran the member and by those that did not; it runs where running has measured faster. A choice
+    never measured in a bin is taken first (running first); one not taken for EXPLORE steps of its
+    bin is taken once, so both stay measured as the text changes."""
+
+    def __init__(self) -> None:
+        bins = len(GATE_EDGES) + 1
+        self.tokens = [[0.0, 0.0] for _ in range(bins)]  # [bin][ran]
+        self.seconds = [[0.0, 0.0] for _ in range(bins)]
+        self.idle = [[0, 0] for _ in range(bins)]  # [bin][ran]: steps of the bin since that choice was taken
+
+    @staticmethod
+    def bin(gain: float) -> int:
+        """The bin of a best rate in hand `gain` times a plain step's."""
+        return bisect.bisect_right(GATE_EDGES, gain)
+
+    def rate(self, b: int, ran: bool) -> float | None:
+        """Measured tokens per second in bin b of the steps that ran (or did not run) the member."""
+        return self.tokens[b][ran] / self.seconds[b][ran] if self.seconds[b][ran] else None
+
+    def ask(self, b: int) -> bool:
+        """Whether to run the member for a row in bin b."""
+        ran, skipped = self.rate(b, True), self.rate(b, False)
+        if ran is None or skipped is None:
+            return ran is None
+        best = ran > skipped
+        return (not best) if self.idle[b][not best] >= EXPLORE else best
+
+    def observe(self, b: int, ran: bool, tokens: int, seconds: float) -> None:
+        """A step of bin b that ran the member (or not): the row's emitted tokens and the step's seconds."""
+        self.tokens[b][ran] = GATE_DECAY * self.tokens[b][ran] + tokens
+        self.seconds[b][ran] = GATE_DECAY * self.seconds[b][ran] + seconds
+        self.idle[b][ran] = 0
+        self.idle[b][not ran] += 1
 
 
 class MemberRecord:
-    """A member's decayed averages over the rows that verified its proposal: tokens accepted,
-    tokens it expected, and accepted per step (what running it is hoped to bring)."""
+    """What a composite knows of a member: its decayed accepted / expected tokens over the rows that
+    verified its proposal, and, for a costly member, the gate that says where running it pays and
+    what starting it on a row cost and saved (decayed means over the rows finished with it)."""
 
     def __init__(self) -> None:
         self.accepted = self.expected = 1.0  # calibration starts at 1: the member's own estimate
-        self.per_step = 2.0  # optimistic, so every member is tried until it is measured
         self.steps = 0
+        self.gate = AskGate()
+        self.start_s = self.saved_s = 0.0
+        self.rows = 0  # rows finished with the member started
+        self.declined = 0  # rows it was not started on since it last was
+
+    def should_start(self) -> bool:
+        """Whether to start the member on a new row (module docstring); counts the row if not."""
+        if self.rows and self.saved_s <= self.start_s and self.declined + 1 < START_EXPLORE:
+            self.declined += 1
+            return False
+        self.declined = 0
+        return True
+
+    def finish(self, start_s: float, saved_s: float) -> None:
+        """A row finished with the member started: what starting it took and what its steps saved."""
+        w = ROW_DECAY if self.rows else 0.0
+        self.start_s = w * self.start_s + (1 - w) * start_s
+        self.saved_s = w * self.saved_s + (1 - w) * saved_s
+        self.rows += 1
 
     def calibration(self) -> float:
         return min(max(self.accepted / self.expected, 0.05), 2.0)
@@ -48,7 +120,6 @@ class MemberRecord:
     def observe(self, expected: float, accepted: int) -> None:
         self.accepted = DECAY * self.accepted + accepted
         self.expected = DECAY * self.expected + max(expected, 1e-3)
-        self.per_step = DECAY * self.per_step + (1 - DECAY) * accepted
         self.steps += 1
 
 
@@ -66,12 +137,17 @@ def shared_records(name: str, members: int) -> list[MemberRecord]:
     return records
 
 
-def _decayed(average: float, seconds: float) -> float:
-    return seconds if not average else DECAY * average + (1 - DECAY) * seconds
+@dataclasses.dataclass(frozen=True)
+class GateChoice:
+    """One row's choice at a costly member's gate: the member, the bin and whether it ran."""
+
+    member: int
+    bin: int
+    ran: bool
 
 
 class CompositeDrafter(DrafterGroup):
-    """Members asked per step (module docstring); each row verifies the proposal it expects most of."""
+    """Members asked per step (module docstring); each row verifies the proposal worth most per second."""
 
     def __init__(self, drafters: list[Drafter], records: list[MemberRecord] | None = None) -> None:
         """`records`: what is known of the members, updated in place (default: fresh, this
@@ -85,17 +161,19 @@ class CompositeDrafter(DrafterGroup):
         self.drafters = drafters
         self.name = "|".join(d.name for d in drafters)
         self.adaptive = any(d.adaptive for d in drafters)
+        self.costly = any(d.costly for d in drafters)
         if records is not None and len(records) != len(drafters):
             raise ValueError(f"a composite of {len(drafters)} drafters takes {len(drafters)} records, "
                              f"got {len(records)}")
         self.records = [MemberRecord() for _ in drafters] if records is None else records
-        self.verify_s = [0.0] * len(drafters)  # per member: decayed seconds of verifying its proposals (0: none)
+        self.costs = BlockCosts()  # this call's verification seconds by block size
         self.chosen: list[int] = []  # per row: the member whose proposal was verified last step (-1: none)
-        self.expected: list[float] = []  # per row: what that proposal was expected to get accepted (calibrated)
-        self.raw: list[float] = []  # per row: the same, before calibration
-        self.target_s = 0.0  # decayed seconds from the end of one propose to the next (verification)
-        self.plain_s = 0.0  # the same, of steps that verified no proposal
-        self._end = 0.0
+        self.raw: list[float] = []  # per row: that proposal's expected accepted tokens, before calibration
+        self.gated: dict[int, list[GateChoice]] = {}  # row -> its gate choices of the last step
+        self.emitted: dict[int, int] = {}  # row -> tokens the last step emitted
+        self.started: dict[tuple[int, int], list[float]] = {}  # (member, row) -> [start-up s, saved s]
+        self.declined: set[tuple[int, int]] = set()  # (member, row) not started on that row
+        self._start = 0.0  # when the last step's propose began
 
     def max_nodes(self, k: int) -> int:
         return max(d.max_nodes(k) for d in self.drafters)
@@ -105,8 +183,23 @@ class CompositeDrafter(DrafterGroup):
 
     def begin(self, prompts: list[torch.Tensor], max_len: int, hidden: torch.Tensor | None) -> None:
         super().begin(prompts, max_len, hidden)
-        self._end = self.target_s = self.plain_s = 0.0
-        self.verify_s = [0.0] * len(self.drafters)
+        self._finish(self.started)
+        self.costs = BlockCosts()
+        self.gated, self.emitted, self.declined, self._start = {}, {}, set(), 0.0
+
+    def admit(self, row: int, prompt: torch.Tensor, hidden: torch.Tensor | None) -> None:
+        self._finish([key for key in self.started if key[1] == row])
+        self.declined = {key for key in self.declined if key[1] != row}
+        super().admit(row, prompt, hidden)
+
+    def release(self, row: int) -> None:
+        self._finish([key for key in self.started if key[1] == row])
+        super().release(row)
+
+    def _finish(self, keys) -> None:
+        """Record the (member, row)s in `keys` as finished rows of their members."""
+        for key in list(keys):
+            self.records[key[0]].finish(*self.started.pop(key))
 
     @staticmethod
     def _estimate(tree: DraftTree, b: int) -> float:
@@ -116,44 +209,71 @@ class CompositeDrafter(DrafterGroup):
             return 0.0
         return float(tree.scores[b, :n].sum()) if tree.scores is not None else float(n)
 
+    def _verify_s(self, rows: int) -> float:
+        """Seconds of verifying `rows` rows (1.0 for every size until one is measured: then the
+        choice is by expected tokens)."""
+        return self.costs.cost(rows) if self.costs.sizes() else 1.0
+
+    def _learn_gates(self, start: float) -> None:
+        """Charge the last step (its propose to this one's) to the gate choices its rows made."""
+        seconds = start - self._start
+        if not self._start or not self.gated or (
+                self.costs.sizes() and seconds > OUTLIER * self._verify_s(1)):  # a compile, not a step
+            return
+        for b, choices in self.gated.items():
+            if b in self.emitted:
+                for c in choices:
+                    gate = self.records[c.member].gate
+                    skipped = gate.rate(c.bin, False)
+                    if c.ran and skipped and (c.member, b) in self.started:  # vs the same tokens without it
+                        self.started[c.member, b][1] += self.emitted[b] / skipped - seconds
+                    gate.observe(c.bin, c.ran, self.emitted[b], seconds)
+
     def propose(self, seqs: list[torch.Tensor], k: int, rows: list[int]) -> DraftTree:
         start = time.perf_counter()
-        if self._end:  # the last step's verification, charged to the members whose proposals it verified
-            took = start - self._end
-            self.target_s = _decayed(self.target_s, took)
-            chosen = {c for c in self.chosen if c >= 0}
-            for c in chosen:
-                self.verify_s[c] = _decayed(self.verify_s[c], took)
-            if not chosen:
-                self.plain_s = _decayed(self.plain_s, took)
+        self._learn_gates(start)
+        self._start, self.gated, self.emitted = start, {}, {}
         B = len(seqs)
-        verify_s = self.target_s or 1.0
-        best_rate = {b: 1.0 / (self.plain_s or verify_s) for b in rows}  # a plain step: one token per verification
+        plain_rate = 1.0 / self._verify_s(1)
+        best_rate = {b: plain_rate for b in rows}  # a plain step: one token per verification
         trees: dict[int, DraftTree] = {}
         raw = torch.zeros(len(self.drafters), B)  # (M, B)
-        expected = torch.full((len(self.drafters), B), -1.0)  # (M, B): -1 = not asked
-        for i in sorted(range(len(self.drafters)), key=lambda i: self.drafters[i].draft_cost(k)):
+        rate = torch.full((len(self.drafters), B), -1.0)  # (M, B): expected tokens per second; -1 = not asked
+        order = sorted(range(len(self.drafters)), key=lambda i: (self.drafters[i].costly,
+                                                                   self.drafters[i].draft_cost(k)))
+        for i in order:  # cheapest first: a costly member's gate reads the best proposal in hand
             d, record = self.drafters[i], self.records[i]
-            cost = d.draft_cost(k)
-            # a member's proposals have their own verification cost (a draft model's chain of k: k + 1 rows)
-            member_s = self.verify_s[i] or verify_s
-            hoped = (1 + record.per_step) / (member_s + cost)
-            ask = [b for b in rows if cost == 0 or hoped > best_rate[b]]
-            if not ask:
+            ask, starting = list(rows), []
+            if d.costly:
+                ask = []
+                for b in rows:
+                    choice = GateChoice(i, AskGate.bin(best_rate[b] / plain_rate), False)
+                    if record.gate.ask(choice.bin) and (i, b) not in self.declined:
+                        if (i, b) in self.started:
+                            choice = dataclasses.replace(choice, ran=True)
+                            ask.append(b)
+                        elif record.should_start():  # a start-up step is no gate's: it is charged apart
+                            starting.append(b)
+                            continue
+                        else:
+                            self.declined.add((i, b))
+                    self.gated.setdefault(b, []).append(choice)
+            if not ask and not starting:
                 continue
-            tree = trees[i] = d.propose(seqs, k, ask)
+            began = time.perf_counter()
+            tree = trees[i] = d.propose(seqs, k, ask + starting)
+            for b in starting:
+                self.started[i, b] = [(time.perf_counter() - began) / len(ask + starting), 0.0]
+            ask += starting
             for b in ask:
                 raw[i, b] = self._estimate(tree, b)
-                expected[i, b] = raw[i, b] * record.calibration()
-                best_rate[b] = max(best_rate[b], (1 + float(expected[i, b])) / (member_s + cost))
-        chosen = expected.argmax(0)  # (B,): ties go to the first member
-        self.chosen = [int(chosen[b]) if b in rows and int(trees[int(chosen[b])].lens[b]) else -1
-                       for b in range(B)]
-        self.expected = [float(expected[c, b]) if c >= 0 else 0.0 for b, c in enumerate(self.chosen)]
+                n = int(tree.lens[b])
+                rate[i, b] = (1 + float(raw[i, b]) * record.calibration()) / self._verify_s(n + 1) if n else -1.0
+                best_rate[b] = max(best_rate[b], float(rate[i, b]))
+        chosen = rate.argmax(0)  # (B,): ties go to the first member
+        self.chosen = [int(chosen[b]) if b in rows and rate[chosen[b], b] > 0 else -1 for b in range(B)]
         self.raw = [float(raw[c, b]) if c >= 0 else 0.0 for b, c in enumerate(self.chosen)]
-        tree = self._combine(trees, B)
-        self._end = time.perf_counter()
-        return tree
+        return self._combine(trees, B)
 
     def _combine(self, trees: dict[int, DraftTree], B: int) -> DraftTree:
         """One DraftTree: each row's chosen proposal (padding nodes chain after its last)."""
@@ -182,11 +302,16 @@ class CompositeDrafter(DrafterGroup):
         return DraftTree(tokens, parents, lens, q, scores, tuned)
 
     def commit(self, accepted: Accepted) -> None:
-        for i, d in enumerate(self.drafters):  # each member told which rows verified its proposal
+        """Tell each member which rows verified its proposal; learn the block's cost, the chosen
+        members' calibration and what each gated row emitted."""
+        for i, d in enumerate(self.drafters):
             d.commit(dataclasses.replace(accepted, verified=[c == i for c in self.chosen]))
+        if accepted.target_s > 0:
+            self.costs.observe(accepted.block, accepted.target_s)
         for b, c in enumerate(self.chosen):
             if c >= 0:
                 self.records[c].observe(self.raw[b], len(accepted.paths[b]))
+        self.emitted = {b: 1 + len(accepted.paths[b]) for b in self.gated}
 
     def source(self, row: int) -> str:
         c = self.chosen[row] if row < len(self.chosen) else -1

@@ -21,6 +21,7 @@ class HybridDrafter(DrafterGroup):
                              f"{', '.join(trees)} drafts trees from the target's hidden states: pass it alone")
         self.drafters = drafters
         self.name = "+".join(d.name for d in drafters)
+        self.costly = any(d.costly for d in drafters)
         self.owners: dict[int, str] = {}  # row -> the member whose proposal it took last step
 
     def draft_cost(self, k: int) -> float:

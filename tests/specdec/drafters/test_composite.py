@@ -1,5 +1,6 @@
-"""The composite drafter (`A|B`): lossless with any members, each row verifies the proposal it
-expects most of, a costly member runs only where it can pay, and calibration follows acceptance."""
+"""The composite drafter (`A|B`): lossless with any members, each row verifies the proposal worth
+most per second, a costly member runs where its gate measured that running it paid, and calibration
+follows acceptance."""
 
 import time
 
@@ -9,7 +10,7 @@ import torch
 import specdec
 from specdec.drafter import Accepted, Drafter, DraftTree
 from specdec.drafters import CompositeDrafter, DrafterSpec, make_drafter
-from specdec.drafters.composite import MemberRecord, shared_records
+from specdec.drafters.composite import EXPLORE, GATE_EDGES, START_EXPLORE, AskGate, MemberRecord, shared_records
 from specdec.drafters.suffix import SuffixCache, SuffixConfig, SuffixDrafter
 from tests.specdec.test_decode import _rows, _same, assert_two_token_law
 
@@ -20,6 +21,7 @@ class Fixed(Drafter):
     def __init__(self, name: str, tokens: list[int], scores: list[float] | None, cost: float = 0.0,
                  adaptive: bool = False) -> None:
         self.name, self.tokens, self.scores, self.cost, self.adaptive = name, tokens, scores, cost, adaptive
+        self.costly = cost > 0
         self.asked: list[list[int]] = []
         self.verified: list[list[bool] | None] = []  # what each commit told it
 
@@ -107,19 +109,92 @@ def test_calibration_turns_away_from_a_member_whose_drafts_are_rejected():
     assert picks[0] == 0 and picks[-1] == 1 and comp.records[0].calibration() < 0.4
 
 
-def test_a_costly_member_runs_only_for_rows_where_it_can_pay():
-    cheap = Fixed("cheap", [5, 6, 7, 8], [1.0, 1.0, 1.0, 1.0])  # a sure long match
-    costly = Fixed("costly", [9, 10, 11, 12], [0.5, 0.4, 0.3, 0.2], cost=0.05, adaptive=True)
-    comp = CompositeDrafter([costly, cheap])
-    comp._end = time.perf_counter() - 0.1  # the last step's verification took ~0.1 s
-    tree = comp.propose([torch.tensor([1, 2])] * 2, 4, [0, 1])
-    assert cheap.asked == [[0, 1]] and costly.asked == []  # asked cheapest first; nothing left to gain
-    assert tree.tokens[0].tolist() == [5, 6, 7, 8]
-    weak = Fixed("weak", [5], [0.1])
-    comp = CompositeDrafter([costly, weak])
-    comp._end = time.perf_counter() - 0.1
-    tree = comp.propose([torch.tensor([1, 2])] * 2, 4, [0, 1])
-    assert costly.asked == [[0, 1]] and comp.chosen == [0, 0] and tree.tuned.tolist() == [True, True]
+def test_with_measured_block_costs_each_row_verifies_the_proposal_worth_most_per_second():
+    long = Fixed("long", [5, 6, 7, 8], [0.9, 0.9, 0.9, 0.9])  # expects 3.6 tokens, in a 5-row block
+    short = Fixed("short", [9], [0.95])  # expects 0.95, in a 2-row block
+    comp = CompositeDrafter([long, short])
+    seqs = [torch.tensor([1, 2, 3])]
+    comp.propose(seqs, 4, [0])
+    assert comp.chosen == [0]  # no block timed yet: the most expected tokens
+    for block, seconds in ((2, 0.05), (5, 0.2)):
+        comp.commit(Accepted(seqs, [[]], block=block, target_s=seconds))
+    comp.propose(seqs, 4, [0])
+    assert comp.chosen == [1]  # 1.95 tokens / 0.05 s beats 4.6 / 0.2 s
+
+
+class Slow(Fixed):
+    """A Fixed member whose propose takes `cost` seconds."""
+
+    def propose(self, seqs, k, rows):
+        time.sleep(self.cost)
+        return super().propose(seqs, k, rows)
+
+
+def test_a_costly_member_runs_where_its_gate_measured_that_running_it_paid():
+    cheap = Fixed("cheap", [5, 6], [0.5, 0.3])
+    costly = Fixed("costly", [9, 10, 11, 12], [0.9, 0.8, 0.7, 0.6], cost=0.05, adaptive=True)
+    seqs = [torch.tensor([1, 2])] * 2
+    for ran_rate, runs in ((1.0, False), (5.0, True)):
+        records = [MemberRecord(), MemberRecord()]
+        for gain in range(len(GATE_EDGES) + 1):  # whatever the best proposal in hand
+            records[0].gate.observe(gain, True, ran_rate, 1.0)  # tokens per second of steps that ran it
+            records[0].gate.observe(gain, False, 3.0, 1.0)  # and of those that did not
+        comp = CompositeDrafter([costly, cheap], records)
+        costly.asked.clear()
+        for _ in range(2):
+            comp.propose(seqs, 4, [0, 1])
+            comp.commit(Accepted(seqs, [[0, 1, 2, 3] if c == 0 else [0, 1] for c in comp.chosen]))
+        assert costly.asked == ([[0, 1]] * 2 if runs else [])
+        assert comp.chosen == ([0, 0] if runs else [1, 1])
+        assert [c.ran for c in comp.gated[0]] == [runs]  # where it ran, its first step started it: no gate's
+
+
+def test_a_gate_is_charged_the_step_its_choice_took_and_explores_the_other_choice():
+    costly = Slow("costly", [9, 10], [0.9, 0.8], cost=0.05, adaptive=True)
+    comp = CompositeDrafter([Fixed("cheap", [5], [0.2]), costly])
+    seqs = [torch.tensor([1, 2])]
+    for _ in range(2):  # the first step is ungated; the second runs costly: never measured running
+        comp.propose(seqs, 4, [0])
+        comp.commit(Accepted(seqs, [[0, 1]]))
+    (choice,) = comp.gated[0]
+    assert choice.ran
+    comp.propose(seqs, 4, [0])
+    gate = comp.records[1].gate
+    assert gate.tokens[choice.bin][True] == 3 and 0.05 <= gate.seconds[choice.bin][True] < 1.0
+    fresh = AskGate()
+    fresh.observe(0, True, 1, 1.0)
+    fresh.observe(0, False, 2, 1.0)
+    picks = []
+    for _ in range(2 * EXPLORE + 1):
+        picks.append(fresh.ask(0))
+        fresh.observe(0, picks[-1], 2 if not picks[-1] else 1, 1.0)
+    # the slower choice, once it has not been taken for EXPLORE steps (one step counted before the loop)
+    assert [i for i, ran in enumerate(picks) if ran] == [EXPLORE - 1, 2 * EXPLORE]
+
+
+def test_a_member_that_saved_less_than_its_start_up_cost_starts_once_every_few_rows():
+    record = MemberRecord()
+    assert record.should_start()  # no row finished with it yet
+    record.finish(start_s=0.5, saved_s=0.1)
+    picks = [record.should_start() for _ in range(2 * START_EXPLORE)]
+    assert [i for i, started in enumerate(picks) if started] == [START_EXPLORE - 1, 2 * START_EXPLORE - 1]
+    record.finish(start_s=0.5, saved_s=5.0)  # a row where it saved much more: the means now favour it
+    assert record.should_start() and record.should_start()
+
+
+def test_a_start_up_is_charged_to_the_row_apart_from_the_gates():
+    costly = Slow("costly", [9, 10], [0.9, 0.8], cost=0.05, adaptive=True)
+    comp = CompositeDrafter([Fixed("cheap", [5], [0.2]), costly])
+    seqs = [torch.tensor([1, 2])]
+    comp.begin(seqs, 16, None)
+    comp.propose(seqs, 4, [0])
+    assert costly.asked == [[0]] and comp.gated == {}  # started on the row: no gate's step
+    comp.commit(Accepted(seqs, [[0]]))
+    comp.begin(seqs, 16, None)  # the next call: the row finished
+    record = comp.records[1]
+    assert record.rows == 1 and record.start_s >= 0.05 and record.saved_s == 0.0
+    comp.propose(seqs, 4, [0])  # it saved nothing for its start-up: not started on the new row
+    assert costly.asked == [[0]] and [c.ran for c in comp.gated[0]] == [False]
 
 
 def test_the_spec_builds_a_composite_with_generates_sampling(target):
