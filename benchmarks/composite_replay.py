@@ -275,13 +275,12 @@ class Replay:
         learnt as decoding goes) and, with `records` (suffix, draft: kept across prompts, as `specdec
         eval` keeps a method's), the CompositeDrafter's rule beside the draft model: each proposal
         valued at (1 + its calibrated estimate) per second of verifying it, the draft run where its
-        gate measured that steps which ran it emitted more per second, started on the prompt where the
-        record says starting pays (the replay has no start-up cost: the draft's prompt prefill is not
-        in its costs), the best proposal verified (a plain step when there is none)."""
+        gate measured that steps which ran it emitted more per second, started on the prompt as the
+        record's rows with and without it decoded (the replay has no start-up cost: the draft's prompt
+        prefill is not in its costs), the best proposal verified (a plain step when there is none)."""
         plain_rate = 1.0 / self.verify[1]
         i, total = 1, 0.0
         state = "new"  # the draft on this prompt: new, started or declined
-        saved = 0.0  # seconds its steps saved on this prompt
         while i < self.N:
             probs = self.rec["suffix_p"][i]
             n = best_cut([cal.value(p) for p in probs], self.costs)
@@ -314,14 +313,11 @@ class Replay:
             seconds += self.rows_cost(n + 1)
             tokens = min(1 + acc, self.N - i)
             if records is not None and not starting:
-                skipped = records[1].gate.rate(gate_bin, False)
-                if ran and skipped:
-                    saved += tokens / skipped - seconds
                 records[1].gate.observe(gate_bin, ran, tokens, seconds)
             total += seconds
             i += tokens
-        if state == "started":
-            records[1].finish(0.0, saved)
+        if state != "new":
+            records[1].finish(state == "started", self.N - 1, total)
         return total
 
 

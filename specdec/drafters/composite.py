@@ -17,10 +17,11 @@ suffix drafter does, has already weighed it against a plain step). The loop's `a
 learns only from rows that verified a member drafting k (`DraftTree.tuned`).
 
 A costly member also costs something to start on a row: a draft model prefills the prompt (on the
-4-bit 0.5B ~0.45 s for 150 tokens, a tenth of a 128-token answer's decoding). So it is started on
-a row only when the gate first asks for it there, and only if, on the rows finished with it, the
-seconds its steps saved (each step's tokens at the measured rate of not running it, less the
-step's seconds) exceeded the seconds starting it took; otherwise once every START_EXPLORE rows.
+4-bit 0.5B ~0.45 s for 150 tokens, a tenth of a 128-token answer's decoding), and the steps it then
+wins must pay for that. So it is started on a row only when the gate first asks for it there, and
+then as a second, slower gate says: the rows finished with it started decoded more tokens per second
+(first step to last, start-up included) than the rows where it was declined; the other choice is
+taken once in START_EXPLORE rows.
 
 What a composite learns of its members (calibration, the gates) outlives a generate() call: a
 composite made from a spec keeps it per process and per spec text (`shared_records`; `specdec eval`
@@ -44,8 +45,8 @@ DECAY = 0.9  # weight of the past in a member's calibration
 GATE_DECAY = 0.95  # weight of the past in a gate's tokens and seconds
 GATE_EDGES = (1.05, 1.4, 2.0)  # bins of the best rate in hand, as a multiple of a plain step's
 EXPLORE = 48  # a gate takes the choice it has not taken for this many steps of a bin once (replayed: 12-96)
-ROW_DECAY = 0.8  # weight of the past in a member's start-up and saved seconds per row
-START_EXPLORE = 8  # a member that has not paid for its start-up is still started once in this many rows
+ROW_DECAY = 0.8  # weight of the past in the tokens and seconds of rows with and without a member started
+START_EXPLORE = 8  # the choice of starting a member or not that has decoded slower is taken once in this many rows
 
 
 class AskGate:
@@ -88,31 +89,36 @@ class AskGate:
 
 class MemberRecord:
     """What a composite knows of a member: its decayed accepted / expected tokens over the rows that
-    verified its proposal, and, for a costly member, the gate that says where running it pays and
-    what starting it on a row cost and saved (decayed means over the rows finished with it)."""
+    verified its proposal, and, for a costly member, the gate that says where running it pays and the
+    decayed tokens and seconds of the rows finished with it started and with it declined."""
 
     def __init__(self) -> None:
         self.accepted = self.expected = 1.0  # calibration starts at 1: the member's own estimate
         self.steps = 0
         self.gate = AskGate()
-        self.start_s = self.saved_s = 0.0
-        self.rows = 0  # rows finished with the member started
-        self.declined = 0  # rows it was not started on since it last was
+        self.row_tokens = [0.0, 0.0]  # [started]
+        self.row_seconds = [0.0, 0.0]
+        self.idle_rows = [0, 0]  # [started]: rows finished since that choice was last taken
+
+    def row_rate(self, started: bool) -> float | None:
+        """Measured tokens per second of the rows finished with the member started (or declined)."""
+        return self.row_tokens[started] / self.row_seconds[started] if self.row_seconds[started] else None
 
     def should_start(self) -> bool:
-        """Whether to start the member on a new row (module docstring); counts the row if not."""
-        if self.rows and self.saved_s <= self.start_s and self.declined + 1 < START_EXPLORE:
-            self.declined += 1
-            return False
-        self.declined = 0
-        return True
+        """Whether to start the member on a new row: started first, then declined, while either is
+        unmeasured; then the choice whose rows decoded faster, the other once in START_EXPLORE rows."""
+        started, declined = self.row_rate(True), self.row_rate(False)
+        if started is None or declined is None:
+            return started is None
+        best = started > declined
+        return (not best) if self.idle_rows[not best] >= START_EXPLORE - 1 else best
 
-    def finish(self, start_s: float, saved_s: float) -> None:
-        """A row finished with the member started: what starting it took and what its steps saved."""
-        w = ROW_DECAY if self.rows else 0.0
-        self.start_s = w * self.start_s + (1 - w) * start_s
-        self.saved_s = w * self.saved_s + (1 - w) * saved_s
-        self.rows += 1
+    def finish(self, started: bool, tokens: int, seconds: float) -> None:
+        """A row finished with the member started (or declined): its tokens and seconds of decoding."""
+        self.row_tokens[started] = ROW_DECAY * self.row_tokens[started] + tokens
+        self.row_seconds[started] = ROW_DECAY * self.row_seconds[started] + seconds
+        self.idle_rows[started] = 0
+        self.idle_rows[not started] += 1
 
     def calibration(self) -> float:
         return min(max(self.accepted / self.expected, 0.05), 2.0)
@@ -171,8 +177,10 @@ class CompositeDrafter(DrafterGroup):
         self.raw: list[float] = []  # per row: that proposal's expected accepted tokens, before calibration
         self.gated: dict[int, list[GateChoice]] = {}  # row -> its gate choices of the last step
         self.emitted: dict[int, int] = {}  # row -> tokens the last step emitted
-        self.started: dict[tuple[int, int], list[float]] = {}  # (member, row) -> [start-up s, saved s]
-        self.declined: set[tuple[int, int]] = set()  # (member, row) not started on that row
+        self.started: set[tuple[int, int]] = set()  # (member, row): started on that row
+        self.declined: set[tuple[int, int]] = set()  # (member, row): not started on that row
+        self.clock: dict[int, list[float]] = {}  # row -> [its first propose, its last commit, tokens emitted]
+        self.proposed: list[int] = []  # the rows of the last propose
         self._start = 0.0  # when the last step's propose began
 
     def max_nodes(self, k: int) -> int:
@@ -183,23 +191,28 @@ class CompositeDrafter(DrafterGroup):
 
     def begin(self, prompts: list[torch.Tensor], max_len: int, hidden: torch.Tensor | None) -> None:
         super().begin(prompts, max_len, hidden)
-        self._finish(self.started)
+        for row in list(self.clock):
+            self._finish(row)
         self.costs = BlockCosts()
-        self.gated, self.emitted, self.declined, self._start = {}, {}, set(), 0.0
+        self.gated, self.emitted, self.proposed, self._start = {}, {}, [], 0.0
 
     def admit(self, row: int, prompt: torch.Tensor, hidden: torch.Tensor | None) -> None:
-        self._finish([key for key in self.started if key[1] == row])
-        self.declined = {key for key in self.declined if key[1] != row}
+        self._finish(row)
         super().admit(row, prompt, hidden)
 
     def release(self, row: int) -> None:
-        self._finish([key for key in self.started if key[1] == row])
+        self._finish(row)
         super().release(row)
 
-    def _finish(self, keys) -> None:
-        """Record the (member, row)s in `keys` as finished rows of their members."""
-        for key in list(keys):
-            self.records[key[0]].finish(*self.started.pop(key))
+    def _finish(self, row: int) -> None:
+        """Row `row` is done: each costly member started or declined on it learns its decoding rate."""
+        first, last, tokens = self.clock.pop(row, (0.0, 0.0, 0))
+        for i in range(len(self.drafters)):
+            started, declined = (i, row) in self.started, (i, row) in self.declined
+            if (started or declined) and last > first:
+                self.records[i].finish(started, int(tokens), last - first)
+            self.started.discard((i, row))
+            self.declined.discard((i, row))
 
     @staticmethod
     def _estimate(tree: DraftTree, b: int) -> float:
@@ -223,16 +236,14 @@ class CompositeDrafter(DrafterGroup):
         for b, choices in self.gated.items():
             if b in self.emitted:
                 for c in choices:
-                    gate = self.records[c.member].gate
-                    skipped = gate.rate(c.bin, False)
-                    if c.ran and skipped and (c.member, b) in self.started:  # vs the same tokens without it
-                        self.started[c.member, b][1] += self.emitted[b] / skipped - seconds
-                    gate.observe(c.bin, c.ran, self.emitted[b], seconds)
+                    self.records[c.member].gate.observe(c.bin, c.ran, self.emitted[b], seconds)
 
     def propose(self, seqs: list[torch.Tensor], k: int, rows: list[int]) -> DraftTree:
         start = time.perf_counter()
         self._learn_gates(start)
-        self._start, self.gated, self.emitted = start, {}, {}
+        self._start, self.gated, self.emitted, self.proposed = start, {}, {}, list(rows)
+        for b in rows:
+            self.clock.setdefault(b, [start, start, 0])
         B = len(seqs)
         plain_rate = 1.0 / self._verify_s(1)
         best_rate = {b: plain_rate for b in rows}  # a plain step: one token per verification
@@ -252,19 +263,17 @@ class CompositeDrafter(DrafterGroup):
                         if (i, b) in self.started:
                             choice = dataclasses.replace(choice, ran=True)
                             ask.append(b)
-                        elif record.should_start():  # a start-up step is no gate's: it is charged apart
+                        elif record.should_start():  # a start-up step is no gate's: its row's rate has it
                             starting.append(b)
+                            self.started.add((i, b))
                             continue
                         else:
                             self.declined.add((i, b))
                     self.gated.setdefault(b, []).append(choice)
             if not ask and not starting:
                 continue
-            began = time.perf_counter()
-            tree = trees[i] = d.propose(seqs, k, ask + starting)
-            for b in starting:
-                self.started[i, b] = [(time.perf_counter() - began) / len(ask + starting), 0.0]
             ask += starting
+            tree = trees[i] = d.propose(seqs, k, ask)
             for b in ask:
                 raw[i, b] = self._estimate(tree, b)
                 n = int(tree.lens[b])
@@ -312,6 +321,11 @@ class CompositeDrafter(DrafterGroup):
             if c >= 0:
                 self.records[c].observe(self.raw[b], len(accepted.paths[b]))
         self.emitted = {b: 1 + len(accepted.paths[b]) for b in self.gated}
+        now = time.perf_counter()
+        for b in self.proposed:
+            if b in self.clock:
+                self.clock[b][1] = now
+                self.clock[b][2] += 1 + len(accepted.paths[b])
 
     def source(self, row: int) -> str:
         c = self.chosen[row] if row < len(self.chosen) else -1

@@ -172,17 +172,23 @@ def test_a_gate_is_charged_the_step_its_choice_took_and_explores_the_other_choic
     assert [i for i, ran in enumerate(picks) if ran] == [EXPLORE - 1, 2 * EXPLORE]
 
 
-def test_a_member_that_saved_less_than_its_start_up_cost_starts_once_every_few_rows():
+def test_a_member_starts_on_rows_as_the_rows_with_it_decoded_faster_than_without():
     record = MemberRecord()
-    assert record.should_start()  # no row finished with it yet
-    record.finish(start_s=0.5, saved_s=0.1)
-    picks = [record.should_start() for _ in range(2 * START_EXPLORE)]
-    assert [i for i, started in enumerate(picks) if started] == [START_EXPLORE - 1, 2 * START_EXPLORE - 1]
-    record.finish(start_s=0.5, saved_s=5.0)  # a row where it saved much more: the means now favour it
-    assert record.should_start() and record.should_start()
+    assert record.should_start()  # no row finished with it started yet
+    record.finish(True, 10, 1.0)
+    assert not record.should_start()  # nor declined
+    record.finish(False, 20, 1.0)  # rows without it decode twice as fast
+    picks = []
+    for _ in range(2 * START_EXPLORE):
+        picks.append(record.should_start())
+        record.finish(picks[-1], 10 if picks[-1] else 20, 1.0)
+    assert picks.count(True) == 2 and not picks[0]  # started once in START_EXPLORE rows, to stay measured
+    for _ in range(3):
+        record.finish(True, 100, 1.0)  # rows with it start decoding much faster
+    assert record.should_start()
 
 
-def test_a_start_up_is_charged_to_the_row_apart_from_the_gates():
+def test_a_rows_start_up_is_no_gates_step_and_its_rate_teaches_the_start_choice():
     costly = Slow("costly", [9, 10], [0.9, 0.8], cost=0.05, adaptive=True)
     comp = CompositeDrafter([Fixed("cheap", [5], [0.2]), costly])
     seqs = [torch.tensor([1, 2])]
@@ -192,9 +198,12 @@ def test_a_start_up_is_charged_to_the_row_apart_from_the_gates():
     comp.commit(Accepted(seqs, [[0]]))
     comp.begin(seqs, 16, None)  # the next call: the row finished
     record = comp.records[1]
-    assert record.rows == 1 and record.start_s >= 0.05 and record.saved_s == 0.0
-    comp.propose(seqs, 4, [0])  # it saved nothing for its start-up: not started on the new row
+    assert record.row_tokens[True] == 2 and record.row_seconds[True] >= 0.05
+    comp.propose(seqs, 4, [0])  # rows without it not measured yet: declined on this one
     assert costly.asked == [[0]] and [c.ran for c in comp.gated[0]] == [False]
+    comp.commit(Accepted(seqs, [[0]]))
+    comp.begin(seqs, 16, None)
+    assert record.row_rate(False) > record.row_rate(True)
 
 
 def test_the_spec_builds_a_composite_with_generates_sampling(target):
