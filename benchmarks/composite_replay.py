@@ -280,7 +280,7 @@ class Replay:
         prefill is not in its costs), the best proposal verified (a plain step when there is none)."""
         plain_rate = 1.0 / self.verify[1]
         i, total = 1, 0.0
-        state = "new"  # the draft on this prompt: new, started or declined
+        state, row = "new", None  # the draft on this prompt: new, started or declined; the record's row
         while i < self.N:
             probs = self.rec["suffix_p"][i]
             n = best_cut([cal.value(p) for p in probs], self.costs)
@@ -296,6 +296,7 @@ class Replay:
             if starting:
                 state = "started" if records[1].should_start() else "declined"
                 ran = state == "started"
+                row = records[1].new_row(ran)
             if ran:
                 m = min(k, self.stop[i])
                 drafting, _, raw = self.draft(i, k)
@@ -316,8 +317,8 @@ class Replay:
                 records[1].gate.observe(gate_bin, ran, tokens, seconds)
             total += seconds
             i += tokens
-        if state != "new":
-            records[1].finish(state == "started", self.N - 1, total)
+        if row is not None:
+            row[:] = [self.N - 1, total]
         return total
 
 

@@ -19,9 +19,9 @@ learns only from rows that verified a member drafting k (`DraftTree.tuned`).
 A costly member also costs something to start on a row: a draft model prefills the prompt (on the
 4-bit 0.5B ~0.45 s for 150 tokens, a tenth of a 128-token answer's decoding), and the steps it then
 wins must pay for that. So it is started on a row only when the gate first asks for it there, and
-then as a second, slower gate says: the rows finished with it started decoded more tokens per second
-(first step to last, start-up included) than the rows where it was declined; the other choice is
-taken once in START_EXPLORE rows.
+then as a second, slower gate says: the last ROWS rows with it started (start-up included) decoded
+more tokens per second than the last ROWS rows where it was declined (medians: a row that compiled a
+program says nothing); the other choice is taken once in START_EXPLORE rows.
 
 What a composite learns of its members (calibration, the gates) outlives a generate() call: a
 composite made from a spec keeps it per process and per spec text (`shared_records`; `specdec eval`
@@ -32,8 +32,10 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import statistics
 import threading
 import time
+from collections import deque
 
 import torch
 
@@ -45,7 +47,7 @@ DECAY = 0.9  # weight of the past in a member's calibration
 GATE_DECAY = 0.95  # weight of the past in a gate's tokens and seconds
 GATE_EDGES = (1.05, 1.4, 2.0)  # bins of the best rate in hand, as a multiple of a plain step's
 EXPLORE = 48  # a gate takes the choice it has not taken for this many steps of a bin once (replayed: 12-96)
-ROW_DECAY = 0.8  # weight of the past in the tokens and seconds of rows with and without a member started
+ROWS = 8  # rows with and without a member started whose decoding rates decide the next row's start
 START_EXPLORE = 8  # the choice of starting a member or not that has decoded slower is taken once in this many rows
 
 
@@ -90,35 +92,38 @@ class AskGate:
 class MemberRecord:
     """What a composite knows of a member: its decayed accepted / expected tokens over the rows that
     verified its proposal, and, for a costly member, the gate that says where running it pays and the
-    decayed tokens and seconds of the rows finished with it started and with it declined."""
+    tokens and seconds of the last ROWS rows with it started and with it declined."""
 
     def __init__(self) -> None:
         self.accepted = self.expected = 1.0  # calibration starts at 1: the member's own estimate
         self.steps = 0
         self.gate = AskGate()
-        self.row_tokens = [0.0, 0.0]  # [started]
-        self.row_seconds = [0.0, 0.0]
-        self.idle_rows = [0, 0]  # [started]: rows finished since that choice was last taken
+        self.rows: tuple[deque, deque] = (deque(maxlen=ROWS), deque(maxlen=ROWS))  # [started]: [tokens, seconds]
+        self.idle_rows = [0, 0]  # [started]: rows decided since that choice was last taken
 
     def row_rate(self, started: bool) -> float | None:
-        """Measured tokens per second of the rows finished with the member started (or declined)."""
-        return self.row_tokens[started] / self.row_seconds[started] if self.row_seconds[started] else None
+        """The median tokens per second of the last rows with the member started (or declined)."""
+        rates = [tokens / seconds for tokens, seconds in self.rows[started] if seconds > 0]
+        return statistics.median(rates) if rates else None
 
     def should_start(self) -> bool:
         """Whether to start the member on a new row: started first, then declined, while either is
-        unmeasured; then the choice whose rows decoded faster, the other once in START_EXPLORE rows."""
+        unmeasured; then the choice whose rows decode faster, the other once in START_EXPLORE rows."""
         started, declined = self.row_rate(True), self.row_rate(False)
         if started is None or declined is None:
-            return started is None
-        best = started > declined
-        return (not best) if self.idle_rows[not best] >= START_EXPLORE - 1 else best
+            choice = started is None
+        else:
+            best = started > declined
+            choice = (not best) if self.idle_rows[not best] >= START_EXPLORE - 1 else best
+        self.idle_rows[choice] = 0
+        self.idle_rows[not choice] += 1
+        return choice
 
-    def finish(self, started: bool, tokens: int, seconds: float) -> None:
-        """A row finished with the member started (or declined): its tokens and seconds of decoding."""
-        self.row_tokens[started] = ROW_DECAY * self.row_tokens[started] + tokens
-        self.row_seconds[started] = ROW_DECAY * self.row_seconds[started] + seconds
-        self.idle_rows[started] = 0
-        self.idle_rows[not started] += 1
+    def new_row(self, started: bool) -> list[float]:
+        """A row's [tokens, seconds], kept among the rows with the member started (or declined), for
+        the caller to add each of the row's steps to."""
+        self.rows[started].append([0, 0.0])
+        return self.rows[started][-1]
 
     def calibration(self) -> float:
         return min(max(self.accepted / self.expected, 0.05), 2.0)
@@ -179,7 +184,7 @@ class CompositeDrafter(DrafterGroup):
         self.emitted: dict[int, int] = {}  # row -> tokens the last step emitted
         self.started: set[tuple[int, int]] = set()  # (member, row): started on that row
         self.declined: set[tuple[int, int]] = set()  # (member, row): not started on that row
-        self.clock: dict[int, list[float]] = {}  # row -> [its first propose, its last commit, tokens emitted]
+        self.row_steps: dict[tuple[int, int], list[float]] = {}  # (member, row) -> its [tokens, seconds]
         self.proposed: list[int] = []  # the rows of the last propose
         self._start = 0.0  # when the last step's propose began
 
@@ -191,28 +196,22 @@ class CompositeDrafter(DrafterGroup):
 
     def begin(self, prompts: list[torch.Tensor], max_len: int, hidden: torch.Tensor | None) -> None:
         super().begin(prompts, max_len, hidden)
-        for row in list(self.clock):
-            self._finish(row)
         self.costs = BlockCosts()
         self.gated, self.emitted, self.proposed, self._start = {}, {}, [], 0.0
+        self.started, self.declined, self.row_steps = set(), set(), {}
 
     def admit(self, row: int, prompt: torch.Tensor, hidden: torch.Tensor | None) -> None:
-        self._finish(row)
+        self._forget(row)
         super().admit(row, prompt, hidden)
 
     def release(self, row: int) -> None:
-        self._finish(row)
+        self._forget(row)
         super().release(row)
 
-    def _finish(self, row: int) -> None:
-        """Row `row` is done: each costly member started or declined on it learns its decoding rate."""
-        first, last, tokens = self.clock.pop(row, (0.0, 0.0, 0))
-        for i in range(len(self.drafters)):
-            started, declined = (i, row) in self.started, (i, row) in self.declined
-            if (started or declined) and last > first:
-                self.records[i].finish(started, int(tokens), last - first)
-            self.started.discard((i, row))
-            self.declined.discard((i, row))
+    def _forget(self, row: int) -> None:
+        self.started = {key for key in self.started if key[1] != row}
+        self.declined = {key for key in self.declined if key[1] != row}
+        self.row_steps = {key: v for key, v in self.row_steps.items() if key[1] != row}
 
     @staticmethod
     def _estimate(tree: DraftTree, b: int) -> float:
@@ -242,8 +241,6 @@ class CompositeDrafter(DrafterGroup):
         start = time.perf_counter()
         self._learn_gates(start)
         self._start, self.gated, self.emitted, self.proposed = start, {}, {}, list(rows)
-        for b in rows:
-            self.clock.setdefault(b, [start, start, 0])
         B = len(seqs)
         plain_rate = 1.0 / self._verify_s(1)
         best_rate = {b: plain_rate for b in rows}  # a plain step: one token per verification
@@ -266,9 +263,11 @@ class CompositeDrafter(DrafterGroup):
                         elif record.should_start():  # a start-up step is no gate's: its row's rate has it
                             starting.append(b)
                             self.started.add((i, b))
+                            self.row_steps[i, b] = record.new_row(True)
                             continue
                         else:
                             self.declined.add((i, b))
+                            self.row_steps[i, b] = record.new_row(False)
                     self.gated.setdefault(b, []).append(choice)
             if not ask and not starting:
                 continue
@@ -321,11 +320,11 @@ class CompositeDrafter(DrafterGroup):
             if c >= 0:
                 self.records[c].observe(self.raw[b], len(accepted.paths[b]))
         self.emitted = {b: 1 + len(accepted.paths[b]) for b in self.gated}
-        now = time.perf_counter()
-        for b in self.proposed:
-            if b in self.clock:
-                self.clock[b][1] = now
-                self.clock[b][2] += 1 + len(accepted.paths[b])
+        seconds = time.perf_counter() - self._start  # this step's drafting and verification
+        for (i, b), row in self.row_steps.items():
+            if b in self.proposed:
+                row[0] += 1 + len(accepted.paths[b])
+                row[1] += seconds
 
     def source(self, row: int) -> str:
         c = self.chosen[row] if row < len(self.chosen) else -1

@@ -10,7 +10,7 @@ import torch
 import specdec
 from specdec.drafter import Accepted, Drafter, DraftTree
 from specdec.drafters import CompositeDrafter, DrafterSpec, make_drafter
-from specdec.drafters.composite import EXPLORE, GATE_EDGES, START_EXPLORE, AskGate, MemberRecord, shared_records
+from specdec.drafters.composite import EXPLORE, GATE_EDGES, ROWS, START_EXPLORE, AskGate, MemberRecord, shared_records
 from specdec.drafters.suffix import SuffixCache, SuffixConfig, SuffixDrafter
 from tests.specdec.test_decode import _rows, _same, assert_two_token_law
 
@@ -174,17 +174,22 @@ def test_a_gate_is_charged_the_step_its_choice_took_and_explores_the_other_choic
 
 def test_a_member_starts_on_rows_as_the_rows_with_it_decoded_faster_than_without():
     record = MemberRecord()
-    assert record.should_start()  # no row finished with it started yet
-    record.finish(True, 10, 1.0)
+
+    def row(started: bool, rate: float) -> None:  # a finished row of 10 tokens at `rate` tokens/s
+        record.new_row(started)[:] = [10, 10 / rate]
+
+    assert record.should_start()  # no row with it started yet
+    row(True, 10.0)
     assert not record.should_start()  # nor declined
-    record.finish(False, 20, 1.0)  # rows without it decode twice as fast
+    row(False, 20.0)  # rows without it decode twice as fast
     picks = []
     for _ in range(2 * START_EXPLORE):
         picks.append(record.should_start())
-        record.finish(picks[-1], 10 if picks[-1] else 20, 1.0)
+        row(picks[-1], 10.0 if picks[-1] else 20.0)
     assert picks.count(True) == 2 and not picks[0]  # started once in START_EXPLORE rows, to stay measured
-    for _ in range(3):
-        record.finish(True, 100, 1.0)  # rows with it start decoding much faster
+    for _ in range(ROWS - 1):
+        row(True, 100.0)  # rows with it now decode much faster
+    row(True, 0.01)  # and one compiled a program: the median ignores it
     assert record.should_start()
 
 
@@ -196,13 +201,12 @@ def test_a_rows_start_up_is_no_gates_step_and_its_rate_teaches_the_start_choice(
     comp.propose(seqs, 4, [0])
     assert costly.asked == [[0]] and comp.gated == {}  # started on the row: no gate's step
     comp.commit(Accepted(seqs, [[0]]))
-    comp.begin(seqs, 16, None)  # the next call: the row finished
     record = comp.records[1]
-    assert record.row_tokens[True] == 2 and record.row_seconds[True] >= 0.05
+    assert record.rows[True][-1][0] == 2 and record.rows[True][-1][1] >= 0.05
+    comp.begin(seqs, 16, None)  # the next call
     comp.propose(seqs, 4, [0])  # rows without it not measured yet: declined on this one
     assert costly.asked == [[0]] and [c.ran for c in comp.gated[0]] == [False]
     comp.commit(Accepted(seqs, [[0]]))
-    comp.begin(seqs, 16, None)
     assert record.row_rate(False) > record.row_rate(True)
 
 
