@@ -689,7 +689,8 @@ COMPILE_WARMUP_DRAFTS = (1, 3, 7)
 
 def _warm_up(runner: Runner, spec: MethodSpec, prompts: list[Prompt]) -> None:
     """One untimed generation of `spec` on the first of `prompts` whose first turn fits the context;
-    with --compile, drafting methods also run at COMPILE_WARMUP_DRAFTS (a few tokens each)."""
+    with --compile, drafting methods also run at COMPILE_WARMUP_DRAFTS (a few tokens each), and a
+    composite's members each alone (the programs of a member it seldom runs)."""
     for prompt in prompts:
         ids = encode(runner.tokenizer, [prompt.turns[0]], [], runner.cfg.raw)
         try:
@@ -701,6 +702,9 @@ def _warm_up(runner: Runner, spec: MethodSpec, prompts: list[Prompt]) -> None:
                 runner.decode(dataclasses.replace(spec, num_draft_tokens=k), ids, runner.cfg.seed)
         if runner.cfg.compile and spec.drafter is not None and "suffix" in spec.drafter.kinds:
             compile_block_steps(runner.target)  # its trees change size every step
+        if runner.cfg.compile and spec.kind == "best":  # its gates may not run a draft model in these runs
+            for member in spec.drafter.members:
+                _warm_up(runner, MethodSpec.parse(str(member)), [prompt])
         return
 
 

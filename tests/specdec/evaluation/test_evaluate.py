@@ -507,3 +507,19 @@ def test_suffix_methods_draft_from_their_own_answers_and_not_the_warm_up(workdir
     runner.method = "suffix"
     records.append(runner.loader.composite_records("ngram|suffix", 2))
     assert records[0] is not records[1] and records[1] is runner.loader.composite_records("ngram|suffix", 2)
+
+
+def test_a_compiled_warm_up_runs_a_composites_members_alone_too():
+    """A composite's gates may never run its draft model in the warm-up: each member is warmed up
+    alone as well, so no member compiles a program while it is timed."""
+    from types import SimpleNamespace
+
+    from specdec.evaluation.prompts import Prompt
+
+    decoded = []
+    runner = SimpleNamespace(cfg=SimpleNamespace(compile=True, raw=True, seed=0), target=object(),
+                             tokenizer=lambda text, add_special_tokens: {"input_ids": [1, 2, 3]},
+                             decode=lambda spec, ids, seed: decoded.append((spec.name, spec.num_draft_tokens)))
+    evaluate._warm_up(runner, MethodSpec.parse("suffix|draft:d@auto"), [Prompt("p", "code", ("x",))])
+    assert [name for name, _ in decoded] == ["suffix|draft:d@auto"] * 4 + ["suffix"] + ["draft:d@auto"] * 4
+    assert [k for name, k in decoded if name == "draft:d@auto"] == ["auto", *evaluate.COMPILE_WARMUP_DRAFTS]
