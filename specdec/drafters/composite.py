@@ -181,10 +181,8 @@ class CompositeDrafter(DrafterGroup):
         self.chosen: list[int] = []  # per row: the member whose proposal was verified last step (-1: none)
         self.raw: list[float] = []  # per row: that proposal's expected accepted tokens, before calibration
         self.gated: dict[int, list[GateChoice]] = {}  # row -> its gate choices of the last step
-        self.emitted: dict[int, int] = {}  # row -> tokens the last step emitted
-        self.started: set[tuple[int, int]] = set()  # (member, row): started on that row
-        self.declined: set[tuple[int, int]] = set()  # (member, row): not started on that row
-        self.row_steps: dict[tuple[int, int], list[float]] = {}  # (member, row) -> its [tokens, seconds]
+        # (member, row) -> whether the member was started on the row, and the row's [tokens, seconds] in its record
+        self.decided: dict[tuple[int, int], tuple[bool, list[float]]] = {}
         self.proposed: list[int] = []  # the rows of the last propose
         self._start = 0.0  # when the last step's propose began
 
@@ -197,8 +195,7 @@ class CompositeDrafter(DrafterGroup):
     def begin(self, prompts: list[torch.Tensor], max_len: int, hidden: torch.Tensor | None) -> None:
         super().begin(prompts, max_len, hidden)
         self.costs = BlockCosts()
-        self.gated, self.emitted, self.proposed, self._start = {}, {}, [], 0.0
-        self.started, self.declined, self.row_steps = set(), set(), {}
+        self.gated, self.decided, self.proposed, self._start = {}, {}, [], 0.0
 
     def admit(self, row: int, prompt: torch.Tensor, hidden: torch.Tensor | None) -> None:
         self._forget(row)
@@ -209,9 +206,7 @@ class CompositeDrafter(DrafterGroup):
         super().release(row)
 
     def _forget(self, row: int) -> None:
-        self.started = {key for key in self.started if key[1] != row}
-        self.declined = {key for key in self.declined if key[1] != row}
-        self.row_steps = {key: v for key, v in self.row_steps.items() if key[1] != row}
+        self.decided = {key: v for key, v in self.decided.items() if key[1] != row}
 
     @staticmethod
     def _estimate(tree: DraftTree, b: int) -> float:
@@ -226,21 +221,28 @@ class CompositeDrafter(DrafterGroup):
         choice is by expected tokens)."""
         return self.costs.cost(rows) if self.costs.sizes() else 1.0
 
-    def _learn_gates(self, start: float) -> None:
-        """Charge the last step (its propose to this one's) to the gate choices its rows made."""
-        seconds = start - self._start
-        if not self._start or not self.gated or (
-                self.costs.sizes() and seconds > OUTLIER * self._verify_s(1)):  # a compile, not a step
-            return
-        for b, choices in self.gated.items():
-            if b in self.emitted:
-                for c in choices:
-                    self.records[c.member].gate.observe(c.bin, c.ran, self.emitted[b], seconds)
+    def _gate(self, i: int, rows: list[int], best_rate: dict[int, float], plain_rate: float) -> list[int]:
+        """The rows costly member i drafts for this step: where its gate asks for it and it is started
+        on the row, or is started there now (a start-up step is no gate's: its row's rate has it).
+        Every other row's choice is kept for the gate (`gated`)."""
+        record, ask = self.records[i], []
+        for b in rows:
+            gate_bin = AskGate.bin(best_rate[b] / plain_rate)
+            wanted = record.gate.ask(gate_bin)
+            if wanted and (i, b) not in self.decided:
+                started = record.should_start()
+                self.decided[i, b] = (started, record.new_row(started))
+                if started:
+                    ask.append(b)
+                    continue
+            ran = wanted and self.decided[i, b][0]
+            if ran:
+                ask.append(b)
+            self.gated.setdefault(b, []).append(GateChoice(i, gate_bin, ran))
+        return ask
 
     def propose(self, seqs: list[torch.Tensor], k: int, rows: list[int]) -> DraftTree:
-        start = time.perf_counter()
-        self._learn_gates(start)
-        self._start, self.gated, self.emitted, self.proposed = start, {}, {}, list(rows)
+        self._start, self.gated, self.proposed = time.perf_counter(), {}, list(rows)
         B = len(seqs)
         plain_rate = 1.0 / self._verify_s(1)
         best_rate = {b: plain_rate for b in rows}  # a plain step: one token per verification
@@ -251,27 +253,9 @@ class CompositeDrafter(DrafterGroup):
                                                                    self.drafters[i].draft_cost(k)))
         for i in order:  # cheapest first: a costly member's gate reads the best proposal in hand
             d, record = self.drafters[i], self.records[i]
-            ask, starting = list(rows), []
-            if d.costly:
-                ask = []
-                for b in rows:
-                    choice = GateChoice(i, AskGate.bin(best_rate[b] / plain_rate), False)
-                    if record.gate.ask(choice.bin) and (i, b) not in self.declined:
-                        if (i, b) in self.started:
-                            choice = dataclasses.replace(choice, ran=True)
-                            ask.append(b)
-                        elif record.should_start():  # a start-up step is no gate's: its row's rate has it
-                            starting.append(b)
-                            self.started.add((i, b))
-                            self.row_steps[i, b] = record.new_row(True)
-                            continue
-                        else:
-                            self.declined.add((i, b))
-                            self.row_steps[i, b] = record.new_row(False)
-                    self.gated.setdefault(b, []).append(choice)
-            if not ask and not starting:
+            ask = self._gate(i, rows, best_rate, plain_rate) if d.costly else list(rows)
+            if not ask:
                 continue
-            ask += starting
             tree = trees[i] = d.propose(seqs, k, ask)
             for b in ask:
                 raw[i, b] = self._estimate(tree, b)
@@ -311,7 +295,8 @@ class CompositeDrafter(DrafterGroup):
 
     def commit(self, accepted: Accepted) -> None:
         """Tell each member which rows verified its proposal; learn the block's cost, the chosen
-        members' calibration and what each gated row emitted."""
+        members' calibration, and charge the step (its propose to now) to its rows' gate choices and
+        start decisions."""
         for i, d in enumerate(self.drafters):
             d.commit(dataclasses.replace(accepted, verified=[c == i for c in self.chosen]))
         if accepted.target_s > 0:
@@ -319,9 +304,12 @@ class CompositeDrafter(DrafterGroup):
         for b, c in enumerate(self.chosen):
             if c >= 0:
                 self.records[c].observe(self.raw[b], len(accepted.paths[b]))
-        self.emitted = {b: 1 + len(accepted.paths[b]) for b in self.gated}
         seconds = time.perf_counter() - self._start  # this step's drafting and verification
-        for (i, b), row in self.row_steps.items():
+        if not (self.costs.sizes() and seconds > OUTLIER * self._verify_s(1)):  # else a compile, not a step
+            for b, choices in self.gated.items():
+                for c in choices:
+                    self.records[c.member].gate.observe(c.bin, c.ran, 1 + len(accepted.paths[b]), seconds)
+        for (_, b), (_, row) in self.decided.items():
             if b in self.proposed:
                 row[0] += 1 + len(accepted.paths[b])
                 row[1] += seconds
