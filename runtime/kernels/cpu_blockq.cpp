@@ -24,7 +24,8 @@
 //     (both exact), which saves a shift per 64 bytes.
 //   sc, mc (N/W, K/G, W) int8 (mc may be sc); d, dm (N/W, K/S, W) float32.
 // Paths: AMX (TDPBSUD, 16 rows a tile) for calls of several rows on CPUs with AMX-INT8; AVX-512
-// VNNI (VPDPBUSD) for one row, or every row count without AMX; plain C++ elsewhere (slow, exact).
+// VNNI (VPDPBUSD, up to 4 rows per pass over a block's codes) for fewer rows, or every row count
+// without AMX; AVX2 (VPMADDUBSW + VPMADDWD) on CPUs without AVX-512; plain C++ elsewhere (slow, exact).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -49,7 +50,7 @@ constexpr int kActBlock = 32;   // inputs per activation scale
 // bare read only when every line is prefetched ~4 KB ahead (about half of it otherwise).
 constexpr int kPrefetchBytes = 4096;
 
-enum Isa : int64_t { kAuto = 0, kGeneric = 1, kVnni = 2, kAmx = 3 };
+enum Isa : int64_t { kAuto = 0, kGeneric = 1, kVnni = 2, kAmx = 3, kAvx2 = 4 };
 
 constexpr int block_width(int bits) { return bits == 8 ? 16 : 32; }
 // bytes of one group of one block: the low-nibble rows (or 8-bit rows), then the bit planes
@@ -95,6 +96,12 @@ bool os_avx512() {
 bool has_vnni() {
   static const bool ok = os_avx512() && cpu_has(7, 0, 1, 16) /*avx512f*/ && cpu_has(7, 0, 1, 30) /*bw*/ &&
                          cpu_has(7, 0, 1, 31) /*vl*/ && cpu_has(7, 0, 2, 11) /*avx512_vnni*/;
+  return ok;
+}
+
+bool has_avx2() {
+  static const bool ok = cpu_has(1, 0, 2, 27) /*osxsave*/ && (xgetbv0() & 0x6) == 0x6 /*SSE, AVX state*/ &&
+                         cpu_has(7, 0, 1, 5) /*avx2*/ && cpu_has(1, 0, 2, 12) /*fma*/;
   return ok;
 }
 
@@ -357,9 +364,155 @@ template <int BITS, int G, typename T>
 SPECDEC_AVX512 void gemm_vnni(const Weights& w, const Acts& a, const float* bias, T* y, int64_t b0, int64_t b1) {
   for (int64_t b = b0; b < b1; ++b) {
     int64_t m = 0;
-    for (; m + 2 <= a.M; m += 2) vnni_block<BITS, G, T, 2>(w, a, m, bias, y, b);
-    if (m < a.M) vnni_block<BITS, G, T, 1>(w, a, m, bias, y, b);
+    for (; m + 4 <= a.M; m += 4) vnni_block<BITS, G, T, 4>(w, a, m, bias, y, b);
+    switch (a.M - m) {
+      case 3: vnni_block<BITS, G, T, 3>(w, a, m, bias, y, b); break;
+      case 2: vnni_block<BITS, G, T, 2>(w, a, m, bias, y, b); break;
+      case 1: vnni_block<BITS, G, T, 1>(w, a, m, bias, y, b); break;
+      default: break;
+    }
   }
+}
+
+// ---------------------------------------------------------------- AVX2 path
+
+// CPUs without AVX-512 (most laptops and desktops, older servers): VPMADDUBSW + VPMADDWD in 256-bit
+// vectors compute the same exact int32 dot products as VPDPBUSD, and the float epilogue runs the same
+// operations in the same order on 8 lanes at a time, so every output bit equals the other paths'.
+// A 64-byte code row is two halves of 8 channels; VPMADDUBSW saturates past 32767, so the codes it
+// multiplies stay below 128: 4-bit codes are split into nibbles, 8-bit ones into bits 0-6 and bit 7.
+
+#define SPECDEC_AVX2_FN __attribute__((target("avx2,fma")))
+
+SPECDEC_AVX2_FN inline __m256 int8_to_float8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+
+// acc + the sums of 4 products per 32-bit lane: unsigned codes w (< 128) by signed activations x
+SPECDEC_AVX2_FN inline __m256i dot4_avx2(__m256i acc, __m256i w, __m256i x) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+}
+
+// 0x10 in byte j where bit j of m is set (bit 4 of the 5-bit codes of one half row)
+SPECDEC_AVX2_FN inline __m256i plane_bits(uint32_t m) {
+  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i bit = _mm256_set1_epi64x((int64_t)0x8040201008040201ull);
+  const __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int32_t)m), spread), bit);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(v, bit), _mm256_set1_epi8(0x10));
+}
+
+// Rows m0 .. m0 + MT - 1 of block b, channels h*8 .. h*8 + 7 of each set (half h of every code row).
+template <int BITS, int G, typename T, int MT>
+SPECDEC_AVX2_FN void avx2_half(const Weights& w, const Acts& a, int64_t m0, const float* bias, T* y, int64_t b,
+                               int h) {
+  constexpr int W = block_width(BITS), S = W / kLanes, R = G / 4, kGroupBytes = group_bytes(BITS, G);
+  // code rows whose VPMADDUBSW results add up in int16 without overflow: 2 * kSpan products of a code
+  // (< 16 or < 32) and an activation (|x| <= 127) per 16-bit lane stay under 32768
+  constexpr int kSpan = BITS == 4 ? R : 4;
+  static_assert(R % kSpan == 0, "a group holds whole spans");
+  const int64_t groups = w.K / G, supers = w.K / w.S, gps = w.S / G, K = a.K;
+  const uint8_t* codes = w.codes + b * groups * kGroupBytes;
+  const int8_t* sc = w.sc + b * groups * W + h * 8;
+  const int8_t* mc = w.mc + b * groups * W + h * 8;
+  const float* d = w.d + b * supers * W + h * 8;
+  const float* dm = w.dm ? w.dm + b * supers * W + h * 8 : nullptr;
+  __m256 ya[MT][S], aa[MT][S], ba[MT][S];
+  for (int i = 0; i < MT; ++i)
+    for (int s = 0; s < S; ++s) ya[i][s] = aa[i][s] = ba[i][s] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(0x0F), bit7 = _mm256_set1_epi8((char)0x80);
+  int64_t g = 0;
+  for (int64_t sb = 0; sb < supers; ++sb) {
+    for (int64_t j = 0; j < gps; ++j, ++g) {
+      const uint8_t* grp = codes + g * kGroupBytes;
+      const char* ahead = (const char*)grp + kPrefetchBytes;
+      for (int off = h * 32; off < kGroupBytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
+      __m256i dot[MT][S], part[MT][S];  // part: int16 sums of VPMADDUBSW over kSpan code rows
+      for (int i = 0; i < MT; ++i)
+        for (int s = 0; s < S; ++s) dot[i][s] = part[i][s] = _mm256_setzero_si256();
+      for (int r = 0; r < R; ++r) {
+        const __m256i row = _mm256_loadu_si256((const __m256i*)(grp + r * 64 + h * 32));
+        __m256i c0, c1;  // 4 / 5 bits: the codes of set 0 and set 1; 8 bits: bits 0-6 and bit 7
+        if constexpr (BITS == 8) {
+          c0 = _mm256_andnot_si256(bit7, row);
+          c1 = _mm256_and_si256(bit7, row);
+        } else {
+          c0 = _mm256_and_si256(row, low);
+          c1 = _mm256_and_si256(_mm256_srli_epi16(row, 4), low);
+          if constexpr (BITS == 5) {
+            uint32_t p0, p1;
+            const uint8_t* planes = grp + 16 * G + r * 16 + h * 4;
+            std::memcpy(&p0, planes, 4);
+            std::memcpy(&p1, planes + 8, 4);
+            c0 = _mm256_or_si256(c0, plane_bits(p0));
+            c1 = _mm256_or_si256(c1, plane_bits(p1));
+          }
+        }
+        for (int i = 0; i < MT; ++i) {
+          int32_t x4;
+          std::memcpy(&x4, a.xq + (m0 + i) * K + g * G + 4 * r, 4);
+          const __m256i xb = _mm256_set1_epi32(x4);
+          if constexpr (BITS == 8) {
+            dot[i][0] = dot4_avx2(dot4_avx2(dot[i][0], c0, xb), c1, xb);
+          } else {
+            part[i][0] = _mm256_add_epi16(part[i][0], _mm256_maddubs_epi16(c0, xb));
+            part[i][1] = _mm256_add_epi16(part[i][1], _mm256_maddubs_epi16(c1, xb));
+            if ((r + 1) % kSpan == 0)
+              for (int s = 0; s < S; ++s) {
+                dot[i][s] = _mm256_add_epi32(dot[i][s], _mm256_madd_epi16(part[i][s], _mm256_set1_epi16(1)));
+                part[i][s] = _mm256_setzero_si256();
+              }
+          }
+        }
+      }
+      for (int s = 0; s < S; ++s) {
+        __m256 scf = int8_to_float8(sc + g * W + s * kLanes);
+        if (BITS == 4 && s == 1) scf = _mm256_mul_ps(scf, _mm256_set1_ps(0.0625f));
+        const __m256 mcf = int8_to_float8(mc + g * W + s * kLanes);
+        for (int i = 0; i < MT; ++i) {
+          // 4 bits, set 1: the other paths multiply 16 x the high codes (see the file's header)
+          const __m256i dv = (BITS == 4 && s == 1) ? _mm256_slli_epi32(dot[i][s], 4) : dot[i][s];
+          const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(dv), scf);
+          aa[i][s] = _mm256_fmadd_ps(t, _mm256_set1_ps(a.dx[(m0 + i) * (K / kActBlock) + g * G / kActBlock]), aa[i][s]);
+          ba[i][s] = _mm256_fmadd_ps(mcf, _mm256_set1_ps(a.xs[(m0 + i) * groups + g]), ba[i][s]);
+        }
+      }
+    }
+    for (int s = 0; s < S; ++s) {
+      const __m256 dv = _mm256_loadu_ps(d + sb * W + s * kLanes);
+      const __m256 dmv = dm ? _mm256_loadu_ps(dm + sb * W + s * kLanes) : _mm256_mul_ps(dv, _mm256_set1_ps(w.zero));
+      for (int i = 0; i < MT; ++i) {
+        ya[i][s] = _mm256_fmadd_ps(aa[i][s], dv, ya[i][s]);
+        ya[i][s] = _mm256_fnmadd_ps(ba[i][s], dmv, ya[i][s]);
+        aa[i][s] = ba[i][s] = _mm256_setzero_ps();
+      }
+    }
+  }
+  for (int i = 0; i < MT; ++i)
+    for (int s = 0; s < S; ++s) {
+      const int64_t n = b * W + s * kLanes + h * 8;
+      __m256 acc = ya[i][s];
+      if (bias) acc = _mm256_add_ps(acc, _mm256_loadu_ps(bias + n));
+      T* out = y + (m0 + i) * w.N + n;
+      if constexpr (std::is_same_v<T, float>) {
+        _mm256_storeu_ps(out, acc);
+      } else {
+        alignas(32) float tmp[8];
+        _mm256_store_ps(tmp, acc);
+        for (int c = 0; c < 8; ++c) out[c] = (T)tmp[c];
+      }
+    }
+}
+
+// Every row of blocks [b0, b1), two rows at a time (16 vector registers hold no more), half by half.
+template <int BITS, int G, typename T>
+SPECDEC_AVX2_FN void gemm_avx2(const Weights& w, const Acts& a, const float* bias, T* y, int64_t b0, int64_t b1) {
+  for (int64_t b = b0; b < b1; ++b)
+    for (int h = 0; h < 2; ++h) {
+      int64_t m = 0;
+      for (; m + 2 <= a.M; m += 2) avx2_half<BITS, G, T, 2>(w, a, m, bias, y, b, h);
+      if (m < a.M) avx2_half<BITS, G, T, 1>(w, a, m, bias, y, b, h);
+    }
 }
 
 // ---------------------------------------------------------------- AMX path
@@ -490,17 +643,18 @@ template <typename T>
 struct Kernels {
   void (*vnni)(const Weights&, const Acts&, const float*, T*, int64_t, int64_t);
   void (*amx)(const Weights&, const Acts&, const int8_t*, const float*, T*, int64_t, int64_t);
+  void (*avx2)(const Weights&, const Acts&, const float*, T*, int64_t, int64_t);
 };
 
 template <typename T>
 Kernels<T> kernels_for(int bits, int G) {
   switch (bits * 100 + G) {
-    case 432: return {gemm_vnni<4, 32, T>, gemm_amx<4, 32, T>};
-    case 416: return {gemm_vnni<4, 16, T>, gemm_amx<4, 16, T>};
-    case 532: return {gemm_vnni<5, 32, T>, gemm_amx<5, 32, T>};
-    case 516: return {gemm_vnni<5, 16, T>, gemm_amx<5, 16, T>};
-    case 832: return {gemm_vnni<8, 32, T>, gemm_amx<8, 32, T>};
-    default: return {gemm_vnni<8, 16, T>, gemm_amx<8, 16, T>};
+    case 432: return {gemm_vnni<4, 32, T>, gemm_amx<4, 32, T>, gemm_avx2<4, 32, T>};
+    case 416: return {gemm_vnni<4, 16, T>, gemm_amx<4, 16, T>, gemm_avx2<4, 16, T>};
+    case 532: return {gemm_vnni<5, 32, T>, gemm_amx<5, 32, T>, gemm_avx2<5, 32, T>};
+    case 516: return {gemm_vnni<5, 16, T>, gemm_amx<5, 16, T>, gemm_avx2<5, 16, T>};
+    case 832: return {gemm_vnni<8, 32, T>, gemm_amx<8, 32, T>, gemm_avx2<8, 32, T>};
+    default: return {gemm_vnni<8, 16, T>, gemm_amx<8, 16, T>, gemm_avx2<8, 16, T>};
   }
 }
 
@@ -511,8 +665,9 @@ void check(bool ok, const char* msg) { TORCH_CHECK(ok, "specdec::blockq_mm: ", m
 int64_t pick_isa(int64_t isa, int64_t M, int64_t amx_min_rows) {
   if (isa == kAuto) {
     if (has_amx() && M >= amx_min_rows) return kAmx;
-    return has_vnni() ? kVnni : kGeneric;
+    return has_vnni() ? kVnni : has_avx2() ? kAvx2 : kGeneric;
   }
+  if (isa == kAvx2) TORCH_CHECK(has_avx2(), "specdec::blockq_mm: this CPU has no AVX2 and FMA");
   if (isa == kAmx) TORCH_CHECK(has_amx(), "specdec::blockq_mm: this CPU (or OS) has no AMX-INT8");
   if (isa == kVnni) TORCH_CHECK(has_vnni(), "specdec::blockq_mm: this CPU has no AVX-512 VNNI");
   return isa;
@@ -579,6 +734,7 @@ at::Tensor blockq_mm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
     at::parallel_for(0, N / W, 1, [&](int64_t b0, int64_t b1) {
       if (path == kAmx) k.amx(w, a, xtp, bp, yp, b0, b1);
       else if (path == kVnni) k.vnni(w, a, bp, yp, b0, b1);
+      else if (path == kAvx2) k.avx2(w, a, bp, yp, b0, b1);
       else gemm_generic(w, a, bp, yp, b0, b1);
     });
   };
@@ -625,8 +781,8 @@ int64_t read_probe(const at::Tensor& t) {
   return x;
 }
 
-// Which paths this CPU runs: bit 0 generic (always), bit 1 AVX-512 VNNI, bit 2 AMX-INT8.
-int64_t blockq_isas() { return 1 | (has_vnni() ? 2 : 0) | (has_amx() ? 4 : 0); }
+// Which paths this CPU runs: bit 0 generic (always), bit 1 AVX-512 VNNI, bit 2 AMX-INT8, bit 3 AVX2.
+int64_t blockq_isas() { return 1 | (has_vnni() ? 2 : 0) | (has_amx() ? 4 : 0) | (has_avx2() ? 8 : 0); }
 
 }  // namespace
 

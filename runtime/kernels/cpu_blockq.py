@@ -8,7 +8,8 @@ cores; later processes load the cached library) and registers `blockq_mm` in the
 `NAMESPACE` (`specdec_cpu_<hash of the source>`: a torch.compile cache never replays a graph made for
 another version of the ops).
 The op picks its path at run time from the CPU's features: AMX-INT8 tiles for calls of
-`AMX_MIN_ROWS` rows or more, AVX-512 VNNI otherwise, plain C++ on other CPUs. The arithmetic
+`AMX_MIN_ROWS` rows or more, AVX-512 VNNI otherwise, AVX2 + FMA on CPUs without AVX-512, plain C++
+on other CPUs. The arithmetic
 (int8 activations in blocks of 32, exact integer dot products per group, one float epilogue
 order) is the same on every path, so a row's output does not depend on the path or the row count.
 
@@ -35,7 +36,7 @@ LANES = 16  # output channels per storage block
 # calls with at least this many rows take the AMX path where the CPU has it (one row: VNNI, which
 # needs no tile set-up); measured by benchmarks/qlinear_rows.py
 AMX_MIN_ROWS = 12
-ISAS = {"auto": 0, "generic": 1, "vnni": 2, "amx": 3}
+ISAS = {"auto": 0, "generic": 1, "vnni": 2, "amx": 3, "avx2": 4}
 _CFLAGS = ["-O3", "-ffp-contract=off", "-std=c++17", "-fopenmp"]  # -fopenmp: at::parallel_for runs threads only with it
 
 log = logging.getLogger(__name__)
@@ -112,17 +113,18 @@ def unavailable_reason() -> str | None:
 
 
 def fast() -> bool:
-    """Whether the kernels run here with AVX-512 VNNI (or AMX): the CPUs where a block-quantized
-    model decodes faster than its dense copy. The plain C++ path is exact but slow."""
-    return available() and "vnni" in isas()
+    """Whether the kernels run here with SIMD (AVX-512 VNNI, AMX or AVX2 + FMA): the CPUs where a
+    block-quantized model decodes faster than its dense copy. The plain C++ path is exact but slow."""
+    return available() and bool({"vnni", "avx2"} & set(isas()))
 
 
 def isas() -> tuple[str, ...]:
-    """The kernel paths this CPU runs: "generic" always, "vnni" (AVX-512 VNNI), "amx" (AMX-INT8)."""
+    """The kernel paths this CPU runs: "generic" always, "vnni" (AVX-512 VNNI), "amx" (AMX-INT8),
+    "avx2" (AVX2 + FMA)."""
     if not available():
         return ()
     mask = ops().blockq_isas()
-    return tuple(name for name, bit in (("generic", 1), ("vnni", 2), ("amx", 4)) if mask & bit)
+    return tuple(name for name, bit in (("generic", 1), ("vnni", 2), ("amx", 4), ("avx2", 8)) if mask & bit)
 
 
 def blockq_mm(x: torch.Tensor, codes: torch.Tensor, sc: torch.Tensor, mc: torch.Tensor, d: torch.Tensor,

@@ -95,12 +95,15 @@ def test_kernel_matches_float64_reference(grid, rows):
 
 
 @needs_kernels
-@pytest.mark.parametrize("grid", ["q4_k", "q6_k", "q5_0", "q4_1", "8bit_g16"])
+@pytest.mark.parametrize("grid", list(GRIDS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_path_gives_the_same_bits(grid, dtype):
+    """Every path this CPU runs (AVX2 too on AVX-512 CPUs) equals the plain C++ path bit for bit, at
+    every row count a verification block, a tree or a served batch meets (1-17, then up to 64)."""
     module, _ = _module(grid)
     m = module
-    for rows in (1, 5, 16, 33):
+    assert "avx2" in cpu_blockq.isas() or "vnni" not in cpu_blockq.isas()  # AVX-512 CPUs test AVX2 too
+    for rows in (*range(1, 18), 23, 31, 33, 48, 64):
         x = torch.randn(rows, m.in_features, generator=torch.Generator().manual_seed(rows)).to(dtype)
         outs = {isa: cpu_blockq.blockq_mm(x, m.codes, m.sc, m.mc, m.d, m.dm, m.bias, m.bits, m.group_size,
                                           m.super_block, isa=isa) for isa in cpu_blockq.isas()}
