@@ -14,6 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
+# the least nonzero temperature: logits / temperature must stay finite in float32 (|logit| up to ~3e8)
+MIN_TEMPERATURE = 1e-30
+# the least top_p: float32's smallest normal number (top_p is compared with float32 probabilities, and a
+# smaller value rounds to 0 there, which drops every token)
+MIN_TOP_P = float(torch.finfo(torch.float32).tiny)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -33,8 +39,14 @@ class SamplingParams:
         t, p, k = self.temperature, self.top_p, self.top_k
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        if 0 < t < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {t!r}: a smaller "
+                             "one overflows float32 logits (use 0 for greedy decoding)")
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {p!r}")
+        if p < MIN_TOP_P:
+            raise ValueError(f"top_p must be at least {MIN_TOP_P:.3g} (float32's smallest normal number), got {p!r}: "
+                             "a smaller one rounds to 0 in float32 and keeps no token")
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {k!r}")
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:

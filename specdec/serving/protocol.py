@@ -21,6 +21,8 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from specdec.sampling import MIN_TEMPERATURE, MIN_TOP_P
+
 # parameter -> the values it may take here (its OpenAI default, or an equivalent)
 _UNSUPPORTED = {"best_of": (None, 1), "echo": (None, False), "logprobs": (None, False, 0),
                 "top_logprobs": (None, 0), "suffix": (None, ""),
@@ -113,10 +115,16 @@ def _common(body: dict, served_model: str, endpoint: str) -> dict:
     if not 0.0 <= temperature <= 2.0:
         raise APIError(400, f"'temperature' must be between 0 and 2 (0 = greedy), got {temperature}",
                        "temperature", "invalid_value")
+    if 0.0 < temperature < MIN_TEMPERATURE:
+        raise APIError(400, f"'temperature' must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {temperature}: "
+                       "a smaller one overflows float32 logits", "temperature", "invalid_value")
     top_p = _check_type(body, "top_p", (int, float), "a number in (0, 1]")
     top_p = 1.0 if top_p is None else float(top_p)
     if not 0.0 < top_p <= 1.0:
         raise APIError(400, f"'top_p' must be in (0, 1], got {top_p}", "top_p", "invalid_value")
+    if top_p < MIN_TOP_P:
+        raise APIError(400, f"'top_p' must be at least {MIN_TOP_P:.3g} (float32's smallest normal number), got "
+                       f"{top_p}", "top_p", "invalid_value")
     top_k = _check_type(body, "top_k", (int,), "an integer >= 0 (0 = off)") or 0
     if top_k < 0:
         raise APIError(400, f"'top_k' must be >= 0 (0 = off), got {top_k}", "top_k", "invalid_value")

@@ -93,6 +93,8 @@ def test_n_and_stop_are_parsed_and_checked(chars):
     ("seed", 2 ** 63, "invalid_value"),
     ("seed", 1.5, "invalid_type"),
     ("tool_choice", "auto", "unsupported_parameter"),
+    ("temperature", 1e-45, "invalid_value"),  # nonzero, but logits / temperature overflow float32
+    ("top_p", 1e-300, "invalid_value"),  # rounds to 0 in float32: no token would be kept
 ])
 def test_unknown_fields_and_seeds_out_of_range_are_refused_by_name(chars, field, value, code):
     with pytest.raises(APIError) as err:
