@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.errors import ContextLengthError
 from specdec.drafter import Accepted, Drafter, DraftTree
 from specdec.drafters.cut import BlockCosts, NodeCalibration, best_cut
 from specdec.drafters.suffix_tree import Speculation, SuffixTrie, TrieNode
@@ -240,6 +241,11 @@ class SuffixDrafter(Drafter):
 def from_spec(spec, target, loader) -> SuffixDrafter:
     """`suffix[@N]` (specdec.drafters.spec): a SuffixDrafter drafting trees of up to N nodes from the
     cache the loader gives (the process's by default; the serving engine keeps one drafter, so its
-    requests share it)."""
+    requests share it). N must be below the target's context (ContextLengthError naming the spec)."""
     config = SuffixConfig() if spec.size is None else SuffixConfig(max_nodes=spec.size)
+    positions = target.config.max_position_embeddings
+    if config.max_nodes >= positions:  # a tree that never fits would only size the cache past the model
+        raise ContextLengthError(f"{str(spec)!r}: N = {config.max_nodes} tree nodes do not fit the target's context "
+                                 f"of {positions} positions (the prompt needs one too); use N below {positions} "
+                                 f"(default {SuffixConfig.max_nodes})")
     return SuffixDrafter(config, cache=loader.suffix_cache(config.depth, config.cache_tokens))

@@ -131,3 +131,15 @@ def test_a_cutting_drafter_learns_the_costs_from_the_loop_and_stays_lossless(tar
     for _ in range(2):
         assert _same(specdec.generate(target, rows, draft=drafter, max_new_tokens=30).sequences, plain)
     assert drafter.costs.known()  # timed by the decode loop, block size by block size
+
+
+def test_a_tree_past_the_models_context_is_refused_naming_the_spec_and_n(target):
+    """suffix@N sizes the verification cache: N at or past the target's positions (512 here) is refused
+    before anything is allocated, with a message naming the spec and N."""
+    from runtime.errors import ContextLengthError
+
+    positions = target.config.max_position_embeddings
+    for n in (positions, 999999999):
+        with pytest.raises(ContextLengthError, match=rf"'suffix@{n}': N = {n} tree nodes .* {positions} positions"):
+            specdec.drafters.make_drafter(f"suffix@{n}", target)
+    assert specdec.drafters.make_drafter(f"suffix@{positions - 1}", target).config.max_nodes == positions - 1
