@@ -58,24 +58,27 @@ def ops():
 
 @functools.cache
 def _load() -> str | None:
-    """Build (once per machine) and load the extension; None when loaded, else why it is not."""
-    from torch.utils import cpp_extension
+    """Build (once per machine) and load the extension; None when loaded, else why it is not.
 
+    The build runs in a child process under a lock that dies with its holder, with a time limit and
+    a progress line, and the library is checked against its checksum before it is loaded
+    (`runtime.kernels.build`); any failure is the dense fallback with one warning."""
     from runtime.catalogue import cache_home
+    from runtime.errors import CacheHomeError
+    from runtime.kernels.build import KernelBuild, KernelBuildError, load_built
 
     # the checkout's path in the name too: ninja rebuilds when a source's path changes, so two
     # checkouts on one machine would otherwise rebuild each other's library
     where = hashlib.sha256(str(SOURCES[0].parent.resolve()).encode()).hexdigest()[:8]
-    build = cache_home() / "kernels" / f"cpu_blockq-{_key()[:16]}-{where}"
     try:
-        build.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(name="specdec_cpu_blockq", sources=[str(p) for p in SOURCES],
-                           extra_cflags=[*_CFLAGS, f"-DSPECDEC_OPS={NAMESPACE}"],
-                           extra_ldflags=["-fopenmp"], build_directory=str(build), is_python_module=False,
-                           verbose=False)
-    except (OSError, RuntimeError, ImportError, ValueError) as err:  # no compiler, no ninja, a failed build
-        reason = f"{type(err).__name__}: {str(err).strip().splitlines()[-1] if str(err).strip() else err}"
-        log.warning("block-quantized CPU kernels unavailable (%s); using the dense fallback", reason)
+        build = KernelBuild("specdec_cpu_blockq", tuple(str(p) for p in SOURCES),
+                            (*_CFLAGS, f"-DSPECDEC_OPS={NAMESPACE}"), ("-fopenmp",),
+                            cache_home() / "kernels" / f"cpu_blockq-{_key()[:16]}-{where}",
+                            what="the block-quantized CPU kernels")
+        load_built(build)
+    except (KernelBuildError, CacheHomeError) as err:
+        reason = str(err)
+        log.warning("block-quantized CPU kernels unavailable, using the dense fallback: %s", reason)
         return reason
     torch.library.register_fake(f"{NAMESPACE}::blockq_mm")(_blockq_mm_fake)
     torch.library.register_fake(f"{NAMESPACE}::cache_attention")(_cache_attention_fake)
