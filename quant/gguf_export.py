@@ -13,8 +13,11 @@ Sources, told apart by their files:
   with `--target-model-dir`, after checking that llama.cpp's EAGLE-3 graph computes what the head was
   trained with (it has `norm_before_fc` and `norm_before_residual`, not `fc_norm` or `norm_output`).
 
-Medusa heads (llama.cpp runs none) and .gguf files are refused. The file is written next to `out`
-and renamed into place; an existing file is replaced only with `overwrite` and only if it is a GGUF.
+Medusa heads (llama.cpp runs none) and .gguf files are refused. Every export carries the metadata key
+`specdec.export.source` (the source it was written from): the mark of a GGUF specdec wrote. The file
+is written next to `out` and renamed into place; an existing file is replaced only with `overwrite`
+and only when it carries that mark (any other GGUF, e.g. one llama.cpp or the catalogue made, is
+never replaced), and never in specdec's own caches (`runtime.outputs`).
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ FILE_TYPES = {GGMLQuantizationType.Q4_1: LlamaFileType.MOSTLY_Q4_1,
 # EAGLE-3 options llama.cpp's graph (src/models/eagle3.cpp) does not compute
 EAGLE_UNSUPPORTED = ("fc_norm", "norm_output")
 MATCH_TOLERANCE = 1e-2  # relative error between our weights and the converter's float copy of them (dtype rounding)
-SOURCE_KEY = "specdec.export.source"
+SOURCE_KEY = "specdec.export.source"  # written into every export: the mark of a GGUF specdec wrote
 
 
 class GGUFExportError(SpecdecError, ValueError):
@@ -86,9 +89,16 @@ class GGUFExport:
         return "\n".join(lines)
 
 
-def _is_gguf(path: Path) -> bool:
-    with open(path, "rb") as f:
-        return f.read(4) == b"GGUF"
+def written_by_specdec(path: Path) -> bool:
+    """Whether `path` is a GGUF file whose metadata holds SOURCE_KEY (an export of `export_gguf`);
+    False for any other file, an unreadable or cut-short one included."""
+    try:
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                return False
+        return GGUFReader(path).get_field(SOURCE_KEY) is not None
+    except (OSError, ValueError, KeyError, IndexError, TypeError, OverflowError, MemoryError):
+        return False
 
 
 def source_kind(path: Path) -> str:
@@ -190,7 +200,8 @@ def _quantized_tensors(model: torch.nn.Module, reader: GGUFReader, requant: str
 def _rewrite(reader: GGUFReader, out: Path, replaced: dict[str, tuple[np.ndarray, GGMLQuantizationType]],
              source: str) -> None:
     """Copy `reader`'s file to `out` with the tensors in `replaced` swapped for the given blocks (the copy
-    of gguf-py's gguf_new_metadata), general.file_type set to the most common new type's."""
+    of gguf-py's gguf_new_metadata), general.file_type set to the most common new type's, and SOURCE_KEY
+    set to `source`."""
     arch = str(reader.get_field(Keys.General.ARCHITECTURE).contents())
     writer = GGUFWriter(out, arch=arch, endianess=reader.endianess)
     alignment = reader.get_field(Keys.General.ALIGNMENT)
@@ -220,7 +231,7 @@ def _rewrite(reader: GGUFReader, out: Path, replaced: dict[str, tuple[np.ndarray
 
 
 def _check_out(out: str | Path, overwrite: bool) -> Path:
-    path = check_output_file(out, what="GGUF file", looks_like=_is_gguf)
+    path = check_output_file(out, what="GGUF file", looks_like=written_by_specdec)
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix != ".gguf":
         raise OutputPathError(f"{path}: name the output file *.gguf (llama.cpp's tools expect it)")
@@ -254,12 +265,14 @@ def export_gguf(source: str | Path, out: str | Path, *, target: str | Path | Non
         tmp = Path(tmp_name)
         staged = tmp / "out.gguf"
         reports: list[TensorReport] = []
-        if kind == "eagle3":
-            target_dir = resolve(target)
-            check_eagle_for_llamacpp(ckpt, target_dir)
-            convert(ckpt, staged, dense_type, target_dir=target_dir)
-        elif kind == "dense":
-            convert(ckpt, staged, dense_type)
+        if kind in ("eagle3", "dense"):
+            target_dir = resolve(target) if kind == "eagle3" else None
+            if target_dir is not None:
+                check_eagle_for_llamacpp(ckpt, target_dir)
+            convert(ckpt, tmp / "converted.gguf", dense_type, target_dir=target_dir)
+            reader = GGUFReader(tmp / "converted.gguf")
+            _rewrite(reader, staged, {}, text)  # as converted, plus the mark of specdec's export
+            del reader
         else:
             model = load_model(ckpt, dtype=TORCH_DTYPES[dense_type], weights="dense")
             # the converter reads a plain Hugging Face directory: quant's dense export, tokenizer included

@@ -118,6 +118,28 @@ def cache_home() -> Path:
     return home
 
 
+# the directories of cache_home() that specdec fills and checks itself (catalogue GGUFs and checkpoints,
+# GGUF conversions, kernel builds, the llama.cpp build, data sets): never an output location
+MANAGED_DIRS = ("gguf-files", "models", "gguf", "kernels", "llama.cpp", "data")
+
+
+def managed_cache(path: str | Path) -> Path | None:
+    """The cache directory `path` lies in (`cache_home()` itself, or one of its MANAGED_DIRS, links
+    resolved), or None: where no output may be written, since what is there is specdec's own."""
+    try:
+        home = cache_home().resolve()
+    except (CacheHomeError, OSError):  # no usable cache home: nothing can be inside it
+        return None
+    target = Path(path).expanduser().resolve()
+    if target == home:
+        return home
+    for name in MANAGED_DIRS:
+        managed = home / name
+        if target == managed or managed in target.parents:
+            return managed
+    return None
+
+
 def _home_name(home: Path) -> str:
     """How an error names the cache home: the variable and its value, or the default."""
     if os.environ.get("SPECDEC_HOME"):

@@ -8,6 +8,9 @@ for Medusa heads, `run.json` / `report.json` for an evaluation run, ...):
   created: one under a file (`/dev/null/x`) or in a directory that takes no new entries (`/proc/x`,
   a read-only or foreign directory);
 - a non-empty directory without the marker fails: specdec never writes into it;
+- a path in specdec's own caches (`runtime.catalogue.managed_cache`: the catalogue's GGUFs and
+  checkpoints, kernel builds, ...) fails, whatever it holds: those files are fetched and checked by
+  specdec, never replaced by an output;
 - a directory with the marker fails too, unless the caller resumes it (an evaluation run, a
   training directory) or passes `overwrite=True` (`--overwrite`), which replaces that output only,
   never anything else: `write_output_dir` swaps in a new directory only when the old one holds
@@ -95,6 +98,18 @@ def _check_not_empty(path: str | Path, what: str, kind: str) -> None:
     if not str(path).strip():
         raise OutputPathError(f"an empty path is not an output location for the {what}; give a {kind} path "
                               "(nothing was written)")
+
+
+def _check_outside_caches(path: str | Path, what: str) -> None:
+    """OutputPathError when `path` is specdec's cache home or lies in a cache it manages
+    (`runtime.catalogue.managed_cache`: catalogue GGUFs and checkpoints, kernel builds, ...): no
+    output may replace or go into what specdec fetched and checked itself."""
+    from runtime.catalogue import managed_cache
+
+    cache = managed_cache(path)
+    if cache is not None:
+        raise OutputPathError(f"{path} is inside specdec's cache {cache}, which is never an output location for "
+                              f"the {what}; choose a path outside it (nothing was written)")
 
 
 def make_dirs(path: str | Path) -> list[Path]:
@@ -192,6 +207,7 @@ def prepare_output_dir(path: str | Path, marker: str | Sequence[str], overwrite:
     just before they write.
     """
     _check_not_empty(path, what, "directory")
+    _check_outside_caches(path, what)
     path = Path(path).expanduser()
     markers = _markers(marker)
     if not path.exists() and not path.is_symlink():
@@ -286,6 +302,7 @@ def check_output_file(path: str | Path, *, what: str = "output file", looks_like
     can be created (`_check_creatable`), and when it exists, `looks_like(path)` (a file specdec wrote,
     e.g. a jsonl it appends to). Returns `path`."""
     _check_not_empty(path, what, "file")
+    _check_outside_caches(path, what)
     path = Path(path).expanduser()
     if path.is_dir():
         raise OutputPathError(f"{path} is a directory; the {what} is a file: give a file path")

@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 import quant
 import runtime
 import runtime.loading
-from quant.gguf_export import GGUFExportError, export_gguf
+from quant.gguf_export import GGUFExportError, _rewrite, export_gguf, written_by_specdec
 from quant.llamacpp_convert import converter_dir
 from runtime.outputs import OutputPathError
 from runtime.tiny import tiny_hf_config
@@ -125,6 +125,7 @@ def test_dense_checkpoint_goes_through_the_converter_as_it_is(tiny_exports):
     assert result.kind == "dense" and not result.tensors
     assert {t.tensor_type for t in GGUFReader(result.path).tensors} == {GGMLQuantizationType.BF16,
                                                                        GGMLQuantizationType.F32}  # norms: F32
+    assert written_by_specdec(result.path)  # marked as specdec's, so --overwrite may replace it
     with pytest.raises(OutputPathError, match="--overwrite"):
         export_gguf(ckpt, result.path)
     assert export_gguf(ckpt, result.path, overwrite=True).path == result.path
@@ -149,6 +150,7 @@ def test_eagle3_head_converts_with_its_target(llama_dense, tmp_path):
     assert str(reader.get_field("general.architecture").contents()) == "eagle3"
     assert list(reader.get_field("eagle3.target_layers").contents()) == [2, 2, 1]
     assert bool(reader.get_field("eagle3.norm_before_fc").contents())
+    assert str(reader.get_field("specdec.export.source").contents()) == str(head)
     d2t = {t.name: t for t in reader.tensors}["d2t"]
     assert np.array_equal(np.asarray(d2t.data), np.arange(0, 1024, 4))  # absolute target ids in llama.cpp
     with pytest.raises(GGUFExportError, match="--target"):
@@ -193,6 +195,47 @@ def test_what_cannot_be_exported_is_refused_before_any_work(tmp_path, snapshot):
     with pytest.raises(ValueError, match="dense_type"):
         export_gguf(medusa, tmp_path / "out.gguf", dense_type="q4_0")
     assert snapshot(tmp_path) == before
+
+
+def test_only_a_gguf_specdec_marked_as_its_export_is_replaced(tmp_path, tiny_llama, gguf_writer, snapshot):
+    """Ownership is the metadata mark specdec writes, not the GGUF magic: any other GGUF (one llama.cpp
+    wrote, a catalogue file), a marked one cut short, or a file that only starts like a GGUF stays."""
+    foreign = tmp_path / "foreign.gguf"
+    gguf_writer(tiny_llama, foreign)
+    ours = tmp_path / "ours.gguf"
+    _rewrite(GGUFReader(foreign), ours, {}, "some/checkpoint")
+    assert written_by_specdec(ours) and not written_by_specdec(foreign)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(ours.read_bytes()[:200])
+    magic = tmp_path / "magic.gguf"
+    magic.write_bytes(b"GGUF" + bytes(100))
+    medusa = tmp_path / "medusa"  # a source refused later: the output path is checked first
+    medusa.mkdir()
+    (medusa / "medusa_config.json").write_text("{}")
+    before = snapshot(tmp_path)
+    for path in (foreign, cut, magic):
+        assert not written_by_specdec(path)
+        with pytest.raises(OutputPathError, match="not a GGUF file written by specdec"):
+            export_gguf(medusa, path, overwrite=True)
+    with pytest.raises(GGUFExportError, match="Medusa"):  # ours: past the output check
+        export_gguf(medusa, ours, overwrite=True)
+    assert snapshot(tmp_path) == before
+
+
+def test_the_catalogue_cache_is_never_an_export_target(tmp_path, tiny_llama, gguf_writer, monkeypatch, snapshot):
+    """`--out $SPECDEC_HOME/gguf-files/NAME/model.gguf --overwrite` replaced the sha-checked catalogue file;
+    now any path in specdec's caches is refused, a GGUF marked as an export there included."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("SPECDEC_HOME", str(home))
+    target = home / "gguf-files" / SMOLLM2 / "model.gguf"
+    target.parent.mkdir(parents=True)
+    gguf_writer(tiny_llama, tmp_path / "plain.gguf")
+    _rewrite(GGUFReader(tmp_path / "plain.gguf"), target, {}, "x")  # even with specdec's mark
+    before = snapshot(home)
+    for out in (target, home / "models" / SMOLLM2 / "x.gguf", home / "kernels" / "new.gguf"):
+        with pytest.raises(OutputPathError, match=r"inside specdec's cache .* never an output location"):
+            export_gguf(tmp_path, out, overwrite=True)
+    assert snapshot(home) == before
 
 
 @pytest.mark.real_model

@@ -179,3 +179,22 @@ def test_an_empty_path_is_refused_even_in_an_empty_current_directory(tmp_path, m
     with pytest.raises(OutputPathError, match=want.format("file")):
         check_output_file(path, what="thing")
     assert snapshot(tmp_path) == before
+
+
+def test_specdecs_own_caches_are_never_an_output_location(tmp_path, monkeypatch):
+    """Every writer refuses the cache home and the caches specdec fills and checks itself (catalogue
+    GGUFs and checkpoints, kernel builds, ...), a link into them included; the rest of the home (the
+    recipes' compressed checkpoints) takes outputs as any directory does."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("SPECDEC_HOME", str(home))
+    (home / "models" / "m").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(home / "models")
+    for path in (home, home / "models" / "m", home / "gguf-files" / "m" / "model.gguf", home / "kernels" / "k",
+                 tmp_path / "link" / "new"):
+        with pytest.raises(OutputPathError, match=r"inside specdec's cache .* choose a path outside it") as err:
+            prepare_output_dir(path, "compression.json", overwrite=True, what="compressed checkpoint")
+        assert str(err.value).startswith(str(path)) and "\n" not in str(err.value)
+        with pytest.raises(OutputPathError, match="inside specdec's cache"):
+            check_output_file(path, what="recipe summary")
+    assert prepare_output_dir(home / "compressed" / "x", "compression.json") == home / "compressed" / "x"
+    assert check_output_file(tmp_path / "elsewhere.json") == tmp_path / "elsewhere.json"
