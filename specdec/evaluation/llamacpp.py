@@ -17,6 +17,13 @@ them (`-DGGML_LLAMAFILE=OFF`, into `build-invariant/bin`: point SPECDEC_LLAMACPP
 speculative output equals its plain output (BENCHMARKS.md section 10); `build_options()` says which
 build runs.
 
+Nothing waits on the server without a bound: the start waits at most `start_timeout()` (more for
+bigger files) and stops at once when the process exits; a request waits at most `request_timeout()`
+(a constant plus an allowance per token, far above llama.cpp's speed on any CPU); the server's log
+goes to a file (a pipe nobody reads would stall it once full). A reply that is not the JSON
+`/completion` returns (bad JSON, no token list, bad timings, not HTTP at all) is one
+`LlamaCppServerError` naming the server, the model and what was wrong.
+
 On CPUs with AMX the server runs with weight repacking off (`--no-repack`): ggml's AMX path
 crashes at the first forward on the 2-core Xeon VMs this was built on; elsewhere llama.cpp
 keeps its repacked (faster) layouts.
@@ -24,10 +31,12 @@ keeps its repacked (faster) layouts.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -36,11 +45,31 @@ from pathlib import Path
 from runtime.errors import SpecdecError
 
 SERVER = "llama-server"
-START_TIMEOUT_S = 180.0
+START_BASE_S = 30.0  # the server's start: this, plus START_PER_GIB_S per GiB of model and draft files
+START_PER_GIB_S = 30.0
+REQUEST_BASE_S = 60.0  # one request: this, plus REQUEST_PER_TOKEN_S per token to generate,
+REQUEST_PER_TOKEN_S = 1.0  # plus REQUEST_PER_PROMPT_TOKEN_S per prompt token
+REQUEST_PER_PROMPT_TOKEN_S = 0.05
 
 
 class LlamaCppUnavailable(SpecdecError):
     """llama.cpp is not built on this machine (or the server failed to start)."""
+
+
+class LlamaCppServerError(LlamaCppUnavailable):
+    """A running llama-server that did not answer in time, or answered something that is not a completion."""
+
+
+def start_timeout(*files: Path | None) -> float:
+    """Seconds the server may take to become healthy on `files` (model, draft): START_BASE_S plus
+    START_PER_GIB_S per GiB of them."""
+    size = sum(Path(f).stat().st_size for f in files if f is not None and Path(f).is_file())
+    return START_BASE_S + START_PER_GIB_S * size / 2**30
+
+
+def request_timeout(prompt_tokens: int, max_new_tokens: int) -> float:
+    """Seconds one /completion request may take: REQUEST_BASE_S plus the per-token allowances."""
+    return REQUEST_BASE_S + REQUEST_PER_TOKEN_S * max_new_tokens + REQUEST_PER_PROMPT_TOKEN_S * prompt_tokens
 
 
 def bin_dir() -> Path:
@@ -106,7 +135,7 @@ class LlamaServer:
         self.context = context
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
-        self.log: list[str] = []
+        self._log = None  # the server's output (a temporary file) while it runs
 
     def command(self) -> list[str]:
         cmd = [str(server_binary()), "-m", str(self.model), "-t", str(self.threads), "-c", str(self.context),
@@ -129,23 +158,40 @@ class LlamaServer:
         self.stop()
 
     def start(self) -> None:
-        """Start the server and wait until it reports healthy (LlamaCppUnavailable if it exits)."""
-        self.proc = subprocess.Popen(self.command(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        deadline = time.monotonic() + START_TIMEOUT_S
+        """Start the server and wait until it reports healthy: LlamaCppUnavailable (with the end of its
+        log) as soon as it exits, or when it is not healthy within `start_timeout()`."""
+        self._log = tempfile.TemporaryFile(mode="w+", prefix="llama-server-", suffix=".log")
+        self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=self._log,
+                                     stderr=subprocess.STDOUT, text=True)
+        limit = start_timeout(self.model, self.draft)
+        deadline = time.monotonic() + limit
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                out = self.proc.stdout.read() if self.proc.stdout else ""
-                raise LlamaCppUnavailable(f"{SERVER} exited with code {self.proc.returncode} while loading "
-                                          f"{self.model.name}:\n" + "\n".join(out.splitlines()[-8:]))
+                code = self.proc.returncode
+                tail = self.log_tail()
+                self.stop()
+                raise LlamaCppUnavailable(f"{SERVER} exited with code {code} while loading {self.model.name}:\n"
+                                          + tail)
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
                     if r.status == 200:
                         return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
+            except (urllib.error.URLError, http.client.HTTPException, OSError):  # not up yet, or still loading
                 pass
             time.sleep(0.25)
+        tail = self.log_tail()
         self.stop()
-        raise LlamaCppUnavailable(f"{SERVER} did not become healthy within {START_TIMEOUT_S:.0f} s")
+        raise LlamaCppUnavailable(f"{SERVER} on {self.model.name} did not become healthy within {limit:.0f} s; "
+                                  f"its log ends:\n{tail}")
+
+    def log_tail(self, lines: int = 8) -> str:
+        """The last `lines` lines the server wrote."""
+        log = self._log
+        if log is None or log.closed:
+            return ""
+        log.flush()
+        log.seek(0)
+        return "\n".join(log.read()[-20000:].splitlines()[-lines:])
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -156,6 +202,9 @@ class LlamaServer:
                 self.proc.kill()
                 self.proc.wait()
         self.proc = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
 
     @property
     def url(self) -> str:
@@ -163,17 +212,58 @@ class LlamaServer:
 
     def complete(self, ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int = 0) -> tuple[list[int], dict]:
-        """(new token ids, the server's `timings`) for prompt `ids`; greedy at temperature 0."""
+        """(new token ids, the server's `timings`) for prompt `ids`; greedy at temperature 0.
+        LlamaCppServerError when the server does not answer within `request_timeout()` or answers
+        something that is not a completion."""
         body = {"prompt": ids, "n_predict": max_new_tokens, "temperature": temperature, "top_p": top_p,
                 "top_k": top_k, "seed": seed, "cache_prompt": False, "return_tokens": True}
         request = urllib.request.Request(f"{self.url}/completion", data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})
+        limit = request_timeout(len(ids), max_new_tokens)
+        who = f"{SERVER} on {self.model.name} ({self.url})"
         try:
-            with urllib.request.urlopen(request, timeout=3600) as r:
-                reply = json.loads(r.read())
+            with urllib.request.urlopen(request, timeout=limit) as r:
+                raw = r.read()
+        except urllib.error.HTTPError as err:
+            detail = err.read()[:200].decode(errors="replace").strip()
+            raise LlamaCppServerError(f"{who} answered HTTP {err.code} to a request: {detail!r}") from err
+        except (TimeoutError, socket.timeout) as err:
+            raise LlamaCppServerError(f"{who} did not answer a request of {max_new_tokens} new tokens within "
+                                      f"{limit:.0f} s; it may be stuck (its log ends: "
+                                      f"{self.log_tail(1)!r})") from err
         except urllib.error.URLError as err:
-            raise LlamaCppUnavailable(f"{SERVER} on {self.model.name} failed a request ({err})") from err
-        return list(reply["tokens"]), reply.get("timings", {})
+            if isinstance(err.reason, (TimeoutError, socket.timeout)):
+                raise LlamaCppServerError(f"{who} did not answer a request within {limit:.0f} s") from err
+            raise LlamaCppServerError(f"{who} failed a request ({ascii(str(err.reason)[:200])})") from err
+        except (http.client.HTTPException, OSError) as err:  # not HTTP at all, a dropped connection
+            raise LlamaCppServerError(f"{who} did not answer in HTTP ({type(err).__name__}: "
+                                      f"{ascii(str(err)[:80])})") from err
+        return parse_completion(raw, who)
+
+
+def parse_completion(raw: bytes, who: str = SERVER) -> tuple[list[int], dict]:
+    """(tokens, timings) of a /completion reply body; LlamaCppServerError naming `who` and what was
+    wrong when it is not a JSON object with a list of token ids "tokens" and an object "timings"
+    (whose draft counts, when there, are integers >= 0)."""
+    try:
+        reply = json.loads(raw)
+    except ValueError:  # JSONDecodeError, UnicodeDecodeError
+        raise LlamaCppServerError(f"{who} answered a request with something that is not JSON: "
+                                  f"{raw[:80]!r}") from None
+    if not isinstance(reply, dict):
+        raise LlamaCppServerError(f"{who} answered a request with JSON that is not an object: {str(reply)[:80]}")
+    tokens = reply.get("tokens")
+    if not isinstance(tokens, list) or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in tokens):
+        raise LlamaCppServerError(f"{who} answered without a list of token ids in 'tokens' (got "
+                                  f"{str(tokens)[:80]}); is it a llama.cpp build that takes return_tokens?")
+    timings = reply.get("timings", {})
+    if not isinstance(timings, dict):
+        raise LlamaCppServerError(f"{who} answered with 'timings' that is not an object: {str(timings)[:80]}")
+    for key in ("draft_n", "draft_n_accepted"):
+        value = timings.get(key, 0)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise LlamaCppServerError(f"{who} answered with timings.{key} = {value!r}, not a count")
+    return list(tokens), timings
 
 
 def stats_from_timings(timings: dict, new_tokens: int, wall_s: float) -> dict | None:

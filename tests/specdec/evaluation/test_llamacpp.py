@@ -109,3 +109,120 @@ def test_an_eagle3_head_that_is_not_a_gguf_is_refused_with_the_export_command(tm
                      dataset="humaneval", limit=1, raw=True, max_new_tokens=4, warmup=0)
     with pytest.raises(ValueError, match="specdec export gguf HEAD_DIR --target smollm2-135m-instruct"):
         run_eval(cfg, progress=False)
+
+
+FAKE_SERVER = '''#!{python}
+"""A fake llama-server on 127.0.0.1: healthy at once, then /completion answers as FAKE_LLAMA_MODE says."""
+import http.server, json, os, sys, time
+
+mode = os.environ["FAKE_LLAMA_MODE"]
+if mode == "exit":
+    print("error: failed to load model", flush=True)
+    sys.exit(3)
+port = int(sys.argv[sys.argv.index("--port") + 1])
+REPLIES = {{"garbage": b"{{not json", "not-an-object": b"[1, 2]", "no-tokens": json.dumps({{"content": "hi"}}).encode(),
+           "bad-tokens": json.dumps({{"tokens": [1, "x"]}}).encode(),
+           "bad-timings": json.dumps({{"tokens": [1, 2], "timings": {{"draft_n": "many"}}}}).encode(),
+           "ok": json.dumps({{"tokens": [5, 6], "timings": {{"draft_n": 4, "draft_n_accepted": 3}}}}).encode()}}
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        self.send_response(503 if mode == "never-healthy" else 200)
+        self.end_headers()
+        self.wfile.write(b"{{}}")
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        if mode == "hang":
+            time.sleep(600)
+        if mode == "binary":
+            self.wfile.write(bytes(range(256)))
+            return
+        if mode == "http-500":
+            self.send_response(500)
+            self.end_headers()
+            self.wfile.write(b"out of memory")
+            return
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(REPLIES[mode])
+
+
+http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
+'''
+
+
+@pytest.fixture
+def fake_server(tmp_path, monkeypatch):
+    """`start(mode) -> LlamaServer` on a fake llama-server script (SPECDEC_LLAMACPP points at it)."""
+    import sys
+
+    binary = tmp_path / "bin" / "llama-server"
+    binary.parent.mkdir()
+    binary.write_text(FAKE_SERVER.format(python=sys.executable))
+    binary.chmod(0o755)
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF")
+    monkeypatch.setenv("SPECDEC_LLAMACPP", str(binary.parent))
+    servers = []
+
+    def start(mode: str) -> LlamaServer:
+        monkeypatch.setenv("FAKE_LLAMA_MODE", mode)
+        server = LlamaServer(model, threads=1)
+        servers.append(server)
+        server.start()
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+def test_a_fake_servers_completion_is_read(fake_server):
+    assert fake_server("ok").complete([1, 2, 3], 2) == ([5, 6], {"draft_n": 4, "draft_n_accepted": 3})
+
+
+@pytest.mark.parametrize("mode,match", [
+    ("garbage", "something that is not JSON"),
+    ("not-an-object", "JSON that is not an object"),
+    ("no-tokens", "without a list of token ids in 'tokens'"),
+    ("bad-tokens", "without a list of token ids in 'tokens'"),
+    ("bad-timings", "timings.draft_n = 'many', not a count"),
+    ("binary", "did not answer in HTTP"),
+    ("http-500", "answered HTTP 500 to a request: 'out of memory'"),
+])
+def test_malformed_server_output_is_one_error_naming_the_server(fake_server, mode, match):
+    server = fake_server(mode)
+    with pytest.raises(llamacpp.LlamaCppServerError, match=match) as err:
+        server.complete([1, 2, 3], 4)
+    assert str(err.value).startswith(f"llama-server on model.gguf ({server.url})") and "\n" not in str(err.value)
+
+
+def test_a_server_that_never_answers_times_out_by_the_request_size(fake_server, monkeypatch):
+    import time
+
+    assert llamacpp.request_timeout(100, 128) == pytest.approx(60 + 128 + 5)  # not an hour
+    monkeypatch.setattr(llamacpp, "REQUEST_BASE_S", 1.0)
+    monkeypatch.setattr(llamacpp, "REQUEST_PER_TOKEN_S", 0.25)
+    server = fake_server("hang")
+    start = time.monotonic()
+    with pytest.raises(llamacpp.LlamaCppServerError, match="did not answer a request of 4 new tokens within 2 s"):
+        server.complete([1, 2, 3], 4)
+    assert time.monotonic() - start < 10
+
+
+def test_a_server_that_exits_or_never_gets_healthy_fails_fast(fake_server, monkeypatch):
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(LlamaCppUnavailable, match="exited with code 3 while loading model.gguf:\nerror: failed"):
+        fake_server("exit")
+    assert time.monotonic() - start < 10  # not the start time limit
+    monkeypatch.setattr(llamacpp, "START_BASE_S", 2.0)
+    with pytest.raises(LlamaCppUnavailable, match="did not become healthy within 2 s"):
+        fake_server("never-healthy")
+    assert llamacpp.start_timeout(None) == 2.0
