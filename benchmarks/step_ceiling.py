@@ -1,0 +1,103 @@
+"""The ceiling of a 4-bit decode step on the machine at hand, and what verifying more rows costs.
+
+    python benchmarks/step_ceiling.py                                   # the 1.5B target, its GGUF blocks
+    python benchmarks/step_ceiling.py --model smollm2-135m-instruct --isa avx2 --json step.json
+
+Loads the model with `weights="gguf"` and calls every block-quantized linear a decode step runs
+(each layer's fused qkv, output, gate/up and down projections, then the LM head; the embedding is a
+lookup, not counted) in order, with bf16 activations of 1, 2, 4, 8 and 16 rows. The step's weights
+(1.15 GB for the 1.5B) are far larger than the caches, so each step reads them from memory as
+decoding does. Row counts alternate within each repeat (drift of a shared machine hits them
+alike); medians over `--repeats`. Printed: the CPU and its kernel paths, the read bandwidth
+(`read_probe`: AVX-512 or plain loads of 1 GiB on every thread, best of 5, measured before and after),
+the 1-row step in ms and as a fraction of that bandwidth, and each row count's cost over one row,
+the price of verifying a block of that many tokens, in one line:
+
+    read 41.2 GB/s | 1 row 31.0 ms = 37.0 GB/s (90%) | rows 2/4/8/16: 1.04/1.18/1.63/2.71x
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+import runtime
+from runtime.atomic import atomic_write_text
+from runtime.blockq import BlockQuantLinear
+from runtime.hardware import cpu_summary
+from runtime.kernels import cpu_blockq
+
+
+def read_bandwidth(buf: torch.Tensor, repeats: int = 5) -> float:
+    """Best read bandwidth (bytes/s) of `repeats` passes over `buf`, all threads."""
+    cpu_blockq.ops().read_probe(buf)
+    best = 0.0
+    for _ in range(repeats):
+        t = time.perf_counter()
+        cpu_blockq.ops().read_probe(buf)
+        best = max(best, buf.numel() / (time.perf_counter() - t))
+    return best
+
+
+def step_linears(model: torch.nn.Module) -> list[BlockQuantLinear]:
+    """The block-quantized linears one decode step multiplies, in the order it runs them."""
+    return [m for name, m in model.named_modules() if isinstance(m, BlockQuantLinear) and not name.startswith("embed")]
+
+
+def time_step(linears: list[BlockQuantLinear], rows: int, isa: str, g: torch.Generator) -> float:
+    """Seconds for one pass over `linears` with `rows` rows of bf16 activations."""
+    xs = {k: torch.randn(rows, k, generator=g).to(torch.bfloat16) for k in {m.in_features for m in linears}}
+    t = time.perf_counter()
+    for m in linears:
+        cpu_blockq.blockq_mm(xs[m.in_features], m.codes, m.sc, m.mc, m.d, m.dm, m.bias, m.bits, m.group_size,
+                             m.super_block, m.zero, isa=isa)
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen2.5-coder-1.5b-instruct", help="catalogue name, .gguf file")
+    parser.add_argument("--rows", default="1,2,4,8,16", help="row counts (the first is the reference)")
+    parser.add_argument("--isa", default="auto", choices=list(cpu_blockq.ISAS), help="kernel path (auto: by rows)")
+    parser.add_argument("--repeats", type=int, default=7, help="steps per row count (median)")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--json", default=None, help="also write the results here")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not cpu_blockq.available():
+        raise SystemExit(f"the block-quantized kernels are unavailable: {cpu_blockq.unavailable_reason()}")
+    rows = [int(r) for r in args.rows.split(",")]
+    model = runtime.load_model(args.model, dtype=torch.bfloat16, weights="gguf")
+    linears = step_linears(model)
+    nbytes = sum(m.nbytes() for m in linears)
+    cpu = cpu_summary()
+    print(f"CPU: {cpu['model']}, {torch.get_num_threads()} threads, flags {' '.join(cpu['flags'])}; kernel paths "
+          f"{', '.join(cpu_blockq.isas())}; {args.model}: {len(linears)} linears, {nbytes / 1e9:.3f} GB a step")
+    probe = torch.ones(1 << 30, dtype=torch.uint8)
+    bw_before = read_bandwidth(probe)
+    g = torch.Generator().manual_seed(0)
+    for r in rows:  # warm-up: first calls of each shape
+        time_step(linears, r, args.isa, g)
+    times: dict[int, list[float]] = {r: [] for r in rows}
+    for i in range(args.repeats):
+        for r in (rows if i % 2 == 0 else rows[::-1]):
+            times[r].append(time_step(linears, r, args.isa, g))
+    bw = max(bw_before, read_bandwidth(probe))
+    ms = {r: statistics.median(t) * 1e3 for r, t in times.items()}
+    rate = nbytes / (ms[rows[0]] / 1e3)
+    ratios = {r: ms[r] / ms[rows[0]] for r in rows[1:]}
+    print(f"read {bw / 1e9:.1f} GB/s | {rows[0]} row {ms[rows[0]]:.1f} ms = {rate / 1e9:.1f} GB/s ({rate / bw:.0%}) | "
+          f"rows {'/'.join(map(str, rows[1:]))}: {'/'.join(f'{v:.2f}' for v in ratios.values())}x")
+    if args.json:
+        atomic_write_text(args.json, json.dumps({
+            "cpu": cpu, "model": args.model, "isa": args.isa, "threads": torch.get_num_threads(), "step_bytes": nbytes,
+            "read_bandwidth": bw, "ms": ms, "bandwidth_fraction": rate / bw, "ratios": ratios}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
