@@ -55,7 +55,11 @@ makes later processes faster); later calls reuse it.
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable
+import sys
+import threading
+import time
+from collections.abc import Callable, Hashable
+from typing import TypeVar
 
 import torch
 
@@ -67,6 +71,8 @@ MAX_BLOCK_TOKENS = 256  # block-mask (tree) forwards of up to this many tokens t
 # path; the largest program plain and speculative decoding (k <= 7) compile
 DECODE_STATIC_TOKENS = 8
 _RECOMPILE_LIMIT = 64  # (model, batch, tokens, cache) shapes one process may compile
+
+NOTICE_AFTER_S = 5.0  # a first call of a shape that runs longer than this says that it is compiling
 
 # static_step(tokens, positions, k, v, lengths, block_mask=None, aux_layers=()) -> ModelOutput(logits (B, T, V),
 # hidden (B, T, C), aux (B, T, len(aux_layers) * C) or None)
@@ -103,6 +109,43 @@ def uses_cpp_wrapper(num_tokens: int, cpp_wrapper: bool = True) -> bool:
     return cpp_wrapper and num_tokens <= DECODE_STATIC_TOKENS
 
 
+R = TypeVar("R")
+
+
+class CompileNotices:
+    """Progress lines for compiled programs: the first call of each program key that runs longer than
+    `after_s` prints "compiling ..." on stderr when it passes `after_s` and "compiled ... in N s" when it
+    returns; a program Inductor's cache already holds returns first and prints nothing."""
+
+    def __init__(self, after_s: float = NOTICE_AFTER_S) -> None:
+        self.after_s = after_s
+        self.seen: set[Hashable] = set()
+
+    def run(self, key: Hashable, what: str, call: Callable[[], R]) -> R:
+        """call(); on the first call of `key`, with the notices above (`what` names the program)."""
+        if key in self.seen:
+            return call()
+        start = time.monotonic()
+        told = threading.Event()
+
+        def tell() -> None:
+            told.set()
+            print(f"compiling {what} (once per shape; Inductor's cache keeps it for later runs)...", file=sys.stderr,
+                  flush=True)
+
+        timer = threading.Timer(self.after_s, tell)
+        timer.daemon = True
+        timer.start()
+        try:
+            out = call()
+        finally:
+            timer.cancel()
+        self.seen.add(key)
+        if told.is_set():
+            print(f"compiled {what} in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
+        return out
+
+
 def compile_step(step: Step, device: torch.device, cpp_wrapper: bool = True,
                  max_autotune: bool | None = None, freeze_weights: bool = False,
                  eager_rounding: Callable[[], bool] = lambda: False) -> Step:
@@ -119,6 +162,7 @@ def compile_step(step: Step, device: torch.device, cpp_wrapper: bool = True,
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
     compiled = torch.compile(step)
     autotune = {} if max_autotune is None else {"max_autotune": max_autotune}
+    notices = CompileNotices()
 
     def compiled_step(tokens: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       lengths: torch.Tensor, block_mask: torch.Tensor | None = None,
@@ -135,7 +179,10 @@ def compile_step(step: Step, device: torch.device, cpp_wrapper: bool = True,
                                           cpp_wrapper=uses_cpp_wrapper(tokens.shape[1], cpp_wrapper),
                                           emulate_precision_casts=eager_rounding(), **autotune), \
                 torch._dynamo.config.patch(automatic_dynamic_shapes=False):
-            return compiled(tokens, positions, k, v, lengths, block_mask, aux_layers)
+            B, T = tokens.shape
+            key = (B, T, block_mask is not None, aux_layers, k.dtype, eager_rounding())
+            what = f"the {T}-token {'tree ' if block_mask is not None else ''}step of a batch of {B}"
+            return notices.run(key, what, lambda: compiled(tokens, positions, k, v, lengths, block_mask, aux_layers))
 
     return compiled_step
 

@@ -5,7 +5,7 @@ import torch
 
 import specdec
 from runtime import KVCache, compile_decode
-from runtime.compile import MAX_STATIC_TOKENS, static_tokens, uses_cpp_wrapper
+from runtime.compile import MAX_STATIC_TOKENS, CompileNotices, static_tokens, uses_cpp_wrapper
 from runtime.tiny import tiny_model
 from specdec.capture import StateCapture
 
@@ -243,3 +243,16 @@ def test_compiled_steps_return_the_eager_hidden_states():
     for a, b, ha, hb in zip(want.sequences, got.sequences, cap_eager.hidden_states, cap_compiled.hidden_states):
         assert torch.equal(a, b) and _rel(hb, ha) <= 1e-5
     assert {shape[1] for shape in calls} == {1, 8}  # the 6-token prefill padded to 8, then 1-token steps
+
+
+def test_a_slow_first_program_says_it_is_compiling_and_a_fast_one_is_quiet(capsys):
+    import time
+
+    notices = CompileNotices(after_s=0.05)
+    assert notices.run(("a", 8), "the 8-token step", lambda: time.sleep(0.3) or 7) == 7
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("compiling the 8-token step (once per shape") and err[1].startswith(
+        "compiled the 8-token step in ")
+    assert notices.run(("a", 8), "the 8-token step", lambda: time.sleep(0.3) or 8) == 8  # built: no line
+    assert notices.run(("b", 1), "the 1-token step", lambda: 9) == 9  # quick (a cached program): no line
+    assert capsys.readouterr().err == ""
