@@ -76,6 +76,12 @@ def _load() -> str | None:
                             cache_home() / "kernels" / f"cpu_blockq-{_key()[:16]}-{where}",
                             what="the block-quantized CPU kernels")
         load_built(build)
+        if not hasattr(ops(), "blockq_mm"):
+            # built from sources edited while it built (its ops carry another namespace): the next process
+            # rebuilds it; a library this process loaded cannot be replaced in it
+            build.checksum.unlink(missing_ok=True)
+            raise KernelBuildError(f"{build.library} holds kernels of other sources than these (edited during its "
+                                   "build); the next process rebuilds it")
     except (KernelBuildError, CacheHomeError) as err:
         reason = str(err)
         log.warning("block-quantized CPU kernels unavailable, using the dense fallback: %s", reason)
