@@ -24,8 +24,8 @@
 //     (both exact), which saves a shift per 64 bytes.
 //   sc, mc (N/W, K/G, W) int8 (mc may be sc); d, dm (N/W, K/S, W) float32.
 // Paths: AMX (TDPBSUD, 16 rows a tile) for calls of several rows on CPUs with AMX-INT8; AVX-512
-// VNNI (VPDPBUSD, up to 4 rows per pass over a block's codes) for fewer rows, or every row count
-// without AMX; AVX2 (VPMADDUBSW + VPMADDWD) on CPUs without AVX-512; plain C++ elsewhere (slow, exact).
+// VNNI (VPDPBUSD, 4 rows at a time in registers; more rows take each 256-input span of a block's
+// codes in turn, so the codes are read from memory once) for fewer rows, or every row count without AMX; AVX2 (VPMADDUBSW + VPMADDWD) on CPUs without AVX-512; plain C++ elsewhere (slow, exact).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -259,15 +259,22 @@ SPECDEC_AVX512 inline void unpack_row5(const uint8_t* grp, int r, __m512i& set0,
   set1 = _mm512_mask_add_epi8(set1, _load_mask64((__mmask64*)(planes + 8)), set1, bit4);
 }
 
-// Prefetch the codes kPrefetchBytes ahead of group g (every line), and the scale codes.
+// prefetcht0 of the line at p, as an asm statement: GCC 12 drops _mm_prefetch (and __builtin_prefetch)
+// from the target("avx512...") functions below after inlining, so the VNNI and AMX loops had none
+inline void prefetch_line(const void* p) { __asm__ volatile("prefetcht0 %0" : : "m"(*(const char*)p)); }
+
+// Prefetch the codes kPrefetchBytes ahead of group g, and the scale codes: every line, or with
+// `parts` > 1 the lines part, part + parts, ... (the chunks of rows that share a span of codes each
+// take their part, so requests to memory go out all through the span's arithmetic).
 template <int BITS, int G>
-inline void prefetch_group(const BlockView<BITS, G>& v, int64_t g) {
+inline void prefetch_group(const BlockView<BITS, G>& v, int64_t g, int part = 0, int parts = 1) {
   const char* grp = (const char*)(v.codes + g * v.kGroupBytes + kPrefetchBytes);
-  for (int off = 0; off < v.kGroupBytes; off += 64) _mm_prefetch(grp + off, _MM_HINT_T0);
+  for (int off = part * 64; off < v.kGroupBytes; off += 64 * parts) prefetch_line(grp + off);
+  if (part != 0) return;
   constexpr int64_t ahead = kPrefetchBytes / v.kGroupBytes;  // groups
   if (((g + ahead) * v.W) % 64 == 0) {
-    _mm_prefetch((const char*)(v.sc + (g + ahead) * v.W), _MM_HINT_T0);
-    _mm_prefetch((const char*)(v.mc + (g + ahead) * v.W), _MM_HINT_T0);
+    prefetch_line(v.sc + (g + ahead) * v.W);
+    prefetch_line(v.mc + (g + ahead) * v.W);
   }
 }
 
@@ -292,12 +299,14 @@ SPECDEC_AVX512 inline void close_super(Acc& acc, __m512 d, __m512 dm) {
 
 // ---------------------------------------------------------------- AVX-512 VNNI path
 
-// Rows m0 .. m0 + MT - 1 of block b: VPDPBUSD with the activations broadcast four bytes at a time.
-template <int BITS, int G, typename T, int MT>
-SPECDEC_AVX512 void vnni_block(const Weights& w, const Acts& a, int64_t m0, const float* bias, T* y, int64_t b) {
+// Rows m0 .. m0 + MT - 1 of one block, super-blocks [sb0, sb1): VPDPBUSD with the activations
+// broadcast four bytes at a time. Each row's y accumulators come in and go out through fy
+// (16 floats at fy + (i * S + s) * 16: row m0 + i, set s); a super-block's partial sums live in registers.
+template <int BITS, int G, int MT>
+SPECDEC_AVX512 void vnni_rows(const BlockView<BITS, G>& v, const Acts& a, int64_t m0, int64_t sb0, int64_t sb1,
+                              float* fy, int part, int parts) {
   using V = BlockView<BITS, G>;
   constexpr int R = V::R, S = V::kSets;
-  const V v(w, b);
   const int64_t K = a.K;
   const int8_t* xq[MT];
   const float *dx[MT], *xs[MT];
@@ -308,13 +317,16 @@ SPECDEC_AVX512 void vnni_block(const Weights& w, const Acts& a, int64_t m0, cons
   }
   Acc acc[MT][S];
   for (int i = 0; i < MT; ++i)
-    for (int s = 0; s < S; ++s) acc[i][s].y = acc[i][s].a = acc[i][s].b = _mm512_setzero_ps();
+    for (int s = 0; s < S; ++s) {
+      acc[i][s].y = _mm512_loadu_ps(fy + (i * S + s) * kLanes);
+      acc[i][s].a = acc[i][s].b = _mm512_setzero_ps();
+    }
   const __m512i low = _mm512_set1_epi8(0x0F);
-  int64_t g = 0;
-  for (int64_t sb = 0; sb < v.supers; ++sb) {
+  int64_t g = sb0 * v.gps;
+  for (int64_t sb = sb0; sb < sb1; ++sb) {
     for (int64_t j = 0; j < v.gps; ++j, ++g) {
       const uint8_t* grp = v.codes + g * V::kGroupBytes;
-      prefetch_group(v, g);
+      prefetch_group(v, g, part, parts);
       __m512i full[MT], high[MT];
       for (int i = 0; i < MT; ++i) full[i] = high[i] = _mm512_setzero_si512();
       for (int r = 0; r < R; ++r) {
@@ -353,24 +365,50 @@ SPECDEC_AVX512 void vnni_block(const Weights& w, const Acts& a, int64_t m0, cons
     }
   }
   for (int i = 0; i < MT; ++i)
-    for (int s = 0; s < S; ++s) {
-      const int64_t n = b * V::W + s * kLanes;
-      store_row(acc[i][s].y, bias ? bias + n : nullptr, y + (m0 + i) * w.N + n);
-    }
+    for (int s = 0; s < S; ++s) _mm512_storeu_ps(fy + (i * S + s) * kLanes, acc[i][s].y);
 }
 
-// Every row of blocks [b0, b1), two rows at a time while a block's codes are in cache.
+// Rows [m0, m1) of a block, super-blocks [sb0, sb1), four rows at a time.
+template <int BITS, int G>
+SPECDEC_AVX512 void vnni_span(const BlockView<BITS, G>& v, const Acts& a, int64_t m0, int64_t m1, int64_t sb0,
+                              int64_t sb1, float* fy) {
+  constexpr int S = BlockView<BITS, G>::kSets;
+  const int parts = (int)((m1 - m0 + 3) / 4);
+  int part = 0;
+  int64_t m = m0;
+  for (; m + 4 <= m1; m += 4, ++part) vnni_rows<BITS, G, 4>(v, a, m, sb0, sb1, fy + m * S * kLanes, part, parts);
+  switch (m1 - m) {
+    case 3: vnni_rows<BITS, G, 3>(v, a, m, sb0, sb1, fy + m * S * kLanes, part, parts); break;
+    case 2: vnni_rows<BITS, G, 2>(v, a, m, sb0, sb1, fy + m * S * kLanes, part, parts); break;
+    case 1: vnni_rows<BITS, G, 1>(v, a, m, sb0, sb1, fy + m * S * kLanes, part, parts); break;
+    default: break;
+  }
+}
+
+// Inputs per span of a call of more than 4 rows: every 4-row chunk of the rows takes one span of a
+// block's codes in turn, so the codes come from memory once per call and from L1 for the other chunks.
+constexpr int64_t kSpanInputs = 256;
+
+// Every row of blocks [b0, b1). Up to 4 rows run in registers over the whole block; more rows run
+// span by span (each span of codes read from memory once, by the first chunk of rows, while the
+// accumulators of all rows wait in fy), so the row count multiplies arithmetic, not memory traffic.
 template <int BITS, int G, typename T>
 SPECDEC_AVX512 void gemm_vnni(const Weights& w, const Acts& a, const float* bias, T* y, int64_t b0, int64_t b1) {
+  using V = BlockView<BITS, G>;
+  constexpr int S = V::kSets;
+  std::vector<float> fy(a.M * S * kLanes);
+  const int64_t supers = w.K / w.S;
+  const int64_t span = a.M <= 4 ? supers : std::max<int64_t>(1, kSpanInputs / w.S);
   for (int64_t b = b0; b < b1; ++b) {
-    int64_t m = 0;
-    for (; m + 4 <= a.M; m += 4) vnni_block<BITS, G, T, 4>(w, a, m, bias, y, b);
-    switch (a.M - m) {
-      case 3: vnni_block<BITS, G, T, 3>(w, a, m, bias, y, b); break;
-      case 2: vnni_block<BITS, G, T, 2>(w, a, m, bias, y, b); break;
-      case 1: vnni_block<BITS, G, T, 1>(w, a, m, bias, y, b); break;
-      default: break;
-    }
+    const V v(w, b);
+    std::fill(fy.begin(), fy.end(), 0.f);
+    for (int64_t sb0 = 0; sb0 < supers; sb0 += span)
+      vnni_span<BITS, G>(v, a, 0, a.M, sb0, std::min(supers, sb0 + span), fy.data());
+    for (int64_t m = 0; m < a.M; ++m)
+      for (int s = 0; s < S; ++s) {
+        const int64_t n = b * V::W + s * kLanes;
+        store_row(_mm512_loadu_ps(fy.data() + (m * S + s) * kLanes), bias ? bias + n : nullptr, y + m * w.N + n);
+      }
   }
 }
 
