@@ -25,7 +25,8 @@
 //   sc, mc (N/W, K/G, W) int8 (mc may be sc); d, dm (N/W, K/S, W) float32.
 // Paths: AMX (TDPBSUD, 16 rows a tile) for calls of several rows on CPUs with AMX-INT8; AVX-512
 // VNNI (VPDPBUSD, 4 rows at a time in registers; more rows take each 256-input span of a block's
-// codes in turn, so the codes are read from memory once) for fewer rows, or every row count without AMX; AVX2 (VPMADDUBSW + VPMADDWD) on CPUs without AVX-512; plain C++ elsewhere (slow, exact).
+// codes in turn, so the codes are read from memory once) for fewer rows, or every row count without
+// AMX; AVX2 (VPMADDUBSW + VPMADDWD) on CPUs without AVX-512; plain C++ elsewhere (slow, exact).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
