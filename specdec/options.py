@@ -33,5 +33,5 @@ def check_draft_length(value: int | str) -> int | str:
 
 
 WEIGHTS_HELP = ("how a GGUF model (catalogue name, .gguf file) holds its weights: gguf = its 4-bit blocks, run by "
-                "the CPU kernels; dense = dequantized to --dtype; auto = gguf where the CPU has AVX-512 VNNI "
-                "(default: %(default)s)")
+                "the CPU kernels; dense = dequantized to --dtype; auto = gguf where the CPU has AVX-512 VNNI or "
+                "AVX2 + FMA (default: %(default)s)")

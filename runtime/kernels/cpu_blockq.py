@@ -37,6 +37,7 @@ LANES = 16  # output channels per storage block
 # needs no tile set-up); measured by benchmarks/qlinear_rows.py
 AMX_MIN_ROWS = 12
 ISAS = {"auto": 0, "generic": 1, "vnni": 2, "amx": 3, "avx2": 4}
+ISA_ENV = "SPECDEC_BLOCKQ_ISA"  # the path every call without its own `isa` takes (default: auto)
 _CFLAGS = ["-O3", "-ffp-contract=off", "-std=c++17", "-fopenmp"]  # -fopenmp: at::parallel_for runs threads only with it
 
 log = logging.getLogger(__name__)
@@ -121,10 +122,24 @@ def unavailable_reason() -> str | None:
     return _load()
 
 
+def default_isa() -> str:
+    """The kernel path of calls that name none: $SPECDEC_BLOCKQ_ISA (auto, generic, vnni, amx, avx2;
+    e.g. avx2 runs an AVX-512 CPU as an AVX2-only one would), else "auto" (by the CPU and row count).
+    A compiled step reads it when it is traced."""
+    isa = os.environ.get(ISA_ENV, "auto").strip().lower() or "auto"
+    if isa not in ISAS:
+        raise ValueError(f"{ISA_ENV}={os.environ[ISA_ENV]!r} is not a kernel path; use one of {', '.join(ISAS)}")
+    if isa not in ("auto", *isas()):
+        raise ValueError(f"{ISA_ENV}={isa} asks for a kernel path this CPU does not run; it runs "
+                         f"{', '.join(isas()) or 'none (the kernels are unavailable)'}")
+    return isa
+
+
 def fast() -> bool:
-    """Whether the kernels run here with SIMD (AVX-512 VNNI, AMX or AVX2 + FMA): the CPUs where a
-    block-quantized model decodes faster than its dense copy. The plain C++ path is exact but slow."""
-    return available() and bool({"vnni", "avx2"} & set(isas()))
+    """Whether the kernels run here with SIMD (AVX-512 VNNI, AMX or AVX2 + FMA, and $SPECDEC_BLOCKQ_ISA
+    does not force the plain C++ path): the CPUs where a block-quantized model decodes faster than its
+    dense copy. The plain C++ path is exact but slow."""
+    return available() and bool({"vnni", "avx2"} & set(isas())) and default_isa() != "generic"
 
 
 def isas() -> tuple[str, ...]:
@@ -138,12 +153,13 @@ def isas() -> tuple[str, ...]:
 
 def blockq_mm(x: torch.Tensor, codes: torch.Tensor, sc: torch.Tensor, mc: torch.Tensor, d: torch.Tensor,
               dm: torch.Tensor | None, bias: torch.Tensor | None, bits: int, group: int, super_block: int,
-              zero: float = 0.0, isa: str = "auto", amx_min_rows: int = AMX_MIN_ROWS) -> torch.Tensor:
-    """x (..., K) float32 / bf16 -> (..., N) in x's dtype through the compiled kernel (path `isa`);
-    dm None: dm = zero * d."""
+              zero: float = 0.0, isa: str | None = None, amx_min_rows: int = AMX_MIN_ROWS) -> torch.Tensor:
+    """x (..., K) float32 / bf16 -> (..., N) in x's dtype through the compiled kernel (path `isa`,
+    default `default_isa()`); dm None: dm = zero * d."""
     if not available():
         raise RuntimeError(f"the block-quantized CPU kernels are unavailable: {unavailable_reason()}")
-    return ops().blockq_mm(x, codes, sc, mc, d, dm, bias, bits, group, super_block, zero, ISAS[isa], amx_min_rows)
+    path = ISAS[isa or default_isa()]
+    return ops().blockq_mm(x, codes, sc, mc, d, dm, bias, bits, group, super_block, zero, path, amx_min_rows)
 
 
 def quantize_activations_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

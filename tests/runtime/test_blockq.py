@@ -7,6 +7,7 @@ import torch
 
 from runtime.blockq import BlockQuantLinear, QuantizedEmbedding, block_width, pack_codes, unpack_codes
 from runtime.kernels import cpu_blockq
+from runtime.loading import resolve_weights
 from runtime.qlinear import Int4Linear, Int8Linear, from_tensors, pack_int4
 
 needs_kernels = pytest.mark.skipif(not cpu_blockq.available(), reason="block-quantized CPU kernels not built here")
@@ -110,6 +111,32 @@ def test_every_path_gives_the_same_bits(grid, dtype):
         base = outs["generic"]
         for isa, y in outs.items():
             assert torch.equal(y, base), f"{isa} differs from the plain C++ path at {rows} rows"
+
+
+@needs_kernels
+def test_the_isa_switch_runs_a_whole_module_on_the_path_it_names(monkeypatch):
+    """SPECDEC_BLOCKQ_ISA forces every call's path (an AVX-512 CPU runs as an AVX2-only one would):
+    the same bits; a path the CPU lacks or a typo is a clear error."""
+    module, _ = _module("q4_k", K=1536)
+    x = torch.randn(6, 1536, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    base = module(x)
+    for isa in cpu_blockq.isas():
+        monkeypatch.setenv(cpu_blockq.ISA_ENV, isa)
+        assert torch.equal(module(x), base), isa
+    if "avx2" in cpu_blockq.isas():
+        monkeypatch.setenv(cpu_blockq.ISA_ENV, "avx2")
+        assert cpu_blockq.fast()  # weights="auto" keeps the 4-bit blocks on an AVX2 CPU
+        assert resolve_weights("auto", "smollm2-135m-instruct") == "gguf"
+    monkeypatch.setenv(cpu_blockq.ISA_ENV, "generic")
+    assert not cpu_blockq.fast() and resolve_weights("auto", "smollm2-135m-instruct") == "dense"
+    monkeypatch.setenv(cpu_blockq.ISA_ENV, "avx3")
+    with pytest.raises(ValueError, match="SPECDEC_BLOCKQ_ISA='avx3' is not a kernel path"):
+        module(x)
+    missing = next((isa for isa in ("amx", "vnni", "avx2") if isa not in cpu_blockq.isas()), None)
+    if missing:
+        monkeypatch.setenv(cpu_blockq.ISA_ENV, missing)
+        with pytest.raises(ValueError, match="does not run"):
+            module(x)
 
 
 @needs_kernels
