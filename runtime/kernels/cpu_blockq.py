@@ -122,10 +122,12 @@ def unavailable_reason() -> str | None:
     return _load()
 
 
+@torch.compiler.assume_constant_result
 def default_isa() -> str:
     """The kernel path of calls that name none: $SPECDEC_BLOCKQ_ISA (auto, generic, vnni, amx, avx2;
     e.g. avx2 runs an AVX-512 CPU as an AVX2-only one would), else "auto" (by the CPU and row count).
-    A compiled step reads it when it is traced."""
+    A constant to `torch.compile` (it asks the kernels which paths the CPU runs, which a graph cannot
+    hold): a compiled step reads it when it is traced."""
     isa = os.environ.get(ISA_ENV, "auto").strip().lower() or "auto"
     if isa not in ISAS:
         raise ValueError(f"{ISA_ENV}={os.environ[ISA_ENV]!r} is not a kernel path; use one of {', '.join(ISAS)}")

@@ -140,6 +140,20 @@ def test_the_isa_switch_runs_a_whole_module_on_the_path_it_names(monkeypatch):
 
 
 @needs_kernels
+def test_a_module_call_compiles_into_one_graph(monkeypatch):
+    """Choosing the kernel path (SPECDEC_BLOCKQ_ISA, the CPU's paths) happens before tracing: a graph
+    break there split every compiled layer and hit the recompile limit on a real model."""
+    module, _ = _module("q4_k")
+    x = torch.randn(3, module.in_features, generator=torch.Generator().manual_seed(2))
+    for isa in (None, "avx2" if "avx2" in cpu_blockq.isas() else "generic"):
+        if isa:
+            monkeypatch.setenv(cpu_blockq.ISA_ENV, isa)
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(lambda t: module(t) * 2)(x)
+        assert (explained.graph_count, explained.graph_break_count) == (1, 0), isa
+
+
+@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_row_does_not_depend_on_the_others(dtype):
     module, _ = _module("q4_k", K=1536)
