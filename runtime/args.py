@@ -46,12 +46,29 @@ def check_bool(name: str, value: Any) -> bool:
     return value
 
 
+# the longest path and path component (bytes) Linux and macOS take: a longer name is no file
+PATH_MAX, NAME_MAX = 4096, 255
+
+
+def check_path_length(name: str, text: str) -> None:
+    """ValueError naming `name` when `text` cannot be a file name: longer than PATH_MAX bytes, or with
+    a component ('/'-separated part) longer than NAME_MAX bytes. The OS would answer every look-up
+    of it with OSError [Errno 36] (File name too long) instead of "no such file"."""
+    encoded = text.encode("utf-8", "surrogatepass")
+    longest = max((len(part) for part in encoded.split(b"/")), default=0)
+    if len(encoded) > PATH_MAX or longest > NAME_MAX:
+        raise ValueError(f"{name} is {len(text)} characters long ({describe(text)}), longer than a file or model "
+                         f"name can be ({NAME_MAX} bytes per path component, {PATH_MAX} in all)")
+
+
 def check_path(name: str, value: Any, accepted: str) -> str | os.PathLike:
-    """`value` when it is a non-empty str or os.PathLike; `accepted` says what it may name."""
+    """`value` when it is a non-empty str or os.PathLike no longer than a path can be; `accepted` says
+    what it may name."""
     if not isinstance(value, (str, os.PathLike)):
         raise TypeError(f"{name} must be {accepted} (a str or a Path), got {describe(value)}")
     if not str(value).strip():
         raise ValueError(f"{name} is empty; pass {accepted}")
+    check_path_length(name, str(value))
     return value
 
 

@@ -10,7 +10,7 @@ from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from runtime.args import check_bool, check_dtype, check_path
+from runtime.args import check_bool, check_dtype, check_path, check_path_length
 from runtime.compressed_tensors import is_compressed_tensors, load_compressed_tensors
 from runtime.config import HF_SIZE_KEYS, ModelConfig, check_model_type, is_size
 from runtime.errors import CheckpointError
@@ -50,6 +50,7 @@ def resolve(name_or_path: str | Path) -> Path:
     text = str(name_or_path)
     if text in catalogue.CATALOGUE:
         return catalogue.fetch(text)
+    check_path_length("name_or_path", text)
     path = Path(text).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         from runtime.gguf import gguf_to_checkpoint

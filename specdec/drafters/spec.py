@@ -36,8 +36,10 @@ import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from decimal import Decimal
 from pathlib import Path
 
+from runtime.args import check_path_length, describe
 from specdec.options import parse_draft_length
 
 # what the "@..." suffix of a kind means
@@ -96,6 +98,9 @@ class DrafterSpec:
         entry = DRAFTERS.get(self.kind)
         if entry is None:
             raise ValueError(f"unknown drafter kind {self.kind!r}; choose from {', '.join(DRAFTERS)}")
+        if not isinstance(self.members, (tuple, list)):
+            raise TypeError(f"DrafterSpec.members is a tuple of DrafterSpec (a hybrid's or a composite's drafters; "
+                            f"() for none), got {describe(self.members)}")
         if self.kind == "best":
             object.__setattr__(self, "members", tuple(self.members))
             self._check_composite()
@@ -106,6 +111,8 @@ class DrafterSpec:
             raise ValueError(f"drafter {self.kind!r} needs {_a(entry.arg)}: write {self.kind}:{entry.arg}")
         elif entry.arg is None and self.arg:
             raise ValueError(f"drafter {self.kind!r} takes no argument, got {self.kind}:{self.arg}")
+        if isinstance(self.arg, str):
+            check_path_length(f"drafter {self.kind}'s {entry.arg}", self.arg)
         if self.shape is not None:
             if entry.size != EAGLE_TREE:
                 raise ValueError(f"{self}: only eagle takes a tree shape (@N:DEPTHxTOP_K)")
@@ -178,14 +185,14 @@ class DrafterSpec:
     def _parse_composite(cls, name: str, bare: str | None) -> DrafterSpec:
         parts = [p.strip() for p in name.split("|")]
         if not all(parts):
-            raise ValueError(f"{name!r} has an empty drafter beside a '|': a composite joins two or more drafters "
-                             "with '|', e.g. suffix|draft:NAME_OR_PATH@auto")
+            raise ValueError(f"{_quote(name)} has an empty drafter beside a '|': a composite joins two or more "
+                             "drafters with '|', e.g. suffix|draft:NAME_OR_PATH@auto")
         if any("+" in p for p in parts):
-            raise ValueError(f"{name!r}: a composite's members are single drafters; a hybrid (A+B) cannot be one")
+            raise ValueError(f"{_quote(name)}: a composite's members are single drafters; a hybrid (A+B) cannot be one")
         try:
             return cls("best", members=tuple(cls._parse_one(p, bare) for p in parts))
         except ValueError as e:
-            raise ValueError(e.args[0] if name in str(e) else f"{name!r}: {e}") from e
+            raise ValueError(e.args[0] if _quote(name) in str(e) else f"{_quote(name)}: {e}") from e
 
     @classmethod
     def _parse_hybrid(cls, name: str, bare: str | None) -> DrafterSpec:
@@ -193,7 +200,7 @@ class DrafterSpec:
         if not all(parts):
             where = ("before its first '+'" if not parts[0] else "after its last '+'" if not parts[-1]
                      else "between two '+'")
-            raise ValueError(f"{name!r} has an empty drafter {where}: a hybrid joins two or more drafters with "
+            raise ValueError(f"{_quote(name)} has an empty drafter {where}: a hybrid joins two or more drafters with "
                              "'+', e.g. ngram+draft:NAME_OR_PATH")
         members = [cls._parse_one(p, bare) for p in parts]
         size = members[-1].size if DRAFTERS[members[-1].kind].size == DRAFT_LENGTH else None
@@ -203,7 +210,7 @@ class DrafterSpec:
         try:
             return cls("hybrid", None, size, None, tuple(members), p_min)
         except ValueError as e:
-            raise ValueError(f"{name!r}: {e}") from e
+            raise ValueError(f"{_quote(name)}: {e}") from e
 
     @classmethod
     def _parse_one(cls, name: str, bare: str | None) -> DrafterSpec:
@@ -219,11 +226,11 @@ class DrafterSpec:
         if kind not in DRAFTERS:
             _check_misspelled(name, base)
             if bare is None:
-                raise ValueError(f"unknown drafter {name!r}")
+                raise ValueError(f"unknown drafter {_quote(name)}")
             kind, arg = bare, base
         entry = DRAFTERS[kind]
         if at and entry.size is None:
-            raise ValueError(f"{name!r}: {kind} takes no @ suffix")
+            raise ValueError(f"{_quote(name)}: {kind} takes no @ suffix")
         if entry.arg == "DIR" and arg:
             _check_dir_suffix(name, kind, arg, bool(at))
         value = (int(size) if size.isdigit() else size) if at else None
@@ -232,7 +239,7 @@ class DrafterSpec:
                 return cls(kind, arg or None, value, p_min=float(shape[1:]))
             return cls(kind, arg or None, value, tuple(map(int, shape.split("x"))) if colon else None)
         except ValueError as e:
-            raise ValueError(e.args[0] if name in str(e) else f"{name!r}: {e}") from e
+            raise ValueError(e.args[0] if _quote(name) in str(e) else f"{_quote(name)}: {e}") from e
 
     def __str__(self) -> str:
         if self.kind == "best":
@@ -246,7 +253,7 @@ class DrafterSpec:
             if self.shape is not None:
                 text += ":{}x{}".format(*self.shape)
             if self.p_min is not None:
-                text += f":p{self.p_min:g}"
+                text += f":p{_decimal(self.p_min)}"
         return text
 
     @property
@@ -294,6 +301,19 @@ class DrafterSpec:
         return getattr(importlib.import_module(module), function)(self, target, loader or DrafterLoader())
 
 
+def _quote(text: str) -> str:
+    """How a message shows a spec or path: its repr, cut after 100 characters (a spec may be any length)."""
+    return repr(text) if len(text) <= 120 else f"{text[:100]!r}... ({len(text)} characters)"
+
+
+def _decimal(p: float) -> str:
+    """`p` in [0, 1) as the plain decimal (no exponent) of its shortest repr, so `float()` reads it back
+    exactly and the :pP grammar takes it: 0.999999999999 -> '0.999999999999' (not '1'), 1e-07 ->
+    '0.0000001', 0.0 -> '0'."""
+    text = format(Decimal(repr(float(p))), "f")
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
 def _a(what: str) -> str:
     return f"a {'model' if what == 'NAME_OR_PATH' else 'directory'}"
 
@@ -315,26 +335,35 @@ def _check_suffix(name: str, base: str, size: str, colon: str, shape: str) -> No
     entry = DRAFTERS.get(kind)
     valid = size.isdigit() or size == "auto"
     if not size and not colon:
-        raise ValueError(f"{name!r} ends in '@' with nothing after it"
+        raise ValueError(f"{_quote(name)} ends in '@' with nothing after it"
                          + (f": write {_SUFFIX[entry.size]} there, or drop the '@'" if entry and entry.size else ""))
     shaped = not colon or _TREE_SHAPE.fullmatch(shape)
     if entry is not None and entry.arg is None and ":" not in base and not (valid and shaped):
-        raise ValueError(f"{name!r}: after {kind}'s '@' comes {_SUFFIX[entry.size]}, got {name[len(base) + 1:]!r}")
+        raise ValueError(f"{_quote(name)}: after {kind}'s '@' comes {_SUFFIX[entry.size]}, got "
+                         f"{name[len(base) + 1:]!r}")
     if entry is not None and entry.size == EAGLE_TREE and valid and not shaped:
-        raise ValueError(f"{name!r}: the tree shape after ':' is DEPTHxTOP_K (e.g. @6:3x2), got {shape!r}")
+        raise ValueError(f"{_quote(name)}: the tree shape after ':' is DEPTHxTOP_K (e.g. @6:3x2), got {shape!r}")
     if valid and re.fullmatch(r"p[0-9.]+", shape) and not _P_MIN.fullmatch(shape):
-        raise ValueError(f"{name!r}: a draft model's :pP is a probability in [0, 1) (e.g. @auto:p0.5), got {shape!r}")
+        raise ValueError(f"{_quote(name)}: a draft model's :pP is a probability in [0, 1) (e.g. @auto:p0.5), got "
+                         f"{shape!r}")
+
+
+def _exists(path: str) -> bool:
+    """Whether `path` exists; a ValueError (not OSError "File name too long") when it is longer than a
+    path can be (`runtime.args.check_path_length`)."""
+    check_path_length("the drafter spec's model or directory", path)
+    return Path(path).expanduser().exists()
 
 
 def _check_misspelled(name: str, base: str) -> None:
     """ValueError for a word without a known kind that is a misspelled spec rather than a model path
     (one that does not exist): a known kind before a second '@' (`ngram@@3`, `ngram@3@4`) or a kind
     in other case (`NGRAM`, `Draft:x`)."""
-    if Path(base).expanduser().exists():
+    if _exists(base):
         return
     leading = re.split(r"[@:]", name, maxsplit=1)[0]
     if leading in DRAFTERS and name.count("@") > 1:
-        raise ValueError(f"{name!r} has a second '@': a spec takes one '@' suffix, e.g. {leading}@4")
+        raise ValueError(f"{_quote(name)} has a second '@': a spec takes one '@' suffix, e.g. {leading}@4")
     if leading != leading.lower() and leading.lower() in DRAFTERS:
         raise ValueError(f"unknown drafter kind {leading!r}: kinds are lowercase, write "
                          f"{leading.lower() + name[len(leading):]!r}")
@@ -344,14 +373,14 @@ def _check_dir_suffix(name: str, kind: str, arg: str, sized: bool) -> None:
     """ValueError for an "@" inside a medusa / eagle directory that does not exist: a second '@'
     (`medusa:DIR@4@5`) or a size that is no valid suffix (`medusa:DIR@x`, `medusa:DIR@-1`), which
     would otherwise be read as part of the directory's name."""
-    if "@" not in arg or Path(arg).expanduser().exists():
+    if "@" not in arg or _exists(arg):
         return
     tail = arg.rpartition("@")[2]
     if sized or tail.partition(":")[0].isdigit() or tail.partition(":")[0] == "auto":
-        raise ValueError(f"{name!r} has a second '@' (and no directory {arg!r} exists): write {kind}:DIR@N with "
-                         "one '@'")
-    raise ValueError(f"{name!r}: after {kind}'s '@' comes {_SUFFIX[DRAFTERS[kind].size]}, got {tail!r} (and no "
-                     f"directory {arg!r} exists)")
+        raise ValueError(f"{_quote(name)} has a second '@' (and no directory {_quote(arg)} exists): write "
+                         f"{kind}:DIR@N with one '@'")
+    raise ValueError(f"{_quote(name)}: after {kind}'s '@' comes {_SUFFIX[DRAFTERS[kind].size]}, got {tail!r} (and no "
+                     f"directory {_quote(arg)} exists)")
 
 
 def _check_size(spec: DrafterSpec, size: str) -> int | str:

@@ -258,3 +258,23 @@ def test_a_bad_draft_on_the_command_line_fails_first_and_says_why(tmp_path, caps
             err = capsys.readouterr().err.splitlines()
             assert len(err) == 1 and err[0].startswith(f"specdec {argv[0]}: error: {what}"), err
             assert err[0].endswith(GRAMMAR) and "missing" not in err[0], err
+
+
+@pytest.mark.parametrize("p", [0.999999999999, 1e-7, 0.0, 0.5, 1e-300, 0.1, 0.9999999999999999])
+def test_a_probability_round_trips_through_str(p):
+    spec = DrafterSpec("draft", "m", 4, p_min=p)
+    assert "e" not in str(spec).rpartition(":p")[2]
+    assert DrafterSpec.parse(str(spec)) == spec and DrafterSpec.parse(str(spec)).p_min == p
+
+
+@pytest.mark.parametrize("text", ["x" * 10_000, "draft:" + "x" * 10_000, "medusa:" + "d/" * 3_000 + "@4",
+                                  "ngram|draft:" + "y" * 300])
+def test_specs_longer_than_a_path_say_so_in_a_short_line(text):
+    with pytest.raises(ValueError, match="characters long") as err:
+        DrafterSpec.parse(text, bare="draft")
+    assert len(str(err.value)) < 1_000 and "\n" not in str(err.value)
+
+
+def test_members_must_be_a_tuple():
+    with pytest.raises(TypeError, match=r"DrafterSpec.members is a tuple of DrafterSpec .* got None"):
+        DrafterSpec("best", members=None)
