@@ -71,6 +71,7 @@ def inspect_gguf(gguf_path: Path) -> tuple[Counter, bool]:
         raise CheckpointError(f"{gguf_path} is not a readable GGUF file ({type(err).__name__}: {err}); "
                               "it may be truncated or corrupt: download it again") from err
     check_gguf_sizes(reader, gguf_path)
+    check_gguf_tensor_names(reader, gguf_path)
     supported = supported_tensor_types()
     counts: Counter = Counter()
     for tensor in reader.tensors:
@@ -111,6 +112,139 @@ def check_gguf_sizes(reader, gguf_path: Path) -> None:
     if width is not None and embed is not None and int(embed.shape[0]) != width:
         raise CheckpointError(f"{gguf_path}: its metadata says {arch}.embedding_length={width!r}, but "
                               f"token_embd.weight is {int(embed.shape[0])} wide; the file is corrupt")
+    check_gguf_heads(reader, gguf_path, arch)
+
+
+# the tensors of the GGUF architectures the runtime implements: llama (Llama, Mistral, SmolLM2; q/k/v
+# biases optional) and qwen2; rope_freqs holds Llama 3's rotary scaling, which the metadata also states
+_ARCH_TENSORS = ("llama", "qwen2")
+_TENSOR_NAME = re.compile(r"(token_embd|output_norm|output|rope_freqs)\.weight"
+                          r"|blk\.\d+\.((attn_norm|ffn_norm|attn_output|ffn_gate|ffn_up|ffn_down)\.weight"
+                          r"|(attn_q|attn_k|attn_v)\.(weight|bias))")
+QKV_BIASES = ("attn_q.bias", "attn_k.bias", "attn_v.bias")
+
+
+def check_gguf_tensor_names(reader, gguf_path: Path) -> None:
+    """CheckpointError naming the tensors of a llama / qwen2 GGUF that neither conversion nor the 4-bit
+    load would read (an output bias, an MLP bias, anything unknown), instead of dropping them; and
+    naming the layers whose q / k / v biases are partial."""
+    arch = _field(reader, "general.architecture")
+    if arch not in _ARCH_TENSORS:
+        return
+    names = [t.name for t in reader.tensors]
+    unknown = [n for n in names if not _TENSOR_NAME.fullmatch(n)]
+    if unknown:
+        raise CheckpointError(f"{gguf_path} holds {len(unknown)} tensors a {arch} model does not have, e.g. "
+                              f"{', '.join(unknown[:4])}; the runtime would drop them, so the file is refused "
+                              "(it is another architecture stored as llama, or corrupt)")
+    present = set(names)
+    partial = sorted({int(m.group(1)) for n in names if (m := re.fullmatch(r"blk\.(\d+)\.attn_[qkv]\.bias", n))
+                      if not all(f"blk.{m.group(1)}.{b}" in present for b in QKV_BIASES)})
+    if partial:
+        raise CheckpointError(f"{gguf_path}: layer {partial[0]} has some of the q / k / v biases "
+                              f"({', '.join(QKV_BIASES)}) but not all; the file is corrupt")
+    biased = {int(m.group(1)) for n in names if (m := re.fullmatch(r"blk\.(\d+)\.attn_q\.bias", n))}
+    layers = {int(m.group(1)) for n in names if (m := re.match(r"blk\.(\d+)\.", n))}
+    if biased and biased != layers:
+        raise CheckpointError(f"{gguf_path}: {layer_span(sorted(biased))} have q / k / v biases but "
+                              f"{layer_span(sorted(layers - biased))} do not; the file is corrupt")
+
+
+def _rows(reader, name: str) -> int | None:
+    """Output rows of a 2-D GGUF tensor (its second dimension: GGUF lists the input one first)."""
+    tensor = next((t for t in reader.tensors if t.name == name), None)
+    return int(tensor.shape[1]) if tensor is not None and len(tensor.shape) == 2 else None
+
+
+def check_gguf_heads(reader, gguf_path: Path, arch: str) -> None:
+    """CheckpointError naming the file and the metadata key when the attention heads or widths of a
+    GGUF cannot describe its tensors: a head count (or key/value head count, head size, feed-forward
+    width) that is not an integer >= 1, heads that are not a multiple of the key/value heads, a
+    width that the heads do not divide, an odd head size (rotary embeddings pair dimensions), or
+    counts whose product differs from the rows of layer 0's q, k and ffn_up tensors. Without this
+    check transformers divides by a head count of 0 or fails its own config validation."""
+    def size(key: str) -> int | None:
+        value = _field(reader, f"{arch}.{key}")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise CheckpointError(f"{gguf_path}: its metadata says {arch}.{key}={value!r}; it must be an integer "
+                                  ">= 1 (the file is corrupt)")
+        return value
+
+    heads, kv_heads, width = size("attention.head_count"), size("attention.head_count_kv"), size("embedding_length")
+    ffn, rope_dim = size("feed_forward_length"), size("rope.dimension_count")
+    size("attention.key_length")
+    size("attention.value_length")
+    if heads is None:
+        return
+    if kv_heads is not None and heads % kv_heads:
+        raise CheckpointError(f"{gguf_path}: its metadata says {arch}.attention.head_count={heads}, not a multiple of "
+                              f"{arch}.attention.head_count_kv={kv_heads} (grouped-query attention shares each "
+                              "key/value head among whole groups); the file is corrupt")
+    head_dim = rope_dim if arch in ("llama", "mistral") and rope_dim is not None else None
+    if head_dim is None and width is not None:
+        if width % heads:
+            raise CheckpointError(f"{gguf_path}: its metadata says {arch}.attention.head_count={heads}, which does not "
+                                  f"divide {arch}.embedding_length={width}; the file is corrupt")
+        head_dim = width // heads
+    if head_dim is None:
+        return
+    if head_dim % 2:
+        raise CheckpointError(f"{gguf_path}: its metadata gives heads of {head_dim} dimensions ({arch}.attention."
+                              "head_count, embedding_length, rope.dimension_count); rotary embeddings need an even "
+                              "head size: the file is corrupt")
+    expected = {"attn_q": ("attention.head_count", heads * head_dim),
+                "attn_k": ("attention.head_count_kv", (kv_heads or heads) * head_dim)}
+    if ffn is not None:
+        expected["ffn_up"] = ("feed_forward_length", ffn)
+    for tensor, (key, rows) in expected.items():
+        got = _rows(reader, f"blk.0.{tensor}.weight")
+        if got is not None and got != rows:
+            why = f"{arch}.{key}" + (f", with heads of {head_dim} dimensions" if tensor != "ffn_up" else "")
+            raise CheckpointError(f"{gguf_path}: its metadata ({why}) implies {rows} rows for blk.0.{tensor}.weight, "
+                                  f"but it holds {got}; the file is corrupt")
+
+
+def _unpermute_rows(rows: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's reordering of the q / k rows (and biases) of a llama GGUF, as transformers does."""
+    return rows.reshape(n_head, rows.shape[0] // n_head // 2, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def _llama_qkv_biases(gguf_path: Path, config) -> dict[str, torch.Tensor]:
+    """The q / k / v biases of a llama GGUF, by their Hugging Face names and in its row order ({} for
+    other architectures and for a llama file without biases: Qwen2-style weights stored as llama).
+    `check_gguf_tensor_names` has made sure every layer has all three or none has any."""
+    import gguf
+    from gguf.quants import dequantize
+
+    if config.model_type not in ("llama", "mistral"):
+        return {}
+    reader = gguf.GGUFReader(gguf_path)
+    if config.model_type == "mistral" and any(t.name.endswith(QKV_BIASES) for t in reader.tensors):
+        raise CheckpointError(f"{gguf_path}: a Mistral model (sliding-window attention) with q / k / v biases "
+                              f"({', '.join(QKV_BIASES)}) is not implemented; the biases would be dropped")
+    heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads, "attn_v": None}
+    hf = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj"}
+    biases = {}
+    for t in reader.tensors:
+        m = re.fullmatch(r"blk\.(\d+)\.(attn_[qkv])\.bias", t.name)
+        if m is None:
+            continue
+        values = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(-1)
+        if heads[m.group(2)] is not None:
+            values = _unpermute_rows(values, heads[m.group(2)])
+        biases[f"model.layers.{m.group(1)}.self_attn.{hf[m.group(2)]}.bias"] = torch.from_numpy(values.copy())
+    return biases
+
+
+def _with_qkv_bias(config):
+    """A llama config as the Qwen2 config of the same model: Qwen2 is llama with q / k / v biases (and
+    no output bias), so transformers and the runtime both run the biases a llama GGUF may hold."""
+    from transformers import Qwen2Config
+
+    fields = {k: v for k, v in config.to_dict().items()
+              if k not in ("attention_bias", "mlp_bias", "pretraining_tp", "model_type", "architectures",
+                           "transformers_version")}
+    return Qwen2Config(**fields, architectures=["Qwen2ForCausalLM"])
 
 
 def _load_dense(gguf_path: Path, dtype: torch.dtype):
@@ -131,7 +265,10 @@ def _load_dense(gguf_path: Path, dtype: torch.dtype):
                               f"needs, e.g. {', '.join(sorted(missing)[:4])}; the file is incomplete")
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the weights are dense now; the rebuilt model is plain
-    state = loaded.state_dict()
+    biases = _llama_qkv_biases(gguf_path, config)  # transformers' llama has no q / k / v biases: it skips them
+    if biases:
+        config = _with_qkv_bias(config)
+    state = {**loaded.state_dict(), **{k: v.to(dtype) for k, v in biases.items()}}
     del loaded
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)

@@ -24,6 +24,7 @@ from torch import nn
 
 from runtime.blockq import BlockQuantLinear, QuantizedEmbedding
 from runtime.errors import CheckpointError
+from runtime.gguf import check_gguf_sizes, check_gguf_tensor_names
 from runtime.gguf_blocks import SUPPORTED, Canonical, concat, to_canonical
 from runtime.model import Transformer
 from runtime.progress import progress as progress_bar
@@ -78,7 +79,9 @@ class _Reader:
         t = self._get(name)
         shape = tuple(int(s) for s in reversed(t.shape))
         self.types[t.tensor_type.name] += 1
-        return torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)).view(shape)  # a copy
+        dense = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)).view(shape)  # a copy
+        self._check_finite(name, {"values": dense})
+        return dense
 
     def canonical(self, name: str) -> Canonical | None:
         """A quantized 2-D tensor in the block form, None when its type has none (dense ones too)."""
@@ -88,7 +91,18 @@ class _Reader:
             return None
         N, K = int(t.shape[1]), int(t.shape[0])
         self.types[kind] += 1
-        return to_canonical(t.data, kind, (N, K))
+        c = to_canonical(t.data, kind, (N, K))
+        self._check_finite(name, {"block scales (d)": c.d, "block minimums (dm)": c.dm})
+        return c
+
+    def _check_finite(self, name: str, parts: dict[str, torch.Tensor]) -> None:
+        """CheckpointError naming the tensor when one of its float `parts` holds NaN or inf: the block
+        kernels would turn them into finite outputs, so a corrupt file would generate plausible text."""
+        for what, values in parts.items():
+            bad = ~torch.isfinite(values)
+            if bool(bad.any()):
+                raise CheckpointError(f"{self.path}: tensor {name!r} holds {int(bad.sum())} NaN or inf {what}; the "
+                                      "file is corrupt: download or convert it again")
 
 
 def _unpermute(n_rows: int, n_head: int) -> torch.Tensor:
@@ -130,6 +144,9 @@ def load_gguf_model(gguf_path: Path, hf_config: Any, dtype: torch.dtype = torch.
     """
     cfg = model_config(hf_config)
     r = _Reader(Path(gguf_path))
+    if isinstance(r.arch, str):  # as the conversion checks (cheap: no tensor data is read)
+        check_gguf_sizes(r.reader, r.path)  # metadata against tensors
+        check_gguf_tensor_names(r.reader, r.path)  # no tensor this loader would drop
     layers = sorted({int(m.group(1)) for n in r.tensors if (m := re.match(r"blk\.(\d+)\.", n))})
     if layers != list(range(cfg.num_layers)):
         raise CheckpointError(f"{gguf_path} holds blocks {layers[:3]}... ({len(layers)}), the config says "

@@ -161,6 +161,23 @@ def to_runtime_state(hf_state: dict[str, torch.Tensor], cfg: ModelConfig,
     return out
 
 
+def check_unused(hf_state: dict[str, torch.Tensor], cfg: ModelConfig, source: str | Path | None = None) -> None:
+    """CheckpointError naming the tensors the Transformer would not load (a Llama's o_proj or MLP
+    biases, q / k / v biases of a config without qkv_bias, anything unknown): dropping them would
+    change the model's outputs without a word. Rotary tables saved by old transformers are skipped."""
+    used = set(_TOP_MAP.values())
+    for i in range(cfg.num_layers):
+        for ours, parts in _LAYER_MAP.items():
+            if ours.endswith(".bias") and not cfg.qkv_bias:
+                continue
+            used.update(f"model.layers.{i}.{p}" for p in parts)
+    unused = sorted(n for n in hf_state if n not in used and not n.endswith("rotary_emb.inv_freq"))
+    if unused:
+        raise CheckpointError(f"{_checkpoint(source)} holds {len(unused)} tensors the {cfg.model_type} runtime model "
+                              f"does not use, e.g. {', '.join(unused[:4])}; they would be dropped, changing its "
+                              "outputs (a bias the runtime does not implement, or another architecture's weights)")
+
+
 def from_hf_state(hf_state: dict[str, torch.Tensor], hf_config: Any, dtype: torch.dtype = torch.float32,
                   device: torch.device | str = "cpu", attention: str | None = None,
                   source: str | Path | None = None) -> Transformer:
@@ -172,6 +189,7 @@ def from_hf_state(hf_state: dict[str, torch.Tensor], hf_config: Any, dtype: torc
     """
     cfg = model_config(hf_config)
     check_tensors(cfg, tensor_infos(hf_state), HF_LAYOUT, source)
+    check_unused(hf_state, cfg, source)
     with torch.device("meta"):
         model = Transformer(cfg, attention=attention)
     state = to_runtime_state(hf_state, cfg, source)

@@ -118,12 +118,16 @@ def _write_tokenizer(writer, vocab_size: int) -> None:
 
 
 def write_tiny_gguf(model, path: Path, quantize: dict[str, str] | None = None, skip: tuple[str, ...] = (),
-                    tokenizer: bool = True) -> dict[str, torch.Tensor]:
+                    tokenizer: bool = True, arch: str | None = None, metadata: dict[str, int] | None = None,
+                    extra: dict[str, np.ndarray] | None = None) -> dict[str, torch.Tensor]:
     """Store a tiny transformers Llama/Qwen2 model as a GGUF file the way llama.cpp lays it out.
 
     quantize: GGUF tensor name -> ggml type name (e.g. "Q8_0") for tensors to store quantized;
-    skip: GGUF tensor names to leave out. Returns the Hugging Face state dict (fp32) that a
-    bf16 conversion of the file must reproduce: the source weights, with quantized ones
+    skip: GGUF tensor names to leave out; arch: the GGUF architecture (default: the model's type;
+    "llama" for a Qwen2 model stores its q / k / v biases in a llama file); metadata: integer
+    metadata keys ("llama.attention.head_count") written with other values; extra: more tensors
+    (GGUF name -> float32 array) written as they are. Returns the Hugging Face state dict (fp32)
+    that a bf16 conversion of the file must reproduce: the source weights, with quantized ones
     replaced by their dequantized values rounded to bf16.
     """
     import gguf
@@ -131,8 +135,11 @@ def write_tiny_gguf(model, path: Path, quantize: dict[str, str] | None = None, s
     from gguf.quants import quantize as gguf_quantize
 
     cfg = model.config
-    arch = cfg.model_type
+    arch = arch or cfg.model_type
     writer = gguf.GGUFWriter(str(path), arch)
+    if metadata:
+        add_uint32 = writer.add_uint32
+        writer.add_uint32 = lambda key, value: add_uint32(key, metadata.get(key, value))
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
@@ -153,7 +160,7 @@ def write_tiny_gguf(model, path: Path, quantize: dict[str, str] | None = None, s
         if name in skip:
             continue
         data = tensor.float().numpy().copy()
-        if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
+        if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight", "attn_q.bias", "attn_k.bias")):
             heads = cfg.num_attention_heads if "attn_q" in name else cfg.num_key_value_heads
             data = _llama_cpp_permute(data, heads)
         qtype = (quantize or {}).get(name)
@@ -168,6 +175,8 @@ def write_tiny_gguf(model, path: Path, quantize: dict[str, str] | None = None, s
         if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
             restored = _llama_cpp_unpermute(restored, heads)
         expected[hf_name] = _bf16_exact(torch.from_numpy(restored.copy()))
+    for name, data in (extra or {}).items():
+        writer.add_tensor(name, data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -419,3 +419,33 @@ def test_cuda_without_a_gpu_says_to_use_the_cpu(tmp_path):
 
     with pytest.raises(ValueError, match="no CUDA GPU is available"):
         load_hf_model(tmp_path / "missing", torch.float32, device="cuda:0")
+
+
+@pytest.mark.parametrize("key, value, phrase", [
+    ("attention.head_count", 0, "its metadata says llama.attention.head_count=0; it must be an integer >= 1"),
+    ("attention.head_count", 3, "llama.attention.head_count=3, not a multiple of llama.attention.head_count_kv=2"),
+    ("attention.head_count_kv", 0, "llama.attention.head_count_kv=0; it must be an integer >= 1"),
+    ("attention.head_count_kv", 3, "llama.attention.head_count=4, not a multiple of llama.attention.head_count_kv=3"),
+    ("attention.head_count", 8, "its metadata (llama.attention.head_count, with heads of 16 dimensions) implies 128 "
+                                "rows for blk.0.attn_q.weight, but it holds 64"),
+    ("rope.dimension_count", 15, "heads of 15 dimensions"),
+    ("feed_forward_length", 0, "llama.feed_forward_length=0"),
+])
+def test_gguf_head_counts_and_widths_name_the_file_and_key(gguf_writer, tmp_path, monkeypatch, key, value, phrase):
+    import transformers
+
+    from runtime.gguf import convert_gguf
+
+    _, hf = tiny_pair("llama")  # 4 heads, 2 key/value heads of 16 dimensions
+    gguf_writer(hf, tmp_path / "bad.gguf", metadata={f"llama.{key}": value})
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", None)  # must not be reached
+    _raises(CheckpointError, lambda: convert_gguf(tmp_path / "bad.gguf", tmp_path / "out", progress=False),
+            f"{tmp_path / 'bad.gguf'}: ", phrase)
+
+
+def test_checkpoint_tensors_the_runtime_would_drop_are_refused(tiny_llama, tmp_path):
+    state = dict(tiny_llama.state_dict())
+    state["model.layers.0.self_attn.o_proj.bias"] = torch.ones(64)  # a Llama attention_bias=True checkpoint's
+    _raises(CheckpointError, lambda: from_hf_state(state, tiny_llama.config, source=tmp_path),
+            f"checkpoint {tmp_path} holds 1 tensors the llama runtime model does not use, e.g. "
+            "model.layers.0.self_attn.o_proj.bias")

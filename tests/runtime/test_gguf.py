@@ -158,3 +158,35 @@ def test_convert_gguf_refuses_a_non_empty_directory(tiny_llama, tmp_path, gguf_w
     with pytest.raises(CheckpointError, match="not empty"):
         convert_gguf(path, out)
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
+
+
+def test_a_llama_gguf_with_qkv_biases_keeps_them_on_every_path(tiny_qwen2, tmp_path, home, gguf_writer):
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path / "biased.gguf"
+    gguf_writer(tiny_qwen2, path, arch="llama")  # Qwen2 weights (q / k / v biases) in a llama file
+    with torch.no_grad():
+        hf = tiny_qwen2(TOKENS).logits
+    for weights in ("dense", "gguf"):  # the 4-bit path keeps the file's F32 tensors dense
+        model = runtime.load_model(path, dtype=torch.float32, weights=weights)
+        assert model.layers[0].attn.wqkv.bias is not None, weights
+        torch.testing.assert_close(_runtime_logits(model), hf, rtol=0, atol=1e-4)
+    ckpt = gguf_to_checkpoint(path)  # what transformers reads: a Qwen2 checkpoint, biases included
+    assert json.loads((ckpt / "config.json").read_text())["model_type"] == "qwen2"
+    with torch.no_grad():
+        converted = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)(TOKENS).logits
+    torch.testing.assert_close(converted, hf, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("extra, phrase", [
+    ({"blk.0.attn_output.bias": np.zeros(64, np.float32)}, "holds 1 tensors a llama model does not have, e.g. "
+                                                           "blk.0.attn_output.bias"),
+    ({"blk.1.attn_q.bias": np.zeros(64, np.float32)}, "layer 1 has some of the q / k / v biases"),
+])
+def test_gguf_tensors_the_model_would_drop_are_named(tiny_llama, tmp_path, home, gguf_writer, extra, phrase):
+    path = tmp_path / "extra.gguf"
+    gguf_writer(tiny_llama, path, extra=extra)
+    for weights in ("dense", "gguf"):
+        with pytest.raises(CheckpointError, match=phrase.replace(".", r"\.")) as err:
+            runtime.load_model(path, dtype=torch.float32, weights=weights)
+        assert str(path) in str(err.value)

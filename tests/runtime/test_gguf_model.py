@@ -120,3 +120,20 @@ def test_a_quant_checkpoint_moves_to_the_block_kernels(tmp_path, home):
                                rtol=0, atol=1e-6)
     got, ref = _logits(auto), _logits(saved)
     assert float((got - ref).abs().max() / ref.abs().max()) < 0.05
+
+
+def test_a_nan_block_scale_is_refused_on_the_four_bit_path(tiny_llama, tmp_path, home, gguf_writer):
+    import gguf
+
+    from runtime.errors import CheckpointError
+
+    path = tmp_path / "nan.gguf"
+    gguf_writer(tiny_llama, path, quantize={"blk.0.ffn_up.weight": "Q8_0"})
+    tensor = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.0.ffn_up.weight")
+    with path.open("r+b") as f:  # the first block's fp16 scale d := NaN
+        f.seek(int(tensor.data_offset))
+        f.write(b"\x00\x7e")
+    with pytest.raises(CheckpointError, match=r"tensor 'blk\.0\.ffn_up\.weight' holds 1 NaN or inf block scales"):
+        runtime.load_model(path, dtype=torch.float32, weights="gguf")
+    with pytest.raises(CheckpointError, match="NaN or inf"):  # as the dense path always did
+        runtime.load_model(path, dtype=torch.float32, weights="dense")
