@@ -22,7 +22,6 @@ never replaced), and never in specdec's own caches (`runtime.outputs`).
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 from collections import Counter
@@ -36,10 +35,12 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, Ke
 from quant.checkpoint import export_dense
 from quant.gguf_tensors import REQUANT, block_error, target_type, to_blocks
 from quant.llamacpp_convert import convert
+from runtime.args import check_path
 from runtime.errors import CheckpointError, SpecdecError
 from runtime.hf_state import hf_linear_parts
 from runtime.outputs import OutputPathError, check_output_file
 from runtime.qlinear import QuantizedLinear
+from runtime.validate import read_json
 
 DENSE_TYPES = ("bf16", "f16", "f32")
 TORCH_DTYPES = {"bf16": torch.bfloat16, "f16": torch.float32, "f32": torch.float32}  # f16: the converter rounds
@@ -111,7 +112,7 @@ def source_kind(path: Path) -> str:
         raise GGUFExportError(f"{path} holds Medusa heads, which llama.cpp does not run; export them for vLLM "
                               "(docs/exports.md), or train an EAGLE-3 head (`specdec eagle`)")
     config = path / "config.json"
-    raw = json.loads(config.read_text()) if config.is_file() else {}
+    raw = read_json(config) if config.is_file() else {}
     if raw.get("speculators_model_type") == "eagle3":
         return "eagle3"
     if (path / "compression.json").is_file() or "quantization_config" in raw:
@@ -124,16 +125,23 @@ def source_kind(path: Path) -> str:
 def check_eagle_for_llamacpp(head_dir: Path, target_dir: Path) -> dict:
     """The head's config, after checking that llama.cpp computes what it was trained with and that it fits
     the target (hidden size, vocabulary); GGUFExportError naming the mismatch otherwise."""
-    raw = json.loads((head_dir / "config.json").read_text())
+    raw = read_json(head_dir / "config.json")
     on = [k for k in EAGLE_UNSUPPORTED if raw.get(k)]
     if on:
         raise GGUFExportError(f"{head_dir} was trained with {', '.join(on)}, which llama.cpp's EAGLE-3 graph does not "
                               "compute (it has norm_before_fc and norm_before_residual only), so its drafts there "
                               "would not be the ones specdec measured; train the head with --no-fc-norm "
                               "--no-norm-output (optionally --norm-before-fc) for llama.cpp")
-    target = json.loads((target_dir / "config.json").read_text())
-    target = {**target, **target.get("text_config", {})}
+    target = read_json(target_dir / "config.json")
+    text_config = target.get("text_config", {})
+    if not isinstance(text_config, dict):
+        raise CheckpointError(f"{target_dir / 'config.json'}: text_config is a JSON {type(text_config).__name__}, "
+                              "not an object; the file is corrupt")
+    target = {**target, **text_config}
     layer = raw.get("transformer_layer_config", {})
+    if not isinstance(layer, dict):
+        raise CheckpointError(f"{head_dir / 'config.json'}: transformer_layer_config is a JSON "
+                              f"{type(layer).__name__}, not an object; the file is corrupt")
     hidden = raw.get("target_hidden_size", layer.get("hidden_size"))
     if hidden != target.get("hidden_size") or layer.get("vocab_size") != target.get("vocab_size"):
         raise GGUFExportError(f"{head_dir} was trained for a target of hidden size {hidden} and vocabulary "
@@ -254,6 +262,9 @@ def export_gguf(source: str | Path, out: str | Path, *, target: str | Path | Non
         raise ValueError(f"dense_type must be one of {DENSE_TYPES}, got {dense_type!r}")
     if requant not in REQUANT:
         raise ValueError(f"requant must be one of {REQUANT}, got {requant!r}")
+    check_path("source", source, "a catalogue name, checkpoint directory or EAGLE-3 head directory")
+    if target is not None:
+        check_path("target", target, "the EAGLE-3 head's target model (catalogue name, directory or .gguf)")
     path = _check_out(out, overwrite)
     text = str(source)
     ckpt = Path(text).expanduser() if Path(text).expanduser().exists() else resolve(text)

@@ -281,3 +281,18 @@ def test_llamacpp_drafting_with_our_exports_gives_its_plain_output(smol_exports,
                      eagle3=draft == "eagle3") as server:
         spec, timings = server.complete(PROMPT, 32)
     assert spec == plain and timings["draft_n"] > 0
+
+
+@pytest.mark.parametrize("text, phrase", [("{not json", "cannot be read as JSON"),
+                                          ("[1, 2]", "holds a JSON list, not an object")])
+def test_a_broken_config_in_the_source_names_the_file(tmp_path, text, phrase):
+    from runtime.errors import CheckpointError
+
+    source = tmp_path / "model"
+    source.mkdir()
+    (source / "config.json").write_text(text)
+    with pytest.raises(CheckpointError, match=phrase) as err:
+        export_gguf(source, tmp_path / "out.gguf")
+    assert str(err.value).startswith(str(source / "config.json")) and not (tmp_path / "out.gguf").exists()
+    with pytest.raises(ValueError, match="source is 10000 characters long"):
+        export_gguf("x" * 10_000, tmp_path / "out.gguf")
