@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.args import check_bool, check_int, describe
 from runtime.progress import progress as progress_bar
 
 
@@ -18,12 +19,22 @@ def perplexity(model: nn.Module, batches: torch.Tensor, batch_size: int = 1, pro
     Every window predicts its tokens 1..T-1 from the ones before; the NLL is summed over all
     predicted tokens of all windows and divided by their count (token-weighted mean).
     progress: a bar over the batches (`runtime.progress`; off with progress=False).
+    A TypeError or ValueError names the argument that is wrong: batches not a LongTensor (B, T) with
+    B >= 1 and T >= 2, token ids outside the model's vocabulary, batch_size not an integer >= 1.
     """
-    if batches.dim() != 2 or batches.dtype != torch.long or batches.shape[1] < 2:
-        raise ValueError(f"batches must be a LongTensor (B, T) with T >= 2, got {batches.dtype} "
+    if not isinstance(batches, torch.Tensor):
+        raise TypeError(f"batches must be a LongTensor (B, T) of token ids, got {describe(batches)}; stack the "
+                        "windows with torch.tensor(...) first")
+    if batches.dim() != 2 or batches.dtype != torch.long or batches.shape[1] < 2 or batches.shape[0] < 1:
+        raise ValueError(f"batches must be a LongTensor (B, T) with B >= 1 and T >= 2, got {batches.dtype} "
                          f"{tuple(batches.shape)}")
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    batch_size = check_int("batch_size", batch_size, minimum=1)
+    check_bool("progress", progress)
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    low, high = int(batches.min()), int(batches.max())
+    if vocab is not None and (low < 0 or high >= vocab):
+        raise ValueError(f"batches holds token ids outside the model's vocabulary [0, {vocab}): "
+                         f"{low if low < 0 else high}; tokenize with the model's own tokenizer")
     device = model.device
     B, T = batches.shape
     total, count = 0.0, 0

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.args import check_int
 from runtime.attention import attend, block_mask_keys, causal_mask, default_backend, static_cache_attention
 from runtime.cache import KVCache
 from runtime.compile import DECODE_STATIC_TOKENS, MAX_BLOCK_TOKENS, MAX_STATIC_TOKENS, Step, compile_step, static_tokens
@@ -209,7 +210,10 @@ class Transformer(nn.Module):
         return self
 
     def new_cache(self, batch_size: int, max_seq_len: int) -> KVCache:
-        """A static cache for `batch_size` rows of up to `max_seq_len` tokens (checked for memory)."""
+        """A static cache for `batch_size` rows of up to `max_seq_len` tokens (checked for memory); both
+        must be integers >= 1 (TypeError / ValueError naming the argument)."""
+        batch_size = check_int("batch_size", batch_size, minimum=1)
+        max_seq_len = check_int("max_seq_len", max_seq_len, minimum=1)
         cfg = self.config
         if self.compiled:  # room for the padded tokens of a compiled step
             max_seq_len += MAX_STATIC_TOKENS

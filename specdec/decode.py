@@ -184,7 +184,7 @@ class DecodeLoop:
         t_draft = time.perf_counter()
         tree = drafter.propose(state.sequences(), k, active) if drafter is not None and k > 0 \
             else DraftTree.empty(B)
-        _check_proposal(drafter, tree, B, k)
+        _check_proposal(drafter, tree, B, k, self.target.config.vocab_size)
         if tree.num_nodes > int(tree.lens.max()):  # score no column that no row may accept
             tree = tree.truncate(int(tree.lens.max()))
         t_verify = time.perf_counter()
@@ -329,8 +329,9 @@ def _aux_layers(drafter: Drafter | None, observers: list[DecodeObserver]) -> tup
     return named.pop() if named else ()
 
 
-def _check_proposal(drafter: Drafter | None, tree: DraftTree, batch_size: int, k: int) -> None:
-    """Fail fast, naming the drafter, when a proposal does not fit the batch or the caches."""
+def _check_proposal(drafter: Drafter | None, tree: DraftTree, batch_size: int, k: int, vocab_size: int) -> None:
+    """Fail fast, naming the drafter, when a proposal does not fit the batch, the caches or the target's
+    vocabulary (every token the target will score: the nodes up to the longest row's, padding included)."""
     if drafter is None:
         return
     if tree.batch_size != batch_size:
@@ -339,6 +340,13 @@ def _check_proposal(drafter: Drafter | None, tree: DraftTree, batch_size: int, k
         raise ValueError(f"drafter {drafter.name!r} proposed {tree.num_nodes} nodes, more than its max_nodes({k}) = "
                          f"{drafter.max_nodes(k)} the caches were sized for; make Drafter.max_nodes return the "
                          "most nodes propose() can return")
+    scored = tree.tokens[:, :int(tree.lens.max())] if tree.num_nodes else tree.tokens  # (B, n)
+    if scored.numel():
+        bad = scored[(scored < 0) | (scored >= vocab_size)]
+        if bad.numel():
+            raise ValueError(f"drafter {drafter.name!r} proposed token ids outside the target's vocabulary "
+                             f"[0, {vocab_size}), e.g. {int(bad[0])}; a drafter's DraftTree.tokens (padding "
+                             "included) must be ids of the target's tokenizer")
 
 
 def _score(target, cache, pending: torch.Tensor, tree: DraftTree, depths: torch.Tensor, want_hidden: bool,

@@ -24,3 +24,20 @@ def test_bad_batches():
         quant.perplexity(model, torch.zeros(2, 8))
     with pytest.raises(ValueError, match="T >= 2"):
         quant.perplexity(model, torch.zeros(2, 1, dtype=torch.long))
+
+
+def test_bad_arguments_name_what_is_wrong():
+    model, _ = tiny_pair("llama", seed=0)
+    windows = torch.zeros(2, 8, dtype=torch.long)
+    with pytest.raises(TypeError, match="batches must be a LongTensor"):
+        quant.perplexity(model, [[1, 2, 3]])
+    with pytest.raises(ValueError, match=r"B >= 1 and T >= 2, got torch.int64 \(0, 8\)"):
+        quant.perplexity(model, torch.zeros(0, 8, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"outside the model's vocabulary \[0, 128\): 128"):
+        quant.perplexity(model, windows + 128)
+    with pytest.raises(ValueError, match=r"outside the model's vocabulary \[0, 128\): -1"):
+        quant.perplexity(model, windows - 1)
+    with pytest.raises(TypeError, match="batch_size must be an integer >= 1"):
+        quant.perplexity(model, windows, batch_size="2")
+    with pytest.raises(ValueError, match="batch_size must be an integer >= 1, got 0"):
+        quant.perplexity(model, windows, batch_size=0)

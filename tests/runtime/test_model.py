@@ -193,3 +193,11 @@ def test_hf_adapter_refuses_what_it_cannot_do_by_name():
         adapter(ids, pos, model.new_cache(1, 8))
     with pytest.raises(ValueError, match=r"aux_layers .*0\.\.1"):
         adapter(ids, pos, None, aux_layers=(2,))
+
+
+@pytest.mark.parametrize("args, exc, phrase", [((-1, 16), ValueError, "batch_size must be an integer >= 1, got -1"),
+                                               ((1, 0), ValueError, "max_seq_len must be an integer >= 1, got 0"),
+                                               ((1.5, 16), TypeError, "batch_size must be an integer >= 1")])
+def test_new_cache_names_a_bad_size(args, exc, phrase):
+    with pytest.raises(exc, match=phrase):
+        tiny_model("llama").new_cache(*args)

@@ -202,6 +202,19 @@ def test_a_proposal_larger_than_max_nodes_is_refused_at_once(target):
         specdec.generate(target, _rows(), draft=Greedy(), max_new_tokens=8, num_draft_tokens=3)
 
 
+@pytest.mark.parametrize("token", [V, -1])
+def test_a_proposal_outside_the_vocabulary_is_refused_at_once(target, token):
+    class Wild(Drafter):
+        name = "wild"
+
+        def propose(self, seqs, k, rows):
+            return DraftTree.chain(torch.full((len(seqs), k), token, dtype=torch.long), torch.full((len(seqs),), k))
+
+    with pytest.raises(ValueError, match=rf"drafter 'wild' proposed token ids outside the target's vocabulary "
+                                         rf"\[0, {V}\), e.g. {token}"):
+        specdec.generate(target, _rows(), draft=Wild(), max_new_tokens=8, num_draft_tokens=3)
+
+
 def test_a_list_of_drafters_refuses_a_tree(target):
     class Fork(Drafter):
         name = "fork"
