@@ -145,6 +145,18 @@ def _common(body: dict, served_model: str, endpoint: str) -> dict:
                 include_usage=include_usage, n=n, stop=_stop(body.get("stop")))
 
 
+def _text(text: str, where: str, param: str) -> str:
+    """`text` when it is valid Unicode; APIError 400 naming `where` for a lone surrogate (JSON lets
+    "\\ud800" through, but it is no character: the tokenizer and the UTF-8 reply cannot take it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise APIError(400, f"'{where}' holds a lone surrogate \\u{ord(text[err.start]):04x} at character "
+                       f"{err.start}, which is not text: send each character outside the BMP as a UTF-16 pair "
+                       "(\\ud83d\\ude00) or as UTF-8", param, "invalid_value") from err
+    return text
+
+
 def _stop(value) -> tuple[str, ...]:
     """`stop`: None, a string, or a list of up to MAX_STOP non-empty strings."""
     if value is None:
@@ -155,7 +167,7 @@ def _stop(value) -> tuple[str, ...]:
     if len(stops) > MAX_STOP or not all(stops):
         raise APIError(400, f"'stop' takes at most {MAX_STOP} non-empty strings, got {stops!r}", "stop",
                        "invalid_value")
-    return tuple(dict.fromkeys(stops))
+    return tuple(dict.fromkeys(_text(s, "stop", "stop") for s in stops))
 
 
 def _max_tokens(body: dict, names: tuple[str, ...], default: int | None) -> int | None:
@@ -187,7 +199,7 @@ def parse_completion(body: dict, served_model: str, tokenizer, vocab_size: int) 
     if isinstance(prompt, str):
         if not prompt:
             raise APIError(400, "'prompt' is empty; send some text or token ids", "prompt", "invalid_value")
-        ids = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        ids = list(tokenizer(_text(prompt, "prompt", "prompt"), add_special_tokens=True)["input_ids"])
     elif _is_ids(prompt):
         bad = [t for t in prompt if not 0 <= t < vocab_size]
         if bad:
@@ -221,7 +233,7 @@ def _message_text(message, index: int) -> tuple[str, str]:
     if not isinstance(content, str):
         raise APIError(400, f"'{where}.content' must be a string, got {type(content).__name__}", "messages",
                        "invalid_type")
-    return role, content
+    return role, _text(content, f"{where}.content", "messages")
 
 
 def parse_chat(body: dict, served_model: str, tokenizer) -> GenerationRequest:

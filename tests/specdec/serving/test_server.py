@@ -195,6 +195,13 @@ BAD = [  # (path, body, status, param, code)
     ("/v1/completions", b"[" * 100000 + b"]" * 100000, 400, None, "invalid_json"),
     ("/v1/completions", b'{"model": "tiny-llama", "prompt": [' + b"7" * 5000 + b']}', 400, None, "invalid_json"),
     ("/v1/nothing", GOOD, 404, None, "404"),
+    # lone surrogates: valid JSON escapes, but no text for the tokenizer or a UTF-8 reply
+    ("/v1/completions", {**GOOD, "prompt": "\ud800abc"}, 400, "prompt", "invalid_value"),
+    ("/v1/completions", {**GOOD, "prompt": ["hello \udfff"]}, 400, "prompt", "invalid_value"),
+    ("/v1/completions", {**GOOD, "stop": ["a", "\ud83d"]}, 400, "stop", "invalid_value"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"},
+                                                           {"role": "user", "content": "\ud800abc"}]}, 400,
+     "messages", "invalid_value"),
 ]
 
 
