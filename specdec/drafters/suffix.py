@@ -106,6 +106,11 @@ class SuffixCache:
             self.tokens += len(tokens)
             return self.trie.extend(windows, tokens)
 
+    def add(self, tokens: list[int]) -> None:
+        """Cache one whole response (what a row's extends add up to): how a resumed `specdec eval`
+        restores the answers an interrupted run had cached."""
+        self.extend(self.open(), [], list(tokens))
+
     def _evict_oldest(self, but: int) -> None:
         key = next(k for k in self._responses if k != but)  # exists: the others hold the excess
         seq = self._responses.pop(key)
@@ -229,7 +234,13 @@ class SuffixDrafter(Drafter):
         return DraftTree(tokens, parents, lens, scores=scores)
 
     def commit(self, accepted: Accepted) -> None:
-        """Learn the verification's cost by block size and how much of the verified trees was accepted."""
+        """Read what each row committed into its trie and the shared cache (so the cache holds every
+        answer whole: a row's last step is read here, not at a next propose that never comes); learn
+        the verification's cost by block size and how much of the verified trees was accepted."""
+        for b, seq in enumerate(accepted.seqs):
+            state = self.rows[b] if b < len(self.rows) else None
+            if state is not None:
+                self._read(state, seq)
         if accepted.target_s > 0:
             self.costs.observe(accepted.block, accepted.target_s)
         for b, probs in self.proposed.items():

@@ -36,7 +36,9 @@ the llama.cpp ones the GGUF files themselves.
 Output directory (`--out`): `run.json` (the settings), `generations.jsonl` (one line per prompt x
 method, appended and flushed line by line), then `report.json`, `report.md`, `acceptance.png`,
 `speedup.png` rebuilt from the jsonl (see specdec.evaluation.report). Re-running with the same `--out` and
-settings resumes: (prompt, method) pairs already in the jsonl are skipped. Different settings
+settings resumes: (prompt, method) pairs already in the jsonl are skipped, and the cache of earlier
+answers of a method with a `suffix` drafter starts with that method's answers in the jsonl (as the
+interrupted run held them), so its later prompts draft as in a run never interrupted. Different settings
 fail unless `--overwrite`, which deletes only those files. `--out` must be new, empty or an
 evaluation run (run.json / report.json / generations.jsonl): a file or another directory is refused
 (runtime.outputs). A run holds `--out/.lock` while it runs: a second run on the same `--out`
@@ -373,6 +375,19 @@ def read_generations(path: Path, digest: str | None = None) -> list[dict]:
     return [r for r in records if digest is None or r.get("settings_hash") == digest]
 
 
+def earlier_answers(records: list[dict]) -> dict[str, list[list[int]]]:
+    """Method -> the token ids of its answers in `records` (generations.jsonl lines), in the order
+    they were generated, one list per turn: what a resumed run puts back into each method's suffix
+    cache, so a `suffix` method drafts from the answers it would have had without the interrupt.
+    Lines without usable output_ids (skipped prompts) add nothing."""
+    answers: dict[str, list[list[int]]] = {}
+    for r in records:
+        turns = r.get("output_ids")
+        if isinstance(turns, list) and all(isinstance(t, list) and all(isinstance(i, int) for i in t) for t in turns):
+            answers.setdefault(r["method"], []).extend(turns)
+    return answers
+
+
 def seed_for(seed: int, prompt_id: str, turn: int) -> int:
     """Per-(prompt, turn) seed, independent of method order and of resuming."""
     return (seed * 1_000_003 + zlib.crc32(prompt_id.encode()) * 64 + turn) % (2**63 - 1)
@@ -386,17 +401,27 @@ class _RunLoader(DrafterLoader):
     def __init__(self, runner: Runner) -> None:
         super().__init__()
         self.runner = runner
+        # method -> token ids of its answers already in generations.jsonl (a resumed run), in order
+        self.answers: dict[str, list[list[int]]] = {}
 
     def model(self, name: str, target):
         return self.runner._draft_model(name)
 
     def suffix_cache(self, depth: int, max_tokens: int):
         """One cache of earlier responses per method, so no method drafts from another's answers;
-        emptied after the warm-up (`clear_suffix_caches`), so none drafts from a warm-up's."""
+        emptied after the warm-up (`clear_suffix_caches`), so none drafts from a warm-up's. A resumed
+        run's caches start with the method's answers already written (`answers`), as the interrupted
+        run's held them when it stopped."""
         from specdec.drafters.suffix import SuffixCache
 
-        key = ("suffix-cache", self.runner.method, depth, max_tokens)
-        return self.cached(key, lambda: SuffixCache(max_tokens, depth))
+        method = self.runner.method
+        key = ("suffix-cache", method, depth, max_tokens)
+        return self.cached(key, lambda: self._refill(SuffixCache(max_tokens, depth), method))
+
+    def _refill(self, cache, method: str):
+        for ids in self.answers.get(method, ()):
+            cache.add(ids)
+        return cache
 
     def composite_records(self, name: str, members: int):
         """One composite's records per method, learnt from the warm-up on (calibration, not answers)."""
@@ -406,9 +431,11 @@ class _RunLoader(DrafterLoader):
         return self.cached(key, lambda: [MemberRecord() for _ in range(members)])
 
     def clear_suffix_caches(self) -> None:
+        """Forget the warm-up's answers: each cache keeps its method's earlier answers (`answers`) only."""
         for key, cache in self._cache.items():
             if key[0] == "suffix-cache":
                 cache.clear()
+                self._refill(cache, key[1])
 
     def calibration_prompts(self):
         r = self.runner
@@ -634,6 +661,7 @@ def _run_locked(cfg: EvalConfig, out: Path, command: str | None, progress: bool)
     done = {(r["id"], r["method"]) for r in previous}
     todo = [(p, s) for p in prompts if p.id not in skipped for s in specs if (p.id, s.name) not in done]
     runner = Runner(cfg, tokenizer, eos)
+    runner.loader.answers = earlier_answers(previous)
     try:
         _generate_all(runner, cfg, specs, prompts, todo, skipped, path, digest, progress)
     finally:

@@ -143,3 +143,19 @@ def test_a_tree_past_the_models_context_is_refused_naming_the_spec_and_n(target)
         with pytest.raises(ContextLengthError, match=rf"'suffix@{n}': N = {n} tree nodes .* {positions} positions"):
             specdec.drafters.make_drafter(f"suffix@{n}", target)
     assert specdec.drafters.make_drafter(f"suffix@{positions - 1}", target).config.max_nodes == positions - 1
+
+
+def test_the_cache_holds_every_answer_whole_and_add_rebuilds_it(target):
+    """The last step's tokens reach the cache at its commit (no propose follows it), so the cache holds
+    exactly the answers; `SuffixCache.add` of those answers rebuilds the same trie (a resumed eval)."""
+    rows = _rows(seed=8, lengths=(4, 7))
+    drafter = _drafter()
+    out = specdec.generate(target, rows, draft=drafter, max_new_tokens=17)
+    answers = [s[len(r):].tolist() for r, s in zip(rows, out.sequences)]
+    assert drafter.cache.tokens == sum(map(len, answers)) == 34
+    rebuilt = SuffixCache(4096, drafter.config.depth)
+    for a in answers:
+        rebuilt.add(a)
+    context = answers[1][:3]
+    again = rebuilt.speculate(context, drafter.config)
+    assert again.tokens and again == drafter.cache.speculate(context, drafter.config)

@@ -280,6 +280,34 @@ def test_resume_skips_done_prompts(workdir: Path, monkeypatch):
     assert report["methods"]["hf"]["overall"]["num_prompts"] == 3
 
 
+def test_a_resumed_run_drafts_suffix_from_the_answers_already_written(workdir: Path, monkeypatch, tmp_path):
+    """The suffix cache of a resumed run starts with the method's answers in generations.jsonl, so the
+    prompts after the interrupt draft (and accept) as in a run that was never interrupted."""
+    from specdec.drafters import suffix
+
+    monkeypatch.setattr(suffix, "best_cut", lambda values, costs: len(values))  # no cut by timings: repeatable
+    same = {"prompt": "print the world", "category": "chat"}  # prompt b's answer is prompt a's: in the cache
+    prompts = _write_jsonl(tmp_path / "twice.jsonl", [{**same, "id": "a"}, {**same, "id": "b"}])
+    cfg = dict(methods="suffix", target=str(workdir / "ckpt"), prompts=str(prompts), dtype="float32",
+               max_new_tokens=24)
+
+    def stats(out: Path) -> dict:
+        lines = [json.loads(x) for x in (out / "generations.jsonl").read_text().splitlines()]
+        return {r["id"]: {k: r["stats"][k] for k in ("drafted_tokens", "accepted_tokens", "target_forwards")}
+                for r in lines}
+
+    run_eval(EvalConfig(out=str(tmp_path / "whole"), **cfg), progress=False)
+    run_eval(EvalConfig(out=str(tmp_path / "resumed"), limit=1, **cfg), progress=False)  # interrupted after a
+    run_eval(EvalConfig(out=str(tmp_path / "resumed"), **cfg), progress=False)
+    whole = stats(tmp_path / "whole")
+    assert stats(tmp_path / "resumed") == whole
+    assert whole["b"]["accepted_tokens"] > whole["a"]["accepted_tokens"]  # b drafted a's answer
+    monkeypatch.setattr(evaluate, "earlier_answers", lambda records: {})  # what resuming did before
+    run_eval(EvalConfig(out=str(tmp_path / "forgot"), limit=1, **cfg), progress=False)
+    run_eval(EvalConfig(out=str(tmp_path / "forgot"), **cfg), progress=False)
+    assert stats(tmp_path / "forgot")["b"] != whole["b"]
+
+
 def test_a_corrupt_line_or_run_file_is_named_with_what_to_do(workdir: Path, capsys, monkeypatch):
     """Resuming over a corrupt generations.jsonl line names the file and its 1-based line number and
     says what to do (it used to be a bare JSON error); a corrupt run.json names that file."""
