@@ -11,11 +11,8 @@ import importlib
 import os
 import sys
 
-import torch
-
-from runtime.argtypes import nonnegative_float, nonnegative_int, positive_int, seed_number, unit_interval
-from runtime.hardware import DTYPES
-from runtime.loading import WEIGHTS
+# only the standard library and specdec.options (no torch) at import: the console script imports this
+# module before main() runs, so what loads torch and the models happens inside main's Ctrl-C handling
 from specdec.options import DEFAULT_NUM_DRAFT_TOKENS, WEIGHTS_HELP, parse_draft_length
 
 DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
@@ -62,8 +59,11 @@ def tree_nodes_arg(text: str) -> int | str:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    import torch
+
     import runtime
     import specdec
+    from runtime.hardware import DTYPES
     from specdec.serving.command import drafter_spec, load_drafter, own_draft_length
 
     spec = drafter_spec(args)  # a bad --draft fails before any model loads
@@ -112,6 +112,10 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from runtime.argtypes import nonnegative_float, nonnegative_int, positive_int, seed_number, unit_interval
+    from runtime.hardware import DTYPES
+    from runtime.loading import WEIGHTS
+
     parser = argparse.ArgumentParser(
         prog="specdec",
         description="Speculative decoding toolkit: fetch models, generate, evaluate drafters, "
@@ -168,7 +172,17 @@ def command_name(args: argparse.Namespace) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand. Every error ends as one line `specdec COMMAND: error: ...` on stderr and
-    exit status 2, like argparse's own errors; SPECDEC_DEBUG=1 shows the traceback instead."""
+    exit status 2, like argparse's own errors; SPECDEC_DEBUG=1 shows the traceback instead. Ctrl-C
+    (KeyboardInterrupt) at any point, while the command's modules import included, ends as the line
+    "interrupted" and exit status 130."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # before the command ran: while torch and the commands' modules import
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     from runtime.errors import SpecdecError
 
     args = build_parser().parse_args(argv)

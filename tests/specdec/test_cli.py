@@ -187,3 +187,41 @@ def test_demo_checks_its_output_path_before_fetching(tmp_path, capsys, monkeypat
         err = capsys.readouterr().err.splitlines()[-1]
         assert err.startswith("specdec demo: error: ") and message in err, err
     assert (tmp_path / "file").read_text() == "mine"
+
+
+_CTRL_C_AT_IMPORT = """
+import os, signal, sys
+
+
+class CtrlC:  # Ctrl-C at the moment the command starts importing {module}
+    def find_spec(self, name, path=None, target=None):
+        if name == {module!r}:
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+
+sys.meta_path.insert(0, CtrlC())
+from specdec.cli import main  # what the console script runs
+
+sys.exit(main(["fetch", "--list"]))
+"""
+
+
+@pytest.mark.parametrize("module", ["torch", "runtime.catalogue"])
+def test_ctrl_c_while_the_command_imports_is_one_line_and_status_130(module):
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _CTRL_C_AT_IMPORT.format(module=module)], capture_output=True,
+                         text=True, timeout=300)
+    assert (run.returncode, run.stderr) == (130, "interrupted\n"), run.stderr[-2000:]
+
+
+def test_the_entry_point_imports_without_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, specdec, specdec.cli; print(sorted({'torch', 'runtime', 'transformers'} & set(sys.modules)))"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.stdout.strip() == "[]", run.stderr
