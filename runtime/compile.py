@@ -89,8 +89,8 @@ def static_tokens(num_tokens: int, selected: bool = False, row_cost: bool = Fals
     (its last draft and the target's bonus token) after every fully accepted block, and on a
     quantized draft, whose packed kernels cost per row, padding that call to 8 costs about twice
     as much (docs/experiments/2026-11-22-quantized-drafts.md).
-    row_cost: the model's linears cost per row (GGUF block weights: `runtime.blockq`, 8 rows about
-    twice one row), so every power of two gets its own program (2, 4, 8, ...).
+    row_cost: the model's linears cost per row (GGUF block weights: `runtime.blockq`, whose extra rows
+    are cheap up to 4 and cost arithmetic beyond), so every power of two gets its own program (2, 4, 8, ...).
     """
     if num_tokens <= 1:
         return 1
