@@ -192,7 +192,7 @@ class DrafterSpec:
         try:
             return cls("best", members=tuple(cls._parse_one(p, bare) for p in parts))
         except ValueError as e:
-            raise ValueError(e.args[0] if _quote(name) in str(e) else f"{_quote(name)}: {e}") from e
+            raise ValueError(e.args[0] if name in str(e) or _quote(name) in str(e) else f"{_quote(name)}: {e}") from e
 
     @classmethod
     def _parse_hybrid(cls, name: str, bare: str | None) -> DrafterSpec:
@@ -239,7 +239,7 @@ class DrafterSpec:
                 return cls(kind, arg or None, value, p_min=float(shape[1:]))
             return cls(kind, arg or None, value, tuple(map(int, shape.split("x"))) if colon else None)
         except ValueError as e:
-            raise ValueError(e.args[0] if _quote(name) in str(e) else f"{_quote(name)}: {e}") from e
+            raise ValueError(e.args[0] if name in str(e) or _quote(name) in str(e) else f"{_quote(name)}: {e}") from e
 
     def __str__(self) -> str:
         if self.kind == "best":
