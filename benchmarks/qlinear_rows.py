@@ -35,17 +35,6 @@ FORMATS = {
 SHAPES = {"w13": (17920, 1536), "w2": (1536, 8960)}  # qwen2.5-coder-1.5b: gate/up fused, down
 
 
-def read_bandwidth(buf: torch.Tensor, repeats: int = 5) -> float:
-    """Best read bandwidth (bytes/s) of `repeats` passes over `buf`, all threads."""
-    cpu_blockq.ops().read_probe(buf)
-    best = 0.0
-    for _ in range(repeats):
-        t = time.perf_counter()
-        cpu_blockq.ops().read_probe(buf)
-        best = max(best, buf.numel() / (time.perf_counter() - t))
-    return best
-
-
 def random_module(fmt: str, N: int, K: int, g: torch.Generator) -> BlockQuantLinear:
     bits, G, S, shared = FORMATS[fmt]
     q = torch.randint(0, 1 << bits, (N, K), generator=g, dtype=torch.uint8)
@@ -105,7 +94,7 @@ def main() -> None:
             first = random_module(fmt, N, K, g)
             pool = [first] + [random_module(fmt, N, K, g)
                               for _ in range(max(0, args.pool_mb * 2**20 // first.nbytes() - 1))]
-            bw = read_bandwidth(probe)
+            bw = cpu_blockq.read_bandwidth(probe)
             ms = {r: time_rows(pool, r, dtype, args.isa, args.passes) * 1e3 for r in rows}
             rate = first.nbytes() / (ms[rows[0]] / 1e3)
             ratios = " ".join(f"{ms[r] / ms[rows[0]]:6.2f}" for r in rows[1:])

@@ -32,17 +32,6 @@ from runtime.hardware import cpu_summary
 from runtime.kernels import cpu_blockq
 
 
-def read_bandwidth(buf: torch.Tensor, repeats: int = 5) -> float:
-    """Best read bandwidth (bytes/s) of `repeats` passes over `buf`, all threads."""
-    cpu_blockq.ops().read_probe(buf)
-    best = 0.0
-    for _ in range(repeats):
-        t = time.perf_counter()
-        cpu_blockq.ops().read_probe(buf)
-        best = max(best, buf.numel() / (time.perf_counter() - t))
-    return best
-
-
 def step_linears(model: torch.nn.Module) -> list[BlockQuantLinear]:
     """The block-quantized linears one decode step multiplies, in the order it runs them."""
     return [m for name, m in model.named_modules() if isinstance(m, BlockQuantLinear) and not name.startswith("embed")]
@@ -79,7 +68,7 @@ def main() -> None:
     print(f"CPU: {cpu['model']}, {torch.get_num_threads()} threads, flags {' '.join(cpu['flags'])}; kernel paths "
           f"{', '.join(cpu_blockq.isas())}; {args.model}: {len(linears)} linears, {nbytes / 1e9:.3f} GB a step")
     probe = torch.ones(1 << 30, dtype=torch.uint8)
-    bw_before = read_bandwidth(probe)
+    bw_before = cpu_blockq.read_bandwidth(probe)
     g = torch.Generator().manual_seed(0)
     for r in rows:  # warm-up: first calls of each shape
         time_step(linears, r, args.isa, g)
@@ -87,7 +76,7 @@ def main() -> None:
     for i in range(args.repeats):
         for r in (rows if i % 2 == 0 else rows[::-1]):
             times[r].append(time_step(linears, r, args.isa, g))
-    bw = max(bw_before, read_bandwidth(probe))
+    bw = max(bw_before, cpu_blockq.read_bandwidth(probe))
     ms = {r: statistics.median(t) * 1e3 for r, t in times.items()}
     rate = nbytes / (ms[rows[0]] / 1e3)
     ratios = {r: ms[r] / ms[rows[0]] for r in rows[1:]}

@@ -11,6 +11,7 @@ applies before renaming it into place.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import stat
 import tempfile
@@ -72,3 +73,12 @@ def atomic_write(path: str | Path, write: Callable[[str], object]) -> Path:
 def atomic_write_text(path: str | Path, text: str) -> Path:
     """Write `text` (UTF-8) to `path` atomically."""
     return atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+
+
+def file_sha256(path: str | Path) -> str:
+    """The sha256 hex digest of the file at `path`, read in 4 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from runtime.args import describe
-from runtime.atomic import apply_umask, atomic_write_text
+from runtime.atomic import apply_umask, atomic_write_text, file_sha256
 from runtime.errors import CacheHomeError, CatalogueError, CheckpointError
 from runtime.gguf import CONVERT_STEPS, SOURCE_FILE, convert_gguf
 from runtime.progress import progress as progress_bar
@@ -301,14 +301,6 @@ def _stamp(path: Path, sha256: str) -> dict:
     return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha256}
 
 
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _gguf_damage(item: CatalogueEntry, folder: Path) -> str | None:
     """What is wrong with the cached GGUF in `folder` (a complete fetch), or None when it is the
     catalogue's: its size must be the stamp's; its sha256 is computed again (and the stamp renewed)
@@ -328,7 +320,7 @@ def _gguf_damage(item: CatalogueEntry, folder: Path) -> str | None:
         return f"it has {st.st_size} bytes where the verified file had {stamp.get('size')}"
     if stamp is not None and stamp.get("mtime_ns") == st.st_mtime_ns:
         return None
-    digest = _file_sha256(path)
+    digest = file_sha256(path)
     if digest != item.sha256:
         return f"its sha256 is {digest[:12]}..., not the catalogue's {item.sha256[:12]}..."
     try:

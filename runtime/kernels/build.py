@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import hashlib
 import json
 import os
 import signal
@@ -38,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from runtime.atomic import atomic_write_text
+from runtime.atomic import atomic_write_text, file_sha256
 from runtime.errors import SpecdecError
 
 TIMEOUT_ENV = "SPECDEC_KERNEL_BUILD_TIMEOUT"
@@ -111,20 +110,12 @@ def build_timeout() -> float:
     return value
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def verified(build: KernelBuild) -> bool:
     """Whether the library exists and matches the checksum written when it was built."""
     try:
         recorded = json.loads(build.checksum.read_text())
         return (isinstance(recorded, dict) and recorded.get("size") == build.library.stat().st_size
-                and recorded.get("sha256") == _sha256(build.library))
+                and recorded.get("sha256") == file_sha256(build.library))
     except (OSError, ValueError):
         return False
 
@@ -269,7 +260,7 @@ def _rebuild(build: KernelBuild, timeout_s: float) -> None:
         raise KernelBuildError(f"the build of {build.what} reported success but wrote no {build.library}; "
                                f"delete {build.directory} and try again, or {REMEDY}")
     atomic_write_text(build.checksum, json.dumps({"size": build.library.stat().st_size,
-                                                  "sha256": _sha256(build.library)}) + "\n")
+                                                  "sha256": file_sha256(build.library)}) + "\n")
 
 
 def _unlink(path: Path) -> None:

@@ -24,6 +24,7 @@ import functools
 import hashlib
 import logging
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -162,6 +163,18 @@ def blockq_mm(x: torch.Tensor, codes: torch.Tensor, sc: torch.Tensor, mc: torch.
         raise RuntimeError(f"the block-quantized CPU kernels are unavailable: {unavailable_reason()}")
     path = ISAS[isa or default_isa()]
     return ops().blockq_mm(x, codes, sc, mc, d, dm, bias, bits, group, super_block, zero, path, amx_min_rows)
+
+
+def read_bandwidth(buf: torch.Tensor, repeats: int = 5) -> float:
+    """Best read bandwidth (bytes/s) of `repeats` passes of `read_probe` over `buf` (all threads): the
+    bound the benchmarks compare a decode step's weight reads with."""
+    ops().read_probe(buf)
+    best = 0.0
+    for _ in range(repeats):
+        t = time.perf_counter()
+        ops().read_probe(buf)
+        best = max(best, buf.numel() * buf.element_size() / (time.perf_counter() - t))
+    return best
 
 
 def quantize_activations_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -318,8 +318,8 @@ def test_a_cached_gguf_without_a_stamp_is_hashed_once(tiny_qwen2, gguf_writer, t
     path = runtime.fetch_gguf(entry.name, progress=False)
     path.with_name(catalogue.STAMP_FILE).unlink()
     hashed = []
-    real = catalogue._file_sha256
-    monkeypatch.setattr(catalogue, "_file_sha256", lambda p: hashed.append(p) or real(p))
+    real = catalogue.file_sha256
+    monkeypatch.setattr(catalogue, "file_sha256", lambda p: hashed.append(p) or real(p))
     _go_offline(monkeypatch)
     for _ in range(2):
         assert runtime.fetch_gguf(entry.name, progress=False) == path
