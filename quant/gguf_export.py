@@ -17,7 +17,8 @@ Medusa heads (llama.cpp runs none) and .gguf files are refused. Every export car
 `specdec.export.source` (the source it was written from): the mark of a GGUF specdec wrote. The file
 is written next to `out` and renamed into place; an existing file is replaced only with `overwrite`
 and only when it carries that mark (any other GGUF, e.g. one llama.cpp or the catalogue made, is
-never replaced), and never in specdec's own caches (`runtime.outputs`).
+never replaced), and never in specdec's own caches (`runtime.outputs`). An export that runs out of disk
+space is one DiskFullError naming `out`; its temporary directory goes, and `out` is as it was.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from quant.checkpoint import export_dense
 from quant.gguf_tensors import REQUANT, block_error, target_type, to_blocks
 from quant.llamacpp_convert import convert
 from runtime.args import check_path
+from runtime.atomic import disk_full_named
 from runtime.errors import CheckpointError, SpecdecError
 from runtime.hf_state import hf_linear_parts
 from runtime.outputs import OutputPathError, check_output_file
@@ -272,7 +274,9 @@ def export_gguf(source: str | Path, out: str | Path, *, target: str | Path | Non
     if (kind == "eagle3") != (target is not None):
         raise GGUFExportError(f"{ckpt} is an EAGLE-3 head: pass its target model as --target (target=...)"
                               if kind == "eagle3" else f"--target is for EAGLE-3 heads; {ckpt} is a model")
-    with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.name}.partial-") as tmp_name:
+    remedy = "Free disk space there, or write the export to a disk with room (--out), and run it again."
+    with disk_full_named(path, remedy), \
+            tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.name}.partial-") as tmp_name:
         tmp = Path(tmp_name)
         staged = tmp / "out.gguf"
         reports: list[TensorReport] = []

@@ -7,16 +7,31 @@ A reader (or a resumed job) sees either the old file or the complete new one, ne
 vLLM service running as another user could not read an export). `apply_umask` gives such files and
 directories the mode `open()` / `mkdir()` would have given them, which every writer of an output
 applies before renaming it into place.
+
+A write that runs out of disk space (ENOSPC, or safetensors' SafetensorError wrapping it) becomes one
+DiskFullError line through `disk_full_named`, naming the path, the space needed when known, the space
+free there and what to do.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
+import re
+import shutil
 import stat
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+from runtime.errors import DiskFullError
+
+# how an out-of-space error reads once wrapped as text: the OS's message (pip's and llama.cpp's converter's
+# output), or safetensors' Rust io::Error ("IoError(Os { code: 28, kind: StorageFull, ... })")
+_DISK_FULL_TEXT = re.compile(r"No space left on device|Disk quota exceeded|StorageFull|QuotaExceeded|"
+                             r"\[Errno (28|122)\]|code: (28|122)\b")
 
 
 def current_umask() -> int:
@@ -82,3 +97,57 @@ def file_sha256(path: str | Path) -> str:
         while chunk := f.read(1 << 22):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def is_disk_full(err: BaseException) -> bool:
+    """Whether `err`, or an exception it was raised from, is a write that ran out of disk space: an
+    OSError ENOSPC / EDQUOT, or an error whose message carries one (safetensors' SafetensorError,
+    a failed pip or converter run quoting its output)."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if _DISK_FULL_TEXT.search(str(err)):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n / 1e3:.0f} kB"
+
+
+def _free_bytes(path: Path) -> int | None:
+    """Free bytes on the file system of `path` (its nearest existing ancestor), None if unknown."""
+    for place in (path, *path.parents):
+        if place.exists():
+            try:
+                return shutil.disk_usage(place).free
+            except OSError:
+                return None
+    return None
+
+
+@contextmanager
+def disk_full_named(path: str | Path, remedy: str, needed: Callable[[], int | None] | None = None) -> Iterator[None]:
+    """Turn running out of disk space inside the block (`is_disk_full`) into one DiskFullError naming
+    `path`, the space needed (`needed()`, when given and it can tell), the space free there and `remedy`.
+    The block must leave nothing partial behind (the writers here write atomically)."""
+    try:
+        yield
+    except DiskFullError:
+        raise
+    except Exception as err:
+        if not is_disk_full(err):
+            raise
+        path = Path(path)
+        try:
+            need = needed() if needed is not None else None
+        except Exception:  # an estimate only: the error is the full disk
+            need = None
+        free = _free_bytes(path)
+        sizes = ", ".join(part for part in (f"it needs about {_size(need)}" if need else "",
+                                            f"{_size(free)} is free there" if free is not None else "") if part)
+        raise DiskFullError(f"no space left on the disk while writing {path}{f' ({sizes})' if sizes else ''}; "
+                            f"nothing was kept. {remedy}") from err

