@@ -24,6 +24,7 @@ import functools
 import hashlib
 import logging
 import os
+import re
 import time
 from pathlib import Path
 
@@ -158,11 +159,38 @@ def blockq_mm(x: torch.Tensor, codes: torch.Tensor, sc: torch.Tensor, mc: torch.
               dm: torch.Tensor | None, bias: torch.Tensor | None, bits: int, group: int, super_block: int,
               zero: float = 0.0, isa: str | None = None, amx_min_rows: int = AMX_MIN_ROWS) -> torch.Tensor:
     """x (..., K) float32 / bf16 -> (..., N) in x's dtype through the compiled kernel (path `isa`,
-    default `default_isa()`); dm None: dm = zero * d."""
+    default `default_isa()`); dm None: dm = zero * d. A wrong type or device is a TypeError / ValueError
+    naming the argument (the op's own checks name the rest)."""
     if not available():
         raise RuntimeError(f"the block-quantized CPU kernels are unavailable: {unavailable_reason()}")
+    if isa is not None and (not isinstance(isa, str) or isa not in ISAS):
+        raise ValueError(f"blockq_mm: isa must be one of {', '.join(ISAS)} (or None: {ISA_ENV}), got {isa!r}")
     path = ISAS[isa or default_isa()]
-    return ops().blockq_mm(x, codes, sc, mc, d, dm, bias, bits, group, super_block, zero, path, amx_min_rows)
+    if isinstance(x, torch.Tensor) and x.device.type == "cpu":  # the op reads every tensor's memory on the CPU
+        for name, t in (("codes", codes), ("sc", sc), ("mc", mc), ("d", d), ("dm", dm), ("bias", bias)):
+            if isinstance(t, torch.Tensor) and t.device.type != "cpu":
+                raise ValueError(f"blockq_mm: {name} is on {t.device}; the CPU kernels take CPU tensors")
+    try:
+        return ops().blockq_mm(x, codes, sc, mc, d, dm, bias, bits, group, super_block, zero, path, amx_min_rows)
+    except (RuntimeError, IndexError) as err:
+        mapped = _argument_error(err, x)
+        if mapped is None:
+            raise
+        raise mapped from err
+
+
+def _argument_error(err: Exception, x) -> Exception | None:
+    """The op's dispatcher error for an argument of the wrong type (or a 0-d x), as a TypeError /
+    ValueError naming the argument; None for any other error (raised as it is)."""
+    found = re.search(r"Expected a value of type '([^']+)' for argument '(\w+)' but instead found type '(\w+)'",
+                      str(err))
+    if found:
+        want, name, got = found.groups()
+        return TypeError(f"blockq_mm: {name} must be {want}" + (" (a 64-bit integer)" if want == "int" else "")
+                         + f", got {got}" + (" out of range" if got == want else ""))
+    if isinstance(x, torch.Tensor) and x.dim() == 0:
+        return ValueError("blockq_mm: x must have at least one dimension (..., in_features), got a 0-d tensor")
+    return None
 
 
 def read_bandwidth(buf: torch.Tensor, repeats: int = 5) -> float:

@@ -241,3 +241,28 @@ def test_bad_shapes_are_refused():
         BlockQuantLinear.from_canonical(torch.full((16, 64), 16, dtype=torch.uint8),
                                         torch.ones(16, 2, dtype=torch.int8), torch.ones(16, 2, dtype=torch.int8),
                                         torch.ones(16, 1), torch.ones(16, 1), 4, 32, 64)
+
+
+@needs_kernels
+def test_wrong_arguments_to_the_kernel_name_the_argument():
+    """A misspelled isa was a KeyError, a wrong type torch's dispatcher error, a 0-d x an IndexError, and a
+    weight tensor on another device (meta) was read as CPU memory: now each names the argument."""
+    module, _ = _module("q4_k")
+    args = dict(codes=module.codes, sc=module.sc, mc=module.mc, d=module.d, dm=module.dm, bias=module.bias,
+                bits=module.bits, group=module.group_size, super_block=module.super_block)
+    x = torch.randn(2, 512)
+    for isa in ("AVX2", "sse", 1):
+        with pytest.raises(ValueError, match=rf"blockq_mm: isa must be one of auto, generic.*got {isa!r}"):
+            cpu_blockq.blockq_mm(x, **args, isa=isa)
+    for name, value, got in (("bits", "4", "str"), ("group", 32.0, "float"),
+                             ("amx_min_rows", 2 ** 70, "int out of range"), ("bias", [0.0] * 64, "list")):
+        with pytest.raises(TypeError, match=rf"blockq_mm: {name} must be .*, got {got}"):
+            cpu_blockq.blockq_mm(x, **{**args, name: value})
+    with pytest.raises(TypeError, match="blockq_mm: x must be Tensor, got ndarray"):
+        cpu_blockq.blockq_mm(x.numpy(), **args)
+    with pytest.raises(ValueError, match="x must have at least one dimension"):
+        cpu_blockq.blockq_mm(torch.tensor(1.0), **args)
+    for name in ("codes", "sc", "d", "bias"):
+        with pytest.raises(ValueError, match=f"blockq_mm: {name} is on meta; the CPU kernels take CPU tensors"):
+            cpu_blockq.blockq_mm(x, **{**args, name: torch.empty_like(args[name], device="meta")})
+    assert cpu_blockq.blockq_mm(x, **args).shape == (2, 64)  # the right call still runs
