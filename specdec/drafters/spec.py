@@ -219,7 +219,7 @@ class DrafterSpec:
         if at:
             _check_suffix(name, base, size, colon, shape)
         p_min = bool(colon and _P_MIN.fullmatch(shape))
-        if not at or not (size.isdigit() or size == "auto") or (colon and not p_min
+        if not at or not (_digits(size) or size == "auto") or (colon and not p_min
                                                                  and not _TREE_SHAPE.fullmatch(shape)):
             base, at, size, colon, p_min = name, "", "", "", False  # an "@" inside a path is part of the path
         kind, _, arg = base.partition(":")
@@ -233,7 +233,7 @@ class DrafterSpec:
             raise ValueError(f"{_quote(name)}: {kind} takes no @ suffix")
         if entry.arg == "DIR" and arg:
             _check_dir_suffix(name, kind, arg, bool(at))
-        value = (int(size) if size.isdigit() else size) if at else None
+        value = (int(size) if _digits(size) else size) if at else None
         try:
             if p_min:
                 return cls(kind, arg or None, value, p_min=float(shape[1:]))
@@ -327,13 +327,19 @@ _SUFFIX = {DRAFT_LENGTH: "the draft length K (1-64 or auto)", TREE_NODES: "the t
            EAGLE_TREE: "the tree's nodes N (or auto), optionally with :DEPTHxTOP_K"}
 
 
+def _digits(text: str) -> bool:
+    """Whether `text` is a number written in ASCII digits (str.isdigit also accepts "²" and "٣", which
+    int() then refuses or reads)."""
+    return text.isascii() and text.isdigit()
+
+
 def _check_suffix(name: str, base: str, size: str, colon: str, shape: str) -> None:
     """ValueError for an "@" suffix of `name` that cannot be part of a path and is not a valid suffix:
     a spec that ends in "@", an "@" after a kind that takes no argument (`ngram@x`), an eagle tree
     shape that is not DEPTHxTOP_K (`eagle:DIR@6:3x`), or a probability out of [0, 1) (`@auto:p1.5`)."""
     kind = base.partition(":")[0]
     entry = DRAFTERS.get(kind)
-    valid = size.isdigit() or size == "auto"
+    valid = _digits(size) or size == "auto"
     if not size and not colon:
         raise ValueError(f"{_quote(name)} ends in '@' with nothing after it"
                          + (f": write {_SUFFIX[entry.size]} there, or drop the '@'" if entry and entry.size else ""))
@@ -376,7 +382,7 @@ def _check_dir_suffix(name: str, kind: str, arg: str, sized: bool) -> None:
     if "@" not in arg or _exists(arg):
         return
     tail = arg.rpartition("@")[2]
-    if sized or tail.partition(":")[0].isdigit() or tail.partition(":")[0] == "auto":
+    if sized or _digits(tail.partition(":")[0]) or tail.partition(":")[0] == "auto":
         raise ValueError(f"{_quote(name)} has a second '@' (and no directory {_quote(arg)} exists): write "
                          f"{kind}:DIR@N with one '@'")
     raise ValueError(f"{_quote(name)}: after {kind}'s '@' comes {_SUFFIX[DRAFTERS[kind].size]}, got {tail!r} (and no "

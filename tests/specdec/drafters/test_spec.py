@@ -129,6 +129,9 @@ GRAMMAR_TAIL = f"; a drafter spec is {GRAMMAR}"
     ("medusa:heads@4@5", "'medusa:heads@4@5' has a second '@' (and no directory 'heads@4' exists): write "
                          "medusa:DIR@N with one '@'"),
     ("eagle:head@x", "'eagle:head@x': after eagle's '@' comes the tree's nodes N (or auto)"),
+    # digits other than ASCII ones ("²" passed str.isdigit, then int() raised "invalid literal")
+    ("suffix@²", "'suffix@²': after suffix's '@' comes the tree's nodes N (an integer >= 1), got '²'"),
+    ("ngram@٣", "'ngram@٣': after ngram's '@' comes the draft length K (1-64 or auto), got '٣'"),
 ])
 def test_malformed_specs_say_what_is_wrong_then_show_the_grammar(text, first):
     """With bare="draft" (the command lines' --draft), a malformed spec is not taken for a model path
