@@ -222,6 +222,7 @@ class EvalConfig:
             raise ValueError(f"unknown dataset {self.dataset!r}; choose one of {', '.join(DATASETS)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        hardware.check_device(self.device)  # 'tpu' was a RuntimeError from torch.device
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"limit must be >= 1, got {self.limit}")
         if self.max_new_tokens < 1:

@@ -175,7 +175,8 @@ def test_config_validation(tmp_path):
                      (dict(dtype="float16"), "dtype"), (dict(dataset="humaneval"), "exactly one"),
                      (dict(max_new_tokens=0), "max_new_tokens"), (dict(temperature=-1.0), "temperature"),
                      (dict(methods="plain,bogus"), "unknown method"), (dict(threads=0), "threads"),
-                     (dict(draft_vocab=1000), "multiple of 16")]:
+                     (dict(draft_vocab=1000), "multiple of 16"),
+                     (dict(device="tpu"), "unknown device 'tpu'; use cpu, cuda or cuda:N")]:  # was torch's RuntimeError
         with pytest.raises(ValueError, match=msg):
             EvalConfig(**{**base, **bad})
     with pytest.raises(ValueError, match="exactly one"):
