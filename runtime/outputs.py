@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+from runtime.args import check_path_length
 from runtime.atomic import apply_umask
 from runtime.errors import SpecdecError
 
@@ -98,6 +99,10 @@ def _check_not_empty(path: str | Path, what: str, kind: str) -> None:
     if not str(path).strip():
         raise OutputPathError(f"an empty path is not an output location for the {what}; give a {kind} path "
                               "(nothing was written)")
+    try:  # a name past NAME_MAX / PATH_MAX: every look-up of it would be OSError [Errno 36]
+        check_path_length(f"the {what} path", str(path))
+    except ValueError as err:
+        raise OutputPathError(f"{err} (nothing was written)") from None
 
 
 def _check_outside_caches(path: str | Path, what: str) -> None:

@@ -95,6 +95,11 @@ def test_check_output_file(tmp_path):
     with pytest.raises(OutputPathError, match="not a records file written by specdec"):
         check_output_file(tmp_path / "notes.txt", what="records file", looks_like=lambda p: False)
     assert check_output_file(tmp_path / "new.jsonl", looks_like=lambda p: False) == tmp_path / "new.jsonl"
+    # a name longer than the OS allows: was OSError [Errno 36] (File name too long) from the first look-up
+    with pytest.raises(OutputPathError, match=r"the GGUF file path is \d+ characters long .* \(nothing was written\)"):
+        check_output_file(tmp_path / ("y" * 300 + ".gguf"), what="GGUF file")
+    with pytest.raises(OutputPathError, match="the output directory path is"):
+        prepare_output_dir(tmp_path / ("d" * 256), "m.json", what="output directory")
 
 
 def test_output_lock_refuses_a_second_holder_and_takes_over_a_dead_ones(tmp_path):
