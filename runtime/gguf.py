@@ -83,6 +83,12 @@ def inspect_gguf(gguf_path: Path) -> tuple[Counter, bool]:
                 "Re-quantize the model to one of these (e.g. Q8_0 or Q4_K with llama.cpp's "
                 "llama-quantize) or pass a safetensors checkpoint.")
         counts[kind] += 1
+    tokens = reader.get_field("tokenizer.ggml.tokens")
+    if tokens is not None and (tokens.types[0] != gguf.GGUFValueType.ARRAY
+                               or tokens.types[-1] != gguf.GGUFValueType.STRING):
+        raise CheckpointError(f"{gguf_path}: its metadata tokenizer.ggml.tokens is a "
+                              f"{'/'.join(t.name.lower() for t in tokens.types)}, not an array of strings (the "
+                              "vocabulary); the file is corrupt")
     return counts, "tokenizer.ggml.model" in reader.fields
 
 
@@ -104,6 +110,10 @@ def check_gguf_sizes(reader, gguf_path: Path) -> None:
     transformers build an oversized model: a block count other than the blocks stored, a context
     length past runtime.config.MAX_POSITIONS, an embedding length other than the embedding's."""
     arch = _field(reader, "general.architecture")
+    if arch is not None and not isinstance(arch, str):  # transformers' loader fails on it with a TypeError
+        raise CheckpointError(f"{gguf_path}: its metadata general.architecture is {arch!r} "
+                              f"({type(arch).__name__}), not an architecture's name such as 'llama'; the file is "
+                              "corrupt or not a model GGUF")
     if not isinstance(arch, str):
         return  # transformers rejects a GGUF without an architecture before building anything
     count = _field(reader, f"{arch}.block_count")

@@ -217,3 +217,28 @@ def test_a_full_disk_during_conversion_is_one_line_and_keeps_nothing(tiny_llama,
     assert _leftovers(home / "gguf") == []
     monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", real)
     assert (gguf_to_checkpoint(path, progress=False) / SOURCE_FILE).is_file()  # space again: it converts
+
+
+@pytest.mark.parametrize("key, value, vtype, phrase", [
+    ("general.architecture", 7, "UINT32", r"general.architecture is 7 \(int\), not an architecture's name"),
+    ("tokenizer.ggml.tokens", 7, "UINT32", "tokenizer.ggml.tokens is a uint32, not an array of strings"),
+])
+def test_metadata_of_the_wrong_type_is_named(tiny_llama, tmp_path, home, gguf_writer, monkeypatch, key, value, vtype,
+                                             phrase):
+    """Such a file gave transformers' TypeError ("argument of type 'int' is not iterable", "'int' object is not
+    subscriptable") on both load paths."""
+    real = gguf.GGUFWriter.add_key_value
+
+    def add_key_value(self, name, val, val_type, sub_type=None, **kw):
+        if name == key:
+            return real(self, name, value, gguf.GGUFValueType[vtype])
+        return real(self, name, val, val_type, sub_type=sub_type, **kw)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_key_value", add_key_value)
+    path = tmp_path / "typed.gguf"
+    gguf_writer(tiny_llama, path)
+    monkeypatch.setattr(gguf.GGUFWriter, "add_key_value", real)
+    for weights in ("dense", "gguf"):
+        with pytest.raises(CheckpointError, match=phrase):
+            runtime.load_model(path, weights=weights)
+    assert _leftovers(home / "gguf") == []
