@@ -26,6 +26,7 @@ import time
 import torch
 
 import runtime
+from runtime.argtypes import positive_int
 from runtime.atomic import atomic_write_text
 from runtime.blockq import BlockQuantLinear
 from runtime.hardware import cpu_summary
@@ -47,20 +48,28 @@ def time_step(linears: list[BlockQuantLinear], rows: int, isa: str, g: torch.Gen
     return time.perf_counter() - t
 
 
-def main() -> None:
+def row_counts(text: str) -> list[int]:
+    """An argparse `type`: comma-separated row counts, each an integer >= 1 ("1,2,4")."""
+    try:
+        return [positive_int(part.strip()) for part in text.split(",")]
+    except argparse.ArgumentTypeError as err:
+        raise argparse.ArgumentTypeError(f"row counts are integers >= 1 joined by commas (e.g. 1,2,4): {err}") from None
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen2.5-coder-1.5b-instruct", help="catalogue name, .gguf file")
-    parser.add_argument("--rows", default="1,2,4,8,16", help="row counts (the first is the reference)")
+    parser.add_argument("--rows", type=row_counts, default="1,2,4,8,16", help="row counts (the first is the reference)")
     parser.add_argument("--isa", default="auto", choices=list(cpu_blockq.ISAS), help="kernel path (auto: by rows)")
-    parser.add_argument("--repeats", type=int, default=7, help="steps per row count (median)")
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--repeats", type=positive_int, default=7, help="steps per row count (median)")
+    parser.add_argument("--threads", type=positive_int, default=None)
     parser.add_argument("--json", default=None, help="also write the results here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     if not cpu_blockq.available():
         raise SystemExit(f"the block-quantized kernels are unavailable: {cpu_blockq.unavailable_reason()}")
-    rows = [int(r) for r in args.rows.split(",")]
+    rows = args.rows
     model = runtime.load_model(args.model, dtype=torch.bfloat16, weights="gguf")
     linears = step_linears(model)
     nbytes = sum(m.nbytes() for m in linears)
@@ -89,4 +98,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from runtime.errors import SpecdecError
+
+    try:
+        main()
+    except SpecdecError as err:  # a model that cannot be loaded: one line, as the arguments' errors
+        raise SystemExit(f"step_ceiling.py: error: {' '.join(str(err).split())}") from None
