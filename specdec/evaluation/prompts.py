@@ -57,6 +57,11 @@ class Prompt:
         for t in self.turns:
             if not isinstance(t, str) or not t:
                 raise ValueError(f"prompt {self.id!r} has an empty or non-text turn: {t!r}")
+            try:  # JSON's "\ud800" reads as a lone surrogate, which no tokenizer encodes
+                t.encode("utf-8")
+            except UnicodeEncodeError as err:
+                raise ValueError(f"prompt {self.id!r} holds a lone surrogate \\u{ord(t[err.start]):04x} at character "
+                                 f"{err.start}, which is not text; fix or drop that line") from None
 
 
 def read_jsonl_prompts(path: str | Path, all_turns: bool = False) -> list[Prompt]:

@@ -52,6 +52,9 @@ def test_bad_jsonl(tmp_path, rows, msg):
     ([{"prompt": "a"}, {"prompt": 5}], "bad.jsonl:2: prompt '1' has an empty or non-text turn: 5"),
     ([{"prompt": ""}], "bad.jsonl:1: prompt '0' has an empty or non-text turn: ''"),
     ([{"turns": ["a", None]}], "bad.jsonl:1: prompt '0' has an empty or non-text turn: None"),
+    # a lone surrogate (valid JSON, not text): was the tokenizer's TypeError in the middle of `specdec eval`
+    ([{"prompt": "\ud800abc"}], "bad.jsonl:1: prompt '0' holds a lone surrogate \\ud800 at character 0, which is "
+                                "not text; fix or drop that line"),
 ])
 def test_a_bad_turn_names_the_file_and_its_line(tmp_path, rows, first):
     path = tmp_path / "bad.jsonl"
