@@ -371,9 +371,10 @@ def convert_gguf(gguf_path: Path | str, out_dir: Path | str, dtype: torch.dtype 
 
 def gguf_to_checkpoint(path: Path | str, progress: bool = True) -> Path:
     """The cached bf16 checkpoint directory of a .gguf file, converting it on first use."""
+    from runtime.args import check_path
     from runtime.catalogue import build_once, cache_home
 
-    path = Path(path).expanduser().resolve()
+    path = Path(check_path("path", path, "a .gguf file")).expanduser().resolve()
     if not path.is_file():
         raise CheckpointError(f"{path} does not exist or is not a file")
     stat = path.stat()

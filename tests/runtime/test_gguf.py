@@ -242,3 +242,9 @@ def test_metadata_of_the_wrong_type_is_named(tiny_llama, tmp_path, home, gguf_wr
         with pytest.raises(CheckpointError, match=phrase):
             runtime.load_model(path, weights=weights)
     assert _leftovers(home / "gguf") == []
+
+
+def test_a_path_that_is_not_a_path_is_named(home):
+    """gguf_to_checkpoint(5) was pathlib's TypeError, which names no argument."""
+    with pytest.raises(TypeError, match=r"path must be a .gguf file \(a str or a Path\), got 5 \(int\)"):
+        gguf_to_checkpoint(5)
