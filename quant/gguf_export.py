@@ -121,6 +121,9 @@ def source_kind(path: Path) -> str:
         return "compressed"
     if not config.is_file():
         raise CheckpointError(f"{path} has no config.json: it is not a Hugging Face checkpoint directory")
+    if not isinstance(raw.get("model_type"), str):  # llama.cpp's converter fails on it with its own traceback
+        raise CheckpointError(f"{config}: model_type is {raw.get('model_type')!r}, not a model type such as 'llama'; "
+                              "it is not a Hugging Face checkpoint's config")
     return "dense"
 
 

@@ -284,7 +284,10 @@ def test_llamacpp_drafting_with_our_exports_gives_its_plain_output(smol_exports,
 
 
 @pytest.mark.parametrize("text, phrase", [("{not json", "cannot be read as JSON"),
-                                          ("[1, 2]", "holds a JSON list, not an object")])
+                                          ("[1, 2]", "holds a JSON list, not an object"),
+                                          # was llama.cpp's converter failing with its traceback
+                                          ('{"model_type": 5}', "model_type is 5, not a model type such as 'llama'"),
+                                          ("{}", "model_type is None")])
 def test_a_broken_config_in_the_source_names_the_file(tmp_path, text, phrase):
     from runtime.errors import CheckpointError
 
