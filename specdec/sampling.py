@@ -108,7 +108,10 @@ class NonFiniteLogitsError(FloatingPointError):
 
 
 def check_finite(logits: torch.Tensor, who: str = "target") -> None:
-    """Raise when `logits` hold NaN (inf is a legal -inf mask value only when not everywhere)."""
+    """Raise when `logits` hold NaN (inf is a legal -inf mask value only when not everywhere), or
+    no vocabulary at all."""
+    if not logits.shape[-1:] or logits.shape[-1] == 0:
+        raise ValueError(f"the {who} model's logits {tuple(logits.shape)} have no vocabulary dimension to pick from")
     if bool(torch.isnan(logits.amax(-1)).any()):  # a row's max is NaN iff the row holds one: no (.., V) copy
         raise NonFiniteLogitsError(
             f"the {who} model produced NaN logits; the checkpoint may be corrupt, or the dtype "

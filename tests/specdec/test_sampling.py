@@ -22,3 +22,11 @@ def test_the_least_accepted_values_sample_a_finite_distribution():
     assert torch.isfinite(probs).all() and torch.allclose(probs.sum(-1), torch.ones(3))
     assert (probs.argmax(-1) == logits.argmax(-1)).all()
     assert SamplingParams(temperature=0.0).greedy  # 0 stays greedy
+
+
+def test_logits_without_a_vocabulary_are_named():
+    """(B, 0) logits were an IndexError from amax."""
+    from specdec.sampling import select_next
+
+    with pytest.raises(ValueError, match=r"the target model's logits \(2, 0\) have no vocabulary"):
+        select_next(torch.randn(2, 0), 1.0, 0, 1.0, None)
