@@ -209,6 +209,8 @@ def quantize_activations_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     """x (M, K) -> int8 codes (M, K) and float32 scales (M, K/32), as the kernel rounds them:
     scale = max|x| / 127 per block of 32, codes = nearest-even(x * 127 / max|x|)."""
     M, K = x.shape
+    if K % ACT_BLOCK:
+        raise ValueError(f"quantize_activations_ref: in_features must be a multiple of {ACT_BLOCK}, got {K}")
     xb = x.float().view(M, K // ACT_BLOCK, ACT_BLOCK)
     amax = xb.abs().amax(-1)  # (M, K/32)
     inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
@@ -221,7 +223,7 @@ def blockq_mm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     exact float32 weight (N, K) (`BlockQuantLinear.dequantize()`); returns float64 (..., N)."""
     x2 = x.reshape(-1, x.shape[-1])
     q, scale = quantize_activations_ref(x2)
-    xd = (q.double().view(q.shape[0], -1, ACT_BLOCK) * scale.double()[..., None]).view_as(q)
+    xd = (q.double().view(q.shape[0], q.shape[1] // ACT_BLOCK, ACT_BLOCK) * scale.double()[..., None]).view_as(q)
     y = xd @ weight.double().t()
     if bias is not None:
         y = y + bias.double()

@@ -266,3 +266,8 @@ def test_wrong_arguments_to_the_kernel_name_the_argument():
         with pytest.raises(ValueError, match=f"blockq_mm: {name} is on meta; the CPU kernels take CPU tensors"):
             cpu_blockq.blockq_mm(x, **{**args, name: torch.empty_like(args[name], device="meta")})
     assert cpu_blockq.blockq_mm(x, **args).shape == (2, 64)  # the right call still runs
+    # the reference takes what the kernel takes: no rows (was an ambiguous view), and names a bad width
+    weight = module.dequantize()
+    assert cpu_blockq.blockq_mm_ref(x[:0], weight).shape == cpu_blockq.blockq_mm(x[:0], **args).shape == (0, 64)
+    with pytest.raises(ValueError, match="in_features must be a multiple of 32, got 40"):
+        cpu_blockq.blockq_mm_ref(torch.randn(2, 40), torch.randn(4, 40))
