@@ -129,12 +129,18 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int G, int8_t* xq, float* d
       int8_t* qr = xq + m * K;
       for (int64_t b = 0; b < K / kActBlock; ++b) {
         float amax = 0.f;
-        for (int j = 0; j < kActBlock; ++j) amax = std::max(amax, std::fabs((float)xr[b * kActBlock + j]));
+        // a NaN stays (std::max would drop it): a NaN or inf input makes the block's scale NaN or inf and
+        // the row's outputs non-finite, as a float product would, instead of rounding to finite codes
+        for (int j = 0; j < kActBlock; ++j) {
+          const float v = std::fabs((float)xr[b * kActBlock + j]);
+          if (v > amax || std::isnan(v)) amax = v;
+        }
         const float scale = amax / 127.f;
         const float inv = amax > 0.f ? 127.f / amax : 0.f;
+        const bool finite = std::isfinite(amax);  // else codes 0 (a NaN has no int8), and the scale carries it
         dx[m * (K / kActBlock) + b] = scale;
         for (int j = 0; j < kActBlock; ++j)
-          qr[b * kActBlock + j] = (int8_t)std::nearbyint((float)xr[b * kActBlock + j] * inv);
+          qr[b * kActBlock + j] = finite ? (int8_t)std::nearbyint((float)xr[b * kActBlock + j] * inv) : 0;
       }
       for (int64_t g = 0; g < K / G; ++g) {
         int32_t sum = 0;

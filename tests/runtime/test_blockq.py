@@ -140,6 +140,23 @@ def test_the_isa_switch_runs_a_whole_module_on_the_path_it_names(monkeypatch):
 
 
 @needs_kernels
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_input_gives_non_finite_outputs_on_every_path(bad):
+    """NaN / inf activations are not rounded to finite int8 codes: the row's outputs are non-finite
+    (so NonFiniteLogitsError fires), on every path; the other rows are untouched."""
+    module, _ = _module("q4_k")
+    x = torch.randn(3, module.in_features, generator=torch.Generator().manual_seed(4))
+    clean = module(x)
+    x[1, 7] = bad
+    for isa in cpu_blockq.isas():
+        m = module
+        y = cpu_blockq.blockq_mm(x, m.codes, m.sc, m.mc, m.d, m.dm, m.bias, m.bits, m.group_size, m.super_block,
+                                 m.zero, isa=isa)
+        assert not torch.isfinite(y[1]).any(), isa
+        assert torch.equal(y[0], clean[0]) and torch.equal(y[2], clean[2]), isa
+
+
+@needs_kernels
 def test_a_module_call_compiles_into_one_graph(monkeypatch):
     """Choosing the kernel path (SPECDEC_BLOCKQ_ISA, the CPU's paths) happens before tracing: a graph
     break there split every compiled layer and hit the recompile limit on a real model."""
