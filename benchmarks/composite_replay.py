@@ -18,7 +18,7 @@ as `specdec eval` reports them:
 
   suffix, ngram@k, draft@k         one member alone (k fixed, the best k shown)
   hybrid@k, suffix>draft@k         fixed order: the cheap member's proposal if it has one, else the draft
-  suffix cut                       the suffix tree cut as `specdec.drafters.cut` cuts it
+  suffix cut                       the suffix tree cut as `specdec.tuning.costs` cuts it
   composite@k                      the CompositeDrafter's rule beside the cut suffix (its records and
                                    gate kept across prompts, as in `specdec eval`)
   oracle                           the fastest sequence of steps, each verifying one member's proposal
@@ -49,12 +49,12 @@ import torch
 import runtime
 from specdec.drafter import Drafter, DraftTree
 from specdec.drafters.composite import AskGate, MemberRecord
-from specdec.drafters.cut import BlockCosts, NodeCalibration, best_cut
 from specdec.drafters.ngram import NgramDrafter
 from specdec.drafters.suffix import SuffixCache, SuffixConfig, SuffixDrafter
-from specdec.drafters.tree_cost import decode_cost, warm_up
 from specdec.evaluation.prompts import encode, eos_ids, load_prompts
 from specdec.generate import generate
+from specdec.tuning.costs import BlockCosts, NodeCalibration, best_cut
+from specdec.tuning.tree_cost import decode_cost, warm_up
 
 KS = range(1, 8)  # draft lengths replayed (the compiled 8-row program holds 7 drafts and the root)
 MEMBERS = ("suffix", "ngram", "draft")
@@ -271,7 +271,7 @@ class Replay:
         return self.ngram(i, k) if name == "ngram" else self.draft(i, k)[:2]
 
     def composite(self, cal: NodeCalibration, records: list[MemberRecord] | None, k: int) -> float:
-        """Seconds with the suffix tree cut as `specdec.drafters.cut` cuts it (its nodes valued by `cal`,
+        """Seconds with the suffix tree cut as `specdec.tuning.costs` cuts it (its nodes valued by `cal`,
         learnt as decoding goes) and, with `records` (suffix, draft: kept across prompts, as `specdec
         eval` keeps a method's), the CompositeDrafter's rule beside the draft model: each proposal
         valued at (1 + its calibrated estimate) per second of verifying it, the draft run where its

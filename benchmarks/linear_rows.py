@@ -2,7 +2,7 @@
 
 A decoding step multiplies every weight by the step's rows: one for plain decoding, 1 + the tree's
 nodes for a Medusa step. On a CPU the cost of a step against its row count is what decides which
-tree pays (specdec.drafters.tree_cost), and this isolates the matrix products from the rest of the step:
+tree pays (specdec.tuning.tree_cost), and this isolates the matrix products from the rest of the step:
 
     python benchmarks/linear_rows.py --model qwen2.5-coder-1.5b-instruct --rows 1,2,4,7,8,16
 

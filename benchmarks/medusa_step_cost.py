@@ -30,8 +30,8 @@ from runtime.atomic import atomic_write_text
 from runtime.hardware import DTYPES
 from specdec.drafters.medusa.heads import default_tree
 from specdec.drafters.medusa.tree import build_tree, expected_length
-from specdec.drafters.tree_cost import step_seconds
 from specdec.evaluation.prompts import encode, load_prompts
+from specdec.tuning.tree_cost import step_seconds
 
 
 def main() -> None:

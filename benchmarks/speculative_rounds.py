@@ -18,7 +18,7 @@ turn (so drift of the machine hits them alike), median per method:
   transformers        transformers' generate() on the same target weights (the baseline of the
                       4x targets): (time of N tokens - time of 1) / (N - 1)
 
-A round is timed after the prefill (`specdec.drafters.tree_cost.decode_cost`: generate()'s own clock,
+A round is timed after the prefill (`specdec.tuning.tree_cost.decode_cost`: generate()'s own clock,
 wall - time to first token, over the steps). For each method: ms a round, of it drafting, round /
 plain step (the tau at which the method breaks even with plain decoding) and the tau it needs
 for 4x transformers' generate(): 4 x round / transformers' ms per token. Acceptance itself (tau)
@@ -42,7 +42,7 @@ from bench_attention import gpu_or_smoke, markdown, random_qwen, sync, write_jso
 from runtime.attention import default_backend  # noqa: E402
 from specdec.drafters.eagle.drafter import EagleDrafter, EagleTreeConfig  # noqa: E402
 from specdec.drafters.eagle.head import Eagle3Config, Eagle3Head  # noqa: E402
-from specdec.drafters.tree_cost import decode_cost  # noqa: E402
+from specdec.tuning.tree_cost import decode_cost  # noqa: E402
 
 
 def trees(text: str) -> list[EagleTreeConfig]:

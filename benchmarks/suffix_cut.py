@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 
 import runtime
-from specdec.decode import compile_block_steps
 from specdec.drafters.suffix import SuffixCache, SuffixConfig, SuffixDrafter
 from specdec.evaluation.prompts import encode, eos_ids, load_prompts
 from specdec.generate import generate
+from specdec.tuning.warmup import compile_block_steps
 
 VARIANTS = {"suffix": SuffixConfig(), "suffix uncut": SuffixConfig(cut=False)}
 

@@ -25,12 +25,12 @@ import torch
 
 from runtime.compile import DECODE_STATIC_TOKENS
 from runtime.model_output import ModelOutput
-from specdec.autok import AutoK
 from specdec.capture import DecodeObserver
 from specdec.drafter import Accepted, Drafter, DraftTree
 from specdec.rows import CacheRow, RowState, check_lengths, prefill
 from specdec.sampling import RowSampling, SamplingParams, select_next
 from specdec.stats import AcceptanceStats
+from specdec.tuning.autok import AutoK
 from specdec.verify import Verdict, verify
 
 MAX_DRAFT_TOKENS = 16
@@ -86,7 +86,7 @@ class DecodeLoop:
         for o in self.observers:
             o.on_start(target, B)
 
-    def _told(self, hidden: torch.Tensor | None, aux: torch.Tensor | None) -> torch.Tensor | None:
+    def _drafter_states(self, hidden: torch.Tensor | None, aux: torch.Tensor | None) -> torch.Tensor | None:
         """What the drafter reads of a target forward: the aux layers' states when it reads layers,
         else the final hidden states when it needs them, else nothing."""
         if self.drafter.hidden_layers:
@@ -135,7 +135,7 @@ class DecodeLoop:
                       aux_layers=self.aux_layers)
         emitted = self._first_tokens(rows, out)
         if self.drafter is not None:
-            self.drafter.begin(self.state.prompts, max_len, self._told(out.hidden, out.aux))
+            self.drafter.begin(self.state.prompts, max_len, self._drafter_states(out.hidden, out.aux))
         return emitted
 
     def admit(self, rows: list[int], prompts: list[torch.Tensor], limits: list[int], stops: list[frozenset[int]],
@@ -156,9 +156,9 @@ class DecodeLoop:
                       eager=getattr(self.target, "compiled", False))
         emitted = self._first_tokens(rows, out)
         if self.drafter is not None:
-            told = self._told(out.hidden, out.aux)
+            states = self._drafter_states(out.hidden, out.aux)
             for i, (b, prompt) in enumerate(zip(rows, prompts)):
-                self.drafter.admit(b, prompt, None if told is None else told[i])
+                self.drafter.admit(b, prompt, None if states is None else states[i])
         return [emitted[b] for b in rows]
 
     def release(self, row: int) -> None:
@@ -214,12 +214,12 @@ class DecodeLoop:
                 for o in self.observers:
                     o.on_step(b, mine)
             if auto is not None:  # rows of a fixed-size tree tell the draft length nothing (drafted 0)
-                tuned = tree.tuned is None or bool(tree.tuned[b])
-                auto.observe(len(path) * tuned, int(valid[b].sum()) * tuned, tree.num_nodes + 1, target_s)
+                sized = tree.sized_by_k is None or bool(tree.sized_by_k[b])
+                auto.observe(len(path) * sized, int(valid[b].sum()) * sized, tree.num_nodes + 1, target_s)
         _keep_paths(cache, start_len, verdict, active)
         if drafter is not None:
-            drafter.commit(Accepted(state.sequences(), verdict.paths, self._told(hid, aux), block=tree.num_nodes + 1,
-                                    target_s=target_s))
+            drafter.commit(Accepted(state.sequences(), verdict.paths, self._drafter_states(hid, aux),
+                                    block=tree.num_nodes + 1, target_s=target_s))
         self.pending = verdict.next_tokens
         stats.verify_s += time.perf_counter() - t_verify
         return emitted
@@ -251,7 +251,8 @@ def _tree_rows(tree: DraftTree, idx: torch.Tensor) -> DraftTree:
     """The trees of rows `idx` (R,) of a batch's DraftTree."""
     part = DraftTree(tree.tokens[idx], tree.parents[idx], tree.lens[idx],
                      None if tree.q is None else tree.q[idx.to(tree.q.device)],
-                     None if tree.scores is None else tree.scores[idx], None if tree.tuned is None else tree.tuned[idx])
+                     None if tree.scores is None else tree.scores[idx],
+                     None if tree.sized_by_k is None else tree.sized_by_k[idx])
     if tree.is_chain:
         part._cache["chain"] = True
     return part
@@ -294,25 +295,6 @@ def decode(target, drafter: Drafter | None, state: RowState, num_draft_tokens: i
         if on_tokens is not None:
             on_tokens(emitted)
     return stats
-
-
-def compile_block_steps(target, batch_size: int = 1) -> None:
-    """Run every compiled program a verification step of up to DECODE_STATIC_TOKENS tokens may take,
-    causal (a chain) and with a block mask (a tree), on a scratch cache: a drafter whose trees change
-    size every step (`suffix`) would otherwise compile them, a minute each, while it is timed."""
-    if not getattr(target, "compiled", False):
-        return
-    device = target.device
-    with torch.inference_mode():
-        # made in inference mode as generate()'s caches are: the compiler guards on the tensors' dispatch
-        # keys, so programs built for an ordinary cache are rebuilt at a timed step's first use
-        cache = target.new_cache(batch_size, 2 * DECODE_STATIC_TOKENS + 2)
-        for T in range(2, DECODE_STATIC_TOKENS + 1):
-            for block in (None, torch.ones(T, T, dtype=torch.bool, device=device).tril()):
-                cache.lengths.fill_(1)
-                tokens = torch.zeros(batch_size, T, dtype=torch.long, device=device)
-                positions = 1 + torch.arange(T, device=device)[None].expand(batch_size, T)
-                target(tokens, positions, cache, block_mask=None if block is None else block.expand(batch_size, T, T))
 
 
 def _aux_layers(drafter: Drafter | None, observers: list[DecodeObserver]) -> tuple[int, ...]:

@@ -20,7 +20,7 @@ when a request takes a free row and `release(row)` when it leaves; the other row
 A drafter that cannot do this raises NotImplementedError (the defaults), naming itself.
 
 A new drafter is one file: a subclass of `Drafter` that implements `propose` (and `begin` /
-`commit` when it keeps state). `specdec.drafters.make_drafter` turns generate()'s `draft=`
+`commit` when it keeps state). `specdec.loader.make_drafter` turns generate()'s `draft=`
 argument into a drafter; an instance of a `Drafter` subclass passes through unchanged.
 """
 
@@ -46,7 +46,7 @@ class DraftTree:
     scores (B, N) or None: the drafter's own estimate that each node's whole path is accepted (a
         suffix match's frequencies, a draft model's probabilities); their sum over a row is the
         accepted length it expects. None when the drafter makes no estimate.
-    tuned (B,) bool or None: the rows whose drafts follow the step's k, which the loop's `auto`
+    sized_by_k (B,) bool or None: the rows whose drafts follow the step's k, which the loop's `auto`
         draft length learns from (a composite drafter's rows that took a fixed-size member's tree
         are not); None = every row.
     """
@@ -56,7 +56,7 @@ class DraftTree:
     lens: torch.Tensor
     q: torch.Tensor | None = None
     scores: torch.Tensor | None = None
-    tuned: torch.Tensor | None = None
+    sized_by_k: torch.Tensor | None = None
     _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -95,7 +95,7 @@ class DraftTree:
         """The first n nodes (valid nodes are a prefix, and parents precede children)."""
         tree = DraftTree(self.tokens[:, :n], self.parents[:, :n], self.lens.clamp(max=n),
                          None if self.q is None else self.q[:, :n], None if self.scores is None else self.scores[:, :n],
-                         self.tuned)
+                         self.sized_by_k)
         if self._cache.get("chain"):
             tree._cache["chain"] = True
         return tree
@@ -165,7 +165,7 @@ class Accepted:
         (B, 1 + N, len(hidden_layers) * C), from the same verification forward.
     block: the rows that verification scored per row (1 + N; 0 when not told).
     target_s: the seconds the target's forward and the verification took (0.0 when not told): what
-        a drafter that sizes its proposals by cost learns from (`specdec.drafters.cut.BlockCosts`).
+        a drafter that sizes its proposals by cost learns from (`specdec.tuning.costs.BlockCosts`).
     verified: per row, whether this drafter's proposal is the one that was verified (a composite
         verifies one member's per row and tells each member so); None: every row's was.
     """
@@ -206,8 +206,8 @@ class Drafter(ABC):
     name: how reports call it.
     adaptive: True when `propose(k)` drafts (up to) k tokens, so `num_draft_tokens="auto"` may
         tune k per step from `draft_cost`; False for a fixed tree, which ignores k.
-    costly: True when proposing runs a model (a forward per token, a prompt prefill per row): a
-        composite drafter runs it only where it has measured to pay (`specdec.drafters.composite`).
+    runs_model: True when proposing runs a model (a forward per token, a prompt prefill per row): a
+        composite drafter runs it only where it has measured to pay (`specdec.tuning.gates`).
     needs_hidden: True when `begin` and `commit` need the target's final hidden states.
     hidden_layers: target layer ids (vLLM's numbering: layer i's input, 0 = the embedding) whose
         states `begin` and `commit` get instead of the final ones (an EAGLE-3 head's three layers);
@@ -219,7 +219,7 @@ class Drafter(ABC):
 
     name: str = "drafter"
     adaptive: bool = True
-    costly: bool = False
+    runs_model: bool = False
     needs_hidden: bool = False
     hidden_layers: tuple[int, ...] = ()
     typical: TypicalAcceptance | None = None

@@ -17,7 +17,7 @@ import torch
 from runtime.args import check_generator, check_instance, check_int, check_methods, check_model, same_device
 from specdec.capture import DecodeObserver
 from specdec.decode import decode, decode_steps
-from specdec.drafters import draft_length_of, make_drafter
+from specdec.loader import as_runtime_model, draft_length_of, make_drafter
 from specdec.options import DEFAULT_NUM_DRAFT_TOKENS, check_draft_length, parse_draft_length
 from specdec.rows import RowState, eos_set, normalize_prompts
 from specdec.sampling import RowSampling, SamplingParams
@@ -33,17 +33,6 @@ class GenerateOutput:
 
     sequences: torch.Tensor | list[torch.Tensor]
     stats: AcceptanceStats
-
-
-def as_runtime_model(model):
-    """The model itself, or an HFAdapter around a transformers PreTrainedModel."""
-    from transformers import PreTrainedModel
-
-    if isinstance(model, PreTrainedModel):
-        from runtime.hf_adapter import HFAdapter
-
-        return HFAdapter(model)
-    return model
 
 
 @torch.inference_mode()

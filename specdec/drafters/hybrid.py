@@ -1,14 +1,15 @@
-"""A list of chain drafters tried in order per step (["ngram", draft_model] = hybrid)."""
+"""The hybrid: chain drafters tried in order per step (`A+B` in the method grammar; generate()'s
+`draft=["ngram", draft_model]`)."""
 
 from __future__ import annotations
 
 import torch
 
 from specdec.drafter import Drafter, DraftTree
-from specdec.drafters.group import DrafterGroup
+from specdec.drafters.members import MemberDrafters
 
 
-class HybridDrafter(DrafterGroup):
+class HybridDrafter(MemberDrafters):
     """Chain drafters tried in order per step: each row takes the first non-empty proposal
     (n-gram lookup first, so the draft model runs only for rows where the lookup finds nothing)."""
 
@@ -21,7 +22,7 @@ class HybridDrafter(DrafterGroup):
                              f"{', '.join(trees)} drafts trees from the target's hidden states: pass it alone")
         self.drafters = drafters
         self.name = "+".join(d.name for d in drafters)
-        self.costly = any(d.costly for d in drafters)
+        self.runs_model = any(d.runs_model for d in drafters)
         self.owners: dict[int, str] = {}  # row -> the member whose proposal it took last step
 
     def draft_cost(self, k: int) -> float:
@@ -60,6 +61,6 @@ class HybridDrafter(DrafterGroup):
 
 
 def from_spec(spec, target, loader) -> list:
-    """`A+B` or `hybrid:NAME_OR_PATH` (= ngram+draft:NAME_OR_PATH; specdec.drafters.spec): its
+    """`A+B` or `hybrid:NAME_OR_PATH` (= ngram+draft:NAME_OR_PATH; specdec.methods): its
     members' draft arguments, tried in order."""
     return [part.load(target, loader) for part in spec.parts]

@@ -45,7 +45,7 @@ class ModelDrafter(Drafter):
     """A small model sharing the target's vocabulary, decoding k tokens over its own static cache."""
 
     name = "draft"
-    costly = True
+    runs_model = True
 
     def __init__(self, model, target, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  generator: torch.Generator | None = None, p_min: float = 0.0) -> None:

@@ -11,7 +11,7 @@ the recipes all read this grammar:
     hybrid:NAME_OR_PATH[@K]     = ngram+draft:NAME_OR_PATH
     medusa:DIR[@N]              Medusa heads, their candidate tree rebuilt with N nodes
     eagle:DIR[@N[:DxK]]         an EAGLE-3 head; its dynamic tree keeps N nodes, D levels, top-k K
-    eagle:DIR@auto[:DxK]        ... N timed on this machine first (specdec.drafters.eagle.auto)
+    eagle:DIR@auto[:DxK]        ... N timed on this machine first (specdec.tuning.eagle_tree)
     A+B[+C...][@K[:pP]]         chain drafters (ngram, draft:X) tried in order per step; the @K
                                 after the last member is the whole list's draft length
     A|B[|C...]                  drafters (ngram, suffix, draft:X, each with its own @) asked per
@@ -33,13 +33,12 @@ from __future__ import annotations
 
 import importlib
 import re
-import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
 
 from runtime.args import check_path_length, describe
+from specdec.drafters.eagle.drafter import AUTO_TREE_SIZES, EagleTreeConfig
 from specdec.options import parse_draft_length
 
 # what the "@..." suffix of a kind means
@@ -53,20 +52,25 @@ class DrafterKind:
     """One registry entry: `arg` names what follows "kind:" (None: the kind takes no argument), `size`
     what "@..." sets (DRAFT_LENGTH, TREE_NODES or EAGLE_TREE; None: no suffix), `chain` whether it
     drafts chains (only those join a hybrid), `load` the "module:function" that builds it (called
-    as function(spec, target, loader), returning generate()'s draft argument)."""
+    as function(spec, target, loader), returning generate()'s draft argument), `varying_blocks`
+    whether its trees change size every step (a compiled warm-up then builds every verification
+    block: specdec.tuning.warmup), `gated_members` whether its members may go unrun in a warm-up (a
+    composite's gates: each member is then warmed up alone)."""
 
     arg: str | None
     size: str | None
     chain: bool
     load: str
+    varying_blocks: bool = False
+    gated_members: bool = False
 
 
 DRAFTERS: dict[str, DrafterKind] = {
     "ngram": DrafterKind(None, DRAFT_LENGTH, True, "specdec.drafters.ngram:from_spec"),
-    "suffix": DrafterKind(None, TREE_NODES, False, "specdec.drafters.suffix:from_spec"),
+    "suffix": DrafterKind(None, TREE_NODES, False, "specdec.drafters.suffix:from_spec", varying_blocks=True),
     "draft": DrafterKind("NAME_OR_PATH", DRAFT_LENGTH, True, "specdec.drafters.model:from_spec"),
     "hybrid": DrafterKind("NAME_OR_PATH", DRAFT_LENGTH, False, "specdec.drafters.hybrid:from_spec"),  # ngram+draft:X
-    "best": DrafterKind(None, None, False, "specdec.drafters.composite:from_spec"),  # A|B, written with '|'
+    "best": DrafterKind(None, None, False, "specdec.drafters.composite:from_spec", gated_members=True),  # A|B
     "medusa": DrafterKind("DIR", TREE_NODES, False, "specdec.drafters.medusa.drafter:from_spec"),
     "eagle": DrafterKind("DIR", EAGLE_TREE, False, "specdec.drafters.eagle.drafter:from_spec"),
 }
@@ -118,8 +122,6 @@ class DrafterSpec:
                 raise ValueError(f"{self}: only eagle takes a tree shape (@N:DEPTHxTOP_K)")
             object.__setattr__(self, "shape", tuple(self.shape))
             if self.size is None:  # a shape alone keeps the default number of nodes
-                from specdec.drafters.eagle.drafter import EagleTreeConfig
-
                 object.__setattr__(self, "size", EagleTreeConfig.total_tokens)
         if self.size is not None:
             object.__setattr__(self, "size", _check_size(self, entry.size))
@@ -265,6 +267,21 @@ class DrafterSpec:
         return self.size if DRAFTERS[self.kind].size == DRAFT_LENGTH else None
 
     @property
+    def sized_by_k(self) -> bool:
+        """Whether the spec drafts chains of the step's draft length k (its own @K or the run's)."""
+        return self.kind == "best" or DRAFTERS[self.kind].size == DRAFT_LENGTH
+
+    @property
+    def varying_blocks(self) -> bool:
+        """Whether a drafter it runs changes its trees' size every step."""
+        return any(DRAFTERS[k].varying_blocks for k in self.kinds)
+
+    @property
+    def gated_members(self) -> bool:
+        """Whether its members may go unrun in a warm-up (a composite's gates)."""
+        return DRAFTERS[self.kind].gated_members
+
+    @property
     def parts(self) -> tuple[DrafterSpec, ...]:
         """The drafters tried in order: a hybrid's members (hybrid:X = ngram, draft:X), else the spec itself."""
         if self.kind == "hybrid" and not self.members:
@@ -282,8 +299,6 @@ class DrafterSpec:
     @property
     def eagle_tree(self):
         """eagle: the EagleTreeConfig of a fixed size (the defaults filled in); None for @auto."""
-        from specdec.drafters.eagle.drafter import EagleTreeConfig
-
         if self.kind != "eagle" or self.size == "auto":
             return None
         nodes = {} if self.size is None else {"total_tokens": self.size}
@@ -294,11 +309,11 @@ class DrafterSpec:
         """EagleTreeConfig keywords of the tree shape (empty: EagleTreeConfig's default depth and top_k)."""
         return dict(zip(("depth", "top_k"), self.shape or ()))
 
-    def load(self, target, loader: DrafterLoader | None = None):
-        """generate()'s `draft=` argument for this spec: models and heads loaded by `loader` (default: a
-        DrafterLoader that loads draft models in the target's dtype, on its device)."""
+    def load(self, target, loader):
+        """generate()'s `draft=` argument for this spec: models and heads loaded by `loader` (a
+        `specdec.loader.DrafterLoader`)."""
         module, _, function = DRAFTERS[self.kind].load.partition(":")
-        return getattr(importlib.import_module(module), function)(self, target, loader or DrafterLoader())
+        return getattr(importlib.import_module(module), function)(self, target, loader)
 
 
 def _quote(text: str) -> str:
@@ -401,106 +416,13 @@ def _check_size(spec: DrafterSpec, size: str) -> int | str:
         if value == "auto" or value < 1:
             raise ValueError(f"{DrafterSpec(spec.kind, spec.arg)}@{value}: the tree's nodes N must be an integer >= 1")
         return value
-    from specdec.drafters.eagle.auto import SIZES
-    from specdec.drafters.eagle.drafter import EagleTreeConfig
-
     shaped = spec.tree_fields
     try:  # N may pass 64: a tree's nodes are not a draft length
         if value != "auto":
             EagleTreeConfig(total_tokens=value, **shaped)
-        elif EagleTreeConfig(total_tokens=1, **shaped).candidates < min(SIZES):
-            raise ValueError(f"auto times trees of {min(SIZES)} nodes or more, but this shape holds "
+        elif EagleTreeConfig(total_tokens=1, **shaped).candidates < min(AUTO_TREE_SIZES):
+            raise ValueError(f"auto times trees of {min(AUTO_TREE_SIZES)} nodes or more, but this shape holds "
                              f"{EagleTreeConfig(total_tokens=1, **shaped).candidates}")
     except ValueError as e:
         raise ValueError(f"{str(spec)!r}: {e}") from e
     return value
-
-
-class DrafterLoader:
-    """Loads what a spec names, each thing once (`cached`). Draft models take `model_options`
-    (runtime.load_model's keywords; dtype and device default to the target's); `log` (a callable
-    taking a line) reports each load; `calibration` ((label, 1-D prompt token tensor) pairs) is
-    what an `eagle:DIR@auto` tree is timed on, the first that fits. `specdec eval` and `specdec
-    serve` subclass or configure it."""
-
-    def __init__(self, log: Callable[[str], None] | None = None, calibration=(), **model_options) -> None:
-        self.log, self.calibration, self.model_options = log, calibration, model_options
-        self._cache: dict[tuple, object] = {}
-        self.tree_auto: dict[str, dict] = {}  # spec text -> specdec.drafters.eagle.auto's record of an @auto tree
-
-    def suffix_cache(self, depth: int, max_tokens: int):
-        """The shared cache of earlier responses a `suffix` drafter of this depth drafts from: the
-        process's (`specdec.drafters.suffix.shared_cache`); `specdec eval` keeps one per method."""
-        from specdec.drafters.suffix import shared_cache
-
-        return shared_cache(max_tokens, depth)
-
-    def composite_records(self, name: str, members: int):
-        """What the composite spelt `name` knows of its `members` members, kept across generate()
-        calls: the process's (`specdec.drafters.composite.shared_records`); `specdec eval` keeps
-        them per method."""
-        from specdec.drafters.composite import shared_records
-
-        return shared_records(name, members)
-
-    def cached(self, key: tuple, load: Callable[[], object]):
-        if key not in self._cache:
-            self._cache[key] = load()
-        return self._cache[key]
-
-    def _say(self, line: str) -> None:
-        if self.log is not None:
-            self.log(line)
-
-    def model(self, name: str, target):
-        """The draft model `name` (a runtime model)."""
-        import runtime
-
-        def load():
-            options = {"dtype": target.dtype, "device": target.device, **self.model_options}
-            self._say(f"loading draft model {name} ({str(options['dtype']).removeprefix('torch.')}, "
-                      f"{options['device']}{', compiled' if options.get('compile') else ''})")
-            return runtime.load_model(name, **options)
-
-        return self.cached(("model", name), load)
-
-    def medusa(self, path: str, target):
-        """Medusa heads from `path` for `target` (one copy per spec: a spec's @N sets their tree)."""
-        from specdec.drafters.medusa.io import load_medusa
-
-        self._say(f"loading Medusa heads {path}")
-        return load_medusa(path, target)
-
-    def eagle_head(self, path: str, target):
-        from specdec.drafters.eagle.io import load_eagle
-
-        def load():
-            self._say(f"loading EAGLE-3 head {path}")
-            return load_eagle(path, target)
-
-        return self.cached(("eagle-head", path), load)
-
-    def eagle_auto_tree(self, spec: DrafterSpec, target, head):
-        """The tree `eagle:DIR@auto` picks: sizes timed on the first calibration prompt that fits."""
-        from runtime.errors import ContextLengthError
-        from specdec.drafters.eagle.auto import auto_tree, describe
-
-        self._say("timing EAGLE-3 tree sizes on this machine (@auto)")
-        tried = False
-        for label, ids in self.calibration_prompts():
-            tried = True
-            try:
-                tree, record = auto_tree(target, head, [ids], **spec.tree_fields)
-            except ContextLengthError:
-                continue
-            print(describe(record), file=sys.stderr, flush=True)
-            self.tree_auto[str(spec)] = {"prompt": label, **record}
-            return tree
-        if not tried:
-            raise ValueError(f"{spec}: @auto times tree sizes on prompts, and none were given; write @N (the "
-                             "tree's nodes), or time them with specdec eval / specdec serve")
-        raise ContextLengthError(f"{spec}: no prompt fits the context to measure tree sizes on")
-
-    def calibration_prompts(self):
-        """(label, 1-D token tensor) pairs an @auto tree is timed on, in order."""
-        return iter(self.calibration)

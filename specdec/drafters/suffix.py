@@ -2,13 +2,13 @@
 earlier responses (SuffixDecoding, arXiv 2411.04975), with no model.
 
 Each row keeps a suffix trie (`specdec.drafters.suffix_tree`) of its prompt and output; a
-`SuffixCache` shared by every row and request (the serving engine's, or one per process for
-`generate()`) keeps earlier responses, bounded to `max_tokens` tokens (oldest response evicted
+`SuffixCache` shared by every row and request (passed in: a spec's drafter gets its loader's,
+`specdec.tuning.state.TuningState`) keeps earlier responses, bounded to `max_tokens` tokens (oldest response evicted
 first). Per step, each row's last tokens are matched in both, and the tree of the most frequent
 continuations with the higher expected accepted length (`Speculation.score`) is taken: its
 size follows the match (at most max_factor * match length nodes, none below min_prob, at most
 `max_nodes`), and it is cut to the best nodes worth their verification rows on this machine
-(`specdec.drafters.cut`: block costs timed by the decode loop, nodes valued at the acceptance
+(`specdec.tuning.costs`: block costs timed by the decode loop, nodes valued at the acceptance
 measured for their probability) before it is proposed. The tree is deterministic (q one-hot), so
 verification is lossless as for every drafter; each node carries its frequency estimate in
 `DraftTree.scores`.
@@ -25,8 +25,8 @@ import torch
 
 from runtime.errors import ContextLengthError
 from specdec.drafter import Accepted, Drafter, DraftTree
-from specdec.drafters.cut import BlockCosts, NodeCalibration, best_cut
 from specdec.drafters.suffix_tree import Speculation, SuffixTrie, TrieNode
+from specdec.tuning.costs import BlockCosts, NodeCalibration, best_cut
 
 DEFAULT_CACHE_TOKENS = 1 << 16  # response tokens the shared cache keeps (nodes <= tokens * depth)
 
@@ -36,9 +36,9 @@ class SuffixConfig:
     """depth: tokens per trie path (match + continuation, vLLM's max_tree_depth); max_nodes: the
     most nodes a step drafts (the spec's @N; 7 fits the compiled 8-token verification program);
     max_factor: nodes per matched token; min_prob: the least path probability a node may have;
-    cache_tokens: the shared cache's bound when this drafter makes its own (0: no shared cache);
+    cache_tokens: the cache's bound when this drafter makes its own (0: no cache of responses);
     cut: cut each tree to its best nodes by expected tokens per second of verification, once two
-    block sizes were timed (`specdec.drafters.cut`); False verifies every node the size rule allows."""
+    block sizes were timed (`specdec.tuning.costs`); False verifies every node the size rule allows."""
 
     depth: int = 24
     max_nodes: int = 7
@@ -130,17 +130,6 @@ class SuffixCache:
             self.tokens = 0
 
 
-_SHARED: dict[tuple[int, int], SuffixCache] = {}
-_SHARED_LOCK = threading.Lock()
-
-
-def shared_cache(max_tokens: int = DEFAULT_CACHE_TOKENS, depth: int = SuffixConfig.depth) -> SuffixCache:
-    """The process's cache of this bound and depth: what every `suffix` drafter made from a spec
-    shares, so generate() calls learn from the responses of earlier ones."""
-    with _SHARED_LOCK:
-        return _SHARED.setdefault((max_tokens, depth), SuffixCache(max_tokens, depth))
-
-
 class _Row:
     """One row's state: its own trie (prompt + output), the tokens it has read, its response's key
     and open windows in the shared cache."""
@@ -157,7 +146,7 @@ class _Row:
 
 class SuffixDrafter(Drafter):
     """Suffix decoding over each row's prompt and output and a shared cache of earlier responses
-    (module docstring). `cache`: the SuffixCache to share (default: the process's, of
+    (module docstring). `cache`: the SuffixCache to share (default: a new one of its own, of
     config.cache_tokens; none when that is 0)."""
 
     name = "suffix"
@@ -166,7 +155,7 @@ class SuffixDrafter(Drafter):
     def __init__(self, config: SuffixConfig | None = None, cache: SuffixCache | None = None) -> None:
         self.config = config or SuffixConfig()
         if cache is None and self.config.cache_tokens:
-            cache = shared_cache(self.config.cache_tokens, self.config.depth)
+            cache = SuffixCache(self.config.cache_tokens, self.config.depth)
         if cache is not None and cache.depth != self.config.depth:
             raise ValueError(f"the suffix cache has depth {cache.depth} but the drafter's config {self.config.depth}")
         self.cache = cache
@@ -250,9 +239,10 @@ class SuffixDrafter(Drafter):
 
 
 def from_spec(spec, target, loader) -> SuffixDrafter:
-    """`suffix[@N]` (specdec.drafters.spec): a SuffixDrafter drafting trees of up to N nodes from the
-    cache the loader gives (the process's by default; the serving engine keeps one drafter, so its
-    requests share it). N must be below the target's context (ContextLengthError naming the spec)."""
+    """`suffix[@N]` (specdec.methods): a SuffixDrafter drafting trees of up to N nodes from the
+    cache the loader's tuning state gives (generate()'s default: the process's; the serving engine
+    keeps one drafter, so its requests share it). N must be below the target's context
+    (ContextLengthError naming the spec)."""
     config = SuffixConfig() if spec.size is None else SuffixConfig(max_nodes=spec.size)
     positions = target.config.max_position_embeddings
     if config.max_nodes >= positions:  # a tree that never fits would only size the cache past the model

@@ -24,7 +24,7 @@ alternating run. For medusa, `@N` rebuilds the heads' tree with N nodes. For eag
 number of nodes the dynamic tree keeps (default: specdec.drafters.eagle.drafter.EagleTreeConfig's),
 `@N:DxK` also its depth D and top-k K (e.g. `@96:8x10`; a deeper, wider tree drafts longer runs
 for a larger verification forward), and `@auto` (or `@auto:DxK`) times tree sizes on this
-machine before the run (specdec.drafters.eagle.auto, on the first prompt that fits) and writes the
+machine before the run (specdec.tuning.eagle_tree, on the first prompt that fits) and writes the
 measurement to `tree_auto.json`.
 
 Every method counts the new tokens after the prompt, up to and including eos, and is timed
@@ -79,15 +79,18 @@ from runtime.invariant import unsupported_reason
 from runtime.loading import WEIGHTS, resolve_weights
 from runtime.outputs import created_output, output_lock, prepare_output_dir
 from runtime.progress import progress as progress_bar
-from specdec.decode import compile_block_steps
 from specdec.drafters.draft_vocab import ALIGN as DRAFT_VOCAB_ALIGN
-from specdec.drafters.spec import DRAFT_LENGTH, DRAFTERS, GRAMMAR, DrafterLoader, DrafterSpec
+from specdec.drafters.spec import DRAFT_LENGTH, DRAFTERS, GRAMMAR, DrafterSpec
 from specdec.evaluation.baselines import BASELINES, HF_MODES, LLAMACPP_MODES, HFGenerator, load_hf_model, new_tokens
 from specdec.evaluation.prompts import DATASETS, Prompt, encode, eos_ids, load_prompts
 from specdec.evaluation.report import baseline_label
+from specdec.loader import DrafterLoader
 from specdec.options import DEFAULT_NUM_DRAFT_TOKENS, parse_draft_length
 from specdec.sampling import SamplingParams
 from specdec.stats import AcceptanceStats
+from specdec.tuning.eagle_tree import TreeTuner
+from specdec.tuning.state import TuningState
+from specdec.tuning.warmup import warm_up
 
 # methods that are no drafter of this runtime; every other method is a drafter spec (specdec.drafters.spec)
 BASE_KINDS = ("plain", "hf", "hf-assisted", "hf-pld", "llamacpp", "llamacpp-spec", "llamacpp-eagle3")
@@ -396,51 +399,31 @@ def seed_for(seed: int, prompt_id: str, turn: int) -> int:
 
 class _RunLoader(DrafterLoader):
     """What a run's drafter specs name, loaded once per run: draft models as the runner loads them
-    (--draft-vocab, --compile, sharing the target's copy when they name it), @auto trees timed on
-    the run's prompts."""
+    (--draft-vocab, --compile, sharing the target's copy when they name it), each method's drafters
+    sharing that method's tuning state, @auto trees timed on the run's prompts."""
 
     def __init__(self, runner: Runner) -> None:
-        super().__init__()
+        super().__init__(tuner=TreeTuner(runner.calibration_prompts))
         self.runner = runner
-        # method -> token ids of its answers already in generations.jsonl (a resumed run), in order
-        self.answers: dict[str, list[list[int]]] = {}
 
     def model(self, name: str, target):
         return self.runner._draft_model(name)
 
-    def suffix_cache(self, depth: int, max_tokens: int):
-        """One cache of earlier responses per method, so no method drafts from another's answers;
-        emptied after the warm-up (`clear_suffix_caches`), so none drafts from a warm-up's. A resumed
-        run's caches start with the method's answers already written (`answers`), as the interrupted
-        run's held them when it stopped."""
-        from specdec.drafters.suffix import SuffixCache
-
-        method = self.runner.method
-        key = ("suffix-cache", method, depth, max_tokens)
-        return self.cached(key, lambda: self._refill(SuffixCache(max_tokens, depth), method))
-
-    def _refill(self, cache, method: str):
-        for ids in self.answers.get(method, ()):
-            cache.add(ids)
-        return cache
-
-    def composite_records(self, name: str, members: int):
-        """One composite's records per method, learnt from the warm-up on (calibration, not answers)."""
-        from specdec.drafters.composite import MemberRecord
-
-        key = ("composite-records", self.runner.method, name)
-        return self.cached(key, lambda: [MemberRecord() for _ in range(members)])
-
-    def clear_suffix_caches(self) -> None:
-        """Forget the warm-up's answers: each cache keeps its method's earlier answers (`answers`) only."""
-        for key, cache in self._cache.items():
-            if key[0] == "suffix-cache":
-                cache.clear()
-                self._refill(cache, key[1])
-
-    def calibration_prompts(self):
+    @property
+    def state(self) -> TuningState:
+        """The tuning state of the method whose drafter is loading (`runner.method`): one cache of
+        earlier responses per method, so no method drafts from another's answers, starting with the
+        method's answers already written (`runner.answers`: a resumed run's, as the interrupted run
+        held them); composite records learnt from the warm-up on."""
         r = self.runner
-        return ((p.id, torch.tensor(encode(r.tokenizer, [p.turns[0]], [], r.cfg.raw))) for p in r.calibration)
+        if r.method not in r.states:
+            r.states[r.method] = TuningState(r.answers.get(r.method, ()))
+        return r.states[r.method]
+
+    def forget_answers(self) -> None:
+        """Forget the warm-up's answers: each method's caches keep its earlier answers only."""
+        for state in self.runner.states.values():
+            state.forget_answers()
 
 
 class Runner:
@@ -453,13 +436,20 @@ class Runner:
         self._runtime = runtime
         self._models: dict[tuple[str, str], object] = {}
         self.calibration: list[Prompt] = []  # prompts an `@auto` EAGLE-3 tree is measured on (the first that fits)
+        self.method = ""  # the method whose drafter is loading (its tuning state is its own)
+        self.states: dict[str, TuningState] = {}  # method -> its drafters' tuning state
+        # method -> token ids of its answers already in generations.jsonl (a resumed run), in order
+        self.answers: dict[str, list[list[int]]] = {}
         self.loader = _RunLoader(self)  # loads what the drafter specs name, each once per run
-        self.method = ""  # the method whose drafter is loading (its suffix cache is its own)
 
     @property
     def tree_auto(self) -> dict[str, dict]:
-        """method name -> specdec.drafters.eagle.auto's record of its @auto tree."""
-        return dict(self.loader.tree_auto)
+        """method name -> specdec.tuning.eagle_tree's record of its @auto tree."""
+        return dict(self.loader.tuner.records)
+
+    def calibration_prompts(self):
+        """(label, 1-D token tensor) pairs an @auto tree is timed on, in order."""
+        return ((p.id, torch.tensor(encode(self.tokenizer, [p.turns[0]], [], self.cfg.raw))) for p in self.calibration)
 
     def _cached(self, key: tuple[str, str], load):
         if key not in self._models:
@@ -662,7 +652,7 @@ def _run_locked(cfg: EvalConfig, out: Path, command: str | None, progress: bool)
     done = {(r["id"], r["method"]) for r in previous}
     todo = [(p, s) for p in prompts if p.id not in skipped for s in specs if (p.id, s.name) not in done]
     runner = Runner(cfg, tokenizer, eos)
-    runner.loader.answers = earlier_answers(previous)
+    runner.answers = earlier_answers(previous)
     try:
         _generate_all(runner, cfg, specs, prompts, todo, skipped, path, digest, progress)
     finally:
@@ -688,7 +678,7 @@ def _generate_all(runner: Runner, cfg: EvalConfig, specs: list[MethodSpec], prom
         if spec.name in pending:
             for _ in range(cfg.warmup):
                 _warm_up(runner, spec, [p for p in prompts if p.id not in skipped])
-    runner.loader.clear_suffix_caches()  # the timed prompts draft only from earlier timed answers
+    runner.loader.forget_answers()  # the timed prompts draft only from earlier timed answers
     with contextlib.ExitStack() as stack:
         bar = stack.enter_context(progress_bar(total=len(todo), desc="eval", unit="gen", disable=not progress))
         fh = None
@@ -711,29 +701,24 @@ def _generate_all(runner: Runner, cfg: EvalConfig, specs: list[MethodSpec], prom
             bar.update()
 
 
-# draft lengths a compiled warm-up also runs, so that every block size a draft length of `auto` (or any
-# k <= 7) can pick is compiled before timing: blocks of 2, 4 and 8 tokens, the draft's feeds of 1 and 2
-COMPILE_WARMUP_DRAFTS = (1, 3, 7)
-
-
 def _warm_up(runner: Runner, spec: MethodSpec, prompts: list[Prompt]) -> None:
-    """One untimed generation of `spec` on the first of `prompts` whose first turn fits the context;
-    with --compile, drafting methods also run at COMPILE_WARMUP_DRAFTS (a few tokens each), and a
-    composite's members each alone (the programs of a member it seldom runs)."""
+    """Untimed generations of `spec` on the first of `prompts` whose first turn fits the context: one,
+    and with --compile what specdec.tuning.warmup adds for its drafter."""
     for prompt in prompts:
         ids = encode(runner.tokenizer, [prompt.turns[0]], [], runner.cfg.raw)
+
+        def run(drafter: DrafterSpec | None, k: int | None) -> None:
+            method = spec if drafter is None or drafter == spec.drafter else MethodSpec.parse(str(drafter))
+            runner.decode(method if k is None else dataclasses.replace(method, num_draft_tokens=k), ids,
+                          runner.cfg.seed)
+
         try:
-            runner.decode(spec, ids, runner.cfg.seed)
+            if spec.drafter is None:
+                run(None, None)
+            else:
+                warm_up(run, spec.drafter, runner.target, runner.cfg.compile)
         except ContextLengthError:
             continue
-        if runner.cfg.compile and spec.kind in DRAFT_LENGTH_KINDS:
-            for k in COMPILE_WARMUP_DRAFTS:
-                runner.decode(dataclasses.replace(spec, num_draft_tokens=k), ids, runner.cfg.seed)
-        if runner.cfg.compile and spec.drafter is not None and "suffix" in spec.drafter.kinds:
-            compile_block_steps(runner.target)  # its trees change size every step
-        if runner.cfg.compile and spec.kind == "best":  # its gates may not run a draft model in these runs
-            for member in spec.drafter.members:
-                _warm_up(runner, MethodSpec.parse(str(member)), [prompt])
         return
 
 

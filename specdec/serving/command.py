@@ -24,10 +24,13 @@ import sys
 from runtime.argtypes import port_number, positive_int
 from runtime.hardware import DTYPES
 from runtime.loading import WEIGHTS
-from specdec.decode import compile_block_steps
 from specdec.drafters.eagle.drafter import EagleTreeConfig
-from specdec.drafters.spec import DrafterLoader, DrafterSpec
+from specdec.drafters.spec import DrafterSpec
+from specdec.loader import DrafterLoader
 from specdec.options import DEFAULT_NUM_DRAFT_TOKENS, WEIGHTS_HELP
+from specdec.tuning.eagle_tree import TreeTuner
+from specdec.tuning.state import TuningState
+from specdec.tuning.warmup import compile_block_steps
 
 
 def check_address(host: str, port: int) -> None:
@@ -95,9 +98,12 @@ def load_drafter(args: argparse.Namespace, target):
     spec = drafter_spec(args)
     if spec is None:
         return None
-    loader = DrafterLoader(log=lambda line: print(line, file=sys.stderr, flush=True),
-                           calibration=_calibration(args.model), dtype=DTYPES[args.dtype], device=args.device,
-                           compile=getattr(args, "compile", False), weights=args.weights)
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    loader = DrafterLoader(log=log, state=TuningState(), tuner=TreeTuner(lambda: _calibration(args.model)),
+                           dtype=DTYPES[args.dtype], device=args.device, compile=getattr(args, "compile", False),
+                           weights=args.weights)
     return spec.load(target, loader)
 
 

@@ -55,8 +55,7 @@ from runtime.args import check_data, check_model, describe
 from runtime.cache import KVCache
 from runtime.errors import ContextLengthError
 from specdec.decode import DecodeLoop, cache_slack
-from specdec.drafters import draft_length_of, make_drafter
-from specdec.generate import as_runtime_model
+from specdec.loader import as_runtime_model, draft_length_of, make_drafter
 from specdec.options import DEFAULT_NUM_DRAFT_TOKENS, parse_draft_length
 from specdec.rows import RowState, eos_set, runs
 from specdec.sampling import RowSampling, SamplingParams
@@ -137,7 +136,7 @@ class Engine:
     """Continuous batching of speculative (or plain) decoding; see the module docstring.
 
     target: a runtime Transformer (compiled or not). draft: as generate()'s `draft` (None, a
-    model, a drafter spec such as "ngram@3" or "eagle:DIR@16" (specdec.drafters.spec; its own draft
+    model, a drafter spec such as "ngram@3" or "eagle:DIR@16" (specdec.methods; its own draft
     length replaces num_draft_tokens), Medusa heads, an EAGLE-3 head, a list = hybrid, or a Drafter
     whose admit / release are implemented). Requests take a `specdec.sampling.SamplingParams`.
     max_batch: rows decoded together. max_len: prompt + new tokens a request may reach (default:

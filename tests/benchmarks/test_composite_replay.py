@@ -5,9 +5,9 @@ import torch
 
 from runtime.tiny import tiny_model
 from specdec.drafters.composite import MemberRecord
-from specdec.drafters.cut import NodeCalibration
 from specdec.drafters.suffix import SuffixCache, SuffixConfig, SuffixDrafter
 from specdec.generate import generate
+from specdec.tuning.costs import NodeCalibration
 
 
 def test_replayed_steps_are_the_steps_of_real_decoding_and_the_oracle_bounds_every_policy(load):

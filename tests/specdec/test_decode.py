@@ -301,7 +301,7 @@ def test_compile_block_steps_builds_the_programs_that_decoding_then_runs():
     from torch._dynamo.utils import counters
 
     from runtime import compile_decode
-    from specdec.decode import compile_block_steps
+    from specdec.tuning.warmup import compile_block_steps
 
     model = compile_decode(tiny_model("llama", seed=7), cpp_wrapper=False)
     prompt = torch.arange(5)

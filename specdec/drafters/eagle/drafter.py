@@ -33,6 +33,9 @@ from runtime.model import Transformer
 from specdec.drafter import Accepted, Drafter, DraftTree
 from specdec.drafters.eagle.head import Eagle3Head
 
+# the tree sizes `eagle:DIR@auto` times (specdec.tuning.eagle_tree), those a depth x top_k tree can hold
+AUTO_TREE_SIZES = (2, 4, 8, 12, 16, 24, 32, 48, 64)
+
 
 @dataclass(frozen=True)
 class EagleTreeConfig:

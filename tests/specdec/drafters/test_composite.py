@@ -9,9 +9,12 @@ import torch
 
 import specdec
 from specdec.drafter import Accepted, Drafter, DraftTree
-from specdec.drafters import CompositeDrafter, DrafterSpec, make_drafter
-from specdec.drafters.composite import EXPLORE, GATE_EDGES, ROWS, START_EXPLORE, AskGate, MemberRecord, shared_records
+from specdec.drafters import CompositeDrafter
+from specdec.drafters.spec import DrafterSpec
 from specdec.drafters.suffix import SuffixCache, SuffixConfig, SuffixDrafter
+from specdec.loader import make_drafter
+from specdec.tuning.gates import EXPLORE, GATE_EDGES, ROWS, START_EXPLORE, AskGate, MemberRecord
+from specdec.tuning.state import process_state
 from tests.specdec.test_decode import _rows, _same, assert_two_token_law
 
 
@@ -21,7 +24,7 @@ class Fixed(Drafter):
     def __init__(self, name: str, tokens: list[int], scores: list[float] | None, cost: float = 0.0,
                  adaptive: bool = False) -> None:
         self.name, self.tokens, self.scores, self.cost, self.adaptive = name, tokens, scores, cost, adaptive
-        self.costly = cost > 0
+        self.runs_model = cost > 0
         self.asked: list[list[int]] = []
         self.verified: list[list[bool] | None] = []  # what each commit told it
 
@@ -83,7 +86,7 @@ def test_each_row_verifies_the_proposal_with_the_most_expected_tokens():
     tree = _step(comp, [2, 2])
     assert tree.tokens[:, :2].tolist() == [[9, 10], [9, 10]] and tree.lens.tolist() == [2, 2]
     assert comp.chosen == [1, 1] and tree.scores[0, :2].tolist() == pytest.approx([0.95, 0.9])
-    assert tree.tuned.tolist() == [False, False]  # fixed-size members: auto learns nothing from them
+    assert tree.sized_by_k.tolist() == [False, False]  # fixed-size members: auto learns nothing from them
 
 
 def test_each_member_is_told_which_rows_verified_its_proposal():
@@ -239,7 +242,7 @@ def test_a_composite_starts_from_the_records_it_is_given():
 
 def test_a_spec_composite_keeps_its_records_across_generate_calls(target):
     rows = _rows(seed=5, lengths=(9, 14))
-    records = shared_records("ngram|suffix", 2)
+    records = process_state().composite_records("ngram|suffix", 2)
     steps = [r.steps for r in records]
     for _ in range(2):
         specdec.generate(target, rows, draft="ngram|suffix", max_new_tokens=12, num_draft_tokens=3)
@@ -247,4 +250,4 @@ def test_a_spec_composite_keeps_its_records_across_generate_calls(target):
         steps = [r.steps for r in records]
     assert make_drafter("ngram|suffix", target).records is records
     with pytest.raises(ValueError, match="has 3 members but its records hold 2"):
-        shared_records("ngram|suffix", 3)
+        process_state().composite_records("ngram|suffix", 3)

@@ -7,10 +7,11 @@ import pytest
 import torch
 
 import specdec
-from specdec.drafters import DRAFTERS, EagleDrafter, HybridDrafter, MedusaDrafter, ModelDrafter, make_drafter
+from specdec.drafters import EagleDrafter, HybridDrafter, MedusaDrafter, ModelDrafter
 from specdec.drafters.eagle.drafter import EagleTreeConfig
 from specdec.drafters.medusa.heads import DEFAULT_TREE_NODES
-from specdec.drafters.spec import GRAMMAR, DrafterLoader, DrafterSpec
+from specdec.drafters.spec import DRAFTERS, GRAMMAR, DrafterSpec
+from specdec.loader import DrafterLoader, make_drafter
 from specdec.sampling import SamplingParams
 
 GOOD = {
@@ -65,7 +66,7 @@ def test_defaults_live_once():
     assert DrafterSpec.parse("eagle:e@16").eagle_tree == EagleTreeConfig(total_tokens=16)
     assert DrafterSpec("eagle", "e", shape=(3, 6)).size == EagleTreeConfig.total_tokens
     assert DrafterSpec.parse("eagle:e@auto").eagle_tree is None  # timed first
-    from distill.train_medusa import MedusaTrainConfig
+    from distill import MedusaTrainConfig
 
     assert MedusaTrainConfig.tree_nodes == DEFAULT_TREE_NODES
     assert set(DRAFTERS) >= {"ngram", "draft", "hybrid", "medusa", "eagle"}

@@ -6,10 +6,12 @@ import torch
 
 import specdec
 from specdec.drafter import Accepted
-from specdec.drafters.suffix import SuffixCache, SuffixConfig, SuffixDrafter, shared_cache
+from specdec.drafters.suffix import DEFAULT_CACHE_TOKENS, SuffixCache, SuffixConfig, SuffixDrafter
 from specdec.drafters.suffix_tree import SuffixTrie
-from tests.specdec.drafters.test_cut import _costs
+from specdec.loader import make_drafter
+from specdec.tuning.state import process_state
 from tests.specdec.test_decode import _rows, _same, assert_two_token_law
+from tests.specdec.tuning.test_costs import _costs
 
 
 def _drafter(cache_tokens: int = 4096, **config) -> SuffixDrafter:
@@ -95,8 +97,9 @@ def test_a_response_longer_than_the_bound_keeps_its_start_and_an_evicted_one_sto
 
 
 def test_drafters_made_from_a_spec_share_the_process_cache(target):
-    a, b = (specdec.drafters.make_drafter("suffix@4", target) for _ in range(2))
-    assert a.cache is b.cache is shared_cache() and a.config.max_nodes == 4
+    a, b = (make_drafter("suffix@4", target) for _ in range(2))
+    shared = process_state().suffix_cache(SuffixConfig.depth, DEFAULT_CACHE_TOKENS)
+    assert a.cache is b.cache is shared and a.config.max_nodes == 4
     with pytest.raises(ValueError, match="depth"):
         SuffixDrafter(SuffixConfig(depth=8), cache=SuffixCache(10, depth=6))
     with pytest.raises(ValueError, match="min_prob"):
@@ -141,8 +144,8 @@ def test_a_tree_past_the_models_context_is_refused_naming_the_spec_and_n(target)
     positions = target.config.max_position_embeddings
     for n in (positions, 999999999):
         with pytest.raises(ContextLengthError, match=rf"'suffix@{n}': N = {n} tree nodes .* {positions} positions"):
-            specdec.drafters.make_drafter(f"suffix@{n}", target)
-    assert specdec.drafters.make_drafter(f"suffix@{positions - 1}", target).config.max_nodes == positions - 1
+            make_drafter(f"suffix@{n}", target)
+    assert make_drafter(f"suffix@{positions - 1}", target).config.max_nodes == positions - 1
 
 
 def test_the_cache_holds_every_answer_whole_and_add_rebuilds_it(target):

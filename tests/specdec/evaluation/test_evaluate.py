@@ -530,7 +530,7 @@ def test_suffix_methods_draft_from_their_own_answers_and_not_the_warm_up(workdir
         caches.append(runner.loader.suffix_cache(24, 100))
     assert caches[0] is not caches[1] and caches[1] is runner.loader.suffix_cache(24, 100)
     caches[0].extend(caches[0].open(), [], [5, 6, 7])
-    runner.loader.clear_suffix_caches()
+    runner.loader.forget_answers()
     assert caches[0].tokens == 0 and caches[0].responses == 0
     records = [runner.loader.composite_records("ngram|suffix", 2)]  # composites: one set of records per method
     runner.method = "suffix"
@@ -544,6 +544,7 @@ def test_a_compiled_warm_up_runs_a_composites_members_alone_too():
     from types import SimpleNamespace
 
     from specdec.evaluation.prompts import Prompt
+    from specdec.tuning.warmup import COMPILE_WARMUP_DRAFTS
 
     decoded = []
     runner = SimpleNamespace(cfg=SimpleNamespace(compile=True, raw=True, seed=0), target=object(),
@@ -551,4 +552,4 @@ def test_a_compiled_warm_up_runs_a_composites_members_alone_too():
                              decode=lambda spec, ids, seed: decoded.append((spec.name, spec.num_draft_tokens)))
     evaluate._warm_up(runner, MethodSpec.parse("suffix|draft:d@auto"), [Prompt("p", "code", ("x",))])
     assert [name for name, _ in decoded] == ["suffix|draft:d@auto"] * 4 + ["suffix"] + ["draft:d@auto"] * 4
-    assert [k for name, k in decoded if name == "draft:d@auto"] == ["auto", *evaluate.COMPILE_WARMUP_DRAFTS]
+    assert [k for name, k in decoded if name == "draft:d@auto"] == ["auto", *COMPILE_WARMUP_DRAFTS]

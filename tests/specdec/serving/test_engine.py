@@ -432,8 +432,9 @@ def test_bf16_requests_served_together_each_equal_the_request_alone():
 def test_the_suffix_cache_is_shared_across_requests_and_metrics_name_each_drafter(target, monkeypatch):
     """Served twice, the same prompts draft from the first pass's answers: tau rises, outputs equal
     plain decoding, and the metrics count the steps of each member of the composite."""
-    from specdec.drafters import CompositeDrafter, make_drafter
+    from specdec.drafters import CompositeDrafter
     from specdec.drafters.suffix import SuffixCache, SuffixConfig, SuffixDrafter
+    from specdec.loader import make_drafter
 
     # every block costs the same: proposals are whole and chosen by expected tokens, not by timings of a busy machine
     monkeypatch.setattr(CompositeDrafter, "_verify_s", lambda self, rows: 1.0)

@@ -6,9 +6,10 @@ import torch
 
 import specdec
 from runtime.tiny import tiny_model
-from specdec.drafters import EagleDrafter, EagleTreeConfig, make_drafter
+from specdec.drafters import EagleDrafter, EagleTreeConfig
 from specdec.drafters.eagle.drafter import _rerank
 from specdec.drafters.eagle.head import Eagle3Config, Eagle3Head
+from specdec.loader import make_drafter
 from specdec.sampling import probs_from_logits
 
 V = 64

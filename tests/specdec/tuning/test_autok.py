@@ -1,11 +1,11 @@
-"""specdec.autok: the online draft-length choice maximises modelled tokens per second."""
+"""specdec.tuning.autok: the online draft-length choice maximises modelled tokens per second."""
 
 import math
 
 import pytest
 import torch
 
-from specdec.autok import AutoK
+from specdec.tuning.autok import AutoK
 
 
 def _trained(alpha_steps: int = 200, accepted: int = 9, drafted: int = 10) -> AutoK:

@@ -3,9 +3,9 @@
 A step with k drafts emits 1 + sum_{j=1..k} prod_{i<=j} a_i tokens on average, where a_i is the
 probability that draft i is accepted given that drafts 1..i-1 were; it costs
 c_draft(k) + t_target(k + 1) seconds. With one acceptance rate alpha for every position this is
-(1 - alpha^(k+1)) / (1 - alpha) (DESIGN.md section 4), but measured acceptance rises with the
-position (once the first drafts match, the text is an easy stretch: 0.88, 0.93, 0.95, ... for the
-0.5B draft on HumanEval), and a single rate under-rates long drafts. So a_i is estimated per
+(1 - alpha^(k+1)) / (1 - alpha) (Leviathan et al. 2023), but acceptance tends to rise with the
+position (once the first drafts match, the text is an easy stretch), and a single rate under-rates
+long drafts. So a_i is estimated per
 position from the verified steps (accepted / reached at that position), decayed so it follows
 the text, and shrunk towards the estimate of the position before it (position 1: towards the
 pooled rate), so a position seldom or never reached takes the rate of the one before it.

@@ -1,11 +1,10 @@
-"""Cut a proposal to the part worth verifying: expected tokens per second of verification.
+"""Verification costs measured while decoding, and the cut of a proposal to the part worth verifying.
 
-Where verification rows are not free (a CPU's four-bit target: 8 rows cost about twice one row,
-BENCHMARKS.md section 9), a drafter that proposes every node its matches allow pays for rows that
-are rarely accepted. A proposal's nodes listed best first (parents before children) have
-prefixes that are trees themselves; the prefix of n nodes emits 1 + (expected accepted of its
-nodes) tokens for one verification of n + 1 rows, so the rule keeps the n (0 = a plain step)
-that maximises
+Where verification rows are not free (on a CPU a block of 8 rows can cost well over one row), a
+drafter that proposes every node its matches allow pays for rows that are rarely accepted. A
+proposal's nodes listed best first (parents before children) have prefixes that are trees
+themselves; the prefix of n nodes emits 1 + (expected accepted of its nodes) tokens for one
+verification of n + 1 rows, so the rule keeps the n (0 = a plain step) that maximises
 
     (1 + sum of the first n nodes' measured acceptance) / cost(n + 1)
 
@@ -72,10 +71,9 @@ class BlockCosts:
 class NodeCalibration:
     """How often a drafter's nodes are accepted, by the drafter's own probability for them: decayed
     accepted / verified counts in `bins` equal bins of [0, 1], each starting at its midpoint (a weak
-    prior of `prior` nodes). A frequency is not a probability: a suffix path seen once has
-    probability 1 but is accepted about 3 times in 4, and one of 0.4 about 1 in 6 (BENCHMARKS.md
-    section 9); one ratio for all nodes over-values the weak ones, so each bin is valued at what its
-    nodes are measured to bring."""
+    prior of `prior` nodes). A drafter's frequency is not a probability of acceptance (a suffix path
+    seen once has frequency 1); one ratio for all nodes over-values the weak ones, so each bin is
+    valued at what its nodes are measured to bring."""
 
     def __init__(self, bins: int = 10, prior: float = 2.0, decay: float = 0.98) -> None:
         self.bins, self.decay = bins, decay

@@ -7,8 +7,8 @@ import torch
 import specdec
 from runtime.tiny import tiny_model
 from specdec.drafters import EagleDrafter, EagleTreeConfig
-from specdec.drafters.eagle.auto import auto_tree, describe, measure_eagle_trees
-from specdec.drafters.tree_cost import decode_cost
+from specdec.tuning.eagle_tree import auto_tree, describe, measure_eagle_trees
+from specdec.tuning.tree_cost import decode_cost
 from tests.specdec.drafters.eagle.test_eagle_drafter import prompts, random_head
 
 V = 64
@@ -38,8 +38,7 @@ def test_each_size_is_warmed_up_before_it_is_timed(deep, monkeypatch):
     """On a compiled target a tree size's first steps build its programs: every size decodes untimed
     before its timed run (a few tokens eagerly, the whole run compiled), so no build counts as its
     step cost."""
-    from specdec.drafters import tree_cost
-    from specdec.drafters.eagle import auto
+    from specdec.tuning import eagle_tree, tree_cost
 
     calls = []
 
@@ -47,17 +46,17 @@ def test_each_size_is_warmed_up_before_it_is_timed(deep, monkeypatch):
         calls.append((None if draft is None else draft.tree.total_tokens, tokens))
         return decode_cost(model, rows, tokens, draft, num_draft_tokens)
 
-    monkeypatch.setattr(auto, "decode_cost", recording)
+    monkeypatch.setattr(eagle_tree, "decode_cost", recording)
     monkeypatch.setattr(tree_cost, "decode_cost", recording)  # the warm-ups (tree_cost.warm_up)
     head, rows = random_head(deep), prompts(1, seed=6)
-    auto.measure_eagle_trees(deep, head, rows, sizes=(2, 8), depth=3, top_k=4, tokens=6)
+    eagle_tree.measure_eagle_trees(deep, head, rows, sizes=(2, 8), depth=3, top_k=4, tokens=6)
     assert [c for c in calls if c[0] is not None] == [(2, 4), (2, 6), (8, 4), (8, 6)]
     # a compiled target (here its uncompiled static step: the same routing, no build) repeats the timed run untimed,
     # because which step shapes (chain or tree, padded size) a size meets depends on its drafts
     calls.clear()
     compiled = tiny_model("llama", seed=5, vocab_size=V, num_hidden_layers=6)
     compiled.compiled_step = compiled.static_step
-    auto.measure_eagle_trees(compiled, head, rows, sizes=(2, 8), depth=3, top_k=4, tokens=6)
+    eagle_tree.measure_eagle_trees(compiled, head, rows, sizes=(2, 8), depth=3, top_k=4, tokens=6)
     assert [c for c in calls if c[0] is not None] == [(2, 6), (2, 6), (8, 6), (8, 6)]
 
 

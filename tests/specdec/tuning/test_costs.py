@@ -1,9 +1,9 @@
-"""specdec.drafters.cut: block costs from timings, nodes valued by measured acceptance, and the cut
+"""specdec.tuning.costs: block costs from timings, nodes valued by measured acceptance, and the cut
 with the most expected tokens per second."""
 
 import pytest
 
-from specdec.drafters.cut import BlockCosts, NodeCalibration, best_cut
+from specdec.tuning.costs import BlockCosts, NodeCalibration, best_cut
 
 
 def _costs(table: dict[int, float]) -> BlockCosts:

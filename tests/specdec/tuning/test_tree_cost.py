@@ -1,4 +1,4 @@
-"""specdec.drafters.tree_cost: timing Medusa trees against plain steps and picking the size that pays."""
+"""specdec.tuning.tree_cost: timing Medusa trees against plain steps and picking the size that pays."""
 
 import pytest
 import torch
@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 import distill
 from runtime.loading import from_hf_state
 from specdec.drafters.medusa.tree import build_tree, expected_length
-from specdec.drafters.tree_cost import TreeCost, best_tree, cost_report, describe, measure_trees
+from specdec.tuning.tree_cost import TreeCost, best_tree, cost_report, describe, measure_trees
 
 TABLE = [[0.6, 0.2, 0.1], [0.4, 0.15], [0.3]]  # accuracy[head][rank]
 
@@ -38,7 +38,7 @@ def test_each_medusa_tree_is_warmed_up_before_it_is_timed(model, monkeypatch):
     """tree_cost.warm_up runs before each size's timing: a few tokens eagerly, the whole timed
     decoding on a compiled model (here its uncompiled static step: the same routing, no build), so a
     program build never counts as a tree's step cost, even with repeats=1."""
-    from specdec.drafters import tree_cost
+    from specdec.tuning import tree_cost
 
     calls = []
     original = tree_cost.decode_cost

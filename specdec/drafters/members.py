@@ -1,4 +1,5 @@
-"""A drafter made of member drafters: every row event goes to each member (the hybrid and the composite)."""
+"""The shared base of the two combinators, `HybridDrafter` (A+B) and `CompositeDrafter` (A|B): every
+row event goes to each member drafter."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import torch
 from specdec.drafter import Accepted, Drafter
 
 
-class DrafterGroup(Drafter):
+class MemberDrafters(Drafter):
     """Forwards begin / reserve / admit / release / commit to every drafter in `self.drafters`; a
     subclass decides how their proposals combine (`propose`)."""
 
