@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_attention import gpu_or_smoke, random_qwen, sync, write_json  # noqa: E402  (a script beside this one)
 
-from distill.draft import DistillConfig, distill_draft  # noqa: E402
+from distill.draft.train import DistillConfig, distill_draft  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

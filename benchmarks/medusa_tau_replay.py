@@ -20,7 +20,7 @@ import torch
 import distill
 import runtime
 from distill.command import parse_sizes
-from distill.selfdistill import stop_token_ids
+from distill.data.selfdistill import stop_token_ids
 from runtime.hardware import DTYPES
 from specdec.drafters.medusa.replay import replay_tau
 from specdec.drafters.medusa.tree import Tree, build_tree

@@ -25,7 +25,7 @@ import torch
 import distill
 import runtime
 from distill.config_args import add_dataclass_args, dataclass_from_args
-from distill.train_medusa import MedusaTrainConfig
+from distill.medusa.train import MedusaTrainConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
 from medusa_smollm2 import DEFAULTS, TRAIN  # noqa: E402  (a script beside this one, not a package)

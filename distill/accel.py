@@ -120,7 +120,7 @@ def synced_clock(acc, seconds: float, deadline: float | None) -> tuple[float, fl
         return seconds, None, False
     if acc.num_processes == 1:
         return seconds, deadline, time.monotonic() > deadline
-    from accelerate.utils import broadcast
+    from accelerate.utils import broadcast  # heavy (accelerate): loaded when training starts, not at CLI start
 
     now = time.monotonic()
     t = torch.tensor([seconds, deadline - now], dtype=torch.float64, device=acc.device)

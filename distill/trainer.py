@@ -255,7 +255,7 @@ class Trainer:
 
     def __init__(self, task: Task, config: TrainerConfig, out_dir: str | Path | None = None,
                  checkpoints: CheckpointDir | StepCheckpoints | None = None) -> None:
-        from accelerate import Accelerator
+        from accelerate import Accelerator  # heavy (accelerate): loaded when training starts, not at CLI start
 
         self.task, self.config, self.checkpoints = task, config, checkpoints
         self.out_dir = Path(out_dir) if out_dir is not None else None
@@ -436,10 +436,10 @@ def running_mean(values: Sequence[float]) -> tuple[list[int], list[float]]:
 
 def plot(losses: list[float], ylabel: str, title: str, panels: Sequence[Panel], path: Path) -> None:
     """The loss per step and its running mean, then each panel to its right, written atomically as PNG."""
-    import matplotlib
+    import matplotlib  # heavy (matplotlib): loaded only to draw the plot
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use("Agg"): no display backend
 
     fig, axes = plt.subplots(1, 1 + len(panels), figsize=(6 if not panels else 5 * (1 + len(panels)), 3.5),
                              squeeze=False)

@@ -21,7 +21,7 @@ and goes on against the same budget: OUT/budget.json holds the minutes spent):
 (on-policy, target, mixed), and forward KL on on-policy data with LoRA adapters (at
 --compare-lora-lr), each from the undistilled draft for --compare-minutes of wall clock (equal CPU
 time on one machine), and tabulates the held-out top-1 agreement with the target's greedy answers
-(teacher-forced, distill.heldout; the answers are generated once for every run) and the
+(teacher-forced, distill.draft.heldout; the answers are generated once for every run) and the
 cross-entropy on them, before and after, in OUT/compare.md and OUT/compare.json; each run
 (OUT/compare/<divergence>-<data>[-lora]) resumes; a finished run keeps its metrics and plot, and
 its distilled weights only with --compare-keep-drafts.
@@ -42,13 +42,13 @@ from recipe_errors import run
 
 import runtime
 from distill.budget import RunBudget, run_budgeted
-from distill.code_prompts import STUB_CACHE
+from distill.command import add_prompt_args
 from distill.config_args import add_dataclass_args, dataclass_from_args
-from distill.distill_command import add_prompt_args
+from distill.data.code_prompts import STUB_CACHE
+from distill.data.selfdistill import stop_token_ids
 from distill.divergence import DIVERGENCES
-from distill.draft import CHECKPOINTS, METRICS, DistillConfig, distill_draft, heldout_set
-from distill.onpolicy import DATA_SOURCES, heldout_prompts, training_prompts
-from distill.selfdistill import stop_token_ids
+from distill.draft.onpolicy import DATA_SOURCES, heldout_prompts, training_prompts
+from distill.draft.train import CHECKPOINTS, METRICS, DistillConfig, distill_draft, heldout_set
 from runtime.atomic import atomic_write_text
 from runtime.hardware import DTYPES
 from specdec.drafters.spec import DrafterSpec

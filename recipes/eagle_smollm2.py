@@ -9,7 +9,7 @@ minutes spent):
    (OUT/selfdistill.jsonl, distill.generate_selfdistill) until `data_frac` of the budget, with the
    target's aux-layer and final states from those same forwards (OUT/eagle_cache); then, with
    --answers-frac, the target's features over ShareGPT's own answers read teacher-forced
-   (distill.dataset_answers, OUT/eagle_cache_answers) until `data_frac + answers_frac`;
+   (distill.data.dataset_answers, OUT/eagle_cache_answers) until `data_frac + answers_frac`;
 2. EAGLE-3 training with training-time test (distill.train_eagle) until `train_frac` of the budget
    (default: all but `eval_minutes`); the head is saved in OUT in the speculators format
    (`specdec.load_eagle(OUT, target)`), with OUT/metrics.json (per-depth held-out accuracy) and
@@ -38,13 +38,13 @@ from recipe_errors import run
 import distill
 import runtime
 from distill.budget import RunBudget, default_train_frac, run_budgeted
-from distill.code_prompts import STUB_CACHE, function_prompts, interleave
 from distill.command import parse_share
 from distill.config_args import add_dataclass_args, dataclass_from_args
-from distill.dataset_answers import cache_answer_states
-from distill.eagle_cache import cache_eagle_states, read_manifest
-from distill.selfdistill import generate_selfdistill, is_code_prompt, read_records, sharegpt_prompts
-from distill.train_eagle import ANSWERS_CACHE_DIR, CACHE_DIR, TRAIN_MARKERS, EagleTrainConfig
+from distill.data.code_prompts import STUB_CACHE, function_prompts, interleave
+from distill.data.dataset_answers import cache_answer_states
+from distill.data.features import cache_eagle_states, read_manifest
+from distill.data.selfdistill import generate_selfdistill, is_code_prompt, read_records, sharegpt_prompts
+from distill.eagle.train import ANSWERS_CACHE_DIR, CACHE_DIR, TRAIN_MARKERS, EagleTrainConfig
 from runtime.atomic import atomic_write_text
 from runtime.hardware import DTYPES
 from specdec.cli import tree_nodes_arg
@@ -79,7 +79,7 @@ def train(args: argparse.Namespace, model, tok, out: Path, budget: RunBudget) ->
     # records a stopped run wrote without their features are cached here (a no-op otherwise)
     caches = [cache_eagle_states(model, records, out / CACHE_DIR, layers, heldout_every=cfg.heldout_every,
                                  deadline=deadline)]
-    if args.answers_frac > 0:  # ShareGPT's own answers, read teacher-forced (distill.dataset_answers)
+    if args.answers_frac > 0:  # ShareGPT's own answers, read teacher-forced (distill.data.dataset_answers)
         caches.append(cache_answer_states(model, tok, out / ANSWERS_CACHE_DIR, layers, args.answer_records,
                                           args.dataset_answer_tokens, args.max_prompt_tokens,
                                           deadline=min(budget.at(args.data_frac + args.answers_frac), deadline)))
@@ -180,7 +180,7 @@ def parser(defaults: dict, train: dict, doc: str = __doc__) -> argparse.Argument
     p.add_argument("--max-prompt-tokens", type=int, default=256)
     p.add_argument("--function-share", type=parse_share, default=defaults["function_share"],
                    help="share of the prompts that are function stubs cut from this machine's Python sources "
-                        "(distill.code_prompts); 0 = ShareGPT only")
+                        "(distill.data.code_prompts); 0 = ShareGPT only")
     p.add_argument("--answer-tokens", type=int, default=defaults["answer_tokens"], help="answer length cap")
     p.add_argument("--batch-size", dest="generation_batch", type=int, default=defaults["batch_size"],
                    help="rows per self-distillation batch (--batch-tokens: tokens per training step)")
@@ -188,7 +188,7 @@ def parser(defaults: dict, train: dict, doc: str = __doc__) -> argparse.Argument
                    help="fraction of the budget for self-distillation data")
     p.add_argument("--answers-frac", type=parse_share, default=defaults["answers_frac"],
                    help="fraction of the budget, after --data-frac, for the features of ShareGPT's own answers read "
-                        "teacher-forced (distill.dataset_answers: ~2x the positions per minute of generation); "
+                        "teacher-forced (distill.data.dataset_answers: ~2x the positions per minute of generation); "
                         "training reads them beside the target's own answers (default: %(default)s)")
     p.add_argument("--answer-records", type=int, default=defaults["answer_records"],
                    help="ShareGPT answers prepared for --answers-frac (the deadline ends caching first)")

@@ -36,18 +36,25 @@ import distill
 import runtime
 import specdec
 from distill.budget import RunBudget, run_budgeted
-from distill.code_prompts import function_prompts, interleave
 from distill.command import parse_num_nodes, parse_share, parse_sizes
 from distill.config_args import add_dataclass_args, dataclass_from_args
-from distill.selfdistill import generate_selfdistill, is_code_prompt, read_records, sharegpt_prompts, stop_token_ids
-from distill.train_medusa import TRAIN_MARKERS, MedusaTrainConfig, cache_hidden_states
+from distill.data.code_prompts import function_prompts, interleave
+from distill.data.features import cache_hidden_states
+from distill.data.selfdistill import (
+    generate_selfdistill,
+    is_code_prompt,
+    read_records,
+    sharegpt_prompts,
+    stop_token_ids,
+)
+from distill.medusa.train import TRAIN_MARKERS, MedusaTrainConfig
 from runtime.atomic import atomic_write_text
 from runtime.hardware import DTYPES
 from specdec.drafters.medusa.heads import MedusaHeads, choose_tree
 from specdec.drafters.spec import DrafterSpec
 from specdec.evaluation.evaluate import EvalConfig, run_eval
 from specdec.evaluation.prompts import encode, load_prompts
-from specdec.tuning.tree_cost import cost_report, describe, measure_trees
+from specdec.drafters.tree_cost import cost_report, describe, measure_trees
 
 # files that mark a run directory of these recipes: with one of them, --out is resumed
 RUN_MARKERS = (*TRAIN_MARKERS, "metrics.json", "train_run.json", "tau.json", "summary.json")
@@ -77,7 +84,7 @@ def tau_on_prompts(model, heads, rows: list[torch.Tensor], max_new_tokens: int, 
 def speed_tree(args: argparse.Namespace, model, heads: MedusaHeads, row: torch.Tensor, out: Path) -> Path:
     """The heads with the tree the speed comparison uses, saved to OUT/speed_tree: --speed-nodes
     nodes, or with "auto" the size among --speed-sizes with the highest expected speed when timed
-    on this machine (specdec.tuning.tree_cost, decoding the prompt `row`; the timings go to
+    on this machine (specdec.drafters.tree_cost, decoding the prompt `row`; the timings go to
     OUT/speed_tree/tree_cost.json). On a CPU the tree forward grows with the tree, so the tree
     that gives the highest tau is not the fastest (BENCHMARKS.md section 5)."""
     table = [list(r) for r in heads.config.head_accuracy]
@@ -226,7 +233,7 @@ def parser(defaults: dict, train: dict, doc: str = __doc__) -> argparse.Argument
     p.add_argument("--function-share", type=parse_share, default=defaults["function_share"],
                    help="share of the prompts that are function stubs (signature + docstring, HumanEval's "
                         "shape) cut from this machine's Python sources, interleaved with the ShareGPT ones "
-                        "(distill.code_prompts); 0 = ShareGPT only")
+                        "(distill.data.code_prompts); 0 = ShareGPT only")
     p.add_argument("--answer-tokens", type=int, default=defaults["answer_tokens"])
     p.add_argument("--batch-size", dest="generation_batch", type=int, default=defaults["batch_size"],
                    help="rows per self-distillation batch (--train-batch: positions per training step)")

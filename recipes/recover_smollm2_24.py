@@ -38,7 +38,7 @@ import quant
 import runtime
 from distill.budget import RunBudget
 from distill.config_args import add_dataclass_args, dataclass_from_args
-from distill.recover import RECOVER_MARKERS, RecoverConfig
+from distill.recover.train import RECOVER_MARKERS, RecoverConfig
 from runtime.argtypes import path_arg
 from runtime.atomic import atomic_write, atomic_write_text
 from runtime.hardware import cpu_summary

@@ -20,8 +20,7 @@ DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 # modules that add their own subcommands with register(subparsers)
 # the EAGLE-3 tree options that only --eagle reads
 COMMAND_MODULES = ("specdec.evaluation.evaluate", "specdec.evaluation.bench", "quant.command", "distill.command",
-                   "distill.eagle_command", "specdec.serving.command", "distill.distill_command",
-                   "quant.export_command")
+                   "specdec.serving.command", "quant.export_command")
 
 
 def _fetch(args: argparse.Namespace) -> int:

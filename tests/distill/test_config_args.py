@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from distill.config_args import add_dataclass_args, at_least, check_fields, dataclass_from_args, flag_name
-from distill.train_medusa import MedusaTrainConfig
+from distill.medusa.train import MedusaTrainConfig
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 
@@ -67,9 +67,9 @@ def test_non_finite_floats_are_rejected_by_flag_and_by_the_config(text, capsys):
 
 def _float_fields():
     from distill.config_args import field_type
-    from distill.draft import DistillConfig
-    from distill.recover import RecoverConfig
-    from distill.train_eagle import EagleTrainConfig
+    from distill.draft.train import DistillConfig
+    from distill.eagle.train import EagleTrainConfig
+    from distill.recover.train import RecoverConfig
 
     return [(cls, f.name) for cls in (MedusaTrainConfig, EagleTrainConfig, DistillConfig, RecoverConfig)
             for f in dataclasses.fields(cls) if field_type(cls, f) is float]

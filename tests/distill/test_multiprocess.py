@@ -19,8 +19,7 @@ import pytest
 import torch
 
 from distill.accel import local_part
-from distill.eagle_cache import cache_eagle_states
-from distill.train_medusa import cache_hidden_states
+from distill.data.features import cache_eagle_states, cache_hidden_states
 from runtime.tiny import tiny_model
 
 JOB = '''
@@ -31,9 +30,9 @@ import torch
 import distill
 import quant
 from distill.accel import close_process_group
-from distill.recover import RecoverConfig
-from distill.train_eagle import EagleTrainConfig
-from distill.train_medusa import MedusaTrainConfig
+from distill.recover.train import RecoverConfig
+from distill.eagle.train import EagleTrainConfig
+from distill.medusa.train import MedusaTrainConfig
 from runtime.tiny import tiny_model
 
 torch.set_num_threads(1)

@@ -14,10 +14,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from distill.draft import DistillConfig
-from distill.recover import RecoverConfig
-from distill.train_eagle import EagleTrainConfig
-from distill.train_medusa import MedusaTrainConfig
+from distill.draft.train import DistillConfig
+from distill.eagle.train import EagleTrainConfig
+from distill.medusa.train import MedusaTrainConfig
+from distill.recover.train import RecoverConfig
 from distill.trainer import (
     CheckpointDir,
     StepCheckpoints,

@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 
 import specdec
+from distill.data.code_prompts import function_prompts, interleave
+from distill.data.selfdistill import sharegpt_prompts
 
 DATA_SOURCES = ("on-policy", "target", "mixed")
 
@@ -96,11 +98,8 @@ def training_prompts(tokenizer, num_prompts: int = 2000, max_prompt_tokens: int 
                      stub_cache: str | Path | None = None) -> list[tuple[int, list[int]]]:
     """Chat and code prompts to distil on: opening user turns of the first `num_prompts` ShareGPT
     *calibration* conversations, interleaved with function stubs cut from this machine's Python
-    sources (HumanEval-shaped, distill.code_prompts) at `code_share`; each fits `max_prompt_tokens`
+    sources (HumanEval-shaped, distill.data.code_prompts) at `code_share`; each fits `max_prompt_tokens`
     once formatted with the chat template. stub_cache: a JSON file keeping the stubs between runs."""
-    from distill.code_prompts import function_prompts, interleave
-    from distill.selfdistill import sharegpt_prompts
-
     chat = sharegpt_prompts(tokenizer, split="calibration", limit=num_prompts, max_prompt_tokens=max_prompt_tokens)
     if code_share <= 0:
         return chat
@@ -112,8 +111,6 @@ def training_prompts(tokenizer, num_prompts: int = 2000, max_prompt_tokens: int 
 def heldout_prompts(tokenizer, count: int = 8, max_prompt_tokens: int = 256) -> list[list[int]]:
     """`count` prompts for the held-out acceptance measurement: the *last* usable opening turns of
     ShareGPT's held-out slice, so evaluations (which read that slice from its start) score others."""
-    from distill.selfdistill import sharegpt_prompts
-
     if count < 1:
         return []
     return [ids for _, ids in sharegpt_prompts(tokenizer, split="heldout", limit=None,

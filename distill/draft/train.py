@@ -2,7 +2,7 @@
 
 Each step (`distill_draft`):
 1. rows: `batch_size` prompts per process and micro-step, in an order shuffled per epoch by a
-   generator seeded with `seed` + epoch; answers from `distill.onpolicy` (the draft's own samples
+   generator seeded with `seed` + epoch; answers from `distill.draft.onpolicy` (the draft's own samples
    by default, the target's answers, or a GKD-style mix), sampled with a torch.Generator seeded
    by (seed, step, micro-step, process), so a resumed run draws the same data;
 2. the target scores the answer positions once under no_grad (logits only there:
@@ -18,7 +18,7 @@ Each step (`distill_draft`):
 
 Every `eval_every` steps the main process measures held-out acceptance: the draft's top-1
 agreement with the target's greedy answers to the held-out prompts, teacher-forced
-(`distill.heldout`: the per-token acceptance probability of greedy speculative decoding, without
+(`distill.draft.heldout`: the per-token acceptance probability of greedy speculative decoding, without
 sampling noise; the answers are generated once and kept in OUT/heldout_answers.json), and, with
 `eval_decode`, greedy speculative decoding of the target with the draft (a copy in the target's
 dtype) on those prompts (`specdec.generate`; tau and the acceptance rate of its AcceptanceStats).
@@ -42,11 +42,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import specdec
-from distill.code_prompts import STUB_CACHE
 from distill.config_args import at_least, positive
+from distill.data.code_prompts import STUB_CACHE
 from distill.divergence import DIVERGENCES, masked_divergence
-from distill.heldout import HeldoutSet, agreement, target_answers
-from distill.onpolicy import DATA_SOURCES, batch_source, make_batch, sample_answers
+from distill.draft.heldout import HeldoutSet, agreement, target_answers
+from distill.draft.onpolicy import DATA_SOURCES, batch_source, make_batch, sample_answers
 from distill.trainer import Panel, StepCheckpoints, Task, Trainer, TrainerConfig, series, trainer_field
 from runtime.atomic import atomic_write, atomic_write_text
 from runtime.hf_state import dense_hf_state
@@ -132,7 +132,7 @@ def check_distill_dir(out_dir: str | Path) -> Path:
 
 
 def _prompt_ids(prompts, vocab_size: int, what: str = "prompts") -> list[list[int]]:
-    """Prompt token lists from lists of ids, 1-D tensors or (id, ids) pairs (distill.selfdistill's);
+    """Prompt token lists from lists of ids, 1-D tensors or (id, ids) pairs (distill.data.selfdistill's);
     ValueError for an empty prompt or a token id outside [0, vocab_size), naming `what`."""
     out = []
     for i, p in enumerate(prompts):
@@ -196,7 +196,7 @@ def heldout_acceptance(target, draft, prompts: list[list[int]], config: DistillC
 
 def _add_lora(model, config: DistillConfig):
     """peft LoRA adapters on the draft's linears (only they train); returns the model."""
-    from peft import LoraConfig, inject_adapter_in_model
+    from peft import LoraConfig, inject_adapter_in_model  # optional dependency: only LoRA distillation needs it
 
     with torch.random.fork_rng(devices=[]):  # the adapters' initialisation, without touching the global RNG
         torch.manual_seed(config.seed)
@@ -207,7 +207,7 @@ def _add_lora(model, config: DistillConfig):
 
 def merge_lora(model) -> torch.nn.Module:
     """Fold every peft LoRA adapter of `model` into its base linear and put the linear back, in place."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.tuners.tuners_utils import BaseTunerLayer  # optional dependency: only LoRA distillation needs it
 
     for name, module in list(model.named_modules()):
         if isinstance(module, BaseTunerLayer):
@@ -243,7 +243,7 @@ def save_draft(model, out_dir: str | Path, tokenizer=None, dtype: torch.dtype = 
 
 class DraftTask(Task):
     """Draft distillation for distill.trainer: each micro-step samples its rows' answers
-    (distill.onpolicy), scores them with the target and the draft, and weighs the divergence by the
+    (distill.draft.onpolicy), scores them with the target and the draft, and weighs the divergence by the
     process's share of the step's answer tokens; held-out acceptance every `eval_every` steps; the
     trainable weights as the checkpoint's trainable.safetensors."""
 
@@ -331,9 +331,9 @@ def distill_draft(target, draft, prompts, config: DistillConfig = DistillConfig(
     (trained in place; LoRA merged back; eval mode, no gradients).
 
     prompts: training prompts (lists of token ids, 1-D tensors, or (id, ids) pairs as
-    distill.selfdistill.sharegpt_prompts returns). heldout: prompts for the held-out acceptance
+    distill.data.selfdistill.sharegpt_prompts returns). heldout: prompts for the held-out acceptance
     measurement (the target's greedy answers to them are generated at the first measurement), or a
-    distill.heldout.HeldoutSet that already holds those answers (None: not measured). The draft
+    distill.draft.heldout.HeldoutSet that already holds those answers (None: not measured). The draft
     should be float32 (it trains in place under `config.mixed_precision`); draft and target must
     share the vocabulary. out_dir: new, empty or a draft distillation directory (TRAIN_MARKERS;
     else OutputPathError), resumed from when `resume`; it receives checkpoints, the draft (with

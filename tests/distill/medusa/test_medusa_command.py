@@ -16,7 +16,8 @@ import distill
 import runtime
 from distill.command import parse_share
 from distill.config_args import dataclass_from_args, flag_name
-from distill.train_medusa import MedusaTrainConfig, cache_hidden_states
+from distill.data.features import cache_hidden_states
+from distill.medusa.train import MedusaTrainConfig
 from specdec.cli import build_parser, main
 
 
@@ -134,7 +135,7 @@ def test_data_and_train_default_to_the_hardwares_batch_dtype_and_tree_to_bf16(mo
 
 def _specdec(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "specdec.cli", *argv], capture_output=True, text=True, timeout=300,
-                          cwd=Path(__file__).resolve().parents[2], env={**os.environ, "SPECDEC_DEBUG": ""})
+                          cwd=Path(__file__).resolve().parents[3], env={**os.environ, "SPECDEC_DEBUG": ""})
 
 
 def test_medusa_commands_refuse_paths_specdec_did_not_write_before_loading_anything(tmp_path, capsys, monkeypatch):
@@ -202,7 +203,7 @@ def test_train_out_of_time_names_the_budget_and_leaves_no_output(tmp_path, capsy
 def test_the_medusa_recipe_refuses_a_directory_it_did_not_write_in_one_line(tmp_path):
     (tmp_path / "home").mkdir()
     (tmp_path / "home" / "notes.txt").write_text("keep me")
-    recipe = Path(__file__).resolve().parents[2] / "recipes" / "medusa_smollm2.py"
+    recipe = Path(__file__).resolve().parents[3] / "recipes" / "medusa_smollm2.py"
     proc = subprocess.run([sys.executable, str(recipe), "--out", str(tmp_path / "home"), "--max-minutes", "1"],
                           capture_output=True, text=True, timeout=300, cwd=recipe.parents[1],
                           env={**os.environ, "SPECDEC_DEBUG": ""})

@@ -11,9 +11,9 @@ import torch
 import distill
 import quant
 import runtime
+from distill.command import add_recover_parser, cmd_recover
 from distill.config_args import dataclass_from_args
-from distill.recover import MaskedSparse24, RecoverConfig, kd_loss, window_perplexity
-from distill.recover_command import add_recover_parser, cmd_recover
+from distill.recover.train import MaskedSparse24, RecoverConfig, kd_loss, window_perplexity
 from runtime.qlinear import Int8Linear, Sparse24Linear, unpack_24_indices
 from runtime.tiny import tiny_model
 
@@ -188,7 +188,7 @@ def test_a_refused_or_failed_recovery_leaves_no_output_directory_and_the_student
             assert str(err.value).startswith(message)
         assert snapshot(tmp_path) == before
     assert not any(isinstance(m, MaskedSparse24) for m in [*student.modules(), *mixed.modules()])
-    rc = importlib.import_module("distill.recover")
+    rc = importlib.import_module("distill.recover.train")
 
     def failing(*args, **kwargs):  # the first batch fails (out of memory, say)
         raise RuntimeError("first batch failed")

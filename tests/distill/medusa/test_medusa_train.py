@@ -10,18 +10,8 @@ import torch.nn.functional as F
 
 import distill
 import specdec
-from distill.train_medusa import (
-    IGNORE,
-    MedusaTrainConfig,
-    _noise,
-    cache_hidden_states,
-    data_vocab,
-    head_accuracy,
-    head_targets,
-    load_cached,
-    medusa_loss,
-    teacher_probs,
-)
+from distill.data.features import IGNORE, cache_hidden_states, head_targets, load_cached
+from distill.medusa.train import MedusaTrainConfig, _noise, data_vocab, head_accuracy, medusa_loss, teacher_probs
 from runtime.outputs import OutputPathError
 
 
@@ -148,7 +138,7 @@ def test_auto_mixed_precision_autocasts_to_bf16_only_where_it_is_native(monkeypa
 
 def test_a_stopped_run_keeps_its_steps_and_a_resumed_one_adds_its_seconds(tiny_model, records, tmp_path,
                                                                            monkeypatch):
-    tm = importlib.import_module("distill.train_medusa")  # the module: distill.train_medusa is the function
+    tm = importlib.import_module("distill.medusa.train")  # the module (distill.train_medusa is the function)
 
     data = cache_hidden_states(tiny_model, records, tmp_path / "cache", num_heads=1, dtype=torch.float32)
     cfg = MedusaTrainConfig(epochs=3, lr=1e-2, batch_size=128, warmup_steps=1, checkpoint_every=100, topk=2,
@@ -266,7 +256,7 @@ def test_a_refused_or_failed_training_leaves_no_output_directory(tiny_model, rec
                                          "hidden size 96"):
         distill.train_medusa(wide, data, tmp_path / "new" / "heads", cfg)
     assert snapshot(tmp_path) == before
-    tm = importlib.import_module("distill.train_medusa")
+    tm = importlib.import_module("distill.medusa.train")
 
     def failing(*args, **kwargs):  # the first batch fails (out of memory, say)
         raise RuntimeError("first batch failed")

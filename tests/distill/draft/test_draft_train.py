@@ -18,11 +18,11 @@ import torch
 import runtime
 import specdec
 from distill.divergence import masked_divergence
-from distill.draft import DistillConfig, distill_draft
-from distill.onpolicy import batch_source, make_batch, sample_answers
+from distill.draft.onpolicy import batch_source, make_batch, sample_answers
+from distill.draft.train import DistillConfig, distill_draft
 from runtime.tiny import tiny_model
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 FAST = dict(lr=3e-3, max_new_tokens=12, mixed_precision="no", eval_every=100, eval_tokens=12, warmup_steps=2)
 
 
@@ -188,7 +188,7 @@ def test_a_refused_or_failed_distillation_leaves_no_output_directory(tmp_path, m
                 distill_draft(target, tiny_model("llama", seed=1), prompts, cfg, where, heldout=heldout)
             assert str(err.value).startswith(message)
         assert snapshot(tmp_path) == before
-    dd = importlib.import_module("distill.draft")
+    dd = importlib.import_module("distill.draft.train")
 
     def failing(*args, **kwargs):  # the first batch fails (out of memory, say)
         raise RuntimeError("first batch failed")
@@ -202,7 +202,7 @@ def test_a_refused_or_failed_distillation_leaves_no_output_directory(tmp_path, m
 
 _TWO_PROCESS_SCRIPT = """
 import json, sys, torch
-from distill.draft import DistillConfig, distill_draft
+from distill.draft.train import DistillConfig, distill_draft
 from runtime.tiny import tiny_model
 gen = torch.Generator().manual_seed(0)
 prompts = [torch.randint(3, 128, (6,), generator=gen).tolist() for _ in range(16)]
@@ -239,7 +239,7 @@ def test_two_processes_match_one_at_the_same_global_batch(tmp_path):
 def test_cli_flags_come_from_the_config_and_the_command_takes_more_subcommands():
     import dataclasses
 
-    from distill.distill_command import distill_subparsers
+    from distill.command import distill_subparsers
     from specdec.cli import build_parser
 
     parser = build_parser()
@@ -290,8 +290,8 @@ def test_recipe_refuses_a_foreign_output_directory_before_any_work(tmp_path):
 
 
 def test_a_directory_holding_only_the_commands_cached_stubs_is_accepted(tmp_path):
-    from distill.code_prompts import STUB_CACHE
-    from distill.draft import check_distill_dir
+    from distill.data.code_prompts import STUB_CACHE
+    from distill.draft.train import check_distill_dir
 
     # `specdec distill draft` writes the function stubs into OUT before distill_draft checks OUT again
     (tmp_path / STUB_CACHE).write_text("[]")
@@ -304,7 +304,7 @@ def test_compared_runs_cover_every_divergence_and_source_and_drop_their_weights(
     import importlib
 
     from distill.divergence import DIVERGENCES
-    from distill.onpolicy import DATA_SOURCES
+    from distill.draft.onpolicy import DATA_SOURCES
 
     monkeypatch.syspath_prepend(str(ROOT / "recipes"))
     recipe = importlib.import_module("distill_qwen05_draft")

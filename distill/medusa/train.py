@@ -1,11 +1,9 @@
 """Medusa-1 training: heads on a frozen backbone, from last hidden states cached on disk.
 
-1. `cache_hidden_states` runs the frozen model once over the self-distillation records (or
-   `distill.generate_selfdistill(hidden_cache=...)` keeps them while it generates) and stores,
-   for every answer position t, the final-norm hidden state (bf16 by default) and the targets
-   of the K heads (token t+2+i for head i; -100 past the end) in safetensors shards,
-   split into train and held-out records (every `heldout_every`-th record). Resumable: shards
-   are written atomically and a manifest records how many records are done.
+1. The hidden-state cache (`distill.data.features`: `cache_hidden_states`, or
+   `distill.generate_selfdistill(hidden_cache=...)` while it generates) holds, for every answer
+   position t, the final-norm hidden state and the targets of the K heads (token t+2+i for head i),
+   split into train and held-out records.
 2. `train_medusa` trains the heads for many epochs on those shards (cheap: no backbone pass):
    loss = sum_i 0.8^i CE(head i) (softmax over the whole vocabulary, or, with vocab="data",
    over the tokens the training answers use: 3-5x cheaper on a CPU, and the heads then guess
@@ -24,22 +22,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from distill.accel import Forward, count_weights, local_part
 from distill.config_args import at_least
+from distill.data.features import IGNORE, MANIFEST, MedusaLayout, load_cached
 from distill.trainer import CheckpointDir, Task, Trainer, TrainerConfig, out_of_time, trainer_field
 from runtime.atomic import atomic_write
-from runtime.outputs import created_output, prepare_manifest_dir, prepare_output_dir
-from runtime.progress import progress
+from runtime.outputs import created_output, prepare_output_dir
 from specdec.drafters.medusa.heads import DEFAULT_TREE_NODES, MedusaHeads, choose_tree
 from specdec.drafters.medusa.io import CONFIG, save_medusa
 from specdec.drafters.medusa.tree import expected_length
 
-IGNORE = -100
-MANIFEST = "manifest.json"
-CACHE = "hidden-state cache"
 # files that mark a Medusa training directory (`specdec medusa train --out`, the recipes' OUT):
 # one of them there and training resumes in it; a non-empty directory without them is refused
 TRAIN_MARKERS = (CONFIG, "checkpoint/trainer.json", f"hidden_cache/{MANIFEST}", "selfdistill.jsonl", "budget.json")
@@ -48,180 +42,6 @@ TRAIN_MARKERS = (CONFIG, "checkpoint/trainer.json", f"hidden_cache/{MANIFEST}", 
 def check_train_dir(out_dir: str | Path) -> Path:
     """Fail (OutputPathError) unless `out_dir` is new, empty or a Medusa training directory."""
     return prepare_output_dir(out_dir, TRAIN_MARKERS, what="Medusa training directory", resume=True)
-
-
-def check_cache_dir(cache_dir: str | Path) -> Path:
-    """Fail (OutputPathError) unless `cache_dir` is new, empty or a hidden-state cache."""
-    return prepare_manifest_dir(
-        cache_dir, MANIFEST, CACHE, lambda m: {"num_heads", "hidden_size", "records_done", "shards"} <= set(m),
-        f"is not the manifest of a {CACHE} written by specdec; choose a new or empty directory for the cache")
-
-
-def _write_json(path: Path, obj) -> None:
-    def write(tmp: str) -> None:
-        with open(tmp, "w") as f:
-            json.dump(obj, f, indent=1)
-
-    atomic_write(path, write)
-
-
-def head_targets(seq: torch.Tensor, start: int, num_heads: int) -> torch.Tensor:
-    """Targets (T, K) for positions start .. len-2 of `seq`: head i at t predicts seq[t+2+i]."""
-    L = seq.numel()
-    t = torch.arange(start, L - 1)[:, None] + 2 + torch.arange(num_heads)[None]  # (T, K)
-    return torch.where(t < L, seq[t.clamp(max=L - 1)], torch.full_like(t, IGNORE))
-
-
-class HiddenCacheWriter:
-    """Appends the hidden states and head targets of records, in record order, to a cache directory.
-
-    Record i goes to the held-out split when i % heldout_every == 0. Buffers are written as
-    safetensors shards of about `shard_positions` positions, each followed by the manifest, so
-    `records_done` counts exactly the records whose positions are on disk (a killed run redoes
-    only the records after it). Call `flush()` to write what is buffered.
-    """
-
-    def __init__(self, out_dir: str | Path, num_heads: int, hidden_size: int, heldout_every: int = 20,
-                 shard_positions: int = 32768, dtype: torch.dtype = torch.bfloat16) -> None:
-        self.out_dir = check_cache_dir(out_dir)
-        for split in ("train", "heldout"):
-            (self.out_dir / split).mkdir(parents=True, exist_ok=True)
-        path = self.out_dir / MANIFEST
-        self.manifest = json.loads(path.read_text()) if path.is_file() else {
-            "num_heads": num_heads, "hidden_size": hidden_size, "heldout_every": heldout_every,
-            "records_done": 0, "last_id": None, "shards": {"train": [], "heldout": []}}
-        if self.manifest["num_heads"] < num_heads or self.manifest["hidden_size"] != hidden_size:
-            raise ValueError(f"{self.out_dir} caches hidden states for {self.manifest['num_heads']} heads / "
-                             f"hidden size {self.manifest['hidden_size']}; use another directory for this model")
-        if self.manifest.get("heldout_every", heldout_every) != heldout_every:
-            raise ValueError(f"{self.out_dir} holds out every {self.manifest['heldout_every']}th record, not "
-                             f"every {heldout_every}th; use another directory")
-        # the cache's own head count: every shard keeps the same target columns
-        self.num_heads, self.heldout_every = self.manifest["num_heads"], heldout_every
-        self.shard_positions, self.dtype = shard_positions, dtype
-        self.buf = {"train": ([], []), "heldout": ([], [])}
-        self.pending = 0  # records added since the last manifest write
-        self.last_id = self.manifest.get("last_id")  # id of the last record added
-
-    @property
-    def records_done(self) -> int:
-        """Records added so far (on disk after `flush()`)."""
-        return self.manifest["records_done"] + self.pending
-
-    def check_continues(self, records: list[dict]) -> None:
-        """Fail unless the cache's records are the first `records_done` of `records` (by the
-        last cached record's id: a cache of other data is not silently extended)."""
-        n = self.records_done
-        known = "last_id" in self.manifest  # older caches do not record it
-        if n > len(records) or (n and known and records[n - 1].get("id") != self.last_id):
-            last = f" ending with id {self.last_id!r}" if known else ""
-            raise ValueError(f"{self.out_dir} caches {n} records{last}, which are not the first {n} of these "
-                             f"{len(records)} records: the cache belongs to other data; use a new cache directory")
-
-    def add(self, record: dict, hidden: torch.Tensor) -> None:
-        """hidden (n, C): the states at the last prompt token and every answer token but the last
-        (n = len(output_ids)); a record with no answer adds no position but still counts."""
-        seq = torch.tensor(record["prompt_ids"] + record["output_ids"], dtype=torch.long)
-        start = len(record["prompt_ids"]) - 1
-        if hidden.shape[0] != seq.numel() - 1 - start:
-            raise ValueError(f"record {record.get('id')}: {hidden.shape[0]} hidden states for "
-                             f"{len(record['output_ids'])} answer tokens")
-        if hidden.shape[0]:
-            split = "heldout" if self.records_done % self.heldout_every == 0 else "train"
-            self.buf[split][0].append(hidden.to("cpu", self.dtype))  # (n, C)
-            self.buf[split][1].append(head_targets(seq, start, self.num_heads))  # (n, K)
-        self.pending += 1
-        self.last_id = record.get("id")
-        if any(sum(h.shape[0] for h in hs) >= self.shard_positions for hs, _ in self.buf.values()):
-            self.flush()
-
-    def flush(self) -> None:
-        """Write the buffered positions as shards, then the manifest."""
-        for split, (hs, ts) in self.buf.items():
-            if not hs:
-                continue
-            name = f"shard_{len(self.manifest['shards'][split]):05d}.safetensors"
-            tensors = {"hidden": torch.cat(hs).contiguous(), "targets": torch.cat(ts).contiguous()}
-            atomic_write(self.out_dir / split / name, lambda tmp: save_file(tensors, tmp))
-            self.manifest["shards"][split].append(name)
-            hs.clear()
-            ts.clear()
-        self.manifest["records_done"] += self.pending
-        self.manifest["last_id"] = self.last_id
-        self.pending = 0
-        _write_json(self.out_dir / MANIFEST, self.manifest)
-
-
-@torch.inference_mode()
-def cache_hidden_states(model, records: list[dict], out_dir: str | Path, num_heads: int,
-                        heldout_every: int = 20, batch_tokens: int = 4096, shard_positions: int = 32768,
-                        dtype: torch.dtype = torch.bfloat16, deadline: float | None = None) -> Path:
-    """Store last hidden states and head targets of the answers in `records` under `out_dir`.
-
-    records: {"prompt_ids", "output_ids"} dicts (distill.selfdistill). Positions are the last
-    prompt token and every answer token but the last. Records the cache already holds (the first
-    `records_done`, e.g. written during generation by `generate_selfdistill(hidden_cache=...)`)
-    are skipped. Returns `out_dir`.
-    """
-    writer = HiddenCacheWriter(out_dir, num_heads, model.config.hidden_size, heldout_every,
-                               shard_positions, dtype)
-    writer.check_continues(records)
-    todo = records[writer.records_done:]
-    bar = progress(total=len(todo), desc="caching hidden states", unit="record", disable=not todo)
-    i = 0
-    try:
-        while i < len(todo):
-            if deadline is not None and time.monotonic() > deadline:
-                break
-            batch = [todo[i]]
-            longest = len(todo[i]["prompt_ids"]) + len(todo[i]["output_ids"])
-            while i + len(batch) < len(todo):
-                nxt = todo[i + len(batch)]
-                n = len(nxt["prompt_ids"]) + len(nxt["output_ids"])
-                if max(longest, n) * (len(batch) + 1) > batch_tokens:
-                    break
-                batch.append(nxt)
-                longest = max(longest, n)
-            seqs = [r["prompt_ids"] + r["output_ids"] for r in batch]
-            tokens = torch.zeros(len(seqs), longest, dtype=torch.long)  # (B, T), right-padded
-            for b, s in enumerate(seqs):
-                tokens[b, :len(s)] = torch.tensor(s)
-            positions = torch.arange(longest)[None].expand(len(seqs), -1)
-            hidden = model(tokens.to(model.device), positions.to(model.device), None, return_hidden=True,
-                           logits_idx=torch.zeros(len(seqs), 1, dtype=torch.long, device=model.device)).hidden
-            for b, (r, s) in enumerate(zip(batch, seqs)):
-                writer.add(r, hidden[b, len(r["prompt_ids"]) - 1:len(s) - 1])  # (n, C)
-            i += len(batch)
-            bar.update(len(batch))
-    finally:  # also when stopped (Ctrl-C, SIGTERM): what was computed is kept
-        writer.flush()
-        bar.close()
-    return Path(out_dir)
-
-
-def load_cached(data_dir: str | Path, split: str, num_heads: int,
-                hidden: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """All shards of one split: hidden (N, C) and targets (N, num_heads); each record's positions
-    are consecutive rows, in order. hidden=False reads the targets only (hidden is then None).
-    ValueError when `data_dir` is not a hidden-state cache or holds no positions of `split`."""
-    data_dir = Path(data_dir)
-    if not (data_dir / MANIFEST).is_file():
-        raise ValueError(f"{data_dir} is not a {CACHE} (no {MANIFEST}); build one with `specdec medusa data` "
-                         "(distill.cache_hidden_states)")
-    manifest = json.loads((data_dir / MANIFEST).read_text())
-    if manifest["num_heads"] < num_heads:
-        raise ValueError(f"{data_dir} holds targets for {manifest['num_heads']} heads, {num_heads} "
-                         "were asked for; rebuild the cache with more heads")
-    names = manifest["shards"][split]
-    if not names:
-        raise ValueError(f"{data_dir} has no {split} positions; generate more self-distillation data")
-    states, targets = [], []
-    for n in names:
-        with safe_open(str(data_dir / split / n), framework="pt") as f:
-            targets.append(f.get_tensor("targets")[:, :num_heads])
-            if hidden:
-                states.append(f.get_tensor("hidden"))
-    return (torch.cat(states) if hidden else None), torch.cat(targets)
 
 
 def data_vocab(targets: torch.Tensor, max_vocab: int = 0) -> torch.Tensor:
@@ -263,9 +83,7 @@ class MedusaTrainConfig(TrainerConfig):
     lr to seed, are distill.trainer.TrainerConfig's).
 
     `specdec medusa train` and the Medusa recipes derive their flags from these fields
-    (`distill.config_args`); each field's `help` is the flag's help text. lr 2e-3 with batches of
-    512 positions and 20 warm-up steps is the setting of every Medusa run in BENCHMARKS.md
-    section 5.
+    (`distill.config_args`); each field's `help` is the flag's help text.
 
     soft_targets: head i at position t learns the base model's next-token distribution at
     position t+1+i (its LM head on the cached hidden state there: the teacher Medusa distils)
@@ -444,7 +262,7 @@ def train_medusa(heads: MedusaHeads, data_dir: str | Path, out_dir: str | Path,
     out_dir = check_train_dir(out_dir)
     K = heads.num_heads
     if _past(deadline) and not _cached_shards(data_dir, "train"):  # the deadline stopped the cache, not the data
-        raise ValueError(f"{out_of_time('any training position was cached')} (the {CACHE} {data_dir} holds "
+        raise ValueError(f"{out_of_time('any training position was cached')} (the {MedusaLayout.what} {data_dir} holds "
                          "none yet)")
     hidden, targets = load_cached(data_dir, "train", K)  # the data is checked before `out_dir` is created
     hidden_ho, targets_ho = load_cached(data_dir, "heldout", K)

@@ -1,12 +1,12 @@
 """EAGLE-3 training records from ShareGPT's own answers, which the target reads teacher-forced.
 
-Self-distillation (distill.selfdistill) makes the target write its answers token by token; a
+Self-distillation (distill.data.selfdistill) makes the target write its answers token by token; a
 written answer is read in one forward instead. For smollm2-135m-instruct in float32 on a 2-core
 AVX2 CPU, 15 minutes gave 189k training positions this way against 83k by generation (with the
 features kept from the generation itself). The head still learns the target's own next-token
 distribution at every position (its soft targets come from the target's final states there); only
 the text it reads is ShareGPT's, which is how EAGLE and EAGLE-2 trained their heads. The features
-are cached with `distill.eagle_cache.cache_eagle_states` and trained on beside the
+are cached with `distill.data.features.cache_eagle_states` and trained on beside the
 self-distillation cache (`distill.train_eagle` with a list of caches).
 
 Each record is {"id": "sharegpt-answer/<i>", "prompt_ids", "output_ids"}: the opening user turn of
@@ -20,8 +20,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from distill.eagle_cache import cache_eagle_states
-from distill.selfdistill import chat_prompt_ids, opening_user_turn, stop_token_ids
+import runtime.data
+from distill.data.features import cache_eagle_states
+from distill.data.selfdistill import chat_prompt_ids, opening_user_turn, stop_token_ids
 
 
 def sharegpt_answer_records(tokenizer, limit: int, max_prompt_tokens: int = 256, answer_tokens: int = 256,
@@ -33,11 +34,9 @@ def sharegpt_answer_records(tokenizer, limit: int, max_prompt_tokens: int = 256,
     the chat template does not render the answer after the prompt (prompt + answer must start with
     the prompt's own tokens, so the head reads what decoding will feed it).
     """
-    from runtime.data import sharegpt_conversations
-
     if limit < 1 or answer_tokens < 1:
         raise ValueError(f"limit and answer_tokens must be >= 1, got {limit} and {answer_tokens}")
-    convs = sharegpt_conversations(split="calibration")
+    convs = runtime.data.sharegpt_conversations(split="calibration")
     stops = set(stop_token_ids(tokenizer))
     out = []
     for i in range(len(convs) - 1, -1, -1):

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import specdec
-from distill.selfdistill import chat_prompt_ids, generate_selfdistill, is_code_prompt, read_records, stop_token_ids
-from distill.train_medusa import cache_hidden_states, load_cached
+from distill.data.features import cache_hidden_states, load_cached
+from distill.data.selfdistill import chat_prompt_ids, generate_selfdistill, is_code_prompt, read_records, stop_token_ids
 from runtime.outputs import OutputPathError
 
 
@@ -117,7 +117,7 @@ def test_eagle_features_kept_during_generation_equal_a_second_pass(tiny_model, w
     """The aux and final states from generation's own forwards equal cache_eagle_states' pass over
     the records (the last answer token's aux row, which generation never computes, is stored as
     zeros and read by no training step); records written before the cache existed are caught up."""
-    from distill.eagle_cache import cache_eagle_states, load_split
+    from distill.data.features import cache_eagle_states, load_split
 
     layers = (1, 0, 1)
     prompts = [(i, chat_prompt_ids(word_tokenizer, " ".join(f"w{j}" for j in range(i, 2 * i + 2))))

@@ -11,8 +11,16 @@ from safetensors.torch import load_file
 
 import distill
 import specdec
-from distill.eagle_cache import EagleCacheWriter, EagleSplit, cache_eagle_states, load_split
-from distill.train_eagle import (
+from distill.data.features import (
+    EagleLayout,
+    EagleSplit,
+    FeatureWriter,
+    cache_eagle_states,
+    cache_hidden_states,
+    load_split,
+    read_manifest,
+)
+from distill.eagle.train import (
     ANSWERS_CACHE_DIR,
     EagleTrainConfig,
     answer_vocab,
@@ -24,7 +32,6 @@ from distill.train_eagle import (
     ttt_loss,
     unroll,
 )
-from distill.train_medusa import cache_hidden_states
 from runtime.outputs import OutputPathError
 from runtime.tiny import tiny_model
 from specdec.drafters.eagle.head import Eagle3Config, Eagle3Head
@@ -139,7 +146,7 @@ def test_cached_features_are_the_targets_and_the_cache_resumes(target, records, 
         cache_eagle_states(target, records[1:], tmp_path / "c", LAYERS, heldout_every=5)
     # nothing to cache creates nothing; records a deadline stopped before the first batch: a readable empty cache
     cache_eagle_states(target, [], tmp_path / "none" / "c", LAYERS)
-    EagleCacheWriter(tmp_path / "none" / "c", 64, LAYERS).flush()
+    FeatureWriter(tmp_path / "none" / "c", EagleLayout(64, LAYERS)).flush()
     assert not (tmp_path / "none").exists()
     cache_eagle_states(target, records, tmp_path / "late", LAYERS, deadline=0.0)
     assert sorted(p.name for p in (tmp_path / "late").iterdir()) == ["manifest.json"]
@@ -270,7 +277,7 @@ def test_several_caches_train_together_and_the_first_one_measures(target, record
 
 
 def test_a_stopped_run_resumes_to_the_state_of_an_uninterrupted_one(target, features, tmp_path, monkeypatch):
-    te = importlib.import_module("distill.train_eagle")
+    te = importlib.import_module("distill.eagle.train")
     cfg = EagleTrainConfig(epochs=2, checkpoint_every=4, **FAST)
     distill.train_eagle(target, features, cfg, tmp_path / "whole")
     calls, loss = [], te.ttt_loss
@@ -334,7 +341,7 @@ def test_a_refused_or_failed_training_leaves_no_output_directory(target, records
                 distill.train_eagle(target, data, config, where, deadline=0.0)
             assert str(err.value).startswith(message.replace("new/out", where.relative_to(tmp_path).as_posix()))
             assert snapshot(tmp_path) == before
-    te = importlib.import_module("distill.train_eagle")
+    te = importlib.import_module("distill.eagle.train")
 
     def failing(*args, **kwargs):  # the first batch fails (out of memory, say)
         raise RuntimeError("first batch failed")
@@ -456,7 +463,6 @@ def test_eagle_train_reads_dataset_answers_beside_the_targets_own(records, word_
     from transformers import AutoModelForCausalLM
 
     import runtime.data
-    from distill.eagle_cache import read_manifest
     from runtime.tiny import tiny_hf_config
     from specdec.cli import main
 
@@ -483,6 +489,6 @@ def test_eagle_train_reads_dataset_answers_beside_the_targets_own(records, word_
     assert metrics["train_records"] == len(own) + len(extra) and len(extra) == 10  # none held out
     assert not answers["shards"]["heldout"]
     with pytest.raises(ValueError, match="heldout_every must be >= 0"):
-        EagleCacheWriter(tmp_path / "bad", 64, LAYERS, heldout_every=-1)
+        FeatureWriter(tmp_path / "bad", EagleLayout(64, LAYERS), heldout_every=-1)
     assert not (tmp_path / "bad").exists()
     assert metrics["heldout_positions"] == load_split(head / "eagle_cache", "heldout").num_positions

@@ -6,7 +6,7 @@ the draft's top-1 agreement with the target's greedy answers to held-out prompts
 answer position, is the per-token acceptance probability of greedy speculative decoding on
 those prompts. It comes from one draft forward over cached sequences (the target answers once),
 with no drafting and none of the noise of which positions a few decoded prompts happen to reach:
-`distill.draft` measures it at every held-out evaluation, and the comparison of divergences and
+`distill.distill_draft` measures it at every held-out evaluation, and the comparison of divergences and
 data sources in recipes/distill_qwen05_draft.py ranks runs by it.
 
 `expected_tau(a, k)`: tokens per target forward when each of k drafted tokens is accepted with
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from distill.onpolicy import make_batch, sample_answers
+from distill.draft.onpolicy import make_batch, sample_answers
 from runtime.atomic import atomic_write_text
 
 

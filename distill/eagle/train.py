@@ -1,10 +1,10 @@
 """EAGLE-3 training (Li et al. 2025): one head on a frozen target, with training-time test.
 
-1. Features: `distill.eagle_cache.cache_eagle_states` runs the target once over the
-   self-distillation records (its own answers, distill.selfdistill) and caches, per record, the
+1. Features: `distill.data.features.cache_eagle_states` runs the target once over the
+   self-distillation records (its own answers, distill.data.selfdistill) and caches, per record, the
    states entering its three aux layers at every position and the final-norm states at the answer
    positions (resumable, like the Medusa cache). Training may read several caches at once (e.g.
-   ShareGPT's own answers read teacher-forced, distill.dataset_answers); the first one's
+   ShareGPT's own answers read teacher-forced, distill.data.dataset_answers); the first one's
    held-out split measures the head.
 2. Draft vocabulary: the `draft_vocab_size` most frequent answer tokens of the (first) training
    split (ties, and ids it never saw, by their count in the other caches' answers, then lower id
@@ -47,11 +47,12 @@ from safetensors.torch import load_file
 
 from distill.accel import Forward, count_weights, local_items
 from distill.config_args import at_least
-from distill.eagle_cache import MANIFEST, EagleSplit, cache_eagle_states, load_split, read_manifest
-from distill.selfdistill import read_records
+from distill.data.features import MANIFEST, EagleLayout, EagleSplit, cache_eagle_states, load_split, read_manifest
+from distill.data.selfdistill import read_records
 from distill.trainer import CheckpointDir, Panel, Task, Trainer, TrainerConfig, running_mean, trainer_field
 from runtime.model_output import check_aux_layers
 from runtime.outputs import created_output, prepare_output_dir
+from runtime.qlinear import QuantizedLinear
 from specdec.drafters.eagle.head import Eagle3Config, Eagle3Head, UnrollCache, default_aux_layers
 from specdec.drafters.eagle.io import read_eagle_config, write_eagle_files
 
@@ -158,8 +159,6 @@ def answer_vocab(answer_tokens: torch.Tensor, vocab_size: int, size: int,
 
 def lm_head_rows(target, token_ids: torch.Tensor) -> torch.Tensor:
     """The target's LM head rows of `token_ids` (Vd,) as float32 (Vd, C) (quantized heads dequantized)."""
-    from runtime.qlinear import QuantizedLinear
-
     head = target.lm_head
     weight = head.dequantize(torch.float32) if isinstance(head, QuantizedLinear) else head.weight.detach()
     return weight[token_ids.to(weight.device)].float()
@@ -320,7 +319,7 @@ def _training_data(target, data, layers: tuple[int, ...]) -> list[Path] | list[d
         raise TypeError(f"data must be a feature cache directory, a list of them, a self-distillation jsonl path or "
                         f"a list of records, got {type(data).__name__}")
     for d in dirs:
-        manifest = read_manifest(d)
+        manifest = read_manifest(d, EagleLayout)
         if tuple(manifest["aux_layers"]) != layers or manifest["hidden_size"] != target.config.hidden_size:
             raise ValueError(f"{d} caches aux layers {manifest['aux_layers']} of hidden size "
                              f"{manifest['hidden_size']}; this head reads layers {list(layers)} of hidden size "
@@ -334,7 +333,7 @@ def _check_records(records: list, vocab_size: int) -> None:
     for i, r in enumerate(records):
         if not (isinstance(r, dict) and all(isinstance(r.get(k), list) for k in ("prompt_ids", "output_ids"))):
             raise TypeError(f"data record {i} must be a dict with the token lists 'prompt_ids' and 'output_ids' "
-                            f"(distill.selfdistill's records), got {type(r).__name__}")
+                            f"(distill.data.selfdistill's records), got {type(r).__name__}")
         ids = r["prompt_ids"] + r["output_ids"]
         if not all(isinstance(t, int) for t in ids) or (ids and not 0 <= min(ids) <= max(ids) < vocab_size):
             raise ValueError(f"data record {i} (id {r.get('id')!r}) holds tokens that are not ids of the target's "
@@ -421,7 +420,7 @@ def train_eagle(target, data, config: EagleTrainConfig = EagleTrainConfig(), out
                 deadline: float | None = None, resume: bool = True) -> Eagle3Head:
     """Train an EAGLE-3 head for runtime model `target` (frozen) and return it (float32, eval mode).
 
-    data: a feature cache directory (distill.eagle_cache), a list of them, or self-distillation
+    data: a feature cache directory (distill.data.features), a list of them, or self-distillation
     records (a jsonl path or a list of {"id", "prompt_ids", "output_ids"}) that are cached first
     into OUT/eagle_cache (a temporary directory without `out_dir`). With several caches, training
     reads every cache's train split and the held-out accuracy is measured on the first cache's
@@ -450,7 +449,7 @@ def train_eagle(target, data, config: EagleTrainConfig = EagleTrainConfig(), out
 def _train(target, data: list[Path] | list[dict], config: EagleTrainConfig, out_dir: Path | None,
            layers: tuple[int, int, int], deadline: float | None, resume: bool) -> Eagle3Head:
     """`train_eagle` on checked data (`_training_data`), into `out_dir` (which exists) or nowhere."""
-    from accelerate import PartialState
+    from accelerate import PartialState  # heavy (accelerate): loaded when training starts, not at CLI start
 
     state = PartialState(cpu=target.device.type == "cpu")  # as the Accelerator below will ask
     with tempfile.TemporaryDirectory(prefix="eagle-features-") as scratch, state.main_process_first():
@@ -459,7 +458,7 @@ def _train(target, data: list[Path] | list[dict], config: EagleTrainConfig, out_
         reader = not state.is_main_process and out_dir is not None
         data_dirs = _feature_dirs(target, data, config, out_dir, Path(scratch),
                                   time.monotonic() if reader else deadline)
-        manifests = [read_manifest(d) for d in data_dirs]
+        manifests = [read_manifest(d, EagleLayout) for d in data_dirs]
         # an extra cache a deadline stopped before its first shard adds nothing (the first one must hold records)
         splits = [load_split(d, "train") for i, (d, m) in enumerate(zip(data_dirs, manifests))
                   if i == 0 or m["shards"]["train"]]

@@ -23,11 +23,21 @@ from pathlib import Path
 
 import torch
 
+import runtime.data
 import specdec
-from distill.eagle_cache import MANIFEST
+from distill.data.features import (
+    MANIFEST,
+    EagleLayout,
+    FeatureWriter,
+    MedusaLayout,
+    cache_eagle_states,
+    cache_hidden_states,
+    check_cache_dir,
+)
 from runtime.outputs import check_output_file
 from runtime.progress import progress
 from specdec.capture import StateCapture
+from specdec.evaluation.prompts import has_chat_template
 
 STOP_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "</s>")
 
@@ -35,8 +45,6 @@ STOP_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "</s>")
 def check_chat_template(tokenizer, flag: str = "the model") -> None:
     """ValueError naming `flag` and the tokenizer's model when the tokenizer has no chat template,
     which formats every prompt here (as `specdec eval` refuses one without --raw)."""
-    from specdec.evaluation.prompts import has_chat_template
-
     if not has_chat_template(tokenizer):
         raise ValueError(f"{flag} {tokenizer.name_or_path}: the tokenizer has no chat template, which formats the "
                          "prompts; use a chat model (an instruct checkpoint), or add a chat_template to its "
@@ -91,10 +99,8 @@ def sharegpt_prompts(tokenizer, split: str = "calibration", limit: int = 1000,
     an assistant turn or with a user turn shorter than `min_chars` (mostly "continue") is a
     continuation without its context and is skipped.
     """
-    from runtime.data import sharegpt_conversations
-
     out = []
-    for i, conv in enumerate(sharegpt_conversations(split=split, limit=limit)):
+    for i, conv in enumerate(runtime.data.sharegpt_conversations(split=split, limit=limit)):
         first = opening_user_turn(conv, min_chars)
         if first is None or (keep is not None and not keep(first)):
             continue
@@ -168,11 +174,11 @@ def generate_selfdistill(model, tokenizer, out_path: str | Path, prompts: list[t
     `batch_size` rows (sorted by length within windows of 4 batches). temperature 0 = greedy
     answers; > 0 samples with a generator seeded by `seed` and the batch's first id. deadline: a
     time.monotonic() value after which no new batch starts.
-    hidden_cache: a Medusa hidden-state cache directory (distill.train_medusa, for `num_heads`
+    hidden_cache: a Medusa hidden-state cache directory (distill.data.features, for `num_heads`
     heads) that receives the hidden states generation computes anyway, so training needs no
     second pass of the model over the answers (records the file holds but the cache lacks, after
     a killed run, are cached first by `cache_hidden_states`).
-    eagle_cache: an EAGLE-3 feature cache directory (distill.eagle_cache) that receives the states
+    eagle_cache: an EAGLE-3 feature cache directory (distill.data.features) that receives the states
     entering the target's `aux_layers` and its final hidden states from the same forwards
     (`specdec.capture.StateCapture`), every `heldout_every`-th record held out; records the
     file holds but the cache lacks are cached first by `cache_eagle_states`.
@@ -184,15 +190,11 @@ def generate_selfdistill(model, tokenizer, out_path: str | Path, prompts: list[t
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     out_path = check_records_file(out_path)
     if hidden_cache is not None:
-        from distill.train_medusa import check_cache_dir
-
-        check_cache_dir(hidden_cache)
+        check_cache_dir(hidden_cache, MedusaLayout)
     if eagle_cache is not None:
-        from distill.eagle_cache import check_eagle_cache_dir
-
         if not aux_layers:
             raise ValueError("an EAGLE-3 feature cache needs the target layers it stores (aux_layers)")
-        check_eagle_cache_dir(eagle_cache)
+        check_cache_dir(eagle_cache, EagleLayout)
     _drop_torn_tail(out_path)
     records = read_records(out_path)
     if not _catch_up(model, records, hidden_cache, num_heads, eagle_cache, aux_layers, heldout_every, deadline):
@@ -233,7 +235,7 @@ def generate_selfdistill(model, tokenizer, out_path: str | Path, prompts: list[t
                         hidden_writer.add(rec, hid)
                 if features is not None:
                     for rec, hid, aux in zip(recs, capture.hidden_states, capture.aux_states):
-                        features.add(rec, aux, hid)
+                        features.add(rec, hid, aux)
                 bar.update(len(batch))
     finally:  # an interrupted run keeps the states of every record already written
         for w in (hidden_writer, features):
@@ -244,7 +246,7 @@ def generate_selfdistill(model, tokenizer, out_path: str | Path, prompts: list[t
 
 
 def _has_manifest(cache: str | Path | None) -> bool:
-    return cache is not None and (Path(cache) / MANIFEST).is_file()  # the Medusa cache's is named alike
+    return cache is not None and (Path(cache) / MANIFEST).is_file()
 
 
 def _catch_up(model, records: list[dict], hidden_cache, num_heads: int, eagle_cache, aux_layers,
@@ -254,29 +256,24 @@ def _catch_up(model, records: list[dict], hidden_cache, num_heads: int, eagle_ca
     beside a file without records needs nothing and is not created."""
     caught_up = True
     if hidden_cache is not None and (records or _has_manifest(hidden_cache)):
-        from distill.train_medusa import HiddenCacheWriter, cache_hidden_states
-
         cache_hidden_states(model, records, hidden_cache, num_heads, deadline=deadline)
-        caught_up = HiddenCacheWriter(hidden_cache, num_heads, model.config.hidden_size).records_done >= len(records)
+        layout = MedusaLayout(num_heads, model.config.hidden_size)
+        caught_up = FeatureWriter(hidden_cache, layout).records_done >= len(records)
     if caught_up and eagle_cache is not None and (records or _has_manifest(eagle_cache)):
-        from distill.eagle_cache import EagleCacheWriter, cache_eagle_states
-
         cache_eagle_states(model, records, eagle_cache, tuple(aux_layers), heldout_every=heldout_every,
                            deadline=deadline)
-        writer = EagleCacheWriter(eagle_cache, model.config.hidden_size, tuple(aux_layers), heldout_every)
-        caught_up = writer.records_done >= len(records)
+        layout = EagleLayout(model.config.hidden_size, tuple(aux_layers))
+        caught_up = FeatureWriter(eagle_cache, layout, heldout_every).records_done >= len(records)
     return caught_up
 
 
-def _cache_writers(model, hidden_cache, num_heads: int, eagle_cache, aux_layers, heldout_every: int) -> tuple:
-    """(HiddenCacheWriter or None, EagleCacheWriter or None): writers of the caches asked for."""
+def _cache_writers(model, hidden_cache, num_heads: int, eagle_cache, aux_layers,
+                   heldout_every: int) -> tuple[FeatureWriter | None, FeatureWriter | None]:
+    """The writers of the caches asked for: (Medusa's or None, EAGLE-3's or None)."""
     hidden_writer = features = None
     if hidden_cache is not None:
-        from distill.train_medusa import HiddenCacheWriter
-
-        hidden_writer = HiddenCacheWriter(hidden_cache, num_heads, model.config.hidden_size)
+        hidden_writer = FeatureWriter(hidden_cache, MedusaLayout(num_heads, model.config.hidden_size))
     if eagle_cache is not None:
-        from distill.eagle_cache import EagleCacheWriter
-
-        features = EagleCacheWriter(eagle_cache, model.config.hidden_size, tuple(aux_layers), heldout_every)
+        layout = EagleLayout(model.config.hidden_size, tuple(aux_layers))
+        features = FeatureWriter(eagle_cache, layout, heldout_every)
     return hidden_writer, features

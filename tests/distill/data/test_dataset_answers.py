@@ -3,8 +3,8 @@
 import pytest
 
 import runtime.data
-from distill.dataset_answers import sharegpt_answer_records
-from distill.selfdistill import chat_prompt_ids
+from distill.data.dataset_answers import sharegpt_answer_records
+from distill.data.selfdistill import chat_prompt_ids
 
 LONG = "w1 " * 12  # a user turn of at least 32 characters
 

@@ -1,11 +1,11 @@
-"""distill.code_prompts: HumanEval-shaped function stubs from Python sources, and the prompt mix."""
+"""distill.data.code_prompts: HumanEval-shaped function stubs from Python sources, and the prompt mix."""
 
 import ast
 
 import pytest
 
-from distill import code_prompts
-from distill.code_prompts import cached_function_stubs, function_stubs, interleave, prompt_id, stub
+from distill.data import code_prompts
+from distill.data.code_prompts import cached_function_stubs, function_stubs, interleave, prompt_id, stub
 
 SOURCE = '''
 import os

@@ -1,4 +1,4 @@
-"""distill.heldout on tiny random models: teacher-forced agreement against a row-by-row count,
+"""distill.draft.heldout on tiny random models: teacher-forced agreement against a row-by-row count,
 expected tau by hand, the held-out set's file, and its use inside distill_draft."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from distill.draft import DistillConfig, distill_draft
-from distill.heldout import HeldoutSet, agreement, expected_tau, target_answers
+from distill.draft.heldout import HeldoutSet, agreement, expected_tau, target_answers
+from distill.draft.train import DistillConfig, distill_draft
 from runtime.tiny import tiny_model
 
 FAST = dict(lr=3e-3, max_new_tokens=12, mixed_precision="no", eval_tokens=12, warmup_steps=2)
