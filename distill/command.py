@@ -70,8 +70,8 @@ from runtime.outputs import created_output
 from specdec.drafters.medusa.heads import attach_medusa, choose_tree
 from specdec.drafters.medusa.io import load_medusa, read_medusa_config, save_medusa
 from specdec.drafters.medusa.tree import expected_length
-from specdec.drafters.tree_cost import cost_report, describe, measure_trees
 from specdec.evaluation.prompts import encode, load_prompts
+from specdec.tuning.tree_cost import cost_report, describe, measure_trees
 
 MAX_MINUTES_HELP = "omit it for no limit"
 

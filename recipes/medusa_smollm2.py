@@ -54,7 +54,7 @@ from specdec.drafters.medusa.heads import MedusaHeads, choose_tree
 from specdec.drafters.spec import DrafterSpec
 from specdec.evaluation.evaluate import EvalConfig, run_eval
 from specdec.evaluation.prompts import encode, load_prompts
-from specdec.drafters.tree_cost import cost_report, describe, measure_trees
+from specdec.tuning.tree_cost import cost_report, describe, measure_trees
 
 # files that mark a run directory of these recipes: with one of them, --out is resumed
 RUN_MARKERS = (*TRAIN_MARKERS, "metrics.json", "train_run.json", "tau.json", "summary.json")
@@ -84,7 +84,7 @@ def tau_on_prompts(model, heads, rows: list[torch.Tensor], max_new_tokens: int, 
 def speed_tree(args: argparse.Namespace, model, heads: MedusaHeads, row: torch.Tensor, out: Path) -> Path:
     """The heads with the tree the speed comparison uses, saved to OUT/speed_tree: --speed-nodes
     nodes, or with "auto" the size among --speed-sizes with the highest expected speed when timed
-    on this machine (specdec.drafters.tree_cost, decoding the prompt `row`; the timings go to
+    on this machine (specdec.tuning.tree_cost, decoding the prompt `row`; the timings go to
     OUT/speed_tree/tree_cost.json). On a CPU the tree forward grows with the tree, so the tree
     that gives the highest tau is not the fastest (BENCHMARKS.md section 5)."""
     table = [list(r) for r in heads.config.head_accuracy]
