@@ -1,6 +1,6 @@
 """Predict greedy Medusa tau for several tree sizes from one plain decoding pass.
 
-Replays each tree over the plain greedy continuation and its hidden states (specdec.drafters.medusa.replay)
+Replays each tree over the plain greedy continuation and its hidden states (specdec.tuning.medusa_replay)
 instead of running it: one ~3-minute plain pass for qwen2.5-coder-1.5b on 32 HumanEval problems
 answers for every size, where a real tau run of one 256-node tree takes ~100 minutes on this CPU.
 The trees are built from the heads' held-out accuracy table, as `specdec medusa tree` builds
@@ -22,9 +22,9 @@ import runtime
 from distill.command import parse_sizes
 from distill.data.selfdistill import stop_token_ids
 from runtime.hardware import DTYPES
-from specdec.drafters.medusa.replay import replay_tau
 from specdec.drafters.medusa.tree import Tree, build_tree
 from specdec.evaluation.prompts import encode, load_prompts
+from specdec.tuning.medusa_replay import replay_tau
 
 
 def main() -> None:

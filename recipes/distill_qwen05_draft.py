@@ -51,9 +51,9 @@ from distill.draft.onpolicy import DATA_SOURCES, heldout_prompts, training_promp
 from distill.draft.train import CHECKPOINTS, METRICS, DistillConfig, distill_draft, heldout_set
 from runtime.atomic import atomic_write_text
 from runtime.hardware import DTYPES
-from specdec.drafters.spec import DrafterSpec
 from specdec.evaluation.evaluate import EvalConfig, run_eval
 from specdec.evaluation.prompts import DATASETS, load_prompts
+from specdec.methods import DrafterSpec
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 # files that mark a run directory of this recipe: with one of them, --out is resumed

@@ -49,8 +49,8 @@ from runtime.atomic import atomic_write_text
 from runtime.hardware import DTYPES
 from specdec.cli import tree_nodes_arg
 from specdec.drafters.eagle.drafter import EagleTreeConfig
-from specdec.drafters.spec import DrafterSpec
 from specdec.evaluation.evaluate import EvalConfig, run_eval
+from specdec.methods import DrafterSpec
 
 # files that mark a run directory of these recipes: with one of them, --out is resumed
 RUN_MARKERS = (*TRAIN_MARKERS, "metrics.json", "summary.json")

@@ -51,9 +51,9 @@ from distill.medusa.train import TRAIN_MARKERS, MedusaTrainConfig
 from runtime.atomic import atomic_write_text
 from runtime.hardware import DTYPES
 from specdec.drafters.medusa.heads import MedusaHeads, choose_tree
-from specdec.drafters.spec import DrafterSpec
 from specdec.evaluation.evaluate import EvalConfig, run_eval
 from specdec.evaluation.prompts import encode, load_prompts
+from specdec.methods import DrafterSpec
 from specdec.tuning.tree_cost import cost_report, describe, measure_trees
 
 # files that mark a run directory of these recipes: with one of them, --out is resumed

@@ -20,7 +20,7 @@ from recipe_errors import run
 
 import quant
 import runtime
-from specdec.drafters.spec import DrafterSpec
+from specdec.methods import DrafterSpec
 
 MODEL = "qwen2.5-coder-1.5b-instruct"
 

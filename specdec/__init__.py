@@ -19,7 +19,7 @@ _EXPORTS = {
     "Accepted": "specdec.drafter", "Drafter": "specdec.drafter", "DraftTree": "specdec.drafter",
     "Eagle3Config": "specdec.drafters.eagle.head", "Eagle3Head": "specdec.drafters.eagle.head",
     "load_eagle": "specdec.drafters.eagle.io", "save_eagle": "specdec.drafters.eagle.io",
-    "DrafterSpec": "specdec.drafters.spec",
+    "DrafterSpec": "specdec.methods",
     "GenerateOutput": "specdec.generate", "generate": "specdec.generate", "stream": "specdec.generate",
     "SamplingParams": "specdec.sampling",
     "Engine": "specdec.serving.engine", "Request": "specdec.serving.engine",
@@ -35,8 +35,8 @@ if TYPE_CHECKING:
     from specdec.drafter import Accepted, Drafter, DraftTree
     from specdec.drafters.eagle.head import Eagle3Config, Eagle3Head
     from specdec.drafters.eagle.io import load_eagle, save_eagle
-    from specdec.drafters.spec import DrafterSpec
     from specdec.generate import GenerateOutput, generate, stream
+    from specdec.methods import DrafterSpec
     from specdec.sampling import SamplingParams
     from specdec.serving.engine import Engine, Request
     from specdec.stats import AcceptanceStats

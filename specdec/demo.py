@@ -24,8 +24,8 @@ def run_demo(args: argparse.Namespace) -> int:
     check_out_dir(args.out, overwrite=True)  # a path that cannot take the run fails before the downloads
     for name in (DEMO_TARGET, DEMO_DRAFT):
         print(f"model {name}: {runtime.fetch(name)}")
-    from specdec.drafters.spec import DrafterSpec
     from specdec.evaluation import llamacpp
+    from specdec.methods import DrafterSpec
 
     drafters = [DrafterSpec("draft", DEMO_DRAFT), DrafterSpec("ngram"), DrafterSpec("hybrid", DEMO_DRAFT)]
     methods = ["plain", *map(str, drafters), "hf", f"hf-assisted:{DEMO_DRAFT}"]

@@ -49,7 +49,7 @@ def generate(target, input_ids, draft=None, max_new_tokens: int = 128, temperatu
     also pads the output rows. draft: None,
     a runtime / transformers model sharing the target's vocabulary, a drafter spec (the strings of
     `specdec eval --methods` and `specdec serve --draft`: "ngram", "draft:NAME@4", "eagle:DIR@48",
-    "ngram+draft:NAME", ...; specdec.drafters.spec), Medusa heads, an EAGLE-3 head, a
+    "ngram+draft:NAME", ...; specdec.methods), Medusa heads, an EAGLE-3 head, a
     `specdec.drafter.Drafter`, or a list tried in order per step (["ngram", draft_model] =
     hybrid). num_draft_tokens: drafts per step (1-64) or "auto" (tuned per step for speed; trees
     such as Medusa's keep their own shape; a spec's own @K replaces it). temperature, top_p and

@@ -28,7 +28,7 @@ from specdec.drafters.medusa.heads import MedusaHeads
 from specdec.drafters.medusa.io import load_medusa
 from specdec.drafters.model import DraftModel, ModelDrafter
 from specdec.drafters.ngram import NgramDrafter
-from specdec.drafters.spec import DrafterSpec
+from specdec.methods import DrafterSpec
 from specdec.tuning.state import TuningState, process_state
 
 

@@ -232,8 +232,6 @@ def _uses_generate(module: str) -> list[str]:
     return found
 
 
-@pytest.mark.xfail(strict=True, reason="specdec/drafters/medusa/replay.py still calls specdec.generate (its "
-                   "plain pass); remove this mark when nothing under specdec/drafters/ uses generate")
 def test_no_drafter_imports_generate():
     bad = [line for m in modules() if m.startswith("specdec.drafters.") or m == "specdec.drafters"
            for line in _uses_generate(m)]

@@ -233,6 +233,6 @@ def check_token_strings(d_src: str | Path, t_src: str | Path, sample: int) -> No
 
 
 def from_spec(spec, target, loader) -> DraftModel:
-    """`draft:NAME_OR_PATH[@K[:pP]]` (specdec.drafters.spec): the draft model, loaded by `loader`, and its
+    """`draft:NAME_OR_PATH[@K[:pP]]` (specdec.methods): the draft model, loaded by `loader`, and its
     p_min; generate() makes the ModelDrafter with its sampling."""
     return DraftModel(loader.model(spec.arg, target), spec.p_min or 0.0)

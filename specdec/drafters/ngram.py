@@ -51,5 +51,5 @@ class NgramDrafter(Drafter):
 
 
 def from_spec(spec, target, loader):
-    """`ngram[@K]` (specdec.drafters.spec): the lookup itself; K is the caller's draft length."""
+    """`ngram[@K]` (specdec.methods): the lookup itself; K is the caller's draft length."""
     return "ngram"

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-HF_MODES = ("hf", "hf-assisted", "hf-pld")
-LLAMACPP_MODES = ("llamacpp", "llamacpp-spec", "llamacpp-eagle3")  # specdec.evaluation.llamacpp
-BASELINES = HF_MODES + LLAMACPP_MODES  # methods that name a speedup_vs_<kind> column of the report
+from specdec.methods import METHODS, TRANSFORMERS
+
+HF_MODES = tuple(kind for kind, e in METHODS.items() if e.engine == TRANSFORMERS)  # the kinds HFGenerator runs
 
 
 def load_hf_model(name_or_path: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu",

@@ -5,7 +5,7 @@ prompt 2: all methods, ...) so that machine drift hits all of them alike, after 
 generations. Methods (`--methods`, comma-separated):
 
     plain            specdec.generate(target, ids)                      (this runtime, no draft)
-    a drafter spec   specdec.generate(target, ids, draft=SPEC)          (specdec.drafters.spec)
+    a drafter spec   specdec.generate(target, ids, draft=SPEC)          (specdec.methods)
                      ngram[@K], suffix[@N], draft:X[@K[:pP]], hybrid:X[@K] (= ngram+draft:X),
                      A+B[@K] (chain drafters tried in order), A|B (the best proposal per step),
                      medusa:PATH[@N], eagle:PATH[@N[:DxK]] / @auto[:DxK]
@@ -59,9 +59,10 @@ import argparse
 import contextlib
 import dataclasses
 import hashlib
+import importlib.metadata
 import json
 import os
-import re
+import platform
 import shlex
 import sys
 import time
@@ -70,21 +71,27 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import transformers
 
+import runtime
 from runtime import hardware
 from runtime.argtypes import seed_number
 from runtime.atomic import atomic_write_text
 from runtime.errors import ContextLengthError, SpecdecError
 from runtime.invariant import unsupported_reason
-from runtime.loading import WEIGHTS, resolve_weights
+from runtime.loading import WEIGHTS, gguf_source, resolve_weights
 from runtime.outputs import created_output, output_lock, prepare_output_dir
 from runtime.progress import progress as progress_bar
 from specdec.drafters.draft_vocab import ALIGN as DRAFT_VOCAB_ALIGN
-from specdec.drafters.spec import DRAFT_LENGTH, DRAFTERS, GRAMMAR, DrafterSpec
-from specdec.evaluation.baselines import BASELINES, HF_MODES, LLAMACPP_MODES, HFGenerator, load_hf_model, new_tokens
+from specdec.drafters.draft_vocab import frequent_tokens, restrict_vocab
+from specdec.drafters.model import check_token_strings
+from specdec.evaluation.baselines import HFGenerator, load_hf_model, new_tokens
+from specdec.evaluation.llamacpp import LlamaServer, server_binary, stats_from_timings
 from specdec.evaluation.prompts import DATASETS, Prompt, encode, eos_ids, load_prompts
-from specdec.evaluation.report import baseline_label
+from specdec.evaluation.report import build_report, render_markdown, write_report
+from specdec.generate import generate
 from specdec.loader import DrafterLoader
+from specdec.methods import LLAMACPP, RUNTIME, TRANSFORMERS, DrafterSpec, Method, parse_methods
 from specdec.options import DEFAULT_NUM_DRAFT_TOKENS, parse_draft_length
 from specdec.sampling import SamplingParams
 from specdec.stats import AcceptanceStats
@@ -92,16 +99,7 @@ from specdec.tuning.eagle_tree import TreeTuner
 from specdec.tuning.state import TuningState
 from specdec.tuning.warmup import warm_up
 
-# methods that are no drafter of this runtime; every other method is a drafter spec (specdec.drafters.spec)
-BASE_KINDS = ("plain", "hf", "hf-assisted", "hf-pld", "llamacpp", "llamacpp-spec", "llamacpp-eagle3")
-METHOD_KINDS = ("plain", *DRAFTERS, *BASE_KINDS[1:])
-_NEEDS_ARG = ("hf-assisted", "llamacpp-spec", "llamacpp-eagle3")
-# @K = their draft length (a composite's: its members')
-DRAFT_LENGTH_KINDS = (*(k for k, e in DRAFTERS.items() if e.size == DRAFT_LENGTH), "best")
-# methods that take @K (medusa and eagle: the tree's nodes)
-_DRAFTING = (*(k for k, e in DRAFTERS.items() if e.size is not None), "llamacpp-spec", "llamacpp-eagle3")
 LLAMACPP_DRAFT_MAX = 4  # llamacpp-spec's drafts when neither @K nor an integer --num-draft-tokens says
-_TREE_SHAPE = re.compile(r"[0-9]+x[0-9]+")  # a drafter's @N:DEPTHxTOP_K, refused by the other methods
 DTYPES = {name: hardware.DTYPES[name] for name in ("bfloat16", "float32")}  # the dtypes runs are measured in
 GENERATIONS, RUN_FILE = "generations.jsonl", "run.json"
 _OUTPUTS = (GENERATIONS, RUN_FILE, "report.json", "report.md", "acceptance.png", "speedup.png", "tree_auto.json")
@@ -112,79 +110,6 @@ _RESUME_KEYS = ("target", "prompts", "dataset", "raw", "all_turns", "dtype", "de
                 "num_draft_tokens", "temperature", "top_p", "top_k", "seed", "hf_pld_tokens", "compile")
 # later options, part of the resume settings only when set (runs made before them still resume)
 _RESUME_IF_SET = ("draft_vocab", "no_row_invariant")
-
-
-@dataclass(frozen=True)
-class MethodSpec:
-    """One decoding method of a run: `name` as given (e.g. "draft:X@3"), its kind and argument,
-    its own draft length (the `@K` suffix: an integer or "auto"; None = the run's; for medusa and
-    eagle the tree's nodes) and, for eagle, the tree's (depth, top_k) (the `@N:DxK` suffix; None =
-    EagleTreeConfig's). Drafting methods are drafter specs (`drafter`); the others are BASE_KINDS."""
-
-    name: str
-    kind: str
-    arg: str | None = None
-    num_draft_tokens: int | str | None = None
-    tree_shape: tuple[int, int] | None = None
-
-    @classmethod
-    def parse(cls, text: str) -> "MethodSpec":
-        name = text.strip()
-        base, at, k = name.rpartition("@")
-        k, colon, shape = k.partition(":")
-        if not at or not (k.isdigit() or k == "auto") or (colon and not _TREE_SHAPE.fullmatch(shape)):
-            base, at, k, colon = name, "", "", ""  # an "@" inside a path is part of the path
-        kind, _, arg = base.partition(":")
-        leading = name.partition("@")[0].partition(":")[0]  # "ngram" of a malformed "ngram@": the spec says why
-        if kind in DRAFTERS or leading in DRAFTERS or (kind not in BASE_KINDS and ("+" in name or "|" in name)):
-            spec = DrafterSpec.parse(name)
-            return cls(name, spec.kind, spec.arg, spec.draft_length if spec.kind == "best" else spec.size, spec.shape)
-        if kind not in BASE_KINDS:
-            raise ValueError(f"unknown method {text!r}; choose from plain, hf, hf-assisted:NAME_OR_PATH, hf-pld, "
-                             "llamacpp, llamacpp-spec:NAME_OR_GGUF@K, llamacpp-eagle3:HEAD_GGUF@K, or a drafter: "
-                             f"{GRAMMAR}")
-        if kind in _NEEDS_ARG and not arg:
-            raise ValueError(f"method {kind!r} needs a model: write {kind}:NAME_OR_PATH")
-        if kind not in _NEEDS_ARG and arg:
-            raise ValueError(f"method {kind!r} takes no argument, got {text!r}")
-        if at and kind not in _DRAFTING:
-            raise ValueError(f"{text!r}: only {', '.join(_DRAFTING)} take a draft length @K")
-        if colon:
-            raise ValueError(f"{text!r}: only eagle takes a tree shape (@N:DEPTHxTOP_K)")
-        if kind in ("llamacpp-spec", "llamacpp-eagle3") and k == "auto":
-            raise ValueError(f"{text!r}: llama.cpp drafts a fixed number of tokens at most: write @K, an integer")
-        return cls(name, kind, arg or None, parse_draft_length(k) if at else None)
-
-    @property
-    def drafter(self) -> DrafterSpec | None:
-        """The drafter spec of a drafting method (None for plain and the baselines)."""
-        return DrafterSpec.parse(self.name) if self.kind in DRAFTERS else None
-
-    @property
-    def draft_length(self) -> int | str | None:
-        """The method's own draft length (@K of ngram, draft, hybrid), None = the run's."""
-        return self.num_draft_tokens if self.kind in DRAFT_LENGTH_KINDS else None
-
-    @property
-    def tree_fields(self) -> dict[str, int]:
-        """EagleTreeConfig keywords of the tree shape (empty: EagleTreeConfig's default depth and top-k)."""
-        return dict(zip(("depth", "top_k"), self.tree_shape or ()))
-
-
-def parse_methods(text: str | list[str] | tuple[str, ...]) -> list[MethodSpec]:
-    """Methods from "plain,ngram,hf" (or a list); names unique, at most one per transformers kind."""
-    items = text.split(",") if isinstance(text, str) else list(text)
-    specs = [MethodSpec.parse(t) for t in items if t.strip()]
-    if not specs:
-        raise ValueError("no methods given; e.g. --methods plain,ngram,hf")
-    names = [s.name for s in specs]
-    if len(set(names)) != len(names):
-        raise ValueError(f"methods repeat: {names}")
-    labels = [label for label in map(baseline_label, names) if label]
-    if len(set(labels)) != len(labels):
-        raise ValueError(f"at most one method of each baseline kind ({', '.join(BASELINES)}; llamacpp-spec and "
-                         "llamacpp-eagle3: one per @K): they name the speedup_vs_<baseline> columns")
-    return specs
 
 
 @dataclass(frozen=True)
@@ -245,7 +170,7 @@ class EvalConfig:
                              f"{DRAFT_VOCAB_ALIGN}, got {self.draft_vocab}")
 
     @property
-    def method_specs(self) -> list[MethodSpec]:
+    def method_list(self) -> list[Method]:
         return parse_methods(self.methods)
 
     @property
@@ -430,10 +355,7 @@ class Runner:
     """Loads each model once and decodes one prompt with one method."""
 
     def __init__(self, cfg: EvalConfig, tokenizer, eos: list[int]) -> None:
-        import runtime
-
         self.cfg, self.tokenizer, self.eos = cfg, tokenizer, eos
-        self._runtime = runtime
         self._models: dict[tuple[str, str], object] = {}
         self.calibration: list[Prompt] = []  # prompts an `@auto` EAGLE-3 tree is measured on (the first that fits)
         self.method = ""  # the method whose drafter is loading (its tuning state is its own)
@@ -461,7 +383,7 @@ class Runner:
         return self._runtime_model(self.cfg.target)
 
     def _runtime_model(self, name: str):
-        return self._cached(("runtime", name), lambda: self._runtime.load_model(
+        return self._cached(("runtime", name), lambda: runtime.load_model(
             name, dtype=self.cfg.torch_dtype, device=self.cfg.device, compile=self.cfg.compile,
             weights=self.cfg.weights, row_invariant=not self.cfg.no_row_invariant))
 
@@ -473,18 +395,14 @@ class Runner:
             return self._runtime_model(name)
 
         def load():
-            from specdec.drafters.draft_vocab import restrict_vocab
-
-            model = self._runtime.load_model(name, dtype=cfg.torch_dtype, device=cfg.device, weights=cfg.weights,
+            model = runtime.load_model(name, dtype=cfg.torch_dtype, device=cfg.device, weights=cfg.weights,
                                              row_invariant=not cfg.no_row_invariant)
             restrict_vocab(model, self._frequent_tokens(model.config.vocab_size))
-            return self._runtime.compile_decode(model) if cfg.compile else model
+            return runtime.compile_decode(model) if cfg.compile else model
 
         return self._cached(("draft", name), load)
 
     def _frequent_tokens(self, vocab_size: int) -> torch.Tensor:
-        from specdec.drafters.draft_vocab import frequent_tokens
-
         return self._cached(("draft-vocab", str(vocab_size)), lambda: frequent_tokens(
             self.tokenizer, self.cfg.draft_vocab, vocab_size))
 
@@ -495,20 +413,17 @@ class Runner:
         return self._cached(("hf", name), lambda: load_hf_model(
             name, self.cfg.torch_dtype, self.cfg.device, eos_token_id=self.eos or None, pad_token_id=pad))
 
-    def draft_for(self, spec: MethodSpec):
-        """The `draft=` argument of specdec.generate for a specdec method."""
-        if spec.kind == "plain":
+    def draft_for(self, method: Method):
+        """The `draft=` argument of specdec.generate for a method this runtime decodes."""
+        if method.engine != RUNTIME:
+            raise ValueError(f"{method.name} is not a specdec method")
+        if method.drafter is None:
             return None
-        if spec.drafter is None:
-            raise ValueError(f"{spec.name} is not a specdec method")
-        self.method = spec.name
-        return spec.drafter.load(self.target, self.loader)
+        self.method = method.name
+        return method.drafter.load(self.target, self.loader)
 
-    def llama_server(self, spec: MethodSpec):
+    def llama_server(self, spec: Method):
         """The running llama-server of a llamacpp method (started on first use, stopped by `close`)."""
-        from runtime.loading import gguf_source
-        from specdec.evaluation.llamacpp import LlamaServer, server_binary
-
         def start():
             server_binary()  # a clear error before anything else when llama.cpp is not built
             target = gguf_source(self.cfg.target)
@@ -517,20 +432,18 @@ class Runner:
                                  "neither a catalogue name nor a .gguf file")
             draft = None
             if spec.kind == "llamacpp-eagle3":
-                draft = Path(spec.arg).expanduser()
+                draft = Path(spec.spec.arg).expanduser()
                 if draft.suffix != ".gguf" or not draft.is_file():
                     raise ValueError(f"{spec.name}: llama.cpp reads an EAGLE-3 head as a .gguf file; write one with "
                                      f"`specdec export gguf HEAD_DIR --target {self.cfg.target} --out HEAD.gguf`")
             if spec.kind == "llamacpp-spec":
-                draft = gguf_source(spec.arg)
+                draft = gguf_source(spec.spec.arg)
                 if draft is None:
-                    raise ValueError(f"{spec.name}: the draft {spec.arg!r} is neither a catalogue name nor a .gguf "
-                                     "file")
-                if str(spec.arg) != str(self.cfg.target):  # the check `draft:` methods get from generate()
-                    from specdec.drafters.model import check_token_strings
-
-                    check_token_strings(spec.arg, self.cfg.target, sample=64)
-            k = spec.num_draft_tokens or self.cfg.num_draft_tokens
+                    raise ValueError(f"{spec.name}: the draft {spec.spec.arg!r} is neither a catalogue name nor a "
+                                     ".gguf file")
+                if str(spec.spec.arg) != str(self.cfg.target):  # the check `draft:` methods get from generate()
+                    check_token_strings(spec.spec.arg, self.cfg.target, sample=64)
+            k = spec.draft_length or self.cfg.num_draft_tokens
             server = LlamaServer(target, draft, k if isinstance(k, int) else LLAMACPP_DRAFT_MAX,
                                  threads=self.cfg.threads or torch.get_num_threads(),
                                  eagle3=spec.kind == "llamacpp-eagle3")
@@ -545,38 +458,43 @@ class Runner:
             if key[0] == "llamacpp":
                 value.stop()
 
-    def hf_generator(self, spec: MethodSpec) -> HFGenerator:
-        assistant = self._hf_model(spec.arg) if spec.kind == "hf-assisted" else None
+    def hf_generator(self, spec: Method) -> HFGenerator:
+        assistant = self._hf_model(spec.spec.arg) if spec.kind == "hf-assisted" else None
         return self._cached(("hfgen", spec.name), lambda: HFGenerator(
             self._hf_model(self.cfg.target), spec.kind, assistant, self.cfg.hf_pld_tokens))
 
-    def decode(self, spec: MethodSpec, ids: list[int], seed: int) -> tuple[list[int], dict | None, float]:
-        """(new tokens, stats dict or None, wall seconds) for one prompt."""
+    def decode(self, method: Method, ids: list[int], seed: int) -> tuple[list[int], dict | None, float]:
+        """(new tokens, stats dict or None, wall seconds) for one prompt, by the engine that runs the method."""
+        decoders = {RUNTIME: self._decode_runtime, TRANSFORMERS: self._decode_transformers,
+                    LLAMACPP: self._decode_llamacpp}
+        return decoders[method.engine](method, ids, seed)
+
+    def _decode_llamacpp(self, method: Method, ids: list[int], seed: int) -> tuple[list[int], dict, float]:
         cfg = self.cfg
-        if spec.kind in LLAMACPP_MODES:
-            from specdec.evaluation.llamacpp import stats_from_timings
+        server = self.llama_server(method)
+        start = time.perf_counter()
+        new, timings = server.complete(ids, cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k, seed)
+        wall = time.perf_counter() - start
+        new = new_tokens(new, frozenset(self.eos))
+        return new, stats_from_timings(timings, len(new), wall), wall
 
-            server = self.llama_server(spec)
-            start = time.perf_counter()
-            new, timings = server.complete(ids, cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k, seed)
-            wall = time.perf_counter() - start
-            new = new_tokens(new, frozenset(self.eos))
-            return new, stats_from_timings(timings, len(new), wall), wall
-        if spec.kind in HF_MODES:
-            gen = self.hf_generator(spec)
-            if cfg.temperature > 0:
-                torch.manual_seed(seed)  # transformers samples from the global generator
-            start = time.perf_counter()
-            new = gen.generate(ids, cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k)
-            return new, None, time.perf_counter() - start
-        import specdec
+    def _decode_transformers(self, method: Method, ids: list[int], seed: int) -> tuple[list[int], None, float]:
+        cfg = self.cfg
+        gen = self.hf_generator(method)
+        if cfg.temperature > 0:
+            torch.manual_seed(seed)  # transformers samples from the global generator
+        start = time.perf_counter()
+        new = gen.generate(ids, cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k)
+        return new, None, time.perf_counter() - start
 
-        target, draft = self.target, self.draft_for(spec)
+    def _decode_runtime(self, method: Method, ids: list[int], seed: int) -> tuple[list[int], dict, float]:
+        cfg = self.cfg
+        target, draft = self.target, self.draft_for(method)
         generator = torch.Generator(device=cfg.device).manual_seed(seed)
-        own = spec.draft_length  # medusa's and eagle's @N sized their tree (k unused)
+        own = method.draft_length  # medusa's and eagle's @N sized their tree (k unused)
         sampling = cfg.sampling
         start = time.perf_counter()
-        out = specdec.generate(target, [torch.tensor(ids)], draft=draft, max_new_tokens=sampling.max_new_tokens,
+        out = generate(target, [torch.tensor(ids)], draft=draft, max_new_tokens=sampling.max_new_tokens,
                                temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                                num_draft_tokens=own or cfg.num_draft_tokens,
                                eos_token_id=self.eos or None,
@@ -584,7 +502,7 @@ class Runner:
         wall = time.perf_counter() - start
         return new_tokens(out.sequences[0][len(ids):].tolist(), frozenset(self.eos)), out.stats.to_dict(), wall
 
-    def run_prompt(self, spec: MethodSpec, prompt: Prompt) -> dict:
+    def run_prompt(self, spec: Method, prompt: Prompt) -> dict:
         """Decode every turn of a prompt (later turns follow the method's own answers)."""
         answers, output_ids, tokens, wall, stats = [], [], 0, 0.0, None
         for turn in range(len(prompt.turns)):
@@ -603,11 +521,6 @@ class Runner:
 
 def versions() -> dict:
     """Software and machine the run used."""
-    import importlib.metadata
-    import platform
-
-    import transformers
-
     return {"torch": torch.__version__, "transformers": transformers.__version__,
             "specdec": importlib.metadata.version("specdec"), "python": platform.python_version(),
             "platform": platform.platform(), "cpu_count": os.cpu_count(),
@@ -628,15 +541,10 @@ def run_eval(cfg: EvalConfig, command: str | None = None, progress: bool = True)
 
 
 def _run_locked(cfg: EvalConfig, out: Path, command: str | None, progress: bool) -> dict:
-    import runtime
-    from specdec.evaluation.report import build_report, write_report
-
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
-    specs = cfg.method_specs
-    if any(s.kind in LLAMACPP_MODES for s in specs):
-        from specdec.evaluation.llamacpp import server_binary
-
+    specs = cfg.method_list
+    if any(s.engine == LLAMACPP for s in specs):
         server_binary()  # not built: say how, before any model loads
     prompts = load_prompts(cfg.prompts, cfg.dataset, cfg.limit, cfg.all_turns, raw=cfg.raw)
     tokenizer = runtime.load_tokenizer(cfg.target)
@@ -667,8 +575,8 @@ def _run_locked(cfg: EvalConfig, out: Path, command: str | None, progress: bool)
     return report
 
 
-def _generate_all(runner: Runner, cfg: EvalConfig, specs: list[MethodSpec], prompts: list[Prompt],
-                  todo: list[tuple[Prompt, MethodSpec]], skipped: set[str], path: Path, digest: str,
+def _generate_all(runner: Runner, cfg: EvalConfig, specs: list[Method], prompts: list[Prompt],
+                  todo: list[tuple[Prompt, Method]], skipped: set[str], path: Path, digest: str,
                   progress: bool) -> None:
     """Warm every pending method up, then decode `todo` prompt-major, appending each line to `path`
     (opened with the first line: a run that fails before it creates no empty file)."""
@@ -701,16 +609,15 @@ def _generate_all(runner: Runner, cfg: EvalConfig, specs: list[MethodSpec], prom
             bar.update()
 
 
-def _warm_up(runner: Runner, spec: MethodSpec, prompts: list[Prompt]) -> None:
+def _warm_up(runner: Runner, spec: Method, prompts: list[Prompt]) -> None:
     """Untimed generations of `spec` on the first of `prompts` whose first turn fits the context: one,
     and with --compile what specdec.tuning.warmup adds for its drafter."""
     for prompt in prompts:
         ids = encode(runner.tokenizer, [prompt.turns[0]], [], runner.cfg.raw)
 
         def run(drafter: DrafterSpec | None, k: int | None) -> None:
-            method = spec if drafter is None or drafter == spec.drafter else MethodSpec.parse(str(drafter))
-            runner.decode(method if k is None else dataclasses.replace(method, num_draft_tokens=k), ids,
-                          runner.cfg.seed)
+            method = spec if drafter is None or drafter == spec.drafter else Method(str(drafter), drafter)
+            runner.decode(method if k is None else dataclasses.replace(method, k=k), ids, runner.cfg.seed)
 
         try:
             if spec.drafter is None:
@@ -794,8 +701,6 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 def main(args: argparse.Namespace) -> int:
     """Entry point of `specdec eval`: runs, prints the Markdown report, returns the exit code."""
-    from specdec.evaluation.report import render_markdown
-
     names = {f.name for f in dataclasses.fields(EvalConfig)}
     cfg = EvalConfig(**{k: v for k, v in vars(args).items() if k in names})
     report = run_eval(cfg)

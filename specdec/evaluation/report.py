@@ -30,7 +30,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from runtime.atomic import atomic_write, atomic_write_text
-from specdec.evaluation.baselines import BASELINES
+from specdec.methods import Method
 from specdec.stats import AcceptanceStats
 
 TAU_CONVENTION = ("tau = mean_accepted_tokens = tokens emitted per target forward pass, the bonus / "
@@ -38,13 +38,9 @@ TAU_CONVENTION = ("tau = mean_accepted_tokens = tokens emitted per target forwar
 
 
 def baseline_label(method: str) -> str | None:
-    """The speedup_vs_<label> label of a baseline method: its kind, and for llama.cpp's speculative
-    decoding (which a run may try at several draft lengths) its @K too."""
-    kind = method.partition(":")[0]
-    if kind not in BASELINES:
-        return None
-    _, at, k = method.rpartition("@")
-    return f"{kind}@{k}" if kind in ("llamacpp-spec", "llamacpp-eagle3") and at else kind
+    """The speedup_vs_<label> label of the method named `method` (`specdec.methods.BaselineSpec.label`;
+    None for plain and the drafters)."""
+    return Method.parse(method).label
 
 
 def _group(records: dict[str, dict[str, dict]], ids: list[str], method: str, first: str) -> dict:

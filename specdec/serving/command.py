@@ -3,12 +3,13 @@
     specdec serve --model qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct \\
         --max-batch 4 --port 8000
 
-Drafters: `--draft SPEC` in the grammar of `specdec eval --methods` (specdec.drafters.spec):
+Drafters: `--draft SPEC` in the grammar of `specdec eval --methods` (specdec.methods):
 `ngram[@K]`, `draft:NAME_OR_PATH[@K]` (a bare NAME_OR_PATH is a draft model too), chain drafters
 joined by '+' tried in order (`ngram+NAME`), `medusa:DIR[@N]`, `eagle:DIR[@N[:DxK]]` or
-`eagle:DIR@auto` (tree sizes timed on this machine at start-up); none = plain decoding. `--eagle
-PATH` (with `--eagle-tree`, `--eagle-depth`, `--eagle-top-k`) and `--medusa PATH` are aliases of
-those specs. Loading a drafter reports on stderr (`specdec generate` shares it).
+`eagle:DIR@auto` (tree sizes timed on this machine at start-up); none = plain decoding. The
+deprecated `--eagle PATH` (with `--eagle-tree`, `--eagle-depth`, `--eagle-top-k`) and `--medusa
+PATH` still work: each stands for the spec `legacy_draft` writes, read by the same parser. Loading
+a drafter reports on stderr (`specdec generate` shares it).
 Requests join the running batch between steps (`specdec.serving.engine.Engine`, at most --max-batch rows).
 The address is checked and the models loaded before the server starts, so a taken port or a bad
 model path fails at once with one line.
@@ -20,13 +21,14 @@ import argparse
 import errno
 import socket
 import sys
+import warnings
 
 from runtime.argtypes import port_number, positive_int
 from runtime.hardware import DTYPES
 from runtime.loading import WEIGHTS
 from specdec.drafters.eagle.drafter import EagleTreeConfig
-from specdec.drafters.spec import DrafterSpec
 from specdec.loader import DrafterLoader
+from specdec.methods import DrafterSpec
 from specdec.options import DEFAULT_NUM_DRAFT_TOKENS, WEIGHTS_HELP
 from specdec.tuning.eagle_tree import TreeTuner
 from specdec.tuning.state import TuningState
@@ -76,18 +78,34 @@ def check_drafter_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"{', '.join(given)} only {verb} with --eagle; {where}, or drop {' and '.join(given)}")
 
 
-def drafter_spec(args: argparse.Namespace) -> DrafterSpec | None:
-    """The DrafterSpec of --draft, or of its aliases --eagle (with --eagle-tree / --eagle-depth /
-    --eagle-top-k) and --medusa; None = plain decoding. Options that would be dropped are refused
-    first (check_drafter_flags)."""
-    check_drafter_flags(args)
-    if args.eagle:
-        depth, top_k = args.eagle_depth, args.eagle_top_k
-        shape = None if depth is None and top_k is None else (EagleTreeConfig.depth if depth is None else depth,
-                                                              EagleTreeConfig.top_k if top_k is None else top_k)
-        return DrafterSpec("eagle", args.eagle, args.eagle_tree, shape)
+def legacy_draft(args: argparse.Namespace) -> str | None:
+    """The --draft spec the deprecated --eagle (with --eagle-tree / --eagle-depth / --eagle-top-k) or
+    --medusa stand for; None when neither is given."""
+    path = args.eagle or args.medusa
+    if not path:
+        return None
+    path += "/" if "@" in path and not path.endswith("/") else ""  # an '@' in a directory's name stays in it
     if args.medusa:
-        return DrafterSpec("medusa", args.medusa)
+        return f"medusa:{path}"
+    depth, top_k, nodes = args.eagle_depth, args.eagle_top_k, args.eagle_tree
+    shape = "" if depth is None and top_k is None else \
+        f":{EagleTreeConfig.depth if depth is None else depth}x{EagleTreeConfig.top_k if top_k is None else top_k}"
+    if nodes is None and shape:
+        nodes = EagleTreeConfig.total_tokens
+    return f"eagle:{path}" + ("" if nodes is None else f"@{nodes}{shape}")
+
+
+def drafter_spec(args: argparse.Namespace) -> DrafterSpec | None:
+    """The DrafterSpec of --draft (or of the deprecated --eagle / --medusa, `legacy_draft`, with a
+    FutureWarning saying what to write instead); None = plain decoding. Options that would be
+    dropped are refused first (check_drafter_flags)."""
+    check_drafter_flags(args)
+    legacy = legacy_draft(args)
+    if legacy is not None:
+        flag = "--eagle" if args.eagle else "--medusa"
+        warnings.warn(f"{flag} is deprecated and will be removed: write --draft {legacy}", FutureWarning,
+                      stacklevel=2)
+        return DrafterSpec.parse(legacy)
     return DrafterSpec.parse(args.draft, bare="draft") if args.draft else None
 
 
@@ -187,18 +205,18 @@ def add_drafter_args(p: argparse.ArgumentParser) -> None:
                               "joined by '|' the best chosen per step (e.g. 'suffix|draft:NAME@auto'), "
                               "medusa:DIR[@N], eagle:DIR[@N[:DxK]] or eagle:DIR@auto; @K replaces "
                               "--num-draft-tokens; omit for plain decoding")
-    drafter.add_argument("--eagle", default=None, metavar="PATH", help="an EAGLE-3 head directory (alias of --draft "
-                         "eagle:PATH@N:DxK with the three options below)")
-    drafter.add_argument("--medusa", default=None, metavar="PATH", help="a Medusa heads directory (alias of --draft "
-                         "medusa:PATH)")
+    drafter.add_argument("--eagle", default=None, metavar="PATH", help="deprecated: write --draft eagle:PATH@N:DxK "
+                         "(this flag, with the three options below, stands for that spec)")
+    drafter.add_argument("--medusa", default=None, metavar="PATH", help="deprecated: write --draft medusa:PATH")
     p.add_argument("--eagle-tree", type=tree_nodes_arg, default=None, metavar="N|auto",
-                   help="--eagle: nodes the dynamic tree keeps (at most top_k + (depth - 1) * top_k^2), or auto to "
-                        "time sizes up to 64 on this machine first (small trees win on a CPU; default: "
-                        f"{EagleTreeConfig.total_tokens})")
-    p.add_argument("--eagle-depth", type=positive_int, default=None, help=f"--eagle: levels of the tree (default: "
-                   f"{EagleTreeConfig.depth})")
-    p.add_argument("--eagle-top-k", type=positive_int, default=None, help="--eagle: children per expanded node "
-                   f"and nodes expanded per level (default: {EagleTreeConfig.top_k})")
+                   help="deprecated, with --eagle (write eagle:PATH@N): nodes the dynamic tree keeps (at most "
+                        "top_k + (depth - 1) * top_k^2), or auto to time sizes up to 64 on this machine first "
+                        f"(default: {EagleTreeConfig.total_tokens})")
+    p.add_argument("--eagle-depth", type=positive_int, default=None, help="deprecated, with --eagle (write "
+                   f"eagle:PATH@N:DxK): levels of the tree (default: {EagleTreeConfig.depth})")
+    p.add_argument("--eagle-top-k", type=positive_int, default=None, help="deprecated, with --eagle (write "
+                   "eagle:PATH@N:DxK): children per expanded node and nodes expanded per level (default: "
+                   f"{EagleTreeConfig.top_k})")
 
 
 def register(subparsers) -> argparse.ArgumentParser:

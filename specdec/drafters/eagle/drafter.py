@@ -244,7 +244,7 @@ def _rerank(head: Eagle3Head, scores: torch.Tensor, tokens: torch.Tensor, parent
 
 
 def from_spec(spec, target, loader) -> EagleDrafter:
-    """`eagle:DIR[@N[:DxK]]` or `@auto[:DxK]` (specdec.drafters.spec): the head in DIR (loaded once
+    """`eagle:DIR[@N[:DxK]]` or `@auto[:DxK]` (specdec.methods): the head in DIR (loaded once
     per loader) drafting the spec's tree; @auto times tree sizes on the loader's calibration prompts."""
     def build() -> EagleDrafter:
         head = loader.eagle_head(spec.arg, target)

@@ -61,7 +61,7 @@ class MedusaDrafter(Drafter):
 
 
 def from_spec(spec, target, loader):
-    """`medusa:DIR[@N]` (specdec.drafters.spec): the heads in DIR; with @N their candidate tree is
+    """`medusa:DIR[@N]` (specdec.methods): the heads in DIR; with @N their candidate tree is
     rebuilt with N nodes from the per-rank accuracy stored with them (else the shipped table)."""
     from specdec.drafters.medusa.heads import default_tree
     from specdec.drafters.medusa.tree import build_tree

@@ -10,9 +10,9 @@ import torch
 import specdec
 from specdec.drafter import Accepted, Drafter, DraftTree
 from specdec.drafters import CompositeDrafter
-from specdec.drafters.spec import DrafterSpec
 from specdec.drafters.suffix import SuffixCache, SuffixConfig, SuffixDrafter
 from specdec.loader import make_drafter
+from specdec.methods import DrafterSpec
 from specdec.tuning.gates import EXPLORE, GATE_EDGES, ROWS, START_EXPLORE, AskGate, MemberRecord
 from specdec.tuning.state import process_state
 from tests.specdec.test_decode import _rows, _same, assert_two_token_law
@@ -217,7 +217,7 @@ def test_the_spec_builds_a_composite_with_generates_sampling(target):
     comp = make_drafter("suffix|ngram", target)
     assert isinstance(comp, CompositeDrafter) and comp.name == "suffix|ngram" and comp.adaptive  # ngram drafts k
     spec = DrafterSpec.parse("ngram|draft:x@auto:p0.4")
-    assert spec.kind == "best" and spec.draft_length == "auto" and spec.members[1].p_min == 0.4
+    assert spec.kind == "composite" and spec.draft_length == "auto" and spec.members[1].p_min == 0.4
     with pytest.raises(ValueError, match="two or more"):
         CompositeDrafter([_suffix()])
 

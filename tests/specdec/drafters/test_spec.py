@@ -10,8 +10,8 @@ import specdec
 from specdec.drafters import EagleDrafter, HybridDrafter, MedusaDrafter, ModelDrafter
 from specdec.drafters.eagle.drafter import EagleTreeConfig
 from specdec.drafters.medusa.heads import DEFAULT_TREE_NODES
-from specdec.drafters.spec import DRAFTERS, GRAMMAR, DrafterSpec
 from specdec.loader import DrafterLoader, make_drafter
+from specdec.methods import DRAFTERS, GRAMMAR, DrafterSpec
 from specdec.sampling import SamplingParams
 
 GOOD = {
@@ -33,8 +33,8 @@ GOOD = {
     "hybrid:m@4:p0.3": DrafterSpec("hybrid", "m", 4, p_min=0.3),
     "ngram+draft:m@auto:p0.5": DrafterSpec("hybrid", size="auto", p_min=0.5,
                                            members=(DrafterSpec("ngram"), DrafterSpec("draft", "m"))),
-    "suffix|draft:m@auto": DrafterSpec("best", members=(DrafterSpec("suffix"), DrafterSpec("draft", "m", "auto"))),
-    "ngram|suffix@5|draft:m@4:p0.6": DrafterSpec("best", members=(
+    "suffix|draft:m@auto": DrafterSpec("composite", members=(DrafterSpec("suffix"), DrafterSpec("draft", "m", "auto"))),
+    "ngram|suffix@5|draft:m@4:p0.6": DrafterSpec("composite", members=(
         DrafterSpec("ngram"), DrafterSpec("suffix", size=5), DrafterSpec("draft", "m", 4, p_min=0.6))),
 }
 
@@ -122,13 +122,13 @@ GRAMMAR_TAIL = f"; a drafter spec is {GRAMMAR}"
     ("", "an empty drafter spec"),
     ("ngram@@3", "'ngram@@3' has a second '@': a spec takes one '@' suffix, e.g. ngram@4"),
     ("ngram@3@4", "'ngram@3@4' has a second '@'"),
-    ("NGRAM", "unknown drafter kind 'NGRAM': kinds are lowercase, write 'ngram'"),
+    ("NGRAM", "unknown drafter kind 'NGRAM': kinds are lowercase, write 'ngram' (a path spelt so: './NGRAM')"),
     ("Draft:m@4", "unknown drafter kind 'Draft': kinds are lowercase, write 'draft:m@4'"),
     ("medusa:heads@x", "'medusa:heads@x': after medusa's '@' comes the tree's nodes N (an integer >= 1), got 'x' "
-                       "(and no directory 'heads@x' exists)"),
+                       "(a directory whose name holds an '@' ends in '/': medusa:heads@x/)"),
     ("medusa:heads@-1", "'medusa:heads@-1': after medusa's '@' comes the tree's nodes N (an integer >= 1), got '-1'"),
-    ("medusa:heads@4@5", "'medusa:heads@4@5' has a second '@' (and no directory 'heads@4' exists): write "
-                         "medusa:DIR@N with one '@'"),
+    ("medusa:heads@4@5", "'medusa:heads@4@5' has a second '@': write medusa:DIR@N with one '@' (a directory whose "
+                         "name holds an '@' ends in '/')"),
     ("eagle:head@x", "'eagle:head@x': after eagle's '@' comes the tree's nodes N (or auto)"),
     # digits other than ASCII ones ("²" passed str.isdigit, then int() raised "invalid literal")
     ("suffix@²", "'suffix@²': after suffix's '@' comes the tree's nodes N (an integer >= 1), got '²'"),
@@ -149,13 +149,18 @@ def test_an_at_inside_a_path_stays_part_of_the_path():
     assert DrafterSpec.parse("eagle:e@6:3x2") == DrafterSpec("eagle", "e", 6, (3, 2))
 
 
-@pytest.mark.parametrize("path, spec", [("ngram@", "{}@3"), ("ngram@3", "{}@4"), ("NGRAM", "{}"),
-                                        ("heads@x", "medusa:{}"), ("heads@-1", "medusa:{}"),
-                                        ("heads@4", "medusa:{}@5"), ("head@x", "eagle:{}")])
-def test_existing_paths_that_look_like_misspelled_specs_stay_paths(tmp_path, monkeypatch, path, spec):
-    """What the malformed-spec errors refuse is taken as a path when that path exists."""
+@pytest.mark.parametrize("path, spec", [("./ngram@/", "{}@3"), ("./ngram@3/", "{}@4"), ("./NGRAM", "{}"),
+                                        ("heads@x/", "medusa:{}"), ("heads@-1/", "medusa:{}"),
+                                        ("heads@4/", "medusa:{}@5"), ("head@x/", "eagle:{}")])
+def test_paths_that_look_like_misspelled_specs_are_written_with_a_slash(tmp_path, monkeypatch, path, spec):
+    """Parsing never looks at the filesystem: a directory named like a misspelled spec changes nothing
+    (the malformed-spec errors still say what is wrong), and that path written with a trailing '/'
+    (or, spelt like a kind, a leading './') is a path."""
     monkeypatch.chdir(tmp_path)
-    (tmp_path / path).mkdir()
+    misspelled = path.removeprefix("./").removesuffix("/")
+    (tmp_path / misspelled).mkdir()
+    with pytest.raises(ValueError):
+        DrafterSpec.parse(spec.format(misspelled), bare="draft")
     parsed = DrafterSpec.parse(spec.format(path), bare="draft")
     assert parsed.arg == path and parsed.kind == ("draft" if spec.startswith("{}") else spec.partition(":")[0])
 
@@ -237,13 +242,14 @@ def test_one_sampling_params():
 
 def test_eval_methods_are_specs():
     """specdec eval's drafting methods are drafter specs; its other methods stay its own."""
-    from specdec.evaluation.evaluate import MethodSpec, parse_methods
+    from specdec.methods import Method, parse_methods
 
     hybrid, medusa, eagle = parse_methods("ngram+draft:m@3,medusa:h@12,eagle:e@auto:3x4")
     assert (hybrid.kind, hybrid.draft_length, hybrid.drafter) == ("hybrid", 3, DrafterSpec.parse("ngram+draft:m@3"))
-    assert (medusa.num_draft_tokens, medusa.draft_length) == (12, None)  # a tree's nodes, not a draft length
-    assert eagle.drafter == DrafterSpec("eagle", "e", "auto", (3, 4)) and eagle.tree_fields == {"depth": 3, "top_k": 4}
-    assert MethodSpec.parse("hf").drafter is None
+    assert (medusa.spec.size, medusa.draft_length) == (12, None)  # a tree's nodes, not a draft length
+    assert eagle.drafter == DrafterSpec("eagle", "e", "auto", (3, 4)) and eagle.drafter.tree_fields == {"depth": 3,
+                                                                                                        "top_k": 4}
+    assert Method.parse("hf").drafter is None
     for bad, msg in [("ngram+", "empty drafter"), ("ngram+hf", "unknown drafter 'hf'"), ("hf@3", "draft length")]:
         with pytest.raises(ValueError, match=msg):
             parse_methods(bad)
@@ -281,4 +287,4 @@ def test_specs_longer_than_a_path_say_so_in_a_short_line(text):
 
 def test_members_must_be_a_tuple():
     with pytest.raises(TypeError, match=r"DrafterSpec.members is a tuple of DrafterSpec .* got None"):
-        DrafterSpec("best", members=None)
+        DrafterSpec("composite", members=None)

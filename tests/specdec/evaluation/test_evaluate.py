@@ -20,8 +20,9 @@ import specdec
 from distill import attach_medusa, save_medusa
 from runtime.outputs import OutputLockedError, OutputPathError, output_lock
 from specdec.evaluation import evaluate
-from specdec.evaluation.evaluate import EvalConfig, MethodSpec, Runner, SettingsMismatchError, parse_methods, run_eval
+from specdec.evaluation.evaluate import EvalConfig, Runner, SettingsMismatchError, run_eval
 from specdec.evaluation.prompts import encode
+from specdec.methods import BaselineSpec, DrafterSpec, Method, parse_methods
 
 WORDS = ["<unk>", "<|eos|>", "<|user|>", "<|assistant|>", "def", "return", "the", "a", "of", "x",
          "print", "hello", "world"]
@@ -114,13 +115,15 @@ def test_parse_methods():
     specs = parse_methods("plain, draft:some/dir ,ngram,hybrid:m,medusa:heads,eagle:e,hf,hf-assisted:m,hf-pld")
     assert [s.kind for s in specs] == ["plain", "draft", "ngram", "hybrid", "medusa", "eagle", "hf", "hf-assisted",
                                        "hf-pld"]
-    assert specs[1] == MethodSpec("draft:some/dir", "draft", "some/dir")
-    assert parse_methods("ngram@3,draft:d@auto")[1] == MethodSpec("draft:d@auto", "draft", "d", "auto")
-    assert parse_methods("draft:/u@corp/ckpt")[0] == MethodSpec("draft:/u@corp/ckpt", "draft", "/u@corp/ckpt")
-    assert parse_methods("eagle:e@8,eagle:e@auto")[0] == MethodSpec("eagle:e@8", "eagle", "e", 8)
-    assert parse_methods("eagle:e@96:8x10")[0] == MethodSpec("eagle:e@96:8x10", "eagle", "e", 96, (8, 10))
-    assert parse_methods("eagle:e@auto:3x4")[0] == MethodSpec("eagle:e@auto:3x4", "eagle", "e", "auto", (3, 4))
-    assert parse_methods("draft:/u@corp:1x2")[0].arg == "/u@corp:1x2"  # no eagle, no draft length: a path
+    assert specs[1] == Method("draft:some/dir", DrafterSpec("draft", "some/dir"))
+    assert specs[6] == Method("hf", BaselineSpec("hf"))
+    assert specs[7] == Method("hf-assisted:m", BaselineSpec("hf-assisted", "m"))
+    assert parse_methods("ngram@3,draft:d@auto")[1] == Method("draft:d@auto", DrafterSpec("draft", "d", "auto"))
+    assert parse_methods("draft:/u@corp/ckpt")[0] == Method("draft:/u@corp/ckpt", DrafterSpec("draft", "/u@corp/ckpt"))
+    assert parse_methods("eagle:e@8,eagle:e@auto")[0] == Method("eagle:e@8", DrafterSpec("eagle", "e", 8))
+    assert parse_methods("eagle:e@96:8x10")[0] == Method("eagle:e@96:8x10", DrafterSpec("eagle", "e", 96, (8, 10)))
+    assert parse_methods("eagle:e@auto:3x4")[0] == Method("eagle:e@auto:3x4", DrafterSpec("eagle", "e", "auto", (3, 4)))
+    assert parse_methods("draft:/u@corp:1x2")[0].spec.arg == "/u@corp:1x2"  # no eagle, no draft length: a path
     for bad, msg in [("beam", "unknown method"), ("draft", "needs a model"), ("ngram:x", "takes no argument"),
                      ("ngram@3:2x2", "only eagle takes a tree shape"), ("eagle:e@0", "total_tokens must be"),
                      ("eagle:e@40:2x4", "exceeds the 20 candidates"), ("eagle:e@auto:1x0", "top_k must be"),
@@ -549,7 +552,7 @@ def test_a_compiled_warm_up_runs_a_composites_members_alone_too():
     decoded = []
     runner = SimpleNamespace(cfg=SimpleNamespace(compile=True, raw=True, seed=0), target=object(),
                              tokenizer=lambda text, add_special_tokens: {"input_ids": [1, 2, 3]},
-                             decode=lambda spec, ids, seed: decoded.append((spec.name, spec.num_draft_tokens)))
-    evaluate._warm_up(runner, MethodSpec.parse("suffix|draft:d@auto"), [Prompt("p", "code", ("x",))])
+                             decode=lambda spec, ids, seed: decoded.append((spec.name, spec.draft_length)))
+    evaluate._warm_up(runner, Method.parse("suffix|draft:d@auto"), [Prompt("p", "code", ("x",))])
     assert [name for name, _ in decoded] == ["suffix|draft:d@auto"] * 4 + ["suffix"] + ["draft:d@auto"] * 4
     assert [k for name, k in decoded if name == "draft:d@auto"] == ["auto", *COMPILE_WARMUP_DRAFTS]

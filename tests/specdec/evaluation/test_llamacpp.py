@@ -6,37 +6,38 @@ import json
 import pytest
 
 from specdec.evaluation import llamacpp
-from specdec.evaluation.evaluate import EvalConfig, MethodSpec, parse_methods, run_eval
+from specdec.evaluation.evaluate import EvalConfig, run_eval
 from specdec.evaluation.llamacpp import LlamaCppUnavailable, LlamaServer, stats_from_timings
 from specdec.evaluation.report import baseline_label
+from specdec.methods import BaselineSpec, Method, parse_methods
 from specdec.stats import AcceptanceStats
 
 SMOLLM2 = "smollm2-135m-instruct"
 
 
 def test_methods_parse():
-    assert MethodSpec.parse("llamacpp") == MethodSpec("llamacpp", "llamacpp")
-    spec = MethodSpec.parse("llamacpp-spec:qwen2.5-coder-0.5b-instruct@4")
-    assert (spec.kind, spec.arg, spec.num_draft_tokens) == ("llamacpp-spec", "qwen2.5-coder-0.5b-instruct", 4)
+    assert Method.parse("llamacpp") == Method("llamacpp", BaselineSpec("llamacpp"))
+    spec = Method.parse("llamacpp-spec:qwen2.5-coder-0.5b-instruct@4")
+    assert (spec.kind, spec.spec.arg, spec.draft_length) == ("llamacpp-spec", "qwen2.5-coder-0.5b-instruct", 4)
     with pytest.raises(ValueError, match="integer"):
-        MethodSpec.parse("llamacpp-spec:x.gguf@auto")
+        Method.parse("llamacpp-spec:x.gguf@auto")
     with pytest.raises(ValueError, match="needs a model"):
-        MethodSpec.parse("llamacpp-spec")
+        Method.parse("llamacpp-spec")
     with pytest.raises(ValueError, match="takes no argument"):
-        MethodSpec.parse("llamacpp:x")
+        Method.parse("llamacpp:x")
     assert len(parse_methods("llamacpp-spec:a@2,llamacpp-spec:a@4")) == 2  # llama.cpp's draft lengths compared
     with pytest.raises(ValueError, match="at most one method of each baseline kind"):
         parse_methods("llamacpp-spec:a@4,llamacpp-spec:b@4")
 
 
 def test_eagle3_method_parses_and_drafts_a_fixed_chain(tmp_path, monkeypatch):
-    spec = MethodSpec.parse("llamacpp-eagle3:out/head.gguf@5")
-    assert (spec.kind, spec.arg, spec.num_draft_tokens) == ("llamacpp-eagle3", "out/head.gguf", 5)
+    spec = Method.parse("llamacpp-eagle3:out/head.gguf@5")
+    assert (spec.kind, spec.spec.arg, spec.draft_length) == ("llamacpp-eagle3", "out/head.gguf", 5)
     assert baseline_label(spec.name) == "llamacpp-eagle3@5"
     with pytest.raises(ValueError, match="integer"):
-        MethodSpec.parse("llamacpp-eagle3:head.gguf@auto")
+        Method.parse("llamacpp-eagle3:head.gguf@auto")
     with pytest.raises(ValueError, match="needs a model"):
-        MethodSpec.parse("llamacpp-eagle3")
+        Method.parse("llamacpp-eagle3")
     monkeypatch.setenv("SPECDEC_LLAMACPP", str(tmp_path))
     (tmp_path / "llama-server").write_text("")
     cmd = LlamaServer(tmp_path / "t.gguf", tmp_path / "h.gguf", draft_max=5, eagle3=True).command()

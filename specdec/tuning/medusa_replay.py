@@ -4,12 +4,10 @@ At temperature 0 Medusa decoding emits exactly the plain greedy continuation, an
 heads read the hidden state of the last accepted token, which is the plain pass's hidden state
 at that position. One plain pass that records its hidden states (`specdec.capture.StateCapture`)
 therefore gives every position's head guesses, and walking a tree over them gives that tree's
-tau, target forwards and per-depth acceptance without running the tree: on a CPU, where a
-256-node tree step of 32 rows is 8192 tokens, that is minutes instead of hours
-(qwen2.5-coder-1.5b, 32 HumanEval problems: ~3 minutes for any number of trees against ~100
-minutes for one 256-node run; BENCHMARKS.md section 5).
+tau, target forwards and per-depth acceptance without running the tree (on a CPU, where a large
+tree step over many rows is thousands of tokens, one plain pass instead of one run per tree).
 
-The replay equals a real run in float32 (tests/specdec/drafters/medusa/test_medusa_replay.py) and differs in bf16
+The replay equals a real run in float32 (tests/specdec/tuning/test_medusa_replay.py) and differs in bf16
 only where a tree step's rounding flips a near-tie. It predicts; a real run is still what a tau
 figure reports. Build the trees from held-out data (`build_tree` on the heads' accuracy table),
 not from the prompts replayed, or the prediction is tuned on its own test set.
@@ -21,10 +19,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-import specdec
 from specdec.capture import StateCapture
 from specdec.drafters.medusa.heads import MedusaHeads
 from specdec.drafters.medusa.tree import Tree
+from specdec.generate import generate
 from specdec.stats import step_counts
 
 
@@ -108,7 +106,7 @@ def replay_tau(model, heads: MedusaHeads, rows: list[torch.Tensor], trees: dict[
         raise ValueError(f"a tree is {depth} deep but there are only {heads.num_heads} heads")
     k = max(max(t.topk) for t in trees.values())
     capture = StateCapture(hidden=True)
-    plain = specdec.generate(model, rows, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, observer=capture)
+    plain = generate(model, rows, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, observer=capture)
     counts = {name: ReplayCounts() for name in trees}
     for prompt, seq, hidden in zip(rows, plain.sequences, capture.hidden_states):
         seq = seq.cpu()

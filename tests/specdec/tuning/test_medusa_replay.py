@@ -4,8 +4,8 @@ import torch
 import specdec
 from runtime.loading import from_hf_state
 from specdec.drafters.medusa.heads import MedusaConfig, MedusaHeads
-from specdec.drafters.medusa.replay import ReplayCounts, replay_row, replay_tau
 from specdec.drafters.medusa.tree import Tree, build_tree
+from specdec.tuning.medusa_replay import ReplayCounts, replay_row, replay_tau
 
 
 @pytest.fixture(scope="module")
