@@ -25,7 +25,7 @@ import torch
 
 from runtime.atomic import atomic_write_text
 from runtime.hardware import native_bf16
-from runtime.outputs import prepare_output_dir
+from runtime.output_paths import prepare_output_dir
 
 
 class RunBudget:
@@ -106,7 +106,7 @@ def default_train_frac(args: Any) -> float:
 def run_budgeted(args: Any, markers: tuple[str, ...], what: str, product: str,
                  steps: Callable[[Path, RunBudget | None], dict], trained: str = "metrics.json") -> dict:
     """The frame the training recipes share: settle args (the training share of the budget, torch
-    threads, dtype "auto"), check --out (`runtime.outputs`: new, empty or a run with `markers`,
+    threads, dtype "auto"), check --out (`runtime.output_paths`: new, empty or a run with `markers`,
     which is resumed) and --eval-only (OUT/metrics.json must hold the trained `product`), then run
     `steps(out, budget)` with a `RunBudget` in OUT/budget.json (None for --eval-only) and SIGTERM
     unwinding like Ctrl-C, so that what a step holds is written and the same command resumes.

@@ -66,7 +66,7 @@ from runtime.atomic import atomic_write_text
 from runtime.errors import CheckpointError
 from runtime.hardware import DTYPES, batch_dtype
 from runtime.loading import read_hf_config, resolve
-from runtime.outputs import created_output
+from runtime.output_paths import created_output
 from specdec.drafters.medusa.heads import attach_medusa, choose_tree
 from specdec.drafters.medusa.io import load_medusa, read_medusa_config, save_medusa
 from specdec.drafters.medusa.tree import expected_length

@@ -2,7 +2,7 @@
 plain Hugging Face exports (+ specdec_export.json), written atomically (a temporary directory renamed
 into place).
 
-Both follow runtime.outputs' rule: the output directory must be new, empty, or, with
+Both follow runtime.output_paths' rule: the output directory must be new, empty, or, with
 `overwrite=True`, a previous output of the same kind that holds nothing else; a file, or a
 directory specdec did not write, is refused (OutputPathError) and never touched.
 """
@@ -21,7 +21,7 @@ from torch import nn
 from runtime.args import check_bool, check_instance, check_methods, check_module
 from runtime.compressed import FORMAT_VERSION
 from runtime.hf_state import dense_hf_state, is_tied
-from runtime.outputs import prepare_output_dir, write_output_dir
+from runtime.output_paths import prepare_output_dir, write_output_dir
 from runtime.qlinear import QuantizedLinear
 
 COMPRESSED_MARKER, COMPRESSED = "compression.json", "compressed checkpoint"

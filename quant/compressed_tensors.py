@@ -50,7 +50,7 @@ from runtime.compressed_tensors import (
     hf_linears,
     pack_int32,
 )
-from runtime.outputs import prepare_output_dir, write_output_dir
+from runtime.output_paths import prepare_output_dir, write_output_dir
 from runtime.qlinear import Int4Linear, Int8Linear, QuantizedLinear, Sparse24Linear, integer_zero_points, pack_int4
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ Medusa heads (llama.cpp runs none) and .gguf files are refused. Every export car
 `specdec.export.source` (the source it was written from): the mark of a GGUF specdec wrote. The file
 is written next to `out` and renamed into place; an existing file is replaced only with `overwrite`
 and only when it carries that mark (any other GGUF, e.g. one llama.cpp or the catalogue made, is
-never replaced), and never in specdec's own caches (`runtime.outputs`). An export that runs out of disk
+never replaced), and never in specdec's own caches (`runtime.output_paths`). An export that runs out of disk
 space is one DiskFullError naming `out`; its temporary directory goes, and `out` is as it was.
 """
 
@@ -40,7 +40,7 @@ from runtime.args import check_path
 from runtime.atomic import disk_full_named
 from runtime.errors import CheckpointError, SpecdecError
 from runtime.hf_state import hf_linear_parts
-from runtime.outputs import OutputPathError, check_output_file
+from runtime.output_paths import OutputPathError, check_output_file
 from runtime.qlinear import QuantizedLinear
 from runtime.validate import read_json
 

@@ -24,7 +24,7 @@ import runtime
 from runtime.argtypes import path_arg
 from runtime.atomic import atomic_write_text
 from runtime.hardware import DTYPES
-from runtime.outputs import check_output_file
+from runtime.output_paths import check_output_file
 
 
 def configs(group_size: int) -> dict[str, quant.config.Config]:

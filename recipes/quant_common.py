@@ -2,7 +2,7 @@
 
 Default output root: $SPECDEC_HOME/compressed (default ~/.cache/specdec/compressed). The root holds
 one directory per checkpoint and the recipes' JSON summaries; `check_outputs` checks every one of
-them before any work (runtime.outputs' rule: a checkpoint directory is new, empty, or with
+them before any work (runtime.output_paths' rule: a checkpoint directory is new, empty, or with
 --overwrite a checkpoint of an earlier run; nothing else is ever replaced).
 """
 
@@ -24,7 +24,7 @@ from quant.checkpoint import check_compressed_out
 from runtime.argtypes import path_arg
 from runtime.atomic import atomic_write_text
 from runtime.catalogue import cache_home
-from runtime.outputs import OutputPathError, check_output_file
+from runtime.output_paths import OutputPathError, check_output_file
 
 
 def recipe_args(description: str, calib_source: str = "sharegpt") -> argparse.Namespace:

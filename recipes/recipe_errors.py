@@ -14,7 +14,7 @@ from runtime.errors import SpecdecError
 
 
 def run(main: Callable[[], object]) -> None:
-    """Call `main()`; a ValueError, a missing file or a SpecdecError (runtime.outputs' refusals
+    """Call `main()`; a ValueError, a missing file or a SpecdecError (runtime.output_paths' refusals
     among them) becomes one line and exit status 2."""
     try:
         main()

@@ -42,7 +42,7 @@ from distill.recover.train import RECOVER_MARKERS, RecoverConfig
 from runtime.argtypes import path_arg
 from runtime.atomic import atomic_write, atomic_write_text
 from runtime.hardware import cpu_summary
-from runtime.outputs import prepare_output_dir
+from runtime.output_paths import prepare_output_dir
 from runtime.qlinear import Sparse24Linear
 
 MODEL = "smollm2-135m-instruct"

@@ -19,7 +19,7 @@ import quant
 import runtime
 import specdec
 from runtime.gguf import convert_gguf
-from runtime.outputs import OutputPathError
+from runtime.output_paths import OutputPathError
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -40,7 +40,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from runtime.atomic import atomic_write, atomic_write_text
-from runtime.outputs import prepare_manifest_dir
+from runtime.output_paths import prepare_manifest_dir
 from runtime.progress import progress
 
 MANIFEST = "manifest.json"

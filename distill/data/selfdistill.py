@@ -34,7 +34,7 @@ from distill.data.features import (
     cache_hidden_states,
     check_cache_dir,
 )
-from runtime.outputs import check_output_file
+from runtime.output_paths import check_output_file
 from runtime.progress import progress
 from specdec.capture import StateCapture
 from specdec.evaluation.prompts import has_chat_template
@@ -148,7 +148,7 @@ def _looks_like_records(path: Path) -> bool:
 
 
 def check_records_file(path: str | Path) -> Path:
-    """Fail (runtime.outputs.OutputPathError) unless `path` is new, empty or a self-distillation jsonl."""
+    """Fail (runtime.output_paths.OutputPathError) unless `path` is new, empty or a self-distillation jsonl."""
     return check_output_file(path, what=RECORDS, looks_like=_looks_like_records)
 
 

@@ -50,7 +50,7 @@ from distill.draft.onpolicy import DATA_SOURCES, batch_source, make_batch, sampl
 from distill.trainer import Panel, StepCheckpoints, Task, Trainer, TrainerConfig, series, trainer_field
 from runtime.atomic import atomic_write, atomic_write_text
 from runtime.hf_state import dense_hf_state
-from runtime.outputs import created_output, prepare_output_dir
+from runtime.output_paths import created_output, prepare_output_dir
 
 CHECKPOINTS = "distill_checkpoint"
 HELDOUT_ANSWERS = "heldout_answers.json"

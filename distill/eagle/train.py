@@ -51,7 +51,7 @@ from distill.data.features import MANIFEST, EagleLayout, EagleSplit, cache_eagle
 from distill.data.selfdistill import read_records
 from distill.trainer import CheckpointDir, Panel, Task, Trainer, TrainerConfig, running_mean, trainer_field
 from runtime.model_output import check_aux_layers
-from runtime.outputs import created_output, prepare_output_dir
+from runtime.output_paths import created_output, prepare_output_dir
 from runtime.qlinear import QuantizedLinear
 from specdec.drafters.eagle.head import Eagle3Config, Eagle3Head, UnrollCache, default_aux_layers
 from specdec.drafters.eagle.io import read_eagle_config, write_eagle_files

@@ -29,7 +29,7 @@ from distill.config_args import at_least
 from distill.data.features import IGNORE, MANIFEST, MedusaLayout, load_cached
 from distill.trainer import CheckpointDir, Task, Trainer, TrainerConfig, out_of_time, trainer_field
 from runtime.atomic import atomic_write
-from runtime.outputs import created_output, prepare_output_dir
+from runtime.output_paths import created_output, prepare_output_dir
 from specdec.drafters.medusa.heads import DEFAULT_TREE_NODES, MedusaHeads, choose_tree
 from specdec.drafters.medusa.io import CONFIG, save_medusa
 from specdec.drafters.medusa.tree import expected_length

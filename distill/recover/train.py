@@ -36,7 +36,7 @@ from distill.config_args import at_least, positive
 from distill.divergence import token_divergence
 from distill.trainer import CheckpointDir, Panel, Task, Trainer, TrainerConfig, series, trainer_field
 from runtime.atomic import atomic_write
-from runtime.outputs import created_output, prepare_output_dir
+from runtime.output_paths import created_output, prepare_output_dir
 from runtime.qlinear import QuantizedLinear, Sparse24Int4Linear, Sparse24Linear, unpack_24_indices
 
 CHECKPOINT, TRAINER = "checkpoint", "recover_trainer.json"

@@ -28,12 +28,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+import runtime
 from runtime.atomic import atomic_write_text
+from runtime.cache import available_memory
+from runtime.hardware import check_device
 from runtime.loading import WEIGHTS
-from runtime.outputs import check_output_file
+from runtime.output_paths import check_output_file
 from runtime.progress import progress as progress_bar
 from specdec.evaluation.baselines import HFGenerator, load_hf_model
 from specdec.evaluation.evaluate import DTYPES, command_line, versions
+from specdec.evaluation.prompts import humaneval_prompts
+from specdec.generate import generate
 from specdec.options import WEIGHTS_HELP
 
 
@@ -128,9 +133,6 @@ def probe_bytes(cfg: BenchConfig) -> list[tuple[str, int, int, int]]:
 def check_probe_memory(cfg: BenchConfig) -> None:
     """ValueError, before anything loads, when a bandwidth probe would not fit in the device's free
     memory (host memory for the CPU), naming its option and both sizes."""
-    from runtime.cache import available_memory
-    from runtime.hardware import check_device
-
     free = available_memory(check_device(cfg.device))
     for flag, value, default, need in probe_bytes(cfg):
         if need > free:
@@ -149,11 +151,7 @@ def _is_bench_result(path: Path) -> bool:
 
 def run_bench(cfg: BenchConfig, command: str | None = None, progress: bool = True) -> dict:
     """Run the benchmark; returns the result dict (written to cfg.json when set: a new file or an
-    earlier result, else runtime.outputs.OutputPathError before any work)."""
-    import runtime
-    import specdec
-    from specdec.evaluation.prompts import humaneval_prompts
-
+    earlier result, else runtime.output_paths.OutputPathError before any work)."""
     if cfg.json is not None:
         check_output_file(cfg.json, what="bench result JSON", looks_like=_is_bench_result)
     check_probe_memory(cfg)
@@ -171,7 +169,7 @@ def run_bench(cfg: BenchConfig, command: str | None = None, progress: bool = Tru
 
     def ours_on(model):
         def run(ids: list[int]) -> list[int]:
-            out = specdec.generate(model, [torch.tensor(ids)], max_new_tokens=cfg.max_new_tokens)
+            out = generate(model, [torch.tensor(ids)], max_new_tokens=cfg.max_new_tokens)
             return out.sequences[0][len(ids):].tolist()
         return run
 

@@ -41,7 +41,7 @@ answers of a method with a `suffix` drafter starts with that method's answers in
 interrupted run held them), so its later prompts draft as in a run never interrupted. Different settings
 fail unless `--overwrite`, which deletes only those files. `--out` must be new, empty or an
 evaluation run (run.json / report.json / generations.jsonl): a file or another directory is refused
-(runtime.outputs). A run holds `--out/.lock` while it runs: a second run on the same `--out`
+(runtime.output_paths). A run holds `--out/.lock` while it runs: a second run on the same `--out`
 fails at once (a lock left by a killed run is taken over). A generations line holds: id, category,
 method, turns (user texts), outputs (answer texts, one per turn), output_ids (token ids per turn),
 new_tokens, wall_s, tokens_per_second, stats (AcceptanceStats.to_dict(), null for transformers
@@ -80,7 +80,7 @@ from runtime.atomic import atomic_write_text
 from runtime.errors import ContextLengthError, SpecdecError
 from runtime.invariant import unsupported_reason
 from runtime.loading import WEIGHTS, gguf_source, resolve_weights
-from runtime.outputs import created_output, output_lock, prepare_output_dir
+from runtime.output_paths import created_output, output_lock, prepare_output_dir
 from runtime.progress import progress as progress_bar
 from specdec.drafters.draft_vocab import ALIGN as DRAFT_VOCAB_ALIGN
 from specdec.drafters.draft_vocab import frequent_tokens, restrict_vocab
@@ -226,7 +226,7 @@ def settings_hash(settings: dict) -> str:
 
 
 def check_out_dir(out: str | Path, overwrite: bool = False) -> Path:
-    """Fail (runtime.outputs.OutputPathError) unless `out` is new, empty or an evaluation run."""
+    """Fail (runtime.output_paths.OutputPathError) unless `out` is new, empty or an evaluation run."""
     return prepare_output_dir(out, MARKERS, overwrite, what=WHAT, resume=True)
 
 
@@ -530,7 +530,7 @@ def versions() -> dict:
 def run_eval(cfg: EvalConfig, command: str | None = None, progress: bool = True) -> dict:
     """Run (or resume) an evaluation; writes the files in `cfg.out` and returns the report dict.
 
-    Fails at once (runtime.outputs.OutputPathError) when `cfg.out` is a file, a directory that
+    Fails at once (runtime.output_paths.OutputPathError) when `cfg.out` is a file, a directory that
     holds no evaluation run, or the directory of a run still going on (its lock). A run that fails
     before its first generations line (bad input, a model that raises) leaves a new or empty
     `cfg.out` as it was: its run.json goes again (`created_output`); once a line is written the

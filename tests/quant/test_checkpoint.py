@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 import quant
 import runtime
 from quant.checkpoint import FORMATS, compressed_modules
-from runtime.outputs import OutputPathError
+from runtime.output_paths import OutputPathError
 from runtime.tiny import tiny_model
 
 CONFIGS = [quant.Int8WeightOnly(), quant.Int4WeightOnly(group_size=32, method="gptq"), quant.NF4(), quant.Int8Mixed(),

@@ -13,7 +13,7 @@ import torch
 import runtime
 from quant.command import register
 from quant.recipe import load_recipe
-from runtime.outputs import OutputPathError
+from runtime.output_paths import OutputPathError
 from runtime.qlinear import Int8Linear, Sparse24Linear
 from runtime.tiny import tiny_pair
 from tests.quant.conftest import TEXTS

@@ -20,7 +20,7 @@ import runtime
 import runtime.loading
 from quant.gguf_export import GGUFExportError, _rewrite, export_gguf, written_by_specdec
 from quant.llamacpp_convert import converter_dir
-from runtime.outputs import OutputPathError
+from runtime.output_paths import OutputPathError
 from runtime.tiny import tiny_hf_config
 from specdec.evaluation import llamacpp
 from specdec.evaluation.llamacpp import LlamaServer

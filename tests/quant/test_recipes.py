@@ -1,4 +1,4 @@
-"""The compression recipes check every output path before any work (runtime.outputs' rule): a bad
+"""The compression recipes check every output path before any work (runtime.output_paths' rule): a bad
 --out ends as one line and exit status 2, before a model is loaded, and touches nothing."""
 
 import json
@@ -36,7 +36,7 @@ def recipes_on_path(monkeypatch):
 
 
 def test_check_outputs_accepts_new_and_earlier_outputs_and_refuses_the_rest(recipes_on_path, tmp_path, snapshot):
-    from runtime.outputs import OutputPathError
+    from runtime.output_paths import OutputPathError
 
     check = recipes_on_path.check_outputs
     ckpt, summary = tmp_path / "int8", tmp_path / "rows.json"

@@ -1,4 +1,4 @@
-"""runtime.atomic and runtime.outputs: atomic writes, the output-directory rule, the output lock."""
+"""runtime.atomic and runtime.output_paths: atomic writes, the output-directory rule, the output lock."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from runtime.atomic import atomic_write_text
 from runtime.errors import SpecdecError
-from runtime.outputs import (
+from runtime.output_paths import (
     LOCK,
     OutputLockedError,
     OutputPathError,
@@ -109,7 +109,7 @@ def test_output_lock_refuses_a_second_holder_and_takes_over_a_dead_ones(tmp_path
         with pytest.raises(OutputLockedError, match=rf"in use by another eval \(pid {os.getpid()}\)"):
             with output_lock(tmp_path, "eval"):
                 pass
-        code = ("import sys; from runtime.outputs import output_lock\n"
+        code = ("import sys; from runtime.output_paths import output_lock\n"
                 "try:\n    output_lock(sys.argv[1]).__enter__()\nexcept Exception as e:\n    print(e); sys.exit(3)")
         proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True)
         assert proc.returncode == 3 and f"pid {os.getpid()}" in proc.stdout

@@ -12,7 +12,7 @@ the target's and is not saved; a head saved by speculators with its own `embed_t
 loads too (that copy is ignored). Loading checks everything against the target before a tensor
 is read, and fails with a CheckpointError that names the problem.
 
-`save_eagle` follows runtime.outputs' rule: the directory must be new, empty, or an EAGLE-3 head
+`save_eagle` follows runtime.output_paths' rule: the directory must be new, empty, or an EAGLE-3 head
 directory specdec wrote, recognised by `specdec_eagle.json` (written last; it lists the files), and
 `overwrite=True` replaces only such a head. A model checkpoint, or any directory specdec did not
 write, is refused untouched. `write_eagle_files` writes the two files into a directory its caller
@@ -34,13 +34,13 @@ from runtime.args import check_model, check_path, describe
 from runtime.atomic import atomic_write, atomic_write_text
 from runtime.config import is_size
 from runtime.errors import CheckpointError
-from runtime.outputs import write_output_dir
+from runtime.output_paths import write_output_dir
 from runtime.validate import TensorInfo, check_finite, read_headers, read_json
 from specdec.drafters.eagle.head import DEFAULT_ROPE, Eagle3Config, Eagle3Head, default_aux_layers
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
-MARKER = "specdec_eagle.json"  # marks a head directory as specdec's (runtime.outputs' rule)
+MARKER = "specdec_eagle.json"  # marks a head directory as specdec's (runtime.output_paths' rule)
 WHAT = "EAGLE-3 head directory"
 ARCHITECTURE = "Eagle3Speculator"
 IGNORED = ("embed_tokens.weight",)  # a speculators head may carry its own copy of the target's embedding

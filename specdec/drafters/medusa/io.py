@@ -22,7 +22,7 @@ a shared one as `lm_heads.0.weight` (the base model's weights) with `original_lm
 restricted guess vocabulary as `token_map`; our tree goes under "specdec" in its config.json.
 
 `save_medusa` writes into a new or empty directory, or one that holds heads (or the training
-state of `specdec medusa train`); replacing heads needs `overwrite=True` (runtime.outputs' rule:
+state of `specdec medusa train`); replacing heads needs `overwrite=True` (runtime.output_paths' rule:
 a file, or a directory specdec did not write, is refused). `distill` re-exports the verbs.
 """
 
@@ -40,7 +40,7 @@ from safetensors.torch import load_file, save_file
 from runtime.args import check_model, check_path, describe
 from runtime.atomic import atomic_write
 from runtime.errors import CheckpointError
-from runtime.outputs import make_dirs, prepare_output_dir, remove_dirs, write_output_dir
+from runtime.output_paths import make_dirs, prepare_output_dir, remove_dirs, write_output_dir
 from runtime.validate import TensorInfo, check_finite, read_headers, read_json
 from specdec.drafters.medusa.heads import MedusaConfig, MedusaHeads
 

@@ -8,7 +8,7 @@ import torch
 import specdec
 from distill.data.features import cache_hidden_states, load_cached
 from distill.data.selfdistill import chat_prompt_ids, generate_selfdistill, is_code_prompt, read_records, stop_token_ids
-from runtime.outputs import OutputPathError
+from runtime.output_paths import OutputPathError
 
 
 def test_chat_prompt_and_stop_tokens(word_tokenizer):

@@ -32,7 +32,7 @@ from distill.eagle.train import (
     ttt_loss,
     unroll,
 )
-from runtime.outputs import OutputPathError
+from runtime.output_paths import OutputPathError
 from runtime.tiny import tiny_model
 from specdec.drafters.eagle.head import Eagle3Config, Eagle3Head
 

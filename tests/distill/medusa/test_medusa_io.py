@@ -11,7 +11,7 @@ import distill
 import specdec
 from runtime.errors import CheckpointError
 from runtime.loading import from_hf_state
-from runtime.outputs import OutputPathError
+from runtime.output_paths import OutputPathError
 
 
 def other_model(hidden=64, vocab=128):

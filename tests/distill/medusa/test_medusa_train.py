@@ -12,7 +12,7 @@ import distill
 import specdec
 from distill.data.features import IGNORE, cache_hidden_states, head_targets, load_cached
 from distill.medusa.train import MedusaTrainConfig, _noise, data_vocab, head_accuracy, medusa_loss, teacher_probs
-from runtime.outputs import OutputPathError
+from runtime.output_paths import OutputPathError
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import torch
 from test_evaluate import tiny_checkpoint
 
 from runtime import load_model
-from runtime.outputs import OutputPathError
+from runtime.output_paths import OutputPathError
 from runtime.tiny import tiny_model
 from specdec.evaluation import bench
 from specdec.evaluation.bench import (

@@ -18,7 +18,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTra
 import runtime
 import specdec
 from distill import attach_medusa, save_medusa
-from runtime.outputs import OutputLockedError, OutputPathError, output_lock
+from runtime.output_paths import OutputLockedError, OutputPathError, output_lock
 from specdec.evaluation import evaluate
 from specdec.evaluation.evaluate import EvalConfig, Runner, SettingsMismatchError, run_eval
 from specdec.evaluation.prompts import encode

@@ -1,4 +1,4 @@
-"""save_eagle follows runtime.outputs' rule: a new or empty directory, or a head it wrote (replaced
+"""save_eagle follows runtime.output_paths' rule: a new or empty directory, or a head it wrote (replaced
 only with overwrite=True); a model checkpoint or another directory is refused and left untouched.
 The format itself (what vLLM / speculators read): test_eagle_head.py."""
 
@@ -13,7 +13,7 @@ import torch
 
 import runtime
 import specdec
-from runtime.outputs import OutputPathError
+from runtime.output_paths import OutputPathError
 from runtime.tiny import tiny_pair
 from specdec.drafters.eagle.io import MARKER
 

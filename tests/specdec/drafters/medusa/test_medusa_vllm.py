@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 import distill
 import specdec
 from runtime.errors import CheckpointError
-from runtime.outputs import OutputPathError
+from runtime.output_paths import OutputPathError
 from specdec.drafters.medusa.io import export_medusa_vllm, medusa_layout
 
 

@@ -1,4 +1,4 @@
-"""runtime.outputs and runtime.atomic, the guard's edges: the modes of what a writer creates (the
+"""runtime.output_paths and runtime.atomic, the guard's edges: the modes of what a writer creates (the
 umask's, not tempfile's private ones), new paths that cannot be created (under a file, in /proc),
 a failed write that leaves nothing behind, and a run that fails before its first result leaving its
 output path as it found it. The output-directory rule itself: test_atomic.py."""
@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from runtime.atomic import apply_umask, atomic_write_text, current_umask
-from runtime.outputs import (
+from runtime.output_paths import (
     OutputPathError,
     check_output_file,
     created_output,
