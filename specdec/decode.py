@@ -35,7 +35,7 @@ from specdec.verify import Verdict, verify
 
 MAX_DRAFT_TOKENS = 16
 # "auto" on a compiled target: verification blocks of 2..8 tokens share one compiled program
-# (runtime.compile.static_tokens); 9..16 would compile another (about a minute for the 1.5B on 2 cores).
+# (runtime.compile.static_tokens); 9..16 would compile another program (a minute or more on a CPU).
 MAX_DRAFT_TOKENS_COMPILED = DECODE_STATIC_TOKENS - 1
 
 

@@ -11,22 +11,21 @@ from __future__ import annotations
 
 import argparse
 
+import runtime
+from specdec.evaluation import llamacpp
+from specdec.evaluation.evaluate import EvalConfig, check_out_dir, run_eval
+from specdec.evaluation.report import render_markdown
+from specdec.methods import DrafterSpec
+
 DEMO_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEMO_DRAFT = "qwen2.5-coder-0.5b-instruct"
 
 
 def run_demo(args: argparse.Namespace) -> int:
     """Check --out, fetch both models (cached after the first run), evaluate, print the Markdown report."""
-    import runtime
-    from specdec.evaluation.evaluate import EvalConfig, check_out_dir, run_eval
-    from specdec.evaluation.report import render_markdown
-
     check_out_dir(args.out, overwrite=True)  # a path that cannot take the run fails before the downloads
     for name in (DEMO_TARGET, DEMO_DRAFT):
         print(f"model {name}: {runtime.fetch(name)}")
-    from specdec.evaluation import llamacpp
-    from specdec.methods import DrafterSpec
-
     drafters = [DrafterSpec("draft", DEMO_DRAFT), DrafterSpec("ngram"), DrafterSpec("hybrid", DEMO_DRAFT)]
     methods = ["plain", *map(str, drafters), "hf", f"hf-assisted:{DEMO_DRAFT}"]
     if llamacpp.available():

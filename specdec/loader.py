@@ -10,10 +10,10 @@ use; `specdec eval` and `specdec serve` pass their own.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import torch
-from transformers import PreTrainedModel
 
 import runtime
 from runtime.hf_adapter import HFAdapter
@@ -98,8 +98,10 @@ class DrafterLoader:
 
 
 def as_runtime_model(model):
-    """The model itself, or an HFAdapter around a transformers PreTrainedModel."""
-    return HFAdapter(model) if isinstance(model, PreTrainedModel) else model
+    """The model itself, or an HFAdapter around a transformers PreTrainedModel. transformers' modeling
+    code takes seconds to import, so it is not imported here: a PreTrainedModel exists only once it is."""
+    modeling = sys.modules.get("transformers.modeling_utils")
+    return HFAdapter(model) if modeling is not None and isinstance(model, modeling.PreTrainedModel) else model
 
 
 def make_drafter(draft, target, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,

@@ -22,6 +22,10 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+import runtime.data
+from runtime.model import Transformer
+from runtime.qlinear import Int4Linear, Int8Linear, QuantizedLinear
+
 # default count texts: every turn of the first ShareGPT calibration conversations and Python files
 # of installed packages, the sources of quant.calibration_batches(tok, "sharegpt+code") (8.8M
 # tokens; the held-out ShareGPT prompts of `specdec eval` are never counted)
@@ -42,11 +46,9 @@ def token_counts(tokenizer, texts: Iterable[str], vocab_size: int, batch_size: i
 
 def default_texts() -> Iterable[str]:
     """ShareGPT calibration turns and installed packages' Python files (see COUNT_*)."""
-    from runtime.data import python_package_texts, sharegpt_conversations
-
-    chat = (turn["content"] for conv in sharegpt_conversations("calibration", limit=COUNT_CONVERSATIONS)
+    chat = (turn["content"] for conv in runtime.data.sharegpt_conversations("calibration", limit=COUNT_CONVERSATIONS)
             for turn in conv)
-    return itertools.chain(chat, itertools.islice(python_package_texts(), COUNT_CODE_FILES))
+    return itertools.chain(chat, itertools.islice(runtime.data.python_package_texts(), COUNT_CODE_FILES))
 
 
 def frequent_tokens(tokenizer, num_tokens: int, vocab_size: int,
@@ -73,8 +75,6 @@ def restrict_vocab(model: nn.Module, token_ids: torch.Tensor) -> nn.Module:
     INT4 and GGUF block rows are sliced; other formats become a dense head of the kept rows). Call it before
     `runtime.compile_decode` (compiled programs hold the old head as a constant).
     """
-    from runtime.model import Transformer
-
     if not isinstance(model, Transformer):
         raise TypeError(f"restrict_vocab takes a runtime Transformer (runtime.load_model), got "
                         f"{type(model).__name__}")
@@ -96,8 +96,7 @@ def restrict_vocab(model: nn.Module, token_ids: torch.Tensor) -> nn.Module:
 
 def _select_rows(head: nn.Module, ids: torch.Tensor, dtype: torch.dtype) -> nn.Module:
     """A head computing only output rows `ids` of `head`, in its own format where it can."""
-    from runtime.blockq import BlockQuantLinear
-    from runtime.qlinear import Int4Linear, Int8Linear, QuantizedLinear
+    from runtime.blockq import BlockQuantLinear  # loads torch's compiler (about a second): not at CLI start
 
     if isinstance(head, BlockQuantLinear):
         return head.select_rows(ids)

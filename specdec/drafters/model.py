@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+import runtime.loading
 from runtime.cache import KVCache
 from runtime.errors import SpecdecError
 from specdec.drafter import Accepted, Drafter, DraftTree
@@ -218,9 +219,7 @@ def check_vocabularies(draft, target, sample: int = 64) -> None:
 
 def check_token_strings(d_src: str | Path, t_src: str | Path, sample: int) -> None:
     """Raise VocabularyMismatchError unless `sample` token ids decode to the same strings."""
-    from runtime.loading import load_tokenizer
-
-    d_tok, t_tok = load_tokenizer(d_src), load_tokenizer(t_src)
+    d_tok, t_tok = runtime.loading.load_tokenizer(d_src), runtime.loading.load_tokenizer(t_src)
     ids = torch.randperm(min(len(d_tok), len(t_tok)), generator=torch.Generator().manual_seed(0))[:sample]
     d_strs = d_tok.convert_ids_to_tokens(ids.tolist())
     t_strs = t_tok.convert_ids_to_tokens(ids.tolist())

@@ -10,8 +10,8 @@ next token), and the tree of likely continuations is read off u's subtree.
 
 Appending a token to a sequence extends its (at most `depth`) open windows by one node each, so a
 sequence of L tokens costs O(L * depth) time and at most L * depth nodes; `remove` undoes one
-sequence's windows (the shared cache's eviction). Pure Python: a step's lookups and a response's
-appends take well under a millisecond at depth 24 (BENCHMARKS.md section 9).
+sequence's windows (the shared cache's eviction). Pure Python: lookups walk at most `depth` nodes
+per step.
 """
 
 from __future__ import annotations

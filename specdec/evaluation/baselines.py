@@ -13,7 +13,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from transformers import GenerationConfig
+from transformers.utils import logging as hf_logging
 
+from runtime.hardware import check_device
+from runtime.loading import resolve
+from runtime.validate import refuse_remote_code
 from specdec.methods import METHODS, TRANSFORMERS
 
 HF_MODES = tuple(kind for kind, e in METHODS.items() if e.engine == TRANSFORMERS)  # the kinds HFGenerator runs
@@ -27,12 +32,7 @@ def load_hf_model(name_or_path: str | Path, dtype: torch.dtype, device: str | to
     that asks to run its own code (`auto_map`: UnsupportedModelError), and never lets transformers
     run such code (trust_remote_code=False).
     """
-    from transformers import AutoModelForCausalLM, GenerationConfig
-    from transformers.utils import logging as hf_logging
-
-    from runtime.hardware import check_device
-    from runtime.loading import resolve
-    from runtime.validate import refuse_remote_code
+    from transformers import AutoModelForCausalLM  # transformers' modeling code takes seconds: on first use
 
     device = check_device(device)
     ckpt = resolve(name_or_path)

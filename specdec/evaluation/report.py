@@ -176,7 +176,7 @@ def render_markdown(report: dict) -> str:
 
 
 def _save_figure(fig, path: Path) -> None:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # matplotlib: only to draw, not at CLI start
 
     FigureCanvasAgg(fig)
     atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight"))
@@ -184,7 +184,7 @@ def _save_figure(fig, path: Path) -> None:
 
 def plot_acceptance(report: dict, path: Path) -> None:
     """Per-position acceptance P(draft i accepted | drafts < i accepted), one line per method."""
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # matplotlib: only to draw, not at CLI start
     from matplotlib.ticker import MaxNLocator
 
     fig = Figure(figsize=(6, 4))
@@ -209,7 +209,7 @@ def plot_acceptance(report: dict, path: Path) -> None:
 
 def plot_speedup(report: dict, path: Path) -> None:
     """Bars of speedup vs plain (and vs each transformers baseline present) per method."""
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # matplotlib: only to draw, not at CLI start
 
     methods = list(report["methods"])
     refs = [k for k in report["methods"][methods[0]]["overall"] if k.startswith("speedup_vs_")]

@@ -23,13 +23,19 @@ import socket
 import sys
 import warnings
 
+import torch
+
+import runtime
 from runtime.argtypes import port_number, positive_int
 from runtime.hardware import DTYPES
 from runtime.loading import WEIGHTS
+from specdec.cli import DEFAULT_MODEL, draft_length_arg, tree_nodes_arg
 from specdec.drafters.eagle.drafter import EagleTreeConfig
+from specdec.evaluation.prompts import encode, eos_ids
 from specdec.loader import DrafterLoader
 from specdec.methods import DrafterSpec
 from specdec.options import DEFAULT_NUM_DRAFT_TOKENS, WEIGHTS_HELP
+from specdec.serving.engine import Engine
 from specdec.tuning.eagle_tree import TreeTuner
 from specdec.tuning.state import TuningState
 from specdec.tuning.warmup import compile_block_steps
@@ -132,11 +138,6 @@ CALIBRATION_PROMPT = ("Write a Python function that returns the longest palindro
 
 def _calibration(model: str):
     """(label, ids) of CALIBRATION_PROMPT, tokenized when an @auto tree asks for it."""
-    import torch
-
-    import runtime
-    from specdec.evaluation.prompts import encode
-
     tok = runtime.load_tokenizer(model)
     yield "calibration", torch.tensor(encode(tok, [CALIBRATION_PROMPT], [], raw=not getattr(tok, "chat_template",
                                                                                            None)))
@@ -144,10 +145,7 @@ def _calibration(model: str):
 
 def main(args: argparse.Namespace) -> int:
     """Entry point of `specdec serve`: check the address, load, then serve until interrupted."""
-    import runtime
-    from specdec.evaluation.prompts import eos_ids
-    from specdec.serving.engine import Engine
-    from specdec.serving.server import create_app, serve
+    from specdec.serving.server import create_app, serve  # fastapi and uvicorn: only when serving, not at CLI start
 
     if args.max_batch < 1:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
@@ -194,8 +192,6 @@ def batch_mode(target) -> str:
 def add_drafter_args(p: argparse.ArgumentParser) -> None:
     """--draft / --eagle / --medusa and the EAGLE-3 tree's options (`load_drafter` reads them;
     `specdec generate` shares them)."""
-    from specdec.cli import tree_nodes_arg
-
     drafter = p.add_mutually_exclusive_group()
     drafter.add_argument("--draft", default=None, metavar="SPEC",
                          help="the drafter, as in specdec eval --methods: ngram[@K], suffix[@N] (suffix decoding, its "
@@ -221,8 +217,6 @@ def add_drafter_args(p: argparse.ArgumentParser) -> None:
 
 def register(subparsers) -> argparse.ArgumentParser:
     """Add the `serve` subcommand to an argparse subparsers object."""
-    from specdec.cli import DEFAULT_MODEL, draft_length_arg
-
     p = subparsers.add_parser("serve", help="serve a model over OpenAI-compatible HTTP with continuous batching",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=DEFAULT_MODEL, help="target: catalogue name, checkpoint dir, .gguf or hub id "

@@ -292,7 +292,7 @@ class Eagle3Head(nn.Module):
     def rope(self) -> Rope:
         """The target's cos/sin tables (built from `config.layer_config()`), on the head's device."""
         if self._rope is None or self._rope.cos.device != self.device:
-            from transformers import LlamaConfig
+            from transformers import LlamaConfig  # transformers' Llama modules take seconds to import: on first use
 
             cfg = self.config
             self._rope = Rope(LlamaConfig(**cfg.layer_config()), cfg.head_dim, cfg.max_position_embeddings,

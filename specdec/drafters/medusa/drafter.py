@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from specdec.drafter import Accepted, Drafter, DraftTree, TypicalAcceptance
-from specdec.drafters.medusa.heads import ACCEPTANCE, MedusaHeads
-from specdec.drafters.medusa.tree import draft_tree
+from specdec.drafters.medusa.heads import ACCEPTANCE, MedusaHeads, default_tree
+from specdec.drafters.medusa.tree import build_tree, draft_tree
 
 
 class MedusaDrafter(Drafter):
@@ -63,9 +63,6 @@ class MedusaDrafter(Drafter):
 def from_spec(spec, target, loader):
     """`medusa:DIR[@N]` (specdec.methods): the heads in DIR; with @N their candidate tree is
     rebuilt with N nodes from the per-rank accuracy stored with them (else the shipped table)."""
-    from specdec.drafters.medusa.heads import default_tree
-    from specdec.drafters.medusa.tree import build_tree
-
     def load():
         heads = loader.medusa(spec.arg, target)
         if spec.size is not None:
