@@ -1,16 +1,11 @@
 """Compiled programs and resident memory: do all block and batch sizes share one copy of the weights?
 
 A server compiles a decode step, verification blocks of 8 and 16 tokens, at every batch size up
-to --max-batch. With Inductor weight freezing each program holds its own prepacked copy of the
-weights (+3.1 GB per program for the 1.5B bf16 model); without it (`compile_decode(
-freeze_weights=False)`, the default) every program reads the model's own tensors. This compiles
-every (batch, tokens) program of one model in a fresh process and reports the resident set
-against weights + KV cache, then the step time of a 1-token and an 8-token forward at batch 1
-(median ms), so the two settings can be compared run against run:
+to --max-batch; every program reads the model's own tensors. This compiles every (batch, tokens)
+program of one model in a fresh process and reports the resident set against weights + KV cache,
+then the step time of a 1-token and an 8-token forward at batch 1 (median ms):
 
     python benchmarks/compiled_memory.py --model qwen2.5-coder-1.5b-instruct --out runs/compiled_memory
-    python benchmarks/compiled_memory.py --model qwen2.5-coder-1.5b-instruct --freeze-weights \\
-        --batches 1 --tokens 1,8 --out runs/compiled_memory_frozen
     python benchmarks/compiled_memory.py --model qwen2.5-coder-1.5b-instruct --weights gguf \\
         --batches 1 --tokens 1,2,4,8 --out runs/compiled_memory_gguf
 
@@ -54,7 +49,7 @@ def run(args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
     model = load_model(args.model, dtype=DTYPES[args.dtype], weights=args.weights)
     weights = tensor_bytes(model)
-    model.compile_decode(freeze_weights=args.freeze_weights)
+    model.compile_decode()
     B_max = max(args.batches)
     caches = {b: model.new_cache(b, args.max_len) for b in args.batches}
     kv = sum(c.k.untyped_storage().nbytes() + c.v.untyped_storage().nbytes() for c in caches.values())
@@ -82,7 +77,7 @@ def run(args: argparse.Namespace) -> dict:
                 cache.rollback(cache.lengths - t)
             steps[f"{t}_token_ms"] = round(median_ms(step, args.repeats), 1)
     rss = rss_bytes()
-    return {"model": args.model, "dtype": args.dtype, "freeze_weights": args.freeze_weights,
+    return {"model": args.model, "dtype": args.dtype,
             "batches": args.batches, "tokens": args.tokens, "max_len": args.max_len, "max_batch": B_max,
             "weights_gb": round(weights / 1e9, 3), "kv_cache_gb": round(kv / 1e9, 3),
             "rss_before_compile_gb": round(base / 1e9, 3), "rss_gb": round(rss / 1e9, 3),
@@ -94,7 +89,6 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
-    p.add_argument("--freeze-weights", action="store_true", help="Inductor freezing: a weight copy per program")
     p.add_argument("--weights", default="dense", choices=["dense", "gguf"],
                    help="a GGUF model dequantized (dense) or kept in its 4-bit blocks (gguf)")
     p.add_argument("--batches", default="1,2,3,4", type=lambda s: [int(x) for x in s.split(",")])

@@ -114,12 +114,12 @@ def forward(models: list[str], tokens: int, rounds: int) -> list[dict]:
 
 @torch.no_grad()
 def verify(model: str, block: int, rounds: int, prompt_tokens: int = 64, dtypes: tuple[str, ...] = ("bfloat16",),
-           max_autotune: bool = False, freeze: bool = False) -> list[dict]:
+           max_autotune: bool = False) -> list[dict]:
     out = []
     for dname in dtypes:
         dtype = DTYPES[dname]
         m = _quantized(model, dtype, "int4-g128", include_lm_head=True)
-        m.compile_decode(max_autotune=max_autotune or None, freeze_weights=freeze)
+        m.compile_decode(max_autotune=max_autotune or None)
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(0, m.config.vocab_size, (1, prompt_tokens + block), generator=g)
         cache = m.new_cache(1, prompt_tokens + block + 8)
@@ -139,9 +139,9 @@ def verify(model: str, block: int, rounds: int, prompt_tokens: int = 64, dtypes:
                 step(t)
                 times[t].append(time.perf_counter() - a)
         one, blk = statistics.median(times[1]) * 1e3, statistics.median(times[block]) * 1e3
-        out.append({"model": model, "dtype": dname, "max_autotune": max_autotune, "freeze_weights": freeze,
+        out.append({"model": model, "dtype": dname, "max_autotune": max_autotune,
                     "decode_ms": one, "block": block, "block_ms": blk, "ratio": blk / one})
-        how = "compiled" + " max-autotune" * max_autotune + " frozen" * freeze
+        how = "compiled" + " max-autotune" * max_autotune
         print(f"{model} INT4 g128 {how} {dname}: decode step {one:.1f} ms, {block}-token block {blk:.1f} ms "
               f"({blk / one:.2f}x)", flush=True)
         del m
@@ -217,8 +217,6 @@ def main() -> None:
     p.add_argument("--dtypes", default="bfloat16", help="comma-separated (--part verify)")
     p.add_argument("--max-autotune", action="store_true",
                    help="--part verify: compile with Inductor's GEMM templates too (compile_decode(max_autotune=True))")
-    p.add_argument("--freeze", action="store_true",
-                   help="--part verify: fold the weights into the programs (compile_decode(freeze_weights=True))")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", default=None, help="also write the figures to this file")
     args = p.parse_args()
@@ -229,7 +227,7 @@ def main() -> None:
         res = forward(args.models.split(","), args.tokens, args.rounds)
     elif args.part == "verify":
         res = verify(args.model, args.block, args.rounds, dtypes=tuple(args.dtypes.split(",")),
-                     max_autotune=args.max_autotune, freeze=args.freeze)
+                     max_autotune=args.max_autotune)
     elif args.part == "memory":
         res = memory(args.model, args.tokens)
     else:

@@ -1,55 +1,49 @@
 """Compiled short forwards (decode steps, draft verification): `Transformer.compile_decode`.
 
 Decoding runs thousands of forwards of 1..k+1 tokens; each is dozens of small ATen calls per
-layer plus one matmul per weight. `torch.compile` (Inductor) turns that into one generated C++
-program per shape that fuses the small ops and calls oneDNN for the linears. On a 2-core Xeon
-with AMX (`spr-amx` in BENCHMARKS.md's machine table; figures in its section 2), compiled decoding
-(then with frozen weights) runs qwen2.5-coder-1.5b-instruct bf16 at 6.9 tok/s instead of 5.0,
-smollm2-135m-instruct bf16 at 44.8 instead of 28.7 and float32 at 34.6 instead of 29.3; the
-measurements behind the design below are in docs/experiments/2026-11-21-compiled-decode-step.md.
+layer plus one matmul per weight. `torch.compile` (Inductor) turns each decoder layer into one
+generated C++ program per shape that fuses the small ops around the linears.
 
-`Transformer.compile_decode()` (or `runtime.compile_decode(model)`) stores the compiled
-`Transformer.static_step` as `model.compiled_step`; `Transformer.forward` runs through it every
-forward that fits, and eagerly otherwise. Both run the same layers.
+Programs are regional: one program per (layer kind, shape) runs every layer of that kind, and
+one more runs the final norm and the LM head. A layer kind is what the compiler specializes
+on: the layer's module types, their attributes and their tensors' shapes and dtypes (a
+Q4_K_M GGUF mixes Q4_K and Q6_K layers: two kinds). So a new shape compiles one or two layers,
+not the whole unrolled model, and all layers share the same generated code. Each program is
+built once with `torch.compile(...).aot_compile` and then called without Dynamo's per-call
+guard evaluation: `Regions` keys it by the kind and the input shapes, and checks the compiler's
+guards once for every layer that first uses it (a layer that fails them gets its own program).
 
-How the program stays valid for every call: `static_step` has no host syncs, and each layer's
-cache write + attention is one opaque in-place custom op (`runtime.attention.cache_attention`),
-so the cache length is a dynamic dimension and prompts of any length share one program. Which
-forwards take a program (`Transformer._static_fits`), and at which size:
+`Transformer.compile_decode()` (or `runtime.compile_decode(model)`) stores the compiled step as
+`model.compiled_step`; `Transformer.forward` runs through it every forward that fits, and
+eagerly otherwise. Both run the same layers.
 
-- a causal forward of up to MAX_STATIC_TOKENS (32) tokens, padded by `static_tokens` to 1, 8, 16
-  or 32 (extra query rows write past the row's length, where nothing reads them before they are
+How a program stays valid for every call: the step has no host syncs, and each layer's cache
+write + attention is one opaque in-place custom op (`runtime.attention.cache_attention`) over
+that layer's cache buffers, whose length is a dynamic dimension, so prompts of any length share
+a program. Which forwards take a program (`Transformer._static_fits`), and at which size:
+
+- a causal forward of up to MAX_STATIC_TOKENS (32) tokens, padded by `static_tokens` (extra
+  query rows write past the row's length, where nothing reads them before they are
   overwritten; with no room left in the cache for the padding, it runs at its own size);
 - one with selected logits (`logits_idx`: a prompt's prefill, a draft's feeds) of up to
-  DECODE_STATIC_TOKENS (8) tokens, padded to 1 or 8 and its logits gathered from the program's
-  output; a 2-token feed after the prompt (a draft's catch-up) has a 2-token program of its own.
-  Longer ones (a prompt of more than 8 tokens) run eagerly rather than compile a 16- or 32-token
-  program (a minute-long compile per shape);
+  DECODE_STATIC_TOKENS (8) tokens, padded the same way, its logits gathered from the output.
+  Longer ones (a prompt of more than 8 tokens) run eagerly;
 - a tree step, with a `block_mask` (B, N, N) (which tree tokens each one sees) and no selected
   logits, of up to MAX_BLOCK_TOKENS (256) tokens, unless a sliding window cuts into a row: up to
   DECODE_STATIC_TOKENS padded as a causal step (a suffix match's tree changes size every step;
   a padding token sees only itself), larger ones (Medusa's, EAGLE's trees keep their size for a
-  whole generation) at their own size N. These larger programs call their kernels from a Python
-  wrapper, the others from C++ (`cpp_wrapper`): on 2 cores Inductor builds smollm2's C++ wrapper
-  in ~4 minutes per program against ~40 s, and it saves ~4 ms of a 1-token step.
+  whole generation) at their own size N.
 
 Everything else runs eagerly: a forward without a cache, one with a full (B, T, S) `mask`, a
 causal forward of more than 32 tokens (more than 8 with selected logits), a tree step of more
-than 256 tokens or one that a sliding window cuts. So one generation with k <= 7 draft tokens
-compiles every program it needs (1 and 8 tokens, 2 for a draft's feeds, a tree's size) in its
-first steps, and a warm-up run is enough. Every program returns a `ModelOutput` with the final
-hidden states (`return_hidden`: Medusa heads, self-distillation data); the states entering
-`aux_layers` (EAGLE-3) are an argument the compiler specializes on, one program per tuple.
+than 256 tokens or one that a sliding window cuts. Every program returns the final hidden
+states (`return_hidden`: Medusa heads, self-distillation data); the states entering
+`aux_layers` (EAGLE-3) are gathered between the layer programs.
 
-Weights: by default every program reads the model's own weight tensors, so all block and batch
-sizes share one copy (memory: benchmarks/compiled_memory.py, BENCHMARKS.md section 7).
-`freeze_weights=True` has Inductor fold them into each program as prepacked constants instead: a
-full copy per program, for no measured step-time gain on an AVX-512-BF16 CPU; on an AMX CPU the
-prepacked path may be faster (docs/experiments/2026-11-21-compiled-decode-step.md), so compare
-there before choosing.
-Use a compiled model for inference only (`torch.inference_mode`, as `specdec.generate` runs). The
-first call of each shape compiles (about a minute for a 1.5B model on 2 cores; Inductor's cache
-makes later processes faster); later calls reuse it.
+Programs read the model's own weight tensors, so every shape shares one copy. Compile after the
+model's modules and weights are final (`compile_decode` again after replacing a layer's
+modules). Use a compiled model for inference only (`torch.inference_mode`, as
+`specdec.generate` runs). Inductor's cache keeps the generated code for later processes.
 """
 
 from __future__ import annotations
@@ -70,12 +64,11 @@ MAX_BLOCK_TOKENS = 256  # block-mask (tree) forwards of up to this many tokens t
 # forwards with selected logits (a prefill, a draft's feeds) of up to this many tokens take the compiled
 # path; the largest program plain and speculative decoding (k <= 7) compile
 DECODE_STATIC_TOKENS = 8
-_RECOMPILE_LIMIT = 64  # (model, batch, tokens, cache) shapes one process may compile
 
 NOTICE_AFTER_S = 5.0  # a first call of a shape that runs longer than this says that it is compiling
 
-# static_step(tokens, positions, k, v, lengths, block_mask=None, aux_layers=()) -> ModelOutput(logits (B, T, V),
-# hidden (B, T, C), aux (B, T, len(aux_layers) * C) or None)
+# static_step(tokens, positions, k, v, lengths, block_mask=None, aux_layers=(), regions=None) -> ModelOutput(
+# logits (B, T, V), hidden (B, T, C), aux (B, T, len(aux_layers) * C) or None)
 Step = Callable[..., ModelOutput]
 
 
@@ -99,14 +92,6 @@ def static_tokens(num_tokens: int, selected: bool = False, row_cost: bool = Fals
     if row_cost and num_tokens <= 4:
         return 4
     return max(8, 1 << (num_tokens - 1).bit_length())
-
-
-def uses_cpp_wrapper(num_tokens: int, cpp_wrapper: bool = True) -> bool:
-    """Whether the program of a `num_tokens`-token step calls its kernels from C++: only with
-    `cpp_wrapper` and up to DECODE_STATIC_TOKENS tokens. A larger (Medusa / EAGLE tree) program gets
-    the Python wrapper: Inductor builds the C++ one ~6x slower (minutes per tree size on 2 cores) to
-    save a few ms a call (benchmarks/compile_wrapper.py, BENCHMARKS.md section 7)."""
-    return cpp_wrapper and num_tokens <= DECODE_STATIC_TOKENS
 
 
 R = TypeVar("R")
@@ -146,57 +131,131 @@ class CompileNotices:
         return out
 
 
+def module_kind(module: torch.nn.Module) -> tuple:
+    """What a compiled program specializes on in `module`: for it and every submodule, the type and
+    the plain (int, float, str, bool, None) attributes, and each parameter's and buffer's shape, dtype
+    and strides. Two modules of one kind run one program."""
+    kind = []
+    for name, sub in module.named_modules():
+        attrs = tuple(sorted((k, v) for k, v in vars(sub).items()
+                             if not k.startswith("_") and (v is None or isinstance(v, (int, float, str, bool)))))
+        tensors = tuple((k, None if t is None else (tuple(t.shape), t.dtype, t.stride(), t.device.type))
+                        for k, t in [*sub._parameters.items(), *sub._buffers.items()])
+        kind.append((name, type(sub).__qualname__, attrs, tensors))
+    return tuple(kind)
+
+
+class Regions:
+    """The compiled programs of a model's regions (a decoder layer, the head), built ahead of time and
+    called without Dynamo's per-call guards.
+
+    `run(fn, owner, modules, *args)` calls `fn(*modules, *args)` through the program for (fn, the
+    modules' kinds, the arguments' shapes and dtypes, the grad mode, eager_rounding()). The first call of each
+    owner (a layer index) on a program checks that program's guards against the real arguments; an
+    owner that fails them gets a program of its own. Later calls find the program by (`step`, fn,
+    owner, the modules' identities), where `step` is the caller's key of what fixes every argument's
+    shape (set per step by `compile_step`), so a call costs a dictionary lookup. `dynamic` maps a
+    region function to its (argument index, dim) pairs that vary freely (the cache length); indices
+    count the arguments after the modules. cpp_wrapper, max_autotune and eager_rounding() are Inductor
+    options of every program built.
+    """
+
+    def __init__(self, cpp_wrapper: bool = True, max_autotune: bool | None = None,
+                 eager_rounding: Callable[[], bool] = lambda: False,
+                 dynamic: dict[Callable, tuple[tuple[int, int], ...]] | None = None) -> None:
+        self.cpp_wrapper, self.max_autotune, self.eager_rounding = cpp_wrapper, max_autotune, eager_rounding
+        self.dynamic = dynamic or {}
+        self.step: Hashable = None
+        self._compiled: dict[Callable, Callable] = {}  # fn -> torch.compile(fn, fullgraph=True)
+        self._programs: dict[Hashable, Callable] = {}  # key -> AOT-compiled program
+        self._calls: dict[Hashable, Callable] = {}  # (step, fn, owner, id(module)) -> its program
+
+    @property
+    def programs(self) -> int:
+        """How many programs were built."""
+        return len(self._programs)
+
+    def run(self, fn: Callable, owner: Hashable, modules: tuple[torch.nn.Module, ...], *args: object) -> object:
+        """fn(*modules, *args) through its compiled program (built on first use)."""
+        call = (self.step, fn, owner, *map(id, modules))
+        program = self._calls.get(call)
+        if program is None:
+            program = self._calls[call] = self._program(fn, owner, modules, args)
+        return program(*modules, *args)
+
+    def _program(self, fn: Callable, owner: Hashable, modules: tuple[torch.nn.Module, ...], args: tuple) -> Callable:
+        dims: dict[int, set[int]] = {}
+        for index, dim in self.dynamic.get(fn, ()):
+            dims.setdefault(index, set()).add(dim)
+        shapes = tuple((tuple(-1 if d in dims.get(i, ()) else n for d, n in enumerate(a.shape)), a.dtype,
+                        a.device.type) if isinstance(a, torch.Tensor) else a for i, a in enumerate(args))
+        key = (fn, tuple(map(module_kind, modules)), shapes, torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+               self.eager_rounding())
+        if key in self._programs and not self._programs[key].guard_check(*modules, *args):
+            key = (key, owner)  # the program specializes on something this owner differs in
+        if key not in self._programs:
+            compiled = self._compiled.get(fn)
+            if compiled is None:
+                compiled = self._compiled[fn] = torch.compile(fn, fullgraph=True)
+            for index, dim in self.dynamic.get(fn, ()):
+                torch._dynamo.mark_dynamic(args[index], dim)
+            autotune = {} if self.max_autotune is None else {"max_autotune": self.max_autotune}
+            # emulate_precision_casts: round every bf16 intermediate as eager does; otherwise whether a
+            # fused value is rounded depends on the fusion, which differs between shapes, and a row's
+            # logits would depend on the program (`runtime.invariant`)
+            # floats (a norm's eps, a block format's zero point) stay constants: a traced float makes
+            # Dynamo restart its analysis, which an ahead-of-time build cannot do
+            with torch._inductor.config.patch(cpp_wrapper=self.cpp_wrapper,
+                                              emulate_precision_casts=self.eager_rounding(), **autotune), \
+                    torch._dynamo.config.patch(specialize_float=True, automatic_dynamic_shapes=False):
+                program = compiled.aot_compile(((*modules, *args), {}))
+            program.disable_guard_check()
+            self._programs[key] = program
+        return self._programs[key]
+
+
 def compile_step(step: Step, device: torch.device, cpp_wrapper: bool = True,
-                 max_autotune: bool | None = None, freeze_weights: bool = False,
-                 eager_rounding: Callable[[], bool] = lambda: False) -> Step:
-    """`torch.compile` a model's `static_step` (on `device`): the function that
-    `Transformer.compile_decode` stores as `compiled_step`. Options as `compile_decode` (cpp_wrapper
-    applies to the programs of up to DECODE_STATIC_TOKENS tokens; larger ones call their kernels from Python);
-    eager_rounding() says, per call, whether programs compiled then round every bf16 intermediate
-    as eager does (the model's `row_invariant`, on which the compiler also guards)."""
+                 max_autotune: bool | None = None, eager_rounding: Callable[[], bool] = lambda: False,
+                 dynamic: dict[Callable, tuple[tuple[int, int], ...]] | None = None) -> Step:
+    """A compiled `static_step` (on `device`): the function that `Transformer.compile_decode` stores as
+    `compiled_step`. It runs `step(..., regions=Regions(...))`, which sends each region through its
+    program. cpp_wrapper: Inductor calls each program's kernels from C++ rather than Python;
+    max_autotune: Inductor's option (None leaves it alone); eager_rounding() says, per call, whether
+    programs round every bf16 intermediate as eager does (the model's `row_invariant`); dynamic: the
+    region functions' dimensions that vary freely (`Regions`)."""
     cxx = torch._inductor.config.cpp.cxx  # what Inductor's CPU backend invokes ($CXX when torch loaded)
     candidates = [c for c in (cxx if isinstance(cxx, tuple) else (cxx,)) if c]
     if torch.device(device).type == "cpu" and not any(shutil.which(c) for c in candidates):
         raise RuntimeError(f"compiling for the CPU needs a C++ compiler, and none of {candidates} is on "
                            "PATH: install g++ (or set CXX before starting Python), or run without compile")
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
-    compiled = torch.compile(step)
-    autotune = {} if max_autotune is None else {"max_autotune": max_autotune}
+    regions = Regions(cpp_wrapper, max_autotune, eager_rounding, dynamic=dynamic)
     notices = CompileNotices()
 
     def compiled_step(tokens: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       lengths: torch.Tensor, block_mask: torch.Tensor | None = None,
                       aux_layers: tuple[int, ...] = ()) -> ModelOutput:
-        # the cache length is the one dynamic dimension: prompts of any length share a program
-        torch._dynamo.mark_dynamic(k, 3)
-        torch._dynamo.mark_dynamic(v, 3)
-        # freezing set through torch.compile(options=...) does not reach Inductor's freezing pass
-        # (the step is no faster), so the config is patched around each call instead.
-        # emulate_precision_casts: round every bf16 intermediate as eager does; otherwise whether a
-        # fused value is rounded depends on the fusion, which differs between block sizes, and a
-        # row's logits would depend on the program (`runtime.invariant`)
-        with torch._inductor.config.patch(freezing=freeze_weights,
-                                          cpp_wrapper=uses_cpp_wrapper(tokens.shape[1], cpp_wrapper),
-                                          emulate_precision_casts=eager_rounding(), **autotune), \
-                torch._dynamo.config.patch(automatic_dynamic_shapes=False):
-            B, T = tokens.shape
-            key = (B, T, block_mask is not None, aux_layers, k.dtype, eager_rounding())
-            what = f"the {T}-token {'tree ' if block_mask is not None else ''}step of a batch of {B}"
-            return notices.run(key, what, lambda: compiled(tokens, positions, k, v, lengths, block_mask, aux_layers))
+        B, T = tokens.shape
+        key = (B, T, block_mask is not None, k.dtype, eager_rounding())
+        what = f"the {T}-token {'tree ' if block_mask is not None else ''}step of a batch of {B}"
+        # what fixes every region argument's shape but the cache length (the model fixes the rest)
+        regions.step = (key, torch.is_grad_enabled(), torch.is_inference_mode_enabled(), k.device)
+        return notices.run(key, what, lambda: step(tokens, positions, k, v, lengths, block_mask, aux_layers,
+                                                   regions=regions))
 
+    compiled_step.regions = regions  # type: ignore[attr-defined]
     return compiled_step
 
 
 def compile_decode(model: torch.nn.Module, cpp_wrapper: bool = True,
-                   max_autotune: bool | None = None, freeze_weights: bool = False) -> torch.nn.Module:
+                   max_autotune: bool | None = None) -> torch.nn.Module:
     """Compile `model`'s short forwards in place and return the model: `model.compile_decode(...)`.
 
     model: a runtime Transformer (also a compressed one); anything else is a TypeError.
-    cpp_wrapper, max_autotune, freeze_weights: see `Transformer.compile_decode`.
+    cpp_wrapper, max_autotune: see `Transformer.compile_decode`.
     """
     from runtime.model import Transformer
 
     if not isinstance(model, Transformer):
         raise TypeError(f"compile_decode takes a runtime Transformer (runtime.load_model), got "
                         f"{type(model).__name__}")
-    return model.compile_decode(cpp_wrapper=cpp_wrapper, max_autotune=max_autotune, freeze_weights=freeze_weights)
+    return model.compile_decode(cpp_wrapper=cpp_wrapper, max_autotune=max_autotune)

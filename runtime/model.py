@@ -14,7 +14,15 @@ from torch import nn
 from runtime.args import check_int
 from runtime.attention import attend, block_mask_keys, causal_mask, default_backend, static_cache_attention
 from runtime.cache import KVCache
-from runtime.compile import DECODE_STATIC_TOKENS, MAX_BLOCK_TOKENS, MAX_STATIC_TOKENS, Step, compile_step, static_tokens
+from runtime.compile import (
+    DECODE_STATIC_TOKENS,
+    MAX_BLOCK_TOKENS,
+    MAX_STATIC_TOKENS,
+    Regions,
+    Step,
+    compile_step,
+    static_tokens,
+)
 from runtime.config import ModelConfig
 from runtime.invariant import attention as invariant_attention
 from runtime.invariant import linear, unsupported_reason
@@ -40,14 +48,16 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """Grouped-query self-attention that reads and writes one layer of the static cache."""
 
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.wqkv = nn.Linear(cfg.hidden_size, cfg.qkv_size, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: "StepContext") -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: "StepContext",
+                layer: int) -> torch.Tensor:
+        """x (B, T, C) -> (B, T, C); layer: this layer's index in the cache (0 in a compiled step, whose
+        cache buffers are this layer's alone)."""
         B, T, _ = x.shape
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = linear(self.wqkv, x, ctx.invariant).split([q_size, kv_size, kv_size], dim=-1)
@@ -56,15 +66,15 @@ class Attention(nn.Module):
         v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if ctx.backend == "static":  # Transformer.static_step: cache write + attention as one op
-            out = static_cache_attention(q, k, v, ctx.cache.k, ctx.cache.v, self.layer, ctx.prefix_lens,
+            out = static_cache_attention(q, k, v, ctx.cache.k, ctx.cache.v, layer, ctx.prefix_lens,
                                          ctx.window or 0, ctx.block_mask, ctx.invariant)
             return linear(self.wo, out.transpose(1, 2).reshape(B, T, q_size), ctx.invariant)
         if ctx.cache is None:
             keys, values = k, v
         else:
-            ctx.cache.write(self.layer, k, v, ctx.slots, ctx.uniform)
-            keys = ctx.cache.k[self.layer][:, :, :ctx.num_keys]  # (B, Hkv, S, D)
-            values = ctx.cache.v[self.layer][:, :, :ctx.num_keys]
+            ctx.cache.write(layer, k, v, ctx.slots, ctx.uniform)
+            keys = ctx.cache.k[layer][:, :, :ctx.num_keys]  # (B, Hkv, S, D)
+            values = ctx.cache.v[layer][:, :, :ctx.num_keys]
         if ctx.invariant:
             out = invariant_attention(q, keys, values, ctx.mask, ctx.prefix_lens, ctx.window)
         else:
@@ -88,7 +98,7 @@ class MLP(nn.Module):
 
 
 class _CacheBuffers:
-    """The cache buffers (L, B, H, S_max, D) a compiled step writes through `cache_attention`."""
+    """One layer's cache buffers (1, B, H, S_max, D) that a compiled step writes through `cache_attention`."""
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k, self.v = k, v
@@ -97,15 +107,17 @@ class _CacheBuffers:
 class Block(nn.Module):
     """Pre-norm decoder layer: x + attn(norm(x)), then + mlp(norm(x))."""
 
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = Attention(cfg, layer)
+        self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: "StepContext") -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, ctx)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: "StepContext",
+                layer: int) -> torch.Tensor:
+        """x (B, T, C) -> (B, T, C); layer: the index of this layer's cache (`Attention.forward`)."""
+        x = x + self.attn(self.attn_norm(x), cos, sin, ctx, layer)
         return x + self.mlp(self.mlp_norm(x), ctx.invariant)
 
 
@@ -129,6 +141,24 @@ class StepContext:
         self.invariant = invariant  # row-invariant linears and attention (`runtime.invariant`)
 
 
+def _static_layer(block: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor, lengths: torch.Tensor, window: int, block_mask: torch.Tensor | None,
+                  invariant: bool) -> torch.Tensor:
+    """One decoder layer of `Transformer.static_step`, a compiled region: x (B, T, C) -> (B, T, C); k, v
+    are this layer's cache buffers (1, B, H, S_max, D); window 0 = none."""
+    ctx = StepContext(cache=_CacheBuffers(k, v), prefix_lens=lengths, backend="static", window=window or None,
+                      num_keys=k.shape[3], block_mask=block_mask, invariant=invariant)
+    return block(x, cos, sin, ctx, 0)
+
+
+def _static_head(norm: RMSNorm, lm_head: nn.Module, x: torch.Tensor,
+                 invariant: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The final norm and LM head of `Transformer.static_step`, a compiled region: x (B, T, C) ->
+    (logits (B, T, V), hidden (B, T, C))."""
+    h = norm(x)
+    return linear(lm_head, h, invariant), h
+
+
 class Transformer(nn.Module):
     """Decoder-only Llama-family model: forward(tokens, positions, cache, mask) -> ModelOutput.
 
@@ -140,7 +170,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -184,26 +214,21 @@ class Transformer(nn.Module):
                               self.config.max_position_embeddings, self.device)
         return self._rope
 
-    def compile_decode(self, cpp_wrapper: bool = True, max_autotune: bool | None = None,
-                       freeze_weights: bool = False) -> Transformer:
+    def compile_decode(self, cpp_wrapper: bool = True, max_autotune: bool | None = None) -> Transformer:
         """Compile this model's short forwards in place and return the model (`runtime.compile`).
 
-        Sets `compiled_step` to the `torch.compile`d `static_step`. cpp_wrapper: let Inductor call
-        the kernels of the programs of up to 8 tokens from C++ rather than Python (less per-call
-        overhead; tree programs always use Python, whose wrapper builds several times faster).
-        max_autotune: True lets Inductor also generate its own GEMM kernels (CPU: the CPP GEMM
-        template, which covers the packed INT8 / INT4 weight-only matmuls) and keep the fastest per
-        shape, compiling several times longer; None leaves Inductor's setting alone. Outputs equal
-        the eager model's up to floating-point reassociation (float32: ~1e-6 relative; bf16: bf16
-        rounding), so greedy tokens can differ from the eager model's only at near-ties.
-        freeze_weights: False (default) lets every program read the model's own weights, so all
-        block and batch sizes share one copy; True has Inductor fold them into each program as
-        prepacked constants (a full copy per program, +3.1 GB for the 1.5B bf16 model; compile
-        after the weights are final). The step-time cost of sharing is measured in BENCHMARKS.md
-        section 7.
+        Sets `compiled_step` to `static_step` run through compiled programs: one per decoder-layer kind
+        and shape, one for the head. cpp_wrapper: let Inductor call each program's kernels from C++
+        rather than Python (less per-call overhead). max_autotune: True lets Inductor also generate its
+        own GEMM kernels (CPU: the CPP GEMM template, which covers the packed INT8 / INT4 weight-only
+        matmuls) and keep the fastest per shape, compiling several times longer; None leaves
+        Inductor's setting alone. Outputs equal the eager model's up to floating-point reassociation
+        (float32: ~1e-6 relative; bf16: bf16 rounding), so greedy tokens can differ from the eager
+        model's only at near-ties. Compile after the modules and weights are final.
         """
-        self.compiled_step = compile_step(self.static_step, self.device, cpp_wrapper, max_autotune, freeze_weights,
-                                          eager_rounding=lambda: self.row_invariant)
+        self.compiled_step = compile_step(self.static_step, self.device, cpp_wrapper, max_autotune,
+                                          eager_rounding=lambda: self.row_invariant,
+                                          dynamic={_static_layer: ((3, 3), (4, 3))})  # the cache length
         # linears whose kernels cost per row (ROW_COST: runtime.blockq, the packed INT8 / INT4 ones) make
         # compiled steps pad blocks to 2, 4, 8, ... tokens rather than to 8 (runtime.compile.static_tokens)
         self.row_cost = any(getattr(m, "ROW_COST", False) for m in self.modules())
@@ -260,22 +285,34 @@ class Transformer(nn.Module):
 
     def static_step(self, tokens: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
                     v: torch.Tensor, lengths: torch.Tensor, block_mask: torch.Tensor | None = None,
-                    aux_layers: tuple[int, ...] = ()) -> ModelOutput:
+                    aux_layers: tuple[int, ...] = (), regions: Regions | None = None) -> ModelOutput:
         """A short forward over the static cache buffers -> ModelOutput: logits (B, T, V), the final
         hidden states (B, T, C) always, and the states entering `aux_layers` (B, T, len * C) when it
-        names some (a constant to the compiler: one program per tuple).
+        names some.
 
         The same layers as `forward` with a cache (`_run`), written so that `torch.compile` traces
-        it once per (B, T): no host syncs, and each layer's cache write + attention is one opaque
-        in-place op (`runtime.attention.cache_attention`), so the cache length may vary freely.
-        k, v: the cache buffers (L, B, H, S_max, D), written at slots lengths[b] + t; `lengths`
-        (B,) is not advanced here. block_mask: (B, T, T) which new tokens each one sees (None =
-        causal).
+        each layer once per shape: no host syncs, and each layer's cache write + attention is one
+        opaque in-place op (`runtime.attention.cache_attention`) over that layer's buffers, so the
+        cache length may vary freely. k, v: the cache buffers (L, B, H, S_max, D), written at slots
+        lengths[b] + t; `lengths` (B,) is not advanced here. block_mask: (B, T, T) which new tokens
+        each one sees (None = causal). regions: run each layer and the head through their compiled
+        programs (`runtime.compile.Regions`); None runs them eagerly.
         """
-        ctx = StepContext(cache=_CacheBuffers(k, v), prefix_lens=lengths, backend="static",
-                          window=self.config.sliding_window, num_keys=k.shape[3], block_mask=block_mask,
-                          invariant=self.row_invariant)
-        return self._run(tokens, positions, ctx, aux_layers=aux_layers)
+        invariant, window = self.row_invariant, self.config.sliding_window or 0
+        cos, sin = self.rope()(positions, self.dtype)
+        x = self.embed(tokens)  # (B, T, C)
+        entering = {}
+        for i, layer in enumerate(self.layers):
+            if i in aux_layers:
+                entering[i] = x
+            args = (x, cos, sin, k[i:i + 1], v[i:i + 1], lengths, window, block_mask, invariant)
+            x = _static_layer(layer, *args) if regions is None else regions.run(_static_layer, i, (layer,), *args)
+        aux = torch.cat([entering[i] for i in aux_layers], dim=-1) if aux_layers else None
+        if regions is None:
+            logits, h = _static_head(self.norm, self.lm_head, x, invariant)
+        else:
+            logits, h = regions.run(_static_head, "head", (self.norm, self.lm_head), x, invariant)
+        return ModelOutput(logits, h, aux)
 
     def run_block(self, i: int, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Decoder layer `i` alone on hidden states x (B, T, C) at `positions` (B, T) -> (B, T, C).
@@ -285,7 +322,7 @@ class Transformer(nn.Module):
         then `norm`, it gives the hidden states of `forward(tokens, positions, None)`.
         """
         cos, sin = self.rope()(positions, self.dtype)
-        return self.layers[i](x, cos, sin, self._eager_context(positions, None, None, None))
+        return self.layers[i](x, cos, sin, self._eager_context(positions, None, None, None), i)
 
     def _run(self, tokens: torch.Tensor, positions: torch.Tensor, ctx: StepContext,
              logits_idx: torch.Tensor | None = None, aux_layers: tuple[int, ...] = ()) -> ModelOutput:
@@ -300,7 +337,7 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             if i in aux_layers:
                 entering[i] = x
-            x = layer(x, cos, sin, ctx)
+            x = layer(x, cos, sin, ctx, i)
         aux = torch.cat([entering[i] for i in aux_layers], dim=-1) if aux_layers else None
         h = self.norm(x)
         if logits_idx is not None:

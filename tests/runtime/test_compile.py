@@ -5,7 +5,7 @@ import torch
 
 import specdec
 from runtime import KVCache, compile_decode
-from runtime.compile import MAX_STATIC_TOKENS, CompileNotices, static_tokens, uses_cpp_wrapper
+from runtime.compile import MAX_STATIC_TOKENS, CompileNotices, Regions, module_kind, static_tokens
 from runtime.tiny import tiny_model
 from specdec.capture import StateCapture
 
@@ -203,14 +203,10 @@ def test_block_mask_steps_run_compiled_and_equal_eager_steps(family, extra, comp
         eager(tree_ids, pos, ce, mask=torch.ones(2, 6, 21, dtype=torch.bool), block_mask=block)
 
 
-def test_tree_programs_above_eight_tokens_use_the_python_wrapper():
-    """A 12-node tree (Medusa's, EAGLE's) runs compiled at its own size, equal to the eager step; its
-    program calls its kernels from Python (the C++ wrapper builds for minutes per tree size on 2
-    cores), while steps of up to 8 tokens keep the C++ wrapper."""
+def test_tree_programs_above_eight_tokens_run_at_their_own_size():
+    """A 12-node tree (Medusa's, EAGLE's) runs compiled at its own size, equal to the eager step."""
     from specdec.rows import prefill
 
-    assert [uses_cpp_wrapper(n) for n in (1, 2, 8, 9, 65)] == [True, True, True, False, False]
-    assert not uses_cpp_wrapper(1, cpp_wrapper=False)
     parent = [-1, 0, 0, 1, 1, 2, 2, 3, 4, 5, 6, 7]
     block = _tree_block(parent)[None]  # (1, 12, 12)
     depth = torch.tensor([0, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 4])
@@ -256,3 +252,65 @@ def test_a_slow_first_program_says_it_is_compiling_and_a_fast_one_is_quiet(capsy
     assert notices.run(("a", 8), "the 8-token step", lambda: time.sleep(0.3) or 8) == 8  # built: no line
     assert notices.run(("b", 1), "the 1-token step", lambda: 9) == 9  # quick (a cached program): no line
     assert capsys.readouterr().err == ""
+
+
+def _step_programs(model, steps: list[int]) -> tuple[torch.Tensor, int]:
+    """Logits of a 5-token prompt and then `steps` tokens at a time, and the programs built."""
+    ids = torch.randint(0, 128, (1, 5 + sum(steps)), generator=torch.Generator().manual_seed(1))
+    cache = model.new_cache(1, 40)
+    out, t = [], 0
+    with torch.inference_mode():
+        for n in [5, *steps]:
+            out.append(model(ids[:, t:t + n], torch.arange(t, t + n)[None], cache).logits)
+            t += n
+    programs = model.compiled_step.regions.programs if model.compiled else 0
+    return torch.cat(out, 1), programs
+
+
+def test_the_layers_of_one_kind_share_one_program_per_shape():
+    """Every decoder layer runs the same compiled program (one per shape, plus one for the head), so a
+    new shape builds one layer, not the whole model; a layer of another kind gets a program of its own."""
+    eager = tiny_model("llama", seed=2, num_hidden_layers=3)
+    want, _ = _step_programs(eager, [1, 1, 3])
+    got, programs = _step_programs(compile_decode(tiny_model("llama", seed=2, num_hidden_layers=3)), [1, 1, 3])
+    assert _rel(got, want) <= 1e-5 and programs == 4  # (layer, head) x the 8-token and 1-token shapes
+    kinds = {module_kind(layer) for layer in eager.layers}
+    assert len(kinds) == 1
+
+    mixed = tiny_model("llama", seed=2, num_hidden_layers=3)
+    w2 = mixed.layers[1].mlp.w2
+    biased = torch.nn.Linear(w2.in_features, w2.out_features, bias=True)  # another kind of layer
+    with torch.no_grad():
+        biased.weight.copy_(w2.weight)
+        biased.bias.zero_()
+    mixed.layers[1].mlp.w2 = biased
+    got, programs = _step_programs(compile_decode(mixed), [1, 1, 3])
+    assert _rel(got, want) <= 1e-5 and programs == 6  # two layer kinds and the head, two shapes
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(4))
+        self._scale = scale  # private: not part of module_kind, but the compiled program bakes it in
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight * self._scale
+
+
+def _scaled(module: _Scaled, x: torch.Tensor) -> torch.Tensor:
+    return module(x)
+
+
+def test_a_module_the_programs_guards_reject_gets_its_own_program():
+    """Two modules of one kind that differ in something the program specializes on: the guards,
+    checked on each owner's first call, send the second to a program of its own."""
+    regions = Regions(cpp_wrapper=False)
+    a, b = _Scaled(2.0), _Scaled(3.0)
+    assert module_kind(a) == module_kind(b)
+    x = torch.arange(4.0)
+    with torch.inference_mode():
+        assert torch.equal(regions.run(_scaled, 0, (a,), x), x * 2)
+        assert torch.equal(regions.run(_scaled, 1, (b,), x), x * 3)
+        assert torch.equal(regions.run(_scaled, 0, (a,), x), x * 2)
+    assert regions.programs == 2
