@@ -10,6 +10,7 @@ transformers' own defaults apart from `prompt_lookup_num_tokens`.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -22,6 +23,19 @@ from runtime.validate import refuse_remote_code
 from specdec.methods import METHODS, TRANSFORMERS
 
 HF_MODES = tuple(kind for kind, e in METHODS.items() if e.engine == TRANSFORMERS)  # the kinds HFGenerator runs
+# transformers' notice, on every assisted run, that its own assistant call passes a generation_config together
+# with generation arguments: no caller can act on it, so HFGenerator's runs do not show it
+GENERATION_CONFIG_NOTICE = "Passing `generation_config` together with generation-related arguments"
+
+
+class _HideGenerationConfigNotice(logging.Filter):
+    """Drops GENERATION_CONFIG_NOTICE, and only it, from transformers' generation logger."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(GENERATION_CONFIG_NOTICE)
+
+
+_NOTICE_FILTER = _HideGenerationConfigNotice()
 
 
 def load_hf_model(name_or_path: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu",
@@ -69,6 +83,7 @@ class HFGenerator:
         if prompt_lookup_num_tokens < 1:
             raise ValueError(f"prompt_lookup_num_tokens must be >= 1, got {prompt_lookup_num_tokens}")
         self.model, self.mode, self.assistant = model, mode, assistant
+        logging.getLogger("transformers.generation.utils").addFilter(_NOTICE_FILTER)  # added once
         self.prompt_lookup_num_tokens = prompt_lookup_num_tokens
 
     @torch.inference_mode()

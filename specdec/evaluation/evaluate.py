@@ -67,11 +67,13 @@ import shlex
 import sys
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import transformers
+from tqdm.auto import tqdm
 
 import runtime
 from runtime import hardware
@@ -328,7 +330,7 @@ class _RunLoader(DrafterLoader):
     sharing that method's tuning state, @auto trees timed on the run's prompts."""
 
     def __init__(self, runner: Runner) -> None:
-        super().__init__(tuner=TreeTuner(runner.calibration_prompts))
+        super().__init__(log=runner.log, tuner=TreeTuner(runner.calibration_prompts, log=runner.log))
         self.runner = runner
 
     def model(self, name: str, target):
@@ -352,10 +354,12 @@ class _RunLoader(DrafterLoader):
 
 
 class Runner:
-    """Loads each model once and decodes one prompt with one method."""
+    """Loads each model once and decodes one prompt with one method. `log` (a callable taking a line)
+    is told of every load and server start before it begins."""
 
-    def __init__(self, cfg: EvalConfig, tokenizer, eos: list[int]) -> None:
+    def __init__(self, cfg: EvalConfig, tokenizer, eos: list[int], log: Callable[[str], None] | None = None) -> None:
         self.cfg, self.tokenizer, self.eos = cfg, tokenizer, eos
+        self.log = log if log is not None else _quiet
         self._models: dict[tuple[str, str], object] = {}
         self.calibration: list[Prompt] = []  # prompts an `@auto` EAGLE-3 tree is measured on (the first that fits)
         self.method = ""  # the method whose drafter is loading (its tuning state is its own)
@@ -383,9 +387,13 @@ class Runner:
         return self._runtime_model(self.cfg.target)
 
     def _runtime_model(self, name: str):
-        return self._cached(("runtime", name), lambda: runtime.load_model(
-            name, dtype=self.cfg.torch_dtype, device=self.cfg.device, compile=self.cfg.compile,
-            weights=self.cfg.weights, row_invariant=not self.cfg.no_row_invariant))
+        def load():
+            cfg = self.cfg
+            self.log(f"loading {name} ({cfg.dtype}, {cfg.device}{', compiled' if cfg.compile else ''})")
+            return runtime.load_model(name, dtype=cfg.torch_dtype, device=cfg.device, compile=cfg.compile,
+                                      weights=cfg.weights, row_invariant=not cfg.no_row_invariant)
+
+        return self._cached(("runtime", name), load)
 
     def _draft_model(self, name: str):
         """The draft model `name`: with --draft-vocab N a copy of its own (the target never takes
@@ -395,8 +403,9 @@ class Runner:
             return self._runtime_model(name)
 
         def load():
+            self.log(f"loading draft model {name} ({cfg.dtype}, {cfg.device}, its vocabulary cut to {cfg.draft_vocab})")
             model = runtime.load_model(name, dtype=cfg.torch_dtype, device=cfg.device, weights=cfg.weights,
-                                             row_invariant=not cfg.no_row_invariant)
+                                       row_invariant=not cfg.no_row_invariant)
             restrict_vocab(model, self._frequent_tokens(model.config.vocab_size))
             return runtime.compile_decode(model) if cfg.compile else model
 
@@ -410,8 +419,12 @@ class Runner:
         pad = self.tokenizer.pad_token_id
         if pad is None and self.eos:
             pad = self.eos[0]
-        return self._cached(("hf", name), lambda: load_hf_model(
-            name, self.cfg.torch_dtype, self.cfg.device, eos_token_id=self.eos or None, pad_token_id=pad))
+        def load():
+            self.log(f"loading the transformers baseline {name} ({self.cfg.dtype}, {self.cfg.device})")
+            return load_hf_model(name, self.cfg.torch_dtype, self.cfg.device, eos_token_id=self.eos or None,
+                                 pad_token_id=pad)
+
+        return self._cached(("hf", name), load)
 
     def draft_for(self, method: Method):
         """The `draft=` argument of specdec.generate for a method this runtime decodes."""
@@ -447,6 +460,7 @@ class Runner:
             server = LlamaServer(target, draft, k if isinstance(k, int) else LLAMACPP_DRAFT_MAX,
                                  threads=self.cfg.threads or torch.get_num_threads(),
                                  eagle3=spec.kind == "llamacpp-eagle3")
+            self.log(f"starting llama.cpp's server for {spec.name} (it loads {target.name})")
             server.start()
             return server
 
@@ -546,6 +560,8 @@ def _run_locked(cfg: EvalConfig, out: Path, command: str | None, progress: bool)
     specs = cfg.method_list
     if any(s.engine == LLAMACPP for s in specs):
         server_binary()  # not built: say how, before any model loads
+    if progress and cfg.dataset is not None:
+        _status(f"loading the {cfg.dataset} prompts")
     prompts = load_prompts(cfg.prompts, cfg.dataset, cfg.limit, cfg.all_turns, raw=cfg.raw)
     tokenizer = runtime.load_tokenizer(cfg.target)
     eos = eos_ids(cfg.target, tokenizer)
@@ -559,7 +575,7 @@ def _run_locked(cfg: EvalConfig, out: Path, command: str | None, progress: bool)
     skipped = {r["id"] for r in previous if r.get("skipped")}  # prompts that did not fit: never retried
     done = {(r["id"], r["method"]) for r in previous}
     todo = [(p, s) for p in prompts if p.id not in skipped for s in specs if (p.id, s.name) not in done]
-    runner = Runner(cfg, tokenizer, eos)
+    runner = Runner(cfg, tokenizer, eos, log=_status if progress else None)
     runner.answers = earlier_answers(previous)
     try:
         _generate_all(runner, cfg, specs, prompts, todo, skipped, path, digest, progress)
@@ -575,6 +591,15 @@ def _run_locked(cfg: EvalConfig, out: Path, command: str | None, progress: bool)
     return report
 
 
+def _status(line: str) -> None:
+    """A status line on stderr (above a progress bar when one is drawn)."""
+    tqdm.write(line, file=sys.stderr)
+
+
+def _quiet(line: str) -> None:
+    """No status line (run_eval with progress=False)."""
+
+
 def _generate_all(runner: Runner, cfg: EvalConfig, specs: list[Method], prompts: list[Prompt],
                   todo: list[tuple[Prompt, Method]], skipped: set[str], path: Path, digest: str,
                   progress: bool) -> None:
@@ -583,7 +608,9 @@ def _generate_all(runner: Runner, cfg: EvalConfig, specs: list[Method], prompts:
     runner.calibration = [p for p in prompts if p.id not in skipped]
     pending = {s.name for _, s in todo}
     for spec in specs:  # warm-up: untimed, unrecorded generations on the first prompt that fits
-        if spec.name in pending:
+        if spec.name in pending and cfg.warmup:
+            runner.log(f"warming up {spec.name}" + (" (compiling its decode steps: minutes on a CPU the first time)"
+                                                    if cfg.compile and spec.engine == RUNTIME else ""))
             for _ in range(cfg.warmup):
                 _warm_up(runner, spec, [p for p in prompts if p.id not in skipped])
     runner.loader.forget_answers()  # the timed prompts draft only from earlier timed answers

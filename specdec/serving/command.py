@@ -161,14 +161,17 @@ def main(args: argparse.Namespace) -> int:
     eos = eos_ids(args.model, tokenizer)
     engine = Engine(target, draft, max_batch=args.max_batch, max_len=args.max_len,
                     num_draft_tokens=own_draft_length(spec, args.num_draft_tokens), eos_token_id=eos or None)
-    if args.compile and spec is not None and "suffix" in spec.kinds:
-        print("compiling the verification programs of suffix trees (they change size every step)", flush=True)
+    if args.compile and spec is not None and spec.varying_blocks:
+        print(f"compiling every verification block of {spec} (its trees change size every step)", flush=True)
         compile_block_steps(target, args.max_batch)
     name = args.served_model_name or args.model
     drafter = str(spec) if spec is not None else "none (plain decoding)"
     print(f"serving {name!r} on http://{args.host}:{args.port}/v1 (drafter {drafter}, max batch {args.max_batch}, "
           f"eos ids {eos})", flush=True)
     print(batch_mode(target), flush=True)
+    if args.compile:
+        print("--compile: the first request of each batch shape compiles its decode steps (a minute or more on a CPU); "
+              "later ones run at speed", flush=True)
     serve(create_app(engine, tokenizer, name, max_model_len=args.max_len), host=args.host, port=args.port,
           log_level=args.log_level)
     return 0
