@@ -199,19 +199,41 @@ class Regions:
                 compiled = self._compiled[fn] = torch.compile(fn, fullgraph=True)
             for index, dim in self.dynamic.get(fn, ()):
                 torch._dynamo.mark_dynamic(args[index], dim)
-            autotune = {} if self.max_autotune is None else {"max_autotune": self.max_autotune}
             # emulate_precision_casts: round every bf16 intermediate as eager does; otherwise whether a
             # fused value is rounded depends on the fusion, which differs between shapes, and a row's
             # logits would depend on the program (`runtime.invariant`)
             # floats (a norm's eps, a block format's zero point) stay constants: a traced float makes
             # Dynamo restart its analysis, which an ahead-of-time build cannot do
-            with torch._inductor.config.patch(cpp_wrapper=self.cpp_wrapper,
-                                              emulate_precision_casts=self.eager_rounding(), **autotune), \
+            options = self._options()
+            with torch._inductor.config.patch(**options), \
                     torch._dynamo.config.patch(specialize_float=True, automatic_dynamic_shapes=False):
-                program = compiled.aot_compile(((*modules, *args), {}))
-            program.disable_guard_check()
+                try:
+                    program = compiled.aot_compile(((*modules, *args), {}))
+                    program.disable_guard_check()
+                except torch._dynamo.exc.TorchDynamoException:  # a graph break (a module Dynamo cannot trace whole)
+                    program = _Guarded(fn, options)
             self._programs[key] = program
         return self._programs[key]
+
+    def _options(self) -> dict:
+        """Inductor's options for every program built."""
+        autotune = {} if self.max_autotune is None else {"max_autotune": self.max_autotune}
+        return {"cpp_wrapper": self.cpp_wrapper, "emulate_precision_casts": self.eager_rounding(), **autotune}
+
+
+class _Guarded:
+    """A region that Dynamo cannot compile as one graph: `torch.compile` with its graph breaks, whose
+    guards Dynamo checks on every call (so `guard_check` has nothing to add)."""
+
+    def __init__(self, fn: Callable, options: dict) -> None:
+        self.compiled, self.options = torch.compile(fn), options
+
+    def guard_check(self, *args: object) -> bool:
+        return True
+
+    def __call__(self, *args: object) -> object:
+        with torch._inductor.config.patch(**self.options), torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+            return self.compiled(*args)
 
 
 def compile_step(step: Step, device: torch.device, cpp_wrapper: bool = True,

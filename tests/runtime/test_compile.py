@@ -314,3 +314,26 @@ def test_a_module_the_programs_guards_reject_gets_its_own_program():
         assert torch.equal(regions.run(_scaled, 1, (b,), x), x * 3)
         assert torch.equal(regions.run(_scaled, 0, (a,), x), x * 2)
     assert regions.programs == 2
+
+
+class _Branching(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * self.weight
+        return y + 1 if y.sum().item() > 0 else y - 1  # data-dependent: Dynamo breaks the graph here
+
+
+def _branching(module: _Branching, x: torch.Tensor) -> torch.Tensor:
+    return module(x)
+
+
+def test_a_region_with_a_graph_break_still_runs_compiled_with_its_guards():
+    regions = Regions(cpp_wrapper=False)
+    module, x = _Branching(), torch.arange(4.0)
+    with torch.inference_mode():
+        assert torch.equal(regions.run(_branching, 0, (module,), x), x + 1)
+        assert torch.equal(regions.run(_branching, 0, (module,), -x - 1), -x - 2)
+    assert regions.programs == 1
