@@ -158,7 +158,7 @@ def sdpa_flash_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
 # ---- parts ------------------------------------------------------------------------------
 
 def run_prefill(args, g) -> list[dict]:
-    from runtime.kernels import flash_attention
+    from runtime.kernels.flash_attention import flash_attention
 
     Hq, Hkv, D = HEAD_SHAPES[args.shape]
     B, rows = args.batch, []
@@ -179,7 +179,7 @@ def run_prefill(args, g) -> list[dict]:
 
 def run_verify(args, g) -> list[dict]:
     from runtime.attention import attend
-    from runtime.kernels import flash_attention, visible_mask
+    from runtime.kernels.flash_attention import flash_attention, visible_mask
 
     Hq, Hkv, D = HEAD_SHAPES[args.shape]
     B, rows = args.batch, []
@@ -205,7 +205,7 @@ def run_verify(args, g) -> list[dict]:
 
 def run_decode(args, g) -> list[dict]:
     from runtime.attention import attend
-    from runtime.kernels import flash_attention
+    from runtime.kernels.flash_attention import flash_attention
 
     Hq, Hkv, D = HEAD_SHAPES[args.shape]
     L, rows = args.decode_len, []
@@ -228,7 +228,7 @@ def run_decode(args, g) -> list[dict]:
 def run_sweep(args, g) -> list[dict]:
     from triton.runtime.errors import OutOfResources
 
-    from runtime.kernels import FlashConfig, flash_attention
+    from runtime.kernels.flash_attention import FlashConfig, flash_attention
 
     Hq, Hkv, D = HEAD_SHAPES[args.shape]
     shapes = [("prefill", max(args.prefill_lens), 0), ("verify", max(args.verify_queries), max(args.cache_lens)),

@@ -18,7 +18,7 @@ def default_backend(device: torch.device | str) -> str:
     """`triton` on CUDA when Triton imports, else `sdpa`."""
     if torch.device(device).type == "cuda":
         try:
-            import triton  # noqa: F401
+            import triton  # noqa: F401  (optional: only whether it is installed)
         except ImportError:
             return "sdpa"
         return "triton"
@@ -66,8 +66,7 @@ def sdpa_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
 
     Grouped-query attention runs as plain attention with the G = Hq / Hkv query heads of each KV
     head folded into the query axis: q viewed as (B, Hkv, G*T, D), the mask repeated G times.
-    The same numbers as `enable_gqa=True`, but PyTorch's CPU kernel with `enable_gqa` is several
-    times slower (BENCHMARKS.md, "Grouped-query attention on the CPU").
+    The same numbers as `enable_gqa=True`, which PyTorch's CPU kernel runs several times slower.
     """
     B, Hq, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
@@ -101,7 +100,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         if torch.is_autocast_enabled(q.device.type):  # RoPE leaves q, k in float32 and v in the autocast dtype
             dtype = torch.get_autocast_dtype(q.device.type)
             q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-        from runtime.kernels import flash_attention
+        from runtime.kernels.flash_attention import flash_attention  # Triton: optional, for CUDA GPUs
 
         return flash_attention(q, k, v, mask=mask, prefix_lens=prefix_lens, window=window)
     raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
@@ -155,8 +154,8 @@ def static_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_
                            v_cache: torch.Tensor, layer: int, prefix_lens: torch.Tensor, window: int,
                            block_mask: torch.Tensor | None, invariant: bool = False) -> torch.Tensor:
     """`cache_attention` for a compiled step: on the CPU the same computation in C++ when the CPU
-    extension is built (`runtime.kernels.cpu_blockq`; it saved ~200 us of Python per layer and
-    step on a 2-core Xeon), else the Python op. Arguments and result as `cache_attention`."""
+    extension is built (`runtime.kernels.cpu_attention.cache_attention`: no Python per layer and
+    step), else the Python op. Arguments and result as `cache_attention`."""
     if q.device.type == "cpu":
         from runtime.kernels import cpu_blockq
 

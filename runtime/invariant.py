@@ -3,8 +3,7 @@ a verification block, a tree), other rows or padding slots share its forward.
 
 That is what makes speculative decoding lossless in bf16 (a token verified in a block of k + 1
 gets the bits it would get decoded alone) and a server's answers independent of its batch. Two
-parts of a plain bf16 forward on the CPU break it (torch 2.13 on an AMX Xeon, measured with
-tests/runtime/test_invariant.py):
+parts of a plain bf16 forward on the CPU break it (tests/runtime/test_invariant.py shows both):
 
 - Linears. oneDNN's bf16 matmul gives a row the same bits in every call of 2..32 rows, but a
   1-row call takes another path and calls of more rows split the reduction by the row count.
@@ -33,17 +32,17 @@ MAX_ROWS = 32  # beyond this the matmul's reduction order depends on the row cou
 def unsupported_reason(device: torch.device, dtype: torch.dtype) -> str | None:
     """Why forwards on `device` in `dtype` cannot be row-invariant here (None: they can).
 
-    Supported: bf16 on the CPU with the C++ kernels built (`runtime.kernels.cpu_blockq`). float32
+    Supported: bf16 on the CPU with the C++ kernels built (`runtime.kernels.cpu_attention`). float32
     is not: MKL's sgemm changes a row's bits with the row count below 16 rows, and padding a decode
     step to 16 rows costs 16x its compute."""
     if torch.device(device).type != "cpu":
         return f"row-invariant forwards run on the CPU only, not {device}"
     if dtype != torch.bfloat16:
         return f"row-invariant forwards need bfloat16 weights, not {dtype}"
-    from runtime.kernels import cpu_blockq
+    from runtime.kernels import cpu_attention  # imports torch._dynamo (about a second): only when asked
 
-    if not cpu_blockq.available():
-        return f"the C++ CPU kernels are unavailable ({cpu_blockq.unavailable_reason()})"
+    if not cpu_attention.available():
+        return f"the C++ CPU kernels are unavailable ({cpu_attention.unavailable_reason()})"
     return None
 
 
@@ -72,8 +71,8 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: t
 
     mask: (B, T, S) bool, True = may attend; None = causal on top of each row's `prefix_lens` (B,)
     cached slots, within `window` (None = no window)."""
-    from runtime.kernels import cpu_blockq
+    from runtime.kernels import cpu_attention  # imports torch._dynamo (about a second): only when asked
 
-    if not cpu_blockq.available():
-        raise RuntimeError(f"row-invariant attention needs the C++ CPU kernels: {cpu_blockq.unavailable_reason()}")
-    return cpu_blockq.ops().attention_rows(q, keys, values, mask, prefix_lens, window or 0)
+    if not cpu_attention.available():
+        raise RuntimeError(f"row-invariant attention needs the C++ CPU kernels: {cpu_attention.unavailable_reason()}")
+    return cpu_attention.attention_rows(q, keys, values, mask, prefix_lens, window or 0)

@@ -1,19 +1,10 @@
-"""Triton kernels of the runtime: tiled flash attention over the static KV cache, flash-decoding.
+"""The runtime's kernels, one module per kind; importing the package loads none of them.
 
-The attention backend "triton" (`runtime.attention.attend`) calls `flash_attention`. The kernels
-need a CUDA GPU, or the Triton interpreter (TRITON_INTERPRET=1 set before this package is
-imported), which the CPU tests use.
+- Triton, for CUDA GPUs (or the Triton interpreter: TRITON_INTERPRET=1 set before these modules are
+  imported, which the CPU tests do): `flash_attention` (tiled flash attention over the static KV
+  cache, the attention backend "triton" of `runtime.attention.attend`) and `flash_decoding`
+  (split-key merges).
+- C++, for the CPU, in one extension: `extension` (its build and load), `cpu_blockq`
+  (block-quantized linears), `cpu_attention` (the compiled step's cache attention, the row-invariant
+  attention); `build` builds a library so that no build can wedge or crash a process.
 """
-
-from runtime.kernels.flash_attention import (
-    FlashConfig,
-    default_config,
-    flash_attention,
-    flash_attention_ref,
-    interpreted,
-    visible_mask,
-)
-from runtime.kernels.flash_decoding import choose_num_splits, flash_merge, flash_merge_ref
-
-__all__ = ["FlashConfig", "default_config", "flash_attention", "flash_attention_ref", "interpreted",
-           "visible_mask", "choose_num_splits", "flash_merge", "flash_merge_ref"]

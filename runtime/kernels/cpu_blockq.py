@@ -1,127 +1,36 @@
-"""CPU kernels for block-quantized linears (GGUF-style codes): build, load, reference.
+"""Block-quantized linears (GGUF-style codes) on the CPU: the `blockq_mm` op, its paths, its reference.
 
-`cpu_blockq.cpp` (next to this file, with `cpu_attention.cpp` and `cpu_attention_isa.cpp`: the
-compiled decode step's cache attention without Python, and the row-invariant attention of
-`runtime.invariant`) is compiled once per machine with the host's C++ compiler
-through `torch.utils.cpp_extension` into `$SPECDEC_HOME/kernels/<hash>-<checkout>` (about a minute on 2
-cores; later processes load the cached library) and registers `blockq_mm` in the op namespace
-`NAMESPACE` (`specdec_cpu_<hash of the source>`: a torch.compile cache never replays a graph made for
-another version of the ops).
-The op picks its path at run time from the CPU's features: AMX-INT8 tiles for calls of
-`AMX_MIN_ROWS` rows or more, AVX-512 VNNI otherwise, AVX2 + FMA on CPUs without AVX-512, plain C++
-on other CPUs. The arithmetic
-(int8 activations in blocks of 32, exact integer dot products per group, one float epilogue
-order) is the same on every path, so a row's output does not depend on the path or the row count.
+The op is compiled into the runtime's C++ extension (`cpu_blockq.cpp`; `runtime.kernels.extension`
+builds and loads it: `available()`, `unavailable_reason()`). It picks its path at run time from the
+CPU's features: AMX-INT8 tiles for calls of `AMX_MIN_ROWS` rows or more, AVX-512 VNNI otherwise,
+AVX2 + FMA on CPUs without AVX-512, plain C++ on other CPUs. The arithmetic (int8 activations in
+blocks of 32, exact integer dot products per group, one float epilogue order) is the same on every
+path, so a row's output does not depend on the path or the row count.
 
 `blockq_mm_ref` is the same computation in PyTorch (float64 accumulation), what the kernel is
-tested against. A process whose compiler is missing or fails gets `available() == False` with
-the reason in `unavailable_reason()`; `runtime.blockq` then runs its dense fallback.
+tested against. Without the extension `runtime.blockq` runs its dense fallback.
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import logging
 import os
 import re
 import time
-from pathlib import Path
 
 import torch
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in (
-    "cpu_blockq.cpp", "cpu_attention.cpp", "cpu_attention_isa.cpp"))
-HEADERS = (Path(__file__).with_name("cpu_attention_rows.h"),)  # part of the build's hash
+from runtime.kernels.extension import LANES, NAMESPACE, available, ops, unavailable_reason
+
+__all__ = ["ACT_BLOCK", "AMX_MIN_ROWS", "ISAS", "ISA_ENV", "LANES", "NAMESPACE", "available", "blockq_mm",
+           "blockq_mm_ref", "default_isa", "fast", "isas", "ops", "quantize_activations_ref", "read_bandwidth",
+           "unavailable_reason"]
+
 ACT_BLOCK = 32  # activations share one int8 scale per 32 inputs
-LANES = 16  # output channels per storage block
 # calls with at least this many rows take the AMX path where the CPU has it (one row: VNNI, which
-# needs no tile set-up); measured by benchmarks/qlinear_rows.py
+# needs no tile set-up; the crossover benchmarks/qlinear_rows.py measures)
 AMX_MIN_ROWS = 12
 ISAS = {"auto": 0, "generic": 1, "vnni": 2, "amx": 3, "avx2": 4}
 ISA_ENV = "SPECDEC_BLOCKQ_ISA"  # the path every call without its own `isa` takes (default: auto)
-_CFLAGS = ["-O3", "-ffp-contract=off", "-std=c++17", "-fopenmp"]  # -fopenmp: at::parallel_for runs threads only with it
-
-log = logging.getLogger(__name__)
-
-
-def _key() -> str:
-    sources = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
-    return hashlib.sha256(sources + torch.__version__.encode() + " ".join(_CFLAGS).encode()).hexdigest()
-
-
-# the op namespace of this version of the kernels (see the module docstring)
-NAMESPACE = f"specdec_cpu_{_key()[:12]}"
-
-
-def ops():
-    """`torch.ops.<NAMESPACE>`: blockq_mm, blockq_isas, read_probe (after `available()`)."""
-    return getattr(torch.ops, NAMESPACE)
-
-
-@functools.cache
-def _load() -> str | None:
-    """Build (once per machine) and load the extension; None when loaded, else why it is not.
-
-    The build runs in a child process under a lock that dies with its holder, with a time limit and
-    a progress line, and the library is checked against its checksum before it is loaded
-    (`runtime.kernels.build`); any failure is the dense fallback with one warning."""
-    from runtime.catalogue import cache_home
-    from runtime.errors import CacheHomeError
-    from runtime.kernels.build import KernelBuild, KernelBuildError, load_built
-
-    # the checkout's path in the name too: ninja rebuilds when a source's path changes, so two
-    # checkouts on one machine would otherwise rebuild each other's library
-    where = hashlib.sha256(str(SOURCES[0].parent.resolve()).encode()).hexdigest()[:8]
-    try:
-        build = KernelBuild("specdec_cpu_blockq", tuple(str(p) for p in SOURCES),
-                            (*_CFLAGS, f"-DSPECDEC_OPS={NAMESPACE}"), ("-fopenmp",),
-                            cache_home() / "kernels" / f"cpu_blockq-{_key()[:16]}-{where}",
-                            what="the block-quantized CPU kernels")
-        load_built(build)
-        if not hasattr(ops(), "blockq_mm"):
-            # built from sources edited while it built (its ops carry another namespace): the next process
-            # rebuilds it; a library this process loaded cannot be replaced in it
-            build.checksum.unlink(missing_ok=True)
-            raise KernelBuildError(f"{build.library} holds kernels of other sources than these (edited during its "
-                                   "build); the next process rebuilds it")
-    except (KernelBuildError, CacheHomeError) as err:
-        reason = str(err)
-        log.warning("block-quantized CPU kernels unavailable, using the dense fallback: %s", reason)
-        return reason
-    torch.library.register_fake(f"{NAMESPACE}::blockq_mm")(_blockq_mm_fake)
-    torch.library.register_fake(f"{NAMESPACE}::cache_attention")(_cache_attention_fake)
-    torch.library.register_fake(f"{NAMESPACE}::attention_rows")(_attention_rows_fake)
-    return None
-
-
-def _blockq_mm_fake(x, codes, sc, mc, d, dm, bias, bits, group, super, zero=0.0, isa=0, amx_min_rows=AMX_MIN_ROWS):
-    width = LANES if bits == 8 else 2 * LANES  # output channels per block of codes (runtime.blockq.block_width)
-    return x.new_empty((*x.shape[:-1], codes.shape[0] * width))
-
-
-def _cache_attention_fake(q, k, v, k_cache, v_cache, layer, prefix_lens, window, block_mask, invariant=False):
-    return q.new_empty(q.shape)
-
-
-def _attention_rows_fake(q, keys, values, mask, prefix_lens, window):
-    return q.new_empty(q.shape)
-
-
-@torch.compiler.assume_constant_result
-def available() -> bool:
-    """Whether the compiled kernels load on this machine (x86-64 Linux with a C++ compiler);
-    SPECDEC_BLOCKQ_KERNELS=0 turns them off. (A constant to `torch.compile`: decided before tracing.)"""
-    if os.environ.get("SPECDEC_BLOCKQ_KERNELS", "1") == "0":
-        return False
-    return _load() is None
-
-
-def unavailable_reason() -> str | None:
-    """Why `available()` is False (None when it is True)."""
-    if os.environ.get("SPECDEC_BLOCKQ_KERNELS", "1") == "0":
-        return "SPECDEC_BLOCKQ_KERNELS=0"
-    return _load()
 
 
 @torch.compiler.assume_constant_result

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from runtime.attention import cache_attention
-from runtime.kernels import cpu_blockq
+from runtime.kernels import cpu_attention
 
-pytestmark = pytest.mark.skipif(not cpu_blockq.available(), reason="CPU extension not built here")
+pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="CPU extension not built here")
 
 
 @pytest.mark.parametrize("invariant", [False, True])
@@ -30,6 +30,6 @@ def test_same_numbers_and_writes_as_the_python_op(dtype, case, invariant):
     ref_k, ref_v = (c.clone() for c in caches)
     ref = cache_attention(q, k, v, ref_k, ref_v, 1, lens, window, block, invariant)
     got_k, got_v = (c.clone() for c in caches)
-    got = cpu_blockq.ops().cache_attention(q, k, v, got_k, got_v, 1, lens, window, block, invariant)
+    got = cpu_attention.cache_attention(q, k, v, got_k, got_v, 1, lens, window, block, invariant)
     assert torch.equal(got, ref)
     assert torch.equal(got_k, ref_k) and torch.equal(got_v, ref_v)

@@ -13,14 +13,14 @@ import os
 import pytest
 import torch
 
-from runtime.kernels import (
+from runtime.kernels.flash_attention import (
     FlashConfig,
-    choose_num_splits,
     flash_attention,
     flash_attention_ref,
     interpreted,
     visible_mask,
 )
+from runtime.kernels.flash_decoding import choose_num_splits
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}

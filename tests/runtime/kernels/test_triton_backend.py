@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from runtime.attention import attend
-from runtime.kernels import visible_mask
+from runtime.kernels.flash_attention import visible_mask
 from runtime.loading import from_hf_state
 
 LOGITS_ATOL = 2e-4
