@@ -81,7 +81,7 @@ def _need_calibration(model: nn.Module, calibration: torch.Tensor | None, what: 
 def _check_bitsandbytes(cfg: Config, device: torch.device, dtype: torch.dtype) -> None:
     """Run the bitsandbytes op once on a tiny weight of this device and dtype; fail early with a clear error."""
     try:
-        import bitsandbytes  # noqa: F401  (imported for the availability check)
+        import bitsandbytes  # noqa: F401  (optional here: imported for the availability check)
     except ImportError as err:
         raise RuntimeError(f"{type(cfg).__name__} needs bitsandbytes: pip install bitsandbytes") from err
     probe = torch.ones(64, 128, dtype=dtype, device=device)  # (out, in)

@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from quant.compressed_tensors import save_compressed_tensors
 from runtime.args import check_bool, check_instance, check_methods, check_module
 from runtime.compressed import FORMAT_VERSION
 from runtime.hf_state import dense_hf_state, is_tied
@@ -90,8 +91,6 @@ def save_compressed(model: nn.Module, out_dir: str | Path, tokenizer: Any = None
     if format not in FORMATS:
         raise ValueError(f"save_compressed format must be one of {FORMATS}, got {format!r}")
     if format == "compressed-tensors":
-        from quant.compressed_tensors import save_compressed_tensors
-
         return save_compressed_tensors(model, out_dir, tokenizer=tokenizer, overwrite=overwrite)
     check_compressed_out(out_dir, overwrite)
     qmods = compressed_modules(model)

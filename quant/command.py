@@ -10,6 +10,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import runtime
 from runtime.argtypes import int_at_least, nonnegative_int, path_arg, positive_int
 from runtime.hardware import DTYPES
 
@@ -43,8 +44,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Handler of `specdec compress`; returns the exit code."""
+    # heavy: the quant package takes over a second to import; it loads when the command runs, not at CLI start
     import quant
-    import runtime
     from quant.checkpoint import check_compressed_out, check_export_out
     from quant.recipe import apply_recipe, load_recipe
 

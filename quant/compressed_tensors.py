@@ -50,6 +50,7 @@ from runtime.compressed_tensors import (
     hf_linears,
     pack_int32,
 )
+from runtime.hf_state import dense_hf_state
 from runtime.output_paths import prepare_output_dir, write_output_dir
 from runtime.qlinear import Int4Linear, Int8Linear, QuantizedLinear, Sparse24Linear, integer_zero_points, pack_int4
 
@@ -144,8 +145,6 @@ def _act_order(model: nn.Module) -> str | None:
 
 def build_export(model: nn.Module, dtype: torch.dtype | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(Hugging Face-named tensors, quantization_config) of the compressed-tensors export of `model`."""
-    from quant.checkpoint import dense_hf_state
-
     cfg = model.config
     dtype = dtype or model.dtype
     linears = hf_linears(cfg.num_layers)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 
+from quant.gguf_export import DENSE_TYPES, export_gguf
+from quant.gguf_tensors import REQUANT
 from runtime.argtypes import path_arg
 
 EPILOG = """\
@@ -21,9 +23,6 @@ llama.cpp's converter comes from the llama-cpp-python sdist (fetched once, 77 MB
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the `export` command with its `gguf` subcommand; handlers are set with set_defaults(func=...)."""
-    from quant.gguf_export import DENSE_TYPES
-    from quant.gguf_tensors import REQUANT
-
     p = subparsers.add_parser("export", help="write checkpoints and heads for other engines (llama.cpp: gguf)",
                               description="Write specdec checkpoints and heads in other engines' formats.")
     sub = p.add_subparsers(dest="format", metavar="FORMAT", required=True)
@@ -47,8 +46,6 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run_gguf(args: argparse.Namespace) -> int:
-    from quant.gguf_export import export_gguf
-
     result = export_gguf(args.source, args.out, target=args.target, dense_type=args.dense_type,
                          requant=args.requant, overwrite=args.overwrite)
     print(result.summary())

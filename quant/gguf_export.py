@@ -29,6 +29,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import gguf
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, Keys, LlamaFileType
@@ -40,6 +41,7 @@ from runtime.args import check_path
 from runtime.atomic import disk_full_named
 from runtime.errors import CheckpointError, SpecdecError
 from runtime.hf_state import hf_linear_parts
+from runtime.loading import load_model, load_tokenizer, resolve
 from runtime.output_paths import OutputPathError, check_output_file
 from runtime.qlinear import QuantizedLinear
 from runtime.validate import read_json
@@ -179,8 +181,6 @@ def _rows_in_gguf_order(ref: torch.Tensor, converted: np.ndarray, qtype: GGMLQua
 def _quantized_tensors(model: torch.nn.Module, reader: GGUFReader, requant: str
                        ) -> tuple[dict[str, tuple[np.ndarray, GGMLQuantizationType]], list[TensorReport]]:
     """GGUF name -> (blocks, type) replacing the converter's float copy of each quantized linear, and reports."""
-    import gguf
-
     arch = str(reader.get_field(Keys.General.ARCHITECTURE).contents())
     arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     names = gguf.get_tensor_name_map(arch_id, len(model.layers))
@@ -261,8 +261,6 @@ def export_gguf(source: str | Path, out: str | Path, *, target: str | Path | Non
     whose layout maps onto no GGUF type becomes (gguf_tensors.REQUANT: "auto" is Q4_1 for 4-bit
     formats, Q8_0 for 8-bit, a float copy for 2:4 sparse); target: the target model of an EAGLE-3
     head (catalogue name, directory or .gguf), required for heads and refused otherwise."""
-    from runtime.loading import load_model, load_tokenizer, resolve
-
     if dense_type not in DENSE_TYPES:
         raise ValueError(f"dense_type must be one of {DENSE_TYPES}, got {dense_type!r}")
     if requant not in REQUANT:

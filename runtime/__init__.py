@@ -1,6 +1,7 @@
 """runtime: the engine. Llama-family model, weight loading, catalogue, static KV cache, attention."""
 
 from runtime.cache import KVCache
+from runtime.catalogue import CATALOGUE, fetch, fetch_gguf
 from runtime.compile import compile_decode
 from runtime.config import ModelConfig
 from runtime.errors import (
@@ -12,6 +13,7 @@ from runtime.errors import (
     SpecdecError,
     UnsupportedModelError,
 )
+from runtime.hf_adapter import HFAdapter
 from runtime.loading import load_model, load_tokenizer
 from runtime.model import Transformer
 from runtime.model_output import ModelOutput
@@ -20,15 +22,3 @@ __all__ = ["KVCache", "ModelConfig", "Transformer", "ModelOutput", "compile_deco
            "fetch", "fetch_gguf", "CATALOGUE", "HFAdapter", "SpecdecError", "CheckpointError", "CatalogueError",
            "ContextLengthError", "CacheMemoryError", "CacheHomeError", "UnsupportedModelError"]
 
-
-def __getattr__(name: str):
-    # catalogue and adapter import lazily: `import runtime` stays cheap
-    if name in ("fetch", "fetch_gguf", "CATALOGUE"):
-        from runtime import catalogue
-
-        return getattr(catalogue, name)
-    if name == "HFAdapter":
-        from runtime.hf_adapter import HFAdapter
-
-        return HFAdapter
-    raise AttributeError(f"module 'runtime' has no attribute {name!r}")

@@ -8,9 +8,10 @@ a tree's accepted path is moved to contiguous slots with `compact` (one gather p
 
 from __future__ import annotations
 
+import psutil
 import torch
 
-from runtime.errors import CacheMemoryError
+from runtime.errors import CacheMemoryError, ContextLengthError
 
 _HEADROOM = 0.9  # fraction of the free memory a cache may take
 
@@ -20,8 +21,6 @@ def available_memory(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free)
-    import psutil
-
     return int(psutil.virtual_memory().available)
 
 
@@ -85,8 +84,6 @@ class KVCache:
         """Raise if some row cannot take `num_new` more tokens."""
         longest = int(self.lengths.max()) + num_new
         if longest > self.max_seq_len:
-            from runtime.errors import ContextLengthError
-
             raise ContextLengthError(f"the KV cache holds {self.max_seq_len} positions per row; "
                                      f"{longest} were asked for")
 

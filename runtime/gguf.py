@@ -6,15 +6,15 @@ plain model rebuilt from the same config, which is saved with `save_pretrained`.
 comes from the GGUF metadata. Tensor types are checked with `gguf.GGUFReader` before any work.
 transformers is always called with trust_remote_code=False: no code beside the GGUF is run.
 
-`convert_gguf(path, out_dir)` writes one directory; `gguf_to_checkpoint(path)` caches the result
-under `$SPECDEC_HOME/gguf/<stem>-<key>` (key: hash of path, size and mtime), built atomically.
+`convert_gguf(path, out_dir)` writes one directory; `runtime.catalogue.gguf_to_checkpoint(path)`
+caches the result under `$SPECDEC_HOME/gguf/<stem>-<key>` (key: hash of path, size and mtime), built
+atomically.
 """
 
 from __future__ import annotations
 
 import functools
 import gc
-import hashlib
 import json
 import re
 from collections import Counter
@@ -24,8 +24,10 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import gguf
 import numpy as np
 import torch
+from gguf.quants import dequantize
 
 from runtime.config import MAX_POSITIONS
 from runtime.errors import CheckpointError
@@ -43,9 +45,6 @@ CONVERT_STEPS = 3  # progress-bar steps of one conversion: dequantize, save weig
 @functools.cache
 def supported_tensor_types() -> tuple[str, ...]:
     """Names of the ggml tensor types the installed `gguf` package can dequantize."""
-    import gguf
-    from gguf.quants import dequantize
-
     names = []
     for qtype in gguf.GGMLQuantizationType:
         _, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
@@ -63,8 +62,6 @@ def inspect_gguf(gguf_path: Path) -> tuple[Counter, bool]:
     Raises CheckpointError for a file `gguf.GGUFReader` cannot parse, or for a tensor type the
     installed `gguf` cannot dequantize (naming the tensor, its type and the supported types).
     """
-    import gguf
-
     try:
         reader = gguf.GGUFReader(gguf_path)
     except (ValueError, OSError, IndexError, KeyError) as err:
@@ -95,8 +92,6 @@ def inspect_gguf(gguf_path: Path) -> tuple[Counter, bool]:
 def converted_bytes(gguf_path: Path, dtype: torch.dtype = torch.bfloat16) -> int:
     """About the bytes `convert_gguf` writes for `gguf_path`: every tensor's elements at `dtype`'s size
     (the tokenizer files are small beside them)."""
-    import gguf
-
     return sum(int(t.n_elements) for t in gguf.GGUFReader(gguf_path).tensors) * dtype.itemsize
 
 
@@ -231,9 +226,6 @@ def _llama_qkv_biases(gguf_path: Path, config) -> dict[str, torch.Tensor]:
     """The q / k / v biases of a llama GGUF, by their Hugging Face names and in its row order ({} for
     other architectures and for a llama file without biases: Qwen2-style weights stored as llama).
     `check_gguf_tensor_names` has made sure every layer has all three or none has any."""
-    import gguf
-    from gguf.quants import dequantize
-
     if config.model_type not in ("llama", "mistral"):
         return {}
     reader = gguf.GGUFReader(gguf_path)
@@ -257,7 +249,7 @@ def _llama_qkv_biases(gguf_path: Path, config) -> dict[str, torch.Tensor]:
 def _with_qkv_bias(config):
     """A llama config as the Qwen2 config of the same model: Qwen2 is llama with q / k / v biases (and
     no output bias), so transformers and the runtime both run the biases a llama GGUF may hold."""
-    from transformers import Qwen2Config
+    from transformers import Qwen2Config  # transformers: heavy, only for a conversion
 
     fields = {k: v for k, v in config.to_dict().items()
               if k not in ("attention_bias", "mlp_bias", "pretraining_tp", "model_type", "architectures",
@@ -267,7 +259,7 @@ def _with_qkv_bias(config):
 
 def _load_dense(gguf_path: Path, dtype: torch.dtype):
     """The GGUF's model dequantized by transformers, rebuilt as a plain (serializable) model."""
-    from transformers import AutoModelForCausalLM, GgufConfig
+    from transformers import AutoModelForCausalLM, GgufConfig  # transformers: heavy, only for a conversion
 
     try:
         loaded, info = AutoModelForCausalLM.from_pretrained(
@@ -303,7 +295,7 @@ def _load_dense(gguf_path: Path, dtype: torch.dtype):
 
 def _save_tokenizer(gguf_path: Path, out_dir: Path) -> str:
     """Rebuild the tokenizer stored in the GGUF metadata, save it, and return its class name."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # transformers: heavy, only for a conversion
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
@@ -319,7 +311,7 @@ def _save_tokenizer(gguf_path: Path, out_dir: Path) -> str:
 def _transformers_bars_off() -> Iterator[None]:
     """transformers' own progress bars (loading weights, writing shards) off for a while; the
     conversion's bar covers those stages. Its GGUF dequantization bar is plain tqdm and stays."""
-    from transformers.utils import logging as hf_logging
+    from transformers.utils import logging as hf_logging  # transformers: heavy, only for a conversion
 
     enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
@@ -337,7 +329,7 @@ def convert_gguf(gguf_path: Path | str, out_dir: Path | str, dtype: torch.dtype 
     `out_dir` must be new or empty. It receives config.json, model.safetensors in `dtype`,
     generation_config.json, the tokenizer files (when the GGUF holds a tokenizer) and, written
     last, specdec_source.json (provenance; `source` entries are added to it). Not atomic by
-    itself: `gguf_to_checkpoint` and `runtime.fetch` build into a staging directory and rename.
+    itself: `runtime.catalogue.gguf_to_checkpoint` and `runtime.fetch` build into a staging directory and rename.
     progress: show a bar of CONVERT_STEPS steps. bar: advance this open bar by CONVERT_STEPS
     steps instead, naming the stage in its postfix (`runtime.fetch` shows one bar per fetch).
     """
@@ -367,19 +359,3 @@ def convert_gguf(gguf_path: Path | str, out_dir: Path | str, dtype: torch.dtype 
               "model_type": model_type, "tokenizer": tokenizer, **(source or {})}
     (out_dir / SOURCE_FILE).write_text(json.dumps(record, indent=2) + "\n")
     return out_dir
-
-
-def gguf_to_checkpoint(path: Path | str, progress: bool = True) -> Path:
-    """The cached bf16 checkpoint directory of a .gguf file, converting it on first use."""
-    from runtime.args import check_path
-    from runtime.catalogue import build_once, cache_home
-
-    path = Path(check_path("path", path, "a .gguf file")).expanduser().resolve()
-    if not path.is_file():
-        raise CheckpointError(f"{path} does not exist or is not a file")
-    stat = path.stat()
-    key = hashlib.sha256(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    dest = cache_home() / "gguf" / f"{path.stem}-{key}"
-    source = {"source_path": str(path), "source_size": stat.st_size, "source_mtime_ns": stat.st_mtime_ns}
-    return build_once(dest, lambda staging: convert_gguf(path, staging, progress=progress, source=source),
-                      needed=lambda: converted_bytes(path))

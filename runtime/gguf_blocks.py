@@ -19,16 +19,17 @@ and returns the codes and scales of `runtime.blockq`:
 The fp16 scales widen to float32 exactly, and every product d * sc * q is exact in float32 (at
 most 24 significant bits), so `BlockQuantLinear.dequantize()` equals `gguf.quants.dequantize`
 bit for bit (tested). 6-bit codes are stored in 8 bits: a 6-bit layout (bit planes like 5-bit
-codes) was 7% slower per weight on 2-core VMs, whose cores unpack the planes slower than memory
-delivers the bytes (`benchmarks/qlinear_rows.py`).
+codes) costs more to unpack than its fewer bytes save on small CPUs (`benchmarks/qlinear_rows.py`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import gguf
 import numpy as np
 import torch
+from gguf.quants import Q4_K
 
 QK_K = 256
 
@@ -66,8 +67,6 @@ def _nibbles(qs: np.ndarray, width: int) -> np.ndarray:
 
 
 def _q4_k(blocks: np.ndarray):
-    from gguf.quants import Q4_K
-
     d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
     sc, m = Q4_K.get_scale_min(blocks[:, 4:16])
     q = _nibbles(blocks[:, 16:], 64)  # (n, 256): sub-block 2j = low nibbles of chunk j, 2j + 1 = high
@@ -75,8 +74,6 @@ def _q4_k(blocks: np.ndarray):
 
 
 def _q5_k(blocks: np.ndarray):
-    from gguf.quants import Q4_K
-
     n = blocks.shape[0]
     d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
     sc, m = Q4_K.get_scale_min(blocks[:, 4:16])
@@ -125,8 +122,6 @@ SUPPORTED = tuple(_PARSERS)
 def to_canonical(raw: np.ndarray, kind: str, shape: tuple[int, int]) -> Canonical:
     """A GGUF tensor's raw data (rows, row bytes) of type `kind` ("Q4_K", ...) and (N, K) shape ->
     `Canonical`. KeyError for a type outside SUPPORTED."""
-    import gguf
-
     N, K = shape
     block_size, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
     blocks = np.ascontiguousarray(raw).reshape(-1, block_bytes)

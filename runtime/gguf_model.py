@@ -18,8 +18,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 import torch
+from gguf.quants import dequantize
 from torch import nn
 
 from runtime.blockq import BlockQuantLinear, QuantizedEmbedding
@@ -48,8 +50,6 @@ class _Reader:
     """The GGUF's tensors by name: raw data, type and (N, K) shape."""
 
     def __init__(self, path: Path) -> None:
-        import gguf
-
         try:
             self.reader = gguf.GGUFReader(path)
         except (ValueError, OSError, IndexError, KeyError) as err:
@@ -74,8 +74,6 @@ class _Reader:
 
     def dense(self, name: str) -> torch.Tensor:
         """Any tensor dequantized to float32, in PyTorch's (N, K) / (N,) shape."""
-        from gguf.quants import dequantize
-
         t = self._get(name)
         shape = tuple(int(s) for s in reversed(t.shape))
         self.types[t.tensor_type.name] += 1

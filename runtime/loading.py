@@ -6,16 +6,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from huggingface_hub import snapshot_download
 from huggingface_hub.errors import StrictDataclassError
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 
+from runtime import catalogue
 from runtime.args import check_bool, check_dtype, check_path, check_path_length
+from runtime.compressed import load_compressed
 from runtime.compressed_tensors import is_compressed_tensors, load_compressed_tensors
-from runtime.config import HF_SIZE_KEYS, ModelConfig, check_model_type, is_size
+from runtime.config import HF_SIZE_KEYS, check_model_type, is_size
 from runtime.errors import CheckpointError
 from runtime.hardware import DTYPES, check_device
 from runtime.heap import release_freed_memory
+from runtime.hf_state import check_unused, checkpoint_name, read_state_dict, to_runtime_state
 from runtime.model import Transformer
 from runtime.validate import (
     HF_LAYOUT,
@@ -28,34 +30,18 @@ from runtime.validate import (
     tensor_infos,
 )
 
-# Hugging Face parameter names (per layer) -> ours; fused entries list their parts in order.
-_LAYER_MAP = {
-    "attn_norm.weight": ["input_layernorm.weight"],
-    "attn.wqkv.weight": ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"],
-    "attn.wqkv.bias": ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"],
-    "attn.wo.weight": ["self_attn.o_proj.weight"],
-    "mlp_norm.weight": ["post_attention_layernorm.weight"],
-    "mlp.w13.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
-    "mlp.w2.weight": ["mlp.down_proj.weight"],
-}
-_TOP_MAP = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-            "lm_head.weight": "lm_head.weight"}
 SOURCES = "a catalogue name, a checkpoint directory, a .gguf file or a hub id"  # what name_or_path may name
 
 
 def resolve(name_or_path: str | Path) -> Path:
     """A local HF checkpoint directory for a catalogue name, a directory, a .gguf file or a hub id."""
-    from runtime import catalogue
-
     text = str(name_or_path)
     if text in catalogue.CATALOGUE:
         return catalogue.fetch(text)
     check_path_length("name_or_path", text)
     path = Path(text).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        from runtime.gguf import gguf_to_checkpoint
-
-        return gguf_to_checkpoint(path)
+        return catalogue.gguf_to_checkpoint(path)
     if path.is_dir():
         return path
     if path.exists():
@@ -69,8 +55,6 @@ def resolve(name_or_path: str | Path) -> Path:
 
 
 def _from_hub(repo_id: str) -> Path:
-    from huggingface_hub import snapshot_download
-
     try:
         return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model",
                                                                 "*.txt", "*.tiktoken"]))
@@ -88,7 +72,7 @@ def read_hf_config(ckpt: Path) -> Any:
     (UnsupportedModelError). transformers then parses it with trust_remote_code=False; what it
     rejects becomes a CheckpointError naming the file.
     """
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # transformers: heavy, loaded when a checkpoint is read
 
     path = Path(ckpt) / "config.json"
     if not path.is_file():
@@ -105,77 +89,6 @@ def read_hf_config(ckpt: Path) -> Any:
             StrictDataclassError) as err:  # what transformers' config classes raise on bad values
         raise CheckpointError(f"{path} is not a valid {raw.get('model_type')} config ({type(err).__name__}: "
                               f"{err})") from err
-
-
-def read_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint dir: model.safetensors, a sharded index, or weights-only .bin."""
-    files = safetensors_files(ckpt)
-    if files:
-        state: dict[str, torch.Tensor] = {}
-        for f in files:
-            try:
-                state.update(load_file(f))
-            except (SafetensorError, OSError) as err:
-                raise CheckpointError(f"{f} is corrupt or truncated ({err}); delete it and fetch or "
-                                      "convert the checkpoint again") from err
-        return state
-    bins = sorted(ckpt.glob("pytorch_model*.bin"))
-    if bins:
-        state = {}
-        for f in bins:
-            try:
-                state.update(torch.load(f, map_location="cpu", weights_only=True))
-            except Exception as err:  # torch.load raises RuntimeError/UnpicklingError/EOFError
-                raise CheckpointError(f"{f} cannot be read as a weights-only PyTorch file ({err})") from err
-        return state
-    raise CheckpointError(f"{ckpt} holds no weights (no *.safetensors, no pytorch_model*.bin)")
-
-
-def _checkpoint(source: str | Path | None) -> str:
-    """How a message names the checkpoint the tensors came from (its directory, when known)."""
-    return "the checkpoint" if source is None else f"checkpoint {source}"
-
-
-def to_runtime_state(hf_state: dict[str, torch.Tensor], cfg: ModelConfig,
-                     source: str | Path | None = None) -> dict[str, torch.Tensor]:
-    """Rename and fuse Hugging Face tensors into the Transformer's parameter names; `source` (the
-    checkpoint directory) is what a CheckpointError names."""
-    out: dict[str, torch.Tensor] = {}
-    for ours, theirs in _TOP_MAP.items():
-        if theirs in hf_state:
-            out[ours] = hf_state[theirs]
-    if "lm_head.weight" not in out:
-        out["lm_head.weight"] = out.get("embed.weight")
-    for i in range(cfg.num_layers):
-        for ours, parts in _LAYER_MAP.items():
-            names = [f"model.layers.{i}.{p}" for p in parts]
-            present = [n for n in names if n in hf_state]
-            if not present:
-                continue
-            if len(present) != len(names):
-                missing = sorted(set(names) - set(present))
-                raise CheckpointError(f"{_checkpoint(source)} is missing {', '.join(missing)}; fetch or convert "
-                                      "it again")
-            tensors = [hf_state[n] for n in names]
-            out[f"layers.{i}.{ours}"] = tensors[0] if len(tensors) == 1 else torch.cat(tensors, 0)
-    return out
-
-
-def check_unused(hf_state: dict[str, torch.Tensor], cfg: ModelConfig, source: str | Path | None = None) -> None:
-    """CheckpointError naming the tensors the Transformer would not load (a Llama's o_proj or MLP
-    biases, q / k / v biases of a config without qkv_bias, anything unknown): dropping them would
-    change the model's outputs without a word. Rotary tables saved by old transformers are skipped."""
-    used = set(_TOP_MAP.values())
-    for i in range(cfg.num_layers):
-        for ours, parts in _LAYER_MAP.items():
-            if ours.endswith(".bias") and not cfg.qkv_bias:
-                continue
-            used.update(f"model.layers.{i}.{p}" for p in parts)
-    unused = sorted(n for n in hf_state if n not in used and not n.endswith("rotary_emb.inv_freq"))
-    if unused:
-        raise CheckpointError(f"{_checkpoint(source)} holds {len(unused)} tensors the {cfg.model_type} runtime model "
-                              f"does not use, e.g. {', '.join(unused[:4])}; they would be dropped, changing its "
-                              "outputs (a bias the runtime does not implement, or another architecture's weights)")
 
 
 def from_hf_state(hf_state: dict[str, torch.Tensor], hf_config: Any, dtype: torch.dtype = torch.float32,
@@ -199,11 +112,11 @@ def from_hf_state(hf_state: dict[str, torch.Tensor], hf_config: Any, dtype: torc
         expected.discard("lm_head.weight")
     missing = sorted(expected - set(state))
     if missing:
-        raise CheckpointError(f"{_checkpoint(source)} lacks {len(missing)} tensors the model needs, e.g. "
+        raise CheckpointError(f"{checkpoint_name(source)} lacks {len(missing)} tensors the model needs, e.g. "
                               f"{', '.join(missing[:4])}")
     for name, tensor in state.items():
         if not torch.isfinite(tensor).all():
-            raise CheckpointError(f"tensor {name} holds NaN or inf values; {_checkpoint(source)} is corrupt")
+            raise CheckpointError(f"tensor {name} holds NaN or inf values; {checkpoint_name(source)} is corrupt")
     # a tensor taken as is from a safetensors file would stay a view of its memory map, which keeps
     # every page of the file resident (RssFile: +3.6 GB for the 1.5B): copy those into the model's own memory
     mapped = {id(t) for t in hf_state.values()}
@@ -221,8 +134,6 @@ WEIGHTS = ("dense", "gguf", "auto")
 
 def gguf_source(name_or_path: str | Path) -> Path | None:
     """The GGUF file behind a catalogue name (fetched) or a .gguf path; None for other sources."""
-    from runtime import catalogue
-
     text = str(name_or_path)
     if text in catalogue.CATALOGUE:
         return catalogue.fetch_gguf(text)
@@ -240,8 +151,7 @@ def resolve_weights(weights: str, name_or_path: str | Path, device: torch.device
         raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
     if weights != "auto":
         return weights
-    from runtime import catalogue
-    from runtime.kernels import cpu_blockq
+    from runtime.kernels import cpu_blockq  # imports torch._dynamo (about a second): only for weights="auto"
 
     if torch.device(device).type != "cpu" or not cpu_blockq.fast():
         return "dense"
@@ -294,7 +204,7 @@ def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.bfloat16,
     hf_config = read_hf_config(ckpt)
     cfg = model_config(hf_config, ckpt)  # fail on a bad config before reading the weights
     if weights == "gguf":
-        from runtime.gguf_model import load_gguf_model
+        from runtime.gguf_model import load_gguf_model  # imports the CPU kernels' module (torch._dynamo)
 
         source = gguf_source(name_or_path)
         if source is None:
@@ -303,11 +213,9 @@ def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.bfloat16,
                              "`quant.quantize_`, whose INT4 / INT8 modules run the same kernels)")
         model = load_gguf_model(source, hf_config, dtype=dtype, device=device, attention=attention)
     elif (ckpt / "compression.json").is_file():
-        from runtime.compressed import load_compressed
-
         model = load_compressed(ckpt, hf_config, dtype=dtype, device=device, attention=attention)
         if weights == "blocks":
-            from runtime.blockq import to_block_quant
+            from runtime.blockq import to_block_quant  # imports the CPU kernels' module (torch._dynamo)
 
             to_block_quant(model)
     elif is_compressed_tensors(hf_config):
@@ -352,7 +260,7 @@ def load_tokenizer(name_or_path: str | Path):
 
     A directory without tokenizer files, a tokenizer.json that is not a `tokenizers` file, or files
     transformers cannot read raise CheckpointError naming the directory or file, in one line."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # transformers: heavy, loaded when a tokenizer is read
 
     check_path("name_or_path", name_or_path, SOURCES)
     ckpt = resolve(name_or_path)

@@ -27,6 +27,7 @@ would a file the user made; directories a failed write created are removed again
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import shutil
@@ -37,6 +38,7 @@ from pathlib import Path
 
 from runtime.args import check_path_length
 from runtime.atomic import apply_umask
+from runtime.catalogue import managed_cache
 from runtime.errors import SpecdecError
 
 LOCK = ".lock"  # output_lock's file; a crashed job's leftover does not make a directory "non-empty"
@@ -109,8 +111,6 @@ def _check_outside_caches(path: str | Path, what: str) -> None:
     """OutputPathError when `path` is specdec's cache home or lies in a cache it manages
     (`runtime.catalogue.managed_cache`: catalogue GGUFs and checkpoints, kernel builds, ...): no
     output may replace or go into what specdec fetched and checked itself."""
-    from runtime.catalogue import managed_cache
-
     cache = managed_cache(path)
     if cache is not None:
         raise OutputPathError(f"{path} is inside specdec's cache {cache}, which is never an output location for "
@@ -332,8 +332,6 @@ def output_lock(path: str | Path, what: str = "specdec job") -> Iterator[Path]:
     the holder exits however it ends, so a lock file left by a killed job is simply taken over.
     The file is removed on release.
     """
-    import fcntl
-
     lock = Path(path) / LOCK
     fd = -1
     for _ in range(100):  # retried only when the file was replaced between open and flock

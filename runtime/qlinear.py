@@ -15,15 +15,14 @@ Kernel choice on the CPU, by row count and dtype (INT8 and INT4; `packed_max_row
   dequantizes a tile of output channels at a time into a scratch buffer of about `TILE_BYTES` and
   calls the dense GEMM on it, in the activations' own dtype where the CPU multiplies it natively;
   on a CPU without native bf16 (AVX2 only) a bf16 call multiplies in float32 and rounds the result
-  to bf16, because bf16 products there are widened in software (BENCHMARKS.md, "An AVX2 CPU").
+  to bf16, because bf16 products there are widened in software.
   The packed kernels' float32 path is much slower than their bf16 one, and float32 calls must
   stay exact (outputs equal to the dequantized model's, for quality tables and losslessness
   checks), so float32 always takes `_tiled`.
 
 No dense copy of the weight outlives a call. The crossover rows per (format, dtype) are in
-`PACKED_MAX_ROWS`, measured with `benchmarks/quant_rows.py` (BENCHMARKS.md, "Quantized models
-on long inputs"). 2:4 formats run a masked dense weight on the CPU (there is no faster CPU 2:4
-kernel); NF4 and LLM.int8 run bitsandbytes.
+`PACKED_MAX_ROWS`, measured with `benchmarks/quant_rows.py`. 2:4 formats run a masked dense
+weight on the CPU (there is no faster CPU 2:4 kernel); NF4 and LLM.int8 run bitsandbytes.
 """
 
 from __future__ import annotations
@@ -35,11 +34,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.sparse import to_sparse_semi_structured
 
 from runtime.hardware import native_bf16
 
 # Calls with more rows than this run `_tiled` (dequantize + dense GEMM); fewer run the packed
-# kernel (the crossovers `benchmarks/quant_rows.py` measures, BENCHMARKS.md).
+# kernel (the crossovers `benchmarks/quant_rows.py` measures).
 PACKED_MAX_ROWS: dict[tuple[str, torch.dtype], int] = {
     ("int8", torch.bfloat16): 24, ("int4", torch.bfloat16): 96,
 }
@@ -133,7 +133,7 @@ class QuantizedLinear(nn.Module, abc.ABC):
         tile = max(align, min(N, TILE_BYTES // (K * x.element_size())) // align * align)
         scratch = torch.empty(tile * K, dtype=x.dtype, device=x.device)
         # bf16: each tile's GEMM writes its column block of y (M, N) in place; float32: its row block
-        # of y^T (N, M), transposed once at the end (measured faster for each dtype on 2-core EPYC)
+        # of y^T (N, M), transposed once at the end (the faster layout for each dtype)
         rows_out = x.dtype == torch.float32
         y = torch.empty((N, x2.shape[0]) if rows_out else (x2.shape[0], N), dtype=x.dtype, device=x.device)
         for start in range(0, N, tile):
@@ -382,8 +382,7 @@ class Int4Linear(QuantizedLinear):
 
     # `_tiled` splits w = (q - 8) * s + z: the GEMM's operands are [x, group sums of x] (M, K + K/G)
     # and [(q - 8) * s, z] (N, K + K/G), so the zero points cost K/G more columns instead of a pass
-    # over every tile (at 256 bf16 rows of a 4864x896 weight: 1.4 instead of 2.2 ms of dequantizing,
-    # the dense product taking 5.2)
+    # over every tile
     def _tile_inputs(self, x2: torch.Tensor) -> torch.Tensor:
         sums = x2.view(x2.shape[0], -1, self.group_size).sum(-1, dtype=torch.float32)  # (M, K/G)
         return torch.cat([x2, sums.to(x2.dtype)], dim=1)  # (M, K + K/G)
@@ -408,8 +407,7 @@ class Int4Linear(QuantizedLinear):
 
         bf16 fills the scratch as the transposed operand (K', t), where a block is one run of B
         values per input (the GEMM then takes it as is); float32 fills it as (t, K'), because its
-        GEMM measured slower on the transposed operand (smollm2 MLP, 256 rows: 6.9 against 6.0 ms)
-        while the bf16 one did not."""
+        GEMM is slower on the transposed operand while the bf16 one is not."""
         K, B, t = self.in_features, self.block, stop - start
         p = self.packed[start:stop].view(t // B, K, B // 2)  # (t/B, K, B/2)
         s, z = self.scales[start:stop].to(out.dtype), self.zeros[start:stop]  # (t, K/G) each
@@ -514,8 +512,6 @@ class Sparse24Linear(QuantizedLinear):
             weight = self.dequantize(x.dtype)
             if x.device.type == "cuda" and x.dtype in (torch.float16, torch.bfloat16) and \
                     self.out_features % 64 == 0 and self.in_features % 64 == 0:
-                from torch.sparse import to_sparse_semi_structured
-
                 weight = to_sparse_semi_structured(weight)
             self._weight = (x.device, x.dtype, weight)
         return self._weight[2]
@@ -601,7 +597,7 @@ class NF4Linear(QuantizedLinear):
     @classmethod
     def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None, blocksize: int,
                  double_quant: bool) -> "NF4Linear":
-        import bitsandbytes.functional as bnbf
+        import bitsandbytes.functional as bnbf  # bitsandbytes: heavy, only for NF4 / LLM.int8
 
         packed, qs = bnbf.quantize_4bit(weight, blocksize=blocksize, quant_type="nf4",
                                         compress_statistics=double_quant)
@@ -609,7 +605,7 @@ class NF4Linear(QuantizedLinear):
         return cls(weight.shape[1], weight.shape[0], state, bias)
 
     def _state(self):
-        import bitsandbytes.functional as bnbf
+        import bitsandbytes.functional as bnbf  # bitsandbytes: heavy, only for NF4 / LLM.int8
 
         device = self.qweight.device
         if self._quant_state is None or self._quant_state[0] != device:
@@ -618,7 +614,7 @@ class NF4Linear(QuantizedLinear):
         return self._quant_state[1]
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        import bitsandbytes.functional as bnbf
+        import bitsandbytes.functional as bnbf  # bitsandbytes: heavy, only for NF4 / LLM.int8
 
         return bnbf.dequantize_4bit(self.qweight, self._state()).to(dtype)
 
@@ -638,7 +634,7 @@ class NF4Linear(QuantizedLinear):
         return cls(k, n, state, tensors.get("bias"))
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        import bitsandbytes as bnb
+        import bitsandbytes as bnb  # bitsandbytes: heavy, only for NF4 / LLM.int8
 
         state = self._state()
         if state.dtype != x.dtype:
@@ -666,7 +662,7 @@ class Int8MixedLinear(QuantizedLinear):
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None, threshold: float) -> "Int8MixedLinear":
-        import bitsandbytes.functional as bnbf
+        import bitsandbytes.functional as bnbf  # bitsandbytes: heavy, only for NF4 / LLM.int8
 
         qweight, scales, _ = bnbf.int8_vectorwise_quant(weight.to(torch.float16))
         return cls(qweight, scales.to(torch.float32), threshold, bias)
@@ -685,7 +681,7 @@ class Int8MixedLinear(QuantizedLinear):
         return cls(tensors["qweight"], tensors["scales"], float(meta["threshold"]), tensors.get("bias"))
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        import bitsandbytes as bnb
+        import bitsandbytes as bnb  # bitsandbytes: heavy, only for NF4 / LLM.int8
 
         state = bnb.MatmulLtState()
         state.CB, state.SCB, state.threshold = self.qweight, self.scales, self.threshold
@@ -704,7 +700,7 @@ def from_tensors(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Quan
     """Rebuild a module from its checkpoint tensors and `meta()` dictionary."""
     fmt = meta.get("format")
     if fmt == "blockq" and fmt not in FORMATS:
-        import runtime.blockq  # noqa: F401  registers itself (kept out of `import runtime`: it loads the kernels)
+        import runtime.blockq  # noqa: F401  registers its formats; a cycle (it imports this module) and torch._dynamo
     if fmt not in FORMATS:
         raise ValueError(f"unknown quantized-linear format {fmt!r}; known: {', '.join(FORMATS)}")
     return FORMATS[fmt].from_tensors(tensors, meta)

@@ -12,7 +12,7 @@ _CONFIGS = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralC
 
 def tiny_hf_config(model_type: str = "llama", **overrides):
     """A small transformers config of the given family (defaults: 2 layers, width 64, vocab 128)."""
-    import transformers
+    import transformers  # transformers: heavy, only for the tests' tiny models
 
     if model_type not in _CONFIGS:
         raise ValueError(f"model_type must be one of {', '.join(_CONFIGS)}, got {model_type!r}")
@@ -24,7 +24,7 @@ def tiny_hf_config(model_type: str = "llama", **overrides):
 
 def tiny_pair(model_type: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
     """(runtime Transformer, transformers model) with identical random weights."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # transformers: heavy, only for the tests' tiny models
 
     cfg = tiny_hf_config(model_type, **overrides)
     with torch.random.fork_rng():  # transformers initialises from the global RNG; keep it untouched

@@ -11,8 +11,9 @@ import torch
 from safetensors import safe_open
 
 import runtime
+from runtime.catalogue import gguf_to_checkpoint
 from runtime.errors import CheckpointError
-from runtime.gguf import SOURCE_FILE, convert_gguf, gguf_to_checkpoint, supported_tensor_types
+from runtime.gguf import SOURCE_FILE, convert_gguf, supported_tensor_types
 from runtime.loading import from_hf_state
 
 TOKENS = torch.tensor([[5, 17, 99, 3, 64, 120, 8, 42], [1, 2, 3, 4, 5, 6, 7, 127]])  # (B, T)
