@@ -56,14 +56,12 @@ class Int4WeightOnly(ModuleFilter):
     """Group-wise asymmetric INT4 weights. method "rtn" (round to nearest) or "gptq" (needs calibration).
 
     grid "mse" shrinks each group's [min, max] range where that lowers its squared rounding
-    error; "minmax" always spans it (quant.grids.int4_grid). None picks per method, by
-    measurement (smollm2, g64, held-out ShareGPT perplexity; the chosen grids' 7.71 and 7.29 are
-    in BENCHMARKS.md section 4): "mse" for RTN (7.95 -> 7.71) and for GPTQ with act_order, whose
-    grids are fixed from the weights before any update (7.29); "minmax" for GPTQ in input order,
-    whose grids are picked mid-solve from weights the error feedback has moved (mse there: 7.73 ->
-    8.51). GPTQ also takes "hmse": "mse" with each weight's rounding error weighted by its input's
-    mean square (diag of the calibration Hessian); measured, it lowers the held-out layer-output
-    error a little, perplexity within noise, so it is not a default.
+    error; "minmax" always spans it (quant.grids.int4_grid). None picks per method, by held-out
+    perplexity (docs/experiments/2026-11-21-int4-grid.md): "mse" for RTN and for GPTQ with
+    act_order, whose grids are fixed from the weights before any update; "minmax" for GPTQ in
+    input order, whose grids are picked mid-solve from weights the error feedback has moved. GPTQ
+    also takes "hmse": "mse" with each weight's rounding error weighted by its input's mean square
+    (diag of the calibration Hessian); not a default (perplexity within noise of "mse").
 
     zero_point "integer" picks, per group, an integer zero point z in [0, 15] (w = (q - z) * s, the
     form GPTQ, AutoGPTQ and compressed-tensors store), so a compressed-tensors export holds the

@@ -6,7 +6,7 @@ of compute capability 8.0+, CPUs with AVX-512 BF16 or AMX, which oneDNN reports)
 it directly. An AVX2-only CPU (many AMD EPYC and older Intel parts) widens every bf16 operand
 to float32 inside each product, and that conversion, not memory, sets the speed: there a single
 row still decodes faster in bf16, but batched work (self-distillation, head training, batched
-evaluation) runs several times faster in float32 (BENCHMARKS.md, "An AVX2 CPU").
+evaluation) runs several times faster in float32.
 """
 
 from __future__ import annotations

@@ -2,11 +2,9 @@
 
 Loading a compressed checkpoint frees large temporaries: each INT4 weight's stored codes once it
 has rebuilt them in the CPU kernel's layout, and the unpacked codes in between. glibc keeps such
-freed blocks in its heap for later allocations instead of unmapping them, so the process stays
-that much larger: the qwen2.5-coder-0.5b INT4 g64 model resided in 1.31x its tensors after
-loading and a forward, 1.06x once the load returned them (`benchmarks/quant_rows.py --part
-memory`; the 1.06x is in BENCHMARKS.md section 4, "Quantized models on long inputs"). Other C
-libraries return such memory themselves or offer no call: there this does nothing.
+freed blocks in its heap for later allocations instead of unmapping them, so without this call the
+process stays that much larger than its tensors. Other C libraries return such memory themselves
+or offer no call: there this does nothing.
 """
 
 from __future__ import annotations
