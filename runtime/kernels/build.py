@@ -42,7 +42,7 @@ from runtime.errors import SpecdecError
 
 TIMEOUT_ENV = "SPECDEC_KERNEL_BUILD_TIMEOUT"
 DEFAULT_TIMEOUT_S = 900.0
-HEARTBEAT_S = 15.0
+HEARTBEAT_S = 10.0
 LOCK_FILE = "specdec-build.lock"  # our flock; torch's FileBaton uses "lock"
 LOG_FILE = "build.log"  # the last build's compiler output
 TORCH_LOCK = "lock"
