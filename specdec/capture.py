@@ -4,8 +4,8 @@ A `DecodeObserver` passed to `specdec.generate(..., observer=...)` (or to `Decod
 of the target's states it reads (`return_hidden`, `aux_layers`); the loop asks the target's
 forwards for them and hands each row's share to the observer, after the prefill and after every
 step, from the same forwards that decode (no second pass). `StateCapture` is the observer that
-records them as training data: the final hidden states for Medusa heads (`distill.selfdistill`),
-the aux layers' states for an EAGLE-3 head (`distill.eagle_cache`).
+records them as training data: the final hidden states for Medusa heads (`distill.data.features`),
+the aux layers' states for an EAGLE-3 head (`distill.data.features`).
 
     capture = StateCapture(hidden=True, aux_layers=(2, 15, 27))
     out = specdec.generate(model, prompts, observer=capture)

@@ -59,7 +59,7 @@ def generate(target, input_ids, draft=None, max_new_tokens: int = 128, temperatu
     choice. eos_token_id: one id or several.
     observer: a `specdec.capture.DecodeObserver` (or a list) that sees the target's outputs behind
     each row's tokens, from the same forwards: `StateCapture(hidden=True)` records the hidden
-    states Medusa heads train on (distill.selfdistill), `StateCapture(aux_layers=...)` the aux
+    states Medusa heads train on (distill.data.features), `StateCapture(aux_layers=...)` the aux
     layers' states an EAGLE-3 head trains on (with an EAGLE-3 drafter, its own layers).
     streamer: a transformers-style streamer (`put` / `end`, e.g. `TextStreamer(tok)`) that gets
     the prompt, then each step's accepted tokens as they come; one row only.
