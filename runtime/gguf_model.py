@@ -29,6 +29,7 @@ from runtime.errors import CheckpointError
 from runtime.gguf import check_gguf_sizes, check_gguf_tensor_names
 from runtime.gguf_blocks import SUPPORTED, Canonical, concat, to_canonical
 from runtime.model import Transformer
+from runtime.progress import keep_alive
 from runtime.progress import progress as progress_bar
 from runtime.validate import model_config
 
@@ -141,26 +142,31 @@ def load_gguf_model(gguf_path: Path, hf_config: Any, dtype: torch.dtype = torch.
     Only the CPU runs the block kernels; on another device the weights are dequantized per call.
     """
     cfg = model_config(hf_config)
-    r = _Reader(Path(gguf_path))
-    if isinstance(r.arch, str):  # as the conversion checks (cheap: no tensor data is read)
-        check_gguf_sizes(r.reader, r.path)  # metadata against tensors
-        check_gguf_tensor_names(r.reader, r.path)  # no tensor this loader would drop
-    layers = sorted({int(m.group(1)) for n in r.tensors if (m := re.match(r"blk\.(\d+)\.", n))})
-    if layers != list(range(cfg.num_layers)):
-        raise CheckpointError(f"{gguf_path} holds blocks {layers[:3]}... ({len(layers)}), the config says "
-                              f"{cfg.num_layers} layers; the config does not belong to this file")
-    with torch.device("meta"):
-        model = Transformer(cfg, attention=attention)
-    permute = r.arch == "llama"  # llama.cpp permutes q / k rows of Llama checkpoints only
-    qkv_perm = ([_unpermute(cfg.num_heads * cfg.head_dim, cfg.num_heads),
-                 _unpermute(cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads), None] if permute else [None] * 3)
-
-    def dense(name: str) -> torch.Tensor:
-        return r.dense(name).to(dtype)
-
-    bar = progress_bar(total=cfg.num_layers + 1, desc=f"load {Path(gguf_path).name} (4-bit)", unit="layer",
+    # one step for the file's metadata (GGUFReader parses the tokenizer's arrays: seconds), then the
+    # embedding and head, then one per layer
+    bar = progress_bar(total=cfg.num_layers + 2, desc=f"load {Path(gguf_path).name} (4-bit)", unit="step",
                        disable=not progress)
-    with bar:
+    with bar, keep_alive(bar):
+        bar.set_postfix_str("metadata")
+        r = _Reader(Path(gguf_path))
+        if isinstance(r.arch, str):  # as the conversion checks (cheap: no tensor data is read)
+            check_gguf_sizes(r.reader, r.path)  # metadata against tensors
+            check_gguf_tensor_names(r.reader, r.path)  # no tensor this loader would drop
+        layers = sorted({int(m.group(1)) for n in r.tensors if (m := re.match(r"blk\.(\d+)\.", n))})
+        if layers != list(range(cfg.num_layers)):
+            raise CheckpointError(f"{gguf_path} holds blocks {layers[:3]}... ({len(layers)}), the config says "
+                                  f"{cfg.num_layers} layers; the config does not belong to this file")
+        with torch.device("meta"):
+            model = Transformer(cfg, attention=attention)
+        permute = r.arch == "llama"  # llama.cpp permutes q / k rows of Llama checkpoints only
+        qkv_perm = ([_unpermute(cfg.num_heads * cfg.head_dim, cfg.num_heads),
+                     _unpermute(cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads), None] if permute else [None] * 3)
+
+        def dense(name: str) -> torch.Tensor:
+            return r.dense(name).to(dtype)
+
+        bar.update()
+        bar.set_postfix_str("weights")
         embed = r.canonical("token_embd.weight")
         if embed is None:
             table: nn.Module = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=dense("token_embd.weight"))
