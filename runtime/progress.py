@@ -6,7 +6,8 @@ every 10 seconds (no long silence) instead of hundreds of redraws. tqdm's enviro
 `TQDM_MININTERVAL` sets another interval, `TQDM_DISABLE=1` turns every bar off.
 
 A bar whose steps are long (a download, a conversion) is redrawn every `HEARTBEAT_S` seconds inside
-`keep_alive(bar)`, so its elapsed time shows that the job is alive.
+`keep_alive(bar)`, so its elapsed time shows that the job is alive; a wait without a bar (a model's
+load, a server's start) says `still WHAT (N s)` as often inside `still(what, say)`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from collections.abc import Iterable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 from tqdm.auto import tqdm
@@ -49,6 +51,24 @@ def keep_alive(bar: tqdm, every: float = HEARTBEAT_S) -> Iterator[tqdm]:
     thread.start()
     try:
         yield bar
+    finally:
+        stop.set()
+        thread.join()
+
+
+@contextmanager
+def still(what: str, say: Callable[[str], None], every: float = HEARTBEAT_S) -> Iterator[None]:
+    """Call say("  still WHAT (N s)...") every `every` seconds (from a daemon thread) while the block runs."""
+    stop, start = threading.Event(), time.monotonic()
+
+    def beat() -> None:
+        while not stop.wait(every):
+            say(f"  still {what} ({time.monotonic() - start:.0f} s)...")
+
+    thread = threading.Thread(target=beat, name="progress-still", daemon=True)
+    thread.start()
+    try:
+        yield
     finally:
         stop.set()
         thread.join()

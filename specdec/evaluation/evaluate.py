@@ -83,6 +83,7 @@ from runtime.errors import ContextLengthError, SpecdecError
 from runtime.invariant import unsupported_reason
 from runtime.loading import WEIGHTS, gguf_source, resolve_weights
 from runtime.output_paths import created_output, output_lock, prepare_output_dir
+from runtime.progress import keep_alive, still
 from runtime.progress import progress as progress_bar
 from specdec.drafters.draft_vocab import ALIGN as DRAFT_VOCAB_ALIGN
 from specdec.drafters.draft_vocab import frequent_tokens, restrict_vocab
@@ -421,8 +422,9 @@ class Runner:
             pad = self.eos[0]
         def load():
             self.log(f"loading the transformers baseline {name} ({self.cfg.dtype}, {self.cfg.device})")
-            return load_hf_model(name, self.cfg.torch_dtype, self.cfg.device, eos_token_id=self.eos or None,
-                                 pad_token_id=pad)
+            with still("loading the transformers baseline", self.log):
+                return load_hf_model(name, self.cfg.torch_dtype, self.cfg.device, eos_token_id=self.eos or None,
+                                     pad_token_id=pad)
 
         return self._cached(("hf", name), load)
 
@@ -461,7 +463,8 @@ class Runner:
                                  threads=self.cfg.threads or torch.get_num_threads(),
                                  eagle3=spec.kind == "llamacpp-eagle3")
             self.log(f"starting llama.cpp's server for {spec.name} (it loads {target.name})")
-            server.start()
+            with still("starting llama.cpp's server", self.log):
+                server.start()
             return server
 
         return self._cached(("llamacpp", spec.name), start)
@@ -611,11 +614,13 @@ def _generate_all(runner: Runner, cfg: EvalConfig, specs: list[Method], prompts:
         if spec.name in pending and cfg.warmup:
             runner.log(f"warming up {spec.name}" + (" (compiling its decode steps: minutes on a CPU the first time)"
                                                     if cfg.compile and spec.engine == RUNTIME else ""))
-            for _ in range(cfg.warmup):
-                _warm_up(runner, spec, [p for p in prompts if p.id not in skipped])
+            with still(f"warming up {spec.name}", runner.log):
+                for _ in range(cfg.warmup):
+                    _warm_up(runner, spec, [p for p in prompts if p.id not in skipped])
     runner.loader.forget_answers()  # the timed prompts draft only from earlier timed answers
     with contextlib.ExitStack() as stack:
         bar = stack.enter_context(progress_bar(total=len(todo), desc="eval", unit="gen", disable=not progress))
+        stack.enter_context(keep_alive(bar))  # a long generation redraws the bar: its elapsed time moves
         fh = None
         for prompt, spec in todo:  # prompt-major: all methods on prompt 1, then prompt 2, ...
             bar.set_postfix_str(f"{prompt.id} {spec.name}", refresh=False)
