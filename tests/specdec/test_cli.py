@@ -192,6 +192,9 @@ def test_demo_checks_its_output_path_before_fetching(tmp_path, capsys, monkeypat
 _CTRL_C_AT_IMPORT = """
 import os, signal, sys
 
+# a terminal's Ctrl-C: the test process may have left SIGINT ignored, which a child inherits
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
 
 class CtrlC:  # Ctrl-C at the moment the command starts importing {module}
     def find_spec(self, name, path=None, target=None):
