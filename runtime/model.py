@@ -7,6 +7,8 @@ built on the `meta` device and its weights are assigned from safetensors by `run
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -299,15 +301,12 @@ class Transformer(nn.Module):
         programs (`runtime.compile.Regions`); None runs them eagerly.
         """
         invariant, window = self.row_invariant, self.config.sliding_window or 0
-        cos, sin = self.rope()(positions, self.dtype)
-        x = self.embed(tokens)  # (B, T, C)
-        entering = {}
-        for i, layer in enumerate(self.layers):
-            if i in aux_layers:
-                entering[i] = x
+
+        def step(i: int, layer: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
             args = (x, cos, sin, k[i:i + 1], v[i:i + 1], lengths, window, block_mask, invariant)
-            x = _static_layer(layer, *args) if regions is None else regions.run(_static_layer, i, (layer,), *args)
-        aux = torch.cat([entering[i] for i in aux_layers], dim=-1) if aux_layers else None
+            return _static_layer(layer, *args) if regions is None else regions.run(_static_layer, i, (layer,), *args)
+
+        x, aux = self._layers(tokens, positions, step, aux_layers)
         if regions is None:
             logits, h = _static_head(self.norm, self.lm_head, x, invariant)
         else:
@@ -324,6 +323,19 @@ class Transformer(nn.Module):
         cos, sin = self.rope()(positions, self.dtype)
         return self.layers[i](x, cos, sin, self._eager_context(positions, None, None, None), i)
 
+    def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, step: Callable[..., torch.Tensor],
+                aux_layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Embedding, then step(i, layer, x, cos, sin) -> x over every layer -> (x (B, T, C), the states
+        entering `aux_layers` (B, T, len(aux_layers) * C) or None)."""
+        cos, sin = self.rope()(positions, self.dtype)
+        x = self.embed(tokens)  # (B, T, C)
+        entering = {}
+        for i, layer in enumerate(self.layers):
+            if i in aux_layers:
+                entering[i] = x
+            x = step(i, layer, x, cos, sin)
+        return x, torch.cat([entering[i] for i in aux_layers], dim=-1) if aux_layers else None
+
     def _run(self, tokens: torch.Tensor, positions: torch.Tensor, ctx: StepContext,
              logits_idx: torch.Tensor | None = None, aux_layers: tuple[int, ...] = ()) -> ModelOutput:
         """The one forward body: embedding -> layers -> final norm -> LM head.
@@ -331,14 +343,8 @@ class Transformer(nn.Module):
         Returns logits (B, T|N, V) (only at `logits_idx` (B, N) when given), hidden (B, T, C) and
         the states entering `aux_layers` (B, T, len(aux_layers) * C), None when there are none.
         """
-        cos, sin = self.rope()(positions, self.dtype)
-        x = self.embed(tokens)  # (B, T, C)
-        entering = {}
-        for i, layer in enumerate(self.layers):
-            if i in aux_layers:
-                entering[i] = x
-            x = layer(x, cos, sin, ctx, i)
-        aux = torch.cat([entering[i] for i in aux_layers], dim=-1) if aux_layers else None
+        x, aux = self._layers(tokens, positions, lambda i, layer, x, cos, sin: layer(x, cos, sin, ctx, i),
+                              aux_layers)
         h = self.norm(x)
         if logits_idx is not None:
             h_sel = h.gather(1, logits_idx[:, :, None].expand(-1, -1, h.shape[-1]))  # (B, N, C)
