@@ -13,10 +13,11 @@ parts of a plain bf16 forward on the CPU break it (tests/runtime/test_invariant.
   `attention` runs `attention_rows` (runtime/kernels/cpu_attention.cpp): each query alone, over
   its visible keys in slot order, in one fixed float32 arithmetic.
 
-The block-quantized linears (`runtime.blockq`) are row-invariant by construction. A prefill of
-empty cache rows keeps the fast paths (big GEMMs and SDPA, whose results depend on the batch):
-`specdec.rows.prefill` prefills each row on its own when the model is row-invariant, so a
-prompt's prefill is the same computation however many requests arrive with it.
+The block-quantized linears (`runtime.blockq`) are row-invariant by construction. Prefills run
+these kernels too (on this project's CPUs no slower than the batch-dependent GEMMs and SDPA), so a
+token's keys and logits do not depend on how its prompt was split between forwards either: a
+prefix cache (`runtime.prefix_cache`) reuses the keys of one request's prompt in another's. A
+forward without a cache (scoring, training) keeps the batch-dependent kernels.
 """
 
 from __future__ import annotations

@@ -265,8 +265,9 @@ class Transformer(nn.Module):
 
         On a compiled model, a forward with a cache and no `mask` runs through `compiled_step`
         when it fits (`_static_fits`), else eagerly; both run the same layers (`_run`). On a
-        `row_invariant` model a forward over a filled cache runs the row-invariant linears and
-        attention (`runtime.invariant`); a prefill of empty rows runs the fast kernels.
+        `row_invariant` model every forward with a cache, prefills included, runs the
+        row-invariant linears and attention (`runtime.invariant`): a token's keys and logits do
+        not depend on how its prompt was split between forwards (a prefix cache reuses them).
         """
         if mask is not None and block_mask is not None:
             raise ValueError("pass either mask (B, T, S) or block_mask (B, T, T), not both")
@@ -368,8 +369,7 @@ class Transformer(nn.Module):
         if block_mask is not None:
             mask = block_mask_keys(prefix, block_mask, num_keys, positions, window)  # (B, T, S)
         uniform = B == 1 or bool((prefix == prefix[0]).all())
-        # a prefill of empty rows keeps the fast, batch-dependent kernels (`runtime.invariant`)
-        invariant = cache is not None and backend == "sdpa" and self.row_invariant and bool(prefix.any())
+        invariant = cache is not None and backend == "sdpa" and self.row_invariant
         if mask is None and backend == "sdpa":  # once per forward, not once per layer (triton masks in-kernel)
             mask = causal_mask(prefix, T, num_keys, window)
         return StepContext(cache=cache, prefix_lens=prefix, backend=backend, window=window, num_keys=num_keys,

@@ -27,7 +27,7 @@ from runtime.compile import DECODE_STATIC_TOKENS
 from runtime.model_output import ModelOutput
 from specdec.capture import DecodeObserver
 from specdec.drafter import Accepted, Drafter, DraftTree
-from specdec.rows import CacheRow, RowState, check_lengths, prefill
+from specdec.rows import CacheRow, RowState, check_lengths, prefill, prefill_after
 from specdec.sampling import RowSampling, SamplingParams, select_next
 from specdec.stats import AcceptanceStats
 from specdec.tuning.autok import AutoK
@@ -139,21 +139,35 @@ class DecodeLoop:
         return emitted
 
     def admit(self, rows: list[int], prompts: list[torch.Tensor], limits: list[int], stops: list[frozenset[int]],
-              sampling: list[RowSampling]) -> list[list[int]]:
+              sampling: list[RowSampling], cached: int = 0) -> list[list[int]]:
         """Start free `rows` (consecutive slots) on `prompts` while the other rows keep their state:
         one prefill of those rows only, into their slots of the cache (eagerly, so a compiled
         target compiles no program of their count), then the drafter's `admit` per row, each row
-        with its own token limit, stop tokens and sampling. Returns each row's first token(s)."""
+        with its own token limit, stop tokens and sampling. Returns each row's first token(s).
+        cached: the one row's cache already holds the keys and values of its prompt's first
+        `cached` tokens (a prefix the serving engine reused): only the rest is prefilled
+        (`specdec.rows.prefill_after`; not for a drafter that reads the prompt's layer states)."""
         if rows != list(range(rows[0], rows[0] + len(rows))):
             raise ValueError(f"admit takes consecutive rows (one prefill through a view of them), got {rows}")
+        if cached and (len(rows) != 1 or not 0 < cached < prompts[0].numel()):
+            raise ValueError(f"a cached prefix is admitted one row at a time and leaves at least one prompt token "
+                             f"to prefill: got {len(rows)} rows, {cached} cached tokens")
+        if cached and self.drafter is not None and self.drafter.hidden_layers:
+            raise ValueError(f"drafter {self.drafter.name!r} reads the target's states at every prompt position: "
+                             "its rows are prefilled whole, not after a cached prefix")
         for b, prompt, limit, stop, s in zip(rows, prompts, limits, stops, sampling):
             self.state.reset(b, prompt, limit, stop)
             self.sampling[b] = s
             self.row_stats[b] = AcceptanceStats()
         slots = CacheRow(self.cache, rows[0], len(rows))
-        slots.lengths.zero_()
-        out = prefill(self.target, prompts, slots, return_hidden=self.want_hidden, aux_layers=self.aux_layers,
-                      eager=getattr(self.target, "compiled", False))
+        if cached:
+            slots.lengths.fill_(cached)
+            out = prefill_after(self.target, prompts[0][cached:], slots, return_hidden=self.want_hidden,
+                                aux_layers=self.aux_layers)
+        else:
+            slots.lengths.zero_()
+            out = prefill(self.target, prompts, slots, return_hidden=self.want_hidden, aux_layers=self.aux_layers,
+                          eager=getattr(self.target, "compiled", False))
         emitted = self._first_tokens(rows, out)
         if self.drafter is not None:
             states = self._drafter_states(out.hidden, out.aux)

@@ -247,6 +247,12 @@ class Drafter(ABC):
         raise NotImplementedError(f"drafter {self.name!r} ({type(self).__name__}) cannot admit a row into a "
                                   "running batch: implement reserve / admit / release, or serve with another drafter")
 
+    def cache_prefixes(self, tokens: int) -> None:
+        """After `reserve`: the serving engine keeps the target's keys of prompts already read
+        (`runtime.prefix_cache`, up to `tokens` positions) and prefills only what a new prompt
+        adds. A drafter whose per-row state is a cache of its own (a draft model) may keep one
+        too; by default nothing happens and `admit` builds the row from the whole prompt."""
+
     def release(self, row: int) -> None:
         """Forget row `row`: it is free until the next `admit`."""
         raise NotImplementedError(f"drafter {self.name!r} ({type(self).__name__}) cannot release a row of a "

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from runtime.args import check_data, describe
+from runtime.attention import causal_mask
 from runtime.cache import KVCache
 from runtime.errors import ContextLengthError
 from runtime.model_output import ModelOutput
@@ -209,6 +210,34 @@ class CacheRow(KVCache):
         self.k = cache.k[:, row:row + count]  # (L, count, H, S_max, D)
         self.v = cache.v[:, row:row + count]
         self.lengths = cache.lengths[row:row + count]  # (count,)
+
+
+def prefill_after(model, tail: torch.Tensor, cache, return_hidden: bool = False,
+                  aux_layers: tuple[int, ...] = ()) -> ModelOutput:
+    """Prefill the rest of one prompt: `cache` is one row (a `CacheRow`) that already holds the
+    keys and values of the prompt's first L tokens (a cached prefix); `tail` (T,) are the tokens
+    after them, written at slots L .. L+T-1. Eager (a compiled model compiles no program of T).
+    On a row-invariant model the result equals a prefill of the whole prompt, bit for bit. Returns what `prefill` returns
+    for that row: logits (1, V) of the last token, its hidden state (1, C), aux states (1, T, nC)
+    of the tail's positions."""
+    if cache.batch_size != 1 or tail.dim() != 1 or tail.numel() == 0:
+        raise ValueError(f"prefill_after continues one cache row with a non-empty 1-D tail, got "
+                         f"{cache.batch_size} rows and a tail of shape {tuple(tail.shape)}")
+    device = model.device
+    start, T = int(cache.lengths[0]), tail.numel()
+    positions = (start + torch.arange(T, device=device))[None]  # (1, T)
+    window = getattr(model.config, "sliding_window", None)
+    mask = causal_mask(cache.lengths.to(device), T, start + T, window)  # (1, T, L + T)
+    out = model(tail.to(device)[None], positions, cache, mask=mask, return_hidden=return_hidden,
+                logits_idx=torch.tensor([[T - 1]], device=device), aux_layers=aux_layers)
+    hidden = None if out.hidden is None else out.hidden[:, T - 1]  # (1, C)
+    return ModelOutput(out.logits[:, 0], hidden, out.aux)  # (1, V), (1, C), (1, T, nC)
+
+
+def common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
+    """How many leading tokens the 1-D token sequences `a` and `b` share."""
+    n = min(a.numel(), b.numel())
+    return int((a[:n] == b[:n]).long().cumprod(0).sum()) if n else 0
 
 
 def _stack_rows(outs: list[ModelOutput], T: int) -> ModelOutput:

@@ -9,7 +9,7 @@ from specdec.drafter import Accepted, Drafter
 
 
 class MemberDrafters(Drafter):
-    """Forwards begin / reserve / admit / release / commit to every drafter in `self.drafters`; a
+    """Forwards begin / reserve / cache_prefixes / admit / release / commit to every drafter in `self.drafters`; a
     subclass decides how their proposals combine (`propose`)."""
 
     drafters: list[Drafter]
@@ -25,6 +25,10 @@ class MemberDrafters(Drafter):
     def admit(self, row: int, prompt: torch.Tensor, hidden: torch.Tensor | None) -> None:
         for d in self.drafters:
             d.admit(row, prompt, hidden)
+
+    def cache_prefixes(self, tokens: int) -> None:
+        for d in self.drafters:
+            d.cache_prefixes(tokens)
 
     def release(self, row: int) -> None:
         for d in self.drafters:

@@ -24,8 +24,9 @@ import torch
 import runtime.loading
 from runtime.cache import KVCache
 from runtime.errors import SpecdecError
+from runtime.prefix_cache import PrefixCache
 from specdec.drafter import Accepted, Drafter, DraftTree
-from specdec.rows import CacheRow, prefill, runs
+from specdec.rows import CacheRow, common_prefix, prefill, prefill_after, runs
 from specdec.sampling import check_finite, probs_from_logits
 
 
@@ -61,6 +62,8 @@ class ModelDrafter(Drafter):
         self.cache = None
         self.fed: list[torch.Tensor] = []  # tokens held in the cache, per row
         self.admitted: dict[int, torch.Tensor] = {}  # row -> prompt admitted but not prefilled yet
+        self.reused: dict[int, int] = {}  # admitted row -> the prompt tokens its cache row already holds
+        self.prefixes: PrefixCache | None = None  # the serving engine's: prompts read, for later requests
         # measured seconds (EMA) of a step's first forward (it feeds what the target accepted,
         # up to k + 1 tokens) and of each further one-token forward: see draft_cost
         self.first_s = self.step_s = 0.0
@@ -70,7 +73,7 @@ class ModelDrafter(Drafter):
         # the other rows of that batched call are right-padded to it (a draft's cache is small)
         self.cache = self.model.new_cache(len(prompts), 2 * max_len)
         self.fed = [p[:0] for p in prompts]
-        self.admitted = {}
+        self.admitted, self.reused, self.prefixes = {}, {}, None
 
     def reserve(self, batch_size: int, max_len: int) -> None:
         self.begin([torch.zeros(0, dtype=torch.long)] * batch_size, max_len, None)
@@ -81,34 +84,53 @@ class ModelDrafter(Drafter):
     def admit(self, row: int, prompt: torch.Tensor, hidden: torch.Tensor | None) -> None:
         """Queue the prompt: the next `propose` prefills it into the row's slot of the draft's cache,
         in one forward with the rows admitted alongside (views of the cache: nothing is allocated;
-        eagerly, so a compiled draft compiles no program of their count)."""
+        eagerly, so a compiled draft compiles no program of their count). With a prefix cache
+        (`cache_prefixes`) the cached blocks the prompt starts with are copied into the row now
+        and only the rest is prefilled."""
         self.cache.lengths[row] = 0
         self.fed[row] = prompt[:0]
         self.admitted[row] = prompt
+        self.reused[row] = 0 if self.prefixes is None else self.prefixes.get(prompt, self.cache, row)
 
     def release(self, row: int) -> None:
+        """Free the row; with a prefix cache, what it read stays there for later prompts."""
         self.admitted.pop(row, None)
+        self.reused.pop(row, None)
+        if self.prefixes is not None:
+            self.prefixes.put(self.fed[row], self.cache, row)
         self.fed[row] = self.fed[row][:0]
         self.cache.lengths[row] = 0
+
+    def cache_prefixes(self, tokens: int) -> None:
+        """Keep up to `tokens` positions of what released rows read (`runtime.prefix_cache`)."""
+        self.prefixes = PrefixCache(self.cache, tokens) if tokens else None
 
     def _prefill_admitted(self) -> None:
         """Prefill the prompts `admit` queued, one forward per run of consecutive rows (a prompt
         longer than the draft's context is not read: that row drafts nothing)."""
         fits = {b: p for b, p in self.admitted.items() if p.numel() <= self.model.config.max_position_embeddings}
+        reused = {b: self.reused.pop(b, 0) for b in self.admitted}
         self.admitted = {}
+        for b in [b for b in fits if reused[b]]:  # one forward each, after what the row holds
+            prompt, row = fits.pop(b), CacheRow(self.cache, b)
+            row.lengths.fill_(reused[b])
+            prefill_after(self.model, prompt[reused[b]:], row)
+            self.fed[b] = prompt
+            self.prefixes.put(prompt, self.cache, b)
         for run in runs(list(fits)):
             prompts = [fits[b] for b in run]
             prefill(self.model, prompts, CacheRow(self.cache, run[0], len(run)),
                     eager=getattr(self.model, "compiled", False))
             for b, p in zip(run, prompts):
                 self.fed[b] = p
+                if self.prefixes is not None:  # at once: a request arriving beside this one may share it
+                    self.prefixes.put(p, self.cache, b)
 
     def commit(self, accepted: Accepted) -> None:
         """Roll the cache back to the longest prefix it shares with the committed sequences."""
         new_lens = self.cache.lengths.clone()
         for b, (fed, seq) in enumerate(zip(self.fed, accepted.seqs)):
-            n = min(fed.numel(), seq.numel())
-            same = int((fed[:n] == seq[:n]).long().cumprod(0).sum())
+            same = common_prefix(fed, seq)
             new_lens[b] = same
             self.fed[b] = fed[:same]
         self.cache.rollback(new_lens.to(self.cache.lengths.device))

@@ -26,7 +26,7 @@ import warnings
 import torch
 
 import runtime
-from runtime.argtypes import port_number, positive_int
+from runtime.argtypes import int_at_least, port_number, positive_int
 from runtime.hardware import DTYPES
 from runtime.loading import WEIGHTS
 from specdec.cli import DEFAULT_MODEL, draft_length_arg, tree_nodes_arg
@@ -160,7 +160,8 @@ def main(args: argparse.Namespace) -> int:
     draft = load_drafter(args, target)
     eos = eos_ids(args.model, tokenizer)
     engine = Engine(target, draft, max_batch=args.max_batch, max_len=args.max_len,
-                    num_draft_tokens=own_draft_length(spec, args.num_draft_tokens), eos_token_id=eos or None)
+                    num_draft_tokens=own_draft_length(spec, args.num_draft_tokens), eos_token_id=eos or None,
+                    prefix_cache_tokens=args.prefix_cache_tokens)
     if args.compile and spec is not None and spec.varying_blocks:
         print(f"compiling every verification block of {spec} (its trees change size every step)", flush=True)
         compile_block_steps(target, args.max_batch)
@@ -169,6 +170,7 @@ def main(args: argparse.Namespace) -> int:
     print(f"serving {name!r} on http://{args.host}:{args.port}/v1 (drafter {drafter}, max batch {args.max_batch}, "
           f"eos ids {eos})", flush=True)
     print(batch_mode(target), flush=True)
+    print(prefix_cache_line(engine), flush=True)
     if args.compile:
         print("--compile: the first request of each batch shape compiles its decode steps (a minute or more on a CPU); "
               "later ones run at speed", flush=True)
@@ -190,6 +192,15 @@ def batch_mode(target) -> str:
                 "equals plain decoding")
     return ("batch-dependent kernels (--no-row-invariant, float32, or a device without the row-invariant "
             "kernels): in bf16 a greedy answer may differ at near-tied tokens with the requests sharing its batch")
+
+
+def prefix_cache_line(engine: Engine) -> str:
+    """One line saying how much of earlier prompts the engine keeps for later ones."""
+    p = engine.prefixes
+    if p is None:
+        return "prefix cache off: every prompt is prefilled whole"
+    return (f"prefix cache: {p.num_blocks * p.block} positions in blocks of {p.block}; a prompt that starts like an "
+            "earlier prompt or conversation prefills only what it adds")
 
 
 def add_drafter_args(p: argparse.ArgumentParser) -> None:
@@ -228,6 +239,10 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=positive_int, default=4, help="rows decoded together (default: %(default)s)")
     p.add_argument("--max-len", type=positive_int, default=None, help="prompt + generated tokens per request "
                    "(default: the model's context)")
+    p.add_argument("--prefix-cache-tokens", type=int_at_least(0), default=None, metavar="N",
+                   help="positions of keys and values kept of earlier prompts and answers, so a request that "
+                        "resends a conversation or shares a system prompt prefills only what it adds (default: "
+                        "max batch x max len; 0: off)")
     p.add_argument("--num-draft-tokens", type=draft_length_arg, default=DEFAULT_NUM_DRAFT_TOKENS,
                    help="drafts per step (default: %(default)s)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, loopback "

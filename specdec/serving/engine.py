@@ -54,10 +54,11 @@ import torch
 from runtime.args import check_data, check_model, describe
 from runtime.cache import KVCache
 from runtime.errors import ContextLengthError
+from runtime.prefix_cache import DEFAULT_BLOCK, PrefixCache
 from specdec.decode import DecodeLoop, cache_slack
 from specdec.loader import as_runtime_model, draft_length_of, make_drafter
 from specdec.options import DEFAULT_NUM_DRAFT_TOKENS, parse_draft_length
-from specdec.rows import RowState, eos_set, runs
+from specdec.rows import RowState, common_prefix, eos_set, runs
 from specdec.sampling import RowSampling, SamplingParams
 from specdec.stats import AcceptanceStats
 from specdec.verify import Verdict
@@ -141,12 +142,15 @@ class Engine:
     whose admit / release are implemented). Requests take a `specdec.sampling.SamplingParams`.
     max_batch: rows decoded together. max_len: prompt + new tokens a request may reach (default:
     the model's positions, at most DEFAULT_MAX_LEN); the cache is sized for it once.
-    eos_token_id: stop ids every request gets.
+    eos_token_id: stop ids every request gets. prefix_cache_tokens: positions of keys and values
+    kept of prompts and answers already read (`runtime.prefix_cache`), so a request prefills only
+    what its prompt adds to a cached prefix (None: max_batch x max_len; 0: off; off too for a
+    drafter that reads the target's states at every prompt position, EAGLE-3).
     """
 
     def __init__(self, target, draft=None, *, max_batch: int = 4, max_len: int | None = None,
                  num_draft_tokens: int | str = DEFAULT_NUM_DRAFT_TOKENS,
-                 eos_token_id: int | list[int] | None = None) -> None:
+                 eos_token_id: int | list[int] | None = None, prefix_cache_tokens: int | None = None) -> None:
         target = as_runtime_model(target)
         check_model("target", target)
         positions = target.config.max_position_embeddings
@@ -172,6 +176,7 @@ class Engine:
         self.loop = _IsolatingLoop(target, self.drafter, state, cache, num_draft_tokens, [None] * max_batch)
         if self.drafter is not None:
             self.drafter.reserve(max_batch, room)
+        self.prefixes = self._prefix_cache(cache, prefix_cache_tokens)
         self.slots: list[Request | None] = [None] * max_batch
         self._waiting: collections.deque[Request] = collections.deque()
         self._live: dict[str, Request] = {}
@@ -181,6 +186,7 @@ class Engine:
         self._counts = collections.Counter(requests_total=0, requests_finished=0, finished_stop=0,
                                            finished_length=0, finished_cancelled=0,
                                            finished_error=0, steps=0)
+        self._prefilled_tokens = 0  # prompt tokens run through the target (not copied from the prefix cache)
         self._ttft: collections.deque[float] = collections.deque(maxlen=_RECENT)
         self._tpot: collections.deque[float] = collections.deque(maxlen=_RECENT)
 
@@ -316,29 +322,67 @@ class Engine:
         while self.waiting or self.running:
             self.step()
 
+    def _prefix_cache(self, cache: KVCache, tokens: int | None) -> PrefixCache | None:
+        """The engine's prefix cache (None: off), the loop and the drafter told."""
+        if tokens is None:
+            tokens = self.max_batch * self.max_len
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise ValueError(f"prefix_cache_tokens must be an integer >= 0 (0: no prefix cache), got {tokens!r}")
+        if tokens and tokens < DEFAULT_BLOCK:
+            raise ValueError(f"prefix_cache_tokens holds whole blocks of {DEFAULT_BLOCK} positions: pass 0 (off) or "
+                             f"at least {DEFAULT_BLOCK}, got {tokens}")
+        if not tokens:
+            return None
+        if self.drafter is not None and self.drafter.hidden_layers:
+            log.info("no prefix cache: drafter %r reads the target's states at every prompt position, so every "
+                     "prompt is prefilled whole", self.drafter.name)
+            return None
+        if self.drafter is not None:
+            self.drafter.cache_prefixes(tokens)
+        return PrefixCache(cache, tokens)
+
     def _admit(self, admitted: list[Request], finished: list[Request]) -> None:
         """Give each request a free row and prefill them, one forward per run of consecutive rows
-        (all rows at once when the engine starts); each emits its first token there."""
+        (all rows at once when the engine starts); each emits its first token there. With a prefix
+        cache, a request whose prompt starts with cached blocks, or with a full block of a prompt
+        admitted before it in this step, is admitted alone after the others: its cached blocks are
+        copied into its row and only the rest of its prompt is prefilled."""
         free = [b for b, r in enumerate(self.slots) if r is None][:len(admitted)]
         for b, req in zip(free, admitted):
             self.slots[b] = req
         for b in free:
             if self.slots[b].params.max_new_tokens == 0:
                 self._retire(b, "length", finished)
-        for run in runs([b for b in free if self.slots[b] is not None]):
+        rows = [b for b in free if self.slots[b] is not None]
+        alone: list[int] = []
+        if self.prefixes is not None:
+            block, seen = self.prefixes.block, []
+            for b in rows:
+                prompt = self.slots[b].prompt
+                if self.prefixes.cached(prompt) or any(common_prefix(p, prompt) >= block for p in seen):
+                    alone.append(b)
+                seen.append(prompt)
+        for run in runs([b for b in rows if b not in alone]):
             self._admit_run(run)
+        for b in alone:
+            self._admit_run([b])
 
     def _admit_run(self, run: list[int]) -> None:
         """Prefill the requests of `run` (consecutive rows) in one forward and deliver their first
         tokens. If that raises, the rows are released and each is admitted again alone, its
         generator rewound (its draws are those of an admission of its own): a request whose own
-        admission raises ends with "error"."""
+        admission raises ends with "error". A row admitted alone starts from the cached blocks its
+        prompt begins with; the prompts' blocks go to the prefix cache once admitted."""
         reqs = [self.slots[b] for b in run]
         rewind = [None if r.generator is None else r.generator.get_state() for r in reqs]
         try:
+            cached = 0
+            if self.prefixes is not None and len(run) == 1:
+                cached = self.prefixes.get(reqs[0].prompt, self.loop.cache, run[0])
             first = self.loop.admit(run, [r.prompt for r in reqs], [r.params.max_new_tokens for r in reqs],
                                     [self.eos | frozenset(r.params.stop_token_ids) for r in reqs],
-                                    [RowSampling(r.params, r.generator) for r in reqs])
+                                    [RowSampling(r.params, r.generator) for r in reqs], cached=cached)
+            self._prefilled_tokens += sum(r.prompt.numel() for r in reqs) - cached
         except Exception as err:
             for b in run:
                 self.loop.faults.pop(b, None)
@@ -359,6 +403,8 @@ class Engine:
         now = time.perf_counter()
         for b, req, new in zip(run, reqs, first):
             if b not in self._faults:
+                if self.prefixes is not None:  # at once: a request arriving beside this one may share it
+                    self.prefixes.put(req.prompt, self.loop.cache, b)
                 self._deliver(req, b, new, now)
 
     def _deliver(self, req: Request, row: int, new: list[int], now: float) -> None:
@@ -407,6 +453,9 @@ class Engine:
         req = self.slots[row]
         self.slots[row] = None
         error = self._faults.pop(row, None)
+        if self.prefixes is not None and error is None and req.first_token_at is not None:
+            held = int(self.loop.cache.lengths[row])  # the prompt and the answer, but its last token
+            self.prefixes.put(self.loop.state.sequences()[row][:held], self.loop.cache, row)
         try:
             self.loop.release(row)
         except Exception as err:  # the row is free all the same: its cache length and state were reset first
@@ -463,6 +512,7 @@ class Engine:
                    accepted=s.accepted_tokens, tau=s.mean_accepted_tokens, mean_accepted_tokens=s.mean_accepted_tokens,
                    acceptance_rate=s.acceptance_rate, per_position_acceptance=s.per_position_acceptance,
                    draft_s=s.draft_s, verify_s=s.verify_s)
+        out.update(self._cache_metrics())
         out["by_drafter"] = {name: {"steps": d.target_forwards, "drafted": d.drafted_tokens,
                                     "accepted": d.accepted_tokens, "acceptance_rate": d.acceptance_rate,
                                     "tau": d.mean_accepted_tokens}
@@ -470,6 +520,21 @@ class Engine:
         for name, ordered in recent.items():
             for q in (50, 95):
                 out[f"{name}_p{q}"] = ordered[min(len(ordered) - 1, q * len(ordered) // 100)] if ordered else 0.0
+        return out
+
+
+    def _cache_metrics(self) -> dict:
+        """KV positions in use by running rows, prompt tokens prefilled, and the prefix cache's
+        lookups, hits, tokens served from it, blocks and evictions (zeros when it is off)."""
+        cache, p = self.loop.cache, self.prefixes
+        running = [b for b, r in enumerate(self.slots) if r is not None]
+        out = {"kv_tokens_in_use": int(cache.lengths[running].sum()) if running else 0,
+               "kv_tokens_capacity": cache.batch_size * cache.max_seq_len,
+               "prefill_tokens": self._prefilled_tokens,
+               "prefix_cache_block": 0 if p is None else p.block}
+        for key in ("lookups", "hits", "looked_up_tokens", "hit_tokens", "evictions", "num_blocks",
+                    "blocks_cached", "blocks_free"):
+            out[f"prefix_cache_{key}"] = 0 if p is None else getattr(p, key)
         return out
 
 

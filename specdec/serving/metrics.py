@@ -7,7 +7,8 @@ at each scrape: requests by finish reason (the engine's own count, so a request 
 while its last step finishes it counts once; "error" = a fault ended it), queue length, running
 rows, and the acceptance rate and tau (tokens per target forward, bonus token included) of
 everything decoded so far, also per drafter (the member of a composite or hybrid that made
-each verified proposal: which drafter pays on this traffic). Error replies by code: refused
+each verified proposal: which drafter pays on this traffic), and the KV cache: positions in use,
+prompt tokens prefilled or served by the prefix cache, its blocks and evictions. Error replies by code: refused
 (4xx) and failed (5xx, or a stream's error event).
 """
 
@@ -60,6 +61,35 @@ class _ByDrafter(Collector):
             yield family
 
 
+class _KVCache(Collector):
+    """The KV cache, read from the engine: positions held by running rows and the rows' capacity;
+    prompt tokens prefilled; the prefix cache's lookups, hits, prompt tokens it served (not
+    prefilled), evictions, and its blocks cached and free."""
+
+    COUNTERS = (("prefill_tokens", "specdec_prefill_tokens", "Prompt tokens run through the target"),
+                ("prefix_cache_lookups", "specdec_prefix_cache_lookups", "Admissions that looked up the prefix cache"),
+                ("prefix_cache_hits", "specdec_prefix_cache_hits", "Admissions that found cached blocks"),
+                ("prefix_cache_hit_tokens", "specdec_prefix_cache_hit_tokens",
+                 "Prompt tokens copied from the prefix cache instead of prefilled"),
+                ("prefix_cache_evictions", "specdec_prefix_cache_evictions", "Cached blocks overwritten when full"))
+    GAUGES = (("kv_tokens_in_use", "specdec_kv_tokens_in_use", "KV positions held by running requests"),
+              ("kv_tokens_capacity", "specdec_kv_tokens_capacity", "KV positions of the batch rows"))
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def collect(self):
+        m = self.engine.metrics
+        for key, name, text in self.COUNTERS:
+            yield CounterMetricFamily(name, text, value=m[key])
+        for key, name, text in self.GAUGES:
+            yield GaugeMetricFamily(name, text, value=m[key])
+        blocks = GaugeMetricFamily("specdec_prefix_cache_blocks", "Prefix cache blocks by state", labels=["state"])
+        blocks.add_metric(["cached"], m["prefix_cache_blocks_cached"])
+        blocks.add_metric(["free"], m["prefix_cache_blocks_free"])
+        yield blocks
+
+
 class ServerMetrics:
     """The server's metrics; `engine` is read at each `render()`."""
 
@@ -75,6 +105,7 @@ class ServerMetrics:
         self.generated_tokens = Counter("specdec_generated_tokens", "Tokens generated", registry=r)
         r.register(_Requests(engine))
         r.register(_ByDrafter(engine))
+        r.register(_KVCache(engine))
         self.rejected = Counter("specdec_rejected_requests", "Requests refused with a 4xx error", ["code"],
                                 registry=r)
         self.failed = Counter("specdec_failed_requests", "Requests answered with a 5xx error or a stream's error "

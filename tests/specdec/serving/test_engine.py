@@ -347,6 +347,7 @@ def test_eagle_rows_join_mid_flight():
         assert req.tokens == _alone(deep, head, req.prompt, req.params.max_new_tokens)
         assert _same_drafting(deep, head, req)
     assert engine.metrics["drafted"] > 0
+    assert engine.prefixes is None  # EAGLE-3 reads every prompt position's states: no prefix cache
 
 
 def test_a_compiled_target_keeps_the_batch_and_its_programs(target):

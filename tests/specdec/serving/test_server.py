@@ -435,3 +435,25 @@ def test_openai_client_streams_from_smollm2_as_generate_decodes():
                                                         temperature=0, stream=True)
         got = "".join(ch.choices[0].delta.content or "" for ch in stream)
     assert got == want and "こんにちは" in got and "\ufffd" not in got
+
+
+def test_a_resent_conversation_is_served_from_the_prefix_cache(served):
+    """A chat client resends the whole conversation each turn: the second turn copies the first
+    turn's blocks (prompt and answer) instead of prefilling them, and /metrics says so."""
+    server = served[0]
+
+    def value(name: str) -> float:
+        return float(re.search(rf"^{name} ([0-9.e+]+)$", get(server, "/metrics")[1], re.M).group(1))
+
+    messages = [{"role": "system", "content": "print the world of x " * 8}, {"role": "user", "content": "hello world"}]
+    status, first = post(server, "/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 8,
+                                                           "temperature": 0})
+    assert status == 200
+    hits, blocks = value("specdec_prefix_cache_hit_tokens_total"), value('specdec_prefix_cache_blocks{state="cached"}')
+    messages += [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                 {"role": "user", "content": "def x"}]
+    status, _ = post(server, "/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 8,
+                                                       "temperature": 0})
+    assert status == 200
+    assert value("specdec_prefix_cache_hit_tokens_total") >= hits + 32 and blocks >= 2
+    assert value("specdec_prefill_tokens_total") > 0 and value("specdec_kv_tokens_capacity") > 0

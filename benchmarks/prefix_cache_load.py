@@ -1,0 +1,292 @@
+"""Load test of the prefix cache: `specdec serve` against llama-server on the same GGUF, 4 clients.
+
+    python benchmarks/prefix_cache_load.py --out runs/prefix_cache_load              # 1.5B 4-bit, suffix
+    python benchmarks/prefix_cache_load.py --model smollm2-135m-instruct --conversations 4 \\
+        --system-requests 8 --system-tokens 300 --out runs/prefix_cache_quick       # a quick run
+
+Two workloads, each run by `--concurrency` client threads against each server in turn:
+
+(a) multi-turn chat: held-out ShareGPT conversations with at least `--turns` user turns; a client
+    takes a conversation and sends turn after turn, each turn the whole conversation so far (chat
+    template, the server's own earlier answers as assistant turns, as a chat client does), and
+    waits for the streamed answer before the next turn;
+(b) shared system prompt: `--system-requests` requests, each a `--system-tokens`-token system
+    prompt (held-out ShareGPT text) and a different user question, `--concurrency` at a time.
+
+Servers: specdec (`Engine` behind the OpenAI server, max batch = concurrency, the given drafter)
+with its prefix cache and, for (b), without it (`prefix_cache_tokens=0`); llama-server on the
+target's GGUF with `-np concurrency` and `cache_prompt` on (its slots keep their last prompt),
+`--no-repack` on AMX CPUs. Prompts go as token ids, greedy, `--max-tokens` new tokens each.
+
+Reported per server and workload: median and mean time to first token (request sent to first
+streamed token; for (a) also over turns 3+), total throughput (generated tokens over the
+workload's wall time), and the specdec engine's prefix cache counters. Writes
+prefix_cache_load.json and .md to --out. llama-server is skipped (with a line) when llama.cpp is
+not built (`make llamacpp`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import queue
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+import runtime
+from runtime.atomic import atomic_write_text
+from runtime.catalogue import fetch_gguf
+from runtime.hardware import cpu_summary
+from specdec.evaluation import llamacpp
+from specdec.evaluation.prompts import encode, sharegpt_prompts
+from specdec.serving.engine import Engine
+from specdec.serving.server import ServerThread, create_app
+
+MODEL_NAME = "load-test"
+
+
+def stream(port: int, path: str, body: dict) -> tuple[float | None, float, str, int]:
+    """POST a streamed request; (seconds to the first token, seconds to the end, text, new tokens)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=3600)
+    start, first, text, tokens = time.perf_counter(), None, "", 0
+    try:
+        conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError(f"{path} answered HTTP {resp.status}: {resp.read()[:200]!r}")
+        for line in resp:
+            line = line.strip()
+            if not line.startswith(b"data: "):
+                continue
+            data = line[len(b"data: "):]
+            if data == b"[DONE]":
+                break
+            chunk = json.loads(data)
+            if chunk.get("error"):
+                raise RuntimeError(f"stream error: {chunk['error']}")
+            piece = chunk["choices"][0]["text"] if "choices" in chunk and chunk["choices"] else chunk.get("content", "")
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            if "tokens" in chunk and not chunk.get("stop"):
+                tokens += len(chunk["tokens"])
+            if piece:
+                first = first or time.perf_counter()
+                text += piece
+            if chunk.get("stop"):  # llama-server's last chunk
+                break
+    finally:
+        conn.close()
+    return (None if first is None else first - start), time.perf_counter() - start, text, tokens
+
+
+class Client:
+    """How one server is asked: its port, endpoint and request body for prompt ids."""
+
+    def __init__(self, port: int, llama: bool, max_tokens: int) -> None:
+        self.port, self.llama, self.max_tokens = port, llama, max_tokens
+
+    def ask(self, ids: list[int]) -> tuple[float | None, float, str, int]:
+        if self.llama:
+            body = {"prompt": ids, "n_predict": self.max_tokens, "temperature": 0, "stream": True,
+                    "cache_prompt": True, "return_tokens": True}
+            return stream(self.port, "/completion", body)
+        body = {"model": MODEL_NAME, "prompt": ids, "max_tokens": self.max_tokens, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}}
+        return stream(self.port, "/v1/completions", body)
+
+
+def run_chat(client: Client, tok, conversations: list[tuple[str, ...]], concurrency: int) -> dict:
+    """Workload (a); per turn: (turn index, TTFT, new tokens)."""
+    work: queue.Queue = queue.Queue()
+    for c in conversations:
+        work.put(c)
+    turns: list[tuple[int, float, int]] = []
+    lock = threading.Lock()
+
+    def worker() -> None:
+        while True:
+            try:
+                conv = work.get_nowait()
+            except queue.Empty:
+                return
+            answers: list[str] = []
+            for t in range(len(conv)):
+                ttft, _, text, n = client.ask(encode(tok, list(conv[:t + 1]), answers, raw=False))
+                answers.append(text)
+                with lock:
+                    turns.append((t, ttft, n))
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    wall = time.perf_counter() - start
+    late = [x for t, x, _ in turns if t >= 2 and x is not None]
+    every = [x for _, x, _ in turns if x is not None]
+    return {"turns": len(turns), "ttft_p50_turn3plus_s": statistics.median(late), "ttft_mean_s": statistics.mean(every),
+            "ttft_p50_s": statistics.median(every), "tokens": sum(n for _, _, n in turns), "wall_s": wall,
+            "tokens_per_s": sum(n for _, _, n in turns) / wall}
+
+
+def run_system(client: Client, prompts: list[list[int]], concurrency: int) -> dict:
+    """Workload (b): the requests, `concurrency` in flight at a time."""
+    work: queue.Queue = queue.Queue()
+    for p in prompts:
+        work.put(p)
+    out: list[tuple[float, int]] = []
+    lock = threading.Lock()
+
+    def worker() -> None:
+        while True:
+            try:
+                ids = work.get_nowait()
+            except queue.Empty:
+                return
+            ttft, _, _, n = client.ask(ids)
+            with lock:
+                out.append((ttft, n))
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    wall = time.perf_counter() - start
+    ttfts = [x for x, _ in out if x is not None]
+    return {"requests": len(out), "ttft_mean_s": statistics.mean(ttfts), "ttft_p50_s": statistics.median(ttfts),
+            "tokens": sum(n for _, n in out), "wall_s": wall, "tokens_per_s": sum(n for _, n in out) / wall}
+
+
+def workloads(tok, args) -> tuple[list[tuple[str, ...]], list[list[int]]]:
+    """(conversations of (a), prompts of (b)), each user turn cut to --max-turn-tokens tokens."""
+    def cut(text: str) -> str:
+        return tok.decode(tok(text, add_special_tokens=False)["input_ids"][:args.max_turn_tokens])
+
+    multi = [p for p in sharegpt_prompts(limit=40 * args.conversations, all_turns=True) if len(p.turns) >= args.turns]
+    conversations = [tuple(cut(t) for t in p.turns[:args.turns]) for p in multi[:args.conversations]]
+    texts = "\n\n".join(p.turns[0] for p in sharegpt_prompts(limit=200))
+    system = tok.decode(tok(texts, add_special_tokens=False)["input_ids"][:args.system_tokens])
+    questions = [cut(p.turns[0]) for p in sharegpt_prompts(limit=200 + args.system_requests)[200:]]
+    texts = [tok.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": q}],
+                                     add_generation_prompt=True, tokenize=False) for q in questions]
+    return conversations, [list(tok(t, add_special_tokens=False)["input_ids"]) for t in texts]
+
+
+def specdec_server(target, tok, args, prefix_cache_tokens: int | None):
+    engine = Engine(target, args.draft, max_batch=args.concurrency, max_len=args.max_len,
+                    eos_token_id=tok.eos_token_id, prefix_cache_tokens=prefix_cache_tokens)
+    return engine, ServerThread(create_app(engine, tok, MODEL_NAME))
+
+
+def cache_counters(engine: Engine) -> dict:
+    m = engine.metrics
+    return {k: m[k] for k in ("prefill_tokens", "prefix_cache_hits", "prefix_cache_lookups", "prefix_cache_hit_tokens",
+                              "prefix_cache_evictions", "prefix_cache_blocks_cached")}
+
+
+def markdown(report: dict) -> str:
+    rows = ["| workload | server | TTFT p50 (s) | TTFT p50 turns 3+ (s) | TTFT mean (s) | tok/s | tokens | wall (s) |",
+            "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for workload in ("chat", "system"):
+        for server, r in report[workload].items():
+            rows.append(f"| {workload} | {server} | {r['ttft_p50_s']:.2f} | {r.get('ttft_p50_turn3plus_s', float('nan')):.2f}"
+                        f" | {r['ttft_mean_s']:.2f} | {r['tokens_per_s']:.1f} | {r['tokens']} | {r['wall_s']:.0f} |")
+    lines = [f"# Prefix cache load test ({report['model']}, drafter {report['draft']}, {report['concurrency']} "
+             f"clients)", "", f"CPU: {report['cpu']}", "", *rows, ""]
+    for name, ratio in report["ratios"].items():
+        lines.append(f"- {name}: **{ratio:.2f}x**")
+    for name, counters in report["counters"].items():
+        lines.append(f"- {name} engine: " + ", ".join(f"{k} {v}" for k, v in counters.items()))
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
+    p.add_argument("--weights", default="auto")
+    p.add_argument("--draft", default="suffix", help="specdec's drafter spec (default: %(default)s)")
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--conversations", type=int, default=8)
+    p.add_argument("--turns", type=int, default=3)
+    p.add_argument("--max-turn-tokens", type=int, default=160)
+    p.add_argument("--system-requests", type=int, default=16)
+    p.add_argument("--system-tokens", type=int, default=1000)
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--max-len", type=int, default=4096)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--skip", default="", help="comma-separated servers to leave out: llama,nocache")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = runtime.load_tokenizer(args.model)
+    conversations, system_prompts = workloads(tok, args)
+    print(f"{len(conversations)} conversations of {args.turns} turns; {len(system_prompts)} requests sharing a "
+          f"{args.system_tokens}-token system prompt", flush=True)
+    report = {"model": args.model, "draft": args.draft, "concurrency": args.concurrency, "cpu": str(cpu_summary()),
+              "args": vars(args), "chat": {}, "system": {}, "counters": {}}
+    target = runtime.load_model(args.model, dtype=torch.bfloat16, weights=args.weights)
+    variants = [("specdec", None)] + ([] if "nocache" in skip else [("specdec, prefix cache off", 0)])
+    for name, tokens in variants:
+        engine, server = specdec_server(target, tok, args, tokens)
+        with server:
+            client = Client(server.port, False, args.max_tokens)
+            client.ask(system_prompts[0][:16])  # warm-up
+            if tokens is None:
+                print(f"{name}: chat", flush=True)
+                report["chat"][name] = run_chat(client, tok, conversations, args.concurrency)
+            print(f"{name}: shared system prompt", flush=True)
+            report["system"][name] = run_system(client, system_prompts, args.concurrency)
+            report["counters"][name] = cache_counters(engine)
+        del engine
+    if "llama" not in skip and llamacpp.available():
+        gguf = fetch_gguf(args.model, progress=False)
+        server = llamacpp.LlamaServer(gguf, threads=args.threads, context=args.concurrency * args.max_len)
+        server.command = _parallel(server.command, args.concurrency)
+        with server:
+            client = Client(server.port, True, args.max_tokens)
+            client.ask(system_prompts[0][:16])
+            print("llama-server: chat", flush=True)
+            report["chat"]["llama-server"] = run_chat(client, tok, conversations, args.concurrency)
+            print("llama-server: shared system prompt", flush=True)
+            report["system"]["llama-server"] = run_system(client, system_prompts, args.concurrency)
+    elif "llama" not in skip:
+        print("llama-server is not built (make llamacpp): its rows are left out", flush=True)
+    ratios = {}
+    chat, system = report["chat"], report["system"]
+    if "llama-server" in chat:
+        ratios["chat TTFT p50 turns 3+, specdec / llama-server"] = (chat["specdec"]["ttft_p50_turn3plus_s"]
+                                                                    / chat["llama-server"]["ttft_p50_turn3plus_s"])
+        ratios["chat throughput, specdec / llama-server"] = (chat["specdec"]["tokens_per_s"]
+                                                             / chat["llama-server"]["tokens_per_s"])
+        ratios["system TTFT mean, specdec / llama-server"] = (system["specdec"]["ttft_mean_s"]
+                                                              / system["llama-server"]["ttft_mean_s"])
+    if "specdec, prefix cache off" in system:
+        ratios["system TTFT mean, prefix cache on / off"] = (system["specdec"]["ttft_mean_s"]
+                                                             / system["specdec, prefix cache off"]["ttft_mean_s"])
+    report["ratios"] = ratios
+    atomic_write_text(out / "prefix_cache_load.json", json.dumps(report, indent=2))
+    atomic_write_text(out / "prefix_cache_load.md", markdown(report))
+    print(markdown(report), flush=True)
+
+
+def _parallel(command, slots: int):
+    """llama-server's command with `slots` parallel slots instead of one."""
+    def build() -> list[str]:
+        cmd = command()
+        cmd[cmd.index("-np") + 1] = str(slots)
+        return cmd
+    return build
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""The prefix cache: blocks keyed by their whole prefix, copied exactly, evicted least recently used."""
+
+import pytest
+import torch
+
+from runtime.cache import KVCache
+from runtime.prefix_cache import PrefixCache
+
+
+def _filled(rows: int = 2, slots: int = 64, seed: int = 0) -> KVCache:
+    cache = KVCache(num_layers=2, batch_size=rows, num_kv_heads=2, max_seq_len=slots, head_dim=4)
+    g = torch.Generator().manual_seed(seed)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=g))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+    return cache
+
+
+def test_a_prompt_gets_the_cached_blocks_it_starts_with_bit_for_bit():
+    cache = _filled()
+    pc = PrefixCache(cache, tokens=64, block=4)
+    tokens = torch.arange(10)
+    assert pc.put(tokens, cache, row=0) == 2  # two full blocks; the last 2 tokens are no block
+    prompt = torch.cat([tokens[:9], torch.tensor([50, 51])])
+    assert pc.cached(prompt) == 8
+    n = pc.get(prompt, cache, row=1)
+    assert n == 8
+    assert torch.equal(cache.k[:, 1, :, :8], cache.k[:, 0, :, :8])
+    assert torch.equal(cache.v[:, 1, :, :8], cache.v[:, 0, :, :8])
+    assert (pc.lookups, pc.hits, pc.hit_tokens, pc.looked_up_tokens) == (1, 1, 8, 11)
+
+
+def test_a_block_means_its_whole_prefix_and_a_prompt_keeps_one_token_to_prefill():
+    cache = _filled()
+    pc = PrefixCache(cache, tokens=64, block=4)
+    pc.put(torch.arange(8), cache, row=0)
+    other_start = torch.tensor([9, 1, 2, 3, 4, 5, 6, 7, 8])  # block 2 equal, block 1 not: no hit
+    assert pc.get(other_start, cache, row=1) == 0 and pc.hits == 0
+    assert pc.cached(torch.arange(8)) == 4  # the whole prompt cached: its last block is prefilled
+    assert pc.cached(torch.arange(8), keep=0) == 8
+    assert pc.cached(torch.arange(3)) == 0
+
+
+def test_put_copies_only_the_blocks_the_pool_lacks():
+    cache = _filled()
+    pc = PrefixCache(cache, tokens=64, block=4)
+    assert pc.put(torch.arange(8), cache, row=0) == 2
+    assert pc.put(torch.arange(16), cache, row=0) == 2
+    assert pc.blocks_cached == 4 and pc.blocks_free == 12
+
+
+def test_the_least_recently_used_block_is_evicted_and_a_prefix_outlives_its_extensions():
+    cache = _filled(slots=64)
+    pc = PrefixCache(cache, tokens=12, block=4)  # three blocks
+    a, b = torch.arange(8), torch.arange(100, 108)
+    pc.put(a, cache, row=0)
+    pc.put(b, cache, row=1)  # a's second block is evicted: a's first was used after it
+    assert pc.evictions == 1
+    assert pc.cached(torch.cat([a, torch.tensor([7])])) == 4
+    assert pc.cached(torch.cat([b, torch.tensor([7])])) == 8
+    pc.get(torch.cat([a, torch.tensor([7])]), cache, row=1)  # a's first block is now the newest
+    pc.put(torch.arange(200, 204), cache, row=0)
+    assert pc.evictions == 2  # b's second block: b's first was touched after it
+    assert pc.cached(torch.cat([b, torch.tensor([7])])) == 4
+    assert pc.cached(torch.cat([a, torch.tensor([7])])) == 4
+
+
+def test_clear_forgets_every_block():
+    cache = _filled()
+    pc = PrefixCache(cache, tokens=64, block=4)
+    pc.put(torch.arange(16), cache, row=0)
+    pc.clear()
+    assert pc.blocks_cached == 0 and pc.cached(torch.arange(17)) == 0
+
+
+@pytest.mark.parametrize("kw", [dict(tokens=3, block=4), dict(tokens=16, block=0), dict(tokens=True, block=4),
+                                dict(tokens=16.0, block=4)])
+def test_bad_sizes_are_refused(kw):
+    with pytest.raises(ValueError, match="prefix cache"):
+        PrefixCache(_filled(), **kw)
