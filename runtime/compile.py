@@ -257,6 +257,8 @@ def compile_step(step: Step, device: torch.device, cpp_wrapper: bool = True,
                       lengths: torch.Tensor, block_mask: torch.Tensor | None = None,
                       aux_layers: tuple[int, ...] = ()) -> ModelOutput:
         B, T = tokens.shape
+        if block_mask is not None:  # a program asserts its inputs' strides: an expanded mask has others
+            block_mask = block_mask.contiguous()
         key = (B, T, block_mask is not None, k.dtype, eager_rounding())
         what = f"the {T}-token {'tree ' if block_mask is not None else ''}step of a batch of {B}"
         # what fixes every region argument's shape but the cache length (the model fixes the rest)

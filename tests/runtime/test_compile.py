@@ -226,6 +226,25 @@ def test_tree_programs_above_eight_tokens_run_at_their_own_size():
     assert calls[-1] == (1, 12)  # the tree at its own size (the 7-token prefill took the 8-token program)
 
 
+def test_a_tree_step_takes_an_expanded_or_a_contiguous_block_mask():
+    """One tree shape, its mask expanded over the batch (stride 0) and then contiguous: one program
+    serves both (a program asserts its inputs' strides) with the same logits."""
+    from specdec.rows import prefill
+
+    parent = [-1, 0, 0, 1, 1, 2, 2, 3, 4, 5, 6, 7]
+    depth = torch.tensor([0, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 4])
+    tree_ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(5))
+    compiled = compile_decode(tiny_model("qwen2", seed=4))
+    outs = []
+    with torch.inference_mode():
+        for block in (_tree_block(parent).expand(2, 12, 12), _tree_block(parent).repeat(2, 1, 1)):
+            cache = compiled.new_cache(2, 40)
+            prefill(compiled, _prompts([7, 5], seed=4), cache)
+            pos = cache.lengths[:, None] + depth[None]  # (2, N)
+            outs.append(compiled(tree_ids, pos, cache, block_mask=block).logits)
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_compiled_steps_return_the_eager_hidden_states():
     """return_hidden takes the compiled program too (self-distillation data, Medusa's prefill)."""
     eager = tiny_model("llama", seed=7)
