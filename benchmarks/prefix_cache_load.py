@@ -46,6 +46,7 @@ from specdec.evaluation import llamacpp
 from specdec.evaluation.prompts import encode, sharegpt_prompts
 from specdec.serving.engine import Engine
 from specdec.serving.server import ServerThread, create_app
+from specdec.tuning.warmup import compile_block_steps
 
 MODEL_NAME = "load-test"
 
@@ -222,6 +223,8 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--max-len", type=int, default=4096)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--compile", action="store_true", help="compile specdec's decode steps (built before timing)")
+    p.add_argument("--workloads", default="chat,system", help="comma-separated: chat, system")
     p.add_argument("--skip", default="", help="comma-separated servers to leave out: llama,nocache")
     p.add_argument("--out", required=True)
     args = p.parse_args()
@@ -234,18 +237,21 @@ def main() -> None:
           f"{args.system_tokens}-token system prompt", flush=True)
     report = {"model": args.model, "draft": args.draft, "concurrency": args.concurrency, "cpu": str(cpu_summary()),
               "args": vars(args), "chat": {}, "system": {}, "counters": {}}
-    target = runtime.load_model(args.model, dtype=torch.bfloat16, weights=args.weights)
+    target = runtime.load_model(args.model, dtype=torch.bfloat16, weights=args.weights, compile=args.compile)
+    compile_block_steps(target, args.concurrency)  # every block a step may take, before the clock runs
+    chat_on, system_on = (w in args.workloads.split(",") for w in ("chat", "system"))
     variants = [("specdec", None)] + ([] if "nocache" in skip else [("specdec, prefix cache off", 0)])
     for name, tokens in variants:
         engine, server = specdec_server(target, tok, args, tokens)
         with server:
             client = Client(server.port, False, args.max_tokens)
             client.ask(system_prompts[0][:16])  # warm-up
-            if tokens is None:
+            if tokens is None and chat_on:
                 print(f"{name}: chat", flush=True)
                 report["chat"][name] = run_chat(client, tok, conversations, args.concurrency)
-            print(f"{name}: shared system prompt", flush=True)
-            report["system"][name] = run_system(client, system_prompts, args.concurrency)
+            if system_on:
+                print(f"{name}: shared system prompt", flush=True)
+                report["system"][name] = run_system(client, system_prompts, args.concurrency)
             report["counters"][name] = cache_counters(engine)
         del engine
     if "llama" not in skip and llamacpp.available():
@@ -255,19 +261,22 @@ def main() -> None:
         with server:
             client = Client(server.port, True, args.max_tokens)
             client.ask(system_prompts[0][:16])
-            print("llama-server: chat", flush=True)
-            report["chat"]["llama-server"] = run_chat(client, tok, conversations, args.concurrency)
-            print("llama-server: shared system prompt", flush=True)
-            report["system"]["llama-server"] = run_system(client, system_prompts, args.concurrency)
+            if chat_on:
+                print("llama-server: chat", flush=True)
+                report["chat"]["llama-server"] = run_chat(client, tok, conversations, args.concurrency)
+            if system_on:
+                print("llama-server: shared system prompt", flush=True)
+                report["system"]["llama-server"] = run_system(client, system_prompts, args.concurrency)
     elif "llama" not in skip:
         print("llama-server is not built (make llamacpp): its rows are left out", flush=True)
     ratios = {}
     chat, system = report["chat"], report["system"]
-    if "llama-server" in chat:
+    if "llama-server" in chat and "specdec" in chat:
         ratios["chat TTFT p50 turns 3+, specdec / llama-server"] = (chat["specdec"]["ttft_p50_turn3plus_s"]
                                                                     / chat["llama-server"]["ttft_p50_turn3plus_s"])
         ratios["chat throughput, specdec / llama-server"] = (chat["specdec"]["tokens_per_s"]
                                                              / chat["llama-server"]["tokens_per_s"])
+    if "llama-server" in system and "specdec" in system:
         ratios["system TTFT mean, specdec / llama-server"] = (system["specdec"]["ttft_mean_s"]
                                                               / system["llama-server"]["ttft_mean_s"])
     if "specdec, prefix cache off" in system:

@@ -27,7 +27,7 @@ from runtime.compile import DECODE_STATIC_TOKENS
 from runtime.model_output import ModelOutput
 from specdec.capture import DecodeObserver
 from specdec.drafter import Accepted, Drafter, DraftTree
-from specdec.rows import CacheRow, RowState, check_lengths, prefill, prefill_after
+from specdec.rows import CacheRow, RowState, check_lengths, prefill, prefill_after, prefill_sharing
 from specdec.sampling import RowSampling, SamplingParams, select_next
 from specdec.stats import AcceptanceStats
 from specdec.tuning.autok import AutoK
@@ -128,11 +128,15 @@ class DecodeLoop:
         return out
 
     def prefill(self, max_len: int) -> list[list[int]]:
-        """Prefill every row in one forward, emit its first token and start the drafter (whose
-        rows get `max_len` cache slots); returns the tokens each row emitted."""
+        """Prefill every row (one forward, or `specdec.rows.prefill_sharing` when prompts share a
+        prefix), emit its first token and start the drafter (whose rows get `max_len` cache
+        slots); returns the tokens each row emitted."""
         rows = list(range(len(self.state.prompts)))
-        out = prefill(self.target, self.state.prompts, self.cache, return_hidden=self.want_hidden,
-                      aux_layers=self.aux_layers)
+        if self.aux_layers:  # states at every prompt position: each prompt prefilled whole
+            out = prefill(self.target, self.state.prompts, self.cache, return_hidden=self.want_hidden,
+                          aux_layers=self.aux_layers)
+        else:  # a prefix shared by several prompts is prefilled once
+            out = prefill_sharing(self.target, self.state.prompts, self.cache, return_hidden=self.want_hidden)
         emitted = self._first_tokens(rows, out)
         if self.drafter is not None:
             self.drafter.begin(self.state.prompts, max_len, self._drafter_states(out.hidden, out.aux))

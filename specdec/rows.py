@@ -212,6 +212,37 @@ class CacheRow(KVCache):
         self.lengths = cache.lengths[row:row + count]  # (count,)
 
 
+MIN_SHARED = 16  # leading tokens a prompt must share with an earlier one of its batch to copy its keys
+
+
+def prefill_sharing(model, rows: list[torch.Tensor], cache, return_hidden: bool = False) -> ModelOutput:
+    """`prefill` (without aux states), except that a prompt sharing at least MIN_SHARED leading
+    tokens with an earlier prompt of the batch copies that prompt's keys and values and prefills
+    only the rest after them (`prefill_after`): a common prefix (a system prompt, n samples of one
+    prompt) is prefilled once. Exact on a row-invariant model: a split prompt keeps its bits."""
+    sources: dict[int, tuple[int, int]] = {}  # row -> (the earlier row it copies, tokens copied)
+    for b, r in enumerate(rows):
+        shared, a = max(((common_prefix(rows[a], r), a) for a in range(b)), default=(0, -1))
+        if min(shared, r.numel() - 1) >= MIN_SHARED:
+            sources[b] = (a, min(shared, r.numel() - 1))
+    if not sources or not isinstance(cache, KVCache):  # a transformers model's cache has no rows to copy
+        return prefill(model, rows, cache, return_hidden)
+    outs: dict[int, ModelOutput] = {}
+    for run in runs([b for b in range(len(rows)) if b not in sources]):
+        out = prefill(model, [rows[b] for b in run], CacheRow(cache, run[0], len(run)), return_hidden)
+        for i, b in enumerate(run):
+            outs[b] = ModelOutput(out.logits[i:i + 1], None if out.hidden is None else out.hidden[i:i + 1])
+    for b, (a, n) in sorted(sources.items()):  # a < b: a leader, or a row copied before this one
+        cache.k[:, b, :, :n] = cache.k[:, a, :, :n]
+        cache.v[:, b, :, :n] = cache.v[:, a, :, :n]
+        row = CacheRow(cache, b)
+        row.lengths.fill_(n)
+        outs[b] = prefill_after(model, rows[b][n:], row, return_hidden)
+    ordered = [outs[b] for b in range(len(rows))]
+    hidden = None if ordered[0].hidden is None else torch.cat([o.hidden for o in ordered])  # (B, C)
+    return ModelOutput(torch.cat([o.logits for o in ordered]), hidden)  # (B, V), (B, C)
+
+
 def prefill_after(model, tail: torch.Tensor, cache, return_hidden: bool = False,
                   aux_layers: tuple[int, ...] = ()) -> ModelOutput:
     """Prefill the rest of one prompt: `cache` is one row (a `CacheRow`) that already holds the

@@ -361,24 +361,24 @@ class Engine:
                 prompt = self.slots[b].prompt
                 if self.prefixes.cached(prompt) or any(common_prefix(p, prompt) >= block for p in seen):
                     alone.append(b)
+                else:  # a miss, looked up (and counted) here: nothing cached, nothing beside it to wait for
+                    self.prefixes.get(prompt, self.loop.cache, b)
                 seen.append(prompt)
         for run in runs([b for b in rows if b not in alone]):
             self._admit_run(run)
         for b in alone:
-            self._admit_run([b])
+            self._admit_run([b], lookup=True)
 
-    def _admit_run(self, run: list[int]) -> None:
+    def _admit_run(self, run: list[int], lookup: bool = False) -> None:
         """Prefill the requests of `run` (consecutive rows) in one forward and deliver their first
         tokens. If that raises, the rows are released and each is admitted again alone, its
         generator rewound (its draws are those of an admission of its own): a request whose own
-        admission raises ends with "error". A row admitted alone starts from the cached blocks its
-        prompt begins with; the prompts' blocks go to the prefix cache once admitted."""
+        admission raises ends with "error". lookup: the one row starts from the cached blocks its
+        prompt begins with. The prompts' blocks go to the prefix cache once admitted."""
         reqs = [self.slots[b] for b in run]
         rewind = [None if r.generator is None else r.generator.get_state() for r in reqs]
         try:
-            cached = 0
-            if self.prefixes is not None and len(run) == 1:
-                cached = self.prefixes.get(reqs[0].prompt, self.loop.cache, run[0])
+            cached = self.prefixes.get(reqs[0].prompt, self.loop.cache, run[0]) if lookup else 0
             first = self.loop.admit(run, [r.prompt for r in reqs], [r.params.max_new_tokens for r in reqs],
                                     [self.eos | frozenset(r.params.stop_token_ids) for r in reqs],
                                     [RowSampling(r.params, r.generator) for r in reqs], cached=cached)

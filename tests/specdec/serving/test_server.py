@@ -457,3 +457,20 @@ def test_a_resent_conversation_is_served_from_the_prefix_cache(served):
     assert status == 200
     assert value("specdec_prefix_cache_hit_tokens_total") >= hits + 32 and blocks >= 2
     assert value("specdec_prefill_tokens_total") > 0 and value("specdec_kv_tokens_capacity") > 0
+
+
+def test_n_samples_of_one_prompt_prefill_it_once_and_follow_their_seeds(served):
+    """n choices are n requests of one prompt: the first prefills it, the others copy its blocks."""
+    server = served[0]
+    c = client(server)
+
+    def value(name: str) -> float:
+        return float(re.search(rf"^{name} ([0-9.e+]+)$", get(server, "/metrics")[1], re.M).group(1))
+
+    prompt = "return the x of a " * 9 + "hello"  # 46 words: two full blocks shared
+    hits, looked = value("specdec_prefix_cache_hits_total"), value("specdec_prefix_cache_lookups_total")
+    got = c.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=1.0, seed=5, n=4)
+    assert value("specdec_prefix_cache_lookups_total") == looked + 4
+    assert value("specdec_prefix_cache_hits_total") == hits + 3
+    again = c.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=1.0, seed=5, n=4)
+    assert [ch.text for ch in again.choices] == [ch.text for ch in got.choices]
