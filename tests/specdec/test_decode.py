@@ -277,7 +277,7 @@ def test_bf16_greedy_output_equals_plain_for_every_drafter(wide_bf16, which):
 
 
 class _ChainsAndTrees(Drafter):
-    """Proposes a 2-node chain and a 3-node tree (two siblings) on alternate steps."""
+    """Proposes a 2-node chain and a 3-node tree (two siblings) on alternate steps, nothing every 5th."""
 
     def __init__(self) -> None:
         self.steps = 0
@@ -289,7 +289,7 @@ class _ChainsAndTrees(Drafter):
         self.steps += 1
         B = len(seqs)
         lens = torch.zeros(B, dtype=torch.long)
-        lens[rows] = 2 if self.steps % 2 else 3
+        lens[rows] = (2 if self.steps % 2 else 3) if self.steps % 5 else 0  # every 5th step: no drafts
         tokens = torch.tensor([[1, 2, 3]] * B)
         parents = torch.tensor([[-1, 0, 1] if self.steps % 2 else [-1, -1, 0]] * B)
         return DraftTree(tokens, parents, lens)
@@ -309,4 +309,20 @@ def test_compile_block_steps_builds_the_programs_that_decoding_then_runs():
     compile_block_steps(model)
     compiled = counters["stats"]["unique_graphs"]
     specdec.generate(model, [prompt], draft=_ChainsAndTrees(), max_new_tokens=12)
+    assert counters["stats"]["unique_graphs"] == compiled
+
+
+def test_compile_block_steps_of_a_batch_include_the_step_without_drafts():
+    """In a batch of 2+ rows a step where no row drafts runs a 1-token program of its own: built too."""
+    from torch._dynamo.utils import counters
+
+    from runtime import compile_decode
+    from specdec.tuning.warmup import compile_block_steps
+
+    model = compile_decode(tiny_model("llama", seed=7), cpp_wrapper=False)
+    prompts = [torch.arange(5), torch.arange(3, 9)]
+    specdec.generate(model, prompts, max_new_tokens=1)  # the prompts' program only: no decode step
+    compile_block_steps(model, batch_size=2)
+    compiled = counters["stats"]["unique_graphs"]
+    specdec.generate(model, prompts, draft=_ChainsAndTrees(), max_new_tokens=16)
     assert counters["stats"]["unique_graphs"] == compiled
