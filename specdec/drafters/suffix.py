@@ -9,7 +9,8 @@ continuations with the higher expected accepted length (`Speculation.score`) is 
 size follows the match (at most max_factor * match length nodes, none below min_prob, at most
 `max_nodes`), and it is cut to the best nodes worth their verification rows on this machine
 (`specdec.tuning.costs`: block costs timed by the decode loop, nodes valued at the acceptance
-measured for their probability) before it is proposed. The tree is deterministic (q one-hot), so
+measured for their probability; the rows of a batch share one budget, as they share one block)
+before it is proposed. The tree is deterministic (q one-hot), so
 verification is lossless as for every drafter; each node carries its frequency estimate in
 `DraftTree.scores`.
 """
@@ -26,7 +27,7 @@ import torch
 from runtime.errors import ContextLengthError
 from specdec.drafter import Accepted, Drafter, DraftTree
 from specdec.drafters.suffix_tree import Speculation, SuffixTrie, TrieNode
-from specdec.tuning.costs import BlockCosts, NodeCalibration, best_cut
+from specdec.tuning.costs import BlockCosts, NodeCalibration, batch_cut
 
 DEFAULT_CACHE_TOKENS = 1 << 16  # response tokens the shared cache keeps (nodes <= tokens * depth)
 
@@ -211,9 +212,12 @@ class SuffixDrafter(Drafter):
         lens = torch.zeros(B, dtype=torch.long)  # (B,)
         cut = self.config.cut and self.costs.known()
         self.proposed = {}
-        for b in rows:
-            spec = self.speculate(b, seqs[b])
-            m = best_cut([self.calibration.value(p) for p in spec.probs], self.costs) if cut else len(spec.tokens)
+        specs = {b: self.speculate(b, seqs[b]) for b in rows}
+        # the batch's rows share one block: one budget for all of them (a row alone: best_cut)
+        budget = batch_cut([[self.calibration.value(p) for p in s.probs] for s in specs.values()], self.costs) \
+            if cut else n
+        for b, spec in specs.items():
+            m = min(budget, len(spec.tokens))
             if m:
                 self.proposed[b] = list(spec.probs[:m])
                 tokens[b, :m] = torch.tensor(spec.tokens[:m])

@@ -11,7 +11,8 @@ verification of n + 1 rows, so the rule keeps the n (0 = a plain step) that maxi
 with cost(r) the measured seconds of verifying r rows on this machine (`BlockCosts`, fed by the
 decode loop through `Accepted.block` / `Accepted.target_s`) and a node's acceptance measured for
 its drafter by the node's own path probability (`NodeCalibration`). In a batch the block is the
-largest row's; each row is cut as if alone.
+longest row's and every row pays for it, so one budget n is chosen for all rows together
+(`batch_cut`: the tokens of every row over the cost of one block), not each row as if alone.
 """
 
 from __future__ import annotations
@@ -100,10 +101,19 @@ def best_cut(values: list[float], costs: BlockCosts) -> int:
     """How many of a proposal's first nodes (best first; `values`: each one's chance of acceptance) to
     verify: the n in 0..len(values) with the most expected tokens per second, 0 when a plain step
     beats every cut."""
-    best, best_rate, expected = 0, 1.0 / costs.cost(1), 0.0
-    for n, v in enumerate(values, 1):
-        expected += v
-        rate = (1 + expected) / costs.cost(n + 1)
+    return batch_cut([values], costs)
+
+
+def batch_cut(values: list[list[float]], costs: BlockCosts) -> int:
+    """`best_cut` for rows verified together (`values`: one list per row): they pay for one block of
+    the longest row's size, so the budget is the n with the most expected tokens of all rows per
+    second, (rows + the values of each row's first n nodes) / cost(n + 1); each row then verifies
+    at most n nodes (fewer when its proposal is shorter: the block is the batch's anyway)."""
+    best, best_rate = 0, len(values) / costs.cost(1)
+    expected = 0.0
+    for n in range(1, max(map(len, values), default=0) + 1):
+        expected += sum(v[n - 1] for v in values if len(v) >= n)
+        rate = (len(values) + expected) / costs.cost(n + 1)
         if rate > best_rate:
             best, best_rate = n, rate
     return best

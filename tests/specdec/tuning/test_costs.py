@@ -3,7 +3,7 @@ with the most expected tokens per second."""
 
 import pytest
 
-from specdec.tuning.costs import BlockCosts, NodeCalibration, best_cut
+from specdec.tuning.costs import BlockCosts, NodeCalibration, batch_cut, best_cut
 
 
 def _costs(table: dict[int, float]) -> BlockCosts:
@@ -46,6 +46,17 @@ def test_the_cut_keeps_the_prefix_with_the_most_expected_tokens_per_second():
     assert best_cut([0.05, 0.05], _costs({1: 1.0, 2: 1.2, 3: 1.3})) == 0  # a plain step is faster
     assert best_cut([], costs) == 0
     assert best_cut([0.2] * 7, _costs({1: 1.0, 8: 1.0})) == 7  # rows cost nothing more: every node pays
+
+
+def test_rows_verified_together_share_one_budget():
+    """Four rows pay for the longest row's block: a tree that pays for one row alone does not pay
+    when three rows with nothing to propose ride in the same block."""
+    costs = _costs({1: 1.0, 2: 1.1, 3: 1.5, 4: 1.9})
+    alone = [0.95, 0.9, 0.9]
+    assert batch_cut([alone], costs) == best_cut(alone, costs) == 3  # 3.75 / 1.9 beats 2.85 / 1.5, 1.95 / 1.1
+    assert batch_cut([alone, [], [], []], costs) == 1  # 4.95 / 1.1 beats 5.85 / 1.5, 6.75 / 1.9 and 4 / 1
+    assert batch_cut([alone] * 4, costs) == 3
+    assert batch_cut([[], []], costs) == 0 and batch_cut([], costs) == 0
 
 
 def test_nodes_are_valued_at_the_acceptance_measured_for_their_probability():
