@@ -13,14 +13,15 @@ Two workloads, each run by `--concurrency` client threads against each server in
 (b) shared system prompt: `--system-requests` requests, each a `--system-tokens`-token system
     prompt (held-out ShareGPT text) and a different user question, `--concurrency` at a time.
 
-Servers: specdec (`Engine` behind the OpenAI server, max batch = concurrency, the given drafter)
-with its prefix cache and, for (b), without it (`prefix_cache_tokens=0`); llama-server on the
+Servers, each a process of its own: `specdec serve` (max batch = concurrency, the given drafter,
+`--compile` with --compile) with its prefix cache and, for (b), without it (`--prefix-cache-tokens
+0`); llama-server on the
 target's GGUF with `-np concurrency` and `cache_prompt` on (its slots keep their last prompt),
 `--no-repack` on AMX CPUs. Prompts go as token ids, greedy, `--max-tokens` new tokens each.
 
 Reported per server and workload: median and mean time to first token (request sent to first
 streamed token; for (a) also over turns 3+), total throughput (generated tokens over the
-workload's wall time), and the specdec engine's prefix cache counters. Writes
+workload's wall time), and specdec's prefill and prefix-cache counters (its /metrics). Writes
 prefix_cache_load.json and .md to --out. llama-server is skipped (with a line) when llama.cpp is
 not built (`make llamacpp`).
 """
@@ -31,12 +32,14 @@ import argparse
 import http.client
 import json
 import queue
+import re
 import statistics
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
-
-import torch
 
 import runtime
 from runtime.atomic import atomic_write_text
@@ -44,9 +47,6 @@ from runtime.catalogue import fetch_gguf
 from runtime.hardware import cpu_summary
 from specdec.evaluation import llamacpp
 from specdec.evaluation.prompts import encode, sharegpt_prompts
-from specdec.serving.engine import Engine
-from specdec.serving.server import ServerThread, create_app
-from specdec.tuning.warmup import compile_block_steps
 
 MODEL_NAME = "load-test"
 
@@ -181,16 +181,53 @@ def workloads(tok, args) -> tuple[list[tuple[str, ...]], list[list[int]]]:
     return conversations, [list(tok(t, add_special_tokens=False)["input_ids"]) for t in texts]
 
 
-def specdec_server(target, tok, args, prefix_cache_tokens: int | None):
-    engine = Engine(target, args.draft, max_batch=args.concurrency, max_len=args.max_len,
-                    eos_token_id=tok.eos_token_id, prefix_cache_tokens=prefix_cache_tokens)
-    return engine, ServerThread(create_app(engine, tok, MODEL_NAME))
+class SpecdecServer:
+    """`specdec serve` in a process of its own (as a user runs it, and as llama-server runs), with
+    max batch = concurrency; a context manager that stops it on exit."""
 
+    def __init__(self, args, prefix_cache_tokens: int | None) -> None:
+        self.port = llamacpp.free_port()
+        self.cmd = [sys.executable, "-m", "specdec.cli", "serve", "--model", args.model, "--weights", args.weights,
+                    "--max-batch", str(args.concurrency), "--max-len", str(args.max_len), "--port", str(self.port),
+                    "--served-model-name", MODEL_NAME, "--log-level", "warning"]
+        self.cmd += [] if args.draft == "none" else ["--draft", args.draft]
+        self.cmd += ["--compile"] if args.compile else []
+        self.cmd += [] if prefix_cache_tokens is None else ["--prefix-cache-tokens", str(prefix_cache_tokens)]
+        self.proc: subprocess.Popen | None = None
 
-def cache_counters(engine: Engine) -> dict:
-    m = engine.metrics
-    return {k: m[k] for k in ("prefill_tokens", "prefix_cache_hits", "prefix_cache_lookups", "prefix_cache_hit_tokens",
-                              "prefix_cache_evictions", "prefix_cache_blocks_cached")}
+    def __enter__(self) -> "SpecdecServer":
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="specdec-serve-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 1800  # a fresh Inductor cache compiles every block step first
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                sys.exit(f"specdec serve exited with code {self.proc.returncode}; its log: {self.log.name}")
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
+                conn.request("GET", "/health")
+                if conn.getresponse().status == 200:
+                    return self
+            except OSError:
+                pass
+            time.sleep(1.0)
+        sys.exit(f"specdec serve did not become healthy in 1800 s; its log: {self.log.name}")
+
+    def __exit__(self, *exc) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=60)
+        self.log.close()
+
+    def counters(self) -> dict:
+        """The engine's prefill and prefix-cache counters, from /metrics."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+        out = {}
+        for name in ("prefill_tokens_total", "prefix_cache_lookups_total", "prefix_cache_hits_total",
+                     "prefix_cache_hit_tokens_total", "prefix_cache_evictions_total"):
+            found = re.search(rf"^specdec_{name} ([0-9.e+]+)$", text, re.M)
+            out[name.removesuffix("_total")] = int(float(found.group(1))) if found else None
+        return out
 
 
 def markdown(report: dict) -> str:
@@ -198,8 +235,9 @@ def markdown(report: dict) -> str:
             "|---|---|---:|---:|---:|---:|---:|---:|"]
     for workload in ("chat", "system"):
         for server, r in report[workload].items():
-            rows.append(f"| {workload} | {server} | {r['ttft_p50_s']:.2f} | {r.get('ttft_p50_turn3plus_s', float('nan')):.2f}"
-                        f" | {r['ttft_mean_s']:.2f} | {r['tokens_per_s']:.1f} | {r['tokens']} | {r['wall_s']:.0f} |")
+            late = r.get("ttft_p50_turn3plus_s", float("nan"))
+            rows.append(f"| {workload} | {server} | {r['ttft_p50_s']:.2f} | {late:.2f} | {r['ttft_mean_s']:.2f}"
+                        f" | {r['tokens_per_s']:.1f} | {r['tokens']} | {r['wall_s']:.0f} |")
     lines = [f"# Prefix cache load test ({report['model']}, drafter {report['draft']}, {report['concurrency']} "
              f"clients)", "", f"CPU: {report['cpu']}", "", *rows, ""]
     for name, ratio in report["ratios"].items():
@@ -213,7 +251,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     p.add_argument("--weights", default="auto")
-    p.add_argument("--draft", default="suffix", help="specdec's drafter spec (default: %(default)s)")
+    p.add_argument("--draft", default="suffix",
+                   help="specdec's drafter spec, or none for plain decoding (default: %(default)s)")
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--conversations", type=int, default=8)
     p.add_argument("--turns", type=int, default=3)
@@ -237,23 +276,21 @@ def main() -> None:
           f"{args.system_tokens}-token system prompt", flush=True)
     report = {"model": args.model, "draft": args.draft, "concurrency": args.concurrency, "cpu": str(cpu_summary()),
               "args": vars(args), "chat": {}, "system": {}, "counters": {}}
-    target = runtime.load_model(args.model, dtype=torch.bfloat16, weights=args.weights, compile=args.compile)
-    compile_block_steps(target, args.concurrency)  # every block a step may take, before the clock runs
     chat_on, system_on = (w in args.workloads.split(",") for w in ("chat", "system"))
     variants = [("specdec", None)] + ([] if "nocache" in skip else [("specdec, prefix cache off", 0)])
     for name, tokens in variants:
-        engine, server = specdec_server(target, tok, args, tokens)
-        with server:
+        print(f"{name}: starting specdec serve", flush=True)
+        with SpecdecServer(args, tokens) as server:
             client = Client(server.port, False, args.max_tokens)
-            client.ask(system_prompts[0][:16])  # warm-up
+            for n in (16, 40):  # warm-up: the batch's 1-token step and a short prefill
+                client.ask(system_prompts[0][:n])
             if tokens is None and chat_on:
                 print(f"{name}: chat", flush=True)
                 report["chat"][name] = run_chat(client, tok, conversations, args.concurrency)
             if system_on:
                 print(f"{name}: shared system prompt", flush=True)
                 report["system"][name] = run_system(client, system_prompts, args.concurrency)
-            report["counters"][name] = cache_counters(engine)
-        del engine
+            report["counters"][name] = server.counters()
     if "llama" not in skip and llamacpp.available():
         gguf = fetch_gguf(args.model, progress=False)
         server = llamacpp.LlamaServer(gguf, threads=args.threads, context=args.concurrency * args.max_len)
