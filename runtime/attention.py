@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from runtime.cache import write_slots
 from runtime.invariant import attention as invariant_attention
 
 BACKENDS = ("sdpa", "triton")
@@ -124,8 +125,6 @@ def cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     attention a masked product over every slot, both growing with the cache size. Here the write is in place and the
     attention is PyTorch's SDPA over the used slots only.
     """
-    from runtime.cache import write_slots
-
     T = q.shape[2]
     slots = prefix_lens[:, None] + torch.arange(T, device=q.device)  # (B, T)
     uniform = bool((prefix_lens == prefix_lens[0]).all())
@@ -157,7 +156,7 @@ def static_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_
     extension is built (`runtime.kernels.cpu_attention.cache_attention`: no Python per layer and
     step), else the Python op. Arguments and result as `cache_attention`."""
     if q.device.type == "cpu":
-        from runtime.kernels import cpu_blockq
+        from runtime.kernels import cpu_blockq  # builds or loads the C++ extension: only on the CPU path
 
         if cpu_blockq.available():
             return cpu_blockq.ops().cache_attention(q, k, v, k_cache, v_cache, layer, prefix_lens, window,

@@ -277,7 +277,7 @@ def compile_decode(model: torch.nn.Module, cpp_wrapper: bool = True,
     model: a runtime Transformer (also a compressed one); anything else is a TypeError.
     cpp_wrapper, max_autotune: see `Transformer.compile_decode`.
     """
-    from runtime.model import Transformer
+    from runtime.model import Transformer  # runtime.model imports this module
 
     if not isinstance(model, Transformer):
         raise TypeError(f"compile_decode takes a runtime Transformer (runtime.load_model), got "

@@ -24,7 +24,7 @@ COMMAND_MODULES = ("specdec.evaluation.evaluate", "specdec.evaluation.bench", "q
 
 
 def _fetch(args: argparse.Namespace) -> int:
-    from runtime import catalogue
+    from runtime import catalogue  # imports torch: inside main's Ctrl-C handling, as every import below
 
     if args.name is not None and not args.name.strip():
         raise ValueError("the catalogue name is empty; pass one (specdec fetch --list lists them)")
@@ -58,7 +58,7 @@ def tree_nodes_arg(text: str) -> int | str:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    import torch
+    import torch  # inside main's Ctrl-C handling (see the imports at the top)
 
     import runtime
     import specdec
@@ -74,7 +74,7 @@ def _generate(args: argparse.Namespace) -> int:
     else:
         ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}],
                                       add_generation_prompt=True, return_tensors="pt", return_dict=True).input_ids
-    from transformers import TextStreamer
+    from transformers import TextStreamer  # inside main's Ctrl-C handling, as above
 
     draft = load_drafter(args, model)
 
@@ -105,12 +105,13 @@ def format_stats(stats) -> str:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from specdec.demo import run_demo
+    from specdec.demo import run_demo  # inside main's Ctrl-C handling, as above
 
     return run_demo(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # these import torch: inside main's Ctrl-C handling, as every import of this module's functions
     from runtime.argtypes import nonnegative_float, nonnegative_int, positive_int, seed_number, unit_interval
     from runtime.hardware import DTYPES
     from runtime.loading import WEIGHTS
@@ -132,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Generate one completion, printing it as it is accepted, then its acceptance stats.")
     p.add_argument("--model", default=DEFAULT_MODEL, help="catalogue name, checkpoint dir, .gguf or hub id")
     p.add_argument("--prompt", required=True, help="the prompt text")
-    from specdec.serving.command import add_drafter_args
+    from specdec.serving.command import add_drafter_args  # inside main's Ctrl-C handling, as above
 
     add_drafter_args(p)
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
@@ -182,10 +183,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    from runtime.errors import SpecdecError
+    from runtime.errors import SpecdecError  # imports torch: inside main's Ctrl-C handling
 
     args = build_parser().parse_args(argv)
-    import torch.distributed as dist
+    import torch.distributed as dist  # inside main's Ctrl-C handling, as above
 
     joined = dist.is_available() and dist.is_initialized()  # a caller's own process group stays theirs
     try:
