@@ -13,7 +13,7 @@ import torch
 
 from runtime.errors import CacheMemoryError, ContextLengthError
 
-_HEADROOM = 0.9  # fraction of the free memory a cache may take
+HEADROOM = 0.9  # fraction of the free memory a cache may take
 
 
 def available_memory(device: torch.device) -> int:
@@ -52,7 +52,7 @@ class KVCache:
         device = torch.device(device)
         need = cache_bytes(num_layers, batch_size, num_kv_heads, max_seq_len, head_dim, dtype)
         free = available_memory(device)
-        if need > _HEADROOM * free:
+        if need > HEADROOM * free:
             raise CacheMemoryError(
                 f"a KV cache for batch {batch_size} x {max_seq_len} positions x {num_layers} layers "
                 f"needs {need / 2**30:.2f} GiB on {device}, but only {free / 2**30:.2f} GiB is free; "

@@ -21,7 +21,8 @@ from collections import OrderedDict
 
 import torch
 
-from runtime.cache import KVCache
+from runtime.cache import HEADROOM, KVCache, available_memory
+from runtime.errors import CacheMemoryError
 
 DEFAULT_BLOCK = 16  # positions per block: the grain of reuse (a prompt reuses whole blocks only)
 
@@ -36,6 +37,12 @@ class PrefixCache:
         L, _, H, _, D = cache.k.shape
         self.block, self.num_blocks = block, tokens // block
         shape = (L, self.num_blocks, H, block, D)
+        need = 2 * L * self.num_blocks * H * block * D * cache.k.element_size()
+        free = available_memory(cache.k.device)
+        if need > HEADROOM * free:
+            raise CacheMemoryError(f"a prefix cache of {tokens} positions needs {need / 2**30:.2f} GiB on "
+                                   f"{cache.k.device}, but only {free / 2**30:.2f} GiB is free; keep fewer positions "
+                                   "(prefix_cache_tokens, --prefix-cache-tokens; 0 turns it off)")
         self.k = torch.zeros(shape, dtype=cache.k.dtype, device=cache.k.device)  # (L, NB, H, block, D)
         self.v = torch.zeros(shape, dtype=cache.v.dtype, device=cache.v.device)
         self._ids: OrderedDict[bytes, int] = OrderedDict()  # prefix hash -> block id, least recently used first

@@ -501,7 +501,9 @@ class Engine:
         conventions: tau = generated tokens per target forward, per row), and p50 / p95 TTFT and
         TPOT of the last requests that finished with "stop" or "length". `by_drafter`: per drafter (a
         composite's or hybrid's member) the steps that verified its proposals, their drafted and
-        accepted tokens, acceptance rate and tau over those steps."""
+        accepted tokens, acceptance rate and tau over those steps. The KV cache (`_cache_metrics`):
+        kv_tokens_in_use / kv_tokens_capacity, prefill_tokens, and prefix_cache_* (block, lookups,
+        hits, looked_up_tokens, hit_tokens, evictions, num_blocks, blocks_cached, blocks_free)."""
         s: AcceptanceStats = self.loop.stats
         out = {}
         with self._lock:

@@ -77,3 +77,12 @@ def test_clear_forgets_every_block():
 def test_bad_sizes_are_refused(kw):
     with pytest.raises(ValueError, match="prefix cache"):
         PrefixCache(_filled(), **kw)
+
+
+def test_a_pool_that_does_not_fit_in_memory_is_refused_by_name(monkeypatch):
+    import runtime.prefix_cache
+    from runtime.errors import CacheMemoryError
+
+    monkeypatch.setattr(runtime.prefix_cache, "available_memory", lambda device: 1000)
+    with pytest.raises(CacheMemoryError, match="prefix_cache_tokens"):
+        PrefixCache(_filled(), tokens=64, block=4)
