@@ -248,9 +248,9 @@ def prefill_after(model, tail: torch.Tensor, cache, return_hidden: bool = False,
     """Prefill the rest of one prompt: `cache` is one row (a `CacheRow`) that already holds the
     keys and values of the prompt's first L tokens (a cached prefix); `tail` (T,) are the tokens
     after them, written at slots L .. L+T-1. Eager (a compiled model compiles no program of T).
-    On a row-invariant model the result equals a prefill of the whole prompt, bit for bit. Returns what `prefill` returns
-    for that row: logits (1, V) of the last token, its hidden state (1, C), aux states (1, T, nC)
-    of the tail's positions."""
+    On a row-invariant model the result equals a prefill of the whole prompt, bit for bit.
+    Returns what `prefill` returns for that row: logits (1, V) of the last token, its hidden state
+    (1, C), aux states (1, T, nC) of the tail's positions."""
     if cache.batch_size != 1 or tail.dim() != 1 or tail.numel() == 0:
         raise ValueError(f"prefill_after continues one cache row with a non-empty 1-D tail, got "
                          f"{cache.batch_size} rows and a tail of shape {tuple(tail.shape)}")
