@@ -221,10 +221,17 @@ def prefill_sharing(model, rows: list[torch.Tensor], cache, return_hidden: bool 
     only the rest after them (`prefill_after`): a common prefix (a system prompt, n samples of one
     prompt) is prefilled once. Exact on a row-invariant model: a split prompt keeps its bits."""
     sources: dict[int, tuple[int, int]] = {}  # row -> (the earlier row it copies, tokens copied)
+    groups: dict[tuple[int, ...], list[int]] = {}  # first MIN_SHARED tokens -> the rows starting with them
     for b, r in enumerate(rows):
-        shared, a = max(((common_prefix(rows[a], r), a) for a in range(b)), default=(0, -1))
+        if r.numel() <= MIN_SHARED:
+            continue
+        group = groups.setdefault(tuple(r[:MIN_SHARED].tolist()), [])
+        # the group's first row and its last so far: linear in the batch (6000 samples of one prompt)
+        candidates = {group[0], group[-1]} if group else set()
+        shared, a = max(((common_prefix(rows[a], r), a) for a in candidates), default=(0, -1))
         if min(shared, r.numel() - 1) >= MIN_SHARED:
             sources[b] = (a, min(shared, r.numel() - 1))
+        group.append(b)
     if not sources or not isinstance(cache, KVCache):  # a transformers model's cache has no rows to copy
         return prefill(model, rows, cache, return_hidden)
     outs: dict[int, ModelOutput] = {}

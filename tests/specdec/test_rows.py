@@ -70,3 +70,17 @@ def test_generate_on_prompts_with_a_common_prefix_equals_each_alone(target, draf
     for b, r in enumerate(rows):
         alone = specdec.generate(target, [r], draft=draft, max_new_tokens=10)
         assert out.sequences[b][:r.numel() + 10].tolist() == alone.sequences[0].tolist()
+
+
+def test_finding_the_shared_prefixes_is_linear_in_the_batch(monkeypatch):
+    """Thousands of samples of one prompt (the sampling-law tests): each row is compared with at most
+    two earlier rows, not with every earlier one."""
+    import specdec.rows
+
+    calls, common = [], specdec.rows.common_prefix
+    monkeypatch.setattr(specdec.rows, "common_prefix", lambda a, b: calls.append(1) or common(a, b))
+    model = tiny_model("llama", seed=0, vocab_size=V)
+    rows = [torch.arange(MIN_SHARED + 4)] * 300
+    with torch.inference_mode():
+        prefill_sharing(model, rows, model.new_cache(300, 32))
+    assert len(calls) <= 2 * 300
