@@ -474,3 +474,39 @@ def test_n_samples_of_one_prompt_prefill_it_once_and_follow_their_seeds(served):
     assert value("specdec_prefix_cache_hits_total") == hits + 3
     again = c.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=1.0, seed=5, n=4)
     assert [ch.text for ch in again.choices] == [ch.text for ch in got.choices]
+
+
+def test_specdec_serve_answers_and_stops_on_ctrl_c(ckpt):
+    """The command as a user runs it: HTTP in a background thread, the engine stepping on the main
+    thread; a request is answered and SIGINT ends the process cleanly."""
+    import signal
+    import subprocess
+    import sys
+
+    from specdec.evaluation.llamacpp import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", "--model", str(ckpt), "--dtype", "float32",
+                             "--port", str(port), "--max-len", "128", "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+                conn.request("GET", "/health")
+                if conn.getresponse().status == 200:
+                    break
+            except OSError:
+                time.sleep(0.2)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.request("POST", "/v1/completions", body=json.dumps({**GOOD, "model": str(ckpt)}),
+                     headers={"Content-Type": "application/json"})
+        reply = conn.getresponse()
+        assert reply.status == 200 and json.loads(reply.read())["usage"]["completion_tokens"] >= 1
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
