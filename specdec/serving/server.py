@@ -1,7 +1,9 @@
 """`specdec serve`'s HTTP server: OpenAI-compatible endpoints over a continuous-batching Engine.
 
-One background thread (`EngineLoop`) owns the engine and calls `engine.step()` while requests wait
-or run; it sleeps on a condition when there is nothing to do. The async handlers of the FastAPI
+One thread (`EngineLoop`) owns the engine and calls `engine.step()` while requests wait or run; it
+sleeps on a condition when there is nothing to do. `serve` runs it on the main thread and uvicorn in
+a background thread (the engine's OpenMP kernels run slower from a second thread); `create_app`
+alone (tests, `ServerThread`) starts it in a background thread. The async handlers of the FastAPI
 app submit requests (`Engine.submit` is thread-safe) with an `on_tokens` callback that, on the
 engine thread, counts tokens for the metrics and hands each step's new ids to the handler's
 asyncio queue through `loop.call_soon_threadsafe`. A client that disconnects (a closed stream, or
