@@ -31,14 +31,13 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import queue
 import re
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import runtime
@@ -101,69 +100,40 @@ class Client:
         return stream(self.port, "/v1/completions", body)
 
 
-def run_chat(client: Client, tok, conversations: list[tuple[str, ...]], concurrency: int) -> dict:
-    """Workload (a); per turn: (turn index, TTFT, new tokens)."""
-    work: queue.Queue = queue.Queue()
-    for c in conversations:
-        work.put(c)
-    turns: list[tuple[int, float, int]] = []
-    lock = threading.Lock()
-
-    def worker() -> None:
-        while True:
-            try:
-                conv = work.get_nowait()
-            except queue.Empty:
-                return
-            answers: list[str] = []
-            for t in range(len(conv)):
-                ttft, _, text, n = client.ask(encode(tok, list(conv[:t + 1]), answers, raw=False))
-                answers.append(text)
-                with lock:
-                    turns.append((t, ttft, n))
-
+def timed(job, items: list, concurrency: int) -> tuple[list, float]:
+    """job(item) for every item, `concurrency` at a time (as many clients); (results, wall seconds)."""
     start = time.perf_counter()
-    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    wall = time.perf_counter() - start
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        results = list(pool.map(job, items))
+    return results, time.perf_counter() - start
+
+
+def run_chat(client: Client, tok, conversations: list[tuple[str, ...]], concurrency: int) -> dict:
+    """Workload (a): each client sends a conversation's turns one after the other."""
+    def converse(conv: tuple[str, ...]) -> list[tuple[int, float | None, int]]:  # (turn, TTFT, new tokens)
+        answers, turns = [], []
+        for t in range(len(conv)):
+            ttft, _, text, n = client.ask(encode(tok, list(conv[:t + 1]), answers, raw=False))
+            answers.append(text)
+            turns.append((t, ttft, n))
+        return turns
+
+    results, wall = timed(converse, conversations, concurrency)
+    turns = [turn for conv in results for turn in conv]
     late = [x for t, x, _ in turns if t >= 2 and x is not None]
     every = [x for _, x, _ in turns if x is not None]
+    tokens = sum(n for _, _, n in turns)
     return {"turns": len(turns), "ttft_p50_turn3plus_s": statistics.median(late), "ttft_mean_s": statistics.mean(every),
-            "ttft_p50_s": statistics.median(every), "tokens": sum(n for _, _, n in turns), "wall_s": wall,
-            "tokens_per_s": sum(n for _, _, n in turns) / wall}
+            "ttft_p50_s": statistics.median(every), "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall}
 
 
 def run_system(client: Client, prompts: list[list[int]], concurrency: int) -> dict:
     """Workload (b): the requests, `concurrency` in flight at a time."""
-    work: queue.Queue = queue.Queue()
-    for p in prompts:
-        work.put(p)
-    out: list[tuple[float, int]] = []
-    lock = threading.Lock()
-
-    def worker() -> None:
-        while True:
-            try:
-                ids = work.get_nowait()
-            except queue.Empty:
-                return
-            ttft, _, _, n = client.ask(ids)
-            with lock:
-                out.append((ttft, n))
-
-    start = time.perf_counter()
-    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    wall = time.perf_counter() - start
-    ttfts = [x for x, _ in out if x is not None]
+    out, wall = timed(lambda ids: client.ask(ids), prompts, concurrency)
+    ttfts = [x[0] for x in out if x[0] is not None]
+    tokens = sum(x[3] for x in out)
     return {"requests": len(out), "ttft_mean_s": statistics.mean(ttfts), "ttft_p50_s": statistics.median(ttfts),
-            "tokens": sum(n for _, n in out), "wall_s": wall, "tokens_per_s": sum(n for _, n in out) / wall}
+            "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall}
 
 
 def workloads(tok, args) -> tuple[list[tuple[str, ...]], list[list[int]]]:
