@@ -29,7 +29,7 @@ from runtime.kernels import cpu_blockq
 # name -> (bits, group, super-block, mins share the scales' codes); what each GGUF type / quant module
 # becomes (runtime.gguf_blocks, BlockQuantLinear.from_int4 / from_int8)
 FORMATS = {
-    "q4_k": (4, 32, 256, False), "q6_k": (8, 16, 256, True), "q8_0": (8, 32, 32, True), "q5_0": (5, 32, 32, True),
+    "q4_k": (4, 32, 256, False), "q6_k": (6, 16, 256, True), "q8_0": (8, 32, 32, True), "q5_0": (5, 32, 32, True),
     "q4_1": (4, 32, 32, True), "int4_g128": (4, 32, 128, True), "int8": (8, 32, 32, True),
 }
 SHAPES = {"w13": (17920, 1536), "w2": (1536, 8960)}  # qwen2.5-coder-1.5b: gate/up fused, down

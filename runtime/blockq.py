@@ -5,7 +5,7 @@ exactly (`runtime.gguf_blocks` converts each):
 
     W[n, k] = d[n, k // S] * sc[n, k // G] * q[n, k] - dm[n, k // S] * mc[n, k // G]
 
-q: unsigned integer codes (`bits` = 4 or 8); sc, mc: int8 per group of G (16 or 32) inputs;
+q: unsigned integer codes (`bits` = 4, 5, 6 or 8); sc, mc: int8 per group of G (16 or 32) inputs;
 d, dm: float32 per super-block of S inputs. In float32 the products d * sc and dm * mc and
 d * sc * q are exact for every GGUF type above, so `dequantize()` equals `gguf.quants.dequantize`
 bit for bit. INT8 / INT4 modules of `quant` convert to it too (`from_int8`, `from_int4`).
@@ -31,21 +31,25 @@ from runtime.kernels import cpu_blockq
 from runtime.qlinear import FORMATS, Int4Linear, Int8Linear, QuantizedLinear
 
 LANES = cpu_blockq.LANES
-BITS = (4, 5, 8)
+BITS = (4, 5, 6, 8)
 GROUPS = (16, 32)
 MAX_GROUPS_PER_SUPER = 16  # the kernels keep one super-block's group results at a time (Q6_K: 16)
 
 
 def block_width(bits: int) -> int:
-    """Output channels per storage block: 32 for 4- and 5-bit codes (two channels share a byte of low
+    """Output channels per storage block: 32 for 4- to 6-bit codes (two channels share a byte of low
     nibbles), 16 for 8-bit ones."""
     return LANES if bits == 8 else 2 * LANES
 
 
+def planes(bits: int) -> int:
+    """Bit planes stored beside the low nibbles: bit 4 for 5-bit codes, bits 4 and 5 for 6-bit ones."""
+    return bits - 4 if bits in (5, 6) else 0
+
+
 def group_bytes(bits: int, group: int) -> int:
-    """Bytes of one group of one block: 16 G of low-nibble (or 8-bit) rows, plus 4 G of bit 4 planes
-    for 5 bits."""
-    return 20 * group if bits == 5 else 16 * group
+    """Bytes of one group of one block: 16 G of low-nibble (or 8-bit) rows, plus 4 G per bit plane."""
+    return 16 * group + 4 * group * planes(bits)
 
 
 def _bits_to_bytes(bits: torch.Tensor) -> torch.Tensor:
@@ -65,8 +69,8 @@ def pack_codes(q: torch.Tensor, bits: int, group: int) -> torch.Tensor:
 
     Per block and group of G inputs: G/4 rows of 64 bytes, row r holding channel c's inputs
     4r..4r+3 at bytes 4c..4c+3. Below 8 bits, channel c's low 4 bits in the low nibble and channel
-    16 + c's in the high nibble; 5 bits add bit 4 as two planes per row (set 0's, then set 1's, 8
-    bytes each, bit i for byte i of the row) after the G/4 rows."""
+    16 + c's in the high nibble; 5 and 6 bits add, after the G/4 rows, per row bit 4 (then bit 5) as
+    two planes (set 0's, then set 1's, 8 bytes each, bit i for byte i of the row)."""
     N, K = q.shape
     W, R = block_width(bits), group // 4
     rows = q.view(N // W, W // LANES, LANES, K // group, R, 4).permute(0, 3, 4, 1, 2, 5)
@@ -75,8 +79,10 @@ def pack_codes(q: torch.Tensor, bits: int, group: int) -> torch.Tensor:
         return rows.reshape(N // W, K // group, 16 * group).contiguous()
     low = (rows[..., 0, :] & 0x0F) | ((rows[..., 1, :] & 0x0F) << 4)  # (N/W, K/G, G/4, 64)
     parts = [low.reshape(N // W, K // group, 16 * group)]
-    if bits == 5:
-        parts.append(_bits_to_bytes((rows >> 4) & 1).reshape(N // W, K // group, 4 * group))  # (.., sets, 8)
+    P = planes(bits)
+    if P:
+        bit = torch.stack([_bits_to_bytes((rows >> (4 + p)) & 1) for p in range(P)], dim=3)  # (.., G/4, P, sets, 8)
+        parts.append(bit.reshape(N // W, K // group, 4 * group * P))
     return torch.cat(parts, dim=-1).contiguous()
 
 
@@ -89,8 +95,11 @@ def unpack_codes(packed: torch.Tensor, bits: int, group: int) -> torch.Tensor:
         rows = low
     else:
         rows = torch.cat([low & 0x0F, low >> 4], dim=3)  # (N/W, K/G, G/4, 2, 64)
-        if bits == 5:
-            rows = rows | (_bytes_to_bits(packed[..., 16 * group:].reshape(nb, ng, R, 2, 8)) << 4)
+        P = planes(bits)
+        if P:
+            bit = _bytes_to_bits(packed[..., 16 * group:].reshape(nb, ng, R, P, 2, 8))  # (.., G/4, P, 2, 64)
+            for p in range(P):
+                rows = rows | (bit[:, :, :, p] << (4 + p))
     rows = rows.reshape(nb, ng, R, W // LANES, LANES, 4)
     return rows.permute(0, 3, 4, 1, 2, 5).reshape(nb * W, ng * group)
 
@@ -160,7 +169,7 @@ class BlockQuantLinear(QuantizedLinear):
                        bits: int, group_size: int, super_block: int,
                        bias: torch.Tensor | None = None) -> "BlockQuantLinear":
         """From per-channel tensors: q (N, K) codes < 2**bits, sc / mc (N, K/G) int8, d / dm (N, K/S).
-        4- and 5-bit codes need N divisible by 32 (two channels share a byte); otherwise they are
+        4- to 6-bit codes need N divisible by 32 (two channels share a byte); otherwise they are
         stored in 8 bits (exact, more bytes). Mins equal to the scales' codes are kept once, and a dm
         that is one power of two times d (a symmetric grid) is not kept at all (`zero`)."""
         N, K = q.shape
@@ -251,10 +260,12 @@ class BlockQuantLinear(QuantizedLinear):
         if self.bits != 8:
             high = (lane >= LANES).view(T, 1, 1, 1)
             rows = torch.where(high, rows >> 4, rows & 0x0F)
-        if self.bits == 5:
-            planes = _bytes_to_bits(codes[..., 16 * G:].reshape(T, ng, R, 2, 8))  # (T, K/G, G/4, 2, 64)
-            planes = planes[at, :, :, (lane >= LANES).long()]  # (T, K/G, G/4, 64): the row's set
-            rows = rows | (planes.view(T, ng, R, LANES, 4)[at, :, :, lane % LANES] << 4)  # (T, K/G, G/4, 4)
+        P = planes(self.bits)
+        if P:
+            bit = _bytes_to_bits(codes[..., 16 * G:].reshape(T, ng, R, P, 2, 8))  # (T, K/G, G/4, P, 2, 64)
+            bit = bit[at, :, :, :, (lane >= LANES).long()]  # (T, K/G, G/4, P, 64): the row's set
+            for p in range(P):
+                rows = rows | (bit[:, :, :, p].reshape(T, ng, R, LANES, 4)[at, :, :, lane % LANES] << (4 + p))
         reps = self.super_block // G
         d = self.d[blocks, :, lane]  # (T, K/S)
         dm = self.dm[blocks, :, lane] if self.dm is not None else d * self.zero

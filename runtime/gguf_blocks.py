@@ -9,7 +9,7 @@ and returns the codes and scales of `runtime.blockq`:
 |---|---|---|---|---|---|---|
 | Q4_K | d sc q - dmin m (6-bit sc, m) | 4 | 32 | 256 | sc, m | d, dmin |
 | Q5_K | as Q4_K, 5-bit q | 5 | 32 | 256 | sc, m | d, dmin |
-| Q6_K | d sc (q - 32), int8 sc, 6-bit q | 8 | 16 | 256 | sc, sc | d, 32 d |
+| Q6_K | d sc (q - 32), int8 sc, 6-bit q | 6 | 16 | 256 | sc, sc | d, 32 d |
 | Q4_0 | d (q - 8) | 4 | 32 | 32 | 1, 1 | d, 8 d |
 | Q4_1 | d q + m | 4 | 32 | 32 | 1, 1 | d, -m |
 | Q5_0 | d (q - 16), 5-bit q | 5 | 32 | 32 | 1, 1 | d, 16 d |
@@ -18,8 +18,7 @@ and returns the codes and scales of `runtime.blockq`:
 
 The fp16 scales widen to float32 exactly, and every product d * sc * q is exact in float32 (at
 most 24 significant bits), so `BlockQuantLinear.dequantize()` equals `gguf.quants.dequantize`
-bit for bit (tested). 6-bit codes are stored in 8 bits: a 6-bit layout (bit planes like 5-bit
-codes) costs more to unpack than its fewer bytes save on small CPUs (`benchmarks/qlinear_rows.py`).
+bit for bit (tested).
 """
 
 from __future__ import annotations
@@ -92,7 +91,7 @@ def _q6_k(blocks: np.ndarray):
     q = (ql | (qh << 4)).reshape(n, QK_K)  # codes 0..63, w = d sc (q - 32)
     sc = blocks[:, 192:208].copy().view(np.int8)  # (n, 16)
     d = _f16(blocks[:, 208:210])
-    return q, sc, sc, d, 32 * d, 8, 16, QK_K
+    return q, sc, sc, d, 32 * d, 6, 16, QK_K
 
 
 def _legacy(blocks: np.ndarray, kind: str):

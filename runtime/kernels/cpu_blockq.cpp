@@ -1,7 +1,7 @@
 // Block-quantized linear layers on the CPU: y = x @ W^T with W stored as GGUF-style integer codes.
 //
 // W[n, k] = d[n, k/S] * sc[n, k/G] * q[n, k] - dm[n, k/S] * mc[n, k/G]
-//   q: unsigned codes of `bits` (4, 5 or 8) bits; sc, mc: int8 per group of G (16 or 32) inputs;
+//   q: unsigned codes of `bits` (4, 5, 6 or 8) bits; sc, mc: int8 per group of G (16 or 32) inputs;
 //   d, dm: float32 per super-block of S inputs (S a multiple of G); dm may be given as zero * d
 //   (zero a power of two: symmetric formats, whose dm is then not stored). This holds GGUF's Q4_K,
 //   Q5_K, Q6_K, Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 exactly (runtime/blockq.py builds the tensors).
@@ -13,13 +13,13 @@
 // with xs = dx * (sum of the group's activation codes). So a row's result depends only on that row:
 // the same bits at any row count and on every path below (AMX, AVX-512 VNNI, plain C++).
 //
-// Storage (made by runtime/blockq.py), W output channels ("a block") at a time, W = 32 for 4- and
-// 5-bit codes and 16 for 8-bit ones; a block is one or two "sets" of 16 channels:
+// Storage (made by runtime/blockq.py), W output channels ("a block") at a time, W = 32 for 4- to
+// 6-bit codes and 16 for 8-bit ones; a block is one or two "sets" of 16 channels:
 //   codes (N/W, K/G, group bytes) uint8: per group, G/4 rows of 64 bytes, row r holding channel c's
-//     inputs 4r..4r+3 at bytes 4c..4c+3 (the VNNI / AMX B-tile layout). 4 and 5 bits: the low 4 bits
+//     inputs 4r..4r+3 at bytes 4c..4c+3 (the VNNI / AMX B-tile layout). 4 to 6 bits: the low 4 bits
 //     of channel c in the low nibble and of channel 16 + c in the high nibble of the same byte (16G
-//     bytes); 5 bits then add, per row, bit 4 as two bit planes of 64 bits (one bit per byte of the
-//     row), set 0's then set 1's (4G bytes). With 4 bits the high set is multiplied as
+//     bytes); 5 and 6 bits then add, per row, bit 4 (and then bit 5) as two bit planes of 64 bits
+//     each (one bit per byte of the row), set 0's then set 1's (4G bytes per bit). With 4 bits the high set is multiplied as
 //     (byte & 0xF0) = 16 * code, its dot product C is 16x, and its sc is taken as float(sc) / 16
 //     (both exact), which saves a shift per 64 bytes.
 //   sc, mc (N/W, K/G, W) int8 (mc may be sc); d, dm (N/W, K/S, W) float32.
@@ -54,8 +54,10 @@ constexpr int kPrefetchBytes = 4096;
 enum Isa : int64_t { kAuto = 0, kGeneric = 1, kVnni = 2, kAmx = 3, kAvx2 = 4 };
 
 constexpr int block_width(int bits) { return bits == 8 ? 16 : 32; }
+// bit planes beside the low nibbles (bit 4 for 5-bit codes, bits 4 and 5 for 6-bit ones)
+constexpr int planes(int bits) { return bits == 5 || bits == 6 ? bits - 4 : 0; }
 // bytes of one group of one block: the low-nibble rows (or 8-bit rows), then the bit planes
-constexpr int group_bytes(int bits, int G) { return bits == 5 ? 20 * G : 16 * G; }
+constexpr int group_bytes(int bits, int G) { return 16 * G + 4 * G * planes(bits); }
 
 struct Weights {
   const uint8_t* codes;
@@ -160,9 +162,12 @@ inline int code_at(const uint8_t* grp, int bits, int G, int s, int c, int j) {
   const uint8_t byte = grp[r * 64 + pos];
   if (bits == 8) return byte;
   if (bits == 4) return s == 0 ? (byte & 0x0F) : (byte & 0xF0);
-  const int code = s == 0 ? (byte & 0x0F) : (byte >> 4);
-  const uint8_t* plane = grp + 16 * G + r * 16 + s * 8;  // bit 4 of the row's 64 codes of set s
-  return code | (((plane[pos / 8] >> (pos % 8)) & 1) << 4);
+  int code = s == 0 ? (byte & 0x0F) : (byte >> 4);
+  for (int p = 0; p < planes(bits); ++p) {
+    const uint8_t* plane = grp + 16 * G + (r * planes(bits) + p) * 16 + s * 8;  // bit 4 + p of set s's 64 codes
+    code |= ((plane[pos / 8] >> (pos % 8)) & 1) << (4 + p);
+  }
+  return code;
 }
 
 template <typename T>
@@ -254,16 +259,20 @@ struct BlockView {
   SPECDEC_AVX512 __m512 minimum(int64_t g, int s) const { return int8_to_float(mc + g * W + s * kLanes); }
 };
 
-// Row r of a 5-bit group: the codes of set 0 and set 1 (low nibbles plus bit 4 from the planes).
-template <int G>
-SPECDEC_AVX512 inline void unpack_row5(const uint8_t* grp, int r, __m512i& set0, __m512i& set1) {
-  const __m512i low = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
+// Row r of a 5- or 6-bit group: the codes of set 0 and set 1 (low nibbles plus bits 4, 5 from the planes).
+template <int BITS, int G>
+SPECDEC_AVX512 inline void unpack_planes(const uint8_t* grp, int r, __m512i& set0, __m512i& set1) {
+  constexpr int P = planes(BITS);
+  const __m512i low = _mm512_set1_epi8(0x0F);
   const __m512i row = _mm512_loadu_si512(grp + r * 64);
-  const uint8_t* planes = grp + 16 * G + r * 16;
+  const uint8_t* bits = grp + 16 * G + r * P * 16;
   set0 = _mm512_and_si512(row, low);
   set1 = _mm512_and_si512(_mm512_srli_epi16(row, 4), low);
-  set0 = _mm512_mask_add_epi8(set0, _load_mask64((__mmask64*)planes), set0, bit4);
-  set1 = _mm512_mask_add_epi8(set1, _load_mask64((__mmask64*)(planes + 8)), set1, bit4);
+  for (int p = 0; p < P; ++p) {
+    const __m512i bit = _mm512_set1_epi8((char)(0x10 << p));
+    set0 = _mm512_mask_add_epi8(set0, _load_mask64((__mmask64*)(bits + p * 16)), set0, bit);
+    set1 = _mm512_mask_add_epi8(set1, _load_mask64((__mmask64*)(bits + p * 16 + 8)), set1, bit);
+  }
 }
 
 // prefetcht0 of the line at p, as an asm statement: GCC 12 drops _mm_prefetch (and __builtin_prefetch)
@@ -309,9 +318,11 @@ SPECDEC_AVX512 inline void close_super(Acc& acc, __m512 d, __m512 dm) {
 // Rows m0 .. m0 + MT - 1 of one block, super-blocks [sb0, sb1): VPDPBUSD with the activations
 // broadcast four bytes at a time. Each row's y accumulators come in and go out through fy
 // (16 floats at fy + (i * S + s) * 16: row m0 + i, set s); a super-block's partial sums live in registers.
-template <int BITS, int G, int MT>
+// With `unpacked` (5 and 6 bits, `unpack_span`) the codes of sets 0 and 1 are read from there instead
+// of being unpacked again by every chunk of rows.
+template <int BITS, int G, int MT, bool UNPACKED = false>
 SPECDEC_AVX512 void vnni_rows(const BlockView<BITS, G>& v, const Acts& a, int64_t m0, int64_t sb0, int64_t sb1,
-                              float* fy, int part, int parts) {
+                              float* fy, int part, int parts, const uint8_t* unpacked = nullptr) {
   using V = BlockView<BITS, G>;
   constexpr int R = V::R, S = V::kSets;
   const int64_t K = a.K;
@@ -337,15 +348,19 @@ SPECDEC_AVX512 void vnni_rows(const BlockView<BITS, G>& v, const Acts& a, int64_
       __m512i full[MT], high[MT];
       for (int i = 0; i < MT; ++i) full[i] = high[i] = _mm512_setzero_si512();
       for (int r = 0; r < R; ++r) {
-        // 4 bits: a = the raw bytes, b = 16 x the high set's codes; 5 bits: a = set 0, b = set 1
+        // 4 bits: a = the raw bytes, b = 16 x the high set's codes; 5, 6 bits: a = set 0, b = set 1
         __m512i a, b;
         if constexpr (BITS == 8) {
           a = b = _mm512_loadu_si512(grp + r * 64);
         } else if constexpr (BITS == 4) {
           a = _mm512_loadu_si512(grp + r * 64);
           b = _mm512_andnot_si512(low, a);
+        } else if constexpr (UNPACKED) {
+          const uint8_t* u = unpacked + ((g - sb0 * v.gps) * R + r) * 128;
+          a = _mm512_load_si512(u);
+          b = _mm512_load_si512(u + 64);
         } else {
-          unpack_row5<G>(grp, r, a, b);
+          unpack_planes<BITS, G>(grp, r, a, b);
         }
         for (int i = 0; i < MT; ++i) {
           int32_t x4;
@@ -375,19 +390,37 @@ SPECDEC_AVX512 void vnni_rows(const BlockView<BITS, G>& v, const Acts& a, int64_
     for (int s = 0; s < S; ++s) _mm512_storeu_ps(fy + (i * S + s) * kLanes, acc[i][s].y);
 }
 
-// Rows [m0, m1) of a block, super-blocks [sb0, sb1), four rows at a time.
+// The codes of super-blocks [sb0, sb1) of a 5- or 6-bit block, unpacked to one byte each: per group and
+// row, set 0's 64 bytes then set 1's (`vnni_rows` with UNPACKED), prefetching ahead as the chunks do.
 template <int BITS, int G>
-SPECDEC_AVX512 void vnni_span(const BlockView<BITS, G>& v, const Acts& a, int64_t m0, int64_t m1, int64_t sb0,
-                              int64_t sb1, float* fy) {
+SPECDEC_AVX512 void unpack_span(const BlockView<BITS, G>& v, int64_t sb0, int64_t sb1, uint8_t* out) {
+  constexpr int R = BlockView<BITS, G>::R;
+  for (int64_t g = sb0 * v.gps; g < sb1 * v.gps; ++g) {
+    const uint8_t* grp = v.codes + g * BlockView<BITS, G>::kGroupBytes;
+    prefetch_group(v, g);
+    for (int r = 0; r < R; ++r, out += 128) {
+      __m512i a, b;
+      unpack_planes<BITS, G>(grp, r, a, b);
+      _mm512_store_si512(out, a);
+      _mm512_store_si512(out + 64, b);
+    }
+  }
+}
+
+// Rows [m0, m1) of a block, super-blocks [sb0, sb1), four rows at a time (codes from `unpacked` if given).
+template <int BITS, int G, bool UNPACKED>
+SPECDEC_AVX512 void vnni_chunks(const BlockView<BITS, G>& v, const Acts& a, int64_t m0, int64_t m1, int64_t sb0,
+                                int64_t sb1, float* fy, const uint8_t* unpacked) {
   constexpr int S = BlockView<BITS, G>::kSets;
   const int parts = (int)((m1 - m0 + 3) / 4);
   int part = 0;
   int64_t m = m0;
-  for (; m + 4 <= m1; m += 4, ++part) vnni_rows<BITS, G, 4>(v, a, m, sb0, sb1, fy + m * S * kLanes, part, parts);
+  for (; m + 4 <= m1; m += 4, ++part)
+    vnni_rows<BITS, G, 4, UNPACKED>(v, a, m, sb0, sb1, fy + m * S * kLanes, part, parts, unpacked);
   switch (m1 - m) {
-    case 3: vnni_rows<BITS, G, 3>(v, a, m, sb0, sb1, fy + m * S * kLanes, part, parts); break;
-    case 2: vnni_rows<BITS, G, 2>(v, a, m, sb0, sb1, fy + m * S * kLanes, part, parts); break;
-    case 1: vnni_rows<BITS, G, 1>(v, a, m, sb0, sb1, fy + m * S * kLanes, part, parts); break;
+    case 3: vnni_rows<BITS, G, 3, UNPACKED>(v, a, m, sb0, sb1, fy + m * S * kLanes, part, parts, unpacked); break;
+    case 2: vnni_rows<BITS, G, 2, UNPACKED>(v, a, m, sb0, sb1, fy + m * S * kLanes, part, parts, unpacked); break;
+    case 1: vnni_rows<BITS, G, 1, UNPACKED>(v, a, m, sb0, sb1, fy + m * S * kLanes, part, parts, unpacked); break;
     default: break;
   }
 }
@@ -395,6 +428,27 @@ SPECDEC_AVX512 void vnni_span(const BlockView<BITS, G>& v, const Acts& a, int64_
 // Inputs per span of a call of more than 4 rows: every 4-row chunk of the rows takes one span of a
 // block's codes in turn, so the codes come from memory once per call and from L1 for the other chunks.
 constexpr int64_t kSpanInputs = 256;
+// Largest span, in inputs: kSpanInputs or one super-block (at most 16 groups of 32), the size of the
+// buffer that 5- and 6-bit codes are unpacked into (32 bytes per input).
+constexpr int64_t kMaxSpanInputs = 512;
+
+// Rows [m0, m1) of a block, super-blocks [sb0, sb1). More than 8 rows of 5- or 6-bit codes unpack the
+// span once for all chunks of rows (the bit planes cost about as much arithmetic as a row's dot products);
+// two chunks run faster unpacking each for itself (measured: benchmarks/qlinear_rows.py).
+template <int BITS, int G>
+SPECDEC_AVX512 void vnni_span(const BlockView<BITS, G>& v, const Acts& a, int64_t m0, int64_t m1, int64_t sb0,
+                              int64_t sb1, float* fy) {
+  if constexpr (planes(BITS) > 0) {
+    if (m1 - m0 > 8) {
+      alignas(64) uint8_t unpacked[kMaxSpanInputs * 2 * kLanes];
+      unpack_span<BITS, G>(v, sb0, sb1, unpacked);
+      vnni_chunks<BITS, G, true>(v, a, m0, m1, sb0, sb1, fy, unpacked);
+      return;
+    }
+  }
+  vnni_chunks<BITS, G, false>(v, a, m0, m1, sb0, sb1, fy, nullptr);
+}
+
 
 // Every row of blocks [b0, b1). Up to 4 rows run in registers over the whole block; more rows run
 // span by span (each span of codes read from memory once, by the first chunk of rows, while the
@@ -438,13 +492,13 @@ SPECDEC_AVX2_FN inline __m256i dot4_avx2(__m256i acc, __m256i w, __m256i x) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
 }
 
-// 0x10 in byte j where bit j of m is set (bit 4 of the 5-bit codes of one half row)
-SPECDEC_AVX2_FN inline __m256i plane_bits(uint32_t m) {
+// `value` in byte j where bit j of m is set (bit 4 or 5 of the codes of one half row)
+SPECDEC_AVX2_FN inline __m256i plane_bits(uint32_t m, char value) {
   const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
                                           2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
   const __m256i bit = _mm256_set1_epi64x((int64_t)0x8040201008040201ull);
   const __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int32_t)m), spread), bit);
-  return _mm256_and_si256(_mm256_cmpeq_epi8(v, bit), _mm256_set1_epi8(0x10));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(v, bit), _mm256_set1_epi8(value));
 }
 
 // Rows m0 .. m0 + MT - 1 of block b, channels h*8 .. h*8 + 7 of each set (half h of every code row).
@@ -453,8 +507,8 @@ SPECDEC_AVX2_FN void avx2_half(const Weights& w, const Acts& a, int64_t m0, cons
                                int h) {
   constexpr int W = block_width(BITS), S = W / kLanes, R = G / 4, kGroupBytes = group_bytes(BITS, G);
   // code rows whose VPMADDUBSW results add up in int16 without overflow: 2 * kSpan products of a code
-  // (< 16 or < 32) and an activation (|x| <= 127) per 16-bit lane stay under 32768
-  constexpr int kSpan = BITS == 4 ? R : 4;
+  // (< 16, < 32 or < 64) and an activation (|x| <= 127) per 16-bit lane stay under 32768
+  constexpr int kSpan = BITS == 4 ? R : BITS == 5 ? 4 : 2;
   static_assert(R % kSpan == 0, "a group holds whole spans");
   const int64_t groups = w.K / G, supers = w.K / w.S, gps = w.S / G, K = a.K;
   const uint8_t* codes = w.codes + b * groups * kGroupBytes;
@@ -477,20 +531,20 @@ SPECDEC_AVX2_FN void avx2_half(const Weights& w, const Acts& a, int64_t m0, cons
         for (int s = 0; s < S; ++s) dot[i][s] = part[i][s] = _mm256_setzero_si256();
       for (int r = 0; r < R; ++r) {
         const __m256i row = _mm256_loadu_si256((const __m256i*)(grp + r * 64 + h * 32));
-        __m256i c0, c1;  // 4 / 5 bits: the codes of set 0 and set 1; 8 bits: bits 0-6 and bit 7
+        __m256i c0, c1;  // 4 to 6 bits: the codes of set 0 and set 1; 8 bits: bits 0-6 and bit 7
         if constexpr (BITS == 8) {
           c0 = _mm256_andnot_si256(bit7, row);
           c1 = _mm256_and_si256(bit7, row);
         } else {
           c0 = _mm256_and_si256(row, low);
           c1 = _mm256_and_si256(_mm256_srli_epi16(row, 4), low);
-          if constexpr (BITS == 5) {
+          for (int p = 0; p < planes(BITS); ++p) {
             uint32_t p0, p1;
-            const uint8_t* planes = grp + 16 * G + r * 16 + h * 4;
-            std::memcpy(&p0, planes, 4);
-            std::memcpy(&p1, planes + 8, 4);
-            c0 = _mm256_or_si256(c0, plane_bits(p0));
-            c1 = _mm256_or_si256(c1, plane_bits(p1));
+            const uint8_t* bits = grp + 16 * G + (r * planes(BITS) + p) * 16 + h * 4;
+            std::memcpy(&p0, bits, 4);
+            std::memcpy(&p1, bits + 8, 4);
+            c0 = _mm256_or_si256(c0, plane_bits(p0, (char)(0x10 << p)));
+            c1 = _mm256_or_si256(c1, plane_bits(p1, (char)(0x10 << p)));
           }
         }
         for (int i = 0; i < MT; ++i) {
@@ -636,7 +690,7 @@ SPECDEC_AMX void gemm_amx(const Weights& w, const Acts& a, const int8_t* xt, con
                 a = _mm512_and_si512(row, low);
                 b = _mm512_andnot_si512(low, row);  // 16 x the high set's codes, as the VNNI path
               } else {
-                unpack_row5<G>(grp, r, a, b);
+                unpack_planes<BITS, G>(grp, r, a, b);
               }
               _mm512_store_si512(bbuf[0] + r * 64, a);
               _mm512_store_si512(bbuf[S - 1] + r * 64, b);
@@ -698,6 +752,8 @@ Kernels<T> kernels_for(int bits, int G) {
     case 416: return {gemm_vnni<4, 16, T>, gemm_amx<4, 16, T>, gemm_avx2<4, 16, T>};
     case 532: return {gemm_vnni<5, 32, T>, gemm_amx<5, 32, T>, gemm_avx2<5, 32, T>};
     case 516: return {gemm_vnni<5, 16, T>, gemm_amx<5, 16, T>, gemm_avx2<5, 16, T>};
+    case 632: return {gemm_vnni<6, 32, T>, gemm_amx<6, 32, T>, gemm_avx2<6, 32, T>};
+    case 616: return {gemm_vnni<6, 16, T>, gemm_amx<6, 16, T>, gemm_avx2<6, 16, T>};
     case 832: return {gemm_vnni<8, 32, T>, gemm_amx<8, 32, T>, gemm_avx2<8, 32, T>};
     default: return {gemm_vnni<8, 16, T>, gemm_amx<8, 16, T>, gemm_avx2<8, 16, T>};
   }
@@ -723,7 +779,7 @@ at::Tensor blockq_mm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
                      int64_t bits, int64_t group, int64_t super, double zero, int64_t isa, int64_t amx_min_rows) {
   check(x.device().is_cpu(), "x must be on the CPU");
   check(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
-  check(bits == 4 || bits == 5 || bits == 8, "bits must be 4, 5 or 8");
+  check(bits == 4 || bits == 5 || bits == 6 || bits == 8, "bits must be 4, 5, 6 or 8");
   check(group == 16 || group == 32, "group must be 16 or 32");
   check(super > 0 && super % group == 0 && super / group <= kMaxGroupsPerSuper,
         "super must be a positive multiple of group, at most 16 groups");

@@ -14,10 +14,10 @@ needs_kernels = pytest.mark.skipif(not cpu_blockq.available(), reason="block-qua
 
 # (bits, group, super-block, mins share the scales' codes, out_features): the grids of GGUF's types
 GRIDS = {
-    "q4_k": (4, 32, 256, False, 64), "q6_k": (8, 16, 256, True, 48), "q8_0": (8, 32, 32, True, 48),
+    "q4_k": (4, 32, 256, False, 64), "q6_k": (6, 16, 256, True, 64), "q8_0": (8, 32, 32, True, 48),
     "q5_0": (5, 32, 32, True, 64), "q5_k": (5, 32, 256, False, 96), "q4_1": (4, 32, 32, True, 64),
     "g16_4bit": (4, 16, 64, False, 96), "4bit_odd_rows": (4, 32, 32, False, 48), "5bit_g16": (5, 16, 64, False, 32),
-    "8bit_g16": (8, 16, 256, True, 48),
+    "8bit_g16": (8, 16, 256, True, 48), "6bit_g32": (6, 32, 32, False, 32), "6bit_odd_rows": (6, 16, 256, True, 48),
 }
 
 
@@ -68,6 +68,21 @@ def test_pack_layout_of_5bit_planes():
     assert planes[0, 1, 0] == 1 << 6  # row 0, set 1: byte 6
     assert int(planes.count_nonzero()) == 2
     assert torch.equal(unpack_codes(packed, 5, 16), q)
+
+
+def test_pack_layout_of_6bit_planes():
+    """6 bits: per row, bit 4's two planes (set 0, set 1), then bit 5's, after the low-nibble rows."""
+    q = torch.zeros(32, 16, dtype=torch.uint8)
+    q[3, 5] = 0b100111  # channel 3 (set 0), input 5: row 1, byte 13: bit 5 only
+    q[16 + 1, 2] = 0b110000  # channel 17 (set 1, slot 1), input 2: row 0, byte 6: bits 4 and 5
+    packed = pack_codes(q, 6, 16)
+    assert packed.shape == (1, 1, 24 * 16)
+    low, planes = packed[0, 0, :256], packed[0, 0, 256:].view(4, 2, 2, 8)  # (rows, bit, sets, 8)
+    assert low[64 + 13] == 0b0111 and low[6] == 0
+    assert planes[1, 1, 0, 1] == 1 << 5 and planes[1, 0, 0, 1] == 0  # row 1, bit 5, set 0: byte 13
+    assert planes[0, 0, 1, 0] == 1 << 6 and planes[0, 1, 1, 0] == 1 << 6  # row 0, bits 4 and 5, set 1: byte 6
+    assert int(planes.count_nonzero()) == 3
+    assert torch.equal(unpack_codes(packed, 6, 16), q)
 
 
 def test_pack_layout_of_4bit_blocks():
@@ -197,7 +212,7 @@ def test_fallback_without_kernels_multiplies_the_dequantized_weight(monkeypatch)
     assert torch.allclose(module(x).double(), ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("grid", ["q4_k", "q6_k", "q5_0", "4bit_odd_rows", "8bit_g16"])
+@pytest.mark.parametrize("grid", ["q4_k", "q6_k", "q5_0", "4bit_odd_rows", "8bit_g16", "6bit_g32"])
 def test_rows_and_embedding_lookup(grid):
     module, _ = _module(grid)
     tokens = torch.tensor([[0, 17, module.out_features - 1], [16, 31, 5]])
@@ -247,7 +262,7 @@ def test_int8_and_int4_modules_convert_exactly():
 def test_bad_shapes_are_refused():
     module, _ = _module("q4_k")
     with pytest.raises(ValueError, match="bits"):
-        BlockQuantLinear(module.codes, module.sc, module.mc, module.d, module.dm, 6, 32, 256)
+        BlockQuantLinear(module.codes, module.sc, module.mc, module.d, module.dm, 7, 32, 256)
     with pytest.raises(ValueError, match="sc must be"):
         BlockQuantLinear(module.codes, module.sc[:, :3], module.mc, module.d, module.dm, 4, 32, 256)
     with pytest.raises(ValueError, match="divisible by 16"):
