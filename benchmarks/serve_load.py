@@ -60,7 +60,7 @@ from specdec.evaluation.evaluate import eos_ids, versions
 from specdec.evaluation.llamacpp import free_port
 from specdec.evaluation.prompts import encode, humaneval_prompts, sharegpt_prompts
 from specdec.serving.engine import Engine, SamplingParams
-from specdec.serving.server import ServerThread, create_app
+from specdec.serving.server import create_app, serve_while
 
 MODEL_NAME = "load-test"
 
@@ -175,9 +175,10 @@ def run_clients(port: int, prompts: list[list[int]], offsets: list[float], limit
 
 def run_server_mode(engine: Engine, tok, prompts: list[list[int]], offsets: list[float], limits: list[int],
                     concurrency: int, sequential: bool) -> tuple[list[Result], float]:
-    """Serve the requests through HTTP; returns the results and the start time of the schedule."""
-    with ServerThread(create_app(engine, tok, MODEL_NAME)) as server:
-        return run_clients(server.port, prompts, offsets, limits, concurrency, sequential)
+    """Serve the requests through HTTP, the engine stepped on the main thread as `specdec serve` does;
+    returns the results and the start time of the schedule."""
+    return serve_while(create_app(engine, tok, MODEL_NAME),
+                       lambda port: run_clients(port, prompts, offsets, limits, concurrency, sequential))
 
 
 def run_vllm_mode(python: str, model: str, prompts: list[list[int]], offsets: list[float], limits: list[int],

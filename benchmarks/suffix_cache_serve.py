@@ -33,7 +33,7 @@ from specdec.drafters.suffix import SuffixDrafter
 from specdec.drafters.suffix_tree import SuffixTrie
 from specdec.evaluation.evaluate import eos_ids, versions
 from specdec.serving.engine import Engine
-from specdec.serving.server import ServerThread, create_app
+from specdec.serving.server import create_app, serve_while
 
 sys.path.insert(0, str(Path(__file__).parent))
 from serve_load import MODEL_NAME, Result, load_prompts, stream_request  # noqa: E402
@@ -90,17 +90,18 @@ def main() -> None:
     prompts = load_prompts(tok, args.requests, args.max_prompt_tokens)
     suffix = next((d for d in [engine.drafter, *getattr(engine.drafter, "drafters", [])]
                    if isinstance(d, SuffixDrafter)), None)
-    passes = []
-    with ServerThread(create_app(engine, tok, MODEL_NAME)) as server:
+    def passes_of(port: int) -> list[dict]:
+        """The two timed passes against the server on `port` (after the compile pass)."""
+        passes = []
         if args.compile:  # compile the batch's programs on a throwaway pass of other prompts, then forget it
-            send_all(server.port, load_prompts(tok, 2 * args.requests, args.max_prompt_tokens)[args.requests:],
+            send_all(port, load_prompts(tok, 2 * args.requests, args.max_prompt_tokens)[args.requests:],
                      16, args.concurrency)
             if suffix is not None and suffix.cache is not None:
                 suffix.cache.clear()
         for n in range(2):
             before = engine.metrics
             start = time.perf_counter()
-            results = send_all(server.port, prompts, args.max_tokens, args.concurrency)
+            results = send_all(port, prompts, args.max_tokens, args.concurrency)
             wall = time.perf_counter() - start
             after = engine.metrics
             errors = [r.error for r in results if r.error]
@@ -118,6 +119,10 @@ def main() -> None:
                                                                 "max_tokens": cache.max_tokens, "depth": cache.depth},
                            "by_drafter": after["by_drafter"]})
             print(f"pass {n + 1}: tau {gen / fwd:.2f}, {gen / wall:.1f} tok/s", file=sys.stderr)
+        return passes
+
+    # the engine steps on the main thread, as in `specdec serve`
+    passes = serve_while(create_app(engine, tok, MODEL_NAME), passes_of)
     same = passes[0]["texts"] == passes[1]["texts"]
     per_node = bytes_per_node()
     record = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"), "cpu": cpu_summary(),

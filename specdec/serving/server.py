@@ -21,7 +21,9 @@ server-sent events ending with `data: [DONE]`), GET /v1/models, GET /health, GET
 failed ones with a 5xx status.
 
 `create_app(engine, tokenizer, model_name)` builds the app; `ServerThread` runs it with uvicorn
-in a thread (tests, benchmarks); `serve(...)` runs it in the foreground.
+in a thread (tests); `serve(...)` runs it in the foreground; `serve_while(app, work)` serves while
+`work` (a load test's clients) runs in a background thread, stepping the engine on the main thread
+as `serve` does.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import threading
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 import uvicorn
@@ -59,6 +61,7 @@ from specdec.serving.protocol import (
 )
 
 log = logging.getLogger("specdec.serving.server")
+T = TypeVar("T")
 _DISCONNECT_POLL_S = 0.5  # how often a plain (not streamed) request checks that its client is still there
 
 
@@ -520,3 +523,29 @@ def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: st
         pass
     finally:
         server.stop()  # its lifespan's shutdown stops the engine loop too
+
+
+def serve_while(app: FastAPI, work: Callable[[int], T], host: str = "127.0.0.1", port: int = 0) -> T:
+    """Serve the app on `host`:`port` (0 = a free port) while `work(port)` runs in a background thread,
+    with the engine's steps on this thread as in `serve` (a benchmark's clients against the server as
+    `specdec serve` runs it); returns what `work` returns, or raises what it raised, once it ends."""
+    engine_loop: EngineLoop = app.state.engine_loop
+    engine_loop.foreground = True
+    outcome: dict[str, object] = {}
+    with ServerThread(app, host=host, port=port) as server:
+
+        def run() -> None:
+            try:
+                outcome["value"] = work(server.port)
+            except BaseException as err:  # noqa: BLE001 - handed to the caller's thread below
+                outcome["error"] = err
+            finally:
+                engine_loop.stop()
+
+        worker = threading.Thread(target=run, name="specdec-work", daemon=True)
+        worker.start()
+        engine_loop.run_here()  # returns when `work` ends, or after a failed step (then HTTP answers 503)
+        worker.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
