@@ -3,11 +3,17 @@
 A `PrefixCache` is a preallocated pool of fixed-size blocks (`block` positions each) beside a
 `KVCache`. Each full block of a row's tokens is keyed by a hash of every token up to its end
 (vLLM's automatic prefix caching), so a block means one exact prefix and a shared system prompt or
-an earlier turn of a conversation is stored once, whichever request read it. `put` copies the
-full blocks of a row that the pool lacks into it; `get` finds the longest run of cached blocks a
-prompt starts with and copies them into a row's first slots, so only the rest of the prompt is
-prefilled. When the pool is full the least recently used block is overwritten (`evictions`
-counts them); a lookup touches a prompt's blocks last-first, so a prefix outlives its extensions.
+an earlier turn of a conversation is stored once, whichever request read it. The tokens after a
+row's last full block are kept too, as a partial block keyed by its prefix and its own tokens.
+
+`put` copies the blocks of a row that the pool lacks into it. `get` finds the longest run of
+cached full blocks a prompt starts with, then, among the blocks cached right after that run (full
+or partial: the children of its last block), the one sharing the most leading tokens with the rest
+of the prompt, and copies all of that into a row's first slots: reuse is token by token, as
+llama-server's slot cache (keys and values of a position depend only on the tokens up to it), and
+only the rest of the prompt is prefilled. When the pool is full the least recently used block is
+overwritten (`evictions` counts them); a lookup touches a prompt's blocks last-first, so a prefix
+outlives its extensions.
 
 Blocks are copied, never read in place: every attention kernel keeps reading a row as one
 contiguous range of its cache. A copy of n positions moves n x (2 x layers x kv heads x head dim)
@@ -24,7 +30,8 @@ import torch
 from runtime.cache import HEADROOM, KVCache, available_memory
 from runtime.errors import CacheMemoryError
 
-DEFAULT_BLOCK = 16  # positions per block: the grain of reuse (a prompt reuses whole blocks only)
+DEFAULT_BLOCK = 16  # positions per block: the grain of the hashed lookup (reuse itself is token by token)
+_ROOT = b""  # the parent of a prompt's first block
 
 
 class PrefixCache:
@@ -45,7 +52,11 @@ class PrefixCache:
                                    "(prefix_cache_tokens, --prefix-cache-tokens; 0 turns it off)")
         self.k = torch.zeros(shape, dtype=cache.k.dtype, device=cache.k.device)  # (L, NB, H, block, D)
         self.v = torch.zeros(shape, dtype=cache.v.dtype, device=cache.v.device)
-        self._ids: OrderedDict[bytes, int] = OrderedDict()  # prefix hash -> block id, least recently used first
+        self._ids: OrderedDict[bytes, int] = OrderedDict()  # block key -> block id, least recently used first
+        self._parent: dict[bytes, bytes] = {}  # block key -> the key of the block before it (_ROOT first)
+        self._children: dict[bytes, dict[bytes, None]] = {}  # key -> keys of the blocks cached after it
+        self._tokens = torch.zeros(self.num_blocks, block, dtype=torch.int64)  # (NB, block): each block's ids
+        self._length = torch.zeros(self.num_blocks, dtype=torch.int64)  # (NB,): block, or fewer (a partial one)
         self._free = list(range(self.num_blocks - 1, -1, -1))  # block ids never used, popped from the end
         self.hits = self.lookups = self.looked_up_tokens = self.hit_tokens = self.evictions = 0
 
@@ -61,73 +72,133 @@ class PrefixCache:
         """The prefix hash of each of the first `limit` full blocks of `tokens`: a 128-bit BLAKE2b
         of the previous block's hash and this block's ids (not Python's hash, whose collisions a
         client could construct to read another request's keys)."""
-        out, h = [], b""
+        out, h = [], _ROOT
         ids = tokens[:limit * self.block].to(torch.int64).cpu().numpy()
         for i in range(limit):
             h = hashlib.blake2b(h + ids[i * self.block:(i + 1) * self.block].tobytes(), digest_size=16).digest()
             out.append(h)
         return out
 
-    def _found(self, prompt: torch.Tensor, keep: int) -> list[bytes]:
-        """The hashes of the cached blocks `prompt` starts with, leaving `keep` tokens uncovered."""
+    @staticmethod
+    def _partial_key(parent: bytes, tokens: torch.Tensor) -> bytes:
+        """The key of a partial block: its parent's key and its ids (a separate BLAKE2b domain)."""
+        data = parent + tokens.to(torch.int64).cpu().numpy().tobytes()
+        return hashlib.blake2b(data, digest_size=16, person=b"specdec-partial").digest()
+
+    def _best_child(self, parent: bytes, rest: torch.Tensor) -> tuple[bytes | None, int]:
+        """Among the blocks cached after `parent`, the one whose leading ids match the most of `rest`
+        (1-D, at most a block): (its key, how many), or (None, 0)."""
+        children = self._children.get(parent)
+        if not children or rest.numel() == 0:
+            return None, 0
+        keys = list(children)
+        ids = torch.tensor([self._ids[k] for k in keys])
+        n = rest.numel()
+        same = (self._tokens[ids, :n] == rest.to(torch.int64).cpu()[None]).long().cumprod(1).sum(1)  # (c,)
+        same = torch.minimum(same, self._length[ids])
+        best = int(same.argmax())
+        return (keys[best], int(same[best])) if int(same[best]) else (None, 0)
+
+    def _found(self, prompt: torch.Tensor, keep: int) -> tuple[list[bytes], bytes | None, int]:
+        """What `prompt` reuses, leaving `keep` tokens uncovered: the keys of the cached full blocks
+        it starts with, then the key of the block after them sharing the most tokens with the rest
+        of it (None if none) and how many it shares."""
+        limit = max(prompt.numel() - keep, 0)
         found = []
-        for h in self._hashes(prompt, max(prompt.numel() - keep, 0) // self.block):
+        for h in self._hashes(prompt, limit // self.block):
             if h not in self._ids:
                 break
             found.append(h)
-        return found
+        start = len(found) * self.block
+        key, m = self._best_child(found[-1] if found else _ROOT, prompt[start:min(limit, start + self.block)])
+        return found, key, m
 
     def cached(self, prompt: torch.Tensor, keep: int = 1) -> int:
         """How many of `prompt`'s first tokens `get` would copy (nothing is copied or counted)."""
-        return len(self._found(prompt, keep)) * self.block
+        found, _, m = self._found(prompt, keep)
+        return len(found) * self.block + m
 
     def get(self, prompt: torch.Tensor, cache: KVCache, row: int, keep: int = 1) -> int:
-        """Copy the longest run of cached blocks `prompt` (1-D) starts with into slots [0, n) of
-        `row` of `cache`, leaving at least `keep` prompt tokens uncovered; returns n (a multiple of
-        the block size, 0 on a miss). The row's length is not changed."""
-        found = self._found(prompt, keep)
+        """Copy what `prompt` (1-D) reuses (`_found`) into slots [0, n) of `row` of `cache`, leaving
+        at least `keep` prompt tokens uncovered; returns n (0 on a miss). The row's length is not
+        changed."""
+        found, key, m = self._found(prompt, keep)
+        if key is not None:
+            self._ids.move_to_end(key)
         for h in reversed(found):  # last-first: the shortest prefix becomes the most recently used
             self._ids.move_to_end(h)
         self.lookups += 1
         self.looked_up_tokens += prompt.numel()
-        if not found:
+        if not found and key is None:
             return 0
         self.hits += 1
-        ids = torch.tensor([self._ids[h] for h in found], device=self.k.device)
         n = len(found) * self.block
         L, _, H, _, D = self.k.shape
-        # (L, m, H, block, D) -> (L, H, m * block, D)
-        cache.k[:, row, :, :n] = self.k[:, ids].transpose(1, 2).reshape(L, H, n, D)
-        cache.v[:, row, :, :n] = self.v[:, ids].transpose(1, 2).reshape(L, H, n, D)
+        if found:
+            ids = torch.tensor([self._ids[h] for h in found], device=self.k.device)
+            # (L, m, H, block, D) -> (L, H, m * block, D)
+            cache.k[:, row, :, :n] = self.k[:, ids].transpose(1, 2).reshape(L, H, n, D)
+            cache.v[:, row, :, :n] = self.v[:, ids].transpose(1, 2).reshape(L, H, n, D)
+        if key is not None:
+            b = self._ids[key]
+            cache.k[:, row, :, n:n + m] = self.k[:, b, :, :m]
+            cache.v[:, row, :, n:n + m] = self.v[:, b, :, :m]
+            n += m
         self.hit_tokens += n
         return n
 
+    def _store(self, key: bytes, parent: bytes, tokens: torch.Tensor, cache: KVCache, row: int, lo: int) -> None:
+        """Copy positions lo .. lo + len(tokens) - 1 of `row` into a block (the least recently used
+        one when none is free) under `key`."""
+        if self._free:
+            b = self._free.pop()
+        else:
+            old, b = self._ids.popitem(last=False)
+            self.evictions += 1
+            self._children.get(self._parent.pop(old), {}).pop(old, None)
+        n = tokens.numel()
+        self.k[:, b, :, :n] = cache.k[:, row, :, lo:lo + n]
+        self.v[:, b, :, :n] = cache.v[:, row, :, lo:lo + n]
+        self._tokens[b, :n] = tokens.to(torch.int64).cpu()
+        self._length[b] = n
+        self._ids[key] = b
+        self._parent[key] = parent
+        self._children.setdefault(parent, {})[key] = None
+
     def put(self, tokens: torch.Tensor, cache: KVCache, row: int) -> int:
-        """Keep the full blocks of `tokens` (1-D), whose keys and values are in slots [0, len) of
-        `row` of `cache`, that the pool lacks (evicting the least recently used blocks); returns
-        how many blocks were copied in."""
-        hashes = self._hashes(tokens, min(tokens.numel() // self.block, self.num_blocks))
-        copied = 0
+        """Keep the blocks of `tokens` (1-D), whose keys and values are in slots [0, len) of `row` of
+        `cache`, that the pool lacks: its full blocks, then the tokens after them as a partial block
+        unless a cached block already starts with them (evicting the least recently used blocks);
+        returns how many blocks were copied in."""
+        full = tokens.numel() // self.block
+        hashes = self._hashes(tokens, min(full, self.num_blocks))
+        copied, touched = 0, list(hashes)
         for i, h in enumerate(hashes):
             if h in self._ids:
                 self._ids.move_to_end(h)
                 continue
-            if self._free:
-                b = self._free.pop()
-            else:
-                _, b = self._ids.popitem(last=False)
-                self.evictions += 1
-            lo, hi = i * self.block, (i + 1) * self.block
-            self.k[:, b] = cache.k[:, row, :, lo:hi]
-            self.v[:, b] = cache.v[:, row, :, lo:hi]
-            self._ids[h] = b
+            lo = i * self.block
+            self._store(h, hashes[i - 1] if i else _ROOT, tokens[lo:lo + self.block], cache, row, lo)
             copied += 1
+        tail = tokens[full * self.block:]
+        if len(hashes) == full and tail.numel() and all(h in self._ids for h in hashes[-1:]):
+            parent = hashes[-1] if hashes else _ROOT
+            key, m = self._best_child(parent, tail)
+            if m < tail.numel():  # no cached block holds these tokens yet
+                key = self._partial_key(parent, tail)
+                if key not in self._ids:
+                    self._store(key, parent, tail, cache, row, full * self.block)
+                    copied += 1
+            touched.append(key)
         # last-first, as a lookup: the prompt's first blocks outlive its extensions
-        for h in reversed(hashes):
-            self._ids.move_to_end(h)
+        for h in reversed(touched):
+            if h in self._ids:
+                self._ids.move_to_end(h)
         return copied
 
     def clear(self) -> None:
         """Forget every block (after a fault that may have left bad values in a row)."""
         self._free = list(range(self.num_blocks - 1, -1, -1))
         self._ids.clear()
+        self._parent.clear()
+        self._children.clear()

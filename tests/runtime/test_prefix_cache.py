@@ -1,4 +1,5 @@
-"""The prefix cache: blocks keyed by their whole prefix, copied exactly, evicted least recently used."""
+"""The prefix cache: blocks keyed by their whole prefix, reused token by token, copied exactly, evicted least
+recently used."""
 
 import pytest
 import torch
@@ -19,14 +20,41 @@ def test_a_prompt_gets_the_cached_blocks_it_starts_with_bit_for_bit():
     cache = _filled()
     pc = PrefixCache(cache, tokens=64, block=4)
     tokens = torch.arange(10)
-    assert pc.put(tokens, cache, row=0) == 2  # two full blocks; the last 2 tokens are no block
+    assert pc.put(tokens, cache, row=0) == 3  # two full blocks and a partial one of the last 2 tokens
     prompt = torch.cat([tokens[:9], torch.tensor([50, 51])])
-    assert pc.cached(prompt) == 8
+    assert pc.cached(prompt) == 9  # 2 blocks, then 1 token of the partial one
     n = pc.get(prompt, cache, row=1)
-    assert n == 8
-    assert torch.equal(cache.k[:, 1, :, :8], cache.k[:, 0, :, :8])
-    assert torch.equal(cache.v[:, 1, :, :8], cache.v[:, 0, :, :8])
-    assert (pc.lookups, pc.hits, pc.hit_tokens, pc.looked_up_tokens) == (1, 1, 8, 11)
+    assert n == 9
+    assert torch.equal(cache.k[:, 1, :, :9], cache.k[:, 0, :, :9])
+    assert torch.equal(cache.v[:, 1, :, :9], cache.v[:, 0, :, :9])
+    assert not torch.equal(cache.k[:, 1, :, 9], cache.k[:, 0, :, 9])  # nothing past what matched
+    assert (pc.lookups, pc.hits, pc.hit_tokens, pc.looked_up_tokens) == (1, 1, 9, 11)
+
+
+def test_reuse_is_token_by_token_after_the_last_full_block():
+    """A prompt that leaves a cached full block midway reuses its leading tokens; a resent
+    conversation reuses the partial block of the earlier answer whole."""
+    cache = _filled()
+    pc = PrefixCache(cache, tokens=64, block=4)
+    pc.put(torch.arange(12), cache, row=0)
+    prompt = torch.cat([torch.arange(6), torch.tensor([77, 78])])
+    assert pc.get(prompt, cache, row=1) == 6
+    assert torch.equal(cache.k[:, 1, :, :6], cache.k[:, 0, :, :6])
+    assert pc.put(torch.arange(6), cache, row=0) == 0  # its last 2 tokens start a cached block
+    assert pc.cached(torch.arange(3)) == 2  # one token kept to prefill
+    history = torch.arange(100, 110)  # a turn's prompt and answer: 2 full blocks and 2 tokens
+    pc.put(history, cache, row=1)
+    assert pc.get(torch.cat([history, torch.tensor([5, 6, 7])]), cache, row=0) == 10
+    assert torch.equal(cache.v[:, 0, :, :10], cache.v[:, 1, :, :10])
+
+
+def test_an_evicted_partial_block_is_never_matched():
+    cache = _filled()
+    pc = PrefixCache(cache, tokens=8, block=4)  # two blocks
+    pc.put(torch.arange(6), cache, row=0)  # a full block and a partial one of 2 tokens
+    pc.put(torch.arange(50, 54), cache, row=1)  # evicts the partial one (touched before the full one)
+    assert pc.evictions == 1
+    assert pc.cached(torch.arange(8)) == 4 and pc.cached(torch.arange(50, 56)) == 4
 
 
 def test_a_block_means_its_whole_prefix_and_a_prompt_keeps_one_token_to_prefill():
@@ -35,9 +63,9 @@ def test_a_block_means_its_whole_prefix_and_a_prompt_keeps_one_token_to_prefill(
     pc.put(torch.arange(8), cache, row=0)
     other_start = torch.tensor([9, 1, 2, 3, 4, 5, 6, 7, 8])  # block 2 equal, block 1 not: no hit
     assert pc.get(other_start, cache, row=1) == 0 and pc.hits == 0
-    assert pc.cached(torch.arange(8)) == 4  # the whole prompt cached: its last block is prefilled
+    assert pc.cached(torch.arange(8)) == 7  # the whole prompt cached: its last token is prefilled
     assert pc.cached(torch.arange(8), keep=0) == 8
-    assert pc.cached(torch.arange(3)) == 0
+    assert pc.cached(torch.tensor([1, 2, 3])) == 0
 
 
 def test_put_copies_only_the_blocks_the_pool_lacks():
