@@ -42,14 +42,14 @@ def block_width(bits: int) -> int:
     return LANES if bits == 8 else 2 * LANES
 
 
-def planes(bits: int) -> int:
-    """Bit planes stored beside the low nibbles: bit 4 for 5-bit codes, bits 4 and 5 for 6-bit ones."""
+def high_bits(bits: int) -> int:
+    """Bits of each code stored beside its low nibble: 1 for 5-bit codes, 2 for 6-bit ones."""
     return bits - 4 if bits in (5, 6) else 0
 
 
 def group_bytes(bits: int, group: int) -> int:
-    """Bytes of one group of one block: 16 G of low-nibble (or 8-bit) rows, plus 4 G per bit plane."""
-    return 16 * group + 4 * group * planes(bits)
+    """Bytes of one group of one block: 16 G of low-nibble (or 8-bit) rows, plus 4 G per high bit."""
+    return 16 * group + 4 * group * high_bits(bits)
 
 
 def _bits_to_bytes(bits: torch.Tensor) -> torch.Tensor:
@@ -69,8 +69,10 @@ def pack_codes(q: torch.Tensor, bits: int, group: int) -> torch.Tensor:
 
     Per block and group of G inputs: G/4 rows of 64 bytes, row r holding channel c's inputs
     4r..4r+3 at bytes 4c..4c+3. Below 8 bits, channel c's low 4 bits in the low nibble and channel
-    16 + c's in the high nibble; 5 and 6 bits add, after the G/4 rows, per row bit 4 (then bit 5) as
-    two planes (set 0's, then set 1's, 8 bytes each, bit i for byte i of the row)."""
+    16 + c's in the high nibble. After the G/4 rows, 5 bits add per row bit 4 as two planes (set 0's,
+    then set 1's, 8 bytes each, bit i for byte i of the row); 6 bits add per 4 rows (a quad) two
+    64-byte vectors (set 0's, then set 1's) whose byte i holds bits 4-5 of row 4q + j's code at byte
+    i in its bits 2j, 2j + 1 (so a 16-bit shift and a mask bring a row's pairs to bits 4-5)."""
     N, K = q.shape
     W, R = block_width(bits), group // 4
     rows = q.view(N // W, W // LANES, LANES, K // group, R, 4).permute(0, 3, 4, 1, 2, 5)
@@ -79,10 +81,13 @@ def pack_codes(q: torch.Tensor, bits: int, group: int) -> torch.Tensor:
         return rows.reshape(N // W, K // group, 16 * group).contiguous()
     low = (rows[..., 0, :] & 0x0F) | ((rows[..., 1, :] & 0x0F) << 4)  # (N/W, K/G, G/4, 64)
     parts = [low.reshape(N // W, K // group, 16 * group)]
-    P = planes(bits)
-    if P:
-        bit = torch.stack([_bits_to_bytes((rows >> (4 + p)) & 1) for p in range(P)], dim=3)  # (.., G/4, P, sets, 8)
-        parts.append(bit.reshape(N // W, K // group, 4 * group * P))
+    if bits == 5:
+        parts.append(_bits_to_bytes((rows >> 4) & 1).reshape(N // W, K // group, 4 * group))  # (.., sets, 8)
+    if bits == 6:
+        pairs = ((rows >> 4) & 3).view(N // W, K // group, R // 4, 4, W // LANES, 4 * LANES)  # (.., quads, 4, sets, 64)
+        shifts = (2 * torch.arange(4, dtype=torch.uint8)).view(1, 1, 1, 4, 1, 1)
+        high = (pairs << shifts).sum(3, dtype=torch.uint8)  # (N/W, K/G, G/16, sets, 64): disjoint bits
+        parts.append(high.reshape(N // W, K // group, 8 * group))
     return torch.cat(parts, dim=-1).contiguous()
 
 
@@ -95,13 +100,22 @@ def unpack_codes(packed: torch.Tensor, bits: int, group: int) -> torch.Tensor:
         rows = low
     else:
         rows = torch.cat([low & 0x0F, low >> 4], dim=3)  # (N/W, K/G, G/4, 2, 64)
-        P = planes(bits)
-        if P:
-            bit = _bytes_to_bits(packed[..., 16 * group:].reshape(nb, ng, R, P, 2, 8))  # (.., G/4, P, 2, 64)
-            for p in range(P):
-                rows = rows | (bit[:, :, :, p] << (4 + p))
+        rows = rows | (_high(packed[..., 16 * group:], bits, R) << 4)
     rows = rows.reshape(nb, ng, R, W // LANES, LANES, 4)
     return rows.permute(0, 3, 4, 1, 2, 5).reshape(nb * W, ng * group)
+
+
+def _high(packed: torch.Tensor, bits: int, R: int) -> torch.Tensor:
+    """The high bits of 5- and 6-bit codes, (..., high bytes) -> (..., R, 2, 64) uint8 values below
+    2**(bits - 4) (per row, set, byte of the row); zeros for 4 and 8 bits."""
+    lead = packed.shape[:-1]
+    if bits == 5:
+        return _bytes_to_bits(packed.reshape(*lead, R, 2, 8))
+    if bits == 6:
+        high = packed.reshape(*lead, R // 4, 1, 2, 64)  # (..., quads, 1, sets, 64)
+        shifts = (2 * torch.arange(4, dtype=torch.uint8, device=packed.device)).view(4, 1, 1)
+        return ((high >> shifts) & 3).reshape(*lead, R, 2, 64)
+    return torch.zeros(*lead, R, 2, 64, dtype=torch.uint8, device=packed.device)
 
 
 def _blocks(t: torch.Tensor, W: int) -> torch.Tensor:
@@ -260,12 +274,9 @@ class BlockQuantLinear(QuantizedLinear):
         if self.bits != 8:
             high = (lane >= LANES).view(T, 1, 1, 1)
             rows = torch.where(high, rows >> 4, rows & 0x0F)
-        P = planes(self.bits)
-        if P:
-            bit = _bytes_to_bits(codes[..., 16 * G:].reshape(T, ng, R, P, 2, 8))  # (T, K/G, G/4, P, 2, 64)
-            bit = bit[at, :, :, :, (lane >= LANES).long()]  # (T, K/G, G/4, P, 64): the row's set
-            for p in range(P):
-                rows = rows | (bit[:, :, :, p].reshape(T, ng, R, LANES, 4)[at, :, :, lane % LANES] << (4 + p))
+        if self.bits in (5, 6):
+            high = _high(codes[..., 16 * G:], self.bits, R)[at, :, :, (lane >= LANES).long()]  # (T, K/G, G/4, 64)
+            rows = rows | (high.reshape(T, ng, R, LANES, 4)[at, :, :, lane % LANES] << 4)  # (T, K/G, G/4, 4)
         reps = self.super_block // G
         d = self.d[blocks, :, lane]  # (T, K/S)
         dm = self.dm[blocks, :, lane] if self.dm is not None else d * self.zero

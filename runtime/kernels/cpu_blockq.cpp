@@ -18,10 +18,12 @@
 //   codes (N/W, K/G, group bytes) uint8: per group, G/4 rows of 64 bytes, row r holding channel c's
 //     inputs 4r..4r+3 at bytes 4c..4c+3 (the VNNI / AMX B-tile layout). 4 to 6 bits: the low 4 bits
 //     of channel c in the low nibble and of channel 16 + c in the high nibble of the same byte (16G
-//     bytes); 5 and 6 bits then add, per row, bit 4 (and then bit 5) as two bit planes of 64 bits
-//     each (one bit per byte of the row), set 0's then set 1's (4G bytes per bit). With 4 bits the high set is multiplied as
-//     (byte & 0xF0) = 16 * code, its dot product C is 16x, and its sc is taken as float(sc) / 16
-//     (both exact), which saves a shift per 64 bytes.
+//     bytes). 5 bits then add, per row, bit 4 as two bit planes of 64 bits (one bit per byte of the
+//     row), set 0's then set 1's (4G bytes). 6 bits add, per 4 rows (a quad), two 64-byte vectors, set
+//     0's then set 1's, byte i holding bits 4-5 of row 4q + j's code at byte i in its bits 2j, 2j + 1
+//     (8G bytes): a 16-bit shift and a mask bring a row's pairs to bits 4-5. With 4 bits the high
+//     set is multiplied as (byte & 0xF0) = 16 * code, its dot product C is 16x, and its sc is taken
+//     as float(sc) / 16 (both exact), which saves a shift per 64 bytes.
 //   sc, mc (N/W, K/G, W) int8 (mc may be sc); d, dm (N/W, K/S, W) float32.
 // Paths: AMX (TDPBSUD, 16 rows a tile) for calls of several rows on CPUs with AMX-INT8; AVX-512
 // VNNI (VPDPBUSD, 4 rows at a time in registers; more rows take each 256-input span of a block's
@@ -54,10 +56,10 @@ constexpr int kPrefetchBytes = 4096;
 enum Isa : int64_t { kAuto = 0, kGeneric = 1, kVnni = 2, kAmx = 3, kAvx2 = 4 };
 
 constexpr int block_width(int bits) { return bits == 8 ? 16 : 32; }
-// bit planes beside the low nibbles (bit 4 for 5-bit codes, bits 4 and 5 for 6-bit ones)
-constexpr int planes(int bits) { return bits == 5 || bits == 6 ? bits - 4 : 0; }
-// bytes of one group of one block: the low-nibble rows (or 8-bit rows), then the bit planes
-constexpr int group_bytes(int bits, int G) { return 16 * G + 4 * G * planes(bits); }
+// bits of a code stored beside its low nibble (1 for 5-bit codes, 2 for 6-bit ones)
+constexpr int high_bits(int bits) { return bits == 5 || bits == 6 ? bits - 4 : 0; }
+// bytes of one group of one block: the low-nibble rows (or 8-bit rows), then the high bits
+constexpr int group_bytes(int bits, int G) { return 16 * G + 4 * G * high_bits(bits); }
 
 struct Weights {
   const uint8_t* codes;
@@ -162,12 +164,13 @@ inline int code_at(const uint8_t* grp, int bits, int G, int s, int c, int j) {
   const uint8_t byte = grp[r * 64 + pos];
   if (bits == 8) return byte;
   if (bits == 4) return s == 0 ? (byte & 0x0F) : (byte & 0xF0);
-  int code = s == 0 ? (byte & 0x0F) : (byte >> 4);
-  for (int p = 0; p < planes(bits); ++p) {
-    const uint8_t* plane = grp + 16 * G + (r * planes(bits) + p) * 16 + s * 8;  // bit 4 + p of set s's 64 codes
-    code |= ((plane[pos / 8] >> (pos % 8)) & 1) << (4 + p);
+  const int code = s == 0 ? (byte & 0x0F) : (byte >> 4);
+  if (bits == 5) {
+    const uint8_t* plane = grp + 16 * G + r * 16 + s * 8;  // bit 4 of the row's 64 codes of set s
+    return code | (((plane[pos / 8] >> (pos % 8)) & 1) << 4);
   }
-  return code;
+  const uint8_t* pairs = grp + 16 * G + (r / 4) * 128 + s * 64;  // bits 4-5 of the quad's codes of set s
+  return code | (((pairs[pos] >> (2 * (r % 4))) & 3) << 4);
 }
 
 template <typename T>
@@ -259,19 +262,36 @@ struct BlockView {
   SPECDEC_AVX512 __m512 minimum(int64_t g, int s) const { return int8_to_float(mc + g * W + s * kLanes); }
 };
 
-// Row r of a 5- or 6-bit group: the codes of set 0 and set 1 (low nibbles plus bits 4, 5 from the planes).
+// The pairs of row j of a quad (bits 2j, 2j + 1 of each byte of `pairs`) moved to bits 4-5, other bits
+// left for the caller to mask with 0x30 (16-bit shifts: what a byte gets from its neighbour lies outside 4-5).
+SPECDEC_AVX512 inline __m512i pairs_to_bits45(__m512i pairs, int j) {
+  switch (j) {
+    case 0: return _mm512_slli_epi16(pairs, 4);
+    case 1: return _mm512_slli_epi16(pairs, 2);
+    case 2: return pairs;
+    default: return _mm512_srli_epi16(pairs, 2);
+  }
+}
+
+// Row r of a 5- or 6-bit group: the codes of set 0 and set 1 (low nibbles plus the high bits).
 template <int BITS, int G>
-SPECDEC_AVX512 inline void unpack_planes(const uint8_t* grp, int r, __m512i& set0, __m512i& set1) {
-  constexpr int P = planes(BITS);
+SPECDEC_AVX512 inline void unpack_high(const uint8_t* grp, int r, __m512i& set0, __m512i& set1) {
   const __m512i low = _mm512_set1_epi8(0x0F);
   const __m512i row = _mm512_loadu_si512(grp + r * 64);
-  const uint8_t* bits = grp + 16 * G + r * P * 16;
   set0 = _mm512_and_si512(row, low);
   set1 = _mm512_and_si512(_mm512_srli_epi16(row, 4), low);
-  for (int p = 0; p < P; ++p) {
-    const __m512i bit = _mm512_set1_epi8((char)(0x10 << p));
-    set0 = _mm512_mask_add_epi8(set0, _load_mask64((__mmask64*)(bits + p * 16)), set0, bit);
-    set1 = _mm512_mask_add_epi8(set1, _load_mask64((__mmask64*)(bits + p * 16 + 8)), set1, bit);
+  if constexpr (BITS == 5) {
+    const uint8_t* planes = grp + 16 * G + r * 16;
+    const __m512i bit4 = _mm512_set1_epi8(0x10);
+    set0 = _mm512_mask_add_epi8(set0, _load_mask64((__mmask64*)planes), set0, bit4);
+    set1 = _mm512_mask_add_epi8(set1, _load_mask64((__mmask64*)(planes + 8)), set1, bit4);
+  } else {
+    const uint8_t* pairs = grp + 16 * G + (r / 4) * 128;
+    const __m512i m45 = _mm512_set1_epi8(0x30);
+    const __m512i h0 = pairs_to_bits45(_mm512_loadu_si512(pairs), r % 4);
+    const __m512i h1 = pairs_to_bits45(_mm512_loadu_si512(pairs + 64), r % 4);
+    set0 = _mm512_ternarylogic_epi32(set0, h0, m45, 0xF8);  // set0 | (h0 & 0x30)
+    set1 = _mm512_ternarylogic_epi32(set1, h1, m45, 0xF8);
   }
 }
 
@@ -318,11 +338,11 @@ SPECDEC_AVX512 inline void close_super(Acc& acc, __m512 d, __m512 dm) {
 // Rows m0 .. m0 + MT - 1 of one block, super-blocks [sb0, sb1): VPDPBUSD with the activations
 // broadcast four bytes at a time. Each row's y accumulators come in and go out through fy
 // (16 floats at fy + (i * S + s) * 16: row m0 + i, set s); a super-block's partial sums live in registers.
-// With `unpacked` (5 and 6 bits, `unpack_span`) the codes of sets 0 and 1 are read from there instead
-// of being unpacked again by every chunk of rows.
-template <int BITS, int G, int MT, bool UNPACKED = false>
+// 5- and 6-bit codes are unpacked by every chunk of rows again (measured no slower than unpacking a
+// span once into L1 for all chunks, now that 6-bit codes take a shift and a ternary-logic op per set).
+template <int BITS, int G, int MT>
 SPECDEC_AVX512 void vnni_rows(const BlockView<BITS, G>& v, const Acts& a, int64_t m0, int64_t sb0, int64_t sb1,
-                              float* fy, int part, int parts, const uint8_t* unpacked = nullptr) {
+                              float* fy, int part, int parts) {
   using V = BlockView<BITS, G>;
   constexpr int R = V::R, S = V::kSets;
   const int64_t K = a.K;
@@ -355,12 +375,8 @@ SPECDEC_AVX512 void vnni_rows(const BlockView<BITS, G>& v, const Acts& a, int64_
         } else if constexpr (BITS == 4) {
           a = _mm512_loadu_si512(grp + r * 64);
           b = _mm512_andnot_si512(low, a);
-        } else if constexpr (UNPACKED) {
-          const uint8_t* u = unpacked + ((g - sb0 * v.gps) * R + r) * 128;
-          a = _mm512_load_si512(u);
-          b = _mm512_load_si512(u + 64);
         } else {
-          unpack_planes<BITS, G>(grp, r, a, b);
+          unpack_high<BITS, G>(grp, r, a, b);
         }
         for (int i = 0; i < MT; ++i) {
           int32_t x4;
@@ -390,37 +406,19 @@ SPECDEC_AVX512 void vnni_rows(const BlockView<BITS, G>& v, const Acts& a, int64_
     for (int s = 0; s < S; ++s) _mm512_storeu_ps(fy + (i * S + s) * kLanes, acc[i][s].y);
 }
 
-// The codes of super-blocks [sb0, sb1) of a 5- or 6-bit block, unpacked to one byte each: per group and
-// row, set 0's 64 bytes then set 1's (`vnni_rows` with UNPACKED), prefetching ahead as the chunks do.
+// Rows [m0, m1) of a block, super-blocks [sb0, sb1), four rows at a time.
 template <int BITS, int G>
-SPECDEC_AVX512 void unpack_span(const BlockView<BITS, G>& v, int64_t sb0, int64_t sb1, uint8_t* out) {
-  constexpr int R = BlockView<BITS, G>::R;
-  for (int64_t g = sb0 * v.gps; g < sb1 * v.gps; ++g) {
-    const uint8_t* grp = v.codes + g * BlockView<BITS, G>::kGroupBytes;
-    prefetch_group(v, g);
-    for (int r = 0; r < R; ++r, out += 128) {
-      __m512i a, b;
-      unpack_planes<BITS, G>(grp, r, a, b);
-      _mm512_store_si512(out, a);
-      _mm512_store_si512(out + 64, b);
-    }
-  }
-}
-
-// Rows [m0, m1) of a block, super-blocks [sb0, sb1), four rows at a time (codes from `unpacked` if given).
-template <int BITS, int G, bool UNPACKED>
-SPECDEC_AVX512 void vnni_chunks(const BlockView<BITS, G>& v, const Acts& a, int64_t m0, int64_t m1, int64_t sb0,
-                                int64_t sb1, float* fy, const uint8_t* unpacked) {
+SPECDEC_AVX512 void vnni_span(const BlockView<BITS, G>& v, const Acts& a, int64_t m0, int64_t m1, int64_t sb0,
+                              int64_t sb1, float* fy) {
   constexpr int S = BlockView<BITS, G>::kSets;
   const int parts = (int)((m1 - m0 + 3) / 4);
   int part = 0;
   int64_t m = m0;
-  for (; m + 4 <= m1; m += 4, ++part)
-    vnni_rows<BITS, G, 4, UNPACKED>(v, a, m, sb0, sb1, fy + m * S * kLanes, part, parts, unpacked);
+  for (; m + 4 <= m1; m += 4, ++part) vnni_rows<BITS, G, 4>(v, a, m, sb0, sb1, fy + m * S * kLanes, part, parts);
   switch (m1 - m) {
-    case 3: vnni_rows<BITS, G, 3, UNPACKED>(v, a, m, sb0, sb1, fy + m * S * kLanes, part, parts, unpacked); break;
-    case 2: vnni_rows<BITS, G, 2, UNPACKED>(v, a, m, sb0, sb1, fy + m * S * kLanes, part, parts, unpacked); break;
-    case 1: vnni_rows<BITS, G, 1, UNPACKED>(v, a, m, sb0, sb1, fy + m * S * kLanes, part, parts, unpacked); break;
+    case 3: vnni_rows<BITS, G, 3>(v, a, m, sb0, sb1, fy + m * S * kLanes, part, parts); break;
+    case 2: vnni_rows<BITS, G, 2>(v, a, m, sb0, sb1, fy + m * S * kLanes, part, parts); break;
+    case 1: vnni_rows<BITS, G, 1>(v, a, m, sb0, sb1, fy + m * S * kLanes, part, parts); break;
     default: break;
   }
 }
@@ -428,27 +426,6 @@ SPECDEC_AVX512 void vnni_chunks(const BlockView<BITS, G>& v, const Acts& a, int6
 // Inputs per span of a call of more than 4 rows: every 4-row chunk of the rows takes one span of a
 // block's codes in turn, so the codes come from memory once per call and from L1 for the other chunks.
 constexpr int64_t kSpanInputs = 256;
-// Largest span, in inputs: kSpanInputs or one super-block (at most 16 groups of 32), the size of the
-// buffer that 5- and 6-bit codes are unpacked into (32 bytes per input).
-constexpr int64_t kMaxSpanInputs = 512;
-
-// Rows [m0, m1) of a block, super-blocks [sb0, sb1). More than 8 rows of 5- or 6-bit codes unpack the
-// span once for all chunks of rows (the bit planes cost about as much arithmetic as a row's dot products);
-// two chunks run faster unpacking each for itself (measured: benchmarks/qlinear_rows.py).
-template <int BITS, int G>
-SPECDEC_AVX512 void vnni_span(const BlockView<BITS, G>& v, const Acts& a, int64_t m0, int64_t m1, int64_t sb0,
-                              int64_t sb1, float* fy) {
-  if constexpr (planes(BITS) > 0) {
-    if (m1 - m0 > 8) {
-      alignas(64) uint8_t unpacked[kMaxSpanInputs * 2 * kLanes];
-      unpack_span<BITS, G>(v, sb0, sb1, unpacked);
-      vnni_chunks<BITS, G, true>(v, a, m0, m1, sb0, sb1, fy, unpacked);
-      return;
-    }
-  }
-  vnni_chunks<BITS, G, false>(v, a, m0, m1, sb0, sb1, fy, nullptr);
-}
-
 
 // Every row of blocks [b0, b1). Up to 4 rows run in registers over the whole block; more rows run
 // span by span (each span of codes read from memory once, by the first chunk of rows, while the
@@ -492,13 +469,23 @@ SPECDEC_AVX2_FN inline __m256i dot4_avx2(__m256i acc, __m256i w, __m256i x) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
 }
 
-// `value` in byte j where bit j of m is set (bit 4 or 5 of the codes of one half row)
-SPECDEC_AVX2_FN inline __m256i plane_bits(uint32_t m, char value) {
+// `pairs_to_bits45` on a half row
+SPECDEC_AVX2_FN inline __m256i pairs_to_bits45_avx2(__m256i pairs, int j) {
+  switch (j) {
+    case 0: return _mm256_slli_epi16(pairs, 4);
+    case 1: return _mm256_slli_epi16(pairs, 2);
+    case 2: return pairs;
+    default: return _mm256_srli_epi16(pairs, 2);
+  }
+}
+
+// 0x10 in byte j where bit j of m is set (bit 4 of the 5-bit codes of one half row)
+SPECDEC_AVX2_FN inline __m256i plane_bits(uint32_t m) {
   const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
                                           2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
   const __m256i bit = _mm256_set1_epi64x((int64_t)0x8040201008040201ull);
   const __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int32_t)m), spread), bit);
-  return _mm256_and_si256(_mm256_cmpeq_epi8(v, bit), _mm256_set1_epi8(value));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(v, bit), _mm256_set1_epi8(0x10));
 }
 
 // Rows m0 .. m0 + MT - 1 of block b, channels h*8 .. h*8 + 7 of each set (half h of every code row).
@@ -538,13 +525,20 @@ SPECDEC_AVX2_FN void avx2_half(const Weights& w, const Acts& a, int64_t m0, cons
         } else {
           c0 = _mm256_and_si256(row, low);
           c1 = _mm256_and_si256(_mm256_srli_epi16(row, 4), low);
-          for (int p = 0; p < planes(BITS); ++p) {
+          if constexpr (BITS == 5) {
             uint32_t p0, p1;
-            const uint8_t* bits = grp + 16 * G + (r * planes(BITS) + p) * 16 + h * 4;
-            std::memcpy(&p0, bits, 4);
-            std::memcpy(&p1, bits + 8, 4);
-            c0 = _mm256_or_si256(c0, plane_bits(p0, (char)(0x10 << p)));
-            c1 = _mm256_or_si256(c1, plane_bits(p1, (char)(0x10 << p)));
+            const uint8_t* planes = grp + 16 * G + r * 16 + h * 4;
+            std::memcpy(&p0, planes, 4);
+            std::memcpy(&p1, planes + 8, 4);
+            c0 = _mm256_or_si256(c0, plane_bits(p0));
+            c1 = _mm256_or_si256(c1, plane_bits(p1));
+          } else if constexpr (BITS == 6) {
+            const uint8_t* pairs = grp + 16 * G + (r / 4) * 128 + h * 32;
+            const __m256i m45 = _mm256_set1_epi8(0x30);
+            const __m256i h0 = pairs_to_bits45_avx2(_mm256_loadu_si256((const __m256i*)pairs), r % 4);
+            const __m256i h1 = pairs_to_bits45_avx2(_mm256_loadu_si256((const __m256i*)(pairs + 64)), r % 4);
+            c0 = _mm256_or_si256(c0, _mm256_and_si256(h0, m45));
+            c1 = _mm256_or_si256(c1, _mm256_and_si256(h1, m45));
           }
         }
         for (int i = 0; i < MT; ++i) {
@@ -690,7 +684,7 @@ SPECDEC_AMX void gemm_amx(const Weights& w, const Acts& a, const int8_t* xt, con
                 a = _mm512_and_si512(row, low);
                 b = _mm512_andnot_si512(low, row);  // 16 x the high set's codes, as the VNNI path
               } else {
-                unpack_planes<BITS, G>(grp, r, a, b);
+                unpack_high<BITS, G>(grp, r, a, b);
               }
               _mm512_store_si512(bbuf[0] + r * 64, a);
               _mm512_store_si512(bbuf[S - 1] + r * 64, b);

@@ -70,18 +70,18 @@ def test_pack_layout_of_5bit_planes():
     assert torch.equal(unpack_codes(packed, 5, 16), q)
 
 
-def test_pack_layout_of_6bit_planes():
-    """6 bits: per row, bit 4's two planes (set 0, set 1), then bit 5's, after the low-nibble rows."""
+def test_pack_layout_of_6bit_pairs():
+    """6 bits: after the low-nibble rows, per 4 rows set 0's then set 1's 64 bytes, byte i holding
+    bits 4-5 of row j's code at byte i in its bits 2j, 2j + 1."""
     q = torch.zeros(32, 16, dtype=torch.uint8)
-    q[3, 5] = 0b100111  # channel 3 (set 0), input 5: row 1, byte 13: bit 5 only
-    q[16 + 1, 2] = 0b110000  # channel 17 (set 1, slot 1), input 2: row 0, byte 6: bits 4 and 5
+    q[3, 5] = 0b100111  # channel 3 (set 0), input 5: row 1, byte 13: bits 4-5 = 0b10
+    q[16 + 1, 14] = 0b110000  # channel 17 (set 1, slot 1), input 14: row 3, byte 6: bits 4-5 = 0b11
     packed = pack_codes(q, 6, 16)
     assert packed.shape == (1, 1, 24 * 16)
-    low, planes = packed[0, 0, :256], packed[0, 0, 256:].view(4, 2, 2, 8)  # (rows, bit, sets, 8)
-    assert low[64 + 13] == 0b0111 and low[6] == 0
-    assert planes[1, 1, 0, 1] == 1 << 5 and planes[1, 0, 0, 1] == 0  # row 1, bit 5, set 0: byte 13
-    assert planes[0, 0, 1, 0] == 1 << 6 and planes[0, 1, 1, 0] == 1 << 6  # row 0, bits 4 and 5, set 1: byte 6
-    assert int(planes.count_nonzero()) == 3
+    low, pairs = packed[0, 0, :256], packed[0, 0, 256:].view(2, 64)  # (sets, 64): one quad
+    assert low[64 + 13] == 0b0111 and low[3 * 64 + 6] == 0
+    assert pairs[0, 13] == 0b10 << 2 and pairs[1, 6] == 0b11 << 6
+    assert int(pairs.count_nonzero()) == 2
     assert torch.equal(unpack_codes(packed, 6, 16), q)
 
 
