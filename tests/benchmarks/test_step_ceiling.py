@@ -32,3 +32,25 @@ def test_a_model_that_does_not_load_is_one_line():
                           text=True, cwd=script.parents[1])
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().startswith("step_ceiling.py: error: 'no-such-model' does not exist")
+
+
+def test_as_8bit_keeps_the_weights_and_the_outputs_bit_for_bit(load):
+    """--against-8bit times 6-bit codes against the same weights stored in 8 bits: the same module."""
+    import torch
+
+    from runtime.blockq import BlockQuantLinear
+    from runtime.kernels import cpu_blockq
+
+    script = load("step_ceiling")
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 64, (64, 256), generator=g, dtype=torch.uint8)
+    sc = torch.randint(-20, 64, (64, 16), generator=g).to(torch.int8)
+    d = torch.rand(64, 1, generator=g) * 1e-3
+    six = BlockQuantLinear.from_canonical(q, sc, sc, d, 32 * d, 6, 16, 256)
+    eight = script.as_8bit(six)
+    assert (six.bits, eight.bits) == (6, 8) and eight.nbytes() > six.nbytes()
+    assert torch.equal(eight.dequantize(), six.dequantize())
+    if cpu_blockq.available():
+        x = torch.randn(5, 256, generator=g).to(torch.bfloat16)
+        assert torch.equal(eight(x), six(x))
+    assert script.as_8bit(eight) is eight
