@@ -510,9 +510,11 @@ def test_n_samples_of_one_prompt_prefill_it_once_and_follow_their_seeds(served):
     assert [ch.text for ch in again.choices] == [ch.text for ch in got.choices]
 
 
-def test_specdec_serve_answers_and_stops_on_ctrl_c(ckpt):
+def test_specdec_serve_answers_and_stops_on_ctrl_c(ckpt, tmp_path):
     """The command as a user runs it: HTTP in a background thread, the engine stepping on the main
-    thread; a request is answered and SIGINT ends the process cleanly."""
+    thread; a request is answered and SIGINT ends the process cleanly. Its output goes to a file (a
+    pipe nobody reads while it runs could fill and block it); if it does not stop, faulthandler's
+    stacks of every thread are in the failure message."""
     import signal
     import subprocess
     import sys
@@ -520,9 +522,11 @@ def test_specdec_serve_answers_and_stops_on_ctrl_c(ckpt):
     from specdec.evaluation.llamacpp import free_port
 
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", "--model", str(ckpt), "--dtype", "float32",
-                             "--port", str(port), "--max-len", "128", "--log-level", "warning"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "specdec.cli", "serve", "--model",
+                                 str(ckpt), "--dtype", "float32", "--port", str(port), "--max-len", "128",
+                                 "--log-level", "warning"], stdout=out, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -539,7 +543,13 @@ def test_specdec_serve_answers_and_stops_on_ctrl_c(ckpt):
         reply = conn.getresponse()
         assert reply.status == 200 and json.loads(reply.read())["usage"]["completion_tokens"] >= 1
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=30) == 0
+        try:
+            code = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)  # faulthandler prints every thread's stack
+            proc.wait(timeout=30)
+            pytest.fail(f"specdec serve did not stop within 30 s of SIGINT; its output:\n{log.read_text()[-6000:]}")
+        assert code == 0, log.read_text()[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()
