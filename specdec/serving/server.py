@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import signal
 import threading
 import time
 from contextlib import asynccontextmanager
@@ -508,20 +509,29 @@ class ServerThread:
         self.stop()
 
 
+def _interrupt(signum: int, frame) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    """Run the app until interrupted (Ctrl-C stops it cleanly): HTTP in a background thread, the
-    engine's steps on this (the main) thread, where its OpenMP kernels run fastest."""
+    """Run the app until interrupted: HTTP in a background thread, the engine's steps on this (the
+    main) thread, where its OpenMP kernels run fastest. SIGINT (Ctrl-C) and SIGTERM stop it cleanly,
+    as they stop uvicorn, even when it was started with SIGINT ignored (a background job of a
+    script, `nohup`: Python then installs no Ctrl-C handler of its own)."""
     engine_loop: EngineLoop = app.state.engine_loop
     engine_loop.foreground = True
     server = ServerThread(app, host=host, port=port, log_level=log_level)
-    server.start()
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
+        server.start()
         engine_loop.run_here()  # returns at shutdown, or after a failed step: HTTP then answers 503 until Ctrl-C
         while server._thread.is_alive():
             server._thread.join(0.5)
     except KeyboardInterrupt:
         pass
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         server.stop()  # its lifespan's shutdown stops the engine loop too
 
 
