@@ -168,18 +168,11 @@ class SpecdecServer:
     def __enter__(self) -> "SpecdecServer":
         self.log = tempfile.NamedTemporaryFile("w+", prefix="specdec-serve-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 1800  # a fresh Inductor cache compiles every block step first
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                sys.exit(f"specdec serve exited with code {self.proc.returncode}; its log: {self.log.name}")
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
-                conn.request("GET", "/health")
-                if conn.getresponse().status == 200:
-                    return self
-            except OSError:
-                pass
-            time.sleep(1.0)
+        # a fresh Inductor cache compiles every block step first
+        if llamacpp.wait_healthy(f"http://127.0.0.1:{self.port}", self.proc, 1800, poll_s=1.0):
+            return self
+        if self.proc.poll() is not None:
+            sys.exit(f"specdec serve exited with code {self.proc.returncode}; its log: {self.log.name}")
         sys.exit(f"specdec serve did not become healthy in 1800 s; its log: {self.log.name}")
 
     def __exit__(self, *exc) -> None:

@@ -57,7 +57,7 @@ from runtime.atomic import atomic_write_text
 from runtime.hardware import DTYPES, cpu_summary
 from runtime.loading import resolve
 from specdec.evaluation.evaluate import eos_ids, versions
-from specdec.evaluation.llamacpp import free_port
+from specdec.evaluation.llamacpp import free_port, wait_healthy
 from specdec.evaluation.prompts import encode, humaneval_prompts, sharegpt_prompts
 from specdec.serving.engine import Engine, SamplingParams
 from specdec.serving.server import create_app, serve_while
@@ -192,19 +192,9 @@ def run_vllm_mode(python: str, model: str, prompts: list[list[int]], offsets: li
     log = open(Path(tempfile.gettempdir()) / f"vllm-{port}.log", "w")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 900
-        while time.monotonic() < deadline:
+        if not wait_healthy(f"http://127.0.0.1:{port}", proc, 900, poll_s=1.0):
             if proc.poll() is not None:
                 sys.exit(f"vLLM exited with code {proc.returncode} while loading {model}; its log: {log.name}")
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-                conn.request("GET", "/health")
-                if conn.getresponse().status == 200:
-                    break
-            except OSError:
-                pass
-            time.sleep(1.0)
-        else:
             sys.exit(f"vLLM did not become healthy in 900 s; its log: {log.name}")
         return run_clients(port, prompts, offsets, limits, concurrency, False)
     finally:

@@ -118,6 +118,24 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def wait_healthy(url: str, proc: subprocess.Popen | None, timeout_s: float, poll_s: float = 0.25) -> bool:
+    """Poll `url`/health until it answers 200 (True); False as soon as `proc` (the server's process,
+    if given) has exited, or when `timeout_s` has passed. A server that is still loading answers
+    nothing or 503: polled again."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            return False
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return True
+        except (urllib.error.URLError, http.client.HTTPException, OSError):  # not up yet, or still loading
+            pass
+        time.sleep(poll_s)
+    return False
+
+
 def _needs_no_repack() -> bool:
     return "amx_tile" in cpu_summary()["flags"]
 
@@ -163,21 +181,13 @@ class LlamaServer:
         self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=self._log,
                                      stderr=subprocess.STDOUT, text=True)
         limit = start_timeout(self.model, self.draft)
-        deadline = time.monotonic() + limit
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                code = self.proc.returncode
-                tail = self.log_tail()
-                self.stop()
-                raise LlamaCppUnavailable(f"{SERVER} exited with code {code} while loading {self.model.name}:\n"
-                                          + tail)
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, http.client.HTTPException, OSError):  # not up yet, or still loading
-                pass
-            time.sleep(0.25)
+        if wait_healthy(self.url, self.proc, limit):
+            return
+        if self.proc.poll() is not None:
+            code = self.proc.returncode
+            tail = self.log_tail()
+            self.stop()
+            raise LlamaCppUnavailable(f"{SERVER} exited with code {code} while loading {self.model.name}:\n" + tail)
         tail = self.log_tail()
         self.stop()
         raise LlamaCppUnavailable(f"{SERVER} on {self.model.name} did not become healthy within {limit:.0f} s; "

@@ -521,7 +521,7 @@ def test_specdec_serve_answers_and_stops_on_ctrl_c(ckpt, tmp_path, stop):
     import subprocess
     import sys
 
-    from specdec.evaluation.llamacpp import free_port
+    from specdec.evaluation.llamacpp import free_port, wait_healthy
 
     port = free_port()
     log = tmp_path / "serve.log"
@@ -531,15 +531,7 @@ def test_specdec_serve_answers_and_stops_on_ctrl_c(ckpt, tmp_path, stop):
                                  "--log-level", "warning"], stdout=out, stderr=subprocess.STDOUT, text=True,
                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-                conn.request("GET", "/health")
-                if conn.getresponse().status == 200:
-                    break
-            except OSError:
-                time.sleep(0.2)
+        wait_healthy(f"http://127.0.0.1:{port}", proc, 120)
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
         conn.request("POST", "/v1/completions", body=json.dumps({**GOOD, "model": str(ckpt)}),
                      headers={"Content-Type": "application/json"})
