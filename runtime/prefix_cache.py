@@ -155,7 +155,10 @@ class PrefixCache:
         else:
             old, b = self._ids.popitem(last=False)
             self.evictions += 1
-            self._children.get(self._parent.pop(old), {}).pop(old, None)
+            up = self._parent.pop(old)
+            del self._children[up][old]
+            if not self._children[up]:
+                del self._children[up]
         n = tokens.numel()
         self.k[:, b, :, :n] = cache.k[:, row, :, lo:lo + n]
         self.v[:, b, :, :n] = cache.v[:, row, :, lo:lo + n]
@@ -181,8 +184,9 @@ class PrefixCache:
             self._store(h, hashes[i - 1] if i else _ROOT, tokens[lo:lo + self.block], cache, row, lo)
             copied += 1
         tail = tokens[full * self.block:]
-        if len(hashes) == full and tail.numel() and all(h in self._ids for h in hashes[-1:]):
-            parent = hashes[-1] if hashes else _ROOT
+        parent = hashes[-1] if hashes else _ROOT
+        # the tail hangs below the last full block, which an eviction above may have taken
+        if len(hashes) == full and tail.numel() and (parent == _ROOT or parent in self._ids):
             key, m = self._best_child(parent, tail)
             if m < tail.numel():  # no cached block holds these tokens yet
                 key = self._partial_key(parent, tail)
