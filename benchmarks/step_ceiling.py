@@ -68,6 +68,7 @@ def time_prefills(model: torch.nn.Module, lengths: list[int], against_8bit: bool
                                   if against_8bit and six else {})}
     rates: dict[str, dict[int, float]] = {k: {} for k in kinds}
     for T in lengths:
+        print(f"timing {3 * len(kinds)} prefills of {T} tokens...", flush=True)
         runs: dict[str, list[float]] = {k: [] for k in kinds}
         for i in range(3):
             for kind in (list(kinds) if i % 2 == 0 else list(kinds)[::-1]):
