@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from runtime.cache import write_slots
 from runtime.invariant import attention as invariant_attention
+from runtime.paged_cache import paged_kv, paged_write
 
 BACKENDS = ("sdpa", "triton")
 
@@ -111,14 +112,16 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 @torch.library.custom_op("specdec::cache_attention", mutates_args=("k_cache", "v_cache"))
 def cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, layer: int, prefix_lens: torch.Tensor, window: int,
-                    block_mask: torch.Tensor | None, invariant: bool = False) -> torch.Tensor:
+                    block_mask: torch.Tensor | None, invariant: bool = False,
+                    block_table: torch.Tensor | None = None) -> torch.Tensor:
     """Write k, v (B, Hkv, T, D) into layer `layer` of the cache buffers (L, B, Hkv, S_max, D) at
     slots prefix_lens[b] + t, then attend causally: query t of q (B, Hq, T, D) sees slots
     [0, prefix_lens[b] + t] of its row (within `window`, 0 = none). -> (B, Hq, T, D), contiguous.
-    With a `block_mask` (B, T, T) (a Medusa tree step) query t sees the row's cached slots and the
-    new tokens its block-mask row allows (`block_mask_keys`); the window must then not cut into
-    the row (the caller runs such steps eagerly). invariant: attend with the row-invariant kernel
-    (`runtime.invariant.attention`) instead of SDPA.
+    With a `block_table` (B, W) the buffers are a paged cache's pools (L, NB, Hkv, bs, D), written and
+    read through it (`runtime.paged_cache`). With a `block_mask` (B, T, T) (a Medusa tree step) query t
+    sees the row's cached slots and the new tokens its block-mask row allows (`block_mask_keys`); the
+    window must then not cut into the row (the caller runs such steps eagerly). invariant: attend
+    with the row-invariant kernel (`runtime.invariant.attention`) instead of SDPA.
 
     One opaque, in-place op for `torch.compile` (`Transformer.static_step`). Left to the compiler,
     the cache write becomes a copy of the whole buffer per layer (functionalization) and the
@@ -128,20 +131,31 @@ def cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     T = q.shape[2]
     slots = prefix_lens[:, None] + torch.arange(T, device=q.device)  # (B, T)
     uniform = bool((prefix_lens == prefix_lens[0]).all())
-    write_slots(k_cache, v_cache, layer, k, v, slots, uniform)
     num_keys = int(prefix_lens.max()) + T
     win = window or None
-    keys, values = k_cache[layer][:, :, :num_keys], v_cache[layer][:, :, :num_keys]  # (B, Hkv, S, D)
+    if block_table is None:
+        write_slots(k_cache, v_cache, layer, k, v, slots, uniform)
+        keys, values = k_cache[layer][:, :, :num_keys], v_cache[layer][:, :, :num_keys]  # (B, Hkv, S, D)
+    else:
+        paged_write(k_cache, v_cache, layer, k, v, slots, block_table)
+        # the invariant kernel reads the pools through the table; SDPA needs the rows gathered
+        keys, values = (None, None) if invariant else paged_kv(k_cache, v_cache, layer, block_table, num_keys)
+
+    def invariant_rows(mask: torch.Tensor | None) -> torch.Tensor:
+        if block_table is None:
+            return invariant_attention(q, keys, values, mask, prefix_lens, win)
+        return invariant_attention(q, k_cache[layer], v_cache[layer], mask, prefix_lens, win, block_table, num_keys)
+
     if block_mask is not None:
         if win is not None and num_keys > win:
             raise ValueError(f"a block-mask step over {num_keys} slots needs the {win}-token sliding window "
                              "applied by position: run it eagerly (Transformer.forward does)")
         mask = block_mask_keys(prefix_lens, block_mask, num_keys)  # (B, T, S)
         if invariant:
-            return invariant_attention(q, keys, values, mask, prefix_lens, win)
+            return invariant_rows(mask)
         return sdpa_gqa(q, keys, values, mask).contiguous()
     if invariant:
-        return invariant_attention(q, keys, values, None, prefix_lens, win)
+        return invariant_rows(None)
     if T == 1 and uniform and (win is None or num_keys <= win):
         out = sdpa_gqa(q, keys, values, None)
     else:
@@ -151,7 +165,8 @@ def cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
 def static_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                            v_cache: torch.Tensor, layer: int, prefix_lens: torch.Tensor, window: int,
-                           block_mask: torch.Tensor | None, invariant: bool = False) -> torch.Tensor:
+                           block_mask: torch.Tensor | None, invariant: bool = False,
+                           block_table: torch.Tensor | None = None) -> torch.Tensor:
     """`cache_attention` for a compiled step: on the CPU the same computation in C++ when the CPU
     extension is built (`runtime.kernels.cpu_attention.cache_attention`: no Python per layer and
     step), else the Python op. Arguments and result as `cache_attention`."""
@@ -160,12 +175,13 @@ def static_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_
 
         if cpu_blockq.available():
             return cpu_blockq.ops().cache_attention(q, k, v, k_cache, v_cache, layer, prefix_lens, window,
-                                                    block_mask, invariant)
-    return cache_attention(q, k, v, k_cache, v_cache, layer, prefix_lens, window, block_mask, invariant)
+                                                    block_mask, invariant, block_table)
+    return cache_attention(q, k, v, k_cache, v_cache, layer, prefix_lens, window, block_mask, invariant, block_table)
 
 
 @cache_attention.register_fake
 def _cache_attention_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                            v_cache: torch.Tensor, layer: int, prefix_lens: torch.Tensor,
-                           window: int, block_mask: torch.Tensor | None, invariant: bool = False) -> torch.Tensor:
+                           window: int, block_mask: torch.Tensor | None, invariant: bool = False,
+                           block_table: torch.Tensor | None = None) -> torch.Tensor:
     return q.new_empty(q.shape)

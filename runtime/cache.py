@@ -4,6 +4,11 @@ Layout: `k` and `v` are (L, B, H_kv, S_max, D). Row b holds its keys and values 
 [0, lengths[b]); a forward pass writes its T new tokens at slots lengths[b] .. lengths[b]+T-1
 and advances the lengths. Rejected draft tokens are dropped by lowering a length (no copy);
 a tree's accepted path is moved to contiguous slots with `compact` (one gather per call).
+
+`runtime.paged_cache.PagedKVCache` keeps the same slots (positions of a row) in blocks of a shared
+pool through a block table; everything that reads or writes a cache goes through the methods
+below (`write`, `layer_kv`, `rows`, `read_row` / `write_row`, `share`), so both layouts serve every
+caller. `block_table` is None here.
 """
 
 from __future__ import annotations
@@ -62,6 +67,8 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)  # (L, B, H, S_max, D)
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)  # (B,)
 
+    block_table: torch.Tensor | None = None  # (B, blocks per row) for a paged cache
+
     @property
     def batch_size(self) -> int:
         return self.k.shape[1]
@@ -79,6 +86,50 @@ class KVCache:
         """Store k, v of shape (B, H, T, D) for `layer` at `slots` (B, T); `uniform` says that
         every row writes to the same slots (one index_copy_ instead of a scatter)."""
         write_slots(self.k, self.v, layer, k, v, slots, uniform)
+
+    def layer_kv(self, layer: int, num_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of slots [0, num_keys) of every row of `layer`: (B, H, S, D) each (views)."""
+        return self.k[layer][:, :, :num_keys], self.v[layer][:, :, :num_keys]
+
+    def rows(self, row: int, count: int = 1) -> KVCache:
+        """Rows [row, row + count) as a cache of their own: views of the buffers and lengths, so a
+        forward through it (a newcomer's prefill) writes into this cache and allocates nothing."""
+        self._check_rows(row, count)
+        view = object.__new__(type(self))
+        view.k, view.v = self.k[:, row:row + count], self.v[:, row:row + count]  # (L, count, H, S_max, D)
+        view.lengths = self.lengths[row:row + count]  # (count,)
+        return view
+
+    def _check_rows(self, row: int, count: int) -> None:
+        if not (0 <= row and count >= 1 and row + count <= self.batch_size):
+            raise ValueError(f"rows [{row}, {row + count}) are outside the cache's {self.batch_size} rows")
+
+    def read_row(self, row: int, lo: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of slots [lo, lo + n) of `row` in every layer: (L, H, n, D) each."""
+        return self.k[:, row, :, lo:lo + n], self.v[:, row, :, lo:lo + n]
+
+    def write_row(self, row: int, lo: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v (L, H, n, D) at slots [lo, lo + n) of `row` in every layer."""
+        n = k.shape[2]
+        self.k[:, row, :, lo:lo + n] = k
+        self.v[:, row, :, lo:lo + n] = v
+
+    def share(self, src: int, dst: int, n: int) -> None:
+        """Give row `dst` the keys and values of slots [0, n) of row `src` (a common prefix)."""
+        self.k[:, dst, :, :n] = self.k[:, src, :, :n]
+        self.v[:, dst, :, :n] = self.v[:, src, :, :n]
+
+    def reserve(self, row: int, upto: int) -> None:
+        """Make slots [0, upto) of `row` writable: nothing to do here (a paged cache allocates blocks)."""
+
+    def free_row(self, row: int, zero: bool = False) -> None:
+        """Empty `row` (length 0); `zero`: also zero its keys and values (what a fault left there, NaN
+        keys say, would otherwise reach the row's next request: a masked slot gets weight 0, and
+        0 x NaN is NaN)."""
+        self.lengths[row] = 0
+        if zero:
+            self.k[:, row].zero_()
+            self.v[:, row].zero_()
 
     def check_room(self, num_new: int) -> None:
         """Raise if some row cannot take `num_new` more tokens."""

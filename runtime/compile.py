@@ -255,16 +255,17 @@ def compile_step(step: Step, device: torch.device, cpp_wrapper: bool = True,
 
     def compiled_step(tokens: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       lengths: torch.Tensor, block_mask: torch.Tensor | None = None,
-                      aux_layers: tuple[int, ...] = ()) -> ModelOutput:
+                      aux_layers: tuple[int, ...] = (), block_table: torch.Tensor | None = None) -> ModelOutput:
         B, T = tokens.shape
         if block_mask is not None:  # a program asserts its inputs' strides: an expanded mask has others
             block_mask = block_mask.contiguous()
-        key = (B, T, block_mask is not None, k.dtype, eager_rounding())
+        paged = None if block_table is None else (tuple(block_table.shape), tuple(k.shape))
+        key = (B, T, block_mask is not None, k.dtype, eager_rounding(), paged)
         what = f"the {T}-token {'tree ' if block_mask is not None else ''}step of a batch of {B}"
         # what fixes every region argument's shape but the cache length (the model fixes the rest)
         regions.step = (key, torch.is_grad_enabled(), torch.is_inference_mode_enabled(), k.device)
         return notices.run(key, what, lambda: step(tokens, positions, k, v, lengths, block_mask, aux_layers,
-                                                   regions=regions))
+                                                   regions=regions, block_table=block_table))
 
     compiled_step.regions = regions  # type: ignore[attr-defined]
     return compiled_step

@@ -67,13 +67,15 @@ def linear(module: nn.Module, x: torch.Tensor, invariant: bool) -> torch.Tensor:
 
 
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
-              prefix_lens: torch.Tensor, window: int | None) -> torch.Tensor:
+              prefix_lens: torch.Tensor, window: int | None, block_table: torch.Tensor | None = None,
+              num_keys: int = 0) -> torch.Tensor:
     """Row-invariant attention of q (B, Hq, T, D) over keys, values (B, Hkv, S, D) -> (B, Hq, T, D).
 
     mask: (B, T, S) bool, True = may attend; None = causal on top of each row's `prefix_lens` (B,)
-    cached slots, within `window` (None = no window)."""
+    cached slots, within `window` (None = no window). With a `block_table` (B, W), keys and values
+    are a paged layer's pools (NB, Hkv, bs, D), read through it for S = `num_keys` slots a row."""
     from runtime.kernels import cpu_attention  # imports torch._dynamo (about a second): only when asked
 
     if not cpu_attention.available():
         raise RuntimeError(f"row-invariant attention needs the C++ CPU kernels: {cpu_attention.unavailable_reason()}")
-    return cpu_attention.attention_rows(q, keys, values, mask, prefix_lens, window or 0)
+    return cpu_attention.attention_rows(q, keys, values, mask, prefix_lens, window or 0, block_table, num_keys)

@@ -28,6 +28,7 @@ from runtime.compile import (
 from runtime.config import ModelConfig
 from runtime.invariant import attention as invariant_attention
 from runtime.invariant import linear, unsupported_reason
+from runtime.paged_cache import PagedKVCache
 from runtime.model_output import ModelOutput, check_aux_layers
 from runtime.rope import Rope, apply_rope
 
@@ -69,14 +70,17 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if ctx.backend == "static":  # Transformer.static_step: cache write + attention as one op
             out = static_cache_attention(q, k, v, ctx.cache.k, ctx.cache.v, layer, ctx.prefix_lens,
-                                         ctx.window or 0, ctx.block_mask, ctx.invariant)
+                                         ctx.window or 0, ctx.block_mask, ctx.invariant, ctx.cache.block_table)
             return linear(self.wo, out.transpose(1, 2).reshape(B, T, q_size), ctx.invariant)
         if ctx.cache is None:
             keys, values = k, v
         else:
             ctx.cache.write(layer, k, v, ctx.slots, ctx.uniform)
-            keys = ctx.cache.k[layer][:, :, :ctx.num_keys]  # (B, Hkv, S, D)
-            values = ctx.cache.v[layer][:, :, :ctx.num_keys]
+            if ctx.invariant and ctx.cache.block_table is not None:  # the kernel reads the pools through the table
+                out = invariant_attention(q, ctx.cache.k[layer], ctx.cache.v[layer], ctx.mask, ctx.prefix_lens,
+                                          ctx.window, ctx.cache.block_table, ctx.num_keys)
+                return linear(self.wo, out.transpose(1, 2).reshape(B, T, q_size), ctx.invariant)
+            keys, values = ctx.cache.layer_kv(layer, ctx.num_keys)  # (B, Hkv, S, D)
         if ctx.invariant:
             out = invariant_attention(q, keys, values, ctx.mask, ctx.prefix_lens, ctx.window)
         else:
@@ -100,10 +104,11 @@ class MLP(nn.Module):
 
 
 class _CacheBuffers:
-    """One layer's cache buffers (1, B, H, S_max, D) that a compiled step writes through `cache_attention`."""
+    """One layer's cache buffers (1, B, H, S_max, D), or a paged cache's pools (1, NB, H, bs, D) and
+    its block table (B, W), that a compiled step writes through `cache_attention`."""
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k, self.v = k, v
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, block_table: torch.Tensor | None) -> None:
+        self.k, self.v, self.block_table = k, v, block_table
 
 
 class Block(nn.Module):
@@ -145,10 +150,11 @@ class StepContext:
 
 def _static_layer(block: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor, lengths: torch.Tensor, window: int, block_mask: torch.Tensor | None,
-                  invariant: bool) -> torch.Tensor:
+                  invariant: bool, block_table: torch.Tensor | None = None) -> torch.Tensor:
     """One decoder layer of `Transformer.static_step`, a compiled region: x (B, T, C) -> (B, T, C); k, v
-    are this layer's cache buffers (1, B, H, S_max, D); window 0 = none."""
-    ctx = StepContext(cache=_CacheBuffers(k, v), prefix_lens=lengths, backend="static", window=window or None,
+    are this layer's cache buffers (1, B, H, S_max, D), or a paged cache's pools (1, NB, H, bs, D) with
+    its `block_table` (B, W); window 0 = none."""
+    ctx = StepContext(cache=_CacheBuffers(k, v, block_table), prefix_lens=lengths, backend="static", window=window or None,
                       num_keys=k.shape[3], block_mask=block_mask, invariant=invariant)
     return block(x, cos, sin, ctx, 0)
 
@@ -236,14 +242,20 @@ class Transformer(nn.Module):
         self.row_cost = any(getattr(m, "ROW_COST", False) for m in self.modules())
         return self
 
-    def new_cache(self, batch_size: int, max_seq_len: int) -> KVCache:
+    def new_cache(self, batch_size: int, max_seq_len: int, paged_tokens: int | None = None) -> KVCache:
         """A static cache for `batch_size` rows of up to `max_seq_len` tokens (checked for memory); both
-        must be integers >= 1 (TypeError / ValueError naming the argument)."""
+        must be integers >= 1 (TypeError / ValueError naming the argument). paged_tokens: a paged cache
+        (`runtime.paged_cache.PagedKVCache`) whose rows share a pool of that many positions, instead of
+        `batch_size` x `max_seq_len` slots of their own."""
         batch_size = check_int("batch_size", batch_size, minimum=1)
         max_seq_len = check_int("max_seq_len", max_seq_len, minimum=1)
         cfg = self.config
         if self.compiled:  # room for the padded tokens of a compiled step
             max_seq_len += MAX_STATIC_TOKENS
+        if paged_tokens is not None:
+            paged_tokens = check_int("paged_tokens", paged_tokens, minimum=1)
+            return PagedKVCache(cfg.num_layers, batch_size, cfg.num_kv_heads, max_seq_len, cfg.head_dim,
+                                paged_tokens, dtype=self.dtype, device=self.device)
         return KVCache(cfg.num_layers, batch_size, cfg.num_kv_heads, max_seq_len, cfg.head_dim,
                        dtype=self.dtype, device=self.device)
 
@@ -288,7 +300,8 @@ class Transformer(nn.Module):
 
     def static_step(self, tokens: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
                     v: torch.Tensor, lengths: torch.Tensor, block_mask: torch.Tensor | None = None,
-                    aux_layers: tuple[int, ...] = (), regions: Regions | None = None) -> ModelOutput:
+                    aux_layers: tuple[int, ...] = (), regions: Regions | None = None,
+                    block_table: torch.Tensor | None = None) -> ModelOutput:
         """A short forward over the static cache buffers -> ModelOutput: logits (B, T, V), the final
         hidden states (B, T, C) always, and the states entering `aux_layers` (B, T, len * C) when it
         names some.
@@ -297,14 +310,15 @@ class Transformer(nn.Module):
         each layer once per shape: no host syncs, and each layer's cache write + attention is one
         opaque in-place op (`runtime.attention.cache_attention`) over that layer's buffers, so the
         cache length may vary freely. k, v: the cache buffers (L, B, H, S_max, D), written at slots
-        lengths[b] + t; `lengths` (B,) is not advanced here. block_mask: (B, T, T) which new tokens
+        lengths[b] + t; `lengths` (B,) is not advanced here; with a `block_table` (B, W), k and v are a
+        paged cache's pools (L, NB, H, bs, D) (`runtime.paged_cache`). block_mask: (B, T, T) which new tokens
         each one sees (None = causal). regions: run each layer and the head through their compiled
         programs (`runtime.compile.Regions`); None runs them eagerly.
         """
         invariant, window = self.row_invariant, self.config.sliding_window or 0
 
         def step(i: int, layer: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-            args = (x, cos, sin, k[i:i + 1], v[i:i + 1], lengths, window, block_mask, invariant)
+            args = (x, cos, sin, k[i:i + 1], v[i:i + 1], lengths, window, block_mask, invariant, block_table)
             return _static_layer(layer, *args) if regions is None else regions.run(_static_layer, i, (layer,), *args)
 
         x, aux = self._layers(tokens, positions, step, aux_layers)
@@ -419,6 +433,7 @@ class Transformer(nn.Module):
                 grown = torch.eye(padded, dtype=torch.bool, device=block_mask.device).repeat(B, 1, 1)
                 grown[:, :T, :T] = block_mask
                 block_mask = grown  # (B, T+P, T+P)
-        out = self.compiled_step(tokens, positions, cache.k, cache.v, cache.lengths, block_mask, aux_layers)
+        out = self.compiled_step(tokens, positions, cache.k, cache.v, cache.lengths, block_mask, aux_layers,
+                                 cache.block_table)
         cache.lengths += T
         return ModelOutput(out.logits[:, :T], out.hidden[:, :T], None if out.aux is None else out.aux[:, :T])

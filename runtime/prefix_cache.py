@@ -41,7 +41,7 @@ class PrefixCache:
         for name, value, low in (("tokens", tokens, block), ("block", block, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"a prefix cache's {name} must be an integer >= {low}, got {value!r}")
-        L, _, H, _, D = cache.k.shape
+        L, H, D = cache.k.shape[0], cache.k.shape[2], cache.k.shape[4]  # (L, B | NB, H, S_max | bs, D)
         self.block, self.num_blocks = block, tokens // block
         shape = (L, self.num_blocks, H, block, D)
         need = 2 * L * self.num_blocks * H * block * D * cache.k.element_size()
@@ -137,12 +137,11 @@ class PrefixCache:
         if found:
             ids = torch.tensor([self._ids[h] for h in found], device=self.k.device)
             # (L, m, H, block, D) -> (L, H, m * block, D)
-            cache.k[:, row, :, :n] = self.k[:, ids].transpose(1, 2).reshape(L, H, n, D)
-            cache.v[:, row, :, :n] = self.v[:, ids].transpose(1, 2).reshape(L, H, n, D)
+            cache.write_row(row, 0, self.k[:, ids].transpose(1, 2).reshape(L, H, n, D),
+                            self.v[:, ids].transpose(1, 2).reshape(L, H, n, D))
         if key is not None:
             b = self._ids[key]
-            cache.k[:, row, :, n:n + m] = self.k[:, b, :, :m]
-            cache.v[:, row, :, n:n + m] = self.v[:, b, :, :m]
+            cache.write_row(row, n, self.k[:, b, :, :m], self.v[:, b, :, :m])
             n += m
         self.hit_tokens += n
         return n
@@ -160,8 +159,7 @@ class PrefixCache:
             if not self._children[up]:
                 del self._children[up]
         n = tokens.numel()
-        self.k[:, b, :, :n] = cache.k[:, row, :, lo:lo + n]
-        self.v[:, b, :, :n] = cache.v[:, row, :, lo:lo + n]
+        self.k[:, b, :, :n], self.v[:, b, :, :n] = cache.read_row(row, lo, n)
         self._tokens[b, :n] = tokens.to(torch.int64).cpu()
         self._length[b] = n
         self._ids[key] = b

@@ -27,7 +27,7 @@ from runtime.compile import DECODE_STATIC_TOKENS
 from runtime.model_output import ModelOutput
 from specdec.capture import DecodeObserver
 from specdec.drafter import Accepted, Drafter, DraftTree
-from specdec.rows import CacheRow, RowState, check_lengths, prefill, prefill_after, prefill_sharing
+from specdec.rows import RowState, check_lengths, prefill, prefill_after, prefill_sharing
 from specdec.sampling import RowSampling, SamplingParams, select_next
 from specdec.stats import AcceptanceStats
 from specdec.tuning.autok import AutoK
@@ -163,7 +163,7 @@ class DecodeLoop:
             self.state.reset(b, prompt, limit, stop)
             self.sampling[b] = s
             self.row_stats[b] = AcceptanceStats()
-        slots = CacheRow(self.cache, rows[0], len(rows))
+        slots = self.cache.rows(rows[0], len(rows))
         if cached:
             slots.lengths.fill_(cached)
             out = prefill_after(self.target, prompts[0][cached:], slots, return_hidden=self.want_hidden,
@@ -180,10 +180,11 @@ class DecodeLoop:
         return [emitted[b] for b in rows]
 
     def release(self, row: int) -> None:
-        """End `row` and free its slot: its cache length drops to 0 and the drafter forgets it."""
+        """End `row` and free its slot: its cache length drops to 0 (a paged cache takes its blocks
+        back) and the drafter forgets it."""
         self.state.free(row)
         self.sampling[row] = None
-        self.cache.lengths[row] = 0
+        self.cache.free_row(row)
         if self.drafter is not None:
             self.drafter.release(row)
 

@@ -2,7 +2,7 @@
 
 A row is a slot of the target's static KV cache (`runtime.cache.KVCache`). `generate()` fills
 every row at once; the serving engine (`specdec.serving.engine`) reuses a row for one request after
-another: `RowState.reset` / `RowState.free` and `CacheRow`, a view of one row of the cache whose
+another: `RowState.reset` / `RowState.free` and `KVCache.rows`, a view of rows of the cache whose
 writes land in the shared buffers.
 """
 
@@ -199,19 +199,6 @@ class RowState:
         return list(self.seqs)
 
 
-class CacheRow(KVCache):
-    """Rows [row, row + count) of a KVCache as a cache of their own: views of its buffers and
-    lengths, so a forward through it (newcomers' prefill) writes into the shared cache and
-    allocates nothing."""
-
-    def __init__(self, cache: KVCache, row: int, count: int = 1) -> None:  # no KVCache.__init__: no allocation
-        if not (0 <= row and count >= 1 and row + count <= cache.batch_size):
-            raise ValueError(f"rows [{row}, {row + count}) are outside the cache's {cache.batch_size} rows")
-        self.k = cache.k[:, row:row + count]  # (L, count, H, S_max, D)
-        self.v = cache.v[:, row:row + count]
-        self.lengths = cache.lengths[row:row + count]  # (count,)
-
-
 MIN_SHARED = 16  # leading tokens a prompt must share with an earlier one of its batch to copy its keys
 
 
@@ -236,13 +223,12 @@ def prefill_sharing(model, rows: list[torch.Tensor], cache, return_hidden: bool 
         return prefill(model, rows, cache, return_hidden)
     outs: dict[int, ModelOutput] = {}
     for run in runs([b for b in range(len(rows)) if b not in sources]):
-        out = prefill(model, [rows[b] for b in run], CacheRow(cache, run[0], len(run)), return_hidden)
+        out = prefill(model, [rows[b] for b in run], cache.rows(run[0], len(run)), return_hidden)
         for i, b in enumerate(run):
             outs[b] = ModelOutput(out.logits[i:i + 1], None if out.hidden is None else out.hidden[i:i + 1])
     for b, (a, n) in sorted(sources.items()):  # a < b: a leader, or a row copied before this one
-        cache.k[:, b, :, :n] = cache.k[:, a, :, :n]
-        cache.v[:, b, :, :n] = cache.v[:, a, :, :n]
-        row = CacheRow(cache, b)
+        cache.share(a, b, n)
+        row = cache.rows(b)
         row.lengths.fill_(n)
         outs[b] = prefill_after(model, rows[b][n:], row, return_hidden)
     ordered = [outs[b] for b in range(len(rows))]
@@ -252,7 +238,7 @@ def prefill_sharing(model, rows: list[torch.Tensor], cache, return_hidden: bool 
 
 def prefill_after(model, tail: torch.Tensor, cache, return_hidden: bool = False,
                   aux_layers: tuple[int, ...] = ()) -> ModelOutput:
-    """Prefill the rest of one prompt: `cache` is one row (a `CacheRow`) that already holds the
+    """Prefill the rest of one prompt: `cache` is one row (`KVCache.rows`) that already holds the
     keys and values of the prompt's first L tokens (a cached prefix); `tail` (T,) are the tokens
     after them, written at slots L .. L+T-1. Eager (a compiled model compiles no program of T).
     On a row-invariant model the result equals a prefill of the whole prompt, bit for bit.
@@ -329,7 +315,7 @@ def prefill(model, rows: list[torch.Tensor], cache, return_hidden: bool = False,
     if getattr(model, "row_invariant", False):
         eager = eager or model.compiled
         if len(rows) > 1:
-            outs = [prefill(model, [r], CacheRow(cache, b), return_hidden, aux_layers, eager=True)
+            outs = [prefill(model, [r], cache.rows(b), return_hidden, aux_layers, eager=True)
                     for b, r in enumerate(rows)]
             return _stack_rows(outs, max(r.numel() for r in rows))
     device = model.device

@@ -2,7 +2,8 @@
 //
 // cache_attention: the compiled decode step's per-layer op (runtime.attention.cache_attention, the
 // Python custom op, without its Python overhead). Write k, v (B, Hkv, T, D) into layer `layer` of the
-// cache buffers (L, B, Hkv, S_max, D) at slots prefix_lens[b] + t, then attend: query t of q
+// cache buffers (L, B, Hkv, S_max, D) at slots prefix_lens[b] + t (or, with a block table, of the
+// paged pools (L, NB, Hkv, bs, D): runtime.paged_cache), then attend: query t of q
 // (B, Hq, T, D) sees slots [0, prefix_lens[b] + t] of its row (within `window`, 0 = none), or, with a
 // block mask (B, T, T) (a tree step), the row's cached slots and the new tokens its block-mask row
 // allows. `invariant` picks the attention: false = ATen's SDPA over the used slots (grouped-query
@@ -50,17 +51,30 @@ bool has_avx2() {
 // Row-invariant attention of q (B, Hq, T, D) over keys, values (B, Hkv, S, D) (any strides with a
 // contiguous last axis: views of the cache) -> (B, Hq, T, D). mask: (B, T, S) bool, true = may
 // attend; without it query t of row b sees slots [0, prefix_lens[b] + t] (within `window`, 0 = none).
+// With a block table (B, W) (a paged cache), keys and values are the pools (NB, Hkv, bs, D) and the
+// rows' slots [0, num_keys) are read through the table: slot s of row b is position s % bs of block
+// table[b, s / bs].
 at::Tensor attention_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
-                          const c10::optional<at::Tensor>& mask, const at::Tensor& prefix_lens, int64_t window) {
+                          const c10::optional<at::Tensor>& mask, const at::Tensor& prefix_lens, int64_t window,
+                          const c10::optional<at::Tensor>& block_table, int64_t num_keys) {
   TORCH_CHECK(q.device().is_cpu() && keys.device().is_cpu() && values.device().is_cpu(),
               "attention_rows: CPU tensors only");
   TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.sizes() == keys.sizes(), "attention_rows: q (B, Hq, T, D), ",
               "keys and values (B, Hkv, S, D)");
   TORCH_CHECK(keys.scalar_type() == q.scalar_type() && values.scalar_type() == q.scalar_type(),
               "attention_rows: q, keys and values must share a dtype");
-  const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3), Hkv = keys.size(1), S = keys.size(2);
-  TORCH_CHECK(keys.size(0) == B && keys.size(3) == D && Hkv > 0 && Hq % Hkv == 0,
-              "attention_rows: mismatched shapes");
+  const bool paged = block_table.has_value();
+  const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3), Hkv = keys.size(1);
+  const int64_t S = paged ? num_keys : keys.size(2);
+  at::Tensor table;
+  if (paged) {
+    table = block_table->to(at::kLong).contiguous();
+    TORCH_CHECK(table.dim() == 2 && table.size(0) == B && num_keys >= 0 && num_keys <= table.size(1) * keys.size(2),
+                "attention_rows: a block table (B, W) covering num_keys slots");
+  } else {
+    TORCH_CHECK(keys.size(0) == B, "attention_rows: mismatched shapes");
+  }
+  TORCH_CHECK(keys.size(3) == D && Hkv > 0 && Hq % Hkv == 0, "attention_rows: mismatched shapes");
   TORCH_CHECK(D <= attn_generic::kMaxD, "attention_rows: head dims up to ", attn_generic::kMaxD, ", got ", D);
   TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1, "attention_rows: keys and values need a contiguous last axis");
   const at::Tensor lens = prefix_lens.to(at::kLong).contiguous();
@@ -83,7 +97,8 @@ at::Tensor attention_rows(const at::Tensor& q, const at::Tensor& keys, const at:
   at::Tensor out = at::empty(q.sizes(), q.options());
   AttnProblem p{qc.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(), q.scalar_type() == at::kBFloat16,
                 B, Hq, Hkv, T, D, S, {keys.stride(0), keys.stride(1), keys.stride(2)},
-                {values.stride(0), values.stride(1), values.stride(2)}, mp, pre, window};
+                {values.stride(0), values.stride(1), values.stride(2)}, mp, pre, window,
+                paged ? table.data_ptr<int64_t>() : nullptr, paged ? table.size(1) : 0, paged ? keys.size(2) : 0};
   const int64_t blocks = (S + 15) / 16, Dp = (D + 15) / 16 * 16;
   at::Tensor kt = at::empty({B * Hkv * blocks * D * 16}, q.options().dtype(at::kFloat));
   at::Tensor vf = at::empty({B * Hkv * blocks * 16 * Dp}, q.options().dtype(at::kFloat));
@@ -103,9 +118,38 @@ at::Tensor attention_rows(const at::Tensor& q, const at::Tensor& keys, const at:
   return out;
 }
 
+// Store k, v (B, Hkv, T, D) at slots prefix_lens[b] + t of a paged layer's pools kl, vl (NB, Hkv, bs, D)
+// through the block table (B, W); slots whose entry is 0 (no block) are dropped.
+void paged_write(const at::Tensor& k, const at::Tensor& v, at::Tensor& kl, at::Tensor& vl, const at::Tensor& table,
+                 const int64_t* pre) {
+  const int64_t B = k.size(0), H = k.size(1), T = k.size(2), D = k.size(3), bs = kl.size(2), W = table.size(1);
+  TORCH_CHECK(kl.is_contiguous() && vl.is_contiguous() && k.scalar_type() == kl.scalar_type(),
+              "cache_attention: contiguous pools of the cache's dtype");
+  const at::Tensor kc = k.contiguous(), vc = v.contiguous();
+  const int64_t* tp = table.data_ptr<int64_t>();
+  const size_t row = D * kl.element_size();
+  const char* ks = static_cast<const char*>(kc.data_ptr());
+  const char* vs = static_cast<const char*>(vc.data_ptr());
+  char* kd = static_cast<char*>(kl.data_ptr());
+  char* vd = static_cast<char*>(vl.data_ptr());
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t slot = pre[b] + t;
+      TORCH_CHECK(slot / bs < W, "cache_attention: slot ", slot, " is past the block table");
+      const int64_t blk = tp[b * W + slot / bs], at = slot % bs;
+      if (blk == 0) continue;
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t src = ((b * H + h) * T + t) * row, dst = ((blk * H + h) * bs + at) * row;
+        std::memcpy(kd + dst, ks + src, row);
+        std::memcpy(vd + dst, vs + src, row);
+      }
+    }
+}
+
 at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
                            at::Tensor v_cache, int64_t layer, const at::Tensor& prefix_lens, int64_t window,
-                           const c10::optional<at::Tensor>& block_mask, bool invariant) {
+                           const c10::optional<at::Tensor>& block_mask, bool invariant,
+                           const c10::optional<at::Tensor>& block_table) {
   TORCH_CHECK(q.device().is_cpu() && prefix_lens.device().is_cpu(), "cache_attention: CPU tensors only");
   const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3), Hkv = k.size(1);
   const at::Tensor lens = prefix_lens.to(at::kLong).contiguous();
@@ -116,13 +160,32 @@ at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k, const at::T
     longest = std::max(longest, pre[b]);
     uniform = uniform && pre[b] == pre[0];
   }
-  at::Tensor kl = k_cache.select(0, layer), vl = v_cache.select(0, layer);  // (B, Hkv, S_max, D)
-  for (int64_t b = 0; b < B; ++b) {
-    kl.select(0, b).narrow(1, pre[b], T).copy_(k.select(0, b));
-    vl.select(0, b).narrow(1, pre[b], T).copy_(v.select(0, b));
-  }
   const int64_t S = longest + T;
-  const at::Tensor keys = kl.narrow(2, 0, S), values = vl.narrow(2, 0, S);  // (B, Hkv, S, D)
+  at::Tensor kl = k_cache.select(0, layer), vl = v_cache.select(0, layer);  // (B, Hkv, S_max, D) or (NB, Hkv, bs, D)
+  at::Tensor keys, values;  // (B, Hkv, S, D)
+  at::Tensor table;
+  if (block_table.has_value()) {
+    table = block_table->to(at::kLong).contiguous();
+    paged_write(k, v, kl, vl, table, pre);
+    if (!invariant) {  // gather the rows' used blocks for SDPA
+      const int64_t bs = kl.size(2), n = (S + bs - 1) / bs;
+      const at::Tensor ids = table.narrow(1, 0, n).reshape({B * n});
+      keys = kl.index_select(0, ids).view({B, n, Hkv, bs, D}).transpose(1, 2).reshape({B, Hkv, n * bs, D}).narrow(2, 0, S);
+      values = vl.index_select(0, ids).view({B, n, Hkv, bs, D}).transpose(1, 2).reshape({B, Hkv, n * bs, D}).narrow(2, 0, S);
+    }
+  } else {
+    for (int64_t b = 0; b < B; ++b) {
+      kl.select(0, b).narrow(1, pre[b], T).copy_(k.select(0, b));
+      vl.select(0, b).narrow(1, pre[b], T).copy_(v.select(0, b));
+    }
+    keys = kl.narrow(2, 0, S);
+    values = vl.narrow(2, 0, S);
+  }
+  // the invariant kernel reads the pools through the table itself
+  const at::Tensor& ik = table.defined() ? kl : keys;
+  const at::Tensor& iv = table.defined() ? vl : values;
+  c10::optional<at::Tensor> itable;
+  if (table.defined()) itable = table;
   c10::optional<at::Tensor> mask;  // (B, T, S) bool, true = may attend
   if (block_mask.has_value()) {
     TORCH_CHECK(window == 0 || S <= window, "cache_attention: a block-mask step over ", S,
@@ -138,9 +201,9 @@ at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k, const at::T
           mp[(b * T + t) * S + s] = rel < 0 || (rel < T && bp[(b * T + t) * T + rel]);
         }
     mask = m;
-    if (invariant) return attention_rows(q, keys, values, mask, lens, window);
+    if (invariant) return attention_rows(q, ik, iv, mask, lens, window, itable, S);
   } else if (invariant) {
-    return attention_rows(q, keys, values, c10::nullopt, lens, window);
+    return attention_rows(q, ik, iv, c10::nullopt, lens, window, itable, S);
   } else if (!(T == 1 && uniform && (window == 0 || S <= window))) {
     at::Tensor m = at::empty({B, T, S}, q.options().dtype(at::kBool));
     bool* mp = m.data_ptr<bool>();
@@ -167,8 +230,9 @@ at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 
 TORCH_LIBRARY_FRAGMENT(SPECDEC_OPS, m) {
   m.def("cache_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, int layer, "
-        "Tensor prefix_lens, int window, Tensor? block_mask, bool invariant=False) -> Tensor");
-  m.def("attention_rows(Tensor q, Tensor keys, Tensor values, Tensor? mask, Tensor prefix_lens, int window) -> Tensor");
+        "Tensor prefix_lens, int window, Tensor? block_mask, bool invariant=False, Tensor? block_table=None) -> Tensor");
+  m.def("attention_rows(Tensor q, Tensor keys, Tensor values, Tensor? mask, Tensor prefix_lens, int window, "
+        "Tensor? block_table=None, int num_keys=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(SPECDEC_OPS, CPU, m) { 

@@ -22,16 +22,22 @@ __all__ = ["available", "unavailable_reason", "cache_attention", "attention_rows
 
 def cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, layer: int, prefix_lens: torch.Tensor, window: int,
-                    block_mask: torch.Tensor | None, invariant: bool = False) -> torch.Tensor:
+                    block_mask: torch.Tensor | None, invariant: bool = False,
+                    block_table: torch.Tensor | None = None) -> torch.Tensor:
     """`runtime.attention.cache_attention` in C++ (same arguments, same numbers and cache writes):
     k, v (B, Hkv, T, D) written into layer `layer` of k_cache, v_cache (L, B, Hkv, S_max, D) at slots
-    prefix_lens[b] + t, then q (B, Hq, T, D) attends -> (B, Hq, T, D). Needs `available()`."""
-    return ops().cache_attention(q, k, v, k_cache, v_cache, layer, prefix_lens, window, block_mask, invariant)
+    prefix_lens[b] + t (with a `block_table` (B, W): the pools (L, NB, Hkv, bs, D) of a
+    `runtime.paged_cache.PagedKVCache`), then q (B, Hq, T, D) attends -> (B, Hq, T, D). Needs `available()`."""
+    return ops().cache_attention(q, k, v, k_cache, v_cache, layer, prefix_lens, window, block_mask, invariant,
+                                 block_table)
 
 
 def attention_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
-                   prefix_lens: torch.Tensor, window: int) -> torch.Tensor:
+                   prefix_lens: torch.Tensor, window: int, block_table: torch.Tensor | None = None,
+                   num_keys: int = 0) -> torch.Tensor:
     """Row-invariant attention of q (B, Hq, T, D) over keys, values (B, Hkv, S, D) -> (B, Hq, T, D).
     mask (B, T, S) bool, True = may attend; None = causal on top of each row's `prefix_lens` (B,)
-    cached slots, within `window` (0 = none). Needs `available()`."""
-    return ops().attention_rows(q, keys, values, mask, prefix_lens, window)
+    cached slots, within `window` (0 = none). With a `block_table` (B, W), keys and values are a
+    paged layer's pools (NB, Hkv, bs, D) and S = `num_keys` slots of each row are read through it.
+    Needs `available()`."""
+    return ops().attention_rows(q, keys, values, mask, prefix_lens, window, block_table, num_keys)

@@ -34,6 +34,10 @@ struct AttnProblem {
   const bool* mask;       // (B, T, S) or null: causal on `pre` within `window`
   const int64_t* pre;     // (B,)
   int64_t window;         // 0 = none
+  // a paged cache (runtime.paged_cache): keys, values are pools (NB, Hkv, bs, D) with strides ks, vs
+  // over (NB, Hkv, bs), and slot s of row b is position s % bs of block table[b * tw + s / bs]
+  const int64_t* table;   // (B, tw) or null: keys, values are (B, Hkv, S, D)
+  int64_t tw, bs;
 };
 
 #endif
@@ -172,8 +176,14 @@ inline void convert_kv(const AttnProblem& P, float* kt, float* vf, int64_t u0, i
         for (int64_t d = 0; d < Dp; ++d) vrow[d] = 0.0f;
         continue;
       }
-      for (int64_t d = 0; d < D; ++d) kdst[d * kLanes + j] = load_elem(P.keys, P.bf16, kbase + s * P.ks[2] + d);
-      for (int64_t d = 0; d < D; ++d) vrow[d] = load_elem(P.values, P.bf16, vbase + s * P.vs[2] + d);
+      int64_t koff = kbase + s * P.ks[2], voff = vbase + s * P.vs[2];
+      if (P.table != nullptr) {  // through the block table
+        const int64_t blk = P.table[b * P.tw + s / P.bs], at = s % P.bs;
+        koff = blk * P.ks[0] + kvh * P.ks[1] + at * P.ks[2];
+        voff = blk * P.vs[0] + kvh * P.vs[1] + at * P.vs[2];
+      }
+      for (int64_t d = 0; d < D; ++d) kdst[d * kLanes + j] = load_elem(P.keys, P.bf16, koff + d);
+      for (int64_t d = 0; d < D; ++d) vrow[d] = load_elem(P.values, P.bf16, voff + d);
       for (int64_t d = D; d < Dp; ++d) vrow[d] = 0.0f;
     }
   }

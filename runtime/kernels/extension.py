@@ -93,11 +93,12 @@ def _blockq_mm_fake(x, codes, sc, mc, d, dm, bias, bits, group, super, zero=0.0,
     return x.new_empty((*x.shape[:-1], codes.shape[0] * width))
 
 
-def _cache_attention_fake(q, k, v, k_cache, v_cache, layer, prefix_lens, window, block_mask, invariant=False):
+def _cache_attention_fake(q, k, v, k_cache, v_cache, layer, prefix_lens, window, block_mask, invariant=False,
+                          block_table=None):
     return q.new_empty(q.shape)
 
 
-def _attention_rows_fake(q, keys, values, mask, prefix_lens, window):
+def _attention_rows_fake(q, keys, values, mask, prefix_lens, window, block_table=None, num_keys=0):
     return q.new_empty(q.shape)
 
 

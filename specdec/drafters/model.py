@@ -26,7 +26,7 @@ from runtime.cache import KVCache
 from runtime.errors import SpecdecError
 from runtime.prefix_cache import PrefixCache
 from specdec.drafter import Accepted, Drafter, DraftTree
-from specdec.rows import CacheRow, common_prefix, prefill, prefill_after, runs
+from specdec.rows import common_prefix, prefill, prefill_after, runs
 from specdec.sampling import check_finite, probs_from_logits
 
 
@@ -112,14 +112,14 @@ class ModelDrafter(Drafter):
         reused = {b: self.reused.pop(b, 0) for b in self.admitted}
         self.admitted = {}
         for b in [b for b in fits if reused[b]]:  # one forward each, after what the row holds
-            prompt, row = fits.pop(b), CacheRow(self.cache, b)
+            prompt, row = fits.pop(b), self.cache.rows(b)
             row.lengths.fill_(reused[b])
             prefill_after(self.model, prompt[reused[b]:], row)
             self.fed[b] = prompt
             self.prefixes.put(prompt, self.cache, b)
         for run in runs(list(fits)):
             prompts = [fits[b] for b in run]
-            prefill(self.model, prompts, CacheRow(self.cache, run[0], len(run)),
+            prefill(self.model, prompts, self.cache.rows(run[0], len(run)),
                     eager=getattr(self.model, "compiled", False))
             for b, p in zip(run, prompts):
                 self.fed[b] = p

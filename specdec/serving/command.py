@@ -161,7 +161,7 @@ def main(args: argparse.Namespace) -> int:
     eos = eos_ids(args.model, tokenizer)
     engine = Engine(target, draft, max_batch=args.max_batch, max_len=args.max_len,
                     num_draft_tokens=own_draft_length(spec, args.num_draft_tokens), eos_token_id=eos or None,
-                    prefix_cache_tokens=args.prefix_cache_tokens)
+                    prefix_cache_tokens=args.prefix_cache_tokens, kv_cache_tokens=args.kv_cache_tokens)
     if args.compile and spec is not None and spec.varying_blocks:
         print(f"compiling every verification block of {spec} (its trees change size every step)", flush=True)
         compile_block_steps(target, args.max_batch)
@@ -170,6 +170,7 @@ def main(args: argparse.Namespace) -> int:
     print(f"serving {name!r} on http://{args.host}:{args.port}/v1 (drafter {drafter}, max batch {args.max_batch}, "
           f"eos ids {eos})", flush=True)
     print(batch_mode(target), flush=True)
+    print(kv_cache_line(engine), flush=True)
     print(prefix_cache_line(engine), flush=True)
     if args.compile:
         print("--compile: the first request of each batch shape compiles its decode steps (a minute or more on a CPU); "
@@ -192,6 +193,16 @@ def batch_mode(target) -> str:
                 "equals plain decoding")
     return ("batch-dependent kernels (--no-row-invariant, float32, or a device without the row-invariant "
             "kernels): in bf16 a greedy answer may differ at near-tied tokens with the requests sharing its batch")
+
+
+def kv_cache_line(engine: Engine) -> str:
+    """One line saying how the target's keys and values are held: per-row slots or a paged pool."""
+    cache = engine.loop.cache
+    if cache.block_table is None:
+        return (f"KV cache: {engine.max_batch} rows x {cache.max_seq_len} positions, each row its own "
+                "(--kv-cache-tokens N: a paged pool the rows share)")
+    return (f"KV cache: paged, {cache.num_blocks * cache.block_size} positions in blocks of {cache.block_size} "
+            f"shared by {engine.max_batch} rows; a request waits until it can hold its prompt + max_tokens")
 
 
 def prefix_cache_line(engine: Engine) -> str:
@@ -243,6 +254,12 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="positions of keys and values kept of earlier prompts and answers, so a request that "
                         "resends a conversation or shares a system prompt prefills only what it adds (default: "
                         "max batch x max len; 0: off)")
+    p.add_argument("--kv-cache-tokens", type=positive_int, default=None, metavar="N",
+                   help="keep the running requests' keys and values in a paged cache of N positions that the "
+                        "rows share (blocks of 16, taken as a request grows and given back when it ends), so "
+                        "short requests can fill more rows (--max-batch) than N / max len; a request waits "
+                        "until the cache can hold its prompt + max_tokens (default: off, max batch x max len "
+                        "positions, each row its own)")
     p.add_argument("--num-draft-tokens", type=draft_length_arg, default=DEFAULT_NUM_DRAFT_TOKENS,
                    help="drafts per step (default: %(default)s)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, loopback "

@@ -146,11 +146,16 @@ class Engine:
     kept of prompts and answers already read (`runtime.prefix_cache`), so a request prefills only
     what its prompt adds to a cached prefix (None: max_batch x max_len; 0: off; off too for a
     drafter that reads the target's states at every prompt position, EAGLE-3).
+    kv_cache_tokens: keep the target's keys and values in a paged cache of that many positions
+    (`runtime.paged_cache`) that the rows share, instead of max_batch x max_len slots: memory follows
+    what the requests hold, and a request is admitted when a row is free and the pool can hold its
+    prompt + max_new_tokens (None: the per-row slots).
     """
 
     def __init__(self, target, draft=None, *, max_batch: int = 4, max_len: int | None = None,
                  num_draft_tokens: int | str = DEFAULT_NUM_DRAFT_TOKENS,
-                 eos_token_id: int | list[int] | None = None, prefix_cache_tokens: int | None = None) -> None:
+                 eos_token_id: int | list[int] | None = None, prefix_cache_tokens: int | None = None,
+                 kv_cache_tokens: int | None = None) -> None:
         target = as_runtime_model(target)
         check_model("target", target)
         positions = target.config.max_position_embeddings
@@ -167,8 +172,13 @@ class Engine:
             raise ValueError(f"eos_token_id holds token id {max(self.eos)}, outside the model's vocabulary "
                              f"[0, {vocab}); pass the tokenizer's eos id of this model")
         self.drafter = None if draft is None else make_drafter(draft, target)
-        room = max_len + cache_slack(target, self.drafter, num_draft_tokens)
-        cache = target.new_cache(max_batch, room)
+        self._slack = cache_slack(target, self.drafter, num_draft_tokens)
+        room = max_len + self._slack
+        if kv_cache_tokens is not None and (isinstance(kv_cache_tokens, bool) or not isinstance(kv_cache_tokens, int)
+                                            or kv_cache_tokens < 1):
+            raise ValueError(f"kv_cache_tokens must be an integer >= 1 (or None: max_batch x max_len slots), got "
+                             f"{kv_cache_tokens!r}")
+        cache = target.new_cache(max_batch, room, paged_tokens=kv_cache_tokens)
         if not isinstance(cache, KVCache):
             raise ValueError("the engine serves a runtime Transformer (runtime.load_model); a transformers model's "
                              "cache has no rows to share")
@@ -265,6 +275,12 @@ class Engine:
             raise ContextLengthError(f"prompt ({prompt.numel()} tokens) + max_new_tokens ({params.max_new_tokens}) = "
                                      f"{need} exceeds the engine's max_len ({self.max_len}); shorten the prompt, "
                                      "lower max_new_tokens or start the engine with a larger max_len")
+        cache = self.loop.cache
+        if cache.block_table is not None and self._blocks_for(prompt.numel(), params) > cache.num_blocks:
+            raise ContextLengthError(f"prompt ({prompt.numel()} tokens) + max_new_tokens ({params.max_new_tokens}) "
+                                     f"needs more KV positions than the engine's paged cache holds "
+                                     f"({cache.num_blocks * cache.block_size}); shorten the prompt, lower "
+                                     "max_new_tokens or start the engine with more kv_cache_tokens")
         return prompt.long().cpu()
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> bool:
@@ -290,13 +306,15 @@ class Engine:
                 self._waiting.remove(req)
                 self._finish(req, cancel[req.id], finished)
             free = [b for b, r in enumerate(self.slots) if r is None or r.id in cancel]
-            admitted = [self._waiting.popleft() for _ in range(min(len(free), len(self._waiting)))]
         for b, req in enumerate(self.slots):
             if req is not None and req.id in cancel:
                 self._retire(b, cancel[req.id], finished)
+        with self._lock:
+            admitted = self._admissible(len(free))
         with torch.inference_mode():
             self._admit(admitted, finished)
             try:
+                self._reserve_step()
                 emitted = self.loop.step()
             except Exception as err:  # the batch's shared forward or draft: no one request to blame
                 emitted = [[] for _ in self.slots]
@@ -316,6 +334,41 @@ class Engine:
         with self._lock:  # metrics copies the counters under the lock from other threads
             self._counts["steps"] += 1
         return finished
+
+    def _blocks_for(self, prompt_len: int, params: SamplingParams) -> int:
+        """Blocks of the paged cache a request may come to hold: its prompt, its new tokens and the
+        slots of one step's drafts (capped by a row's room)."""
+        cache = self.loop.cache
+        return cache.blocks_needed(min(prompt_len + params.max_new_tokens + self._slack, cache.max_seq_len))
+
+    def _admissible(self, free_rows: int) -> list[Request]:
+        """Take the waiting requests that the step admits, first come first served: one per free row,
+        and with a paged cache only while the pool's blocks not yet promised to running requests
+        hold what the next one may come to need (so a running request never runs out of blocks)."""
+        cache = self.loop.cache
+        if cache.block_table is None:
+            return [self._waiting.popleft() for _ in range(min(free_rows, len(self._waiting)))]
+        promised = sum(self._blocks_for(r.prompt.numel(), r.params) - cache.held(b)
+                       for b, r in enumerate(self.slots) if r is not None)
+        room = cache.blocks_free - promised
+        admitted: list[Request] = []
+        while self._waiting and len(admitted) < free_rows:
+            need = self._blocks_for(self._waiting[0].prompt.numel(), self._waiting[0].params)
+            if need > room:
+                break
+            room -= need
+            admitted.append(self._waiting.popleft())
+        return admitted
+
+    def _reserve_step(self) -> None:
+        """Give each running row of a paged cache the blocks one step may write (its drafts)."""
+        cache = self.loop.cache
+        if cache.block_table is None:
+            return
+        lengths = cache.lengths.tolist()
+        for b, req in enumerate(self.slots):
+            if req is not None and not self.loop.state.done[b]:
+                cache.reserve(b, lengths[b] + self._slack)
 
     def run_until_done(self) -> None:
         """step() until no request is waiting or running."""
@@ -378,6 +431,8 @@ class Engine:
         reqs = [self.slots[b] for b in run]
         rewind = [None if r.generator is None else r.generator.get_state() for r in reqs]
         try:
+            for b, req in zip(run, reqs):  # a paged cache's blocks for the prompts (admission promised them)
+                self.loop.cache.reserve(b, req.prompt.numel())
             cached = self.prefixes.get(reqs[0].prompt, self.loop.cache, run[0]) if lookup else 0
             first = self.loop.admit(run, [r.prompt for r in reqs], [r.params.max_new_tokens for r in reqs],
                                     [self.eos | frozenset(r.params.stop_token_ids) for r in reqs],
@@ -456,18 +511,19 @@ class Engine:
         if self.prefixes is not None and error is None and req.first_token_at is not None:
             held = int(self.loop.cache.lengths[row])  # the prompt and the answer, but its last token
             self.prefixes.put(self.loop.state.sequences()[row][:held], self.loop.cache, row)
+        if error is not None:
+            # what a fault left in the row (NaN keys from NaN activations, say) would reach its next
+            # request: the masked-out slots of a row get attention weight 0, and 0 x NaN is NaN
+            self.loop.cache.free_row(row, zero=True)
         try:
             self.loop.release(row)
         except Exception as err:  # the row is free all the same: its cache length and state were reset first
             fault = RequestError.of("release", err)
             _log_fault(req.id, "could not release its row", fault, err)
             error = error or fault
+            self.loop.cache.free_row(row, zero=True)
         if error is not None and reason != "cancelled":
             req.error, reason = error, "error"
-            # what a fault left in the row (NaN keys from NaN activations, say) would reach its next
-            # request: the masked-out slots of a row get attention weight 0, and 0 x NaN is NaN
-            self.loop.cache.k[:, row].zero_()
-            self.loop.cache.v[:, row].zero_()
         self._finish(req, reason, finished)
 
     def _finish(self, req: Request, reason: str, finished: list[Request]) -> None:
@@ -530,8 +586,14 @@ class Engine:
         lookups, hits, tokens served from it, blocks and evictions (zeros when it is off)."""
         cache, p = self.loop.cache, self.prefixes
         running = [b for b, r in enumerate(self.slots) if r is not None]
+        paged = cache.block_table is not None
         out = {"kv_tokens_in_use": int(cache.lengths[running].sum()) if running else 0,
-               "kv_tokens_capacity": cache.batch_size * cache.max_seq_len,
+               "kv_tokens_capacity": cache.num_blocks * cache.block_size if paged
+               else cache.batch_size * cache.max_seq_len,
+               "kv_block_size": cache.block_size if paged else 0,
+               "kv_blocks_total": cache.num_blocks if paged else 0,
+               "kv_blocks_in_use": cache.blocks_in_use if paged else 0,
+               "kv_blocks_free": cache.blocks_free if paged else 0,
                "prefill_tokens": self._prefilled_tokens,
                "prefix_cache_block": 0 if p is None else p.block}
         for key in ("lookups", "hits", "looked_up_tokens", "hit_tokens", "evictions", "num_blocks",

@@ -62,7 +62,8 @@ class _ByDrafter(Collector):
 
 
 class _KVCache(Collector):
-    """The KV cache, read from the engine: positions held by running rows and the rows' capacity;
+    """The KV cache, read from the engine: positions held by running rows and the rows' capacity
+    (a paged cache's blocks in use and free);
     prompt tokens prefilled; the prefix cache's lookups, hits, prompt tokens it served (not
     prefilled), evictions, and its blocks cached and free."""
 
@@ -73,7 +74,8 @@ class _KVCache(Collector):
                  "Prompt tokens copied from the prefix cache instead of prefilled"),
                 ("prefix_cache_evictions", "specdec_prefix_cache_evictions", "Cached blocks overwritten when full"))
     GAUGES = (("kv_tokens_in_use", "specdec_kv_tokens_in_use", "KV positions held by running requests"),
-              ("kv_tokens_capacity", "specdec_kv_tokens_capacity", "KV positions of the batch rows"))
+              ("kv_tokens_capacity", "specdec_kv_tokens_capacity",
+               "KV positions of the batch rows (of the paged cache's pool)"))
 
     def __init__(self, engine) -> None:
         self.engine = engine
@@ -88,6 +90,11 @@ class _KVCache(Collector):
         blocks.add_metric(["cached"], m["prefix_cache_blocks_cached"])
         blocks.add_metric(["free"], m["prefix_cache_blocks_free"])
         yield blocks
+        paged = GaugeMetricFamily("specdec_kv_blocks", "Paged KV cache blocks by state (0 without one)",
+                                  labels=["state"])
+        paged.add_metric(["in_use"], m["kv_blocks_in_use"])
+        paged.add_metric(["free"], m["kv_blocks_free"])
+        yield paged
 
 
 class ServerMetrics:

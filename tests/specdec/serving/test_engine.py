@@ -372,13 +372,13 @@ def test_a_compiled_target_keeps_the_batch_and_its_programs(target):
 
 
 def test_a_cache_row_view_writes_into_the_shared_cache(target):
-    from specdec.rows import CacheRow, prefill, runs
+    from specdec.rows import prefill, runs
 
     assert runs([3, 0, 1, 5, 4]) == [[0, 1], [3, 4, 5]]
     cache = target.new_cache(3, 32)
     cache.lengths[:] = torch.tensor([5, 7, 2])
     pool_k = cache.k.clone()
-    slot = CacheRow(cache, 1, 2)  # rows 1 and 2
+    slot = cache.rows(1, 2)  # rows 1 and 2
     slot.lengths.zero_()
     prompts = _prompts([6, 4], seed=12)
     logits = prefill(target, prompts, slot).logits  # (2, V)
@@ -389,7 +389,7 @@ def test_a_cache_row_view_writes_into_the_shared_cache(target):
     assert torch.allclose(logits[0], ref[0], atol=1e-5)
     assert torch.allclose(cache.k[:, 1, :, :6], alone.k[:, 0, :, :6], atol=1e-6)
     with pytest.raises(ValueError, match="outside"):
-        CacheRow(cache, 2, 2)
+        cache.rows(2, 2)
 
 
 SMOLLM2_QUESTIONS = [

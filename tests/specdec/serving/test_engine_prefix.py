@@ -6,7 +6,7 @@ import torch
 
 import specdec
 from runtime.tiny import tiny_model
-from specdec.rows import CacheRow, prefill, prefill_after
+from specdec.rows import prefill, prefill_after
 from specdec.serving.engine import Engine, SamplingParams
 from tests.specdec.conftest import V
 
@@ -146,8 +146,8 @@ def test_bf16_a_prompt_prefilled_after_a_cached_prefix_has_the_bits_of_a_whole_p
     prompt = _ids(37, 9)
     cache = model.new_cache(2, 64)
     with torch.inference_mode():
-        whole = prefill(model, [prompt], CacheRow(cache, 0))
-        row = CacheRow(cache, 1)
+        whole = prefill(model, [prompt], cache.rows(0))
+        row = cache.rows(1)
         prefill(model, [prompt[:16]], row)
         split = prefill_after(model, prompt[16:], row)
     assert torch.equal(whole.logits, split.logits)
