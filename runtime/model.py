@@ -28,8 +28,8 @@ from runtime.compile import (
 from runtime.config import ModelConfig
 from runtime.invariant import attention as invariant_attention
 from runtime.invariant import linear, unsupported_reason
-from runtime.paged_cache import PagedKVCache
 from runtime.model_output import ModelOutput, check_aux_layers
+from runtime.paged_cache import PagedKVCache
 from runtime.rope import Rope, apply_rope
 
 
@@ -154,8 +154,8 @@ def _static_layer(block: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.T
     """One decoder layer of `Transformer.static_step`, a compiled region: x (B, T, C) -> (B, T, C); k, v
     are this layer's cache buffers (1, B, H, S_max, D), or a paged cache's pools (1, NB, H, bs, D) with
     its `block_table` (B, W); window 0 = none."""
-    ctx = StepContext(cache=_CacheBuffers(k, v, block_table), prefix_lens=lengths, backend="static", window=window or None,
-                      num_keys=k.shape[3], block_mask=block_mask, invariant=invariant)
+    ctx = StepContext(cache=_CacheBuffers(k, v, block_table), prefix_lens=lengths, backend="static",
+                      window=window or None, num_keys=k.shape[3], block_mask=block_mask, invariant=invariant)
     return block(x, cos, sin, ctx, 0)
 
 

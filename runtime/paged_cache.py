@@ -154,7 +154,8 @@ class PagedKVCache(KVCache):
     def rows(self, row: int, count: int = 1) -> PagedKVCache:
         self._check_rows(row, count)
         view = object.__new__(PagedKVCache)
-        view.k, view.v, view.block_size, view.pool, view._owned = self.k, self.v, self.block_size, self.pool, self._owned
+        view.k, view.v, view.block_size = self.k, self.v, self.block_size  # the pool and its bookkeeping, shared
+        view.pool, view._owned = self.pool, self._owned
         view.block_table = self.block_table[row:row + count]  # (count, W)
         view.lengths = self.lengths[row:row + count]
         view._row0 = self._row0 + row

@@ -3,7 +3,6 @@ when the pool can hold them, decode exactly what generate() decodes for them alo
 block back when they end, faults included."""
 
 import pytest
-import torch
 
 from runtime.errors import ContextLengthError
 from specdec.serving.engine import Engine, SamplingParams
