@@ -15,9 +15,9 @@ only the rest of the prompt is prefilled. When the pool is full the least recent
 overwritten (`evictions` counts them); a lookup touches a prompt's blocks last-first, so a prefix
 outlives its extensions.
 
-Blocks are copied, never read in place: every attention kernel keeps reading a row as one
-contiguous range of its cache. A copy of n positions moves n x (2 x layers x kv heads x head dim)
-values, far less than the n-token prefill it replaces.
+Blocks are copied into a row (its slots, or its blocks of a paged cache: `KVCache.write_row`), never
+referenced in place. A copy of n positions moves n x (2 x layers x kv heads x head dim) values, far
+less than the n-token prefill it replaces.
 """
 
 from __future__ import annotations

@@ -168,6 +168,7 @@ inline void convert_kv(const AttnProblem& P, float* kt, float* vf, int64_t u0, i
     const int64_t kbase = b * P.ks[0] + kvh * P.ks[1], vbase = b * P.vs[0] + kvh * P.vs[1];
     float* kdst = kt + u * D * kLanes;
     float* vdst = vf + u * kLanes * Dp;
+    int64_t kblk = 0, vblk = 0, at0 = 0;  // a paged unit's block base and the position of its key j = 0
     for (int64_t j = 0; j < kLanes; ++j) {
       const int64_t s = kb * kLanes + j;
       float* vrow = vdst + j * Dp;
@@ -177,10 +178,15 @@ inline void convert_kv(const AttnProblem& P, float* kt, float* vf, int64_t u0, i
         continue;
       }
       int64_t koff = kbase + s * P.ks[2], voff = vbase + s * P.vs[2];
-      if (P.table != nullptr) {  // through the block table
-        const int64_t blk = P.table[b * P.tw + s / P.bs], at = s % P.bs;
-        koff = blk * P.ks[0] + kvh * P.ks[1] + at * P.ks[2];
-        voff = blk * P.vs[0] + kvh * P.vs[1] + at * P.vs[2];
+      if (P.table != nullptr) {  // through the block table: one lookup per 16 keys when blocks hold whole units
+        if (j == 0 || P.bs % kLanes != 0) {
+          const int64_t blk = P.table[b * P.tw + s / P.bs];
+          kblk = blk * P.ks[0] + kvh * P.ks[1];
+          vblk = blk * P.vs[0] + kvh * P.vs[1];
+          at0 = s % P.bs - j;
+        }
+        koff = kblk + (at0 + j) * P.ks[2];
+        voff = vblk + (at0 + j) * P.vs[2];
       }
       for (int64_t d = 0; d < D; ++d) kdst[d * kLanes + j] = load_elem(P.keys, P.bf16, koff + d);
       for (int64_t d = 0; d < D; ++d) vrow[d] = load_elem(P.values, P.bf16, voff + d);

@@ -1,12 +1,14 @@
 """Continuous batching of speculative decoding: requests join and leave a running batch.
 
-The engine keeps one target KV cache of `max_batch` rows for its whole life (a per-row slot
-pool: `runtime.cache.KVCache` is preallocated [B, H_kv, S_max, D] with a length per row, so a
-slot is a row) and one `specdec.decode.DecodeLoop` over it, the loop `generate()` runs. Each
-`step()`:
+The engine keeps one target KV cache of `max_batch` rows for its whole life (per-row slots:
+`runtime.cache.KVCache` is preallocated [B, H_kv, S_max, D] with a length per row, so a slot is a
+row; or, with `kv_cache_tokens`, a `runtime.paged_cache.PagedKVCache` whose rows take blocks of one
+pool as they grow and give them back when they end) and one `specdec.decode.DecodeLoop` over it,
+the loop `generate()` runs. Each `step()`:
 
-1. retires cancelled requests and admits waiting ones into free rows: the newcomers' prompts are
-   prefilled into their rows only (`CacheRow`, a view of the shared buffers: nothing is
+1. retires cancelled requests and admits waiting ones into free rows (with a paged cache, while the
+   pool's unpromised blocks hold a request's prompt + max_new_tokens): the newcomers' prompts are
+   prefilled into their rows only (`KVCache.rows`, a view of the shared buffers: nothing is
    allocated; one forward per run of consecutive free rows) and the drafter admits each
    (`Drafter.admit`: its own cache slot, hidden state, ...);
 2. runs one draft + verify step of every running row together (`DecodeLoop.step`), each row with
