@@ -20,6 +20,8 @@ layer's used blocks into contiguous (B, H, S, D) tensors first (`layer_kv`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from runtime.cache import HEADROOM, KVCache, available_memory
@@ -121,6 +123,7 @@ class PagedKVCache(KVCache):
         self.pool = BlockPool(num_blocks)
         self._owned: list[list[int]] = [[] for _ in range(batch_size)]  # row -> its blocks, in slot order
         self._row0 = 0  # the first row of this cache in the owner's rows (a view's offset)
+        self.evict: Callable[[int], None] | None = None  # frees cached blocks until n are free (a prefix cache)
 
     @property
     def batch_size(self) -> int:
@@ -155,7 +158,7 @@ class PagedKVCache(KVCache):
         self._check_rows(row, count)
         view = object.__new__(PagedKVCache)
         view.k, view.v, view.block_size = self.k, self.v, self.block_size  # the pool and its bookkeeping, shared
-        view.pool, view._owned = self.pool, self._owned
+        view.pool, view._owned, view.evict = self.pool, self._owned, self.evict
         view.block_table = self.block_table[row:row + count]  # (count, W)
         view.lengths = self.lengths[row:row + count]
         view._row0 = self._row0 + row
@@ -214,12 +217,25 @@ class PagedKVCache(KVCache):
         need = self.blocks_needed(min(upto, self.max_seq_len))
         if need <= len(owned):
             return
+        if need - len(owned) > self.pool.free and self.evict is not None:
+            self.evict(need - len(owned))
         if need - len(owned) > self.pool.free:
             raise CacheMemoryError(f"row {row} needs {need - len(owned)} more KV blocks and {self.pool.free} are "
                                    "free; start the engine with more KV cache tokens (--kv-cache-tokens)")
         new = [self.pool.take() for _ in range(need - len(owned))]
         self.block_table[row, len(owned):need] = torch.tensor(new, device=self.block_table.device)
         owned.extend(new)
+
+    def adopt(self, row: int, blocks: list[int]) -> None:
+        """Row `row` (holding no blocks) starts with the full `blocks` of the pool, by reference."""
+        owned = self._owned[self._row0 + row]
+        if owned:
+            raise ValueError(f"row {row} already holds blocks: blocks are adopted into an empty row")
+        for b in blocks:
+            self.pool.retain(b)
+        owned.extend(blocks)
+        if blocks:
+            self.block_table[row, :len(blocks)] = torch.tensor(blocks, device=self.block_table.device)
 
     def free_row(self, row: int, zero: bool = False) -> None:
         """Empty `row` and give its blocks back; `zero`: zero those nobody else holds (see KVCache)."""
@@ -236,14 +252,8 @@ class PagedKVCache(KVCache):
     def share(self, src: int, dst: int, n: int) -> None:
         """Row `dst` (holding no blocks) starts with slots [0, n) of row `src`: its full blocks by
         reference, the last partial one by copy."""
-        src_owned, dst_owned = self._owned[self._row0 + src], self._owned[self._row0 + dst]
-        if dst_owned:
-            raise ValueError(f"row {dst} already holds blocks: share a prefix into an empty row")
         full = n // self.block_size
-        for b in src_owned[:full]:
-            self.pool.retain(b)
-        dst_owned.extend(src_owned[:full])
-        self.block_table[dst, :full] = self.block_table[src, :full]
+        self.adopt(dst, self._owned[self._row0 + src][:full])
         rest = n - full * self.block_size
         if rest:
             k, v = self.read_row(src, full * self.block_size, rest)

@@ -29,6 +29,7 @@ import torch
 
 from runtime.cache import HEADROOM, KVCache, available_memory
 from runtime.errors import CacheMemoryError
+from runtime.paged_cache import PagedKVCache
 
 DEFAULT_BLOCK = 16  # positions per block: the grain of the hashed lookup (reuse itself is token by token)
 _ROOT = b""  # the parent of a prompt's first block
@@ -52,12 +53,16 @@ class PrefixCache:
                                    "(prefix_cache_tokens, --prefix-cache-tokens; 0 turns it off)")
         self.k = torch.zeros(shape, dtype=cache.k.dtype, device=cache.k.device)  # (L, NB, H, block, D)
         self.v = torch.zeros(shape, dtype=cache.v.dtype, device=cache.v.device)
+        self._index(self.num_blocks)
+        self._free = list(range(self.num_blocks - 1, -1, -1))  # block ids never used, popped from the end
+
+    def _index(self, ids: int) -> None:
+        """The empty index over block ids [0, ids)."""
         self._ids: OrderedDict[bytes, int] = OrderedDict()  # block key -> block id, least recently used first
         self._parent: dict[bytes, bytes] = {}  # block key -> the key of the block before it (_ROOT first)
         self._children: dict[bytes, dict[bytes, None]] = {}  # key -> keys of the blocks cached after it
-        self._tokens = torch.zeros(self.num_blocks, block, dtype=torch.int64)  # (NB, block): each block's ids
-        self._length = torch.zeros(self.num_blocks, dtype=torch.int64)  # (NB,): block, or fewer (a partial one)
-        self._free = list(range(self.num_blocks - 1, -1, -1))  # block ids never used, popped from the end
+        self._tokens = torch.zeros(ids, self.block, dtype=torch.int64)  # (ids, block): each block's token ids
+        self._length = torch.zeros(ids, dtype=torch.int64)  # (ids,): block, or fewer (a partial one)
         self.hits = self.lookups = self.looked_up_tokens = self.hit_tokens = self.evictions = 0
 
     @property
@@ -133,44 +138,59 @@ class PrefixCache:
             return 0
         self.hits += 1
         n = len(found) * self.block
-        L, _, H, _, D = self.k.shape
-        if found:
-            ids = torch.tensor([self._ids[h] for h in found], device=self.k.device)
-            # (L, m, H, block, D) -> (L, H, m * block, D)
-            cache.write_row(row, 0, self.k[:, ids].transpose(1, 2).reshape(L, H, n, D),
-                            self.v[:, ids].transpose(1, 2).reshape(L, H, n, D))
-        if key is not None:
-            b = self._ids[key]
-            cache.write_row(row, n, self.k[:, b, :, :m], self.v[:, b, :, :m])
-            n += m
+        self._load(cache, row, [self._ids[h] for h in found], None if key is None else self._ids[key], m)
+        n += m
         self.hit_tokens += n
         return n
 
-    def _store(self, key: bytes, parent: bytes, tokens: torch.Tensor, cache: KVCache, row: int, lo: int) -> None:
-        """Copy positions lo .. lo + len(tokens) - 1 of `row` into a block (the least recently used
-        one when none is free) under `key`."""
-        if self._free:
-            b = self._free.pop()
-        else:
-            old, b = self._ids.popitem(last=False)
-            self.evictions += 1
-            up = self._parent.pop(old)
-            del self._children[up][old]
-            if not self._children[up]:
-                del self._children[up]
-        n = tokens.numel()
-        self.k[:, b, :, :n], self.v[:, b, :, :n] = cache.read_row(row, lo, n)
-        self._tokens[b, :n] = tokens.to(torch.int64).cpu()
-        self._length[b] = n
+    def _load(self, cache: KVCache, row: int, full: list[int], child: int | None, m: int) -> None:
+        """Put the cached blocks `full` into slots [0, n) of `row`, then the first m positions of
+        block `child` (if any) after them: copies here."""
+        n = len(full) * self.block
+        L, _, H, _, D = self.k.shape
+        if full:
+            ids = torch.tensor(full, device=self.k.device)
+            # (L, m, H, block, D) -> (L, H, m * block, D)
+            cache.write_row(row, 0, self.k[:, ids].transpose(1, 2).reshape(L, H, n, D),
+                            self.v[:, ids].transpose(1, 2).reshape(L, H, n, D))
+        if child is not None:
+            cache.write_row(row, n, self.k[:, child, :, :m], self.v[:, child, :, :m])
+
+    def _store(self, key: bytes, parent: bytes, tokens: torch.Tensor, cache: KVCache, row: int, lo: int) -> bool:
+        """Keep positions lo .. lo + len(tokens) - 1 of `row` in a block under `key`; False when no
+        block could be had."""
+        b = self._keep(cache, row, lo, tokens.numel())
+        if b is None:
+            return False
+        self._tokens[b, :tokens.numel()] = tokens.to(torch.int64).cpu()
+        self._length[b] = tokens.numel()
         self._ids[key] = b
         self._parent[key] = parent
         self._children.setdefault(parent, {})[key] = None
+        return True
+
+    def _keep(self, cache: KVCache, row: int, lo: int, n: int) -> int | None:
+        """A block holding positions [lo, lo + n) of `row`: copied into a free block of the pool, or
+        into the least recently used one."""
+        b = self._free.pop() if self._free else self._forget(next(iter(self._ids)))
+        self.k[:, b, :, :n], self.v[:, b, :, :n] = cache.read_row(row, lo, n)
+        return b
+
+    def _forget(self, key: bytes) -> int:
+        """Evict the block under `key` from the index (`evictions` counts it); returns its id."""
+        b = self._ids.pop(key)
+        self.evictions += 1
+        up = self._parent.pop(key)
+        del self._children[up][key]
+        if not self._children[up]:
+            del self._children[up]
+        return b
 
     def put(self, tokens: torch.Tensor, cache: KVCache, row: int) -> int:
         """Keep the blocks of `tokens` (1-D), whose keys and values are in slots [0, len) of `row` of
         `cache`, that the pool lacks: its full blocks, then the tokens after them as a partial block
         unless a cached block already starts with them (evicting the least recently used blocks);
-        returns how many blocks were copied in."""
+        returns how many blocks were stored."""
         full = tokens.numel() // self.block
         hashes = self._hashes(tokens, min(full, self.num_blocks))
         copied, touched = 0, list(hashes)
@@ -179,7 +199,8 @@ class PrefixCache:
                 self._ids.move_to_end(h)
                 continue
             lo = i * self.block
-            self._store(h, hashes[i - 1] if i else _ROOT, tokens[lo:lo + self.block], cache, row, lo)
+            if not self._store(h, hashes[i - 1] if i else _ROOT, tokens[lo:lo + self.block], cache, row, lo):
+                break  # no block to be had: the blocks after this one could not be found through it
             copied += 1
         tail = tokens[full * self.block:]
         parent = hashes[-1] if hashes else _ROOT
@@ -188,8 +209,7 @@ class PrefixCache:
             key, m = self._best_child(parent, tail)
             if m < tail.numel():  # no cached block holds these tokens yet
                 key = self._partial_key(parent, tail)
-                if key not in self._ids:
-                    self._store(key, parent, tail, cache, row, full * self.block)
+                if key not in self._ids and self._store(key, parent, tail, cache, row, full * self.block):
                     copied += 1
             touched.append(key)
         # last-first, as a lookup: the prompt's first blocks outlive its extensions
@@ -201,6 +221,88 @@ class PrefixCache:
     def clear(self) -> None:
         """Forget every block (after a fault that may have left bad values in a row)."""
         self._free = list(range(self.num_blocks - 1, -1, -1))
+        self._ids.clear()
+        self._parent.clear()
+        self._children.clear()
+
+
+class PagedPrefixCache(PrefixCache):
+    """The prefix cache of a paged KV cache (`runtime.paged_cache.PagedKVCache`): its blocks are
+    blocks of the rows' own pool, held by reference.
+
+    `put` keeps a row's full blocks by taking a reference to them (no copy: a row never writes below
+    its length again, so they stay as they are) and copies only a partial tail block into a block of
+    its own (the row goes on writing into its tail). `get` gives an empty row the cached full blocks
+    by reference and copies the leading positions of the cached block after them into a block of the
+    row's own: copy on write at the first block the row will write, so n requests of one prompt hold
+    its full blocks once. A cached block that no row holds is free memory waiting to be asked for:
+    when a row needs blocks and the pool has none free, the least recently used such blocks are
+    evicted (`evict`, which the cache calls). At most `tokens` positions are indexed (None: the
+    whole pool)."""
+
+    def __init__(self, cache: PagedKVCache, tokens: int | None = None) -> None:
+        if not isinstance(cache, PagedKVCache):
+            raise TypeError(f"a paged prefix cache goes with a PagedKVCache, got {type(cache).__name__}")
+        self.block = cache.block_size
+        if tokens is None:
+            tokens = cache.num_blocks * self.block
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < self.block:
+            raise ValueError(f"a prefix cache's tokens must be an integer >= {self.block}, got {tokens!r}")
+        self.num_blocks = tokens // self.block
+        self.kv = cache
+        self._index(len(cache.pool.refs))  # indexed by pool block id
+        cache.evict = self.evict
+
+    @property
+    def evictable(self) -> int:
+        """Cached blocks that no row holds: free as soon as a row needs them."""
+        refs = self.kv.pool.refs
+        return sum(refs[b] == 1 for b in self._ids.values())
+
+    def evict(self, need: int) -> None:
+        """Evict the least recently used cached blocks that no row holds until the pool has `need`
+        free blocks (or no such block is left)."""
+        refs = self.kv.pool.refs
+        for key in [k for k, b in self._ids.items() if refs[b] == 1]:
+            if self.kv.pool.free >= need:
+                return
+            self.kv.pool.drop(self._forget(key))
+
+    def _load(self, cache: KVCache, row: int, full: list[int], child: int | None, m: int) -> None:
+        if cache is not self.kv:
+            raise ValueError("a paged prefix cache serves the rows of its own KV cache")
+        cache.adopt(row, full)
+        if child is not None:
+            n = len(full) * self.block
+            cache.write_row(row, n, cache.k[:, child, :, :m], cache.v[:, child, :, :m])
+
+    def _keep(self, cache: KVCache, row: int, lo: int, n: int) -> int | None:
+        if cache is not self.kv:
+            raise ValueError("a paged prefix cache keeps the rows of its own KV cache")
+        if len(self._ids) >= self.num_blocks:
+            self.kv.pool.drop(self._forget(next(iter(self._ids))))
+        if n == self.block:  # a full block: by reference
+            b = int(cache.block_table[row, lo // self.block])
+            if b == 0:  # the row holds no block there (never: put reads slots below the row's length)
+                return None
+            cache.pool.retain(b)
+            return b
+        if not cache.pool.free:
+            self.evict(1)
+        if not cache.pool.free:
+            return None
+        b = cache.pool.take()
+        k, v = cache.read_row(row, lo, n)  # (L, H, n, D)
+        cache.k[:, b, :, :n], cache.v[:, b, :, :n] = k, v
+        return b
+
+    @property
+    def blocks_free(self) -> int:
+        return self.num_blocks - len(self._ids)
+
+    def clear(self) -> None:
+        for b in self._ids.values():
+            self.kv.pool.drop(b)
         self._ids.clear()
         self._parent.clear()
         self._children.clear()

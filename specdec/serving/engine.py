@@ -56,7 +56,7 @@ import torch
 from runtime.args import check_data, check_model, describe
 from runtime.cache import KVCache
 from runtime.errors import ContextLengthError
-from runtime.prefix_cache import DEFAULT_BLOCK, PrefixCache
+from runtime.prefix_cache import DEFAULT_BLOCK, PagedPrefixCache, PrefixCache
 from specdec.decode import DecodeLoop, cache_slack
 from specdec.loader import as_runtime_model, draft_length_of, make_drafter
 from specdec.options import DEFAULT_NUM_DRAFT_TOKENS, parse_draft_length
@@ -352,7 +352,9 @@ class Engine:
             return [self._waiting.popleft() for _ in range(min(free_rows, len(self._waiting)))]
         promised = sum(self._blocks_for(r.prompt.numel(), r.params) - cache.held(b)
                        for b, r in enumerate(self.slots) if r is not None)
-        room = cache.blocks_free - promised
+        # cached blocks that no row holds are free memory: a row that needs blocks evicts them
+        evictable = self.prefixes.evictable if isinstance(self.prefixes, PagedPrefixCache) else 0
+        room = cache.blocks_free + evictable - promised
         admitted: list[Request] = []
         while self._waiting and len(admitted) < free_rows:
             need = self._blocks_for(self._waiting[0].prompt.numel(), self._waiting[0].params)
@@ -378,8 +380,12 @@ class Engine:
             self.step()
 
     def _prefix_cache(self, cache: KVCache, tokens: int | None) -> PrefixCache | None:
-        """The engine's prefix cache (None: off), the loop and the drafter told."""
-        if tokens is None:
+        """The engine's prefix cache (None: off), the loop and the drafter told: a pool of its own
+        beside per-row slots, or the blocks of a paged cache's own pool (`PagedPrefixCache`)."""
+        paged = cache.block_table is not None
+        if tokens is None and paged:
+            tokens = cache.num_blocks * cache.block_size
+        elif tokens is None:
             tokens = self.max_batch * self.max_len
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
             raise ValueError(f"prefix_cache_tokens must be an integer >= 0 (0: no prefix cache), got {tokens!r}")
@@ -393,8 +399,8 @@ class Engine:
                      "prompt is prefilled whole", self.drafter.name)
             return None
         if self.drafter is not None:
-            self.drafter.cache_prefixes(tokens)
-        return PrefixCache(cache, tokens)
+            self.drafter.cache_prefixes(min(tokens, self.max_batch * self.max_len))
+        return PagedPrefixCache(cache, tokens) if paged else PrefixCache(cache, tokens)
 
     def _admit(self, admitted: list[Request], finished: list[Request]) -> None:
         """Give each request a free row and prefill them, one forward per run of consecutive rows
@@ -433,9 +439,9 @@ class Engine:
         reqs = [self.slots[b] for b in run]
         rewind = [None if r.generator is None else r.generator.get_state() for r in reqs]
         try:
+            cached = self.prefixes.get(reqs[0].prompt, self.loop.cache, run[0]) if lookup else 0
             for b, req in zip(run, reqs):  # a paged cache's blocks for the prompts (admission promised them)
                 self.loop.cache.reserve(b, req.prompt.numel())
-            cached = self.prefixes.get(reqs[0].prompt, self.loop.cache, run[0]) if lookup else 0
             first = self.loop.admit(run, [r.prompt for r in reqs], [r.params.max_new_tokens for r in reqs],
                                     [self.eos | frozenset(r.params.stop_token_ids) for r in reqs],
                                     [RowSampling(r.params, r.generator) for r in reqs], cached=cached)

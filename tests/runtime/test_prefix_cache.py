@@ -114,3 +114,49 @@ def test_a_pool_that_does_not_fit_in_memory_is_refused_by_name(monkeypatch):
     monkeypatch.setattr(runtime.prefix_cache, "available_memory", lambda device: 1000)
     with pytest.raises(CacheMemoryError, match="prefix_cache_tokens"):
         PrefixCache(_filled(), tokens=64, block=4)
+
+
+def _paged(rows: int = 3, blocks: int = 8, block: int = 4):
+    from runtime.paged_cache import PagedKVCache
+
+    cache = PagedKVCache(2, rows, 2, 64, 4, blocks * block, block)
+    g = torch.Generator().manual_seed(1)
+    cache.reserve(0, 10)
+    cache.write_row(0, 0, torch.randn(2, 2, 10, 4, generator=g), torch.randn(2, 2, 10, 4, generator=g))
+    cache.lengths[0] = 10
+    return cache
+
+
+def test_a_paged_prefix_cache_holds_full_blocks_by_reference_and_copies_the_tail():
+    from runtime.prefix_cache import PagedPrefixCache
+
+    cache = _paged()
+    pc = PagedPrefixCache(cache)
+    assert pc.put(torch.arange(10), cache, row=0) == 3  # 2 full blocks by reference, the 2-token tail copied
+    assert cache.blocks_in_use == 4 and pc.evictable == 1  # the row's 3 blocks, and the tail's copy
+    row0 = cache.block_table[0, :2].tolist()
+    assert [cache.pool.refs[b] for b in row0] == [2, 2]
+    prompt = torch.cat([torch.arange(9), torch.tensor([50, 51])])
+    assert pc.get(prompt, cache, row=1) == 9
+    assert cache.block_table[1, :2].tolist() == row0  # adopted, not copied
+    assert cache.block_table[1, 2] not in (cache.block_table[0, 2], 0)  # the partial block: the row's own copy
+    assert all(torch.equal(a, b) for a, b in zip(cache.read_row(1, 0, 9), cache.read_row(0, 0, 9)))
+    cache.free_row(0)
+    cache.free_row(1)
+    assert cache.blocks_in_use == pc.evictable == 3  # only the cache holds its blocks now
+
+
+def test_a_row_that_needs_blocks_evicts_the_least_recently_used_cached_ones():
+    from runtime.prefix_cache import PagedPrefixCache
+
+    cache = _paged(blocks=5)
+    pc = PagedPrefixCache(cache)
+    pc.put(torch.arange(10), cache, row=0)
+    cache.free_row(0)
+    assert (cache.blocks_free, pc.evictable) == (2, 3)
+    cache.reserve(1, 16)  # 4 blocks: 2 free, 2 evicted (the tail first: a lookup touches blocks last-first)
+    assert cache.held(1) == 4 and pc.evictions == 2 and pc.blocks_cached == 1
+    assert pc.cached(torch.arange(10)) == 4  # the first block outlived its extensions
+    with pytest.raises(Exception, match="kv-cache-tokens"):
+        cache.reserve(2, 8)  # 2 blocks: 1 evictable left, then none
+    assert pc.blocks_cached == 0 and cache.blocks_free == 1

@@ -24,6 +24,13 @@ def _draft(which, random_draft):
     return {"plain": None, "ngram": "ngram", "draft": random_draft, "hybrid": ["ngram", random_draft]}[which]
 
 
+def _engine(target, draft, paged: bool, **kw) -> Engine:
+    """An engine with per-row slots, or with a paged cache of as many positions (its prefix cache
+    then holds blocks of that pool by reference)."""
+    tokens = kw["max_batch"] * kw["max_len"] if paged else None
+    return Engine(target, draft, kv_cache_tokens=tokens, **kw)
+
+
 def _same_keys_as_a_whole_prefill(engine, req) -> bool:
     """After its admission, the request's row holds the keys and values a prefill of its whole
     prompt writes (float32: to rounding)."""
@@ -31,9 +38,9 @@ def _same_keys_as_a_whole_prefill(engine, req) -> bool:
     fresh = engine.target.new_cache(1, n + 1)
     with torch.inference_mode():
         prefill(engine.target, [req.prompt], fresh)
-    cache = engine.loop.cache
-    return (torch.allclose(cache.k[:, row, :, :n], fresh.k[:, 0, :, :n], atol=1e-5)
-            and torch.allclose(cache.v[:, row, :, :n], fresh.v[:, 0, :, :n], atol=1e-5))
+    k, v = engine.loop.cache.read_row(row, 0, n)
+    return (torch.allclose(k, fresh.k[:, 0, :, :n], atol=1e-5)
+            and torch.allclose(v, fresh.v[:, 0, :, :n], atol=1e-5))
 
 
 def _chat(engine, turns: list[torch.Tensor], max_new: int) -> list[tuple[torch.Tensor, list[int]]]:
@@ -50,10 +57,11 @@ def _chat(engine, turns: list[torch.Tensor], max_new: int) -> list[tuple[torch.T
     return out
 
 
+@pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("which", ["plain", "ngram", "draft", "hybrid"])
-def test_later_turns_prefill_only_what_they_add_and_equal_generate_alone(target, random_draft, which):
+def test_later_turns_prefill_only_what_they_add_and_equal_generate_alone(target, random_draft, which, paged):
     draft = _draft(which, random_draft)
-    engine = Engine(target, draft, max_batch=2, max_len=256)
+    engine = _engine(target, draft, paged, max_batch=2, max_len=256)
     turns = [_ids(n, seed) for seed, n in enumerate([21, 9, 14, 6])]
     answers = _chat(engine, turns, max_new=12)
     for prompt, tokens in answers:
@@ -74,15 +82,21 @@ def test_prefix_cache_off_prefills_every_prompt_whole(target):
     assert m["prefill_tokens"] == sum(p.numel() for p, _ in answers)
 
 
-def test_requests_sharing_a_system_prompt_prefill_it_once(target, random_draft):
+@pytest.mark.parametrize("paged", [False, True])
+def test_requests_sharing_a_system_prompt_prefill_it_once(target, random_draft, paged):
     """8 requests arriving at once with a common 40-token prefix, 4 rows: the first prefills it,
-    the others copy its blocks, the partial one after the last full block too (those admitted
-    beside it wait for its prefill)."""
+    the others copy its blocks (a paged cache: take its full blocks by reference), the partial one
+    after the last full block too (those admitted beside it wait for its prefill)."""
     system = _ids(40, 7)
     # each message starts with a token of its own: the prompts share exactly the 40 tokens
     prompts = [torch.cat([system, torch.tensor([i]), _ids(3 + i, 20 + i)]) for i in range(8)]
-    engine = Engine(target, random_draft, max_batch=4, max_len=128, prefix_cache_tokens=512)
+    engine = _engine(target, random_draft, paged, max_batch=4, max_len=128, prefix_cache_tokens=512)
     reqs = [engine.submit(p, SamplingParams(max_new_tokens=8)) for p in prompts]
+    engine.step()
+    engine.step()  # the rows admitted after the first one's prefill hold its 2 full blocks once
+    if paged:
+        tables = engine.loop.cache.block_table[:, :2]
+        assert bool((tables == tables[0]).all()) and engine.loop.cache.pool.refs[int(tables[0, 0])] == 5
     engine.run_until_done()
     for req, p in zip(reqs, prompts):
         assert req.tokens == _alone(target, random_draft, p, 8)
@@ -92,8 +106,9 @@ def test_requests_sharing_a_system_prompt_prefill_it_once(target, random_draft):
     assert m["prefill_tokens"] == sum(p.numel() for p in prompts) - 7 * 40
 
 
-def test_a_small_cache_evicts_under_pressure_and_answers_stay_exact(target):
-    engine = Engine(target, None, max_batch=2, max_len=256, prefix_cache_tokens=48)
+@pytest.mark.parametrize("paged", [False, True])
+def test_a_small_cache_evicts_under_pressure_and_answers_stay_exact(target, paged):
+    engine = _engine(target, None, paged, max_batch=2, max_len=256, prefix_cache_tokens=48)
     for seed in range(3):
         for prompt, tokens in _chat(engine, [_ids(30, 100 + seed), _ids(5, 200 + seed)], max_new=10):
             assert tokens == _alone(target, None, prompt, 10)
@@ -102,19 +117,25 @@ def test_a_small_cache_evicts_under_pressure_and_answers_stay_exact(target):
     assert m["prefix_cache_blocks_cached"] <= 3
 
 
-def test_a_failed_admission_never_poisons_a_cached_block(target, monkeypatch):
+@pytest.mark.parametrize("paged", [False, True])
+def test_a_failed_admission_never_poisons_a_cached_block(target, monkeypatch, paged):
     """A request whose prefill fails after writing NaN keys into its row ends with "error"; the
     cached blocks of its prefix stay as they were, and the next request sharing them is exact."""
     import specdec.decode
 
     system = _ids(40, 3)
-    engine = Engine(target, None, max_batch=2, max_len=128)
+    engine = _engine(target, None, paged, max_batch=2, max_len=128)
     first = engine.submit(torch.cat([system, _ids(4, 4)]), SamplingParams(max_new_tokens=6))
     engine.run_until_done()
     cached = engine.metrics["prefix_cache_blocks_cached"]
 
     def failing(model, tail, cache, **kw):
-        cache.k.fill_(float("nan"))  # the row's keys, the copied prefix included
+        if paged:  # the row's slots from its length on, what a prefill writes (its shared blocks lie below)
+            start = int(cache.lengths[0])
+            nan = torch.full((cache.k.shape[0], cache.k.shape[2], tail.numel(), cache.k.shape[4]), float("nan"))
+            cache.write_row(0, start, nan, nan)
+        else:
+            cache.k.fill_(float("nan"))  # the row's keys, the copied prefix included
         raise RuntimeError("prefill failed")
 
     monkeypatch.setattr(specdec.decode, "prefill_after", failing)
