@@ -14,7 +14,8 @@ Two workloads, each run by `--concurrency` client threads against each server in
     prompt (held-out ShareGPT text) and a different user question, `--concurrency` at a time.
 
 Servers, each a process of its own: `specdec serve` (max batch = concurrency, the given drafter,
-`--compile` with --compile) with its prefix cache and, for (b), without it (`--prefix-cache-tokens
+`--compile` with --compile, `--kv-cache-tokens` with --kv-cache-tokens: a paged cache whose pool the
+prefix cache shares) with its prefix cache and, for (b), without it (`--prefix-cache-tokens
 0`); llama-server on the
 target's GGUF with `-np concurrency` and `cache_prompt` on (its slots keep their last prompt),
 `--no-repack` on AMX CPUs. Prompts go as token ids, greedy, `--max-tokens` new tokens each.
@@ -163,6 +164,7 @@ class SpecdecServer:
         self.cmd += [] if args.draft == "none" else ["--draft", args.draft]
         self.cmd += ["--compile"] if args.compile else []
         self.cmd += [] if prefix_cache_tokens is None else ["--prefix-cache-tokens", str(prefix_cache_tokens)]
+        self.cmd += [] if args.kv_cache_tokens is None else ["--kv-cache-tokens", str(args.kv_cache_tokens)]
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> "SpecdecServer":
@@ -224,6 +226,8 @@ def main() -> None:
     p.add_argument("--system-tokens", type=int, default=1000)
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--max-len", type=int, default=4096)
+    p.add_argument("--kv-cache-tokens", type=int, default=None,
+                   help="specdec serve --kv-cache-tokens: a paged KV cache whose pool the prefix cache shares")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--compile", action="store_true", help="compile specdec's decode steps (built before timing)")
     p.add_argument("--workloads", default="chat,system", help="comma-separated: chat, system")
@@ -237,7 +241,8 @@ def main() -> None:
     conversations, system_prompts = workloads(tok, args)
     print(f"{len(conversations)} conversations of {args.turns} turns; {len(system_prompts)} requests sharing a "
           f"{args.system_tokens}-token system prompt", flush=True)
-    report = {"model": args.model, "draft": args.draft, "concurrency": args.concurrency, "cpu": str(cpu_summary()),
+    report = {"model": args.model, "draft": args.draft, "concurrency": args.concurrency,
+              "kv_cache_tokens": args.kv_cache_tokens, "cpu": str(cpu_summary()),
               "args": vars(args), "chat": {}, "system": {}, "counters": {}}
     chat_on, system_on = (w in args.workloads.split(",") for w in ("chat", "system"))
     variants = [("specdec", None)] + ([] if "nocache" in skip else [("specdec, prefix cache off", 0)])

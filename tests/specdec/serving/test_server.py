@@ -490,6 +490,40 @@ def test_a_resent_conversation_is_served_from_the_prefix_cache(served):
     assert value("specdec_prefill_tokens_total") > 0 and value("specdec_kv_tokens_capacity") > 0
 
 
+def test_n_samples_share_the_prompts_blocks_of_a_paged_cache(ckpt):
+    """On a paged KV cache the n samples of a prompt hold its full blocks once, by reference, while
+    they run; their answers follow their seeds as on per-row slots."""
+    target = runtime.load_model(ckpt, dtype=torch.float32)
+    tok = runtime.load_tokenizer(ckpt)
+    engine = Engine(target, "ngram", max_batch=4, max_len=MAX_LEN, num_draft_tokens=3,
+                    eos_token_id=tok.eos_token_id, kv_cache_tokens=4 * MAX_LEN)
+    prompt = "return the x of a " * 9 + "hello"  # 46 words: two full blocks shared
+    shared = []
+
+    def watch(req, new):  # on the stepping thread: the first block of every row holding the prompt
+        table, lengths = engine.loop.cache.block_table, engine.loop.cache.lengths
+        rows = [b for b, r in enumerate(engine.slots) if r is not None and lengths[b] > 0]
+        shared.append((len(rows), {int(table[b, 0]) for b in rows}))
+
+    with ServerThread(create_app(engine, tok, MODEL, max_model_len=MAX_LEN)) as server:
+        engine_submit = engine.submit
+        engine.submit = lambda *a, **kw: engine_submit(*a, **{**kw, "on_tokens": _chain(kw.get("on_tokens"), watch)})
+        got = client(server).completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=1.0, seed=5,
+                                                n=4)
+    assert len(got.choices) == 4 and max(n for n, _ in shared) == 4
+    assert all(len(blocks) == 1 for n, blocks in shared if n)  # one first block for every row running
+    assert engine.metrics["prefix_cache_hits"] >= 3
+
+
+def _chain(first, second):
+    """A listener calling `first` (if any), then `second`."""
+    def both(req, new):
+        if first is not None:
+            first(req, new)
+        second(req, new)
+    return both
+
+
 def test_n_samples_of_one_prompt_prefill_it_once_and_follow_their_seeds(served):
     """n choices are n requests of one prompt: the first prefills it, the others copy its blocks."""
     server = served[0]
@@ -510,13 +544,13 @@ def test_n_samples_of_one_prompt_prefill_it_once_and_follow_their_seeds(served):
     assert [ch.text for ch in again.choices] == [ch.text for ch in got.choices]
 
 
-@pytest.mark.parametrize("stop", ["SIGINT", "SIGTERM"])
-def test_specdec_serve_answers_and_stops_on_ctrl_c(ckpt, tmp_path, stop):
+@pytest.mark.parametrize("stop,extra", [("SIGINT", []), ("SIGTERM", ["--kv-cache-tokens", "512"])])
+def test_specdec_serve_answers_and_stops_on_ctrl_c(ckpt, tmp_path, stop, extra):
     """The command as a user runs it: HTTP in a background thread, the engine stepping on the main
     thread; a request is answered and SIGINT (Ctrl-C) or SIGTERM ends the process cleanly. It starts
     with SIGINT ignored, as a background job of a script does (Python then installs no Ctrl-C handler:
     it hung there once). Its output goes to a file; if it does not stop, faulthandler's stacks of
-    every thread are in the failure message."""
+    every thread are in the failure message. The SIGTERM run serves from a paged KV cache."""
     import signal
     import subprocess
     import sys
@@ -528,7 +562,7 @@ def test_specdec_serve_answers_and_stops_on_ctrl_c(ckpt, tmp_path, stop):
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "specdec.cli", "serve", "--model",
                                  str(ckpt), "--dtype", "float32", "--port", str(port), "--max-len", "128",
-                                 "--log-level", "warning"], stdout=out, stderr=subprocess.STDOUT, text=True,
+                                 "--log-level", "warning", *extra], stdout=out, stderr=subprocess.STDOUT, text=True,
                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
         wait_healthy(f"http://127.0.0.1:{port}", proc, 120)
@@ -545,6 +579,8 @@ def test_specdec_serve_answers_and_stops_on_ctrl_c(ckpt, tmp_path, stop):
             proc.wait(timeout=30)
             pytest.fail(f"specdec serve did not stop within 30 s of {stop}; its output:\n{log.read_text()[-6000:]}")
         assert code == 0, log.read_text()[-3000:]
+        if extra:
+            assert "KV cache: paged, 512 positions in blocks of 16" in log.read_text()
     finally:
         if proc.poll() is None:
             proc.kill()
