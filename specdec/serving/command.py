@@ -199,8 +199,7 @@ def kv_cache_line(engine: Engine) -> str:
     """One line saying how the target's keys and values are held: per-row slots or a paged pool."""
     cache = engine.loop.cache
     if cache.block_table is None:
-        return (f"KV cache: {engine.max_batch} rows x {cache.max_seq_len} positions, each row its own "
-                "(--kv-cache-tokens N: a paged pool the rows share)")
+        return f"KV cache: {engine.max_batch} rows x {cache.max_seq_len} positions, each row its own"
     return (f"KV cache: paged, {cache.num_blocks * cache.block_size} positions in blocks of {cache.block_size} "
             f"shared by {engine.max_batch} rows; a request waits until it can hold its prompt + max_tokens")
 
@@ -254,12 +253,12 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="positions of keys and values kept of earlier prompts and answers, so a request that "
                         "resends a conversation or shares a system prompt prefills only what it adds (default: "
                         "max batch x max len; 0: off)")
-    p.add_argument("--kv-cache-tokens", type=positive_int, default=None, metavar="N",
-                   help="keep the running requests' keys and values in a paged cache of N positions that the "
-                        "rows share (blocks of 16, taken as a request grows and given back when it ends), so "
-                        "short requests can fill more rows (--max-batch) than N / max len; a request waits "
-                        "until the cache can hold its prompt + max_tokens (default: off, max batch x max len "
-                        "positions, each row its own)")
+    p.add_argument("--kv-cache-tokens", type=int_at_least(0), default=None, metavar="N",
+                   help="positions of the paged KV cache the rows share (blocks of 16, taken as a request grows "
+                        "and given back when it ends; the prefix cache keeps its blocks there too), so short "
+                        "requests can fill more rows (--max-batch) than N / max len; a request waits until the "
+                        "cache can hold its prompt + max_tokens (default: 2 x max batch x max len; 0: per-row "
+                        "slots of max len positions, the prefix cache a pool of its own)")
     p.add_argument("--num-draft-tokens", type=draft_length_arg, default=DEFAULT_NUM_DRAFT_TOKENS,
                    help="drafts per step (default: %(default)s)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, loopback "

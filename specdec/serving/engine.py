@@ -1,9 +1,9 @@
 """Continuous batching of speculative decoding: requests join and leave a running batch.
 
-The engine keeps one target KV cache of `max_batch` rows for its whole life (per-row slots:
-`runtime.cache.KVCache` is preallocated [B, H_kv, S_max, D] with a length per row, so a slot is a
-row; or, with `kv_cache_tokens`, a `runtime.paged_cache.PagedKVCache` whose rows take blocks of one
-pool as they grow and give them back when they end) and one `specdec.decode.DecodeLoop` over it,
+The engine keeps one target KV cache of `max_batch` rows for its whole life (by default a
+`runtime.paged_cache.PagedKVCache` whose rows take blocks of one pool as they grow and give them
+back when they end; with kv_cache_tokens=0 per-row slots: `runtime.cache.KVCache` preallocated
+[B, H_kv, S_max, D] with a length per row, so a slot is a row) and one `specdec.decode.DecodeLoop` over it,
 the loop `generate()` runs. Each `step()`:
 
 1. retires cancelled requests and admits waiting ones into free rows (with a paged cache, while the
@@ -148,10 +148,12 @@ class Engine:
     kept of prompts and answers already read (`runtime.prefix_cache`), so a request prefills only
     what its prompt adds to a cached prefix (None: max_batch x max_len; 0: off; off too for a
     drafter that reads the target's states at every prompt position, EAGLE-3).
-    kv_cache_tokens: keep the target's keys and values in a paged cache of that many positions
-    (`runtime.paged_cache`) that the rows share, instead of max_batch x max_len slots: memory follows
-    what the requests hold, and a request is admitted when a row is free and the pool can hold its
-    prompt + max_new_tokens (None: the per-row slots).
+    kv_cache_tokens: positions of the paged KV cache (`runtime.paged_cache`) that the rows share:
+    each request takes blocks of its pool as it grows and gives them back when it ends, so memory
+    follows what the requests hold; a request is admitted when a row is free and the pool can hold
+    its prompt + max_new_tokens; the prefix cache keeps its blocks in the same pool (None: 2 x
+    max_batch x max_len, the memory per-row slots and their prefix pool take; 0: per-row slots of
+    max_len positions, the prefix cache a pool of its own beside them).
     """
 
     def __init__(self, target, draft=None, *, max_batch: int = 4, max_len: int | None = None,
@@ -176,11 +178,12 @@ class Engine:
         self.drafter = None if draft is None else make_drafter(draft, target)
         self._slack = cache_slack(target, self.drafter, num_draft_tokens)
         room = max_len + self._slack
-        if kv_cache_tokens is not None and (isinstance(kv_cache_tokens, bool) or not isinstance(kv_cache_tokens, int)
-                                            or kv_cache_tokens < 1):
-            raise ValueError(f"kv_cache_tokens must be an integer >= 1 (or None: max_batch x max_len slots), got "
-                             f"{kv_cache_tokens!r}")
-        cache = target.new_cache(max_batch, room, paged_tokens=kv_cache_tokens)
+        if kv_cache_tokens is None:
+            kv_cache_tokens = 2 * max_batch * max_len
+        if isinstance(kv_cache_tokens, bool) or not isinstance(kv_cache_tokens, int) or kv_cache_tokens < 0:
+            raise ValueError(f"kv_cache_tokens must be an integer >= 0 (0: per-row slots; None: 2 x max_batch x "
+                             f"max_len), got {kv_cache_tokens!r}")
+        cache = target.new_cache(max_batch, room, paged_tokens=kv_cache_tokens or None)
         if not isinstance(cache, KVCache):
             raise ValueError("the engine serves a runtime Transformer (runtime.load_model); a transformers model's "
                              "cache has no rows to share")

@@ -64,7 +64,11 @@ def test_a_request_larger_than_the_pool_is_refused_at_submit(target):
     with pytest.raises(ContextLengthError, match="kv_cache_tokens"):
         engine.submit(_prompts([40])[0], SamplingParams(max_new_tokens=40))
     with pytest.raises(ValueError, match="kv_cache_tokens"):
-        Engine(target, None, max_batch=2, kv_cache_tokens=0)
+        Engine(target, None, max_batch=2, kv_cache_tokens=-1)
+    default = Engine(target, None, max_batch=2, max_len=100)  # paged, as much as per-row slots and their prefix pool
+    assert default.metrics["kv_tokens_capacity"] == 400 and default.prefixes.kv is default.loop.cache
+    slots = Engine(target, None, max_batch=2, max_len=100, kv_cache_tokens=0)
+    assert slots.loop.cache.block_table is None and slots.prefixes.num_blocks * 16 == 192
 
 
 def test_faulty_requests_free_their_blocks_and_zero_them(target):

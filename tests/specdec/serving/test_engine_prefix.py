@@ -27,7 +27,7 @@ def _draft(which, random_draft):
 def _engine(target, draft, paged: bool, **kw) -> Engine:
     """An engine with per-row slots, or with a paged cache of as many positions (its prefix cache
     then holds blocks of that pool by reference)."""
-    tokens = kw["max_batch"] * kw["max_len"] if paged else None
+    tokens = kw["max_batch"] * kw["max_len"] if paged else 0
     return Engine(target, draft, kv_cache_tokens=tokens, **kw)
 
 
