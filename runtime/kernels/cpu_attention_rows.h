@@ -158,6 +158,18 @@ inline void weighted_sum(float* a, const float* w, const int32_t* slot, int64_t 
   for (int u = 0; u < NV; ++u) store16(a + u * kLanes, r[u]);
 }
 
+// Prefetch the 16 keys and values of a paged row from slot s0 on (s0 a multiple of 16 within one block:
+// contiguous rows of D elements there). A unit's block is another part of the pool than the unit before
+// it, which the hardware prefetcher does not foresee. An asm prefetcht0: GCC drops __builtin_prefetch
+// from functions built under target pragmas (runtime/kernels/cpu_blockq.cpp says the same).
+inline void prefetch_unit(const AttnProblem& P, int64_t b, int64_t kvh, int64_t s0) {
+  const int64_t blk = P.table[b * P.tw + s0 / P.bs], at = s0 % P.bs, elem = P.bf16 ? 2 : 4;
+  const char* k = static_cast<const char*>(P.keys) + (blk * P.ks[0] + kvh * P.ks[1] + at * P.ks[2]) * elem;
+  const char* v = static_cast<const char*>(P.values) + (blk * P.vs[0] + kvh * P.vs[1] + at * P.vs[2]) * elem;
+  for (int64_t off = 0; off < kLanes * P.ks[2] * elem; off += 64) __asm__ volatile("prefetcht0 %0" : : "m"(k[off]));
+  for (int64_t off = 0; off < kLanes * P.vs[2] * elem; off += 64) __asm__ volatile("prefetcht0 %0" : : "m"(v[off]));
+}
+
 // Keys and values as float, once per call for all queries: unit u of B * Hkv * blocks (row b, KV
 // head, block of 16 slots) writes its keys as [d][16 keys] into kt (D * 16 floats per unit) and its
 // values as 16 rows of Dp floats (D rounded up to 16, zero-padded) into vf. Slots past S are zero.
@@ -168,6 +180,8 @@ inline void convert_kv(const AttnProblem& P, float* kt, float* vf, int64_t u0, i
     const int64_t kbase = b * P.ks[0] + kvh * P.ks[1], vbase = b * P.vs[0] + kvh * P.vs[1];
     float* kdst = kt + u * D * kLanes;
     float* vdst = vf + u * kLanes * Dp;
+    if (P.table != nullptr && P.bs % kLanes == 0 && kb + 1 < blocks && (kb + 1) * kLanes < S)
+      prefetch_unit(P, b, kvh, (kb + 1) * kLanes);  // the next unit's keys and values lie in another block
     int64_t kblk = 0, vblk = 0, at0 = 0;  // a paged unit's block base and the position of its key j = 0
     for (int64_t j = 0; j < kLanes; ++j) {
       const int64_t s = kb * kLanes + j;
