@@ -55,7 +55,7 @@ import torch
 
 from runtime.args import check_data, check_model, describe
 from runtime.cache import KVCache
-from runtime.errors import ContextLengthError
+from runtime.errors import CacheMemoryError, ContextLengthError
 from runtime.prefix_cache import DEFAULT_BLOCK, PagedPrefixCache, PrefixCache
 from specdec.decode import DecodeLoop, cache_slack
 from specdec.loader import as_runtime_model, draft_length_of, make_drafter
@@ -105,7 +105,9 @@ class Request:
     stop token, kept as the last token, or `cancel(id, "stop")`), "length" (max_new_tokens),
     "cancelled" or "error" (a fault of this request or of the batch's step: `error` says which).
     ttft_s: submit to first token; tpot_s: per token after the first; target_forwards / drafted /
-    accepted: this request's share of the verification steps (AcceptanceStats' conventions).
+    accepted: this request's share of the verification steps (AcceptanceStats' conventions);
+    preemptions: how often its row was taken for others (a paged cache out of blocks): it waited
+    at the head of the queue and was admitted again with its prompt and tokens so far.
     """
 
     id: str
@@ -122,8 +124,16 @@ class Request:
     submitted_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     finished_at: float | None = None
+    preemptions: int = 0
     on_tokens: Callable[[Request, list[int]], None] | None = field(default=None, repr=False)
     generator: torch.Generator | None = field(default=None, repr=False)
+    # target_forwards, drafted, accepted of the rows it ran in before its last preemption
+    stats_before: tuple[int, int, int] = field(default=(0, 0, 0), repr=False)
+
+    @property
+    def sequence(self) -> torch.Tensor:
+        """The prompt and the tokens so far (what a preempted request is admitted again with)."""
+        return torch.cat([self.prompt, torch.tensor(self.tokens, dtype=torch.long)]) if self.tokens else self.prompt
 
     @property
     def finished(self) -> bool:
@@ -193,6 +203,8 @@ class Engine:
             self.drafter.reserve(max_batch, room)
         self.prefixes = self._prefix_cache(cache, prefix_cache_tokens)
         self.slots: list[Request | None] = [None] * max_batch
+        self._admitted_at = [0] * max_batch  # row -> when its request was admitted (the order preemption follows)
+        self._admissions = 0
         self._waiting: collections.deque[Request] = collections.deque()
         self._live: dict[str, Request] = {}
         self._cancel: dict[str, str] = {}  # request id -> the finish reason it is retired with
@@ -200,7 +212,7 @@ class Engine:
         self._lock = threading.RLock()  # re-entrant: a listener may submit or cancel
         self._counts = collections.Counter(requests_total=0, requests_finished=0, finished_stop=0,
                                            finished_length=0, finished_cancelled=0,
-                                           finished_error=0, steps=0)
+                                           finished_error=0, steps=0, preemptions=0)
         self._prefilled_tokens = 0  # prompt tokens run through the target (not copied from the prefix cache)
         self._ttft: collections.deque[float] = collections.deque(maxlen=_RECENT)
         self._tpot: collections.deque[float] = collections.deque(maxlen=_RECENT)
@@ -348,19 +360,22 @@ class Engine:
 
     def _admissible(self, free_rows: int) -> list[Request]:
         """Take the waiting requests that the step admits, first come first served: one per free row,
-        and with a paged cache only while the pool's blocks not yet promised to running requests
-        hold what the next one may come to need (so a running request never runs out of blocks)."""
+        and with a paged cache while the pool (its free blocks and the cached ones no row holds) has
+        room for the next one's prompt and first step after what the running rows' next step needs.
+        A request is not promised the blocks of its whole answer: when the pool runs out, the most
+        recently admitted running request is preempted (`_reserve_step`)."""
         cache = self.loop.cache
         if cache.block_table is None:
             return [self._waiting.popleft() for _ in range(min(free_rows, len(self._waiting)))]
-        promised = sum(self._blocks_for(r.prompt.numel(), r.params) - cache.held(b)
-                       for b, r in enumerate(self.slots) if r is not None)
+        lengths = cache.lengths.tolist()
+        running = sum(max(0, cache.blocks_needed(lengths[b] + self._slack) - cache.held(b))
+                      for b, r in enumerate(self.slots) if r is not None)
         # cached blocks that no row holds are free memory: a row that needs blocks evicts them
         evictable = self.prefixes.evictable if isinstance(self.prefixes, PagedPrefixCache) else 0
-        room = cache.blocks_free + evictable - promised
+        room = cache.blocks_free + evictable - running
         admitted: list[Request] = []
         while self._waiting and len(admitted) < free_rows:
-            need = self._blocks_for(self._waiting[0].prompt.numel(), self._waiting[0].params)
+            need = cache.blocks_needed(self._waiting[0].sequence.numel() + self._slack)
             if need > room:
                 break
             room -= need
@@ -368,14 +383,45 @@ class Engine:
         return admitted
 
     def _reserve_step(self) -> None:
-        """Give each running row of a paged cache the blocks one step may write (its drafts)."""
+        """Give each running row of a paged cache the blocks one step may write (its drafts), the
+        earliest admitted first; when the pool has too few, preempt the most recently admitted
+        running request (vLLM's recompute preemption) and try again."""
         cache = self.loop.cache
         if cache.block_table is None:
             return
-        lengths = cache.lengths.tolist()
-        for b, req in enumerate(self.slots):
-            if req is not None and not self.loop.state.done[b]:
-                cache.reserve(b, lengths[b] + self._slack)
+        while True:
+            rows = sorted((b for b, r in enumerate(self.slots) if r is not None and not self.loop.state.done[b]),
+                          key=lambda b: self._admitted_at[b])
+            lengths = cache.lengths.tolist()
+            try:
+                for b in rows:
+                    cache.reserve(b, lengths[b] + self._slack)
+                return
+            except CacheMemoryError:
+                if len(rows) < 2:
+                    raise
+                self._preempt(rows[-1])
+
+    def _preempt(self, row: int) -> None:
+        """Take `row` from its request for the others: its tokens so far stay delivered, its prompt and
+        answer go to the prefix cache (so its admission again reuses what is still cached), its row is
+        released, and it waits at the head of the queue. A greedy request decodes on exactly as it
+        would have (row-invariant forwards); a sampled one keeps its generator but draws differently."""
+        req = self.slots[row]
+        held = int(self.loop.cache.lengths[row])
+        if self.prefixes is not None:
+            self.prefixes.put(self.loop.state.sequences()[row][:held], self.loop.cache, row)
+        s = self.loop.row_stats[row]
+        req.stats_before = (req.stats_before[0] + s.target_forwards, req.stats_before[1] + s.drafted_tokens,
+                            req.stats_before[2] + s.accepted_tokens)
+        req.preemptions += 1
+        self.slots[row] = None
+        self.loop.release(row)
+        with self._lock:
+            self._waiting.appendleft(req)
+            self._counts["preemptions"] += 1
+        log.info("request %s preempted after %d tokens: the KV cache is full; it waits to be admitted again",
+                 req.id, len(req.tokens))
 
     def run_until_done(self) -> None:
         """step() until no request is waiting or running."""
@@ -414,6 +460,8 @@ class Engine:
         free = [b for b, r in enumerate(self.slots) if r is None][:len(admitted)]
         for b, req in zip(free, admitted):
             self.slots[b] = req
+            self._admissions += 1
+            self._admitted_at[b] = self._admissions
         for b in free:
             if self.slots[b].params.max_new_tokens == 0:
                 self._retire(b, "length", finished)
@@ -422,7 +470,7 @@ class Engine:
         if self.prefixes is not None:
             block, seen = self.prefixes.block, []
             for b in rows:
-                prompt = self.slots[b].prompt
+                prompt = self.slots[b].sequence
                 if self.prefixes.cached(prompt) or any(common_prefix(p, prompt) >= block for p in seen):
                     alone.append(b)
                 else:  # a miss, looked up (and counted) here: nothing cached, nothing beside it to wait for
@@ -440,15 +488,16 @@ class Engine:
         admission raises ends with "error". lookup: the one row starts from the cached blocks its
         prompt begins with. The prompts' blocks go to the prefix cache once admitted."""
         reqs = [self.slots[b] for b in run]
+        prompts = [r.sequence for r in reqs]  # a preempted request: its prompt and its tokens so far
         rewind = [None if r.generator is None else r.generator.get_state() for r in reqs]
         try:
-            cached = self.prefixes.get(reqs[0].prompt, self.loop.cache, run[0]) if lookup else 0
-            for b, req in zip(run, reqs):  # a paged cache's blocks for the prompts (admission promised them)
-                self.loop.cache.reserve(b, req.prompt.numel())
-            first = self.loop.admit(run, [r.prompt for r in reqs], [r.params.max_new_tokens for r in reqs],
+            cached = self.prefixes.get(prompts[0], self.loop.cache, run[0]) if lookup else 0
+            for b, prompt in zip(run, prompts):  # a paged cache's blocks for the prompts (admission made room)
+                self.loop.cache.reserve(b, prompt.numel())
+            first = self.loop.admit(run, prompts, [r.params.max_new_tokens - len(r.tokens) for r in reqs],
                                     [self.eos | frozenset(r.params.stop_token_ids) for r in reqs],
                                     [RowSampling(r.params, r.generator) for r in reqs], cached=cached)
-            self._prefilled_tokens += sum(r.prompt.numel() for r in reqs) - cached
+            self._prefilled_tokens += sum(p.numel() for p in prompts) - cached
         except Exception as err:
             for b in run:
                 self.loop.faults.pop(b, None)
@@ -467,10 +516,10 @@ class Engine:
             return
         self._take_loop_faults()
         now = time.perf_counter()
-        for b, req, new in zip(run, reqs, first):
+        for b, req, prompt, new in zip(run, reqs, prompts, first):
             if b not in self._faults:
                 if self.prefixes is not None:  # at once: a request arriving beside this one may share it
-                    self.prefixes.put(req.prompt, self.loop.cache, b)
+                    self.prefixes.put(prompt, self.loop.cache, b)
                 self._deliver(req, b, new, now)
 
     def _deliver(self, req: Request, row: int, new: list[int], now: float) -> None:
@@ -478,8 +527,9 @@ class Engine:
         if req.first_token_at is None:
             req.first_token_at, req.ttft_s = now, now - req.submitted_at
         req.tokens.extend(new)
-        s = self.loop.row_stats[row]
-        req.target_forwards, req.drafted, req.accepted = s.target_forwards, s.drafted_tokens, s.accepted_tokens
+        s, (tf, dr, ac) = self.loop.row_stats[row], req.stats_before
+        req.target_forwards, req.drafted = tf + s.target_forwards, dr + s.drafted_tokens
+        req.accepted = ac + s.accepted_tokens
         if req.on_tokens is not None:
             try:
                 req.on_tokens(req, list(new))

@@ -72,7 +72,9 @@ class _KVCache(Collector):
                 ("prefix_cache_hits", "specdec_prefix_cache_hits", "Admissions that found cached blocks"),
                 ("prefix_cache_hit_tokens", "specdec_prefix_cache_hit_tokens",
                  "Prompt tokens copied from the prefix cache instead of prefilled"),
-                ("prefix_cache_evictions", "specdec_prefix_cache_evictions", "Cached blocks overwritten when full"))
+                ("prefix_cache_evictions", "specdec_prefix_cache_evictions", "Cached blocks overwritten when full"),
+                ("preemptions", "specdec_preemptions",
+                 "Requests preempted when the paged KV cache ran out of blocks (admitted again later)"))
     GAUGES = (("kv_tokens_in_use", "specdec_kv_tokens_in_use", "KV positions held by running requests"),
               ("kv_tokens_capacity", "specdec_kv_tokens_capacity",
                "KV positions of the batch rows (of the paged cache's pool)"))

@@ -1,8 +1,9 @@
 """The engine over a paged KV cache: requests hold blocks of one pool while they run, are admitted
-when the pool can hold them, decode exactly what generate() decodes for them alone, and give every
-block back when they end, faults included."""
+when the pool has room for them, are preempted (and resume exactly) when it runs out, decode exactly
+what generate() decodes for them alone, and give every block back when they end, faults included."""
 
 import pytest
+import torch
 
 from runtime.errors import ContextLengthError
 from specdec.serving.engine import Engine, SamplingParams
@@ -43,20 +44,51 @@ def test_short_requests_outnumber_what_per_row_slots_would_hold(target):
         assert req.tokens == _alone(target, "ngram", p, 4)
 
 
-def test_a_request_waits_until_the_pool_can_hold_it(target):
-    """Two requests hold 3 + 2 of the pool's 5 blocks: the third waits for blocks, not for a row."""
-    engine = Engine(target, None, max_batch=3, max_len=64, kv_cache_tokens=80, prefix_cache_tokens=0)
-    prompts = _prompts([20, 20, 6], seed=4)
-    reqs = [engine.submit(p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts, (20, 8, 4))]
+@pytest.fixture(scope="module")
+def bf16_target():
+    """The fixture's target in bf16: row-invariant forwards, so a preempted request admitted again with
+    its prompt and tokens so far decodes on bit for bit as it would have."""
+    from runtime.tiny import tiny_model
+    from tests.specdec.conftest import V
+
+    model = tiny_model("llama", seed=0, vocab_size=V).to(torch.bfloat16)
+    assert model.row_invariant
+    return model
+
+
+@pytest.mark.parametrize("which", ["plain", "ngram"])
+def test_a_full_pool_preempts_the_latest_request_which_resumes_exactly(bf16_target, which):
+    """Three requests fit the 5-block pool as they start (a block each), not as they grow: the latest admitted is
+    preempted when a step finds no block, waits at the head of the queue, is admitted again with its
+    prompt and tokens so far, and every answer equals generate() alone, each token delivered once."""
+    draft = None if which == "plain" else "ngram"
+    engine = Engine(bf16_target, draft, max_batch=3, max_len=64, kv_cache_tokens=80, prefix_cache_tokens=0)
+    prompts = _prompts([10, 10, 10], seed=4)
+    limits = (40, 12, 40)
+    seen = {i: [] for i in range(3)}
+    reqs = [engine.submit(p, SamplingParams(max_new_tokens=n), on_tokens=lambda r, new, i=i: seen[i].extend(new))
+            for i, (p, n) in enumerate(zip(prompts, limits))]
     engine.step()
-    assert (engine.running, engine.waiting) == (2, 1)
-    while reqs[1].finish_reason is None:
-        engine.step()
-    engine.step()
-    assert reqs[2].tokens  # admitted once the second request's blocks came back
+    assert engine.running == 3
     engine.run_until_done()
-    for req, p, n in zip(reqs, prompts, (20, 8, 4)):
-        assert req.tokens == _alone(target, None, p, n)
+    assert engine.metrics["preemptions"] >= 1 and reqs[2].preemptions >= 1 and reqs[0].preemptions == 0
+    for i, (req, p, n) in enumerate(zip(reqs, prompts, limits)):
+        assert req.finish_reason == "length" and req.tokens == seen[i] == _alone(bf16_target, draft, p, n)
+    assert reqs[2].target_forwards >= len(reqs[2].tokens) // (1 + 5 * (which == "ngram"))  # counted across its runs
+    assert engine.metrics["kv_blocks_in_use"] == 0
+
+
+def test_a_preempted_request_reuses_its_cached_blocks(bf16_target):
+    """With the prefix cache on, a preempted request's prompt and answer go to the cache: admitted again, it
+    looks them up (under the pressure that preempted it most are evicted) and decodes on exactly."""
+    engine = Engine(bf16_target, None, max_batch=3, max_len=64, kv_cache_tokens=80)
+    prompts = _prompts([10, 10, 10], seed=4)
+    reqs = [engine.submit(p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts, (40, 12, 40))]
+    engine.run_until_done()
+    m = engine.metrics
+    assert m["preemptions"] >= 1 and m["prefix_cache_hits"] >= 1  # the pressure evicts most of what it put
+    for req, p, n in zip(reqs, prompts, (40, 12, 40)):
+        assert req.tokens == _alone(bf16_target, None, p, n)
 
 
 def test_a_request_larger_than_the_pool_is_refused_at_submit(target):

@@ -488,6 +488,7 @@ def test_a_resent_conversation_is_served_from_the_prefix_cache(served):
     assert status == 200
     assert value("specdec_prefix_cache_hit_tokens_total") >= hits + 32 and blocks >= 2
     assert value("specdec_prefill_tokens_total") > 0 and value("specdec_kv_tokens_capacity") > 0
+    assert value("specdec_preemptions_total") == 0 and value('specdec_kv_blocks{state="free"}') > 0
 
 
 def test_n_samples_share_the_prompts_blocks_of_a_paged_cache(ckpt):
