@@ -1,16 +1,16 @@
 """More short requests at once in the same KV memory: per-row slots against a paged pool.
 
 One compiled target, one engine each, the same KV memory (--kv-tokens positions): (a) per-row slots,
---kv-tokens / --max-len rows of --max-len positions (what `specdec serve --max-batch` gives
-today); (b) a paged cache of --kv-tokens positions (`--kv-cache-tokens`) with --paged-rows rows. N
-short chat requests (HumanEval and ShareGPT held-out, alternating, all submitted at once) are served
-to the end; every answer is checked against the other engine's:
+--kv-tokens / --max-len rows of --max-len positions (`--kv-cache-tokens 0`); (b) a paged cache of
+--kv-tokens positions (`--kv-cache-tokens`) with --paged-rows rows. N short chat requests (HumanEval
+and ShareGPT held-out, alternating, all submitted at once) are served to the end; every answer is
+checked against the other engine's:
 
     python benchmarks/paged_capacity.py --kv-tokens 4096 --max-len 1024 --paged-rows 16 \\
         --requests 32 --max-tokens 64 --out runs/paged_capacity
 
 Reports per engine: rows, peak requests running at once, generated tokens / s (first submit to
-last answer), KV bytes allocated, peak KV blocks in use; CPU model and flags (`runtime.hardware`).
+last answer), KV bytes allocated, peak KV blocks in use, preemptions; CPU model and flags (`runtime.hardware`).
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ def serve(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict:
     tokens = sum(len(r.tokens) for r in reqs)
     return {"rows": engine.max_batch, "peak_running": peak, "generated_tokens": tokens, "seconds": elapsed,
             "tokens_per_s": tokens / elapsed, "kv_bytes": 2 * cache.k.numel() * cache.k.element_size(),
-            "peak_kv_blocks_in_use": peak_blocks, "answers": [r.tokens for r in reqs]}
+            "peak_kv_blocks_in_use": peak_blocks, "preemptions": engine.metrics["preemptions"],
+            "answers": [r.tokens for r in reqs]}
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -54,7 +55,7 @@ def run(args: argparse.Namespace) -> dict:
     eos = eos_ids(args.model, tok) or None
     engines = {
         "slots": Engine(target, None, max_batch=args.kv_tokens // args.max_len, max_len=args.max_len,
-                        eos_token_id=eos, prefix_cache_tokens=0),
+                        eos_token_id=eos, prefix_cache_tokens=0, kv_cache_tokens=0),
         "paged": Engine(target, None, max_batch=args.paged_rows, max_len=args.max_len, eos_token_id=eos,
                         prefix_cache_tokens=0, kv_cache_tokens=args.kv_tokens),
     }
