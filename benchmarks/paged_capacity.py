@@ -10,13 +10,15 @@ checked against the other engine's:
         --requests 32 --max-tokens 64 --out runs/paged_capacity
 
 Reports per engine: rows, peak requests running at once, generated tokens / s (first submit to
-last answer), KV bytes allocated, peak KV blocks in use, preemptions; CPU model and flags (`runtime.hardware`).
+last answer; the median of --rounds runs, the engines alternating), KV bytes allocated, peak KV
+blocks in use, preemptions; CPU model and flags (`runtime.hardware`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -62,18 +64,23 @@ def run(args: argparse.Namespace) -> dict:
     for name, engine in engines.items():  # compile the decode step of each batch size outside the timing
         print(f"{name}: warming up ({engine.max_batch} rows)", flush=True)
         serve(engine, prompts[:1], 4)
-    out = {}
-    for name, engine in engines.items():
-        print(f"{name}: serving {len(prompts)} requests", flush=True)
-        out[name] = serve(engine, prompts, args.max_tokens)
-        r = out[name]
-        print(f"{name}: {r['rows']} rows, peak {r['peak_running']} running, {r['tokens_per_s']:.1f} tok/s, "
-              f"KV {r['kv_bytes'] / 2**20:.0f} MiB", flush=True)
-    same = out["slots"].pop("answers") == out["paged"].pop("answers")
-    print(f"answers equal: {same}; throughput paged / slots: "
+    runs: dict[str, list[dict]] = {name: [] for name in engines}
+    for r in range(args.rounds):  # slots, paged, then paged, slots, ...: a drift of the machine hits both
+        for name in (list(engines) if r % 2 == 0 else list(reversed(engines))):
+            print(f"round {r + 1}, {name}: serving {len(prompts)} requests", flush=True)
+            res = serve(engines[name], prompts, args.max_tokens)
+            runs[name].append(res)
+            print(f"round {r + 1}, {name}: {res['rows']} rows, peak {res['peak_running']} running, "
+                  f"{res['tokens_per_s']:.1f} tok/s, KV {res['kv_bytes'] / 2**20:.0f} MiB", flush=True)
+    answers = [res.pop("answers") for name in engines for res in runs[name]]
+    same = all(a == answers[0] for a in answers)
+    out = {name: {**res[0], "tokens_per_s": statistics.median(x["tokens_per_s"] for x in res),
+                  "tokens_per_s_runs": [x["tokens_per_s"] for x in res],
+                  "preemptions": max(x["preemptions"] for x in res)} for name, res in runs.items()}
+    print(f"answers equal: {same}; throughput paged / slots (medians of {args.rounds}): "
           f"{out['paged']['tokens_per_s'] / out['slots']['tokens_per_s']:.2f}x", flush=True)
     return {"model": args.model, "weights": args.weights, "kv_tokens": args.kv_tokens, "max_len": args.max_len,
-            "requests": len(prompts), "max_tokens": args.max_tokens, "answers_equal": same,
+            "requests": len(prompts), "max_tokens": args.max_tokens, "rounds": args.rounds, "answers_equal": same,
             "cpu": cpu_summary(), "threads": torch.get_num_threads(), **out}
 
 
@@ -86,6 +93,7 @@ def main() -> None:
     p.add_argument("--paged-rows", type=int, default=16, help="rows of the paged engine (default: %(default)s)")
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=2, help="alternations of the two engines (default: %(default)s)")
     p.add_argument("--out", type=Path, default=None, help="directory for result.json")
     args = p.parse_args()
     result = run(args)
