@@ -40,13 +40,13 @@ def serve(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict:
     while engine.waiting or engine.running:
         engine.step()
         peak = max(peak, engine.running)
-        peak_blocks = max(peak_blocks, engine.metrics["kv_blocks_in_use"])
+        peak_blocks = max(peak_blocks, engine.metrics["kv_blocks_used"])
     elapsed = time.perf_counter() - t0
     cache = engine.loop.cache
     tokens = sum(len(r.tokens) for r in reqs)
     return {"rows": engine.max_batch, "peak_running": peak, "generated_tokens": tokens, "seconds": elapsed,
             "tokens_per_s": tokens / elapsed, "kv_bytes": 2 * cache.k.numel() * cache.k.element_size(),
-            "peak_kv_blocks_in_use": peak_blocks, "preemptions": engine.metrics["preemptions"],
+            "peak_kv_blocks_used": peak_blocks, "preemptions": engine.metrics["preemptions"],
             "answers": [r.tokens for r in reqs]}
 
 

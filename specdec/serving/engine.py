@@ -619,8 +619,10 @@ class Engine:
         TPOT of the last requests that finished with "stop" or "length". `by_drafter`: per drafter (a
         composite's or hybrid's member) the steps that verified its proposals, their drafted and
         accepted tokens, acceptance rate and tau over those steps. The KV cache (`_cache_metrics`):
-        kv_tokens_in_use / kv_tokens_capacity, prefill_tokens, and prefix_cache_* (block, lookups,
-        hits, looked_up_tokens, hit_tokens, evictions, num_blocks, blocks_cached, blocks_free)."""
+        kv_tokens_in_use / kv_tokens_capacity, kv_block_size and kv_blocks_total / used / free / cached
+        (a paged cache's; zeros with per-row slots, but cached), preemptions, prefill_tokens, and
+        prefix_cache_* (block, lookups, hits, looked_up_tokens, hit_tokens, evictions, num_blocks,
+        blocks_cached, blocks_free)."""
         s: AcceptanceStats = self.loop.stats
         out = {}
         with self._lock:
@@ -653,8 +655,9 @@ class Engine:
                else cache.batch_size * cache.max_seq_len,
                "kv_block_size": cache.block_size if paged else 0,
                "kv_blocks_total": cache.num_blocks if paged else 0,
-               "kv_blocks_in_use": cache.blocks_in_use if paged else 0,
+               "kv_blocks_used": cache.blocks_in_use if paged else 0,
                "kv_blocks_free": cache.blocks_free if paged else 0,
+               "kv_blocks_cached": 0 if p is None else p.blocks_cached,
                "prefill_tokens": self._prefilled_tokens,
                "prefix_cache_block": 0 if p is None else p.block}
         for key in ("lookups", "hits", "looked_up_tokens", "hit_tokens", "evictions", "num_blocks",

@@ -92,10 +92,12 @@ class _KVCache(Collector):
         blocks.add_metric(["cached"], m["prefix_cache_blocks_cached"])
         blocks.add_metric(["free"], m["prefix_cache_blocks_free"])
         yield blocks
-        paged = GaugeMetricFamily("specdec_kv_blocks", "Paged KV cache blocks by state (0 without one)",
+        paged = GaugeMetricFamily("specdec_kv_blocks", "Paged KV cache blocks by state: used (held by rows or the "
+                                  "prefix cache), free, cached (held by the prefix cache); 0 without one",
                                   labels=["state"])
-        paged.add_metric(["in_use"], m["kv_blocks_in_use"])
+        paged.add_metric(["used"], m["kv_blocks_used"])
         paged.add_metric(["free"], m["kv_blocks_free"])
+        paged.add_metric(["cached"], m["kv_blocks_cached"])
         yield paged
 
 

@@ -21,14 +21,14 @@ def test_paged_requests_equal_generate_alone_and_give_their_blocks_back(target, 
     in_use = []
     while engine.waiting or engine.running:
         engine.step()
-        in_use.append(engine.metrics["kv_blocks_in_use"])
+        in_use.append(engine.metrics["kv_blocks_used"])
     for req, p, m in zip(reqs, prompts, limits):
         assert req.finish_reason == "length" and req.tokens == _alone(target, draft, p, m)
     m = engine.metrics
     assert (m["kv_blocks_total"], m["kv_block_size"], m["kv_tokens_capacity"]) == (10, 16, 160)
     assert max(in_use) <= 10
     # what stays in use is the prefix cache's, held by no row: free as soon as a request needs it
-    assert m["kv_blocks_in_use"] == m["prefix_cache_blocks_cached"] == engine.prefixes.evictable > 0
+    assert m["kv_blocks_used"] == m["prefix_cache_blocks_cached"] == engine.prefixes.evictable > 0
 
 
 def test_short_requests_outnumber_what_per_row_slots_would_hold(target):
@@ -38,7 +38,7 @@ def test_short_requests_outnumber_what_per_row_slots_would_hold(target):
     prompts = _prompts([4, 5, 6, 4, 5, 6], seed=3)
     reqs = [engine.submit(p, SamplingParams(max_new_tokens=4)) for p in prompts]
     engine.step()
-    assert engine.running == 6 and engine.metrics["kv_blocks_in_use"] == 6
+    assert engine.running == 6 and engine.metrics["kv_blocks_used"] == 6
     engine.run_until_done()
     for req, p in zip(reqs, prompts):
         assert req.tokens == _alone(target, "ngram", p, 4)
@@ -75,7 +75,7 @@ def test_a_full_pool_preempts_the_latest_request_which_resumes_exactly(bf16_targ
     for i, (req, p, n) in enumerate(zip(reqs, prompts, limits)):
         assert req.finish_reason == "length" and req.tokens == seen[i] == _alone(bf16_target, draft, p, n)
     assert reqs[2].target_forwards >= len(reqs[2].tokens) // (1 + 5 * (which == "ngram"))  # counted across its runs
-    assert engine.metrics["kv_blocks_in_use"] == 0
+    assert engine.metrics["kv_blocks_used"] == 0
 
 
 def test_a_preempted_request_reuses_its_cached_blocks(bf16_target):
@@ -111,7 +111,7 @@ def test_faulty_requests_free_their_blocks_and_zero_them(target):
     reqs = [engine.submit(p, SamplingParams(max_new_tokens=10)) for p in prompts]
     engine.run_until_done()
     assert reqs[1].finish_reason == "error" and reqs[1].error.stage == "admission"
-    assert engine.metrics["kv_blocks_in_use"] == engine.prefixes.evictable  # the cached prefixes only
+    assert engine.metrics["kv_blocks_used"] == engine.prefixes.evictable  # the cached prefixes only
     for i in (0, 2, 3):
         assert reqs[i].tokens == _alone(target, "ngram", prompts[i], 10)
 
