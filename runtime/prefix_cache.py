@@ -15,9 +15,9 @@ only the rest of the prompt is prefilled. When the pool is full the least recent
 overwritten (`evictions` counts them); a lookup touches a prompt's blocks last-first, so a prefix
 outlives its extensions.
 
-Blocks are copied into a row (its slots, or its blocks of a paged cache: `KVCache.write_row`), never
-referenced in place. A copy of n positions moves n x (2 x layers x kv heads x head dim) values, far
-less than the n-token prefill it replaces.
+Here blocks are copied into a row (`KVCache.write_row`): a copy of n positions moves n x (2 x layers
+x kv heads x head dim) values, far less than the n-token prefill it replaces. `PagedPrefixCache` keeps
+the blocks of a paged cache's own pool instead, and hands full blocks to rows by reference.
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ class PrefixCache:
 
     def _store(self, key: bytes, parent: bytes, tokens: torch.Tensor, cache: KVCache, row: int, lo: int) -> bool:
         """Keep positions lo .. lo + len(tokens) - 1 of `row` in a block under `key`; False when no
-        block could be had."""
+        block could be had (a paged cache's partial block, the pool full)."""
         b = self._keep(cache, row, lo, tokens.numel())
         if b is None:
             return False
@@ -199,8 +199,7 @@ class PrefixCache:
                 self._ids.move_to_end(h)
                 continue
             lo = i * self.block
-            if not self._store(h, hashes[i - 1] if i else _ROOT, tokens[lo:lo + self.block], cache, row, lo):
-                break  # no block to be had: the blocks after this one could not be found through it
+            self._store(h, hashes[i - 1] if i else _ROOT, tokens[lo:lo + self.block], cache, row, lo)
             copied += 1
         tail = tokens[full * self.block:]
         parent = hashes[-1] if hashes else _ROOT
@@ -279,26 +278,25 @@ class PagedPrefixCache(PrefixCache):
     def _keep(self, cache: KVCache, row: int, lo: int, n: int) -> int | None:
         if cache is not self.kv:
             raise ValueError("a paged prefix cache keeps the rows of its own KV cache")
-        if len(self._ids) >= self.num_blocks:
-            self.kv.pool.drop(self._forget(next(iter(self._ids))))
-        if n == self.block:  # a full block: by reference
+        if n == self.block:  # a full block (below the row's length: it holds one there), by reference
+            self._make_room()
             b = int(cache.block_table[row, lo // self.block])
-            if b == 0:  # the row holds no block there (never: put reads slots below the row's length)
-                return None
             cache.pool.retain(b)
             return b
         if not cache.pool.free:
             self.evict(1)
         if not cache.pool.free:
             return None
+        self._make_room()
         b = cache.pool.take()
         k, v = cache.read_row(row, lo, n)  # (L, H, n, D)
         cache.k[:, b, :, :n], cache.v[:, b, :, :n] = k, v
         return b
 
-    @property
-    def blocks_free(self) -> int:
-        return self.num_blocks - len(self._ids)
+    def _make_room(self) -> None:
+        """Forget the least recently used entry when the index holds its `num_blocks` already."""
+        if len(self._ids) >= self.num_blocks:
+            self.kv.pool.drop(self._forget(next(iter(self._ids))))
 
     def clear(self) -> None:
         for b in self._ids.values():

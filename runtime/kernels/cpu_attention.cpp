@@ -36,6 +36,14 @@ void specdec_attention_rows_avx2(const AttnProblem& p, const float* kt, const fl
 
 namespace {
 
+// A block table (B, W) of a paged cache whose pool holds `blocks` blocks: every entry a block id.
+void check_table(const at::Tensor& table, int64_t blocks, const char* op) {
+  const int64_t* tp = table.data_ptr<int64_t>();
+  for (int64_t i = 0; i < table.numel(); ++i)
+    TORCH_CHECK(tp[i] >= 0 && tp[i] < blocks, op, ": block table entry ", tp[i], " is outside the pool's ", blocks,
+                " blocks");
+}
+
 bool has_avx512() {
   static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
@@ -71,6 +79,7 @@ at::Tensor attention_rows(const at::Tensor& q, const at::Tensor& keys, const at:
     table = block_table->to(at::kLong).contiguous();
     TORCH_CHECK(table.dim() == 2 && table.size(0) == B && num_keys >= 0 && num_keys <= table.size(1) * keys.size(2),
                 "attention_rows: a block table (B, W) covering num_keys slots");
+    check_table(table, keys.size(0), "attention_rows");
   } else {
     TORCH_CHECK(keys.size(0) == B, "attention_rows: mismatched shapes");
   }
@@ -123,8 +132,12 @@ at::Tensor attention_rows(const at::Tensor& q, const at::Tensor& keys, const at:
 void paged_write(const at::Tensor& k, const at::Tensor& v, at::Tensor& kl, at::Tensor& vl, const at::Tensor& table,
                  const int64_t* pre) {
   const int64_t B = k.size(0), H = k.size(1), T = k.size(2), D = k.size(3), bs = kl.size(2), W = table.size(1);
-  TORCH_CHECK(kl.is_contiguous() && vl.is_contiguous() && k.scalar_type() == kl.scalar_type(),
-              "cache_attention: contiguous pools of the cache's dtype");
+  TORCH_CHECK(kl.is_contiguous() && vl.is_contiguous() && vl.sizes() == kl.sizes() && k.scalar_type() == kl.scalar_type() &&
+                  v.scalar_type() == vl.scalar_type() && kl.size(1) == H && kl.size(3) == D && v.sizes() == k.sizes() &&
+                  table.dim() == 2 && table.size(0) == B,
+              "cache_attention: contiguous pools (NB, H, bs, D) of the new keys' and values' shape and dtype, a "
+              "block table (B, W)");
+  check_table(table, kl.size(0), "cache_attention");
   const at::Tensor kc = k.contiguous(), vc = v.contiguous();
   const int64_t* tp = table.data_ptr<int64_t>();
   const size_t row = D * kl.element_size();

@@ -180,7 +180,7 @@ inline void convert_kv(const AttnProblem& P, float* kt, float* vf, int64_t u0, i
     const int64_t kbase = b * P.ks[0] + kvh * P.ks[1], vbase = b * P.vs[0] + kvh * P.vs[1];
     float* kdst = kt + u * D * kLanes;
     float* vdst = vf + u * kLanes * Dp;
-    if (P.table != nullptr && P.bs % kLanes == 0 && kb + 1 < blocks && (kb + 1) * kLanes < S)
+    if (P.table != nullptr && P.bs % kLanes == 0 && (kb + 1) * kLanes < S)
       prefetch_unit(P, b, kvh, (kb + 1) * kLanes);  // the next unit's keys and values lie in another block
     int64_t kblk = 0, vblk = 0, at0 = 0;  // a paged unit's block base and the position of its key j = 0
     for (int64_t j = 0; j < kLanes; ++j) {

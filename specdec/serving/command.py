@@ -164,7 +164,7 @@ def main(args: argparse.Namespace) -> int:
                     prefix_cache_tokens=args.prefix_cache_tokens, kv_cache_tokens=args.kv_cache_tokens)
     if args.compile and spec is not None and spec.varying_blocks:
         print(f"compiling every verification block of {spec} (its trees change size every step)", flush=True)
-        compile_block_steps(target, args.max_batch)
+        compile_block_steps(target, args.max_batch, cache=engine.loop.cache)
     name = args.served_model_name or args.model
     drafter = str(spec) if spec is not None else "none (plain decoding)"
     print(f"serving {name!r} on http://{args.host}:{args.port}/v1 (drafter {drafter}, max batch {args.max_batch}, "
@@ -201,7 +201,7 @@ def kv_cache_line(engine: Engine) -> str:
     if cache.block_table is None:
         return f"KV cache: {engine.max_batch} rows x {cache.max_seq_len} positions, each row its own"
     return (f"KV cache: paged, {cache.num_blocks * cache.block_size} positions in blocks of {cache.block_size} "
-            f"shared by {engine.max_batch} rows; a request waits until it can hold its prompt + max_tokens")
+            f"shared by {engine.max_batch} rows; the latest request is preempted if it runs out")
 
 
 def prefix_cache_line(engine: Engine) -> str:
@@ -256,9 +256,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-tokens", type=int_at_least(0), default=None, metavar="N",
                    help="positions of the paged KV cache the rows share (blocks of 16, taken as a request grows "
                         "and given back when it ends; the prefix cache keeps its blocks there too), so short "
-                        "requests can fill more rows (--max-batch) than N / max len; a request waits until the "
-                        "cache can hold its prompt + max_tokens (default: 2 x max batch x max len; 0: per-row "
-                        "slots of max len positions, the prefix cache a pool of its own)")
+                        "requests can fill more rows (--max-batch) than N / max len; when it runs out, the latest "
+                        "request is preempted and admitted again later (default: 2 x max batch x max len; 0: "
+                        "per-row slots of max len positions, the prefix cache a pool of its own)")
     p.add_argument("--num-draft-tokens", type=draft_length_arg, default=DEFAULT_NUM_DRAFT_TOKENS,
                    help="drafts per step (default: %(default)s)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, loopback "

@@ -7,7 +7,8 @@ back when they end; with kv_cache_tokens=0 per-row slots: `runtime.cache.KVCache
 the loop `generate()` runs. Each `step()`:
 
 1. retires cancelled requests and admits waiting ones into free rows (with a paged cache, while the
-   pool's unpromised blocks hold a request's prompt + max_new_tokens): the newcomers' prompts are
+   pool has room for a request's prompt and first step; when it runs out later, the latest admitted
+   request is preempted and waits to be admitted again): the newcomers' prompts are
    prefilled into their rows only (`KVCache.rows`, a view of the shared buffers: nothing is
    allocated; one forward per run of consecutive free rows) and the drafter admits each
    (`Drafter.admit`: its own cache slot, hidden state, ...);
@@ -160,8 +161,9 @@ class Engine:
     drafter that reads the target's states at every prompt position, EAGLE-3).
     kv_cache_tokens: positions of the paged KV cache (`runtime.paged_cache`) that the rows share:
     each request takes blocks of its pool as it grows and gives them back when it ends, so memory
-    follows what the requests hold; a request is admitted when a row is free and the pool can hold
-    its prompt + max_new_tokens; the prefix cache keeps its blocks in the same pool (None: 2 x
+    follows what the requests hold; a request is admitted when a row is free and the pool has room for
+    its prompt and first step, and preempted (then admitted again) if the pool runs out as it grows;
+    the prefix cache keeps its blocks in the same pool (None: 2 x
     max_batch x max_len, the memory per-row slots and their prefix pool take; 0: per-row slots of
     max_len positions, the prefix cache a pool of its own beside them).
     """
@@ -331,7 +333,7 @@ class Engine:
         with torch.inference_mode():
             self._admit(admitted, finished)
             try:
-                self._reserve_step()
+                self._reserve_step(finished)
                 emitted = self.loop.step()
             except Exception as err:  # the batch's shared forward or draft: no one request to blame
                 emitted = [[] for _ in self.slots]
@@ -382,7 +384,7 @@ class Engine:
             admitted.append(self._waiting.popleft())
         return admitted
 
-    def _reserve_step(self) -> None:
+    def _reserve_step(self, finished: list[Request]) -> None:
         """Give each running row of a paged cache the blocks one step may write (its drafts), the
         earliest admitted first; when the pool has too few, preempt the most recently admitted
         running request (vLLM's recompute preemption) and try again."""
@@ -400,13 +402,14 @@ class Engine:
             except CacheMemoryError:
                 if len(rows) < 2:
                     raise
-                self._preempt(rows[-1])
+                self._preempt(rows[-1], finished)
 
-    def _preempt(self, row: int) -> None:
+    def _preempt(self, row: int, finished: list[Request]) -> None:
         """Take `row` from its request for the others: its tokens so far stay delivered, its prompt and
         answer go to the prefix cache (so its admission again reuses what is still cached), its row is
         released, and it waits at the head of the queue. A greedy request decodes on exactly as it
-        would have (row-invariant forwards); a sampled one keeps its generator but draws differently."""
+        would have (row-invariant forwards); a sampled one keeps its generator but draws differently.
+        If the drafter's release of the row raises, the request ends there with "error" (in `finished`)."""
         req = self.slots[row]
         held = int(self.loop.cache.lengths[row])
         if self.prefixes is not None:
@@ -416,7 +419,14 @@ class Engine:
                             req.stats_before[2] + s.accepted_tokens)
         req.preemptions += 1
         self.slots[row] = None
-        self.loop.release(row)
+        try:
+            self.loop.release(row)
+        except Exception as err:  # the row is free all the same; the request ends here, as a retired one would
+            req.error = RequestError.of("release", err)
+            _log_fault(req.id, "could not release its row", req.error, err)
+            self.loop.cache.free_row(row, zero=True)
+            self._finish(req, "error", finished)
+            return
         with self._lock:
             self._waiting.appendleft(req)
             self._counts["preemptions"] += 1

@@ -37,17 +37,21 @@ def warm_up(run: Callable[[object, int | None], None], spec, target, compiled: b
             warm_up(run, member, target, compiled)
 
 
-def compile_block_steps(target, batch_size: int = 1) -> None:
+def compile_block_steps(target, batch_size: int = 1, cache=None) -> None:
     """Run every compiled program a verification step of up to DECODE_STATIC_TOKENS tokens may take,
-    causal (a chain) and with a block mask (a tree), on a scratch cache: a drafter whose trees change
-    size every step (`suffix`) would otherwise compile them, seconds each, while it is timed or served."""
+    causal (a chain) and with a block mask (a tree), on a scratch cache or on `cache` (a serving
+    engine's own, empty: its programs are keyed by its layout and shapes; its rows stay empty): a
+    drafter whose trees change size every step (`suffix`) would otherwise compile them, seconds each,
+    while it is timed or served."""
     if not getattr(target, "compiled", False):
         return
     device = target.device
     with torch.inference_mode():
-        # made in inference mode as generate()'s caches are: the compiler guards on the tensors' dispatch
-        # keys, so programs built for an ordinary cache are rebuilt at a timed step's first use
-        cache = target.new_cache(batch_size, 2 * DECODE_STATIC_TOKENS + 2)
+        if cache is None:
+            # made in inference mode as generate()'s caches are: the compiler guards on the tensors' dispatch
+            # keys, so programs built for an ordinary cache are rebuilt at a timed step's first use
+            cache = target.new_cache(batch_size, 2 * DECODE_STATIC_TOKENS + 2)
+        batch_size = cache.batch_size
         for T in range(1, DECODE_STATIC_TOKENS + 1):
             # T = 1: a step where no row drafts (a program of its own in a batch of 2+ rows)
             masks = [None] if T == 1 else [None, torch.ones(T, T, dtype=torch.bool, device=device).tril()]
@@ -56,3 +60,4 @@ def compile_block_steps(target, batch_size: int = 1) -> None:
                 tokens = torch.zeros(batch_size, T, dtype=torch.long, device=device)
                 positions = 1 + torch.arange(T, device=device)[None].expand(batch_size, T)
                 target(tokens, positions, cache, block_mask=None if block is None else block.expand(batch_size, T, T))
+        cache.lengths.zero_()

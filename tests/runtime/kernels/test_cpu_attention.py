@@ -94,3 +94,16 @@ def test_the_invariant_kernel_reads_rows_through_a_block_table():
     ref = cpu_attention.attention_rows(q, caches[0][0, :, :, :S], caches[1][0, :, :, :S], None, lens, 0)
     got = cpu_attention.attention_rows(q, pools[0][0], pools[1][0], None, lens, 0, table, S)
     assert torch.equal(got, ref)
+
+
+def test_a_block_table_entry_outside_the_pool_is_refused():
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 2, 1, 16, generator=g).to(torch.bfloat16)
+    k = torch.randn(1, 2, 1, 16, generator=g).to(torch.bfloat16)
+    pools = [torch.zeros(1, 4, 2, 8, 16, dtype=torch.bfloat16) for _ in range(2)]
+    table = torch.tensor([[1, 9]])  # block 9 of a 4-block pool
+    lens = torch.tensor([10])
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        cpu_attention.cache_attention(q, k, k, pools[0], pools[1], 0, lens, 0, None, True, table)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        cpu_attention.attention_rows(q, pools[0][0], pools[1][0], None, lens, 0, table, 11)

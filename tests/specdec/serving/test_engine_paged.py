@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from runtime.errors import ContextLengthError
+from specdec.drafters.ngram import NgramDrafter
 from specdec.serving.engine import Engine, SamplingParams
 from tests.specdec.serving.test_engine import _alone, _draft, _prompts
 from tests.specdec.serving.test_engine_faults import _AdmitFault, _poisoned
@@ -124,3 +125,53 @@ def test_faulty_requests_free_their_blocks_and_zero_them(target):
     cache = engine.loop.cache
     assert cache.blocks_in_use == engine.prefixes.evictable  # the prompt's cached blocks only
     assert not bool(cache.k.isnan().any()) and not bool(cache.v.isnan().any())
+
+
+def test_the_serve_warm_up_builds_the_programs_of_the_engines_own_paged_cache():
+    """`serve --compile` with a drafter whose trees change size runs every block step on the engine's own
+    cache first: its programs are keyed by the pool's and the table's shapes, so serving compiles nothing."""
+    from torch._dynamo.utils import counters
+
+    from runtime import compile_decode
+    from runtime.tiny import tiny_model
+    from specdec.tuning.warmup import compile_block_steps
+    from tests.specdec.conftest import V
+
+    model = compile_decode(tiny_model("llama", seed=0, vocab_size=V), cpp_wrapper=False)
+    engine = Engine(model, "ngram", max_batch=2, max_len=64)
+    compile_block_steps(model, cache=engine.loop.cache)
+    assert int(engine.loop.cache.lengths.sum()) == 0 and engine.loop.cache.blocks_in_use == 0
+    compiled = counters["stats"]["unique_graphs"]
+    prompts = _prompts([9, 12, 7], seed=6)
+    reqs = [engine.submit(p, SamplingParams(max_new_tokens=12)) for p in prompts]
+    engine.run_until_done()
+    assert counters["stats"]["unique_graphs"] == compiled
+    for req, p in zip(reqs, prompts):
+        assert req.tokens == _alone(model, "ngram", p, 12)
+
+
+class _ReleaseFault(NgramDrafter):
+    """N-gram drafts; releasing a row raises once."""
+
+    failed = False
+
+    def release(self, row):
+        if not self.failed:
+            self.failed = True
+            raise OSError("release fault")
+        super().release(row)
+
+
+def test_a_preempted_request_whose_release_fails_ends_with_the_error(bf16_target):
+    """The drafter cannot release the preempted row: that request ends with "error" at once (its
+    listener told), instead of waiting in no queue; the others decode as alone."""
+    engine = Engine(bf16_target, _ReleaseFault(), max_batch=3, max_len=64, kv_cache_tokens=80, prefix_cache_tokens=0)
+    prompts = _prompts([10, 10, 10], seed=4)
+    ends = []
+    reqs = [engine.submit(p, SamplingParams(max_new_tokens=n), on_tokens=lambda r, new: new or ends.append(r.id))
+            for p, n in zip(prompts, (40, 12, 40))]
+    engine.run_until_done()
+    assert reqs[2].finish_reason == "error" and reqs[2].error.stage == "release" and reqs[2].id in ends
+    for req, p, n in zip(reqs[:2], prompts, (40, 12)):
+        assert req.finish_reason == "length" and req.tokens == _alone(bf16_target, "ngram", p, n)
+    assert engine.running == engine.waiting == 0 and engine.loop.cache.blocks_in_use == 0
