@@ -71,21 +71,28 @@ class Attention(nn.Module):
         if ctx.backend == "static":  # Transformer.static_step: cache write + attention as one op
             out = static_cache_attention(q, k, v, ctx.cache.k, ctx.cache.v, layer, ctx.prefix_lens,
                                          ctx.window or 0, ctx.block_mask, ctx.invariant, ctx.cache.block_table)
-            return linear(self.wo, out.transpose(1, 2).reshape(B, T, q_size), ctx.invariant)
-        if ctx.cache is None:
-            keys, values = k, v
         else:
-            ctx.cache.write(layer, k, v, ctx.slots, ctx.uniform)
-            if ctx.invariant and ctx.cache.block_table is not None:  # the kernel reads the pools through the table
-                out = invariant_attention(q, ctx.cache.k[layer], ctx.cache.v[layer], ctx.mask, ctx.prefix_lens,
-                                          ctx.window, ctx.cache.block_table, ctx.num_keys)
-                return linear(self.wo, out.transpose(1, 2).reshape(B, T, q_size), ctx.invariant)
-            keys, values = ctx.cache.layer_kv(layer, ctx.num_keys)  # (B, Hkv, S, D)
-        if ctx.invariant:
-            out = invariant_attention(q, keys, values, ctx.mask, ctx.prefix_lens, ctx.window)
-        else:
-            out = attend(q, keys, values, ctx.mask, ctx.prefix_lens, ctx.backend, ctx.window)
+            out = _eager_attention(q, k, v, ctx, layer)
         return linear(self.wo, out.transpose(1, 2).reshape(B, T, q_size), ctx.invariant)
+
+
+def _eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: "StepContext",
+                     layer: int) -> torch.Tensor:
+    """An eager forward's attention: k, v (B, Hkv, T, D) written into the cache (if any), then q
+    (B, Hq, T, D) over its slots -> (B, Hq, T, D). The row-invariant kernel reads a paged cache's pools
+    through its table; the other kernels read its used blocks gathered."""
+    if ctx.cache is None:
+        keys, values = k, v
+    else:
+        ctx.cache.write(layer, k, v, ctx.slots, ctx.uniform)
+        table = ctx.cache.block_table
+        if ctx.invariant and table is not None:
+            return invariant_attention(q, ctx.cache.k[layer], ctx.cache.v[layer], ctx.mask, ctx.prefix_lens,
+                                       ctx.window, table, ctx.num_keys)
+        keys, values = ctx.cache.layer_kv(layer, ctx.num_keys)  # (B, Hkv, S, D)
+    if ctx.invariant:
+        return invariant_attention(q, keys, values, ctx.mask, ctx.prefix_lens, ctx.window)
+    return attend(q, keys, values, ctx.mask, ctx.prefix_lens, ctx.backend, ctx.window)
 
 
 class MLP(nn.Module):

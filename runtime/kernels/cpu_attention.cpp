@@ -62,9 +62,10 @@ bool has_avx2() {
 // With a block table (B, W) (a paged cache), keys and values are the pools (NB, Hkv, bs, D) and the
 // rows' slots [0, num_keys) are read through the table: slot s of row b is position s % bs of block
 // table[b, s / bs].
-at::Tensor attention_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
-                          const c10::optional<at::Tensor>& mask, const at::Tensor& prefix_lens, int64_t window,
-                          const c10::optional<at::Tensor>& block_table, int64_t num_keys) {
+// check_entries: check every table entry lies in the pool.
+at::Tensor attention_rows_impl(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                               const c10::optional<at::Tensor>& mask, const at::Tensor& prefix_lens, int64_t window,
+                               const c10::optional<at::Tensor>& block_table, int64_t num_keys, bool check_entries) {
   TORCH_CHECK(q.device().is_cpu() && keys.device().is_cpu() && values.device().is_cpu(),
               "attention_rows: CPU tensors only");
   TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.sizes() == keys.sizes(), "attention_rows: q (B, Hq, T, D), ",
@@ -79,7 +80,7 @@ at::Tensor attention_rows(const at::Tensor& q, const at::Tensor& keys, const at:
     table = block_table->to(at::kLong).contiguous();
     TORCH_CHECK(table.dim() == 2 && table.size(0) == B && num_keys >= 0 && num_keys <= table.size(1) * keys.size(2),
                 "attention_rows: a block table (B, W) covering num_keys slots");
-    check_table(table, keys.size(0), "attention_rows");
+    if (check_entries) check_table(table, keys.size(0), "attention_rows");
   } else {
     TORCH_CHECK(keys.size(0) == B, "attention_rows: mismatched shapes");
   }
@@ -125,6 +126,13 @@ at::Tensor attention_rows(const at::Tensor& q, const at::Tensor& keys, const at:
                                                          : attn_generic::attention_rows_items)(p, ktp, vfp, w0, w1);
   });
   return out;
+}
+
+// The op: every block-table entry checked (cache_attention's own call skips it: paged_write checked them).
+at::Tensor attention_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                          const c10::optional<at::Tensor>& mask, const at::Tensor& prefix_lens, int64_t window,
+                          const c10::optional<at::Tensor>& block_table, int64_t num_keys) {
+  return attention_rows_impl(q, keys, values, mask, prefix_lens, window, block_table, num_keys, true);
 }
 
 // Store k, v (B, Hkv, T, D) at slots prefix_lens[b] + t of a paged layer's pools kl, vl (NB, Hkv, bs, D)
@@ -214,9 +222,9 @@ at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k, const at::T
           mp[(b * T + t) * S + s] = rel < 0 || (rel < T && bp[(b * T + t) * T + rel]);
         }
     mask = m;
-    if (invariant) return attention_rows(q, ik, iv, mask, lens, window, itable, S);
+    if (invariant) return attention_rows_impl(q, ik, iv, mask, lens, window, itable, S, false);
   } else if (invariant) {
-    return attention_rows(q, ik, iv, c10::nullopt, lens, window, itable, S);
+    return attention_rows_impl(q, ik, iv, c10::nullopt, lens, window, itable, S, false);
   } else if (!(T == 1 && uniform && (window == 0 || S <= window))) {
     at::Tensor m = at::empty({B, T, S}, q.options().dtype(at::kBool));
     bool* mp = m.data_ptr<bool>();

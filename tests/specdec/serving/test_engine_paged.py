@@ -6,10 +6,9 @@ import pytest
 import torch
 
 from runtime.errors import ContextLengthError
-from specdec.drafters.ngram import NgramDrafter
 from specdec.serving.engine import Engine, SamplingParams
 from tests.specdec.serving.test_engine import _alone, _draft, _prompts
-from tests.specdec.serving.test_engine_faults import _AdmitFault, _poisoned
+from tests.specdec.serving.test_engine_faults import _AdmitFault, _poisoned, _ReleaseFault
 
 
 @pytest.mark.parametrize("which", ["plain", "ngram", "draft"])
@@ -148,18 +147,6 @@ def test_the_serve_warm_up_builds_the_programs_of_the_engines_own_paged_cache():
     assert counters["stats"]["unique_graphs"] == compiled
     for req, p in zip(reqs, prompts):
         assert req.tokens == _alone(model, "ngram", p, 12)
-
-
-class _ReleaseFault(NgramDrafter):
-    """N-gram drafts; releasing a row raises once."""
-
-    failed = False
-
-    def release(self, row):
-        if not self.failed:
-            self.failed = True
-            raise OSError("release fault")
-        super().release(row)
 
 
 def test_a_preempted_request_whose_release_fails_ends_with_the_error(bf16_target):
