@@ -112,7 +112,7 @@ class PagedKVCache(KVCache):
         if need > HEADROOM * free:
             raise CacheMemoryError(f"a paged KV cache of {num_tokens} positions x {num_layers} layers needs "
                                    f"{need / 2**30:.2f} GiB on {device}, but only {free / 2**30:.2f} GiB is free; "
-                                   "keep fewer KV cache tokens")
+                                   "keep fewer KV cache tokens (kv_cache_tokens, --kv-cache-tokens) or rows")
         shape = (num_layers, num_blocks, num_kv_heads, block_size, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # (L, NB, H, block, D)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
