@@ -406,6 +406,28 @@ class Transformer(nn.Module):
         return (not selected and T <= MAX_BLOCK_TOKENS
                 and (window is None or int(cache.lengths.max()) + T <= window))
 
+    def verify_tokens(self, T: int, batch_size: int = 1) -> int:
+        """The tokens per row that a verification forward of T tokens (a causal block or a tree, all
+        logits) runs with: padded as the compiled step pads it, T itself on an eager model or past
+        the compiled sizes. What a block's cost follows (`specdec.tuning.autok`)."""
+        if not self.compiled or T > MAX_STATIC_TOKENS:
+            return T
+        return self._padded_tokens(batch_size, T, False, False)
+
+    def _padded_tokens(self, B: int, T: int, selected_after_prompt: bool, block: bool) -> int:
+        """The tokens a compiled forward of (B, T) tokens runs with (before the cache's room is
+        checked): `static_tokens` for causal steps and trees of up to DECODE_STATIC_TOKENS."""
+        if block:  # a small tree (a suffix match's) changes size every step: padded like a causal block
+            padded = static_tokens(T, row_cost=self.row_cost) if T <= DECODE_STATIC_TOKENS else T
+        else:
+            padded = static_tokens(T, selected_after_prompt, self.row_cost)
+        if B * padded == 1 and self.row_invariant:
+            # a 1-row program has Inductor split its norms' reductions across threads, which sums in
+            # another order than every program of 2+ rows does (`runtime.invariant`); the linears run
+            # 2 rows for 1 anyway
+            padded = 2
+        return padded
+
     def _static_forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                         selected: bool, block_mask: torch.Tensor | None = None,
                         aux_layers: tuple[int, ...] = ()) -> ModelOutput:
@@ -420,15 +442,7 @@ class Transformer(nn.Module):
         filled = int(cache.lengths.max())
         # selected logits after the prompt: a draft's catch-up feed (a 2-token prompt stays padded,
         # so a target never compiles, with its own weight copy, a program only drafts need)
-        if block_mask is None:
-            padded = static_tokens(T, selected and filled > 0, self.row_cost)
-        else:  # a small tree (a suffix match's) changes size every step: padded like a causal block
-            padded = static_tokens(T, row_cost=self.row_cost) if T <= DECODE_STATIC_TOKENS else T
-        if B * padded == 1 and self.row_invariant:
-            # a 1-row program has Inductor split its norms' reductions across threads, which sums in
-            # another order than every program of 2+ rows does (`runtime.invariant`); the linears run
-            # 2 rows for 1 anyway
-            padded = 2
+        padded = self._padded_tokens(B, T, selected and filled > 0, block_mask is not None)
         if filled + padded > cache.max_seq_len:
             padded = T  # no room for the padding at the very end of the cache: one more shape
         if padded > T:

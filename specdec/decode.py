@@ -31,6 +31,7 @@ from specdec.rows import RowState, check_lengths, prefill, prefill_after, prefil
 from specdec.sampling import RowSampling, SamplingParams, select_next
 from specdec.stats import AcceptanceStats
 from specdec.tuning.autok import AutoK
+from specdec.tuning.costs import target_costs
 from specdec.verify import Verdict, verify
 
 MAX_DRAFT_TOKENS = 16
@@ -39,13 +40,18 @@ MAX_DRAFT_TOKENS = 16
 MAX_DRAFT_TOKENS_COMPILED = DECODE_STATIC_TOKENS - 1
 
 
-def draft_length(num_draft_tokens: int | str, target, drafter: Drafter | None) -> tuple[int, AutoK | None]:
+def draft_length(num_draft_tokens: int | str, target, drafter: Drafter | None,
+                 batch_size: int = 1) -> tuple[int, AutoK | None]:
     """k, and the AutoK that tunes it per step when num_draft_tokens is "auto" (and the drafter
-    drafts chains of any length)."""
+    drafts chains of any length), timing the target's blocks of `batch_size` rows by the size it runs
+    them at (`verify_tokens` of a runtime model), with what earlier calls on it timed."""
     if num_draft_tokens == "auto":
         k_max = MAX_DRAFT_TOKENS_COMPILED if getattr(target, "compiled", False) else MAX_DRAFT_TOKENS
-        adaptive = drafter is not None and drafter.adaptive
-        return k_max, AutoK(k_max=k_max) if adaptive else None
+        if drafter is None or not drafter.adaptive:
+            return k_max, None
+        verify_tokens = getattr(target, "verify_tokens", None)
+        padded = None if verify_tokens is None else (lambda block: verify_tokens(block, batch_size))
+        return k_max, AutoK(k_max=k_max, costs=target_costs(target, batch_size), padded=padded)
     return num_draft_tokens, None
 
 
@@ -74,7 +80,7 @@ class DecodeLoop:
         B = len(state.prompts)
         self.uniform = isinstance(sampling, RowSampling)
         self.sampling = [sampling] * B if self.uniform else list(sampling)
-        self.k_max, self.auto = draft_length(num_draft_tokens, target, drafter)
+        self.k_max, self.auto = draft_length(num_draft_tokens, target, drafter, B)
         self.want_hidden = (any(o.return_hidden for o in self.observers)
                             or (drafter is not None and drafter.needs_hidden))
         self.want_aux = bool(self.aux_layers)
@@ -234,7 +240,9 @@ class DecodeLoop:
                     o.on_step(b, mine)
             if auto is not None:  # rows of a fixed-size tree tell the draft length nothing (drafted 0)
                 sized = tree.sized_by_k is None or bool(tree.sized_by_k[b])
-                auto.observe(len(path) * sized, int(valid[b].sum()) * sized, tree.num_nodes + 1, target_s)
+                auto.observe(len(path) * sized, int(valid[b].sum()) * sized)
+        if auto is not None:
+            auto.time_block(tree.num_nodes + 1, target_s)
         _keep_paths(cache, start_len, verdict, active)
         if drafter is not None:
             drafter.commit(Accepted(state.sequences(), verdict.paths, self._drafter_states(hid, aux),

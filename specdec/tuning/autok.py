@@ -9,13 +9,21 @@ long drafts. So a_i is estimated per
 position from the verified steps (accepted / reached at that position), decayed so it follows
 the text, and shrunk towards the estimate of the position before it (position 1: towards the
 pooled rate), so a position seldom or never reached takes the rate of the one before it.
-The target's cost is a running least-squares line in the block size; the drafter measures its
-own cost of k drafts (a draft model: one catch-up forward plus k - 1 one-token forwards).
+The target's cost is measured per block size as decoding goes (`specdec.tuning.costs.BlockCosts`,
+shared by the calls on one target: `target_costs`), keyed by the size the target really runs: a
+compiled step pads a block (2, 4, 8, ... tokens: `runtime.compile.static_tokens`), and on 4-bit
+weights a padded 8-token block costs about twice a 4-token one, a step no straight line through
+the sizes seen follows. Until a size is timed, the sizes past the largest timed one cost what it
+did, so the choice tries them; before anything is timed, k_min drafts are tried first. The
+drafter measures its own cost of k drafts (a draft model: one catch-up forward plus k - 1
+one-token forwards).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+
+from specdec.tuning.costs import BlockCosts
 
 MAX_ACCEPTANCE = 0.999  # keeps a run of full acceptances from making every k look free
 
@@ -23,14 +31,18 @@ MAX_ACCEPTANCE = 0.999  # keeps a run of full acceptances from making every k lo
 class AutoK:
     """Online choice of the number of draft tokens, bounded to [k_min, k_max]."""
 
-    def __init__(self, k_min: int = 1, k_max: int = 16, start: int = 4, decay: float = 0.95,
-                 prior_weight: float = 2.0) -> None:
-        self.k_min, self.k_max, self.k = k_min, k_max, start
+    def __init__(self, k_min: int = 1, k_max: int = 16, decay: float = 0.95, prior_weight: float = 2.0,
+                 costs: BlockCosts | None = None, padded: Callable[[int], int] | None = None) -> None:
+        """costs: the target's verification seconds by (padded) block size, shared with other calls
+        (default: this one's own); padded(block): the tokens a verification of `block` tokens runs
+        (default: block itself)."""
+        self.k_min, self.k_max, self.k = k_min, k_max, k_min
         self.decay, self.prior_weight = decay, prior_weight
         self.accepted, self.reached = 1.0, 2.0  # pooled over positions, weak prior: alpha = 0.5
         self.accepted_at = [0.0] * k_max  # [i]: decayed count of accepted drafts at position i + 1
         self.reached_at = [0.0] * k_max  # [i]: decayed count of steps that verified position i + 1
-        self._n = self._sx = self._sy = self._sxx = self._sxy = 0.0
+        self.costs = BlockCosts() if costs is None else costs
+        self.padded = padded or (lambda block: block)
 
     def alpha(self) -> float:
         """Acceptance rate pooled over positions (accepted / reached drafts)."""
@@ -44,32 +56,26 @@ class AutoK:
             out.append(prior)
         return out
 
-    def observe(self, accepted: int, drafted: int, block: int, target_s: float) -> None:
-        """One verified row-step: `accepted` of `drafted` drafts; the target pass took target_s
-        seconds for a block of `block` tokens."""
+    def observe(self, accepted: int, drafted: int) -> None:
+        """One verified row-step: `accepted` of `drafted` drafts."""
+        if not drafted:
+            return
         d = self.decay
-        if drafted:
-            reached = min(accepted + 1, drafted)  # drafts the verification looked at
-            self.accepted = d * self.accepted + accepted
-            self.reached = d * self.reached + reached
-            for i in range(self.k_max):
-                self.accepted_at[i] = d * self.accepted_at[i] + (i < accepted)
-                self.reached_at[i] = d * self.reached_at[i] + (i < reached)
-        self._n = d * self._n + 1
-        self._sx = d * self._sx + block
-        self._sy = d * self._sy + target_s
-        self._sxx = d * self._sxx + block * block
-        self._sxy = d * self._sxy + block * target_s
+        reached = min(accepted + 1, drafted)  # drafts the verification looked at
+        self.accepted = d * self.accepted + accepted
+        self.reached = d * self.reached + reached
+        for i in range(self.k_max):
+            self.accepted_at[i] = d * self.accepted_at[i] + (i < accepted)
+            self.reached_at[i] = d * self.reached_at[i] + (i < reached)
 
-    def target_cost(self, block: int) -> float:
-        """Fitted seconds of one target pass over `block` tokens (flat until two sizes were seen)."""
-        if self._n == 0:
-            return 1.0
-        mean_x, mean_y = self._sx / self._n, self._sy / self._n
-        var = self._sxx / self._n - mean_x ** 2
-        slope = (self._sxy / self._n - mean_x * mean_y) / var if var > 1e-6 else 0.0
-        slope = max(slope, 0.0)
-        return max(mean_y + slope * (block - mean_x), 1e-9)
+    def time_block(self, block: int, seconds: float) -> None:
+        """One verification (the whole batch's) of `block` tokens per row took `seconds`."""
+        self.costs.observe(self.padded(block), seconds)
+
+    def target_cost(self, block: int) -> float | None:
+        """Measured seconds of one verification of `block` tokens (`BlockCosts.cost` of its padded
+        size); None before any verification was timed."""
+        return self.costs.cost(self.padded(block)) if self.costs.sizes() else None
 
     def expected_tokens(self) -> list[float]:
         """[k]: expected tokens one step with k drafts emits, bonus token included (k = 0..k_max)."""
@@ -80,7 +86,12 @@ class AutoK:
         return out
 
     def choose(self, draft_cost: Callable[[int], float]) -> int:
-        """The k with the most expected tokens per second; draft_cost(k): seconds to draft k."""
+        """The k with the most expected tokens per second; draft_cost(k): seconds to draft k. Before
+        any verification was timed: k_min (the smallest block is timed first, so that the sizes past
+        it, taken as no dearer until timed, are tried next)."""
+        if not self.costs.sizes():
+            self.k = self.k_min
+            return self.k
         tokens = self.expected_tokens()
         best_k, best_rate = self.k, -1.0
         for k in range(self.k_min, self.k_max + 1):

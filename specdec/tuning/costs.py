@@ -18,6 +18,8 @@ longest row's and every row pays for it, so one budget n is chosen for all rows 
 from __future__ import annotations
 
 import statistics
+import threading
+import weakref
 from collections import deque
 
 SAMPLES = 8  # verification timings kept per block size (their median is its cost)
@@ -33,11 +35,19 @@ class BlockCosts:
         self._times: dict[int, deque[float]] = {}
 
     def observe(self, block: int, seconds: float) -> None:
-        """One verification of `block` rows that took `seconds` (ignored: a first step's compile)."""
+        """One verification of `block` rows that took `seconds`. A compile is no step: a timing over
+        OUTLIER times the cheapest size's cost is ignored, and one that was kept because it came
+        first (nothing cheaper timed yet) is dropped once a step that much faster arrives."""
         if block < 1 or seconds <= 0:
             return
         if self._times and seconds > OUTLIER * min(self.cost(b) for b in self._times):
             return
+        for size in list(self._times):
+            kept = deque((t for t in self._times[size] if t <= OUTLIER * seconds), maxlen=SAMPLES)
+            if kept:
+                self._times[size] = kept
+            else:
+                del self._times[size]
         self._times.setdefault(block, deque(maxlen=SAMPLES)).append(seconds)
 
     def sizes(self) -> list[int]:
@@ -67,6 +77,18 @@ class BlockCosts:
             return self.cost(below[-1])
         c_lo, c_hi = self.cost(lo), self.cost(hi)
         return max(c_lo + (c_hi - c_lo) * (block - lo) / (hi - lo), min(c_lo, c_hi))
+
+
+_TARGETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> {batch size: BlockCosts}
+_TARGETS_LOCK = threading.Lock()
+
+
+def target_costs(target: object, batch_size: int) -> BlockCosts:
+    """The verification costs of `target` with `batch_size` rows timed so far in this process: one
+    BlockCosts per target object and batch size, shared by the generate() calls on it, so a draft
+    length chosen by cost (`specdec.tuning.autok`) starts from what earlier calls measured."""
+    with _TARGETS_LOCK:
+        return _TARGETS.setdefault(target, {}).setdefault(batch_size, BlockCosts())
 
 
 class NodeCalibration:

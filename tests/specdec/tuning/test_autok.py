@@ -6,22 +6,64 @@ import pytest
 import torch
 
 from specdec.tuning.autok import AutoK
+from specdec.tuning.costs import BlockCosts, target_costs
 
 
 def _trained(alpha_steps: int = 200, accepted: int = 9, drafted: int = 10) -> AutoK:
     """An AutoK that saw `accepted` of `drafted` drafts per step and a target cost of
-    0.1 s + 0.01 s per block token."""
+    0.1 s + 0.01 s per block token (blocks of 2..9 tokens)."""
     auto = AutoK(k_max=16)
     for i in range(alpha_steps):
         block = 2 + i % 8
-        auto.observe(accepted, drafted, block, 0.1 + 0.01 * block)
+        auto.observe(accepted, drafted)
+        auto.time_block(block, 0.1 + 0.01 * block)
     return auto
 
 
-def test_target_cost_is_the_fitted_line():
+def test_target_cost_is_measured_per_size_and_extended_by_the_last_two():
     auto = _trained()
     assert auto.target_cost(4) == pytest.approx(0.14, rel=1e-6)
     assert auto.target_cost(12) == pytest.approx(0.22, rel=1e-6)
+
+
+def test_padded_blocks_cost_their_padded_size():
+    """A compiled 4-bit target pads blocks of 5..8 tokens to 8, which costs twice a block of 4: a
+    line through the sizes 2 and 4 would call a 5-token block cheap, the padded size does not."""
+    auto = AutoK(k_max=7, padded=lambda block: 2 if block <= 2 else 4 if block <= 4 else 8)
+    for _ in range(8):
+        auto.observe(6, 7)
+        for block, seconds in ((2, 0.10), (4, 0.12), (8, 0.24)):
+            auto.time_block(block, seconds)
+    assert auto.target_cost(3) == auto.target_cost(4) == pytest.approx(0.12)
+    assert auto.target_cost(5) == auto.target_cost(8) == pytest.approx(0.24)
+    # drafts cost 0.01 s each and are accepted at ~0.85: 3 drafts (a 4-token block) beat 4 (padded to 8)
+    assert auto.choose(lambda k: 0.01 * k) == 3
+
+
+def test_first_steps_time_the_smallest_block_then_try_larger_ones():
+    auto = AutoK(k_max=7)
+    assert auto.target_cost(2) is None
+    assert auto.choose(lambda k: 0.0) == 1  # nothing timed: the smallest block first
+    auto.observe(1, 1)
+    auto.time_block(2, 0.1)
+    assert auto.choose(lambda k: 0.0) == 7  # larger sizes cost what the one timed did until timed
+
+
+def test_costs_are_shared_through_the_store_and_compiles_are_dropped():
+    shared = BlockCosts()
+    first, second = AutoK(costs=shared), AutoK(costs=shared)
+    first.time_block(4, 9.0)  # a first step that compiled its program
+    first.time_block(4, 0.1)
+    first.time_block(2, 0.08)
+    assert second.target_cost(4) == pytest.approx(0.1)  # the compile was dropped once a step came
+    assert second.choose(lambda k: 0.0) >= 1 and shared.sizes() == [2, 4]
+
+
+def test_target_costs_is_one_store_per_target_and_batch_size():
+    target, other = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    assert target_costs(target, 1) is target_costs(target, 1)
+    assert target_costs(target, 1) is not target_costs(target, 2)
+    assert target_costs(target, 1) is not target_costs(other, 1)
 
 
 def test_alpha_is_accepted_over_reached():
@@ -53,7 +95,8 @@ def test_geometric_runs_give_the_closed_form():
         accepted = 0
         while accepted < 8 and torch.rand((), generator=gen) < 0.7:
             accepted += 1
-        auto.observe(accepted, 8, 9, 0.1)
+        auto.observe(accepted, 8)
+        auto.time_block(9, 0.1)
     for a in auto.acceptance()[:6]:
         assert a == pytest.approx(0.7, abs=0.03)
     tokens = auto.expected_tokens()
@@ -67,7 +110,8 @@ def test_acceptance_rising_with_position_lengthens_k():
     a short k; per position, k = 8."""
     auto = AutoK(k_max=8)
     for i in range(200):
-        auto.observe(0 if i % 2 else 8, 8, 9, 0.1 + 0.01 * (i % 3))
+        auto.observe(0 if i % 2 else 8, 8)
+        auto.time_block(2 + i % 8, 0.1 + 0.01 * (i % 8))
     a = auto.acceptance()
     assert a[0] == pytest.approx(0.5, abs=0.05) and min(a[1:]) > 0.9
     step_cost = 0.02  # each draft costs a fifth of a target pass
@@ -83,7 +127,7 @@ def test_acceptance_rising_with_position_lengthens_k():
 def test_positions_never_reached_take_the_rate_of_the_one_before():
     auto = AutoK(k_max=8)
     for _ in range(100):
-        auto.observe(2, 3, 4, 0.1)  # positions 1-2 accepted, 3 rejected, 4.. never verified
+        auto.observe(2, 3)  # positions 1-2 accepted, 3 rejected, 4.. never verified
     a = auto.acceptance()
     assert a[0] > 0.95 and a[2] < 0.15
     assert a[3:] == pytest.approx([a[2]] * 5, abs=1e-9)
@@ -94,5 +138,6 @@ def test_expensive_drafts_shorten_and_free_drafts_lengthen_k():
     assert auto.choose(lambda k: 0.5 * k) < auto.choose(lambda k: 0.01 * k)
     flat = AutoK(k_max=16)  # every block costs the same (a compiled target's padded blocks)
     for _ in range(50):
-        flat.observe(9, 10, 8, 0.2)
+        flat.observe(9, 10)
+        flat.time_block(8, 0.2)
     assert flat.choose(lambda k: 0.0) == 16
