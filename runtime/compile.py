@@ -64,6 +64,8 @@ MAX_BLOCK_TOKENS = 256  # block-mask (tree) forwards of up to this many tokens t
 # forwards with selected logits (a prefill, a draft's feeds) of up to this many tokens take the compiled
 # path; the largest program plain and speculative decoding (k <= 7) compile
 DECODE_STATIC_TOKENS = 8
+# Inductor's cpp.min_chunk_size in row-invariant programs: larger than any loop of a step's small kernels
+NO_SPLIT_CHUNK = 1 << 20
 
 NOTICE_AFTER_S = 5.0  # a first call of a shape that runs longer than this says that it is compiling
 
@@ -218,7 +220,12 @@ class Regions:
     def _options(self) -> dict:
         """Inductor's options for every program built."""
         autotune = {} if self.max_autotune is None else {"max_autotune": self.max_autotune}
-        return {"cpp_wrapper": self.cpp_wrapper, "emulate_precision_casts": self.eager_rounding(), **autotune}
+        # row-invariant: no kernel splits a reduction across threads (Inductor does when the rows are fewer
+        # than the threads, e.g. a norm of a 1-token step), which would sum a row in another order than
+        # programs of more rows do; this keeps the small kernels of a step on one thread
+        invariant = {"cpp.min_chunk_size": NO_SPLIT_CHUNK} if self.eager_rounding() else {}
+        return {"cpp_wrapper": self.cpp_wrapper, "emulate_precision_casts": self.eager_rounding(), **autotune,
+                **invariant}
 
 
 class _Guarded:

@@ -421,11 +421,6 @@ class Transformer(nn.Module):
             padded = static_tokens(T, row_cost=self.row_cost) if T <= DECODE_STATIC_TOKENS else T
         else:
             padded = static_tokens(T, selected_after_prompt, self.row_cost)
-        if B * padded == 1 and self.row_invariant:
-            # a 1-row program has Inductor split its norms' reductions across threads, which sums in
-            # another order than every program of 2+ rows does (`runtime.invariant`); the linears run
-            # 2 rows for 1 anyway
-            padded = 2
         return padded
 
     def _static_forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
