@@ -43,15 +43,13 @@ MAX_DRAFT_TOKENS_COMPILED = DECODE_STATIC_TOKENS - 1
 def draft_length(num_draft_tokens: int | str, target, drafter: Drafter | None,
                  batch_size: int = 1) -> tuple[int, AutoK | None]:
     """k, and the AutoK that tunes it per step when num_draft_tokens is "auto" (and the drafter
-    drafts chains of any length), timing the target's blocks of `batch_size` rows by the size it runs
-    them at (`verify_tokens` of a runtime model), with what earlier calls on it timed."""
+    drafts chains of any length), with the costs of the target's blocks of `batch_size` rows that
+    earlier calls on it timed (`specdec.tuning.costs.target_costs`)."""
     if num_draft_tokens == "auto":
         k_max = MAX_DRAFT_TOKENS_COMPILED if getattr(target, "compiled", False) else MAX_DRAFT_TOKENS
         if drafter is None or not drafter.adaptive:
             return k_max, None
-        verify_tokens = getattr(target, "verify_tokens", None)
-        padded = None if verify_tokens is None else (lambda block: verify_tokens(block, batch_size))
-        return k_max, AutoK(k_max=k_max, costs=target_costs(target, batch_size), padded=padded)
+        return k_max, AutoK(k_max=k_max, costs=target_costs(target, batch_size))
     return num_draft_tokens, None
 
 

@@ -11,7 +11,7 @@ use; `specdec eval` and `specdec serve` pass their own.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 import torch
 
@@ -53,6 +53,10 @@ class DrafterLoader:
     def suffix_cache(self, depth: int, max_tokens: int):
         """The cache of earlier responses a `suffix` drafter of this depth drafts from (`state`'s)."""
         return self.state.suffix_cache(depth, max_tokens)
+
+    def node_calibration(self, key: Hashable):
+        """The NodeCalibration the drafters made with `key` (a kind and its config) share (`state`'s)."""
+        return self.state.node_calibration(key)
 
     def composite_records(self, name: str, members: int):
         """What the composite spelt `name` knows of its `members` members (`state`'s)."""

@@ -27,7 +27,7 @@ import torch
 from runtime.errors import ContextLengthError
 from specdec.drafter import Accepted, Drafter, DraftTree
 from specdec.drafters.suffix_tree import Speculation, SuffixTrie, TrieNode
-from specdec.tuning.costs import BlockCosts, NodeCalibration, batch_cut
+from specdec.tuning.costs import BlockCosts, NodeCalibration, batch_cut, target_costs
 
 DEFAULT_CACHE_TOKENS = 1 << 16  # response tokens the shared cache keeps (nodes <= tokens * depth)
 
@@ -148,12 +148,15 @@ class _Row:
 class SuffixDrafter(Drafter):
     """Suffix decoding over each row's prompt and output and a shared cache of earlier responses
     (module docstring). `cache`: the SuffixCache to share (default: a new one of its own, of
-    config.cache_tokens; none when that is 0)."""
+    config.cache_tokens; none when that is 0). `target`: the model that verifies, whose block costs
+    earlier calls timed (`specdec.tuning.costs.target_costs`; default: this drafter times its own);
+    `calibration`: the NodeCalibration to share (default: its own)."""
 
     name = "suffix"
     adaptive = False
 
-    def __init__(self, config: SuffixConfig | None = None, cache: SuffixCache | None = None) -> None:
+    def __init__(self, config: SuffixConfig | None = None, cache: SuffixCache | None = None, target=None,
+                 calibration: NodeCalibration | None = None) -> None:
         self.config = config or SuffixConfig()
         if cache is None and self.config.cache_tokens:
             cache = SuffixCache(self.config.cache_tokens, self.config.depth)
@@ -161,8 +164,10 @@ class SuffixDrafter(Drafter):
             raise ValueError(f"the suffix cache has depth {cache.depth} but the drafter's config {self.config.depth}")
         self.cache = cache
         self.rows: list[_Row | None] = []
-        self.costs = BlockCosts()  # this machine's verification seconds by block size
-        self.calibration = NodeCalibration()  # how often nodes are accepted, by their path probability
+        self.target = target
+        self.costs = BlockCosts()  # this machine's verification seconds by block size (begin: the target's)
+        # how often nodes are accepted, by their path probability
+        self.calibration = NodeCalibration() if calibration is None else calibration
         self.proposed: dict[int, list[float]] = {}  # row -> its last proposal's path probabilities
 
     def max_nodes(self, k: int) -> int:
@@ -170,9 +175,16 @@ class SuffixDrafter(Drafter):
 
     def begin(self, prompts: list[torch.Tensor], max_len: int, hidden: torch.Tensor | None) -> None:
         self.rows = [_Row(p, self.config.depth, self.cache) for p in prompts]
+        self._time_blocks(len(prompts))
 
     def reserve(self, batch_size: int, max_len: int) -> None:
         self.rows = [None] * batch_size
+        self._time_blocks(batch_size)
+
+    def _time_blocks(self, batch_size: int) -> None:
+        """Size proposals by the target's block costs at this batch size, as earlier calls timed them."""
+        if self.target is not None:
+            self.costs = target_costs(self.target, batch_size)
 
     def admit(self, row: int, prompt: torch.Tensor, hidden: torch.Tensor | None) -> None:
         self.rows[row] = _Row(prompt, self.config.depth, self.cache)
@@ -253,4 +265,5 @@ def from_spec(spec, target, loader) -> SuffixDrafter:
         raise ContextLengthError(f"{str(spec)!r}: N = {config.max_nodes} tree nodes do not fit the target's context "
                                  f"of {positions} positions (the prompt needs one too); use N below {positions} "
                                  f"(default {SuffixConfig.max_nodes})")
-    return SuffixDrafter(config, cache=loader.suffix_cache(config.depth, config.cache_tokens))
+    return SuffixDrafter(config, cache=loader.suffix_cache(config.depth, config.cache_tokens), target=target,
+                         calibration=loader.node_calibration(("suffix", config)))

@@ -10,13 +10,13 @@ position from the verified steps (accepted / reached at that position), decayed 
 the text, and shrunk towards the estimate of the position before it (position 1: towards the
 pooled rate), so a position seldom or never reached takes the rate of the one before it.
 The target's cost is measured per block size as decoding goes (`specdec.tuning.costs.BlockCosts`,
-shared by the calls on one target: `target_costs`), keyed by the size the target really runs: a
-compiled step pads a block (2, 4, 8, ... tokens: `runtime.compile.static_tokens`), and on 4-bit
-weights a padded 8-token block costs about twice a 4-token one, a step no straight line through
-the sizes seen follows. Until a size is timed, the sizes past the largest timed one cost what it
-did, so the choice tries them; before anything is timed, k_min drafts are tried first. The
-drafter measures its own cost of k drafts (a draft model: one catch-up forward plus k - 1
-one-token forwards).
+shared by the calls on one target: `target_costs`), a size not timed yet taking the cost of a
+timed one that the target pads to the same length (a compiled step pads blocks to 2, 4, 8, ...
+tokens, and on 4-bit weights a padded 8-token block costs about twice a 4-token one, a step no
+straight line through the sizes seen follows). The sizes past the largest timed one cost what it
+did until timed, so the choice tries them; before anything is timed, k_min drafts are tried
+first. The drafter measures its own cost of k drafts (a draft model: one catch-up forward plus
+k - 1 one-token forwards).
 """
 
 from __future__ import annotations
@@ -32,17 +32,15 @@ class AutoK:
     """Online choice of the number of draft tokens, bounded to [k_min, k_max]."""
 
     def __init__(self, k_min: int = 1, k_max: int = 16, decay: float = 0.95, prior_weight: float = 2.0,
-                 costs: BlockCosts | None = None, padded: Callable[[int], int] | None = None) -> None:
-        """costs: the target's verification seconds by (padded) block size, shared with other calls
-        (default: this one's own); padded(block): the tokens a verification of `block` tokens runs
-        (default: block itself)."""
+                 costs: BlockCosts | None = None) -> None:
+        """costs: the target's verification seconds by block size, shared with other calls
+        (`specdec.tuning.costs.target_costs`; default: this one's own)."""
         self.k_min, self.k_max, self.k = k_min, k_max, k_min
         self.decay, self.prior_weight = decay, prior_weight
         self.accepted, self.reached = 1.0, 2.0  # pooled over positions, weak prior: alpha = 0.5
         self.accepted_at = [0.0] * k_max  # [i]: decayed count of accepted drafts at position i + 1
         self.reached_at = [0.0] * k_max  # [i]: decayed count of steps that verified position i + 1
         self.costs = BlockCosts() if costs is None else costs
-        self.padded = padded or (lambda block: block)
 
     def alpha(self) -> float:
         """Acceptance rate pooled over positions (accepted / reached drafts)."""
@@ -70,12 +68,12 @@ class AutoK:
 
     def time_block(self, block: int, seconds: float) -> None:
         """One verification (the whole batch's) of `block` tokens per row took `seconds`."""
-        self.costs.observe(self.padded(block), seconds)
+        self.costs.observe(block, seconds)
 
     def target_cost(self, block: int) -> float | None:
-        """Measured seconds of one verification of `block` tokens (`BlockCosts.cost` of its padded
-        size); None before any verification was timed."""
-        return self.costs.cost(self.padded(block)) if self.costs.sizes() else None
+        """Measured seconds of one verification of `block` tokens (`BlockCosts.cost`); None before any
+        verification was timed."""
+        return self.costs.cost(block) if self.costs.sizes() else None
 
     def expected_tokens(self) -> list[float]:
         """[k]: expected tokens one step with k drafts emits, bonus token included (k = 0..k_max)."""

@@ -21,6 +21,7 @@ import statistics
 import threading
 import weakref
 from collections import deque
+from collections.abc import Callable
 
 SAMPLES = 8  # verification timings kept per block size (their median is its cost)
 OUTLIER = 20.0  # a timing above this many times the cheapest block's cost is a compile, not a step
@@ -28,11 +29,15 @@ OUTLIER = 20.0  # a timing above this many times the cheapest block's cost is a 
 
 class BlockCosts:
     """Seconds of one verification by its block size (rows scored), measured as decoding goes: the
-    median of the last SAMPLES timings per size; a size not measured yet is interpolated linearly
-    between the measured sizes around it (past the largest, extended by the last two)."""
+    median of the last SAMPLES timings per size. A size not measured yet costs what the nearest
+    measured size that the target runs at the same padded length did (`padded(block)`: a compiled
+    step pads blocks to 2, 4, 8, ... tokens, `runtime.model.Transformer.verify_tokens`; on 4-bit
+    weights a padded 8-token block costs about twice a 4-token one), else it is interpolated
+    linearly between the measured sizes around it (past the largest, extended by the last two)."""
 
-    def __init__(self) -> None:
+    def __init__(self, padded: Callable[[int], int] | None = None) -> None:
         self._times: dict[int, deque[float]] = {}
+        self.padded = padded
 
     def observe(self, block: int, seconds: float) -> None:
         """One verification of `block` rows that took `seconds`. A compile is no step: a timing over
@@ -64,6 +69,11 @@ class BlockCosts:
             raise ValueError("no verification was timed yet")
         if block in self._times:
             return statistics.median(self._times[block])
+        if self.padded is not None:
+            length = self.padded(block)
+            same = [size for size in self._times if self.padded(size) == length]
+            if same:
+                return self.cost(min(same, key=lambda size: abs(size - block)))
         sizes = sorted(self._times)
         below = [s for s in sizes if s < block]
         above = [s for s in sizes if s > block]
@@ -85,10 +95,13 @@ _TARGETS_LOCK = threading.Lock()
 
 def target_costs(target: object, batch_size: int) -> BlockCosts:
     """The verification costs of `target` with `batch_size` rows timed so far in this process: one
-    BlockCosts per target object and batch size, shared by the generate() calls on it, so a draft
-    length chosen by cost (`specdec.tuning.autok`) starts from what earlier calls measured."""
+    BlockCosts per target object and batch size (padded as the target runs its blocks), shared by
+    the generate() calls on it and by the drafters that size their proposals by cost (`auto` draft
+    lengths, `suffix`), so each call starts from what earlier calls measured."""
+    verify_tokens = getattr(target, "verify_tokens", None)
+    padded = None if verify_tokens is None else (lambda block: verify_tokens(block, batch_size))
     with _TARGETS_LOCK:
-        return _TARGETS.setdefault(target, {}).setdefault(batch_size, BlockCosts())
+        return _TARGETS.setdefault(target, {}).setdefault(batch_size, BlockCosts(padded))
 
 
 class NodeCalibration:

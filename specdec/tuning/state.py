@@ -1,7 +1,8 @@
 """What drafters made from method strings learn across generate() calls, in one object passed in.
 
-A `TuningState` holds the suffix drafters' caches of earlier responses (one per bound and depth) and
-the composite drafters' member records (one list per composite spec text, `specdec.tuning.gates`).
+A `TuningState` holds the suffix drafters' caches of earlier responses (one per bound and depth), their
+node calibrations (one per config) and the composite drafters' member records (one list per
+composite spec text, `specdec.tuning.gates`).
 `specdec.loader.DrafterLoader` hands them to the drafters it builds; whoever owns the loader owns
 the state: `specdec eval` keeps one per method (so no method drafts from another's answers), the
 serving engine one for its drafter, and generate()'s default loader the process's
@@ -11,21 +12,23 @@ serving engine one for its drafter, and generate()'s default loader the process'
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 
 from specdec.drafters.suffix import SuffixCache
+from specdec.tuning.costs import NodeCalibration
 from specdec.tuning.gates import MemberRecord
 
 
 class TuningState:
-    """Suffix caches and composite records, created on first use and kept. `answers`: token ids of
-    earlier answers every suffix cache starts with (a resumed `specdec eval` method's), and holds
-    again after `forget_answers`. Thread-safe."""
+    """Suffix caches, node calibrations and composite records, created on first use and kept.
+    `answers`: token ids of earlier answers every suffix cache starts with (a resumed `specdec eval`
+    method's), and holds again after `forget_answers`. Thread-safe."""
 
     def __init__(self, answers: Iterable[Iterable[int]] = ()) -> None:
         self.answers = [list(a) for a in answers]
         self._caches: dict[tuple[int, int], SuffixCache] = {}
         self._records: dict[str, list[MemberRecord]] = {}
+        self._calibrations: dict[Hashable, NodeCalibration] = {}
         self._lock = threading.Lock()
 
     def suffix_cache(self, depth: int, max_tokens: int) -> SuffixCache:
@@ -35,6 +38,12 @@ class TuningState:
             if cache is None:
                 cache = self._caches[max_tokens, depth] = self._refill(SuffixCache(max_tokens, depth))
             return cache
+
+    def node_calibration(self, key: Hashable) -> NodeCalibration:
+        """How often the nodes of the drafters made with `key` (a kind and its config) were accepted,
+        by their probability (`specdec.tuning.costs.NodeCalibration`), over every call so far."""
+        with self._lock:
+            return self._calibrations.setdefault(key, NodeCalibration())
 
     def composite_records(self, name: str, members: int) -> list[MemberRecord]:
         """The records of the composite spelt `name` (its spec text), one per member."""

@@ -9,6 +9,7 @@ from specdec.drafter import Accepted
 from specdec.drafters.suffix import DEFAULT_CACHE_TOKENS, SuffixCache, SuffixConfig, SuffixDrafter
 from specdec.drafters.suffix_tree import SuffixTrie
 from specdec.loader import make_drafter
+from specdec.tuning.costs import target_costs
 from specdec.tuning.state import process_state
 from tests.specdec.test_decode import _rows, _same, assert_two_token_law
 from tests.specdec.tuning.test_costs import _costs
@@ -104,6 +105,22 @@ def test_drafters_made_from_a_spec_share_the_process_cache(target):
         SuffixDrafter(SuffixConfig(depth=8), cache=SuffixCache(10, depth=6))
     with pytest.raises(ValueError, match="min_prob"):
         SuffixConfig(min_prob=1.0)
+
+
+def test_drafters_made_from_a_spec_share_the_targets_block_costs_and_their_calibration(target):
+    """What one call learns (the target's block costs at a batch size, how often nodes of a probability
+    are accepted) starts the next call's cut; a drafter made without a target keeps its own."""
+    a, b = (make_drafter("suffix", target) for _ in range(2))
+    a.begin([torch.tensor([1, 2, 3])], 64, None)
+    b.reserve(1, 64)
+    assert a.costs is b.costs is target_costs(target, 1)
+    assert a.calibration is b.calibration is process_state().node_calibration(("suffix", SuffixConfig()))
+    b.reserve(3, 64)
+    assert b.costs is target_costs(target, 3) is not a.costs
+    assert make_drafter("suffix@4", target).calibration is not a.calibration  # another config
+    alone = SuffixDrafter(SuffixConfig())
+    alone.begin([torch.tensor([1, 2, 3])], 64, None)
+    assert alone.costs is not a.costs and alone.calibration is not a.calibration
 
 
 def test_the_cut_verifies_only_the_nodes_that_pay_on_the_measured_costs():

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from runtime.tiny import tiny_model
 from specdec.tuning.autok import AutoK
 from specdec.tuning.costs import BlockCosts, target_costs
 
@@ -29,13 +30,15 @@ def test_target_cost_is_measured_per_size_and_extended_by_the_last_two():
 def test_padded_blocks_cost_their_padded_size():
     """A compiled 4-bit target pads blocks of 5..8 tokens to 8, which costs twice a block of 4: a
     line through the sizes 2 and 4 would call a 5-token block cheap, the padded size does not."""
-    auto = AutoK(k_max=7, padded=lambda block: 2 if block <= 2 else 4 if block <= 4 else 8)
+    auto = AutoK(k_max=7, costs=BlockCosts(padded=lambda block: 2 if block <= 2 else 4 if block <= 4 else 8))
     for _ in range(8):
         auto.observe(6, 7)
         for block, seconds in ((2, 0.10), (4, 0.12), (8, 0.24)):
             auto.time_block(block, seconds)
     assert auto.target_cost(3) == auto.target_cost(4) == pytest.approx(0.12)
     assert auto.target_cost(5) == auto.target_cost(8) == pytest.approx(0.24)
+    auto.time_block(6, 0.26)  # a size timed itself keeps its own cost; 5 takes the nearest timed
+    assert auto.target_cost(6) == pytest.approx(0.26) and auto.target_cost(5) == pytest.approx(0.26)
     # drafts cost 0.01 s each and are accepted at ~0.85: 3 drafts (a 4-token block) beat 4 (padded to 8)
     assert auto.choose(lambda k: 0.01 * k) == 3
 
@@ -59,11 +62,16 @@ def test_costs_are_shared_through_the_store_and_compiles_are_dropped():
     assert second.choose(lambda k: 0.0) >= 1 and shared.sizes() == [2, 4]
 
 
-def test_target_costs_is_one_store_per_target_and_batch_size():
+def test_target_costs_is_one_store_per_target_and_batch_size_padded_as_it_runs():
     target, other = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
     assert target_costs(target, 1) is target_costs(target, 1)
     assert target_costs(target, 1) is not target_costs(target, 2)
     assert target_costs(target, 1) is not target_costs(other, 1)
+    assert target_costs(target, 1).padded is None  # not a runtime model: sizes as they are
+    model = tiny_model("qwen2", dtype=torch.bfloat16)
+    assert target_costs(model, 1).padded(5) == 5  # eager: no padding
+    model.compile_decode()
+    assert target_costs(model, 3).padded(5) == model.verify_tokens(5, 3) == 8
 
 
 def test_alpha_is_accepted_over_reached():
