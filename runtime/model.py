@@ -418,10 +418,8 @@ class Transformer(nn.Module):
         """The tokens a compiled forward of (B, T) tokens runs with (before the cache's room is
         checked): `static_tokens` for causal steps and trees of up to DECODE_STATIC_TOKENS."""
         if block:  # a small tree (a suffix match's) changes size every step: padded like a causal block
-            padded = static_tokens(T, row_cost=self.row_cost) if T <= DECODE_STATIC_TOKENS else T
-        else:
-            padded = static_tokens(T, selected_after_prompt, self.row_cost)
-        return padded
+            return static_tokens(T, row_cost=self.row_cost) if T <= DECODE_STATIC_TOKENS else T
+        return static_tokens(T, selected_after_prompt, self.row_cost)
 
     def _static_forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                         selected: bool, block_mask: torch.Tensor | None = None,

@@ -98,8 +98,10 @@ def target_costs(target: object, batch_size: int) -> BlockCosts:
     BlockCosts per target object and batch size (padded as the target runs its blocks), shared by
     the generate() calls on it and by the drafters that size their proposals by cost (`auto` draft
     lengths, `suffix`), so each call starts from what earlier calls measured."""
-    verify_tokens = getattr(target, "verify_tokens", None)
-    padded = None if verify_tokens is None else (lambda block: verify_tokens(block, batch_size))
+    padded = None
+    if hasattr(target, "verify_tokens"):  # held weakly: the store must not keep the target alive
+        verify_tokens = weakref.WeakMethod(target.verify_tokens)
+        padded = lambda block: verify_tokens()(block, batch_size)  # noqa: E731
     with _TARGETS_LOCK:
         return _TARGETS.setdefault(target, {}).setdefault(batch_size, BlockCosts(padded))
 

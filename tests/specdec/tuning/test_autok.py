@@ -1,6 +1,8 @@
 """specdec.tuning.autok: the online draft-length choice maximises modelled tokens per second."""
 
+import gc
 import math
+import weakref
 
 import pytest
 import torch
@@ -72,6 +74,10 @@ def test_target_costs_is_one_store_per_target_and_batch_size_padded_as_it_runs()
     assert target_costs(model, 1).padded(5) == 5  # eager: no padding
     model.compile_decode()
     assert target_costs(model, 3).padded(5) == model.verify_tokens(5, 3) == 8
+    held = weakref.ref(model)
+    del model
+    gc.collect()
+    assert held() is None  # the store holds its targets weakly
 
 
 def test_alpha_is_accepted_over_reached():
