@@ -29,11 +29,13 @@ OUTLIER = 20.0  # a timing above this many times the cheapest block's cost is a 
 
 class BlockCosts:
     """Seconds of one verification by its block size (rows scored), measured as decoding goes: the
-    median of the last SAMPLES timings per size. A size not measured yet costs what the nearest
-    measured size that the target runs at the same padded length did (`padded(block)`: a compiled
-    step pads blocks to 2, 4, 8, ... tokens, `runtime.model.Transformer.verify_tokens`; on 4-bit
-    weights a padded 8-token block costs about twice a 4-token one), else it is interpolated
-    linearly between the measured sizes around it (past the largest, extended by the last two)."""
+    median of the last SAMPLES timings per size; a size not measured yet is interpolated linearly
+    between the measured sizes around it (past the largest, extended by the last two). With
+    `padded(block)`, the length the target runs a block at (a compiled step pads blocks to 2, 4, 8,
+    ... tokens: `runtime.model.Transformer.verify_tokens`), sizes are that length: blocks of 5..8
+    tokens share the samples of 8 (on 4-bit weights about twice a 4-token block's cost), so a size
+    seldom chosen neither waits to be timed nor keeps a stale first timing (a program's first call
+    checks its guards)."""
 
     def __init__(self, padded: Callable[[int], int] | None = None) -> None:
         self._times: dict[int, deque[float]] = {}
@@ -45,6 +47,7 @@ class BlockCosts:
         first (nothing cheaper timed yet) is dropped once a step that much faster arrives."""
         if block < 1 or seconds <= 0:
             return
+        block = self._size(block)
         if self._times and seconds > OUTLIER * min(self.cost(b) for b in self._times):
             return
         for size in list(self._times):
@@ -55,8 +58,11 @@ class BlockCosts:
                 del self._times[size]
         self._times.setdefault(block, deque(maxlen=SAMPLES)).append(seconds)
 
+    def _size(self, block: int) -> int:
+        return self.padded(block) if self.padded is not None else block
+
     def sizes(self) -> list[int]:
-        """The block sizes measured, smallest first."""
+        """The block sizes measured (padded, with `padded`), smallest first."""
         return sorted(self._times)
 
     def known(self) -> bool:
@@ -67,13 +73,9 @@ class BlockCosts:
         """Estimated seconds of verifying `block` rows (needs one measured size)."""
         if not self._times:
             raise ValueError("no verification was timed yet")
+        block = self._size(block)
         if block in self._times:
             return statistics.median(self._times[block])
-        if self.padded is not None:
-            length = self.padded(block)
-            same = [size for size in self._times if self.padded(size) == length]
-            if same:
-                return self.cost(min(same, key=lambda size: abs(size - block)))
         sizes = sorted(self._times)
         below = [s for s in sizes if s < block]
         above = [s for s in sizes if s > block]
