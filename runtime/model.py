@@ -243,7 +243,8 @@ class Transformer(nn.Module):
         """
         self.compiled_step = compile_step(self.static_step, self.device, cpp_wrapper, max_autotune,
                                           eager_rounding=lambda: self.row_invariant,
-                                          dynamic={_static_layer: ((3, 3), (4, 3))})  # the cache length
+                                          dynamic={_static_layer: ((3, 3), (4, 3))},  # the cache length
+                                          reduction_size=self.config.hidden_size)  # the norms'
         # linears whose kernels cost per row (ROW_COST: runtime.blockq, the packed INT8 / INT4 ones) make
         # compiled steps pad blocks to 2, 4, 8, ... tokens rather than to 8 (runtime.compile.static_tokens)
         self.row_cost = any(getattr(m, "ROW_COST", False) for m in self.modules())
