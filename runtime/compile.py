@@ -65,7 +65,6 @@ MAX_BLOCK_TOKENS = 256  # block-mask (tree) forwards of up to this many tokens t
 # path; the largest program plain and speculative decoding (k <= 7) compile
 DECODE_STATIC_TOKENS = 8
 
-MIN_CHUNK_DEFAULT = 512  # Inductor's own cpp.min_chunk_size
 NOTICE_AFTER_S = 5.0  # a first call of a shape that runs longer than this says that it is compiling
 
 # static_step(tokens, positions, k, v, lengths, block_mask=None, aux_layers=(), regions=None) -> ModelOutput(
@@ -229,7 +228,7 @@ class Regions:
         # than programs of more rows do. With min_chunk_size >= the reduction's length no thread's share of
         # it is long enough, while kernels of several rows still run their rows in parallel (a larger value
         # measured 2-4% slower at 8-16 rows on 2 cores)
-        chunk = max(self.reduction_size, MIN_CHUNK_DEFAULT)
+        chunk = max(self.reduction_size, torch._inductor.config.cpp.min_chunk_size)
         invariant = {"cpp.min_chunk_size": chunk} if self.eager_rounding() else {}
         return {"cpp_wrapper": self.cpp_wrapper, "emulate_precision_casts": self.eager_rounding(), **autotune,
                 **invariant}

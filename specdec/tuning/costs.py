@@ -50,12 +50,13 @@ class BlockCosts:
         block = self._size(block)
         if self._times and seconds > OUTLIER * min(self.cost(b) for b in self._times):
             return
-        for size in list(self._times):
-            kept = deque((t for t in self._times[size] if t <= OUTLIER * seconds), maxlen=SAMPLES)
-            if kept:
-                self._times[size] = kept
-            else:
-                del self._times[size]
+        for size, times in list(self._times.items()):
+            if max(times) > OUTLIER * seconds:  # a compile kept as a first timing
+                kept = deque((t for t in times if t <= OUTLIER * seconds), maxlen=SAMPLES)
+                if kept:
+                    self._times[size] = kept
+                else:
+                    del self._times[size]
         self._times.setdefault(block, deque(maxlen=SAMPLES)).append(seconds)
 
     def _size(self, block: int) -> int:
