@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.kernels.cpu_argmax import argmax
+
 # the least nonzero temperature: logits / temperature must stay finite in float32 (|logit| up to ~3e8)
 MIN_TEMPERATURE = 1e-30
 # the least top_p: float32's smallest normal number (top_p is compared with float32 probabilities, and a
@@ -145,5 +147,5 @@ def select_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: flo
     """Next token per row from logits (N, V): argmax at temperature 0, else a sample -> (N,)."""
     check_finite(logits)
     if temperature == 0:
-        return logits.argmax(-1)
+        return argmax(logits)
     return sample(probs_from_logits(logits, temperature, top_k, top_p), generator)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.kernels.cpu_argmax import argmax
 from specdec.drafter import DraftTree, TypicalAcceptance
 from specdec.sampling import check_finite, probs_from_logits
 
@@ -64,7 +65,7 @@ def verify(logits: torch.Tensor, tree: DraftTree, valid: torch.Tensor, temperatu
 
 def verify_greedy(logits: torch.Tensor, tree: DraftTree, valid: torch.Tensor) -> Verdict:
     """Greedy verification: the deepest node whose whole path equals the target's argmax."""
-    best = logits.argmax(-1).cpu()  # (B, 1 + N)
+    best = argmax(logits).cpu()  # (B, 1 + N)
     match = (tree.tokens == best.gather(1, tree.parents + 1)) & valid  # (B, N)
     if tree.is_chain:
         accepted = _leading(match)  # (B,)

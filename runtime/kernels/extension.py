@@ -2,7 +2,8 @@
 
 `cpu_blockq.cpp` (block-quantized linears: `runtime.kernels.cpu_blockq`), `cpu_attention.cpp` and
 `cpu_attention_isa.cpp` (the compiled step's cache attention and the row-invariant attention:
-`runtime.kernels.cpu_attention`) are compiled together, once per machine, with the host's C++
+`runtime.kernels.cpu_attention`) and `cpu_argmax.cpp` (the greedy token choice:
+`runtime.kernels.cpu_argmax`) are compiled together, once per machine, with the host's C++
 compiler through `torch.utils.cpp_extension` (`runtime.kernels.build`: a child process with a time
 limit and progress lines) into `$SPECDEC_HOME/kernels/cpu_blockq-<hash>-<checkout>`; later processes
 load the cached library. Its ops register in the namespace `NAMESPACE` (`specdec_cpu_<hash of the
@@ -28,7 +29,7 @@ from runtime.errors import CacheHomeError
 from runtime.kernels.build import KernelBuild, KernelBuildError, load_built
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in (
-    "cpu_blockq.cpp", "cpu_attention.cpp", "cpu_attention_isa.cpp"))
+    "cpu_blockq.cpp", "cpu_attention.cpp", "cpu_attention_isa.cpp", "cpu_argmax.cpp"))
 HEADERS = (Path(__file__).with_name("cpu_attention_rows.h"),)  # part of the build's hash
 OFF_ENV = "SPECDEC_BLOCKQ_KERNELS"  # "0": no build, every caller takes its PyTorch path
 # library and build-directory stem: the names of the first build (of the block-quantized kernels alone),
@@ -50,8 +51,8 @@ NAMESPACE = f"specdec_cpu_{_key()[:12]}"
 
 
 def ops():
-    """`torch.ops.<NAMESPACE>`: blockq_mm, blockq_isas, read_probe, cache_attention, attention_rows
-    (after `available()`)."""
+    """`torch.ops.<NAMESPACE>`: blockq_mm, blockq_isas, read_probe, cache_attention, attention_rows,
+    argmax_rows (after `available()`)."""
     return getattr(torch.ops, NAMESPACE)
 
 

@@ -24,6 +24,7 @@ import torch
 import runtime.loading
 from runtime.cache import KVCache
 from runtime.errors import SpecdecError
+from runtime.kernels.cpu_argmax import argmax
 from runtime.prefix_cache import PrefixCache
 from specdec.drafter import Accepted, Drafter, DraftTree
 from specdec.rows import common_prefix, prefill, prefill_after, runs
@@ -191,7 +192,7 @@ class ModelDrafter(Drafter):
                     q[:, i, ids.to(probs.device)] = probs  # zero outside the draft's vocabulary
                 top = probs.max(-1).values.float().cpu()  # (B,)
             else:
-                col = logits.argmax(-1).cpu()
+                col = argmax(logits).cpu()
                 top = torch.softmax(logits.float(), -1).max(-1).values.cpu()  # (B,)
             nxt = col if ids is None else ids[col]
             tokens[:, i] = nxt
