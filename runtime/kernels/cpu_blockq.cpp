@@ -124,32 +124,117 @@ bool has_amx() {
 
 // ---------------------------------------------------------------- activations
 
-// Quantize rows of x (M, K) into xq (M, K) int8, dx (M, K/32), xs (M, K/G). Deterministic per row.
+// One block of 32 inputs: its int8 codes and scale dx = max|x| / 127 (the plain C++ reference of the
+// vector versions below, and their fallback for a block holding NaN or inf).
 template <typename T>
-void quantize_rows(const T* x, int64_t M, int64_t K, int G, int8_t* xq, float* dx, float* xs) {
+void quantize_block(const T* xr, int8_t* qr, float* dx) {
+  float amax = 0.f;
+  // a NaN stays (std::max would drop it): a NaN or inf input makes the block's scale NaN or inf and
+  // the row's outputs non-finite, as a float product would, instead of rounding to finite codes
+  for (int j = 0; j < kActBlock; ++j) {
+    const float v = std::fabs((float)xr[j]);
+    if (v > amax || std::isnan(v)) amax = v;
+  }
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  const bool finite = std::isfinite(amax);  // else codes 0 (a NaN has no int8), and the scale carries it
+  *dx = amax / 127.f;
+  for (int j = 0; j < kActBlock; ++j) qr[j] = finite ? (int8_t)std::nearbyint((float)xr[j] * inv) : 0;
+}
+
+template <typename T>
+void quantize_blocks_generic(const T* xr, int64_t blocks, int8_t* qr, float* dx) {
+  for (int64_t b = 0; b < blocks; ++b) quantize_block(xr + b * kActBlock, qr + b * kActBlock, dx + b);
+}
+
+// The same codes and scales with AVX-512 and with AVX2: the same float products, rounded to nearest
+// even by the conversion (the default rounding mode, as std::nearbyint rounds), and one maximum.
+#define SPECDEC_AVX512_ACT __attribute__((target("avx512f,avx512bw")))
+#define SPECDEC_AVX2_ACT __attribute__((target("avx2")))
+
+template <typename T>
+SPECDEC_AVX512_ACT inline __m512 act16(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_loadu_ps(p);
+  } else {
+    const __m256i h = _mm256_loadu_si256((const __m256i*)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+}
+
+template <typename T>
+SPECDEC_AVX512_ACT void quantize_blocks_avx512(const T* xr, int64_t blocks, int8_t* qr, float* dx) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    const T* xb = xr + b * kActBlock;
+    const __m512 v0 = act16(xb), v1 = act16(xb + 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q);
+    const float amax = nan ? NAN : _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    if (!std::isfinite(amax)) {
+      quantize_block(xb, qr + b * kActBlock, dx + b);
+      continue;
+    }
+    const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    dx[b] = amax / 127.f;
+    _mm_storeu_si128((__m128i*)(qr + b * kActBlock), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v0, inv))));
+    _mm_storeu_si128((__m128i*)(qr + b * kActBlock + 16),
+                     _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v1, inv))));
+  }
+}
+
+template <typename T>
+SPECDEC_AVX2_ACT inline __m256 act8(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm256_loadu_ps(p);
+  } else {
+    const __m128i h = _mm_loadu_si128((const __m128i*)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+}
+
+template <typename T>
+SPECDEC_AVX2_ACT void quantize_blocks_avx2(const T* xr, int64_t blocks, int8_t* qr, float* dx) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  for (int64_t b = 0; b < blocks; ++b) {
+    const T* xb = xr + b * kActBlock;
+    __m256 v[4], top = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = act8(xb + 8 * i);
+      top = _mm256_max_ps(top, _mm256_and_ps(v[i], abs_mask));
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float amax = _mm256_movemask_ps(nan) ? NAN : _mm_cvtss_f32(m4);
+    if (!std::isfinite(amax)) {
+      quantize_block(xb, qr + b * kActBlock, dx + b);
+      continue;
+    }
+    const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    dx[b] = amax / 127.f;
+    __m256i q[4];
+    for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+    // int32 -> int8 in input order (the packs interleave 128-bit lanes; the permutation undoes it)
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    _mm256_storeu_si256((__m256i*)(qr + b * kActBlock),
+                        _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  }
+}
+
+// Quantize rows of x (M, K) into xq (M, K) int8, dx (M, K/32), xs (M, K/G), with the instructions of
+// kernel path `path` (the same numbers on every path). Deterministic per row.
+template <typename T>
+void quantize_rows(const T* x, int64_t M, int64_t K, int G, int8_t* xq, float* dx, float* xs, int64_t path) {
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
-      const T* xr = x + m * K;
       int8_t* qr = xq + m * K;
-      for (int64_t b = 0; b < K / kActBlock; ++b) {
-        float amax = 0.f;
-        // a NaN stays (std::max would drop it): a NaN or inf input makes the block's scale NaN or inf and
-        // the row's outputs non-finite, as a float product would, instead of rounding to finite codes
-        for (int j = 0; j < kActBlock; ++j) {
-          const float v = std::fabs((float)xr[b * kActBlock + j]);
-          if (v > amax || std::isnan(v)) amax = v;
-        }
-        const float scale = amax / 127.f;
-        const float inv = amax > 0.f ? 127.f / amax : 0.f;
-        const bool finite = std::isfinite(amax);  // else codes 0 (a NaN has no int8), and the scale carries it
-        dx[m * (K / kActBlock) + b] = scale;
-        for (int j = 0; j < kActBlock; ++j)
-          qr[b * kActBlock + j] = finite ? (int8_t)std::nearbyint((float)xr[b * kActBlock + j] * inv) : 0;
-      }
+      float* dr = dx + m * (K / kActBlock);
+      if (path == kVnni || path == kAmx) quantize_blocks_avx512(x + m * K, K / kActBlock, qr, dr);
+      else if (path == kAvx2) quantize_blocks_avx2(x + m * K, K / kActBlock, qr, dr);
+      else quantize_blocks_generic(x + m * K, K / kActBlock, qr, dr);
       for (int64_t g = 0; g < K / G; ++g) {
         int32_t sum = 0;
         for (int j = 0; j < G; ++j) sum += qr[g * G + j];
-        xs[m * (K / G) + g] = dx[m * (K / kActBlock) + g * G / kActBlock] * (float)sum;
+        xs[m * (K / G) + g] = dr[g * G / kActBlock] * (float)sum;
       }
     }
   });
@@ -807,10 +892,11 @@ at::Tensor blockq_mm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   at::Tensor dx = at::empty({M, K / kActBlock}, x.options().dtype(at::kFloat));
   at::Tensor xs = at::empty({M, K / group}, x.options().dtype(at::kFloat));
   if (x2.scalar_type() == at::kFloat)
-    quantize_rows(x2.data_ptr<float>(), M, K, (int)group, xq.data_ptr<int8_t>(), dx.data_ptr<float>(), xs.data_ptr<float>());
+    quantize_rows(x2.data_ptr<float>(), M, K, (int)group, xq.data_ptr<int8_t>(), dx.data_ptr<float>(), xs.data_ptr<float>(),
+                  path);
   else
     quantize_rows(x2.data_ptr<at::BFloat16>(), M, K, (int)group, xq.data_ptr<int8_t>(), dx.data_ptr<float>(),
-                  xs.data_ptr<float>());
+                  xs.data_ptr<float>(), path);
   at::Tensor xt;
   if (path == kAmx) {
     xt = at::empty({(M + 15) / 16 * 16 * K}, x.options().dtype(at::kChar));

@@ -129,6 +129,28 @@ def test_every_path_gives_the_same_bits(grid, dtype):
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activation_codes_round_half_to_even_on_every_path(dtype):
+    """Activations whose codes fall exactly half-way (every block's max is 127, so x * 127 / max = x)
+    round to even on every path (the vector paths' conversions as the plain C++ path's nearbyint), as
+    the float64 reference rounds them; an all-zero block and a zero row quantize to zero codes."""
+    module, _ = _module("q4_k")
+    K = module.in_features
+    halves = (torch.arange(K, dtype=torch.float32) % 64 - 32) + 0.5  # -31.5 .. 31.5
+    halves[::32] = 127.0
+    x = torch.stack([halves, -halves, torch.zeros(K), halves * (torch.arange(K) >= 64)]).to(dtype)
+    ref = cpu_blockq.blockq_mm_ref(x, module.dequantize(), module.bias)
+    outs = {isa: cpu_blockq.blockq_mm(x, module.codes, module.sc, module.mc, module.d, module.dm, module.bias,
+                                      module.bits, module.group_size, module.super_block, isa=isa)
+            for isa in cpu_blockq.isas()}
+    for isa, y in outs.items():
+        assert torch.equal(y, outs["generic"]), isa
+    if dtype == torch.float32:  # bf16 outputs are rounded further; their paths' equality is checked above
+        got = outs["generic"].double()
+        assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
+
+
+@needs_kernels
 def test_the_isa_switch_runs_a_whole_module_on_the_path_it_names(monkeypatch):
     """SPECDEC_BLOCKQ_ISA forces every call's path (an AVX-512 CPU runs as an AVX2-only one would):
     the same bits; a path the CPU lacks or a typo is a clear error."""
