@@ -6,7 +6,9 @@ exactly (`runtime.gguf_blocks` converts each):
     W[n, k] = d[n, k // S] * sc[n, k // G] * q[n, k] - dm[n, k // S] * mc[n, k // G]
 
 q: unsigned integer codes (`bits` = 4, 5, 6 or 8); sc, mc: int8 per group of G (16 or 32) inputs;
-d, dm: float32 per super-block of S inputs. In float32 the products d * sc and dm * mc and
+d, dm: float32 per super-block of S inputs, stored as float16 when every value is one (GGUF's own
+scales are: a decode step then reads 2 bytes less per 256 inputs and channel, 4 with dm, 2 per 32
+for Q5_0 / Q8_0; the kernels widen them exactly). In float32 the products d * sc and dm * mc and
 d * sc * q are exact for every GGUF type above, so `dequantize()` equals `gguf.quants.dequantize`
 bit for bit. INT8 / INT4 modules of `quant` convert to it too (`from_int8`, `from_int4`).
 
@@ -34,6 +36,7 @@ LANES = cpu_blockq.LANES
 BITS = (4, 5, 6, 8)
 GROUPS = (16, 32)
 MAX_GROUPS_PER_SUPER = 16  # the kernels keep one super-block's group results at a time (Q6_K: 16)
+SCALE_DTYPES = (torch.float32, torch.float16)  # of d and dm: float16 when exact (`_narrow_scales`)
 
 
 def block_width(bits: int) -> int:
@@ -142,8 +145,9 @@ class BlockQuantLinear(QuantizedLinear):
                  dm: torch.Tensor | None, bits: int, group_size: int, super_block: int,
                  bias: torch.Tensor | None = None, zero: float = 0.0) -> None:
         """Tensors in the kernels' layout (W = `block_width(bits)`): codes (N/W, K/G, group bytes) uint8,
-        sc / mc (N/W, K/G, W) int8, d / dm (N/W, K/S, W) float32, dm None when `zero` (a power of two)
-        gives it (`from_canonical` builds them from (N, K) codes)."""
+        sc / mc (N/W, K/G, W) int8, d / dm (N/W, K/S, W) float32 or float16 (kept as float16 when every
+        value is exactly one), dm None when `zero` (a power of two) gives it (`from_canonical` builds them
+        from (N, K) codes)."""
         if bits not in BITS or group_size not in GROUPS or super_block <= 0 or super_block % group_size \
                 or super_block // group_size > MAX_GROUPS_PER_SUPER:
             raise ValueError(f"BlockQuantLinear needs bits in {BITS}, group_size in {GROUPS} and a super_block "
@@ -160,14 +164,16 @@ class BlockQuantLinear(QuantizedLinear):
         if in_features % super_block or in_features % cpu_blockq.ACT_BLOCK:
             raise ValueError(f"BlockQuantLinear in_features {in_features} must be a multiple of the super-block "
                              f"{super_block} and of {cpu_blockq.ACT_BLOCK}")
-        checks = [("sc", sc, torch.int8, group_size), ("mc", mc, torch.int8, group_size),
-                  ("d", d, torch.float32, super_block)]
+        checks = [("sc", sc, (torch.int8,), group_size), ("mc", mc, (torch.int8,), group_size),
+                  ("d", d, SCALE_DTYPES, super_block)]
         if dm is not None:
-            checks.append(("dm", dm, torch.float32, super_block))
-        for name, t, dtype, per in checks:
+            checks.append(("dm", dm, SCALE_DTYPES, super_block))
+        for name, t, dtypes, per in checks:
             want = (nb, in_features // per, W)
-            if t.dtype != dtype or tuple(t.shape) != want:
-                raise ValueError(f"BlockQuantLinear {name} must be {dtype} {want}, got {t.dtype} {tuple(t.shape)}")
+            if t.dtype not in dtypes or tuple(t.shape) != want:
+                raise ValueError(f"BlockQuantLinear {name} must be {' or '.join(map(str, dtypes))} {want}, got "
+                                 f"{t.dtype} {tuple(t.shape)}")
+        d, dm = _narrow_scales(d, dm)
         super().__init__(in_features, out_features, None if bias is None else bias.to(torch.float32))
         self.bits, self.group_size, self.super_block, self.zero = bits, group_size, super_block, float(zero)
         shared = mc is sc or (mc.data_ptr() == sc.data_ptr() and mc.shape == sc.shape)
@@ -232,8 +238,8 @@ class BlockQuantLinear(QuantizedLinear):
 
     def canonical(self, blocks: slice | torch.Tensor = slice(None)) -> tuple[torch.Tensor, ...]:
         """(q (n, K) uint8, sc, mc (n, K/G) int8, d, dm (n, K/S) float32) of the given channel blocks."""
-        d = _channels(self.d[blocks])
-        dm = _channels(self.dm[blocks]) if self.dm is not None else d * self.zero
+        d = _channels(self.d[blocks].float())
+        dm = _channels(self.dm[blocks].float()) if self.dm is not None else d * self.zero
         return (unpack_codes(self.codes[blocks], self.bits, self.group_size), _channels(self.sc[blocks]),
                 _channels(self.mc[blocks]), d, dm)
 
@@ -278,8 +284,8 @@ class BlockQuantLinear(QuantizedLinear):
             high = _high(codes[..., 16 * G:], self.bits, R)[at, :, :, (lane >= LANES).long()]  # (T, K/G, G/4, 64)
             rows = rows | (high.reshape(T, ng, R, LANES, 4)[at, :, :, lane % LANES] << 4)  # (T, K/G, G/4, 4)
         reps = self.super_block // G
-        d = self.d[blocks, :, lane]  # (T, K/S)
-        dm = self.dm[blocks, :, lane] if self.dm is not None else d * self.zero
+        d = self.d[blocks, :, lane].float()  # (T, K/S)
+        dm = self.dm[blocks, :, lane].float() if self.dm is not None else d * self.zero
         s = self.sc[blocks, :, lane].to(torch.float32) * d.repeat_interleave(reps, dim=1)
         mn = self.mc[blocks, :, lane].to(torch.float32) * dm.repeat_interleave(reps, dim=1)
         w = s[..., None] * rows.reshape(T, ng, G).to(torch.float32) - mn[..., None]  # (T, K/G, G)
@@ -318,6 +324,16 @@ class BlockQuantLinear(QuantizedLinear):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, format={self.FORMAT}, "
                 f"bits={self.bits}, group_size={self.group_size}, super_block={self.super_block}")
+
+
+def _narrow_scales(d: torch.Tensor, dm: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """d and dm as float16 when every value of both is exactly a float16 (GGUF's scales are), else both
+    float32: the kernels take either and widen float16 exactly."""
+    d32 = d.float()
+    dm32 = None if dm is None else dm.float()
+    if all(t is None or torch.equal(t.half().float(), t) for t in (d32, dm32)):
+        return d.half(), None if dm is None else dm.half()
+    return d32, dm32
 
 
 def _power_of_two_ratio(dm: torch.Tensor, d: torch.Tensor) -> float:

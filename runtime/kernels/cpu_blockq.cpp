@@ -2,7 +2,8 @@
 //
 // W[n, k] = d[n, k/S] * sc[n, k/G] * q[n, k] - dm[n, k/S] * mc[n, k/G]
 //   q: unsigned codes of `bits` (4, 5, 6 or 8) bits; sc, mc: int8 per group of G (16 or 32) inputs;
-//   d, dm: float32 per super-block of S inputs (S a multiple of G); dm may be given as zero * d
+//   d, dm: float32 per super-block of S inputs (S a multiple of G), stored as float32 or float16 (GGUF's
+//   own scales; widened exactly where they are read); dm may be given as zero * d
 //   (zero a power of two: symmetric formats, whose dm is then not stored). This holds GGUF's Q4_K,
 //   Q5_K, Q6_K, Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 exactly (runtime/blockq.py builds the tensors).
 // Activations are quantized per row to int8 in blocks of 32 (x ~ dx * xq, dx = max|x| / 127, as
@@ -24,7 +25,7 @@
 //     (8G bytes): a 16-bit shift and a mask bring a row's pairs to bits 4-5. With 4 bits the high
 //     set is multiplied as (byte & 0xF0) = 16 * code, its dot product C is 16x, and its sc is taken
 //     as float(sc) / 16 (both exact), which saves a shift per 64 bytes.
-//   sc, mc (N/W, K/G, W) int8 (mc may be sc); d, dm (N/W, K/S, W) float32.
+//   sc, mc (N/W, K/G, W) int8 (mc may be sc); d, dm (N/W, K/S, W) float32 or float16 (both alike).
 // Paths: AMX (TDPBSUD, 16 rows a tile) for calls of several rows on CPUs with AMX-INT8; AVX-512
 // VNNI (VPDPBUSD, 4 rows at a time in registers; more rows take each 256-input span of a block's
 // codes in turn, so the codes are read from memory once) for fewer rows, or every row count without
@@ -32,6 +33,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <cpuid.h>
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -65,11 +67,22 @@ struct Weights {
   const uint8_t* codes;
   const int8_t* sc;
   const int8_t* mc;
-  const float* d;
-  const float* dm;  // null: dm = zero * d
+  const void* d;   // float32, or float16 when `half`
+  const void* dm;  // the same type; null: dm = zero * d
+  bool half;
   float zero;
   int64_t N, K;
   int bits, G, S;
+  // element i of d or dm, as float32
+  float scale(const void* p, int64_t i) const {
+    return half ? c10::detail::fp16_ieee_to_fp32_value(static_cast<const uint16_t*>(p)[i])
+                : static_cast<const float*>(p)[i];
+  }
+  // a pointer to element i of d or dm
+  const void* scales_from(const void* p, int64_t i) const {
+    return half ? static_cast<const void*>(static_cast<const uint16_t*>(p) + i)
+                : static_cast<const void*>(static_cast<const float*>(p) + i);
+  }
 };
 
 struct Acts {
@@ -106,7 +119,7 @@ bool has_vnni() {
 
 bool has_avx2() {
   static const bool ok = cpu_has(1, 0, 2, 27) /*osxsave*/ && (xgetbv0() & 0x6) == 0x6 /*SSE, AVX state*/ &&
-                         cpu_has(7, 0, 1, 5) /*avx2*/ && cpu_has(1, 0, 2, 12) /*fma*/;
+                         cpu_has(7, 0, 1, 5) /*avx2*/ && cpu_has(1, 0, 2, 12) /*fma*/ && cpu_has(1, 0, 2, 29) /*f16c*/;
   return ok;
 }
 
@@ -283,9 +296,9 @@ void gemm_generic(const Weights& w, const Acts& a, const float* bias, T* y, int6
               as = std::fma(t, a.dx[m * (a.K / kActBlock) + g * w.G / kActBlock], as);
               am = std::fma(mcf, a.xs[m * groups + g], am);
             }
-            acc = std::fma(as, w.d[(b * supers + sb) * W + lane], acc);
             const int64_t di = (b * supers + sb) * W + lane;
-            acc = std::fma(-am, w.dm ? w.dm[di] : w.d[di] * w.zero, acc);
+            acc = std::fma(as, w.scale(w.d, di), acc);
+            acc = std::fma(-am, w.dm ? w.scale(w.dm, di) : w.scale(w.d, di) * w.zero, acc);
           }
           const int64_t n = b * W + lane;
           y[m * w.N + n] = (T)(bias ? acc + bias[n] : acc);
@@ -317,27 +330,35 @@ SPECDEC_AVX512 inline void store_row(__m512 acc, const float* bias, T* y) {
   }
 }
 
+// 16 values of d or dm from element i on, as float32 (float16 widened exactly)
+SPECDEC_AVX512 inline __m512 scales16(const void* p, int64_t i, bool half) {
+  return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(static_cast<const uint16_t*>(p) + i)))
+              : _mm512_loadu_ps(static_cast<const float*>(p) + i);
+}
+
 // One block's weights, positioned, and its group / super-block counts.
 template <int BITS, int G>
 struct BlockView {
   static constexpr int W = block_width(BITS), kSets = W / kLanes, kGroupBytes = group_bytes(BITS, G), R = G / 4;
   const uint8_t* codes;
   const int8_t *sc, *mc;
-  const float *d, *dm;  // dm null: zero * d
+  const void *d, *dm;  // dm null: zero * d
+  bool half;
   float zero;
   int64_t groups, supers, gps;
   BlockView(const Weights& w, int64_t b) : groups(w.K / G), supers(w.K / w.S), gps(w.S / G) {
     codes = w.codes + b * groups * kGroupBytes;
     sc = w.sc + b * groups * W;
     mc = w.mc + b * groups * W;
-    d = w.d + b * supers * W;
-    dm = w.dm ? w.dm + b * supers * W : nullptr;
+    d = w.scales_from(w.d, b * supers * W);
+    dm = w.dm ? w.scales_from(w.dm, b * supers * W) : nullptr;
+    half = w.half;
     zero = w.zero;
   }
   // d and dm of super-block sb, set s
   SPECDEC_AVX512 void super_scales(int64_t sb, int s, __m512& dv, __m512& dmv) const {
-    dv = _mm512_loadu_ps(d + sb * W + s * kLanes);
-    dmv = dm ? _mm512_loadu_ps(dm + sb * W + s * kLanes) : _mm512_mul_ps(dv, _mm512_set1_ps(zero));
+    dv = scales16(d, sb * W + s * kLanes, half);
+    dmv = dm ? scales16(dm, sb * W + s * kLanes, half) : _mm512_mul_ps(dv, _mm512_set1_ps(zero));
   }
   // float(sc) of group g, set s (the 4-bit high set divided by 16: see the file's header)
   SPECDEC_AVX512 __m512 scale(int64_t g, int s) const {
@@ -543,7 +564,13 @@ SPECDEC_AVX512 void gemm_vnni(const Weights& w, const Acts& a, const float* bias
 // A 64-byte code row is two halves of 8 channels; VPMADDUBSW saturates past 32767, so the codes it
 // multiplies stay below 128: 4-bit codes are split into nibbles, 8-bit ones into bits 0-6 and bit 7.
 
-#define SPECDEC_AVX2_FN __attribute__((target("avx2,fma")))
+#define SPECDEC_AVX2_FN __attribute__((target("avx2,fma,f16c")))
+
+// 8 values of d or dm from element i on, as float32 (float16 widened exactly)
+SPECDEC_AVX2_FN inline __m256 scales8(const void* p, int64_t i, bool half) {
+  return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(static_cast<const uint16_t*>(p) + i)))
+              : _mm256_loadu_ps(static_cast<const float*>(p) + i);
+}
 
 SPECDEC_AVX2_FN inline __m256 int8_to_float8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
@@ -586,8 +613,8 @@ SPECDEC_AVX2_FN void avx2_half(const Weights& w, const Acts& a, int64_t m0, cons
   const uint8_t* codes = w.codes + b * groups * kGroupBytes;
   const int8_t* sc = w.sc + b * groups * W + h * 8;
   const int8_t* mc = w.mc + b * groups * W + h * 8;
-  const float* d = w.d + b * supers * W + h * 8;
-  const float* dm = w.dm ? w.dm + b * supers * W + h * 8 : nullptr;
+  const void* d = w.scales_from(w.d, b * supers * W + h * 8);
+  const void* dm = w.dm ? w.scales_from(w.dm, b * supers * W + h * 8) : nullptr;
   __m256 ya[MT][S], aa[MT][S], ba[MT][S];
   for (int i = 0; i < MT; ++i)
     for (int s = 0; s < S; ++s) ya[i][s] = aa[i][s] = ba[i][s] = _mm256_setzero_ps();
@@ -657,8 +684,8 @@ SPECDEC_AVX2_FN void avx2_half(const Weights& w, const Acts& a, int64_t m0, cons
       }
     }
     for (int s = 0; s < S; ++s) {
-      const __m256 dv = _mm256_loadu_ps(d + sb * W + s * kLanes);
-      const __m256 dmv = dm ? _mm256_loadu_ps(dm + sb * W + s * kLanes) : _mm256_mul_ps(dv, _mm256_set1_ps(w.zero));
+      const __m256 dv = scales8(d, sb * W + s * kLanes, w.half);
+      const __m256 dmv = dm ? scales8(dm, sb * W + s * kLanes, w.half) : _mm256_mul_ps(dv, _mm256_set1_ps(w.zero));
       for (int i = 0; i < MT; ++i) {
         ya[i][s] = _mm256_fmadd_ps(aa[i][s], dv, ya[i][s]);
         ya[i][s] = _mm256_fnmadd_ps(ba[i][s], dmv, ya[i][s]);
@@ -871,10 +898,10 @@ at::Tensor blockq_mm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
         "codes do not match K, group and bits");
   check(sc.scalar_type() == at::kChar && mc.scalar_type() == at::kChar && sc.is_contiguous() && mc.is_contiguous() &&
             sc.numel() == N * (K / group) && mc.numel() == N * (K / group), "sc, mc must be int8 (N/W, K/G, W)");
-  check(d.scalar_type() == at::kFloat && d.is_contiguous() && d.numel() == N * (K / super),
-        "d must be float32 (N/W, K/S, W)");
-  check(dm.has_value() ? (dm->scalar_type() == at::kFloat && dm->is_contiguous() && dm->numel() == d.numel())
-                       : zero != 0.0, "dm must be float32 (N/W, K/S, W), or absent with a zero");
+  check((d.scalar_type() == at::kFloat || d.scalar_type() == at::kHalf) && d.is_contiguous() &&
+            d.numel() == N * (K / super), "d must be float32 or float16 (N/W, K/S, W)");
+  check(dm.has_value() ? (dm->scalar_type() == d.scalar_type() && dm->is_contiguous() && dm->numel() == d.numel())
+                       : zero != 0.0, "dm must be (N/W, K/S, W) of d's dtype, or absent with a zero");
   at::Tensor b32;
   if (bias.has_value()) {
     b32 = bias->to(at::kFloat).contiguous();
@@ -903,8 +930,8 @@ at::Tensor blockq_mm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
     tile_activations(xq.data_ptr<int8_t>(), M, K, (int)group, xt.data_ptr<int8_t>());
   }
 
-  const Weights w{codes.data_ptr<uint8_t>(), sc.data_ptr<int8_t>(), mc.data_ptr<int8_t>(), d.data_ptr<float>(),
-                  dm.has_value() ? dm->data_ptr<float>() : nullptr, (float)zero, N, K, (int)bits, (int)group,
+  const Weights w{codes.data_ptr<uint8_t>(), sc.data_ptr<int8_t>(), mc.data_ptr<int8_t>(), d.data_ptr(),
+                  dm.has_value() ? dm->data_ptr() : nullptr, d.scalar_type() == at::kHalf, (float)zero, N, K, (int)bits, (int)group,
                   (int)super};
   const Acts a{xq.data_ptr<int8_t>(), dx.data_ptr<float>(), xs.data_ptr<float>(), M, K};
   const float* bp = bias.has_value() ? b32.data_ptr<float>() : nullptr;

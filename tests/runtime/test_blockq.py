@@ -128,6 +128,38 @@ def test_every_path_gives_the_same_bits(grid, dtype):
             assert torch.equal(y, base), f"{isa} differs from the plain C++ path at {rows} rows"
 
 
+@pytest.mark.parametrize("grid", ["q4_k", "q6_k", "q5_0", "q8_0"])
+def test_float16_scales_are_kept_as_float16_and_multiply_as_float32(grid):
+    """Scales that are all float16 values (GGUF's) are stored as float16 (fewer bytes a step); others stay
+    float32. Either way the module dequantizes to the formula, and on every kernel path the float16
+    storage gives the bits of the same scales in float32 (subnormal float16 scales included)."""
+    bits, G, S, shared, N = GRIDS[grid]
+    K = 512
+    g = torch.Generator().manual_seed(3)
+    q = torch.randint(0, 1 << bits, (N, K), generator=g, dtype=torch.uint8)
+    sc = torch.randint(-20, 64, (N, K // G), generator=g).to(torch.int8)
+    mc = sc if shared else torch.randint(0, 64, (N, K // G), generator=g).to(torch.int8)
+    d = (torch.rand(N, K // S, generator=g) * 1e-3).half().float()
+    d[0, 0] = 2.0 ** -20  # a float16 subnormal
+    dm = (torch.rand(N, K // S, generator=g) * 1e-3).half().float()
+    module = BlockQuantLinear.from_canonical(q, sc, mc, d, dm, bits, G, S)
+    assert module.d.dtype == torch.float16 and (module.dm is None or module.dm.dtype == torch.float16)
+    torch.testing.assert_close(module.dequantize().double(), _formula(q, sc, mc, d, module.canonical()[4], G, S),
+                               rtol=1e-6, atol=0)
+    inexact = BlockQuantLinear.from_canonical(q, sc, mc, d + 1e-9, dm, bits, G, S)
+    assert inexact.d.dtype == torch.float32
+    if not cpu_blockq.available():
+        return
+    m = module
+    dm32 = None if m.dm is None else m.dm.float()
+    for rows in (1, 5, 16):
+        x = torch.randn(rows, K, generator=g).to(torch.bfloat16)
+        for isa in cpu_blockq.isas():
+            half = cpu_blockq.blockq_mm(x, m.codes, m.sc, m.mc, m.d, m.dm, None, m.bits, G, S, m.zero, isa=isa)
+            full = cpu_blockq.blockq_mm(x, m.codes, m.sc, m.mc, m.d.float(), dm32, None, m.bits, G, S, m.zero, isa=isa)
+            assert torch.equal(half, full), (isa, rows)
+
+
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_activation_codes_round_half_to_even_on_every_path(dtype):
