@@ -6,5 +6,6 @@
   (split-key merges).
 - C++, for the CPU, in one extension: `extension` (its build and load), `cpu_blockq`
   (block-quantized linears), `cpu_attention` (the compiled step's cache attention, the row-invariant
-  attention); `build` builds a library so that no build can wedge or crash a process.
+  attention), `cpu_argmax` (the greedy token choice); `build` builds a library so that no build can
+  wedge or crash a process.
 """
