@@ -84,8 +84,9 @@ class HFAdapter(torch.nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: HFCache | None,
                 mask: torch.Tensor | None = None, return_hidden: bool = False,
                 logits_idx: torch.Tensor | None = None, block_mask: torch.Tensor | None = None,
-                aux_layers: tuple[int, ...] = ()) -> ModelOutput:
+                aux_layers: tuple[int, ...] = (), eager: bool = False) -> ModelOutput:
         """Same contract as runtime.Transformer.forward (rows run one at a time): a ModelOutput.
+        Every forward here is eager (`eager` is accepted for that contract).
 
         cache: an HFCache from `new_cache` (or None: no cache); a runtime KVCache is refused."""
         if cache is not None and not isinstance(cache, HFCache):

@@ -270,7 +270,7 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | None,
                 mask: torch.Tensor | None = None, return_hidden: bool = False,
                 logits_idx: torch.Tensor | None = None, block_mask: torch.Tensor | None = None,
-                aux_layers: tuple[int, ...] = ()) -> ModelOutput:
+                aux_layers: tuple[int, ...] = (), eager: bool = False) -> ModelOutput:
         """Score `tokens` (B, T) at `positions` (B, T).
 
         With a cache, the new keys/values go to slots cache.lengths[b] + t and the lengths
@@ -284,7 +284,8 @@ class Transformer(nn.Module):
         (layer i's input, 0 = the embedding); the fields not asked for are None.
 
         On a compiled model, a forward with a cache and no `mask` runs through `compiled_step`
-        when it fits (`_static_fits`), else eagerly; both run the same layers (`_run`). On a
+        when it fits (`_static_fits`), else eagerly (always with `eager`: a prefill compiles no
+        program of its length); both run the same layers (`_run`). On a
         `row_invariant` model every forward with a cache, prefills included, runs the
         row-invariant linears and attention (`runtime.invariant`): a token's keys and logits do
         not depend on how its prompt was split between forwards (a prefix cache reuses them).
@@ -293,7 +294,7 @@ class Transformer(nn.Module):
             raise ValueError("pass either mask (B, T, S) or block_mask (B, T, T), not both")
         aux_layers = check_aux_layers(aux_layers, self.config.num_layers)
         T = tokens.shape[1]
-        if self.compiled and cache is not None and mask is None and self._static_fits(
+        if self.compiled and cache is not None and mask is None and not eager and self._static_fits(
                 T, cache, logits_idx is not None, block_mask is not None):
             logits, h, aux = self._static_forward(tokens, positions, cache, logits_idx is not None, block_mask,
                                                   aux_layers)
@@ -392,7 +393,10 @@ class Transformer(nn.Module):
             mask = block_mask_keys(prefix, block_mask, num_keys, positions, window)  # (B, T, S)
         uniform = B == 1 or bool((prefix == prefix[0]).all())
         invariant = cache is not None and backend == "sdpa" and self.row_invariant
-        if mask is None and backend == "sdpa":  # once per forward, not once per layer (triton masks in-kernel)
+        # causal: SDPA takes a mask, built once per forward rather than per layer; the Triton and the
+        # row-invariant kernels apply causality and the window themselves (a (B, T, S) mask costs the
+        # row-invariant kernel a scan of it per query: ~14% of its time in a 2,048-token prefill)
+        if mask is None and backend == "sdpa" and not invariant:
             mask = causal_mask(prefix, T, num_keys, window)
         return StepContext(cache=cache, prefix_lens=prefix, backend=backend, window=window, num_keys=num_keys,
                            slots=slots, mask=mask, uniform=uniform, invariant=invariant)

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 import torch
 
 from runtime.args import check_data, describe
-from runtime.attention import causal_mask
 from runtime.cache import KVCache
 from runtime.errors import ContextLengthError
 from runtime.model_output import ModelOutput
@@ -250,10 +249,8 @@ def prefill_after(model, tail: torch.Tensor, cache, return_hidden: bool = False,
     device = model.device
     start, T = int(cache.lengths[0]), tail.numel()
     positions = (start + torch.arange(T, device=device))[None]  # (1, T)
-    window = getattr(model.config, "sliding_window", None)
-    mask = causal_mask(cache.lengths.to(device), T, start + T, window)  # (1, T, L + T)
-    out = model(tail.to(device)[None], positions, cache, mask=mask, return_hidden=return_hidden,
-                logits_idx=torch.tensor([[T - 1]], device=device), aux_layers=aux_layers)
+    out = model(tail.to(device)[None], positions, cache, return_hidden=return_hidden,
+                logits_idx=torch.tensor([[T - 1]], device=device), aux_layers=aux_layers, eager=True)
     hidden = None if out.hidden is None else out.hidden[:, T - 1]  # (1, C)
     return ModelOutput(out.logits[:, 0], hidden, out.aux)  # (1, V), (1, C), (1, T, nC)
 
@@ -307,8 +304,8 @@ def prefill(model, rows: list[torch.Tensor], cache, return_hidden: bool = False,
     Returns a ModelOutput: the logits of each row's last prompt token (B, V), its final hidden state
     (B, C) with `return_hidden`, and the states entering `aux_layers` at every prompt position
     (B, T, nC) when it names some (padding positions past a row's length hold padding).
-    eager: run the forward eagerly even on a compiled model (an explicit causal mask; the cache
-    rows must be empty), so a one-row prefill compiles no program of its own batch size.
+    eager: run the forward eagerly even on a compiled model (`Transformer.forward`'s `eager`; the
+    cache rows must be empty), so a one-row prefill compiles no program of its own batch size.
     On a row-invariant model (`Transformer.row_invariant`) every row is prefilled on its own and
     eagerly, so a prompt's prefill is one computation however many prompts share the call.
     """
@@ -325,13 +322,10 @@ def prefill(model, rows: list[torch.Tensor], cache, return_hidden: bool = False,
     for b, r in enumerate(rows):
         tokens[b, :r.numel()] = r.to(device)
     positions = torch.arange(T, device=device)[None].expand(len(rows), -1)  # (B, T)
-    extra = {}
-    if eager:
-        if bool(cache.lengths.any()):
-            raise ValueError("an eager prefill writes into empty cache rows; reset their lengths first")
-        extra["mask"] = torch.ones(T, T, dtype=torch.bool, device=device).tril()[None].expand(len(rows), -1, -1)
+    if eager and bool(cache.lengths.any()):
+        raise ValueError("an eager prefill writes into empty cache rows; reset their lengths first")
     out = model(tokens, positions, cache, return_hidden=return_hidden, logits_idx=(lens - 1)[:, None],
-                aux_layers=aux_layers, **extra)
+                aux_layers=aux_layers, eager=eager)
     cache.rollback(lens)  # drop the padding slots: causal masking kept them out of real rows
     hidden = None if out.hidden is None else out.hidden[torch.arange(len(rows), device=device), lens - 1]  # (B, C)
     return ModelOutput(out.logits[:, 0], hidden, out.aux)  # (B, V), (B, C), (B, T, nC)
