@@ -19,7 +19,7 @@ from specdec.capture import DecodeObserver
 from specdec.decode import decode, decode_steps
 from specdec.loader import as_runtime_model, draft_length_of, make_drafter
 from specdec.options import DEFAULT_NUM_DRAFT_TOKENS, check_draft_length, parse_draft_length
-from specdec.rows import RowState, eos_set, normalize_prompts
+from specdec.rows import RowState, eos_set, normalize_prompts, unwrap_encoding
 from specdec.sampling import RowSampling, SamplingParams
 from specdec.stats import AcceptanceStats
 
@@ -44,7 +44,8 @@ def generate(target, input_ids, draft=None, max_new_tokens: int = 128, temperatu
     """Generate up to `max_new_tokens` per row, plainly (draft=None) or speculatively.
 
     target: a runtime model or a transformers PreTrainedModel. input_ids: LongTensor [B, T] or a
-    list of 1-D LongTensors (rows of different lengths; each row stops on its own); a padded
+    list of 1-D LongTensors (rows of different lengths; each row stops on its own), or a tokenizer's
+    output (a BatchEncoding: its input_ids and attention_mask); a padded
     [B, T] batch takes its `attention_mask` (1 = token, 0 = padding) and `pad_token_id`, which
     also pads the output rows. draft: None,
     a runtime / transformers model sharing the target's vocabulary, a drafter spec (the strings of
@@ -115,6 +116,7 @@ def _prepare(target, input_ids, draft, max_new_tokens: int, temperature: float, 
     check_model("target", target)
     check_generator("generator", generator, target.device)
     _check_eos_vocab(eos, target.config.vocab_size)
+    input_ids, attention_mask = unwrap_encoding(input_ids, attention_mask)
     _check_ids_device(input_ids, target.device)
     rows, as_tensor = normalize_prompts(input_ids, attention_mask, pad_token_id)
     state = RowState(rows, max_new_tokens, eos)

@@ -9,6 +9,7 @@ writes land in the shared buffers.
 from __future__ import annotations
 
 import operator
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -17,6 +18,16 @@ from runtime.args import check_data, describe
 from runtime.cache import KVCache
 from runtime.errors import ContextLengthError
 from runtime.model_output import ModelOutput
+
+
+def unwrap_encoding(input_ids, attention_mask: torch.Tensor | None) -> tuple[object, torch.Tensor | None]:
+    """A tokenizer's output (a transformers BatchEncoding, or any mapping holding "input_ids") as its
+    input_ids and attention_mask (the caller's attention_mask, when given, wins); anything else as it is."""
+    if isinstance(input_ids, Mapping) and "input_ids" in input_ids:
+        if attention_mask is None:
+            attention_mask = input_ids.get("attention_mask")
+        input_ids = input_ids["input_ids"]
+    return input_ids, attention_mask
 
 
 def normalize_prompts(input_ids: torch.Tensor | list[torch.Tensor], attention_mask: torch.Tensor | None = None,

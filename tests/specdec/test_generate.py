@@ -175,6 +175,31 @@ def test_input_ids_on_another_device_than_the_model_are_refused(pair):
         specdec.generate(model, torch.tensor([[5, 6]], device="cuda"), max_new_tokens=2)
 
 
+def test_a_tokenizers_output_is_taken_as_its_input_ids_and_attention_mask(pair):
+    """A BatchEncoding (what `tokenizer(...)` and `apply_chat_template(..., return_dict=True)` return)
+    decodes as its input_ids with its attention_mask; an explicit attention_mask wins."""
+    from transformers import BatchEncoding
+
+    model, _ = pair
+    rows = _prompts([6, 3], seed=3)
+    alone = specdec.generate(model, rows, max_new_tokens=5).sequences
+    batch = torch.zeros(2, 6, dtype=torch.long)
+    mask = torch.zeros(2, 6, dtype=torch.long)
+    for b, r in enumerate(rows):
+        batch[b, 6 - r.numel():], mask[b, 6 - r.numel():] = r, 1  # left-padded, as tokenizers pad for generation
+    out = specdec.generate(model, BatchEncoding({"input_ids": batch, "attention_mask": mask}), max_new_tokens=5,
+                           pad_token_id=0).sequences
+    for b, seq in enumerate(alone):
+        assert torch.equal(out[b, :seq.numel()], seq)  # rows come back unpadded on the left
+    one = specdec.generate(model, BatchEncoding({"input_ids": rows[0][None]}), max_new_tokens=5).sequences
+    assert torch.equal(one[0], alone[0])
+    ones = torch.ones_like(mask)  # the caller's mask wins over the encoding's: the padding is read as prompt
+    given = specdec.generate(model, {"input_ids": batch, "attention_mask": mask}, attention_mask=ones, max_new_tokens=5,
+                             pad_token_id=0).sequences
+    assert torch.equal(given, specdec.generate(model, batch, attention_mask=ones, max_new_tokens=5,
+                                               pad_token_id=0).sequences)
+
+
 def test_a_padded_batch_takes_its_attention_mask_or_is_refused(pair):
     model, _ = pair
     rows = _prompts([6, 3], seed=3)
