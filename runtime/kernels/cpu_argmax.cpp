@@ -14,6 +14,8 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "cpu_widen.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -64,26 +66,16 @@ int64_t argmax_generic(const T* p, int64_t n) {
 #define SPECDEC_ARGMAX_AVX2 __attribute__((target("avx2")))
 
 template <typename T>
-SPECDEC_ARGMAX_AVX512 inline __m512 load16(const T* p) {
-  if constexpr (std::is_same_v<T, float>) {
-    return _mm512_loadu_ps(p);
-  } else {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  }
-}
-
-template <typename T>
 SPECDEC_ARGMAX_AVX512 int64_t argmax_avx512(const T* p, int64_t n) {
   if (n < 16) return argmax_generic(p, n);
-  __m512 best = load16(p);
+  __m512 best = specdec_widen::load16(p);
   __m512i at = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   __m512i idx = at;
   const __m512i step = _mm512_set1_epi32(16);
   __mmask16 nan = _mm512_cmp_ps_mask(best, best, _CMP_UNORD_Q);
   int64_t i = 16;
   for (; i + 16 <= n; i += 16) {
-    const __m512 v = load16(p + i);
+    const __m512 v = specdec_widen::load16(p + i);
     idx = _mm512_add_epi32(idx, step);
     const __mmask16 up = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
     nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
@@ -99,26 +91,16 @@ SPECDEC_ARGMAX_AVX512 int64_t argmax_avx512(const T* p, int64_t n) {
 }
 
 template <typename T>
-SPECDEC_ARGMAX_AVX2 inline __m256 load8(const T* p) {
-  if constexpr (std::is_same_v<T, float>) {
-    return _mm256_loadu_ps(p);
-  } else {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  }
-}
-
-template <typename T>
 SPECDEC_ARGMAX_AVX2 int64_t argmax_avx2(const T* p, int64_t n) {
   if (n < 8) return argmax_generic(p, n);
-  __m256 best = load8(p);
+  __m256 best = specdec_widen::load8(p);
   __m256i at = _mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0);
   __m256i idx = at;
   const __m256i step = _mm256_set1_epi32(8);
   __m256 nan = _mm256_cmp_ps(best, best, _CMP_UNORD_Q);
   int64_t i = 8;
   for (; i + 8 <= n; i += 8) {
-    const __m256 v = load8(p + i);
+    const __m256 v = specdec_widen::load8(p + i);
     idx = _mm256_add_epi32(idx, step);
     const __m256 up = _mm256_cmp_ps(v, best, _CMP_GT_OQ);
     nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));

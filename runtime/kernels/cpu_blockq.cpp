@@ -46,6 +46,8 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_widen.h"
+
 namespace {
 
 constexpr int kLanes = 16;      // output channels per set (one 512-bit vector of float32)
@@ -165,20 +167,10 @@ void quantize_blocks_generic(const T* xr, int64_t blocks, int8_t* qr, float* dx)
 #define SPECDEC_AVX2_ACT __attribute__((target("avx2")))
 
 template <typename T>
-SPECDEC_AVX512_ACT inline __m512 act16(const T* p) {
-  if constexpr (std::is_same_v<T, float>) {
-    return _mm512_loadu_ps(p);
-  } else {
-    const __m256i h = _mm256_loadu_si256((const __m256i*)p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  }
-}
-
-template <typename T>
 SPECDEC_AVX512_ACT void quantize_blocks_avx512(const T* xr, int64_t blocks, int8_t* qr, float* dx) {
   for (int64_t b = 0; b < blocks; ++b) {
     const T* xb = xr + b * kActBlock;
-    const __m512 v0 = act16(xb), v1 = act16(xb + 16);
+    const __m512 v0 = specdec_widen::load16(xb), v1 = specdec_widen::load16(xb + 16);
     const __mmask16 nan = _mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q);
     const float amax = nan ? NAN : _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
     if (!std::isfinite(amax)) {
@@ -194,23 +186,13 @@ SPECDEC_AVX512_ACT void quantize_blocks_avx512(const T* xr, int64_t blocks, int8
 }
 
 template <typename T>
-SPECDEC_AVX2_ACT inline __m256 act8(const T* p) {
-  if constexpr (std::is_same_v<T, float>) {
-    return _mm256_loadu_ps(p);
-  } else {
-    const __m128i h = _mm_loadu_si128((const __m128i*)p);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  }
-}
-
-template <typename T>
 SPECDEC_AVX2_ACT void quantize_blocks_avx2(const T* xr, int64_t blocks, int8_t* qr, float* dx) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   for (int64_t b = 0; b < blocks; ++b) {
     const T* xb = xr + b * kActBlock;
     __m256 v[4], top = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
     for (int i = 0; i < 4; ++i) {
-      v[i] = act8(xb + 8 * i);
+      v[i] = specdec_widen::load8(xb + 8 * i);
       top = _mm256_max_ps(top, _mm256_and_ps(v[i], abs_mask));
       nan = _mm256_or_ps(nan, _mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
     }

@@ -30,7 +30,8 @@ from runtime.kernels.build import KernelBuild, KernelBuildError, load_built
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in (
     "cpu_blockq.cpp", "cpu_attention.cpp", "cpu_attention_isa.cpp", "cpu_argmax.cpp"))
-HEADERS = (Path(__file__).with_name("cpu_attention_rows.h"),)  # part of the build's hash
+# part of the build's hash
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_attention_rows.h", "cpu_widen.h"))
 OFF_ENV = "SPECDEC_BLOCKQ_KERNELS"  # "0": no build, every caller takes its PyTorch path
 # library and build-directory stem: the names of the first build (of the block-quantized kernels alone),
 # kept so that libraries already built stay valid
