@@ -22,11 +22,27 @@ from runtime.model_output import ModelOutput
 
 def unwrap_encoding(input_ids, attention_mask: torch.Tensor | None) -> tuple[object, torch.Tensor | None]:
     """A tokenizer's output (a transformers BatchEncoding, or any mapping holding "input_ids") as its
-    input_ids and attention_mask (the caller's attention_mask, when given, wins); anything else as it is."""
-    if isinstance(input_ids, Mapping) and "input_ids" in input_ids:
-        if attention_mask is None:
-            attention_mask = input_ids.get("attention_mask")
-        input_ids = input_ids["input_ids"]
+    input_ids and attention_mask (the caller's attention_mask, when given, wins); anything else as it is.
+    An encoding of lists (no `return_tensors`) gives its rows as a list, or as padded tensors when its
+    mask marks padding."""
+    if not isinstance(input_ids, Mapping):
+        return input_ids, attention_mask
+    if "input_ids" not in input_ids:
+        raise TypeError(f"input_ids is a mapping without an 'input_ids' entry (keys {sorted(map(str, input_ids))}); "
+                        "pass a tokenizer's output, or the token id tensor itself")
+    encoding, input_ids = input_ids, input_ids["input_ids"]
+    if attention_mask is None:
+        attention_mask = encoding.get("attention_mask")
+    if isinstance(input_ids, (list, tuple)):  # lists of ids: one prompt, or one list per prompt
+        one = bool(input_ids) and not isinstance(input_ids[0], (list, tuple, torch.Tensor))
+        rows = [input_ids] if one else list(input_ids)
+        masks = None if attention_mask is None or isinstance(attention_mask, torch.Tensor) else \
+            ([attention_mask] if one else list(attention_mask))
+        if masks is not None and all(all(v == 1 for v in m) for m in masks):
+            return [torch.as_tensor(r) for r in rows], None  # no padding: rows of their own lengths
+        if masks is not None:
+            return torch.as_tensor(rows), torch.as_tensor(masks)  # padded by the tokenizer: rectangular
+        return [torch.as_tensor(r) for r in rows], attention_mask
     return input_ids, attention_mask
 
 

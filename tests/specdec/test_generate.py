@@ -193,6 +193,17 @@ def test_a_tokenizers_output_is_taken_as_its_input_ids_and_attention_mask(pair):
         assert torch.equal(out[b, :seq.numel()], seq)  # rows come back unpadded on the left
     one = specdec.generate(model, BatchEncoding({"input_ids": rows[0][None]}), max_new_tokens=5).sequences
     assert torch.equal(one[0], alone[0])
+    lists = [r.tolist() for r in rows]  # a tokenizer called without return_tensors: lists of ids
+    got = specdec.generate(model, BatchEncoding({"input_ids": lists, "attention_mask": [[1] * len(r) for r in lists]}),
+                           max_new_tokens=5).sequences
+    assert all(torch.equal(a, b) for a, b in zip(got, alone, strict=True))
+    assert torch.equal(specdec.generate(model, BatchEncoding({"input_ids": lists[0]}), max_new_tokens=5).sequences[0],
+                       alone[0])
+    padded = specdec.generate(model, BatchEncoding({"input_ids": batch.tolist(), "attention_mask": mask.tolist()}),
+                              max_new_tokens=5, pad_token_id=0).sequences
+    assert torch.equal(padded, out)
+    with pytest.raises(TypeError, match="without an 'input_ids' entry"):
+        specdec.generate(model, {"ids": batch}, max_new_tokens=5)
     ones = torch.ones_like(mask)  # the caller's mask wins over the encoding's: the padding is read as prompt
     given = specdec.generate(model, {"input_ids": batch, "attention_mask": mask}, attention_mask=ones, max_new_tokens=5,
                              pad_token_id=0).sequences
