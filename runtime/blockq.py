@@ -375,6 +375,15 @@ class QuantizedEmbedding(nn.Module):
         self.table, self.dtype = table, dtype
         self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
 
+    def _apply(self, fn, recurse: bool = True):
+        """`nn.Module._apply`: a conversion of the model to a floating dtype (`.to(torch.float16)`)
+        changes the dtype of the rows looked up, as it would an `nn.Embedding`'s weight; the table
+        keeps its storage (`QuantizedLinear._apply`)."""
+        target = fn(torch.empty(0, dtype=self.dtype)).dtype
+        if target.is_floating_point:
+            self.dtype = target
+        return super()._apply(fn, recurse)
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (...) -> (..., hidden) in `dtype`."""
         return self.table.rows(tokens, self.dtype)

@@ -79,6 +79,18 @@ class QuantizedLinear(nn.Module, abc.ABC):
         """x (..., T, in) -> (..., T, out)."""
         return self._forward(x)
 
+    def _apply(self, fn, recurse: bool = True):
+        """`nn.Module._apply` (what `.to()`, `.cuda()`, `.bfloat16()` run) that moves this module's
+        tensors between devices but keeps their dtypes: the codes, scales and bias are stored in the
+        dtypes the format's kernels read (a 4-bit model's `.to(torch.bfloat16)` made the block kernels
+        refuse bf16 scales, and rounded float16 scales). Activations take the dtype of the input."""
+
+        def keep_dtype(t: torch.Tensor) -> torch.Tensor:
+            out = fn(t)
+            return out if out.dtype == t.dtype else t.to(device=out.device)
+
+        return super()._apply(keep_dtype, recurse)
+
     @abc.abstractmethod
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         """The format's own matmul."""

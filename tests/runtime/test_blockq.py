@@ -276,6 +276,20 @@ def test_rows_and_embedding_lookup(grid):
     assert torch.equal(emb(tokens), w[tokens].to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("to", [torch.float32, torch.float16])
+def test_a_dtype_conversion_keeps_the_blocks_and_moves_the_lookups(to):
+    """A model's `.to(dtype)` keeps a block module's codes and float16 scales (the kernels read no other
+    scale dtypes), and its embedding then looks rows up in the new dtype, as `nn.Embedding` would."""
+    module, _ = _module("q4_k")
+    d = module.d.clone()
+    emb = QuantizedEmbedding(module, torch.bfloat16).to(to)
+    assert emb.dtype == to and module.d.dtype == d.dtype and torch.equal(module.d, d)
+    tokens = torch.tensor([[0, 17, 5]])
+    assert torch.equal(emb(tokens), module.dequantize()[tokens].to(to))
+    x = torch.randn(2, module.in_features, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    assert torch.equal(module.to(torch.bfloat16)(x), module(x)) and module.d.dtype == d.dtype
+
+
 def test_tensor_round_trip():
     for grid in ("q4_k", "q6_k", "q5_0"):
         module, _ = _module(grid)

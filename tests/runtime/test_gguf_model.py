@@ -65,6 +65,19 @@ def test_quantized_weights_are_kept_and_match_the_dense_model(fixture, kinds, em
     assert float((got.argmax(-1) == ref.argmax(-1)).float().mean()) >= 0.9
 
 
+def test_a_model_converted_with_to_runs_as_one_loaded_in_that_dtype(tiny_qwen2, tmp_path, home, gguf_writer):
+    """`model.to(dtype)` on a GGUF model keeps its blocks' storage (the kernels refuse other scale dtypes)
+    and computes in the new dtype: the logits equal a model loaded with that dtype."""
+    path = tmp_path / "tiny.gguf"
+    gguf_writer(tiny_qwen2, path, quantize=_quantize_all(tiny_qwen2.config.num_hidden_layers,
+                                                         {"*": "Q4_1", "attn_v": "Q8_0"}, "Q5_0", "Q8_0"))
+    model = runtime.load_model(path, dtype=torch.float32, weights="gguf")
+    for dtype in (torch.bfloat16, torch.float32):
+        loaded = runtime.load_model(path, dtype=dtype, weights="gguf")
+        assert model.to(dtype).dtype == dtype
+        assert torch.equal(_logits(model), _logits(loaded))
+
+
 def test_dense_tensors_stay_dense(tiny_qwen2, tmp_path, home, gguf_writer):
     path = tmp_path / "tiny.gguf"
     gguf_writer(tiny_qwen2, path, quantize={"blk.0.ffn_up.weight": "Q8_0", "blk.0.ffn_gate.weight": "Q8_0"})

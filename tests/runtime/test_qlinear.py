@@ -112,6 +112,21 @@ def test_forward_matches_dequantized_reference(name, dtype, rows):
     assert sqnr_db(ref, y) >= (80.0 if dtype == torch.float32 else 35.0)
 
 
+@pytest.mark.parametrize("name", list(MODULES))
+@pytest.mark.parametrize("to", [torch.bfloat16, torch.float16, torch.float32])
+def test_a_dtype_conversion_keeps_the_stored_tensors(name, to):
+    """`.to(dtype)` (a whole model's `.to(torch.bfloat16)`) leaves a quantized module's codes, scales and
+    bias as they are: its outputs keep their bits, in the input's dtype."""
+    mod = MODULES[name]()
+    before = {k: v.clone() for k, v in mod.state_dict().items()}
+    x = torch.randn(3, mod.in_features, generator=_gen(4)).to(torch.bfloat16)
+    y = mod(x)
+    assert mod.to(to) is mod
+    after = mod.state_dict()
+    assert all(after[k].dtype == v.dtype and torch.equal(after[k], v) for k, v in before.items())
+    assert torch.equal(mod(x), y)
+
+
 @pytest.mark.parametrize("name", PACKED)
 @pytest.mark.parametrize("dtype", [torch.bfloat16])
 def test_the_packed_and_the_tiled_paths_agree_at_every_row_count(name, dtype, monkeypatch):
