@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -54,6 +55,20 @@ bool has_avx512() {
 bool has_avx2() {
   static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return yes;
+}
+
+// The build attention_rows runs: 2 AVX-512, 1 AVX2, 0 portable C++; the best the CPU has, or the one
+// $SPECDEC_ATTENTION_ISA names ("avx512", "avx2", "generic": tests run every build on one CPU; the
+// builds give the same bits).
+int attention_isa() {
+  const int best = has_avx512() ? 2 : has_avx2() ? 1 : 0;
+  const char* env = std::getenv("SPECDEC_ATTENTION_ISA");
+  if (env == nullptr || *env == '\0' || std::strcmp(env, "auto") == 0) return best;
+  const int want = std::strcmp(env, "avx512") == 0 ? 2 : std::strcmp(env, "avx2") == 0 ? 1
+                   : std::strcmp(env, "generic") == 0 ? 0 : -1;
+  TORCH_CHECK(want >= 0, "SPECDEC_ATTENTION_ISA=", env, " is not an attention build; use auto, avx512, avx2 or generic");
+  TORCH_CHECK(want <= best, "SPECDEC_ATTENTION_ISA=", env, " asks for a build this CPU does not run");
+  return want;
 }
 
 // Row-invariant attention of q (B, Hq, T, D) over keys, values (B, Hkv, S, D) (any strides with a
@@ -114,8 +129,7 @@ at::Tensor attention_rows_impl(const at::Tensor& q, const at::Tensor& keys, cons
   at::Tensor vf = at::empty({B * Hkv * blocks * 16 * Dp}, q.options().dtype(at::kFloat));
   float* ktp = kt.data_ptr<float>();
   float* vfp = vf.data_ptr<float>();
-  // the build is a property of the CPU, never of the call
-  const int isa = has_avx512() ? 2 : has_avx2() ? 1 : 0;
+  const int isa = attention_isa();
   at::parallel_for(0, B * Hkv * blocks, 8, [&](int64_t u0, int64_t u1) {
     (isa == 2 ? specdec_convert_kv_avx512 : isa == 1 ? specdec_convert_kv_avx2 : attn_generic::convert_kv)(
         p, ktp, vfp, u0, u1);

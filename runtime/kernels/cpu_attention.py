@@ -8,7 +8,9 @@ Both ops are compiled into the runtime's C++ extension (`cpu_attention.cpp`, `cp
   cache, then attend) in one C++ call, what a compiled CPU step runs per layer;
 - `attention_rows`: each query alone over its visible keys in slot order, in one fixed float32
   arithmetic, so a row's result does not depend on the other queries, rows or padding
-  (`runtime.invariant.attention`).
+  (`runtime.invariant.attention`). It is built three times (AVX-512, AVX2 + FMA, portable C++), all
+  giving the same bits; a call runs the best one the CPU has, or the one `$SPECDEC_ATTENTION_ISA`
+  names (`ISA_ENV`: auto, avx512, avx2, generic; how tests run every build on one CPU).
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ import torch
 
 from runtime.kernels.extension import available, ops, unavailable_reason
 
-__all__ = ["available", "unavailable_reason", "cache_attention", "attention_rows"]
+__all__ = ["ISA_ENV", "available", "unavailable_reason", "cache_attention", "attention_rows"]
+
+ISA_ENV = "SPECDEC_ATTENTION_ISA"  # the build attention_rows runs (read by the kernel on every call)
 
 
 def cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

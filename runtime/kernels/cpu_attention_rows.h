@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #ifndef SPECDEC_ATTN_PROBLEM
@@ -144,15 +145,16 @@ inline float load_elem(const void* base, bool bf16, int64_t i) {
   return bf16 ? bf16_to_float(static_cast<const uint16_t*>(base)[i]) : static_cast<const float*>(base)[i];
 }
 
-// a[0 .. 16 NV) += w[j] * values[slot[j] * stride + 0 .. 16 NV) for j = from.. while slot[j] < end,
-// in order (NV vectors held in registers)
+// a[0 .. 16 NV) += w[j] * values[row(j) * stride + 0 .. 16 NV) for j = from .. stop - 1, in order (NV
+// vectors held in registers); row(j) = slot[j], or j with no slot list (the caller's values start at
+// the first visible slot)
 template <int NV>
-inline void weighted_sum(float* a, const float* w, const int32_t* slot, int64_t from, int64_t n, int64_t end,
+inline void weighted_sum(float* a, const float* w, const int32_t* slot, int64_t from, int64_t stop,
                          const float* values, int64_t stride) {
   v16 r[NV];
   for (int u = 0; u < NV; ++u) r[u] = load16(a + u * kLanes);
-  for (int64_t j = from; j < n && slot[j] < end; ++j) {
-    const float* row = values + static_cast<int64_t>(slot[j]) * stride;
+  for (int64_t j = from; j < stop; ++j) {
+    const float* row = values + (slot != nullptr ? static_cast<int64_t>(slot[j]) : j) * stride;
     for (int u = 0; u < NV; ++u) r[u] = fma16(w[j], load16(row + u * kLanes), r[u]);
   }
   for (int u = 0; u < NV; ++u) store16(a + u * kLanes, r[u]);
@@ -170,6 +172,85 @@ inline void prefetch_unit(const AttnProblem& P, int64_t b, int64_t kvh, int64_t 
   for (int64_t off = 0; off < kLanes * P.vs[2] * elem; off += 64) __asm__ volatile("prefetcht0 %0" : : "m"(v[off]));
 }
 
+#if defined(SPECDEC_ATTN_AVX512)
+// n <= 16 elements from element i of base (bfloat16 or float32) as float, the rest zero
+template <bool BF16>
+inline __m512 load_row16(const void* base, int64_t i, int64_t n) {
+  const __mmask16 m = n >= kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+  if constexpr (BF16)
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, static_cast<const uint16_t*>(base) + i)), 16));
+  return _mm512_maskz_loadu_ps(m, static_cast<const float*>(base) + i);
+}
+
+// r[c] = column c of the 16 x 16 floats whose row j is r[j]
+inline void transpose16(__m512 r[kLanes]) {
+  __m512 t[kLanes], u[kLanes];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // u[4i + k], 128-bit lane L: column 4L + k of rows 4i .. 4i + 3
+    u[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int k = 0; k < 4; ++k) {
+    const __m512 a = _mm512_shuffle_f32x4(u[k], u[4 + k], 0x88), b = _mm512_shuffle_f32x4(u[k], u[4 + k], 0xDD);
+    const __m512 c = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0x88), d = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0xDD);
+    r[k] = _mm512_shuffle_f32x4(a, c, 0x88);
+    r[8 + k] = _mm512_shuffle_f32x4(a, c, 0xDD);
+    r[4 + k] = _mm512_shuffle_f32x4(b, d, 0x88);
+    r[12 + k] = _mm512_shuffle_f32x4(b, d, 0xDD);
+  }
+}
+
+template <bool BF16>
+inline void convert_unit_avx512(const AttnProblem& P, const int64_t* koff, const int64_t* voff, float* kdst,
+                                float* vdst) {
+  const int64_t D = P.D, Dp = (D + kLanes - 1) / kLanes * kLanes;
+  for (int64_t d0 = 0; d0 < D; d0 += kLanes) {
+    const int64_t n = std::min<int64_t>(kLanes, D - d0);
+    __m512 r[kLanes];
+    for (int j = 0; j < kLanes; ++j) r[j] = koff[j] < 0 ? _mm512_setzero_ps() : load_row16<BF16>(P.keys, koff[j] + d0, n);
+    transpose16(r);
+    if (n == kLanes) {  // stores from the registers (GCC makes a variable-count loop a memcpy of a stack copy)
+#pragma GCC unroll 16
+      for (int c = 0; c < kLanes; ++c) _mm512_storeu_ps(kdst + (d0 + c) * kLanes, r[c]);
+    } else {
+      for (int64_t c = 0; c < n; ++c) _mm512_storeu_ps(kdst + (d0 + c) * kLanes, r[c]);
+    }
+  }
+  for (int j = 0; j < kLanes; ++j) {
+    float* vrow = vdst + j * Dp;
+    if (voff[j] < 0) {
+      for (int64_t d0 = 0; d0 < Dp; d0 += kLanes) _mm512_storeu_ps(vrow + d0, _mm512_setzero_ps());
+      continue;
+    }
+    for (int64_t d0 = 0; d0 < Dp; d0 += kLanes) _mm512_storeu_ps(vrow + d0, load_row16<BF16>(P.values, voff[j] + d0, D - d0));
+  }
+}
+#endif
+
+// One unit of `convert_kv`: the 16 keys and values at element offsets koff[j], voff[j] (-1: a slot
+// past S, zeros) into kdst ([d][16 keys]) and vdst (16 rows of Dp floats). Conversion is exact, so
+// the AVX-512 transposes write the bits of the plain loop.
+inline void convert_unit(const AttnProblem& P, const int64_t* koff, const int64_t* voff, float* kdst, float* vdst) {
+#if defined(SPECDEC_ATTN_AVX512)
+  if (P.bf16) convert_unit_avx512<true>(P, koff, voff, kdst, vdst);
+  else convert_unit_avx512<false>(P, koff, voff, kdst, vdst);
+#else
+  const int64_t D = P.D, Dp = (D + kLanes - 1) / kLanes * kLanes;
+  for (int j = 0; j < kLanes; ++j) {
+    float* vrow = vdst + j * Dp;
+    for (int64_t d = 0; d < D; ++d) kdst[d * kLanes + j] = koff[j] < 0 ? 0.0f : load_elem(P.keys, P.bf16, koff[j] + d);
+    for (int64_t d = 0; d < D; ++d) vrow[d] = voff[j] < 0 ? 0.0f : load_elem(P.values, P.bf16, voff[j] + d);
+    for (int64_t d = D; d < Dp; ++d) vrow[d] = 0.0f;
+  }
+#endif
+}
+
 // Keys and values as float, once per call for all queries: unit u of B * Hkv * blocks (row b, KV
 // head, block of 16 slots) writes its keys as [d][16 keys] into kt (D * 16 floats per unit) and its
 // values as 16 rows of Dp floats (D rounded up to 16, zero-padded) into vf. Slots past S are zero.
@@ -178,20 +259,18 @@ inline void convert_kv(const AttnProblem& P, float* kt, float* vf, int64_t u0, i
   for (int64_t u = u0; u < u1; ++u) {
     const int64_t b = u / (P.Hkv * blocks), kvh = (u / blocks) % P.Hkv, kb = u % blocks;
     const int64_t kbase = b * P.ks[0] + kvh * P.ks[1], vbase = b * P.vs[0] + kvh * P.vs[1];
-    float* kdst = kt + u * D * kLanes;
-    float* vdst = vf + u * kLanes * Dp;
     if (P.table != nullptr && P.bs % kLanes == 0 && (kb + 1) * kLanes < S)
       prefetch_unit(P, b, kvh, (kb + 1) * kLanes);  // the next unit's keys and values lie in another block
+    int64_t koff[kLanes], voff[kLanes];
     int64_t kblk = 0, vblk = 0, at0 = 0;  // a paged unit's block base and the position of its key j = 0
     for (int64_t j = 0; j < kLanes; ++j) {
       const int64_t s = kb * kLanes + j;
-      float* vrow = vdst + j * Dp;
       if (s >= S) {
-        for (int64_t d = 0; d < D; ++d) kdst[d * kLanes + j] = 0.0f;
-        for (int64_t d = 0; d < Dp; ++d) vrow[d] = 0.0f;
+        koff[j] = voff[j] = -1;
         continue;
       }
-      int64_t koff = kbase + s * P.ks[2], voff = vbase + s * P.vs[2];
+      koff[j] = kbase + s * P.ks[2];
+      voff[j] = vbase + s * P.vs[2];
       if (P.table != nullptr) {  // through the block table: one lookup per 16 keys when blocks hold whole units
         if (j == 0 || P.bs % kLanes != 0) {
           const int64_t blk = P.table[b * P.tw + s / P.bs];
@@ -199,13 +278,11 @@ inline void convert_kv(const AttnProblem& P, float* kt, float* vf, int64_t u0, i
           vblk = blk * P.vs[0] + kvh * P.vs[1];
           at0 = s % P.bs - j;
         }
-        koff = kblk + (at0 + j) * P.ks[2];
-        voff = vblk + (at0 + j) * P.vs[2];
+        koff[j] = kblk + (at0 + j) * P.ks[2];
+        voff[j] = vblk + (at0 + j) * P.vs[2];
       }
-      for (int64_t d = 0; d < D; ++d) kdst[d * kLanes + j] = load_elem(P.keys, P.bf16, koff + d);
-      for (int64_t d = 0; d < D; ++d) vrow[d] = load_elem(P.values, P.bf16, voff + d);
-      for (int64_t d = D; d < Dp; ++d) vrow[d] = 0.0f;
     }
+    convert_unit(P, koff, voff, kt + u * D * kLanes, vf + u * kLanes * Dp);
   }
 }
 
@@ -216,9 +293,12 @@ inline void attention_rows_items(const AttnProblem& P, const float* kt_all, cons
   const int64_t G = P.Hq / P.Hkv, per_head = G * P.T, chunks = (per_head + kQueries - 1) / kQueries, D = P.D, S = P.S;
   const int64_t Dp = (D + kLanes - 1) / kLanes * kLanes, blocks = (S + kLanes - 1) / kLanes;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  std::vector<float> qf((kQueries + 7) * D), score(kQueries * S), acc(kQueries * Dp);
-  std::vector<int32_t> slot(kQueries * S);
-  int64_t n[kQueries], pos[kQueries];
+  // scratch, written before it is read (a zero-filled std::vector cost ~10% of a 1-token call)
+  std::unique_ptr<float[]> qf(new float[(kQueries + 7) * D]), score(new float[kQueries * S]), acc(new float[kQueries * Dp]);
+  // with a mask, each query's visible slots in order; without one they are [first, first + n)
+  const bool listed = P.mask != nullptr;
+  std::unique_ptr<int32_t[]> slot(listed ? new int32_t[kQueries * S] : nullptr);
+  int64_t n[kQueries], pos[kQueries], first[kQueries];
   float inv[kQueries];
   for (int64_t w = w0; w < w1; ++w) {
     const int64_t b = w / (P.Hkv * chunks), kvh = (w / chunks) % P.Hkv, i0 = (w % chunks) * kQueries;
@@ -230,29 +310,31 @@ inline void attention_rows_items(const AttnProblem& P, const float* kt_all, cons
       const int64_t h = kvh * G + (i0 + i) / P.T, t = (i0 + i) % P.T;
       const int64_t qoff = ((b * P.Hq + h) * P.T + t) * D;
       for (int64_t d = 0; d < D; ++d) qf[i * D + d] = load_elem(P.q, P.bf16, qoff + d);
-      int32_t* sl = slot.data() + i * S;
       n[i] = 0;
-      if (P.mask != nullptr) {
+      if (listed) {
+        int32_t* sl = slot.get() + i * S;
         const bool* row = P.mask + (b * P.T + t) * S;
         for (int64_t s = 0; s < S; ++s)
           if (row[s]) sl[n[i]++] = static_cast<int32_t>(s);
+        first[i] = n[i] > 0 ? sl[0] : 0;
       } else {
-        const int64_t last = P.pre[b] + t, first = P.window > 0 ? std::max<int64_t>(0, last - P.window + 1) : 0;
-        for (int64_t s = first; s <= last; ++s) sl[n[i]++] = static_cast<int32_t>(s);
+        const int64_t last = P.pre[b] + t;
+        first[i] = P.window > 0 ? std::max<int64_t>(0, last - P.window + 1) : 0;
+        n[i] = last - first[i] + 1;
       }
       if (n[i] > 0) {
-        lo = std::min<int64_t>(lo, sl[0]);
-        hi = std::max<int64_t>(hi, sl[n[i] - 1]);
+        lo = std::min<int64_t>(lo, first[i]);
+        hi = std::max<int64_t>(hi, listed ? slot[i * S + n[i] - 1] : first[i] + n[i] - 1);
       }
     }
-    std::fill(qf.begin() + count * D, qf.begin() + (count + 7) * D, 0.0f);
+    std::fill(qf.get() + count * D, qf.get() + (count + 7) * D, 0.0f);
     const int64_t kb_lo = hi < 0 ? 0 : lo / kLanes, kb_hi = hi < 0 ? -1 : hi / kLanes;
     std::fill(pos, pos + count, 0);
     for (int64_t kb = kb_lo; kb <= kb_hi; ++kb) {  // scores: one key block against every query
       const float* kblock = kt + kb * D * kLanes;
       const int64_t end = (kb + 1) * kLanes;
       for (int64_t i8 = 0; i8 < count; i8 += 8) {  // 8 queries at once: 8 independent sums per load
-        const float* qi = qf.data() + i8 * D;
+        const float* qi = qf.get() + i8 * D;
         v16 d0{}, d1{}, d2{}, d3{}, d4{}, d5{}, d6{}, d7{};  // named, so they stay in registers
         for (int64_t d = 0; d < D; ++d) {
           const v16 k = load16(kblock + d * kLanes);
@@ -276,34 +358,50 @@ inline void attention_rows_items(const AttnProblem& P, const float* kt_all, cons
         store16(dot[7], d7);
         for (int64_t r = 0; r < 8 && i8 + r < count; ++r) {
           const int64_t i = i8 + r;
-          const int32_t* sl = slot.data() + i * S;
-          float* sc = score.data() + i * S;
-          for (; pos[i] < n[i] && sl[pos[i]] < end; ++pos[i]) sc[pos[i]] = dot[r][sl[pos[i]] - kb * kLanes] * scale;
+          float* sc = score.get() + i * S;
+          if (listed) {
+            const int32_t* sl = slot.get() + i * S;
+            for (; pos[i] < n[i] && sl[pos[i]] < end; ++pos[i]) sc[pos[i]] = dot[r][sl[pos[i]] - kb * kLanes] * scale;
+            continue;
+          }
+          // slots [from, to) of this block, at sc[s - first]: the same products, a vector at a time
+          const int64_t from = std::max(first[i], kb * kLanes), to = std::min(first[i] + n[i], end);
+          if (from >= to) continue;
+          float scaled[kLanes];
+          store16(scaled, load16(dot[r]) * scale);
+          std::memcpy(sc + (from - first[i]), scaled + (from - kb * kLanes), (to - from) * sizeof(float));
+          pos[i] = to - first[i];
         }
       }
     }
     for (int64_t i = 0; i < count; ++i) {
-      inv[i] = n[i] > 0 ? softmax_weights(score.data() + i * S, n[i]) : 0.0f;
-      std::fill(acc.begin() + i * Dp, acc.begin() + (i + 1) * Dp, 0.0f);
+      inv[i] = n[i] > 0 ? softmax_weights(score.get() + i * S, n[i]) : 0.0f;
+      std::fill(acc.get() + i * Dp, acc.get() + (i + 1) * Dp, 0.0f);
       pos[i] = 0;
     }
     for (int64_t c0 = lo; c0 <= hi; c0 += kChunk) {  // value sums, kChunk keys at a time
       const int64_t end = c0 + kChunk;
       for (int64_t i = 0; i < count; ++i) {
-        const int32_t* sl = slot.data() + i * S;
-        const float* sc = score.data() + i * S;
-        float* a = acc.data() + i * Dp;
+        const int32_t* sl = listed ? slot.get() + i * S : nullptr;
+        const float* sc = score.get() + i * S;
+        const float* vi = vf + (listed ? 0 : first[i] * Dp);
+        float* a = acc.get() + i * Dp;
+        int64_t stop = pos[i];  // this query's keys before `end`
+        if (listed)
+          while (stop < n[i] && sl[stop] < end) ++stop;
+        else
+          stop = std::min(n[i], std::max(pos[i], end - first[i]));
         int64_t d0 = 0;  // up to 8 accumulators in registers at a time
-        for (; d0 + 8 * kLanes <= Dp; d0 += 8 * kLanes) weighted_sum<8>(a + d0, sc, sl, pos[i], n[i], end, vf + d0, Dp);
-        for (; d0 + 4 * kLanes <= Dp; d0 += 4 * kLanes) weighted_sum<4>(a + d0, sc, sl, pos[i], n[i], end, vf + d0, Dp);
-        for (; d0 < Dp; d0 += kLanes) weighted_sum<1>(a + d0, sc, sl, pos[i], n[i], end, vf + d0, Dp);
-        while (pos[i] < n[i] && sl[pos[i]] < end) ++pos[i];
+        for (; d0 + 8 * kLanes <= Dp; d0 += 8 * kLanes) weighted_sum<8>(a + d0, sc, sl, pos[i], stop, vi + d0, Dp);
+        for (; d0 + 4 * kLanes <= Dp; d0 += 4 * kLanes) weighted_sum<4>(a + d0, sc, sl, pos[i], stop, vi + d0, Dp);
+        for (; d0 < Dp; d0 += kLanes) weighted_sum<1>(a + d0, sc, sl, pos[i], stop, vi + d0, Dp);
+        pos[i] = stop;
       }
     }
     for (int64_t i = 0; i < count; ++i) {  // out = acc * (1 / Z); zeros for a query that sees no key
       const int64_t h = kvh * G + (i0 + i) / P.T, t = (i0 + i) % P.T;
       const int64_t ooff = ((b * P.Hq + h) * P.T + t) * D;
-      const float* a = acc.data() + i * Dp;
+      const float* a = acc.get() + i * Dp;
       for (int64_t d = 0; d < D; ++d) {
         const float x = a[d] * inv[i];
         if (P.bf16)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from runtime.attention import cache_attention
-from runtime.kernels import cpu_attention
+from runtime.kernels import cpu_attention, cpu_blockq
 
 pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="CPU extension not built here")
 
@@ -107,3 +107,47 @@ def test_a_block_table_entry_outside_the_pool_is_refused():
         cpu_attention.cache_attention(q, k, k, pools[0], pools[1], 0, lens, 0, None, True, table)
     with pytest.raises(RuntimeError, match="outside the pool"):
         cpu_attention.attention_rows(q, pools[0][0], pools[1][0], None, lens, 0, table, 11)
+
+
+def _attention_cases(g: torch.Generator):
+    """(name, attention_rows arguments): decode and verification blocks of grouped-query heads, head
+    dims with and without a tail of 16, cache lengths off a multiple of 16, masks, a window, a strided
+    cache view and a paged cache, in bf16 and float32."""
+    for dtype in (torch.bfloat16, torch.float32):
+        for B, Hq, Hkv, T, S, D in [(1, 12, 2, 1, 300, 128), (1, 12, 2, 8, 333, 128), (2, 6, 2, 5, 77, 40),
+                                    (3, 4, 4, 3, 50, 64), (1, 8, 2, 17, 90, 96)]:
+            q = torch.randn(B, Hq, T, D, generator=g).to(dtype)
+            k, v = (torch.randn(B, Hkv, S + 9, D, generator=g).to(dtype) for _ in range(2))
+            pre = torch.randint(0, S - T + 1, (B,), generator=g)
+            name = f"{dtype} {(B, Hq, Hkv, T, S, D)}"
+            keys, values = k[:, :, :S].contiguous(), v[:, :, :S].contiguous()
+            yield f"{name} causal", (q, keys, values, None, pre, 0)
+            yield f"{name} window", (q, keys, values, None, pre, 7)
+            yield f"{name} mask", (q, keys, values, torch.rand(B, T, S, generator=g) < 0.4, pre, 0)
+            yield f"{name} view", (q, k[:, :, :S], v[:, :, :S], None, pre, 0)
+    q = torch.randn(3, 4, 4, 32, generator=g).to(torch.bfloat16)
+    caches = [torch.randn(1, 3, 2, 48, 32, generator=g).to(torch.bfloat16) for _ in range(2)]
+    pools, table = _paged_copy(caches, 16, g)
+    yield "paged", (q, pools[0][0], pools[1][0], None, torch.tensor([3, 30, 17]), 0, table, 34)
+
+
+def test_every_build_of_the_invariant_kernel_gives_the_same_bits(monkeypatch):
+    """The AVX-512, AVX2 and portable builds of attention_rows (`SPECDEC_ATTENTION_ISA`) give the bits of
+    the CPU's default build on every case; each build the CPU has runs."""
+    cases = list(_attention_cases(torch.Generator().manual_seed(7)))
+    want = {name: cpu_attention.attention_rows(*args) for name, args in cases}
+    ran = []
+    for build in ("avx512", "avx2", "generic"):
+        monkeypatch.setenv(cpu_attention.ISA_ENV, build)
+        try:
+            got = {name: cpu_attention.attention_rows(*args) for name, args in cases}
+        except RuntimeError as err:
+            assert "does not run" in str(err)
+            continue
+        ran.append(build)
+        assert [name for name in want if not torch.equal(got[name], want[name])] == [], build
+    assert "generic" in ran
+    assert ("vnni" not in cpu_blockq.isas() or "avx512" in ran) and ("avx2" not in cpu_blockq.isas() or "avx2" in ran)
+    monkeypatch.setenv(cpu_attention.ISA_ENV, "sse9")
+    with pytest.raises(RuntimeError, match="not an attention build"):
+        cpu_attention.attention_rows(*cases[0][1])
