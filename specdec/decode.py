@@ -18,6 +18,7 @@ training data is recorded while decoding.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterator, Sequence
 
@@ -35,6 +36,7 @@ from specdec.tuning.costs import target_costs
 from specdec.verify import Verdict, verify
 
 MAX_DRAFT_TOKENS = 16
+_VERIFICATIONS = itertools.count(1)  # numbers the verifications of this process (`Accepted.step`)
 # "auto" on a compiled target: verification blocks of 2..8 tokens share one compiled program
 # (runtime.compile.static_tokens); 9..16 would compile another program (a minute or more on a CPU).
 MAX_DRAFT_TOKENS_COMPILED = DECODE_STATIC_TOKENS - 1
@@ -239,12 +241,13 @@ class DecodeLoop:
             if auto is not None:  # rows of a fixed-size tree tell the draft length nothing (drafted 0)
                 sized = tree.sized_by_k is None or bool(tree.sized_by_k[b])
                 auto.observe(len(path) * sized, int(valid[b].sum()) * sized)
+        verification = next(_VERIFICATIONS)
         if auto is not None:
-            auto.time_block(tree.num_nodes + 1, target_s)
+            auto.time_block(tree.num_nodes + 1, target_s, verification)
         _keep_paths(cache, start_len, verdict, active)
         if drafter is not None:
             drafter.commit(Accepted(state.sequences(), verdict.paths, self._drafter_states(hid, aux),
-                                    block=tree.num_nodes + 1, target_s=target_s))
+                                    block=tree.num_nodes + 1, target_s=target_s, step=verification))
         self.pending = verdict.next_tokens
         stats.verify_s += time.perf_counter() - t_verify
         return emitted

@@ -168,6 +168,8 @@ class Accepted:
         a drafter that sizes its proposals by cost learns from (`specdec.tuning.costs.BlockCosts`).
     verified: per row, whether this drafter's proposal is the one that was verified (a composite
         verifies one member's per row and tells each member so); None: every row's was.
+    step: the verification's number in this process (0 when not told): a cost store that several
+        observers share (`specdec.tuning.costs.target_costs`) records each verification once.
     """
 
     seqs: list[torch.Tensor]
@@ -176,6 +178,7 @@ class Accepted:
     block: int = 0
     target_s: float = 0.0
     verified: list[bool] | None = None
+    step: int = 0
 
     def last_hidden(self) -> torch.Tensor:
         """(B, C): per row, the hidden state that chose the next root."""

@@ -183,7 +183,7 @@ class CompositeDrafter(MemberDrafters):
         for i, d in enumerate(self.drafters):
             d.commit(dataclasses.replace(accepted, verified=[c == i for c in self.chosen]))
         if accepted.target_s > 0:
-            self.costs.observe(accepted.block, accepted.target_s)
+            self.costs.observe(accepted.block, accepted.target_s, accepted.step)
         for b, c in enumerate(self.chosen):
             if c >= 0:
                 self.records[c].observe(self.raw[b], len(accepted.paths[b]))

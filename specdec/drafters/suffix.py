@@ -247,7 +247,7 @@ class SuffixDrafter(Drafter):
             if state is not None:
                 self._read(state, seq)
         if accepted.target_s > 0:
-            self.costs.observe(accepted.block, accepted.target_s)
+            self.costs.observe(accepted.block, accepted.target_s, accepted.step)
         for b, probs in self.proposed.items():
             if accepted.verified is None or accepted.verified[b]:
                 kept = set(accepted.paths[b])

@@ -66,9 +66,10 @@ class AutoK:
             self.accepted_at[i] = d * self.accepted_at[i] + (i < accepted)
             self.reached_at[i] = d * self.reached_at[i] + (i < reached)
 
-    def time_block(self, block: int, seconds: float) -> None:
-        """One verification (the whole batch's) of `block` tokens per row took `seconds`."""
-        self.costs.observe(block, seconds)
+    def time_block(self, block: int, seconds: float, step: int = 0) -> None:
+        """One verification (the whole batch's) of `block` tokens per row took `seconds`; step: its
+        number (`BlockCosts.observe`)."""
+        self.costs.observe(block, seconds, step)
 
     def target_cost(self, block: int) -> float | None:
         """Measured seconds of one verification of `block` tokens (`BlockCosts.cost`); None before any

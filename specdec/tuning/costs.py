@@ -39,14 +39,19 @@ class BlockCosts:
 
     def __init__(self, padded: Callable[[int], int] | None = None) -> None:
         self._times: dict[int, deque[float]] = {}
+        self._steps: deque[int] = deque(maxlen=SAMPLES)  # the numbers of the last verifications recorded
         self.padded = padded
 
-    def observe(self, block: int, seconds: float) -> None:
+    def observe(self, block: int, seconds: float, step: int = 0) -> None:
         """One verification of `block` rows that took `seconds`. A compile is no step: a timing over
         OUTLIER times the cheapest size's cost is ignored, and one that was kept because it came
-        first (nothing cheaper timed yet) is dropped once a step that much faster arrives."""
-        if block < 1 or seconds <= 0:
+        first (nothing cheaper timed yet) is dropped once a step that much faster arrives. step: the
+        verification's number (`specdec.drafter.Accepted.step`; 0 = not told): a store shared by the
+        draft-length tuner and a drafter records each verification once, whoever tells it first."""
+        if block < 1 or seconds <= 0 or (step and step in self._steps):
             return
+        if step:
+            self._steps.append(step)
         block = self._size(block)
         if self._times and seconds > OUTLIER * min(self.cost(b) for b in self._times):
             return

@@ -79,6 +79,29 @@ def _step(comp: CompositeDrafter, accepted: list[int]) -> DraftTree:
     return tree
 
 
+def test_every_verification_is_numbered_once_for_the_tuner_and_the_drafter(target, monkeypatch):
+    """The decode loop numbers each verification (`Accepted.step`) and tells the draft-length tuner the
+    same number, so a cost store both feed (a composite's suffix member and an `@auto` draft) records
+    each verification once."""
+    from specdec.tuning.autok import AutoK
+
+    tuner_steps: list[int] = []
+    time_block = AutoK.time_block
+    monkeypatch.setattr(AutoK, "time_block", lambda self, block, seconds, step=0: (
+        tuner_steps.append(step), time_block(self, block, seconds, step))[1])
+    drafter_steps: list[int] = []
+
+    class Numbered(Fixed):
+        def commit(self, accepted):
+            drafter_steps.append(accepted.step)
+
+    rows = _rows(seed=4, lengths=(5,))
+    specdec.generate(target, rows, draft=Numbered("a", [1], None, adaptive=True), max_new_tokens=12,
+                     num_draft_tokens="auto")
+    assert drafter_steps and tuner_steps == drafter_steps
+    assert all(a < b for a, b in zip(drafter_steps, drafter_steps[1:])) and drafter_steps[0] > 0
+
+
 def test_each_row_verifies_the_proposal_with_the_most_expected_tokens():
     long = Fixed("long", [5, 6, 7, 8], [0.9, 0.3, 0.1, 0.05])  # expects 1.35
     sure = Fixed("sure", [9, 10], [0.95, 0.9])  # expects 1.85

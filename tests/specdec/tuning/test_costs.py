@@ -38,6 +38,15 @@ def test_a_timing_far_above_every_block_is_a_compile_and_is_ignored():
     assert costs.sizes() == [1, 2]
 
 
+def test_a_verification_told_by_two_observers_is_recorded_once():
+    """The draft-length tuner and a drafter share a target's store: each verification (its number) counts
+    once, whoever tells it first; verifications not numbered (0) always count."""
+    costs = BlockCosts()
+    for step, seconds in ((1, 0.05), (1, 0.05), (2, 0.07), (2, 0.07), (0, 0.04), (0, 0.04)):
+        costs.observe(1, seconds, step)
+    assert list(costs._times[1]) == [0.05, 0.07, 0.04, 0.04]
+
+
 def test_the_cut_keeps_the_prefix_with_the_most_expected_tokens_per_second():
     costs = _costs({1: 1.0, 2: 1.0, 4: 1.5, 8: 2.0})
     # 1 node: 2/1.0; 2: 2.9/1.25 = 2.32; 3: 3.7/1.5 = 2.47; 4: 3.8/1.625 = 2.34
