@@ -141,8 +141,9 @@ def main(argv: list[str] | None = None) -> None:
     ms = {r: statistics.median(t) * 1e3 for r, t in times.items()}
     rate = nbytes / (ms[rows[0]] / 1e3)
     ratios = {r: ms[r] / ms[rows[0]] for r in rows[1:]}
-    print(f"read {bw / 1e9:.1f} GB/s | {rows[0]} row {ms[rows[0]]:.1f} ms = {rate / 1e9:.1f} GB/s ({rate / bw:.0%}) | "
-          f"rows {'/'.join(map(str, rows[1:]))}: {'/'.join(f'{v:.2f}' for v in ratios.values())}x")
+    more = f" | rows {'/'.join(map(str, rows[1:]))}: {'/'.join(f'{v:.2f}' for v in ratios.values())}x" if ratios else ""
+    print(f"read {bw / 1e9:.1f} GB/s | {rows[0]} row {ms[rows[0]]:.1f} ms = {rate / 1e9:.1f} GB/s "
+          f"({rate / bw:.0%}){more}")
     against = {r: statistics.median(times[r]) / statistics.median(wide_times[r]) for r in rows} if wide else None
     if wide:
         print(f"6-bit codes against 8-bit ones ({sum(m.nbytes() for m in wide) / 1e9:.3f} GB a step), rows "
