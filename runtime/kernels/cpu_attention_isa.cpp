@@ -23,7 +23,9 @@
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 #define SPECDEC_ATTN_NS attn_avx2
+#define SPECDEC_ATTN_AVX2
 #include "cpu_attention_rows.h"
+#undef SPECDEC_ATTN_AVX2
 #undef SPECDEC_ATTN_NS
 #pragma GCC pop_options
 

@@ -1,8 +1,8 @@
 // The row-invariant attention kernel (runtime.invariant, op attention_rows), included twice: by
 // cpu_attention_isa.cpp under `#pragma GCC target` (AVX-512, then AVX2, each with FMA) and by
 // cpu_attention.cpp for any x86-64, each time inside its own namespace (SPECDEC_ATTN_NS). Plain
-// pointers only: no ATen code is compiled under a target pragma. The path is picked per CPU, never
-// per call.
+// pointers only: no ATen code is compiled under a target pragma. The path is picked per CPU (or by
+// $SPECDEC_ATTENTION_ISA, which tests use to run every build on one CPU).
 //
 // Per query the arithmetic is fixed, so a query's output depends only on its q and the keys it
 // may see, never on the other queries, rows or padding slots of the call:
@@ -11,7 +11,7 @@
 //   w_j = exp_nonpositive(score_j - max): one polynomial for every lane and vector width;
 //   Z = the w_j summed in 16 lanes by j mod 16, then folded in one fixed tree;
 //   out[d] = (sum over j, in order, of w_j * v_j[d], one fma per step) * (1 / Z).
-// fma16 is exactly rounded (AVX-512 vfmadd or std::fma), so both builds give the same bits.
+// Every fma is exactly rounded (AVX-512 or AVX2 vfmadd, or std::fma), so the builds give the same bits.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -148,6 +148,25 @@ inline float load_elem(const void* base, bool bf16, int64_t i) {
 // a[0 .. 16 NV) += w[j] * values[row(j) * stride + 0 .. 16 NV) for j = from .. stop - 1, in order (NV
 // vectors held in registers); row(j) = slot[j], or j with no slot list (the caller's values start at
 // the first visible slot)
+#if defined(SPECDEC_ATTN_AVX2)
+// (AVX2: each v16 as two 256-bit registers, by intrinsics: GCC moved 64-byte vector values through the
+// stack and general registers there, ~10x the AVX-512 build's time)
+template <int NV>
+inline void weighted_sum(float* a, const float* w, const int32_t* slot, int64_t from, int64_t stop,
+                         const float* values, int64_t stride) {
+  __m256 r[2 * NV];
+#pragma GCC unroll 16
+  for (int u = 0; u < 2 * NV; ++u) r[u] = _mm256_loadu_ps(a + 8 * u);
+  for (int64_t j = from; j < stop; ++j) {
+    const float* row = values + (slot != nullptr ? static_cast<int64_t>(slot[j]) : j) * stride;
+    const __m256 x = _mm256_set1_ps(w[j]);
+#pragma GCC unroll 16
+    for (int u = 0; u < 2 * NV; ++u) r[u] = _mm256_fmadd_ps(x, _mm256_loadu_ps(row + 8 * u), r[u]);
+  }
+#pragma GCC unroll 16
+  for (int u = 0; u < 2 * NV; ++u) _mm256_storeu_ps(a + 8 * u, r[u]);
+}
+#else
 template <int NV>
 inline void weighted_sum(float* a, const float* w, const int32_t* slot, int64_t from, int64_t stop,
                          const float* values, int64_t stride) {
@@ -159,6 +178,65 @@ inline void weighted_sum(float* a, const float* w, const int32_t* slot, int64_t 
   }
   for (int u = 0; u < NV; ++u) store16(a + u * kLanes, r[u]);
 }
+#endif
+
+// Queries scored at once (each query's sums one accumulator, each key vector loaded once for all) and
+// value vectors summed at once: as many as the build's vector registers hold without spilling (32 zmm;
+// 16 ymm, a v16 taking two; 16 xmm, a v16 taking four)
+#if defined(SPECDEC_ATTN_AVX512)
+constexpr int kScoreRows = 8, kMaxSums = 8;
+#elif defined(SPECDEC_ATTN_AVX2)
+constexpr int kScoreRows = 4, kMaxSums = 4;
+#else
+constexpr int kScoreRows = 2, kMaxSums = 2;
+#endif
+
+// dot[r] = the dot products of query r (qi + r * D) with a block of 16 keys ([d][16]), each summed over
+// d in order with one fma per step, for r < Q
+#if defined(SPECDEC_ATTN_AVX2)
+template <int Q>
+inline void score_rows(const float* kblock, const float* qi, int64_t D, float (*dot)[kLanes]) {
+  __m256 lo[Q], hi[Q];
+#pragma GCC unroll 8
+  for (int r = 0; r < Q; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    const __m256 k0 = _mm256_loadu_ps(kblock + d * kLanes), k1 = _mm256_loadu_ps(kblock + d * kLanes + 8);
+#pragma GCC unroll 8
+    for (int r = 0; r < Q; ++r) {
+      const __m256 q = _mm256_set1_ps(qi[r * D + d]);
+      lo[r] = _mm256_fmadd_ps(q, k0, lo[r]);
+      hi[r] = _mm256_fmadd_ps(q, k1, hi[r]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < Q; ++r) {
+    _mm256_storeu_ps(dot[r], lo[r]);
+    _mm256_storeu_ps(dot[r] + 8, hi[r]);
+  }
+}
+#else
+template <int Q>
+inline void score_rows(const float* kblock, const float* qi, int64_t D, float (*dot)[kLanes]) {
+  v16 d0{}, d1{}, d2{}, d3{}, d4{}, d5{}, d6{}, d7{};  // named, so they stay in registers
+  for (int64_t d = 0; d < D; ++d) {
+    const v16 k = load16(kblock + d * kLanes);
+    d0 = fma16(qi[d], k, d0);
+    d1 = fma16(qi[D + d], k, d1);
+    if constexpr (Q > 2) {
+      d2 = fma16(qi[2 * D + d], k, d2);
+      d3 = fma16(qi[3 * D + d], k, d3);
+    }
+    if constexpr (Q > 4) {
+      d4 = fma16(qi[4 * D + d], k, d4);
+      d5 = fma16(qi[5 * D + d], k, d5);
+      d6 = fma16(qi[6 * D + d], k, d6);
+      d7 = fma16(qi[7 * D + d], k, d7);
+    }
+  }
+  const v16 all[8] = {d0, d1, d2, d3, d4, d5, d6, d7};
+  for (int r = 0; r < Q; ++r) store16(dot[r], all[r]);
+}
+#endif
 
 // Prefetch the 16 keys and values of a paged row from slot s0 on (s0 a multiple of 16 within one block:
 // contiguous rows of D elements there). A unit's block is another part of the pool than the unit before
@@ -233,13 +311,72 @@ inline void convert_unit_avx512(const AttnProblem& P, const int64_t* koff, const
 }
 #endif
 
+#if defined(SPECDEC_ATTN_AVX2)
+// 8 elements from element i of base (bfloat16 or float32) as float
+template <bool BF16>
+inline __m256 load_row8(const void* base, int64_t i) {
+  if constexpr (BF16)
+    return _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + i))), 16));
+  return _mm256_loadu_ps(static_cast<const float*>(base) + i);
+}
+
+// r[c] = column c of the 8 x 8 floats whose row j is r[j]
+inline void transpose8(__m256 r[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {  // u[4i + k], 128-bit lane L: column 4L + k of rows 4i .. 4i + 3
+    u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int k = 0; k < 4; ++k) {
+    r[k] = _mm256_permute2f128_ps(u[k], u[4 + k], 0x20);
+    r[4 + k] = _mm256_permute2f128_ps(u[k], u[4 + k], 0x31);
+  }
+}
+
+// `convert_unit` for whole groups of 8 dims in AVX2 registers; dims past the last whole group, and
+// slots past S, in the plain loop
+template <bool BF16>
+inline void convert_unit_avx2(const AttnProblem& P, const int64_t* koff, const int64_t* voff, float* kdst,
+                              float* vdst) {
+  const int64_t D = P.D, Dp = (D + kLanes - 1) / kLanes * kLanes, D8 = D / 8 * 8;
+  for (int64_t d0 = 0; d0 < D8; d0 += 8)
+    for (int j0 = 0; j0 < kLanes; j0 += 8) {
+      __m256 r[8];
+      for (int j = 0; j < 8; ++j)
+        r[j] = koff[j0 + j] < 0 ? _mm256_setzero_ps() : load_row8<BF16>(P.keys, koff[j0 + j] + d0);
+      transpose8(r);
+      for (int c = 0; c < 8; ++c) _mm256_storeu_ps(kdst + (d0 + c) * kLanes + j0, r[c]);
+    }
+  for (int j = 0; j < kLanes; ++j) {
+    float* vrow = vdst + j * Dp;
+    for (int64_t d0 = 0; d0 < D8; d0 += 8)
+      _mm256_storeu_ps(vrow + d0, voff[j] < 0 ? _mm256_setzero_ps() : load_row8<BF16>(P.values, voff[j] + d0));
+    for (int64_t d = D8; d < D; ++d) {
+      kdst[d * kLanes + j] = koff[j] < 0 ? 0.0f : load_elem(P.keys, BF16, koff[j] + d);
+      vrow[d] = voff[j] < 0 ? 0.0f : load_elem(P.values, BF16, voff[j] + d);
+    }
+    for (int64_t d = D; d < Dp; ++d) vrow[d] = 0.0f;
+  }
+}
+#endif
+
 // One unit of `convert_kv`: the 16 keys and values at element offsets koff[j], voff[j] (-1: a slot
 // past S, zeros) into kdst ([d][16 keys]) and vdst (16 rows of Dp floats). Conversion is exact, so
-// the AVX-512 transposes write the bits of the plain loop.
+// the AVX-512 and AVX2 transposes write the bits of the plain loop.
 inline void convert_unit(const AttnProblem& P, const int64_t* koff, const int64_t* voff, float* kdst, float* vdst) {
 #if defined(SPECDEC_ATTN_AVX512)
   if (P.bf16) convert_unit_avx512<true>(P, koff, voff, kdst, vdst);
   else convert_unit_avx512<false>(P, koff, voff, kdst, vdst);
+#elif defined(SPECDEC_ATTN_AVX2)
+  if (P.bf16) convert_unit_avx2<true>(P, koff, voff, kdst, vdst);
+  else convert_unit_avx2<false>(P, koff, voff, kdst, vdst);
 #else
   const int64_t D = P.D, Dp = (D + kLanes - 1) / kLanes * kLanes;
   for (int j = 0; j < kLanes; ++j) {
@@ -333,30 +470,10 @@ inline void attention_rows_items(const AttnProblem& P, const float* kt_all, cons
     for (int64_t kb = kb_lo; kb <= kb_hi; ++kb) {  // scores: one key block against every query
       const float* kblock = kt + kb * D * kLanes;
       const int64_t end = (kb + 1) * kLanes;
-      for (int64_t i8 = 0; i8 < count; i8 += 8) {  // 8 queries at once: 8 independent sums per load
-        const float* qi = qf.get() + i8 * D;
-        v16 d0{}, d1{}, d2{}, d3{}, d4{}, d5{}, d6{}, d7{};  // named, so they stay in registers
-        for (int64_t d = 0; d < D; ++d) {
-          const v16 k = load16(kblock + d * kLanes);
-          d0 = fma16(qi[d], k, d0);
-          d1 = fma16(qi[D + d], k, d1);
-          d2 = fma16(qi[2 * D + d], k, d2);
-          d3 = fma16(qi[3 * D + d], k, d3);
-          d4 = fma16(qi[4 * D + d], k, d4);
-          d5 = fma16(qi[5 * D + d], k, d5);
-          d6 = fma16(qi[6 * D + d], k, d6);
-          d7 = fma16(qi[7 * D + d], k, d7);
-        }
-        float dot[8][kLanes];
-        store16(dot[0], d0);
-        store16(dot[1], d1);
-        store16(dot[2], d2);
-        store16(dot[3], d3);
-        store16(dot[4], d4);
-        store16(dot[5], d5);
-        store16(dot[6], d6);
-        store16(dot[7], d7);
-        for (int64_t r = 0; r < 8 && i8 + r < count; ++r) {
+      for (int64_t i8 = 0; i8 < count; i8 += kScoreRows) {  // kScoreRows independent sums per load
+        float dot[kScoreRows][kLanes];
+        score_rows<kScoreRows>(kblock, qf.get() + i8 * D, D, dot);
+        for (int64_t r = 0; r < kScoreRows && i8 + r < count; ++r) {
           const int64_t i = i8 + r;
           float* sc = score.get() + i * S;
           if (listed) {
@@ -391,9 +508,12 @@ inline void attention_rows_items(const AttnProblem& P, const float* kt_all, cons
           while (stop < n[i] && sl[stop] < end) ++stop;
         else
           stop = std::min(n[i], std::max(pos[i], end - first[i]));
-        int64_t d0 = 0;  // up to 8 accumulators in registers at a time
-        for (; d0 + 8 * kLanes <= Dp; d0 += 8 * kLanes) weighted_sum<8>(a + d0, sc, sl, pos[i], stop, vi + d0, Dp);
-        for (; d0 + 4 * kLanes <= Dp; d0 += 4 * kLanes) weighted_sum<4>(a + d0, sc, sl, pos[i], stop, vi + d0, Dp);
+        int64_t d0 = 0;  // up to kMaxSums accumulators in registers at a time
+        if constexpr (kMaxSums >= 8)
+          for (; d0 + 8 * kLanes <= Dp; d0 += 8 * kLanes) weighted_sum<8>(a + d0, sc, sl, pos[i], stop, vi + d0, Dp);
+        if constexpr (kMaxSums >= 4)
+          for (; d0 + 4 * kLanes <= Dp; d0 += 4 * kLanes) weighted_sum<4>(a + d0, sc, sl, pos[i], stop, vi + d0, Dp);
+        for (; d0 + 2 * kLanes <= Dp; d0 += 2 * kLanes) weighted_sum<2>(a + d0, sc, sl, pos[i], stop, vi + d0, Dp);
         for (; d0 < Dp; d0 += kLanes) weighted_sum<1>(a + d0, sc, sl, pos[i], stop, vi + d0, Dp);
         pos[i] = stop;
       }
