@@ -44,8 +44,15 @@ def other_build(directory: Path):
     if not library.is_file():
         raise SystemExit(f"--against: no {LIBRARY} in {directory}; pass a directory under "
                          f"~/.cache/specdec/kernels/ that another checkout built")
-    namespace = f"specdec_cpu_{directory.expanduser().resolve().name.split('-')[1][:12]}"
-    torch.ops.load_library(str(library))
+    parts = directory.expanduser().resolve().name.split("-")
+    if len(parts) < 3 or parts[0] != "cpu_blockq" or len(parts[1]) < 12:
+        raise SystemExit(f"--against: {directory} is not a kernel build directory (named cpu_blockq-<hash>-<checkout> "
+                         f"under ~/.cache/specdec/kernels/)")
+    namespace = f"specdec_cpu_{parts[1][:12]}"
+    try:
+        torch.ops.load_library(str(library))
+    except OSError as err:
+        raise SystemExit(f"--against: cannot load {library}: {err}") from None
     ops = getattr(torch.ops, namespace)
     if not hasattr(ops, "attention_rows"):
         raise SystemExit(f"--against: {library} registers no attention_rows in {namespace}")

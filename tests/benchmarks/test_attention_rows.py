@@ -25,3 +25,20 @@ def test_one_row_per_shape_and_a_missing_build_is_named(load, capsys, tmp_path):
     assert [r.split(" | ")[:2] for r in rows] == [["| 40", "1"], ["| 40", "4"], ["| 3", "1"]]
     with pytest.raises(SystemExit, match="no specdec_cpu_blockq.so in"):
         script.main(["--slots", "40", "--against", str(tmp_path / "cpu_blockq-0123456789abcdef-x")])
+
+
+@pytest.mark.skipif(not extension.available(), reason="CPU extension not built here")
+def test_a_directory_that_is_no_kernel_build_is_named(load, tmp_path):
+    """A library in a directory not named as the kernel builds are gave an IndexError traceback; one that
+    does not load gave an OSError."""
+    script = load("attention_rows")
+    odd = tmp_path / "mine"
+    odd.mkdir()
+    (odd / "specdec_cpu_blockq.so").write_bytes(b"not a library")
+    with pytest.raises(SystemExit, match="is not a kernel build directory"):
+        script.main(["--slots", "40", "--against", str(odd)])
+    build = tmp_path / "cpu_blockq-0123456789abcdef-x"
+    build.mkdir()
+    (build / "specdec_cpu_blockq.so").write_bytes(b"not a library")
+    with pytest.raises(SystemExit, match="cannot load"):
+        script.main(["--slots", "40", "--against", str(build)])
