@@ -340,8 +340,8 @@ inline void transpose8(__m256 r[8]) {
   }
 }
 
-// `convert_unit` for whole groups of 8 dims in AVX2 registers; dims past the last whole group, and
-// slots past S, in the plain loop
+// `convert_unit` in AVX2 registers for whole groups of 8 dims; the dims past the last whole group in
+// the plain loop
 template <bool BF16>
 inline void convert_unit_avx2(const AttnProblem& P, const int64_t* koff, const int64_t* voff, float* kdst,
                               float* vdst) {
