@@ -5,6 +5,7 @@ import torch
 
 import specdec
 from runtime import KVCache, compile_decode
+from runtime import compile as rc
 from runtime.compile import MAX_STATIC_TOKENS, CompileNotices, Regions, module_kind, static_tokens
 from runtime.tiny import tiny_model
 from specdec.capture import StateCapture
@@ -356,3 +357,59 @@ def test_a_region_with_a_graph_break_still_runs_compiled_with_its_guards():
         assert torch.equal(regions.run(_branching, 0, (module,), x), x + 1)
         assert torch.equal(regions.run(_branching, 0, (module,), -x - 1), -x - 2)
     assert regions.programs == 1
+
+
+def _cached_steps(model, direct: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Logits of a prompt and three 1- / 3-token steps, the cache after them, and the direct call sites."""
+    model.compiled_step.regions.direct = direct
+    model.compiled_step.regions._calls.clear()
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(1))
+    cache = model.new_cache(1, 40)
+    out, t = [], 0
+    with torch.inference_mode():
+        for n in (5, 1, 3, 1, 1):
+            out.append(model(ids[:, t:t + n], torch.arange(t, t + n)[None], cache).logits)
+            t += n
+    return torch.cat(out, 1), torch.cat([cache.k, cache.v]), model.compiled_step.regions.direct_calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_later_calls_run_each_program_graph_directly_with_the_same_bits(dtype):
+    """After its first call, a call site (step shape, layer) hands the program's Inductor graph its flat
+    inputs itself: every layer and the head, bit for bit what the program gives, caches included."""
+    model = compile_decode(tiny_model("llama", seed=3, dtype=dtype, num_hidden_layers=3))
+    want, want_cache, none = _cached_steps(model, direct=False)
+    got, got_cache, sites = _cached_steps(model, direct=True)
+    assert none == 0 and sites == 2 * (3 + 1)  # (3 layers + the head) x the 4-token and 1-token steps
+    assert torch.equal(got, want) and torch.equal(got_cache, want_cache)
+
+
+def test_a_direct_call_that_differs_from_its_program_is_not_kept(monkeypatch):
+    """The first call of a site checks the direct call against the program; if they differ the site
+    keeps the program, and the call's result and the cache are the program's."""
+    model = compile_decode(tiny_model("llama", seed=3, num_hidden_layers=2))
+    want, want_cache, _ = _cached_steps(model, direct=False)
+    run = rc._Direct.__call__
+    monkeypatch.setattr(rc._Direct, "__call__", lambda self, *values: _off_by_one(run(self, *values)))
+    got, got_cache, sites = _cached_steps(model, direct=True)
+    assert sites == 0 and torch.equal(got, want) and torch.equal(got_cache, want_cache)
+
+
+def _off_by_one(out):
+    return tuple(t + 1 for t in out) if isinstance(out, tuple) else out + 1
+
+
+def test_direct_calls_read_parameters_per_call_and_stay_off_with_grad():
+    """A parameter reassigned after the first call is what the next direct call reads, as the program
+    would; calls with grad enabled keep the program (its autograd wrappers)."""
+    regions = Regions(cpp_wrapper=False)
+    module, x = _Scaled(2.0), torch.arange(4.0)
+    with torch.inference_mode():
+        assert torch.equal(regions.run(_scaled, 0, (module,), x), x * 2)
+    assert regions.direct_calls == 1
+    module.weight = torch.nn.Parameter(torch.full((4,), 3.0))
+    with torch.inference_mode():
+        assert torch.equal(regions.run(_scaled, 0, (module,), x), x * 6)
+    regions.step = "with grad"
+    assert torch.equal(regions.run(_scaled, 0, (module,), x), x * 6)
+    assert regions.direct_calls == 1
