@@ -5,7 +5,8 @@ exactly (`runtime.gguf_blocks` converts each):
 
     W[n, k] = d[n, k // S] * sc[n, k // G] * q[n, k] - dm[n, k // S] * mc[n, k // G]
 
-q: unsigned integer codes (`bits` = 4, 5, 6 or 8); sc, mc: int8 per group of G (16 or 32) inputs;
+q: unsigned integer codes (`bits` = 4, 5, 6 or 8); sc, mc: int8 per group of G (16 or 32) inputs
+(kept in 6 bits each, as GGUF keeps Q4_K's and Q5_K's, where they all lie in 0..63: `pack_scale_codes`);
 d, dm: float32 per super-block of S inputs, stored as float16 when every value is one (GGUF's own
 scales are: a decode step then reads 2 bytes less per 256 inputs and channel, 4 with dm, 2 per 32
 for Q5_0 / Q8_0; the kernels widen them exactly). In float32 the products d * sc and dm * mc and
@@ -37,6 +38,7 @@ BITS = (4, 5, 6, 8)
 GROUPS = (16, 32)
 MAX_GROUPS_PER_SUPER = 16  # the kernels keep one super-block's group results at a time (Q6_K: 16)
 SCALE_DTYPES = (torch.float32, torch.float16)  # of d and dm: float16 when exact (`_narrow_scales`)
+PACKED_SCALE_BYTES = 48  # one group's sc and mc of a 32-channel block in 6 bits each (`pack_scale_codes`)
 
 
 def block_width(bits: int) -> int:
@@ -53,6 +55,24 @@ def high_bits(bits: int) -> int:
 def group_bytes(bits: int, group: int) -> int:
     """Bytes of one group of one block: 16 G of low-nibble (or 8-bit) rows, plus 4 G per high bit."""
     return 16 * group + 4 * group * high_bits(bits)
+
+
+def pack_scale_codes(sc: torch.Tensor, mc: torch.Tensor) -> torch.Tensor:
+    """sc, mc (..., 32) int8 in 0..63 (one group of a 32-channel block) -> (..., 48) uint8, the kernels'
+    6-bit form: byte c < 32 holds sc[c] & 15 | (mc[c] & 15) << 4, byte 32 + c (c < 16) holds bits 4-5 of
+    sc[c], sc[16 + c], mc[c], mc[16 + c] in its bits 0-1, 2-3, 4-5, 6-7."""
+    sc, mc = sc.to(torch.uint8), mc.to(torch.uint8)
+    low = (sc & 15) | ((mc & 15) << 4)
+    high = (sc[..., :16] >> 4) | ((sc[..., 16:] >> 4) << 2) | ((mc[..., :16] >> 4) << 4) | ((mc[..., 16:] >> 4) << 6)
+    return torch.cat([low, high], -1).contiguous()
+
+
+def unpack_scale_codes(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`pack_scale_codes` undone: (..., 48) uint8 -> sc, mc (..., 32) int8."""
+    low, high = packed[..., :32], packed[..., 32:]
+    sc = (low & 15) | (torch.cat([high & 3, (high >> 2) & 3], -1) << 4)
+    mc = (low >> 4) | (torch.cat([(high >> 4) & 3, (high >> 6) & 3], -1) << 4)
+    return sc.to(torch.int8), mc.to(torch.int8)
 
 
 def _bits_to_bytes(bits: torch.Tensor) -> torch.Tensor:
@@ -145,7 +165,8 @@ class BlockQuantLinear(QuantizedLinear):
                  dm: torch.Tensor | None, bits: int, group_size: int, super_block: int,
                  bias: torch.Tensor | None = None, zero: float = 0.0) -> None:
         """Tensors in the kernels' layout (W = `block_width(bits)`): codes (N/W, K/G, group bytes) uint8,
-        sc / mc (N/W, K/G, W) int8, d / dm (N/W, K/S, W) float32 or float16 (kept as float16 when every
+        sc / mc (N/W, K/G, W) int8 (kept packed in 6 bits, `packed`, where W is 32, the mins are codes of
+        their own and all lie in 0..63), d / dm (N/W, K/S, W) float32 or float16 (kept as float16 when every
         value is exactly one), dm None when `zero` (a power of two) gives it (`from_canonical` builds them
         from (N, K) codes)."""
         if bits not in BITS or group_size not in GROUPS or super_block <= 0 or super_block % group_size \
@@ -177,11 +198,13 @@ class BlockQuantLinear(QuantizedLinear):
         super().__init__(in_features, out_features, None if bias is None else bias.to(torch.float32))
         self.bits, self.group_size, self.super_block, self.zero = bits, group_size, super_block, float(zero)
         shared = mc is sc or (mc.data_ptr() == sc.data_ptr() and mc.shape == sc.shape)
-        for name, t in (("codes", codes), ("sc", sc), ("d", d)):
+        # Q4_K's and Q5_K's scale and min codes are 6-bit: kept so, they take 48 bytes a group and block, not 64
+        self.packed = W == 32 and not shared and all(bool(((t >= 0) & (t < 64)).all()) for t in (sc, mc))
+        for name, t in (("codes", codes), ("sc", pack_scale_codes(sc, mc) if self.packed else sc), ("d", d)):
             self.register_buffer(name, t.contiguous())
         # formats whose mins share the scales' codes (Q6_K, Q8_0, Q5_0, ...) keep one tensor for both:
-        # the kernels read it once from memory
-        self.register_buffer("mc", self.sc if shared else mc.contiguous())
+        # the kernels read it once from memory; packed codes hold both
+        self.register_buffer("mc", self.sc if shared or self.packed else mc.contiguous())
         self.register_buffer("dm", None if dm is None else dm.contiguous())
 
     @classmethod
@@ -236,12 +259,18 @@ class BlockQuantLinear(QuantizedLinear):
         """Output channels per storage block (`block_width`)."""
         return block_width(self.bits)
 
+    def scale_codes(self, blocks: slice | torch.Tensor = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+        """sc, mc (n / W, K/G, W) int8 of the given channel blocks, unpacked."""
+        if self.packed:
+            return unpack_scale_codes(self.sc[blocks])
+        return self.sc[blocks], self.mc[blocks]
+
     def canonical(self, blocks: slice | torch.Tensor = slice(None)) -> tuple[torch.Tensor, ...]:
         """(q (n, K) uint8, sc, mc (n, K/G) int8, d, dm (n, K/S) float32) of the given channel blocks."""
         d = _channels(self.d[blocks].float())
         dm = _channels(self.dm[blocks].float()) if self.dm is not None else d * self.zero
-        return (unpack_codes(self.codes[blocks], self.bits, self.group_size), _channels(self.sc[blocks]),
-                _channels(self.mc[blocks]), d, dm)
+        sc, mc = self.scale_codes(blocks)
+        return unpack_codes(self.codes[blocks], self.bits, self.group_size), _channels(sc), _channels(mc), d, dm
 
     def select_rows(self, ids: torch.Tensor) -> "BlockQuantLinear":
         """A module of output channels `ids` only (any order; bias too), on the same grid, exactly."""
@@ -286,16 +315,25 @@ class BlockQuantLinear(QuantizedLinear):
         reps = self.super_block // G
         d = self.d[blocks, :, lane].float()  # (T, K/S)
         dm = self.dm[blocks, :, lane].float() if self.dm is not None else d * self.zero
-        s = self.sc[blocks, :, lane].to(torch.float32) * d.repeat_interleave(reps, dim=1)
-        mn = self.mc[blocks, :, lane].to(torch.float32) * dm.repeat_interleave(reps, dim=1)
+        if self.packed:  # (T, K/G) codes of each row's lane, as `pack_scale_codes` stores them
+            low, high = self.sc[blocks, :, lane], self.sc[blocks, :, PACKED_SCALE_BYTES - LANES + lane % LANES]
+            shift = (2 * (lane >= LANES)).to(torch.uint8)[:, None]
+            sc = (low & 15) | (((high >> shift) & 3) << 4)
+            mc = (low >> 4) | (((high >> (shift + 4)) & 3) << 4)
+        else:
+            sc, mc = self.sc[blocks, :, lane], self.mc[blocks, :, lane]
+        s = sc.to(torch.float32) * d.repeat_interleave(reps, dim=1)
+        mn = mc.to(torch.float32) * dm.repeat_interleave(reps, dim=1)
         w = s[..., None] * rows.reshape(T, ng, G).to(torch.float32) - mn[..., None]  # (T, K/G, G)
         return w.to(dtype).view(*index.shape, self.in_features)
 
     def storage(self) -> dict[str, torch.Tensor]:
-        """The packed tensors; `mc` only when the mins have codes of their own, `dm` without a zero."""
-        out = {"codes": self.codes, "sc": self.sc, "d": self.d}
-        if self.mc is not self.sc:
-            out["mc"] = self.mc
+        """The packed tensors; `mc` only when the mins have codes of their own, `dm` without a zero. Scale
+        codes are written as int8 (the form the constructor takes), packed or not."""
+        sc, mc = self.scale_codes()
+        out = {"codes": self.codes, "sc": sc, "d": self.d}
+        if self.packed or self.mc is not self.sc:
+            out["mc"] = mc
         if self.dm is not None:
             out["dm"] = self.dm
         return out
@@ -315,7 +353,8 @@ class BlockQuantLinear(QuantizedLinear):
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and cpu_blockq.available():
-            return cpu_blockq.blockq_mm(x, self.codes, self.sc, self.mc, self.d, self.dm, self.bias, self.bits,
+            mc = self.sc if self.packed else self.mc  # packed: both in one tensor
+            return cpu_blockq.blockq_mm(x, self.codes, self.sc, mc, self.d, self.dm, self.bias, self.bits,
                                         self.group_size, self.super_block, self.zero)
         if x.device.type != "cpu":
             return F.linear(x, self.dequantize(x.dtype).to(x.device), self._bias(x))

@@ -26,6 +26,11 @@
 //     set is multiplied as (byte & 0xF0) = 16 * code, its dot product C is 16x, and its sc is taken
 //     as float(sc) / 16 (both exact), which saves a shift per 64 bytes.
 //   sc, mc (N/W, K/G, W) int8 (mc may be sc); d, dm (N/W, K/S, W) float32 or float16 (both alike).
+//   Or, for 32-channel blocks whose sc and mc are all 6-bit (0..63: Q4_K, Q5_K), both packed into one
+//   uint8 tensor (N/W, K/G, 48) passed as sc and mc, as GGUF keeps them in 6 bits (a step of the
+//   1.5B reads ~19 MB less): per group, bytes 0-31 hold sc[c] & 15 | (mc[c] & 15) << 4 for channel
+//   c, bytes 32-47 the fifth and sixth bits, byte c holding sc[c] >> 4, sc[16 + c] >> 4, mc[c] >> 4
+//   and mc[16 + c] >> 4 in bits 0-1, 2-3, 4-5 and 6-7 (`BlockView::scales` unpacks them with 16-bit shifts).
 // Paths: AMX (TDPBSUD, 16 rows a tile) for calls of several rows on CPUs with AMX-INT8; AVX-512
 // VNNI (VPDPBUSD, 4 rows at a time in registers; more rows take each 256-input span of a block's
 // codes in turn, so the codes are read from memory once) for fewer rows, or every row count without
@@ -64,6 +69,7 @@ constexpr int kPrefetchBytesSpans = 8192;
 enum Isa : int64_t { kAuto = 0, kGeneric = 1, kVnni = 2, kAmx = 3, kAvx2 = 4 };
 
 constexpr int block_width(int bits) { return bits == 8 ? 16 : 32; }
+constexpr int kPackedScaleBytes = 48;  // one group's 6-bit sc and mc of a 32-channel block
 // bits of a code stored beside its low nibble (1 for 5-bit codes, 2 for 6-bit ones)
 constexpr int high_bits(int bits) { return bits == 5 || bits == 6 ? bits - 4 : 0; }
 // bytes of one group of one block: the low-nibble rows (or 8-bit rows), then the high bits
@@ -79,6 +85,9 @@ struct Weights {
   float zero;
   int64_t N, K;
   int bits, G, S;
+  bool packed;  // sc holds the 6-bit packing of sc and mc (see the header); mc is then sc
+  // bytes of one group's scale codes in one block (of sc, and of mc)
+  int64_t scale_bytes() const { return packed ? kPackedScaleBytes : block_width(bits); }
   // element i of d or dm, as float32
   float scale(const void* p, int64_t i) const {
     return half ? c10::detail::fp16_ieee_to_fp32_value(static_cast<const uint16_t*>(p)[i])
@@ -97,6 +106,12 @@ struct Acts {
   const float* xs;   // (M, K / G): dx * sum of the group's codes
   int64_t M, K;
 };
+
+// Channel `lane`'s scale code (or, with `min`, minimum code) from one group's packed scale bytes p.
+inline int packed_code(const uint8_t* p, int lane, bool min) {
+  const int low = min ? p[lane] >> 4 : p[lane] & 15;
+  return low | ((p[32 + (lane & 15)] >> (2 * (lane >> 4) + (min ? 4 : 0))) & 3) << 4;
+}
 
 // ---------------------------------------------------------------- CPU features
 
@@ -275,9 +290,11 @@ void gemm_generic(const Weights& w, const Acts& a, const float* bias, T* y, int6
               const int8_t* xr = a.xq + m * a.K + g * w.G;
               int32_t dot = 0;
               for (int k = 0; k < w.G; ++k) dot += code_at(grp, w.bits, w.G, s, c, k) * xr[k];
-              float scf = (float)w.sc[(b * groups + g) * W + lane];
+              const int64_t at = (b * groups + g) * w.scale_bytes();
+              const uint8_t* packed = reinterpret_cast<const uint8_t*>(w.sc + at);
+              float scf = (float)(w.packed ? packed_code(packed, lane, false) : w.sc[at + lane]);
               if (w.bits == 4 && s == 1) scf = scf * 0.0625f;
-              const float mcf = (float)w.mc[(b * groups + g) * W + lane];
+              const float mcf = (float)(w.packed ? packed_code(packed, lane, true) : w.mc[at + lane]);
               const float t = (float)dot * scf;
               as = std::fma(t, a.dx[m * (a.K / kActBlock) + g * w.G / kActBlock], as);
               am = std::fma(mcf, a.xs[m * groups + g], am);
@@ -329,13 +346,15 @@ struct BlockView {
   const uint8_t* codes;
   const int8_t *sc, *mc;
   const void *d, *dm;  // dm null: zero * d
-  bool half;
+  bool half, packed;
   float zero;
-  int64_t groups, supers, gps;
-  BlockView(const Weights& w, int64_t b) : groups(w.K / G), supers(w.K / w.S), gps(w.S / G) {
+  int64_t groups, supers, gps, scale_bytes;
+  BlockView(const Weights& w, int64_t b)
+      : groups(w.K / G), supers(w.K / w.S), gps(w.S / G), scale_bytes(w.scale_bytes()) {
     codes = w.codes + b * groups * kGroupBytes;
-    sc = w.sc + b * groups * W;
-    mc = w.mc + b * groups * W;
+    sc = w.sc + b * groups * scale_bytes;
+    mc = w.mc + b * groups * scale_bytes;
+    packed = w.packed;
     d = w.scales_from(w.d, b * supers * W);
     dm = w.dm ? w.scales_from(w.dm, b * supers * W) : nullptr;
     half = w.half;
@@ -346,12 +365,34 @@ struct BlockView {
     dv = scales16(d, sb * W + s * kLanes, half);
     dmv = dm ? scales16(dm, sb * W + s * kLanes, half) : _mm512_mul_ps(dv, _mm512_set1_ps(zero));
   }
-  // float(sc) of group g, set s (the 4-bit high set divided by 16: see the file's header)
-  SPECDEC_AVX512 __m512 scale(int64_t g, int s) const {
-    const __m512 f = int8_to_float(sc + g * W + s * kLanes);
-    return (BITS == 4 && s == 1) ? _mm512_mul_ps(f, _mm512_set1_ps(0.0625f)) : f;
+  // float(sc) and float(mc) of group g, every set (the 4-bit high set's sc divided by 16: see the file's
+  // header); packed codes are unpacked for both sets at once, 16-bit shifts whose bits from a
+  // neighbouring byte are masked off
+  SPECDEC_AVX512 void scales(int64_t g, __m512* scf, __m512* mcf) const {
+    if constexpr (kSets == 2) {  // packed codes are those of 32-channel blocks
+      if (packed) {
+        const int8_t* p = sc + g * scale_bytes;
+        const __m256i lo = _mm256_loadu_si256((const __m256i*)p), m4 = _mm256_set1_epi8(0x0F);
+        const __m256i m45 = _mm256_set1_epi8(0x30);
+        const __m128i hi = _mm_loadu_si128((const __m128i*)(p + 32));
+        const __m256i hs = _mm256_set_m128i(_mm_slli_epi16(hi, 2), _mm_slli_epi16(hi, 4));  // set 1 | set 0
+        const __m256i hm = _mm256_set_m128i(_mm_srli_epi16(hi, 2), hi);
+        const __m256i c = _mm256_ternarylogic_epi32(_mm256_and_si256(lo, m4), hs, m45, 0xF8);  // a | (b & c)
+        const __m256i m = _mm256_ternarylogic_epi32(_mm256_and_si256(_mm256_srli_epi16(lo, 4), m4), hm, m45, 0xF8);
+        scf[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(c)));
+        scf[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(c, 1)));
+        if (BITS == 4) scf[1] = _mm512_mul_ps(scf[1], _mm512_set1_ps(0.0625f));
+        mcf[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(m)));
+        mcf[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(m, 1)));
+        return;
+      }
+    }
+    for (int s = 0; s < kSets; ++s) {
+      scf[s] = int8_to_float(sc + g * W + s * kLanes);
+      if (BITS == 4 && s == 1) scf[s] = _mm512_mul_ps(scf[s], _mm512_set1_ps(0.0625f));
+      mcf[s] = int8_to_float(mc + g * W + s * kLanes);
+    }
   }
-  SPECDEC_AVX512 __m512 minimum(int64_t g, int s) const { return int8_to_float(mc + g * W + s * kLanes); }
 };
 
 // The pairs of row j of a quad (bits 2j, 2j + 1 of each byte of `pairs`) moved to bits 4-5, other bits
@@ -400,10 +441,12 @@ inline void prefetch_group(const BlockView<BITS, G>& v, int64_t g, int part = 0,
   const char* grp = (const char*)(v.codes + g * v.kGroupBytes + distance);
   for (int off = part * 64; off < v.kGroupBytes; off += 64 * parts) prefetch_line(grp + off);
   if (part != 0) return;
-  const int64_t ahead = distance / v.kGroupBytes;  // groups
-  if (((g + ahead) * v.W) % 64 == 0) {
-    prefetch_line(v.sc + (g + ahead) * v.W);
-    prefetch_line(v.mc + (g + ahead) * v.W);
+  // the scale codes of the group `distance` bytes ahead: the line of their last byte, when it is not the
+  // previous group's (so every line is fetched once)
+  const int64_t end = (g + distance / v.kGroupBytes + 1) * v.scale_bytes - 1;
+  if (end / 64 != (end - v.scale_bytes) / 64) {
+    prefetch_line(v.sc + end);
+    if (!v.packed) prefetch_line(v.mc + end);
   }
 }
 
@@ -431,11 +474,13 @@ SPECDEC_AVX512 inline void close_super(Acc& acc, __m512 d, __m512 dm) {
 // Rows m0 .. m0 + MT - 1 of one block, super-blocks [sb0, sb1): VPDPBUSD with the activations
 // broadcast four bytes at a time. Each row's y accumulators come in and go out through fy
 // (16 floats at fy + (i * S + s) * 16: row m0 + i, set s); a super-block's partial sums live in registers.
+// With `sbuf` (calls of several chunks), the first chunk of a span leaves each group's float scale and
+// minimum codes there for the other chunks (unpacking 6-bit codes takes ~13 vector ops a group).
 // 5- and 6-bit codes are unpacked by every chunk of rows again (measured no slower than unpacking a
 // span once into L1 for all chunks, now that 6-bit codes take a shift and a ternary-logic op per set).
 template <int BITS, int G, int MT>
 SPECDEC_AVX512 void vnni_rows(const BlockView<BITS, G>& v, const Acts& a, int64_t m0, int64_t sb0, int64_t sb1,
-                              float* fy, int part, int parts) {
+                              float* fy, int part, int parts, float* sbuf) {
   using V = BlockView<BITS, G>;
   constexpr int R = V::R, S = V::kSets;
   const int64_t K = a.K;
@@ -479,8 +524,23 @@ SPECDEC_AVX512 void vnni_rows(const BlockView<BITS, G>& v, const Acts& a, int64_
           if constexpr (BITS != 8) high[i] = _mm512_dpbusd_epi32(high[i], b, xb);
         }
       }
+      __m512 scfs[S], mcfs[S];
+      float* sg = sbuf ? sbuf + (g - sb0 * v.gps) * 2 * S * kLanes : nullptr;
+      if (sg && part > 0) {
+        for (int s = 0; s < S; ++s) {
+          scfs[s] = _mm512_load_ps(sg + s * kLanes);
+          mcfs[s] = _mm512_load_ps(sg + (S + s) * kLanes);
+        }
+      } else {
+        v.scales(g, scfs, mcfs);
+        if (sg)
+          for (int s = 0; s < S; ++s) {
+            _mm512_store_ps(sg + s * kLanes, scfs[s]);
+            _mm512_store_ps(sg + (S + s) * kLanes, mcfs[s]);
+          }
+      }
       for (int s = 0; s < S; ++s) {
-        const __m512 scf = v.scale(g, s), mcf = v.minimum(g, s);
+        const __m512 scf = scfs[s], mcf = mcfs[s];
         for (int i = 0; i < MT; ++i) {
           // 4 bits: set 0 = full - (16 x high codes), set 1 = 16 x high codes
           const __m512i dot = BITS == 8 ? full[i] : s == 1 ? high[i]
@@ -505,13 +565,16 @@ SPECDEC_AVX512 void vnni_span(const BlockView<BITS, G>& v, const Acts& a, int64_
                               int64_t sb1, float* fy) {
   constexpr int S = BlockView<BITS, G>::kSets;
   const int parts = (int)((m1 - m0 + 3) / 4);
+  // the span's groups' scale and minimum codes as floats (at most 16 groups: kSpanInputs / 16)
+  alignas(64) float sbuf[16 * 2 * S * kLanes];
+  float* sb = parts > 1 ? sbuf : nullptr;
   int part = 0;
   int64_t m = m0;
-  for (; m + 4 <= m1; m += 4, ++part) vnni_rows<BITS, G, 4>(v, a, m, sb0, sb1, fy + m * S * kLanes, part, parts);
+  for (; m + 4 <= m1; m += 4, ++part) vnni_rows<BITS, G, 4>(v, a, m, sb0, sb1, fy + m * S * kLanes, part, parts, sb);
   switch (m1 - m) {
-    case 3: vnni_rows<BITS, G, 3>(v, a, m, sb0, sb1, fy + m * S * kLanes, part, parts); break;
-    case 2: vnni_rows<BITS, G, 2>(v, a, m, sb0, sb1, fy + m * S * kLanes, part, parts); break;
-    case 1: vnni_rows<BITS, G, 1>(v, a, m, sb0, sb1, fy + m * S * kLanes, part, parts); break;
+    case 3: vnni_rows<BITS, G, 3>(v, a, m, sb0, sb1, fy + m * S * kLanes, part, parts, sb); break;
+    case 2: vnni_rows<BITS, G, 2>(v, a, m, sb0, sb1, fy + m * S * kLanes, part, parts, sb); break;
+    case 1: vnni_rows<BITS, G, 1>(v, a, m, sb0, sb1, fy + m * S * kLanes, part, parts, sb); break;
     default: break;
   }
 }
@@ -519,6 +582,7 @@ SPECDEC_AVX512 void vnni_span(const BlockView<BITS, G>& v, const Acts& a, int64_
 // Inputs per span of a call of more than 4 rows: every 4-row chunk of the rows takes one span of a
 // block's codes in turn, so the codes come from memory once per call and from L1 for the other chunks.
 constexpr int64_t kSpanInputs = 256;
+static_assert(kSpanInputs / 16 <= 16, "vnni_span's scale buffer holds the groups of one span");
 
 // Every row of blocks [b0, b1). Up to 4 rows run in registers over the whole block; more rows run
 // span by span (each span of codes read from memory once, by the first chunk of rows, while the
@@ -552,6 +616,17 @@ SPECDEC_AVX512 void gemm_vnni(const Weights& w, const Acts& a, const float* bias
 // multiplies stay below 128: 4-bit codes are split into nibbles, 8-bit ones into bits 0-6 and bit 7.
 
 #define SPECDEC_AVX2_FN __attribute__((target("avx2,fma,f16c")))
+
+// The scale codes (or, with `min`, minimum codes) of the 8 channels of half h of set s from one group's
+// packed scale bytes p (see the header), as float32.
+SPECDEC_AVX2_FN inline __m256 packed_codes8(const int8_t* p, int s, int h, bool min) {
+  const __m128i lo = _mm_loadl_epi64((const __m128i*)(p + 16 * s + 8 * h));
+  const __m128i hi = _mm_loadl_epi64((const __m128i*)(p + 32 + 8 * h));
+  const __m128i low = min ? _mm_and_si128(_mm_srli_epi16(lo, 4), _mm_set1_epi8(0x0F)) : _mm_and_si128(lo, _mm_set1_epi8(0x0F));
+  const __m128i high = min ? (s ? _mm_srli_epi16(hi, 2) : hi) : (s ? _mm_slli_epi16(hi, 2) : _mm_slli_epi16(hi, 4));
+  const __m128i codes = _mm_or_si128(low, _mm_and_si128(high, _mm_set1_epi8(0x30)));
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes));
+}
 
 // 8 values of d or dm from element i on, as float32 (float16 widened exactly)
 SPECDEC_AVX2_FN inline __m256 scales8(const void* p, int64_t i, bool half) {
@@ -598,8 +673,9 @@ SPECDEC_AVX2_FN void avx2_half(const Weights& w, const Acts& a, int64_t m0, cons
   static_assert(R % kSpan == 0, "a group holds whole spans");
   const int64_t groups = w.K / G, supers = w.K / w.S, gps = w.S / G, K = a.K;
   const uint8_t* codes = w.codes + b * groups * kGroupBytes;
-  const int8_t* sc = w.sc + b * groups * W + h * 8;
-  const int8_t* mc = w.mc + b * groups * W + h * 8;
+  const int64_t scale_bytes = w.scale_bytes();
+  const int8_t* sc = w.sc + b * groups * scale_bytes;
+  const int8_t* mc = w.mc + b * groups * scale_bytes;
   const void* d = w.scales_from(w.d, b * supers * W + h * 8);
   const void* dm = w.dm ? w.scales_from(w.dm, b * supers * W + h * 8) : nullptr;
   __m256 ya[MT][S], aa[MT][S], ba[MT][S];
@@ -658,9 +734,11 @@ SPECDEC_AVX2_FN void avx2_half(const Weights& w, const Acts& a, int64_t m0, cons
         }
       }
       for (int s = 0; s < S; ++s) {
-        __m256 scf = int8_to_float8(sc + g * W + s * kLanes);
+        __m256 scf = w.packed ? packed_codes8(sc + g * scale_bytes, s, h, false)
+                              : int8_to_float8(sc + g * W + s * kLanes + h * 8);
         if (BITS == 4 && s == 1) scf = _mm256_mul_ps(scf, _mm256_set1_ps(0.0625f));
-        const __m256 mcf = int8_to_float8(mc + g * W + s * kLanes);
+        const __m256 mcf = w.packed ? packed_codes8(mc + g * scale_bytes, s, h, true)
+                                    : int8_to_float8(mc + g * W + s * kLanes + h * 8);
         for (int i = 0; i < MT; ++i) {
           // 4 bits, set 1: the other paths multiply 16 x the high codes (see the file's header)
           const __m256i dv = (BITS == 4 && s == 1) ? _mm256_slli_epi32(dot[i][s], 4) : dot[i][s];
@@ -797,9 +875,11 @@ SPECDEC_AMX void gemm_amx(const Weights& w, const Acts& a, const int8_t* xt, con
             _tile_stored(3, cbuf[j][0], 64);
             _tile_stored(4, cbuf[j][S - 1], 64);
           }
+          __m512 scfs[S], mcfs[S];
+          v.scales(g, scfs, mcfs);
           for (int s = 0; s < S; ++s) {
-            _mm512_store_ps(scf[j][s], v.scale(g, s));
-            _mm512_store_ps(mcf[j][s], v.minimum(g, s));
+            _mm512_store_ps(scf[j][s], scfs[s]);
+            _mm512_store_ps(mcf[j][s], mcfs[s]);
           }
         }
         for (int s = 0; s < S; ++s) {
@@ -883,8 +963,15 @@ at::Tensor blockq_mm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   const int64_t N = codes.size(0) * W;
   check(codes.size(1) == K / group && codes.size(2) == group_bytes((int)bits, (int)group),
         "codes do not match K, group and bits");
-  check(sc.scalar_type() == at::kChar && mc.scalar_type() == at::kChar && sc.is_contiguous() && mc.is_contiguous() &&
-            sc.numel() == N * (K / group) && mc.numel() == N * (K / group), "sc, mc must be int8 (N/W, K/G, W)");
+  const bool packed = sc.scalar_type() == at::kByte;
+  if (packed)
+    check(W == 32 && sc.is_contiguous() && sc.numel() == N / W * (K / group) * kPackedScaleBytes &&
+              mc.data_ptr() == sc.data_ptr() && mc.sizes() == sc.sizes() && mc.scalar_type() == at::kByte,
+          "packed scale codes must be uint8 (N/W, K/G, 48) of 4- to 6-bit codes, passed as both sc and mc");
+  else
+    check(sc.scalar_type() == at::kChar && mc.scalar_type() == at::kChar && sc.is_contiguous() && mc.is_contiguous() &&
+              sc.numel() == N * (K / group) && mc.numel() == N * (K / group),
+          "sc, mc must be int8 (N/W, K/G, W), or one packed uint8 tensor (N/W, K/G, 48)");
   check((d.scalar_type() == at::kFloat || d.scalar_type() == at::kHalf) && d.is_contiguous() &&
             d.numel() == N * (K / super), "d must be float32 or float16 (N/W, K/S, W)");
   check(dm.has_value() ? (dm->scalar_type() == d.scalar_type() && dm->is_contiguous() && dm->numel() == d.numel())
@@ -917,9 +1004,9 @@ at::Tensor blockq_mm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
     tile_activations(xq.data_ptr<int8_t>(), M, K, (int)group, xt.data_ptr<int8_t>());
   }
 
-  const Weights w{codes.data_ptr<uint8_t>(), sc.data_ptr<int8_t>(), mc.data_ptr<int8_t>(), d.data_ptr(),
-                  dm.has_value() ? dm->data_ptr() : nullptr, d.scalar_type() == at::kHalf, (float)zero, N, K, (int)bits, (int)group,
-                  (int)super};
+  const Weights w{codes.data_ptr<uint8_t>(), static_cast<const int8_t*>(sc.data_ptr()),
+                  static_cast<const int8_t*>(mc.data_ptr()), d.data_ptr(), dm.has_value() ? dm->data_ptr() : nullptr,
+                  d.scalar_type() == at::kHalf, (float)zero, N, K, (int)bits, (int)group, (int)super, packed};
   const Acts a{xq.data_ptr<int8_t>(), dx.data_ptr<float>(), xs.data_ptr<float>(), M, K};
   const float* bp = bias.has_value() ? b32.data_ptr<float>() : nullptr;
   auto run = [&](auto* yp) {

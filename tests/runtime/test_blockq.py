@@ -5,7 +5,15 @@ count, embedding lookups, and the INT4 / INT8 conversions of `quant`'s modules."
 import pytest
 import torch
 
-from runtime.blockq import BlockQuantLinear, QuantizedEmbedding, block_width, pack_codes, unpack_codes
+from runtime.blockq import (
+    BlockQuantLinear,
+    QuantizedEmbedding,
+    block_width,
+    pack_codes,
+    pack_scale_codes,
+    unpack_codes,
+    unpack_scale_codes,
+)
 from runtime.kernels import cpu_blockq
 from runtime.loading import resolve_weights
 from runtime.qlinear import Int4Linear, Int8Linear, from_tensors, pack_int4
@@ -18,14 +26,20 @@ GRIDS = {
     "q5_0": (5, 32, 32, True, 64), "q5_k": (5, 32, 256, False, 96), "q4_1": (4, 32, 32, True, 64),
     "g16_4bit": (4, 16, 64, False, 96), "4bit_odd_rows": (4, 32, 32, False, 48), "5bit_g16": (5, 16, 64, False, 32),
     "8bit_g16": (8, 16, 256, True, 48), "6bit_g32": (6, 32, 32, False, 32), "6bit_odd_rows": (6, 16, 256, True, 48),
+    # scale and min codes all in 0..63, as GGUF's Q4_K and Q5_K have them: kept packed in 6 bits
+    "q4_k_6bit": (4, 32, 256, False, 64), "q5_k_6bit": (5, 32, 256, False, 96),
 }
+
+
+def _lowest_scale_code(grid: str) -> int:
+    return 0 if grid.endswith("_6bit") else -20
 
 
 def _module(grid: str, K: int = 512, bias: bool = True, seed: int = 0) -> tuple[BlockQuantLinear, torch.Tensor]:
     bits, G, S, shared, N = GRIDS[grid]
     g = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 1 << bits, (N, K), generator=g, dtype=torch.uint8)
-    sc = torch.randint(-20, 64, (N, K // G), generator=g).to(torch.int8)
+    sc = torch.randint(_lowest_scale_code(grid), 64, (N, K // G), generator=g).to(torch.int8)
     mc = sc if shared else torch.randint(0, 64, (N, K // G), generator=g).to(torch.int8)
     d, dm = torch.rand(N, K // S, generator=g) * 1e-3, torch.rand(N, K // S, generator=g) * 1e-3
     b = torch.randn(N, generator=g) if bias else None
@@ -44,12 +58,14 @@ def test_pack_round_trip_and_dequantize(grid):
     assert torch.equal(unpack_codes(module.codes, module.bits, module.group_size), q)
     bits, G, S, shared, N = GRIDS[grid]
     assert module.bits == (8 if N % block_width(bits) else bits)  # 4 to 6 bits need 32-channel blocks
-    assert (module.mc is module.sc) == shared  # shared mins cost no bytes of their own
+    assert (module.mc is module.sc) == (shared or module.packed)  # shared mins cost no bytes of their own
     g = torch.Generator().manual_seed(0)  # the same draws as _module
     q2 = torch.randint(0, 1 << bits, (N, 512), generator=g, dtype=torch.uint8)
-    sc = torch.randint(-20, 64, (N, 512 // G), generator=g).to(torch.int8)
+    sc = torch.randint(_lowest_scale_code(grid), 64, (N, 512 // G), generator=g).to(torch.int8)
     mc = sc if shared else torch.randint(0, 64, (N, 512 // G), generator=g).to(torch.int8)
     d, dm = torch.rand(N, 512 // S, generator=g) * 1e-3, torch.rand(N, 512 // S, generator=g) * 1e-3
+    assert module.packed == grid.endswith("_6bit")
+    assert all(torch.equal(a, b) for a, b in zip(module.canonical()[1:3], (sc, mc)))
     ref = _formula(q2, sc, mc, d, dm, G, S)
     assert float((module.dequantize().double() - ref).abs().max()) <= 1e-6 * float(ref.abs().max())
 
@@ -126,6 +142,25 @@ def test_every_path_gives_the_same_bits(grid, dtype):
         base = outs["generic"]
         for isa, y in outs.items():
             assert torch.equal(y, base), f"{isa} differs from the plain C++ path at {rows} rows"
+
+
+@needs_kernels
+@pytest.mark.parametrize("grid", ["q4_k_6bit", "q5_k_6bit"])
+def test_six_bit_scale_codes_are_kept_packed_and_read_to_the_same_bits(grid):
+    """Scale and min codes that all lie in 0..63 (GGUF's Q4_K and Q5_K) are kept in 6 bits, 48 bytes a
+    group and block instead of 64, and every path reads them to the same bits as the int8 codes."""
+    m, _ = _module(grid)
+    sc, mc = m.scale_codes()
+    assert m.packed and m.sc.dtype == torch.uint8 and m.sc.shape == (*sc.shape[:2], 48) and m.mc is m.sc
+    assert torch.equal(pack_scale_codes(*unpack_scale_codes(m.sc)), m.sc)
+    for rows in (1, 2, 3, 4, 5, 8, 16, 17, 64):
+        x = torch.randn(rows, m.in_features, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+        for isa in cpu_blockq.isas():
+            args = (m.d, m.dm, m.bias, m.bits, m.group_size, m.super_block)
+            packed = cpu_blockq.blockq_mm(x, m.codes, m.sc, m.sc, *args, isa=isa)
+            assert torch.equal(packed, cpu_blockq.blockq_mm(x, m.codes, sc, mc, *args, isa=isa)), (isa, rows)
+    with pytest.raises(RuntimeError, match=r"packed scale codes must be uint8 \(N/W, K/G, 48\).*passed as both"):
+        cpu_blockq.blockq_mm(x, m.codes, m.sc, m.sc.clone(), m.d, m.dm, m.bias, m.bits, m.group_size, m.super_block)
 
 
 @pytest.mark.parametrize("grid", ["q4_k", "q6_k", "q5_0", "q8_0"])
@@ -266,7 +301,8 @@ def test_fallback_without_kernels_multiplies_the_dequantized_weight(monkeypatch)
     assert torch.allclose(module(x).double(), ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("grid", ["q4_k", "q6_k", "q5_0", "4bit_odd_rows", "8bit_g16", "6bit_g32"])
+@pytest.mark.parametrize("grid", ["q4_k", "q6_k", "q5_0", "4bit_odd_rows", "8bit_g16", "6bit_g32", "q4_k_6bit",
+                                  "q5_k_6bit"])
 def test_rows_and_embedding_lookup(grid):
     module, _ = _module(grid)
     tokens = torch.tensor([[0, 17, module.out_features - 1], [16, 31, 5]])
@@ -291,12 +327,13 @@ def test_a_dtype_conversion_keeps_the_blocks_and_moves_the_lookups(to):
 
 
 def test_tensor_round_trip():
-    for grid in ("q4_k", "q6_k", "q5_0"):
+    for grid in ("q4_k", "q6_k", "q5_0", "q4_k_6bit"):
         module, _ = _module(grid)
         back = from_tensors(module.meta(), module.to_tensors())
-        assert isinstance(back, BlockQuantLinear)
+        assert isinstance(back, BlockQuantLinear) and back.packed == module.packed
         assert torch.equal(back.dequantize(), module.dequantize()) and torch.equal(back.bias, module.bias)
-        assert ("mc" in module.to_tensors()) == (grid == "q4_k")
+        assert ("mc" in module.to_tensors()) == (grid in ("q4_k", "q4_k_6bit"))
+        assert module.to_tensors()["sc"].dtype == torch.int8  # written unpacked, the form the constructor takes
 
 
 def test_symmetric_grids_keep_neither_mins_nor_dm():
