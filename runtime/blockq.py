@@ -338,6 +338,11 @@ class BlockQuantLinear(QuantizedLinear):
             out["dm"] = self.dm
         return out
 
+    def nbytes(self) -> int:
+        """Bytes the module holds in memory: its scale codes as kept (6-bit ones packed), each tensor once."""
+        held = {t.data_ptr(): t for t in (self.codes, self.sc, self.mc, self.d, self.dm, self.bias) if t is not None}
+        return sum(t.numel() * t.element_size() for t in held.values())
+
     def meta(self) -> dict[str, Any]:
         return {**super().meta(), "bits": self.bits, "group_size": self.group_size, "super_block": self.super_block,
                 "zero": self.zero}

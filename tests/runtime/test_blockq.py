@@ -153,6 +153,9 @@ def test_six_bit_scale_codes_are_kept_packed_and_read_to_the_same_bits(grid):
     sc, mc = m.scale_codes()
     assert m.packed and m.sc.dtype == torch.uint8 and m.sc.shape == (*sc.shape[:2], 48) and m.mc is m.sc
     assert torch.equal(pack_scale_codes(*unpack_scale_codes(m.sc)), m.sc)
+    held = (m.codes, m.sc, m.d, m.dm, m.bias)  # what a step reads: the packed codes once
+    assert m.nbytes() == sum(t.numel() * t.element_size() for t in held)
+    assert 4 * m.sc.numel() == 3 * (sc.numel() + mc.numel())  # 12 bits a channel and group, not 16
     for rows in (1, 2, 3, 4, 5, 8, 16, 17, 64):
         x = torch.randn(rows, m.in_features, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
         for isa in cpu_blockq.isas():
