@@ -663,7 +663,7 @@ SPECDEC_AVX2_FN inline __m256i plane_bits(uint32_t m) {
 }
 
 // Rows m0 .. m0 + MT - 1 of block b, channels h*8 .. h*8 + 7 of each set (half h of every code row).
-template <int BITS, int G, typename T, int MT>
+template <int BITS, int G, typename T, int MT, bool PACKED>
 SPECDEC_AVX2_FN void avx2_half(const Weights& w, const Acts& a, int64_t m0, const float* bias, T* y, int64_t b,
                                int h) {
   constexpr int W = block_width(BITS), S = W / kLanes, R = G / 4, kGroupBytes = group_bytes(BITS, G);
@@ -673,7 +673,7 @@ SPECDEC_AVX2_FN void avx2_half(const Weights& w, const Acts& a, int64_t m0, cons
   static_assert(R % kSpan == 0, "a group holds whole spans");
   const int64_t groups = w.K / G, supers = w.K / w.S, gps = w.S / G, K = a.K;
   const uint8_t* codes = w.codes + b * groups * kGroupBytes;
-  const int64_t scale_bytes = w.scale_bytes();
+  constexpr int64_t scale_bytes = PACKED ? kPackedScaleBytes : W;
   const int8_t* sc = w.sc + b * groups * scale_bytes;
   const int8_t* mc = w.mc + b * groups * scale_bytes;
   const void* d = w.scales_from(w.d, b * supers * W + h * 8);
@@ -734,11 +734,14 @@ SPECDEC_AVX2_FN void avx2_half(const Weights& w, const Acts& a, int64_t m0, cons
         }
       }
       for (int s = 0; s < S; ++s) {
-        __m256 scf = w.packed ? packed_codes8(sc + g * scale_bytes, s, h, false)
-                              : int8_to_float8(sc + g * W + s * kLanes + h * 8);
+        // PACKED is a template argument: choosing at run time here cost the 1-row step 7% (registers). Unpacking
+        // costs 2-16 rows 3-5% on this path (not its one row), and keeping a pair's unpacked codes for the
+        // next pairs saved none of it
+        __m256 scf = PACKED ? packed_codes8(sc + g * scale_bytes, s, h, false)
+                            : int8_to_float8(sc + g * W + s * kLanes + h * 8);
         if (BITS == 4 && s == 1) scf = _mm256_mul_ps(scf, _mm256_set1_ps(0.0625f));
-        const __m256 mcf = w.packed ? packed_codes8(mc + g * scale_bytes, s, h, true)
-                                    : int8_to_float8(mc + g * W + s * kLanes + h * 8);
+        const __m256 mcf = PACKED ? packed_codes8(mc + g * scale_bytes, s, h, true)
+                                  : int8_to_float8(mc + g * W + s * kLanes + h * 8);
         for (int i = 0; i < MT; ++i) {
           // 4 bits, set 1: the other paths multiply 16 x the high codes (see the file's header)
           const __m256i dv = (BITS == 4 && s == 1) ? _mm256_slli_epi32(dot[i][s], 4) : dot[i][s];
@@ -780,8 +783,13 @@ SPECDEC_AVX2_FN void gemm_avx2(const Weights& w, const Acts& a, const float* bia
   for (int64_t b = b0; b < b1; ++b)
     for (int h = 0; h < 2; ++h) {
       int64_t m = 0;
-      for (; m + 2 <= a.M; m += 2) avx2_half<BITS, G, T, 2>(w, a, m, bias, y, b, h);
-      if (m < a.M) avx2_half<BITS, G, T, 1>(w, a, m, bias, y, b, h);
+      if (BITS != 8 && w.packed) {
+        for (; m + 2 <= a.M; m += 2) avx2_half<BITS, G, T, 2, true>(w, a, m, bias, y, b, h);
+        if (m < a.M) avx2_half<BITS, G, T, 1, true>(w, a, m, bias, y, b, h);
+      } else {
+        for (; m + 2 <= a.M; m += 2) avx2_half<BITS, G, T, 2, false>(w, a, m, bias, y, b, h);
+        if (m < a.M) avx2_half<BITS, G, T, 1, false>(w, a, m, bias, y, b, h);
+      }
     }
 }
 
