@@ -4,14 +4,15 @@ Decoding runs thousands of forwards of 1..k+1 tokens; each is dozens of small AT
 layer plus one matmul per weight. `torch.compile` (Inductor) turns each decoder layer into one
 generated C++ program per shape that fuses the small ops around the linears.
 
-Programs are regional: one program per (layer kind, shape) runs every layer of that kind, and
-one more runs the final norm and the LM head. A layer kind is what the compiler specializes
-on: the layer's module types, their attributes and their tensors' shapes and dtypes (a
-Q4_K_M GGUF mixes Q4_K and Q6_K layers: two kinds). So a new shape compiles one or two layers,
-not the whole unrolled model, and all layers share the same generated code. Each program is
-built once with `torch.compile(...).aot_compile` and then called without Dynamo's per-call
-guard evaluation: `Regions` keys it by the kind and the input shapes, and checks the compiler's
-guards once for every layer that first uses it (a layer that fails them gets its own program).
+Programs are regional: one program per (layer kind, shape) runs every layer of that kind, one
+runs the embedding and the rope's gathers, and one more runs the final norm and the LM head. A
+layer kind is what the compiler specializes on: the layer's module types, their attributes and
+their tensors' shapes and dtypes (a Q4_K_M GGUF mixes Q4_K and Q6_K layers: two kinds). So a
+new shape compiles one or two layers, not the whole unrolled model, and all layers share the same
+generated code. Each program is built once with `torch.compile(...).aot_compile` and then called
+without Dynamo's per-call guard evaluation: `Regions` keys it by the kind and the input shapes,
+and checks the compiler's guards once for every layer that first uses it (a layer that fails them
+gets its own program).
 Later calls skip Dynamo's and AOTAutograd's wrappers too where that is shown to change nothing
 (`_Direct`): they hand Inductor's generated code its flat inputs themselves.
 
@@ -379,7 +380,9 @@ def _bind(program: Callable, modules: tuple[torch.nn.Module, ...], args: tuple,
     states after (caches written in place) must be equal bit for bit. Otherwise, or for a region
     with a graph break, the program. cpp_wrapper: the programs were built with Inductor's C++ wrapper."""
     values = (*modules, *args)
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    # arguments a call may write (a broadcast view, such as expanded positions, cannot be written in place)
+    tensors = [a for a in args if isinstance(a, torch.Tensor)
+               and not any(stride == 0 and size > 1 for size, stride in zip(a.shape, a.stride()))]
     before = [t.clone() for t in tensors]
     with _graph_calls() as calls:
         result = program(*values)

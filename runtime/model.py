@@ -30,7 +30,7 @@ from runtime.invariant import attention as invariant_attention
 from runtime.invariant import linear, unsupported_reason
 from runtime.model_output import ModelOutput, check_aux_layers
 from runtime.paged_cache import PagedKVCache
-from runtime.rope import Rope, apply_rope
+from runtime.rope import Rope, apply_rope, rope_at
 
 
 class RMSNorm(nn.Module):
@@ -166,6 +166,14 @@ def _static_layer(block: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.T
     return block(x, cos, sin, ctx, 0)
 
 
+def _static_prologue(embed: nn.Module, tokens: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The embedding and rope of `Transformer.static_step`, a compiled region (eagerly, a 4-bit table's
+    row lookup and the rope's gathers are ~20 small ops, ~0.1 ms a step): tokens, positions (B, T) ->
+    x (B, T, C), cos, sin (B, 1, T, D) in `dtype`, read from the rope's tables cos, sin (P, D)."""
+    return embed(tokens), *rope_at(cos, sin, positions, dtype)
+
+
 def _static_head(norm: RMSNorm, lm_head: nn.Module, x: torch.Tensor,
                  invariant: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The final norm and LM head of `Transformer.static_step`, a compiled region: x (B, T, C) ->
@@ -233,13 +241,14 @@ class Transformer(nn.Module):
         """Compile this model's short forwards in place and return the model (`runtime.compile`).
 
         Sets `compiled_step` to `static_step` run through compiled programs: one per decoder-layer kind
-        and shape, one for the head. cpp_wrapper: let Inductor call each program's kernels from C++
-        rather than Python (less per-call overhead). max_autotune: True lets Inductor also generate its
-        own GEMM kernels (CPU: the CPP GEMM template, which covers the packed INT8 / INT4 weight-only
-        matmuls) and keep the fastest per shape, compiling several times longer; None leaves
-        Inductor's setting alone. Outputs equal the eager model's up to floating-point reassociation
-        (float32: ~1e-6 relative; bf16: bf16 rounding), so greedy tokens can differ from the eager
-        model's only at near-ties. Compile after the modules and weights are final.
+        and shape, one each for the embedding (with the rope) and the head. cpp_wrapper: let Inductor
+        call each program's kernels from C++ rather than Python (less per-call overhead). max_autotune:
+        True lets Inductor also generate its own GEMM kernels (CPU: the CPP GEMM template, which covers
+        the packed INT8 / INT4 weight-only matmuls) and keep the fastest per shape, compiling several
+        times longer; None leaves Inductor's setting alone. Outputs equal the eager model's up to
+        floating-point reassociation (float32: ~1e-6 relative; bf16: bf16 rounding), so greedy tokens
+        can differ from the eager model's only at near-ties. Compile after the modules and weights are
+        final.
         """
         self.compiled_step = compile_step(self.static_step, self.device, cpp_wrapper, max_autotune,
                                           eager_rounding=lambda: self.row_invariant,
@@ -330,7 +339,14 @@ class Transformer(nn.Module):
             args = (x, cos, sin, k[i:i + 1], v[i:i + 1], lengths, window, block_mask, invariant, block_table)
             return _static_layer(layer, *args) if regions is None else regions.run(_static_layer, i, (layer,), *args)
 
-        x, aux = self._layers(tokens, positions, step, aux_layers)
+        def prologue(tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            rope = self.rope()
+            args = (tokens, positions, rope.cos, rope.sin, self.dtype)
+            if regions is None:
+                return _static_prologue(self.embed, *args)
+            return regions.run(_static_prologue, "prologue", (self.embed,), *args)
+
+        x, aux = self._layers(tokens, positions, step, aux_layers, prologue)
         if regions is None:
             logits, h = _static_head(self.norm, self.lm_head, x, invariant)
         else:
@@ -348,11 +364,16 @@ class Transformer(nn.Module):
         return self.layers[i](x, cos, sin, self._eager_context(positions, None, None, None), i)
 
     def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, step: Callable[..., torch.Tensor],
-                aux_layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+                aux_layers: tuple[int, ...], prologue: Callable[..., tuple[torch.Tensor, ...]] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Embedding, then step(i, layer, x, cos, sin) -> x over every layer -> (x (B, T, C), the states
-        entering `aux_layers` (B, T, len(aux_layers) * C) or None)."""
-        cos, sin = self.rope()(positions, self.dtype)
-        x = self.embed(tokens)  # (B, T, C)
+        entering `aux_layers` (B, T, len(aux_layers) * C) or None). prologue(tokens, positions) -> x, cos,
+        sin replaces the embedding and rope (the same values: a compiled step's region)."""
+        if prologue is None:
+            cos, sin = self.rope()(positions, self.dtype)
+            x = self.embed(tokens)  # (B, T, C)
+        else:
+            x, cos, sin = prologue(tokens, positions)
         entering = {}
         for i, layer in enumerate(self.layers):
             if i in aux_layers:

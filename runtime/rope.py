@@ -37,7 +37,13 @@ class Rope:
 
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for `positions` (B, T), each (B, 1, T, D) in `dtype`."""
-        return self.cos[positions][:, None].to(dtype), self.sin[positions][:, None].to(dtype)
+        return rope_at(self.cos, self.sin, positions, dtype)
+
+
+def rope_at(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows `positions` (B, T) of the tables cos, sin (P, D) -> each (B, 1, T, D) in `dtype`."""
+    return cos[positions][:, None].to(dtype), sin[positions][:, None].to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -288,12 +288,13 @@ def _step_programs(model, steps: list[int]) -> tuple[torch.Tensor, int]:
 
 
 def test_the_layers_of_one_kind_share_one_program_per_shape():
-    """Every decoder layer runs the same compiled program (one per shape, plus one for the head), so a
-    new shape builds one layer, not the whole model; a layer of another kind gets a program of its own."""
+    """Every decoder layer runs the same compiled program (one per shape, plus one each for the embedding
+    and the head), so a new shape builds one layer, not the whole model; a layer of another kind gets a
+    program of its own."""
     eager = tiny_model("llama", seed=2, num_hidden_layers=3)
     want, _ = _step_programs(eager, [1, 1, 3])
     got, programs = _step_programs(compile_decode(tiny_model("llama", seed=2, num_hidden_layers=3)), [1, 1, 3])
-    assert _rel(got, want) <= 1e-5 and programs == 4  # (layer, head) x the 8-token and 1-token shapes
+    assert _rel(got, want) <= 1e-5 and programs == 6  # (embedding, layer, head) x the 8-token and 1-token shapes
     kinds = {module_kind(layer) for layer in eager.layers}
     assert len(kinds) == 1
 
@@ -305,7 +306,7 @@ def test_the_layers_of_one_kind_share_one_program_per_shape():
         biased.bias.zero_()
     mixed.layers[1].mlp.w2 = biased
     got, programs = _step_programs(compile_decode(mixed), [1, 1, 3])
-    assert _rel(got, want) <= 1e-5 and programs == 6  # two layer kinds and the head, two shapes
+    assert _rel(got, want) <= 1e-5 and programs == 8  # embedding, two layer kinds and the head, two shapes
 
 
 class _Scaled(torch.nn.Module):
@@ -380,7 +381,7 @@ def test_later_calls_run_each_program_graph_directly_with_the_same_bits(dtype):
     model = compile_decode(tiny_model("llama", seed=3, dtype=dtype, num_hidden_layers=3))
     want, want_cache, none = _cached_steps(model, direct=False)
     got, got_cache, sites = _cached_steps(model, direct=True)
-    assert none == 0 and sites == 2 * (3 + 1)  # (3 layers + the head) x the 4-token and 1-token steps
+    assert none == 0 and sites == 2 * (1 + 3 + 1)  # (the embedding, 3 layers, the head) x the 4- and 1-token steps
     assert torch.equal(got, want) and torch.equal(got_cache, want_cache)
 
 
