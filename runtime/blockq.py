@@ -38,7 +38,6 @@ BITS = (4, 5, 6, 8)
 GROUPS = (16, 32)
 MAX_GROUPS_PER_SUPER = 16  # the kernels keep one super-block's group results at a time (Q6_K: 16)
 SCALE_DTYPES = (torch.float32, torch.float16)  # of d and dm: float16 when exact (`_narrow_scales`)
-PACKED_SCALE_BYTES = 48  # one group's sc and mc of a 32-channel block in 6 bits each (`pack_scale_codes`)
 
 
 def block_width(bits: int) -> int:
@@ -315,13 +314,7 @@ class BlockQuantLinear(QuantizedLinear):
         reps = self.super_block // G
         d = self.d[blocks, :, lane].float()  # (T, K/S)
         dm = self.dm[blocks, :, lane].float() if self.dm is not None else d * self.zero
-        if self.packed:  # (T, K/G) codes of each row's lane, as `pack_scale_codes` stores them
-            low, high = self.sc[blocks, :, lane], self.sc[blocks, :, PACKED_SCALE_BYTES - LANES + lane % LANES]
-            shift = (2 * (lane >= LANES)).to(torch.uint8)[:, None]
-            sc = (low & 15) | (((high >> shift) & 3) << 4)
-            mc = (low >> 4) | (((high >> (shift + 4)) & 3) << 4)
-        else:
-            sc, mc = self.sc[blocks, :, lane], self.mc[blocks, :, lane]
+        sc, mc = (t[at, :, lane] for t in self.scale_codes(blocks))  # (T, K/G): each row's lane
         s = sc.to(torch.float32) * d.repeat_interleave(reps, dim=1)
         mn = mc.to(torch.float32) * dm.repeat_interleave(reps, dim=1)
         w = s[..., None] * rows.reshape(T, ng, G).to(torch.float32) - mn[..., None]  # (T, K/G, G)
