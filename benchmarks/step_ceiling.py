@@ -8,10 +8,10 @@
 Loads the model with `weights="gguf"` and calls every block-quantized linear a decode step runs
 (each layer's fused qkv, output, gate/up and down projections, then the LM head; the embedding is a
 lookup, not counted) in order, with bf16 activations of 1, 2, 4, 8 and 16 rows. The step's weights
-(1.03 GB for the 1.5B) are far larger than the caches, so each step reads them from memory as
+(0.99 GB for the 1.5B) are far larger than the caches, so each step reads them from memory as
 decoding does. Row counts alternate within each repeat (drift of a shared machine hits them
 alike); medians over `--repeats`. Printed: the CPU and its kernel paths, the read bandwidth
-(`read_probe`: AVX-512 or plain loads of 1 GiB on every thread, best of 5, measured before and after),
+(`read_probe`: AVX-512 or AVX2 loads of 1 GiB on every thread, best of 5, measured before and after),
 the 1-row step in ms and as a fraction of that bandwidth, and each row count's cost over one row,
 the price of verifying a block of that many tokens, in one line:
 

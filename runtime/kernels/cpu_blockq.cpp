@@ -69,6 +69,7 @@ constexpr int kPrefetchBytesSpans = 8192;
 enum Isa : int64_t { kAuto = 0, kGeneric = 1, kVnni = 2, kAmx = 3, kAvx2 = 4 };
 
 constexpr int block_width(int bits) { return bits == 8 ? 16 : 32; }
+constexpr int kMaxGroupsPerSuper = 16;  // Q6_K: 256 / 16
 constexpr int kPackedScaleBytes = 48;  // one group's 6-bit sc and mc of a 32-channel block
 // bits of a code stored beside its low nibble (1 for 5-bit codes, 2 for 6-bit ones)
 constexpr int high_bits(int bits) { return bits == 5 || bits == 6 ? bits - 4 : 0; }
@@ -777,9 +778,205 @@ SPECDEC_AVX2_FN void avx2_half(const Weights& w, const Acts& a, int64_t m0, cons
     }
 }
 
-// Every row of blocks [b0, b1), two rows at a time (16 vector registers hold no more), half by half.
+// 4- to 6-bit codes in groups whose |C * sc| stays below 2^24 (G (2^BITS - 1) 127 128: every such format here but
+// 6-bit codes in groups of 32) take the scale code into the integer dot product: VPMADDWD of the int16 sums by
+// (sc, sc) gives C * sc in int32, which equals the other paths' float(C) * float(sc) exactly (with 4 bits, set 1:
+// float(16 C) * (sc / 16), also exact). A super-block's scales are unpacked once for both halves and every pair of
+// rows, and its codes, read from memory in the first half's pass, stay in L1 for the others.
+template <int BITS, int G>
+constexpr bool avx2_int_scales() {
+  return BITS != 8 && (int64_t)G * ((1 << BITS) - 1) * 127 * 128 < (int64_t(1) << 24);
+}
+
+// One super-block's scales of one block, per [group][set][half] (8 channels): sc as int16 pairs, mc as float32
+struct alignas(32) Avx2Scales {
+  __m256i sc[kMaxGroupsPerSuper][2][2];
+  __m256 mc[kMaxGroupsPerSuper][2][2];
+  __m256 d[2][2], dm[2][2];
+};
+
+// byte c of scq / mcq: channel c's scale / min code, set c / 16 in 128-bit lane c / 16
+SPECDEC_AVX2_FN inline void codes_to_lanes(__m256i scq, __m256i mcq, __m256i sc[2][2], __m256 mc[2][2]) {
+  const __m256i lo = _mm256_unpacklo_epi8(scq, scq), hi = _mm256_unpackhi_epi8(scq, scq);
+  sc[0][0] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(lo));
+  sc[1][0] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(lo, 1));
+  sc[0][1] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(hi));
+  sc[1][1] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(hi, 1));
+  const __m128i m0 = _mm256_castsi256_si128(mcq), m1 = _mm256_extracti128_si256(mcq, 1);
+  mc[0][0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(m0));
+  mc[0][1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(m0, m0)));
+  mc[1][0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(m1));
+  mc[1][1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(m1, m1)));
+}
+
+// The scales of super-block sb of block b: every channel's codes of a group in one pass (packed: the 6-bit
+// layout of the header, with 16-bit shifts as `BlockView::scales`)
+SPECDEC_AVX2_FN inline void avx2_scales(const Weights& w, int64_t b, int64_t sb, int G, Avx2Scales& out) {
+  const int64_t groups = w.K / G, supers = w.K / w.S, gps = w.S / G;
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m45 = _mm256_set1_epi8(0x30);
+  for (int64_t j = 0; j < gps; ++j) {
+    const int64_t g = b * groups + sb * gps + j;
+    __m256i scq, mcq;
+    if (w.packed) {
+      const uint8_t* p = reinterpret_cast<const uint8_t*>(w.sc) + g * kPackedScaleBytes;
+      const __m256i lo = _mm256_loadu_si256((const __m256i*)p);
+      const __m256i hi = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(p + 32)));
+      const __m256i sch = _mm256_blend_epi32(_mm256_slli_epi16(hi, 4), _mm256_slli_epi16(hi, 2), 0xF0);
+      const __m256i mch = _mm256_blend_epi32(hi, _mm256_srli_epi16(hi, 2), 0xF0);
+      scq = _mm256_or_si256(_mm256_and_si256(lo, m4), _mm256_and_si256(sch, m45));
+      mcq = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo, 4), m4), _mm256_and_si256(mch, m45));
+    } else {
+      scq = _mm256_loadu_si256((const __m256i*)(w.sc + g * 32));
+      mcq = _mm256_loadu_si256((const __m256i*)(w.mc + g * 32));
+    }
+    codes_to_lanes(scq, mcq, out.sc[j], out.mc[j]);
+  }
+  for (int s = 0; s < 2; ++s)
+    for (int h = 0; h < 2; ++h) {
+      const int64_t i = (b * supers + sb) * 32 + s * kLanes + h * 8;
+      out.d[s][h] = scales8(w.d, i, w.half);
+      out.dm[s][h] = w.dm ? scales8(w.dm, i, w.half) : _mm256_mul_ps(out.d[s][h], _mm256_set1_ps(w.zero));
+    }
+}
+
+// The codes of half h (channels h*8 .. h*8 + 7 of each set) of one super-block's gps groups, from grp0, as bytes
+// below 64: u[(j R + r) 2 + s] holds row r of group j, set s (unpacked once for every row of a call).
+template <int BITS, int G>
+SPECDEC_AVX2_FN inline void avx2_unpack_half(const uint8_t* grp0, int64_t gps, int h, bool prefetch, __m256i* u) {
+  constexpr int R = G / 4, kGroupBytes = group_bytes(BITS, G);
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  for (int64_t j = 0; j < gps; ++j) {
+    const uint8_t* grp = grp0 + j * kGroupBytes;
+    if (prefetch)
+      for (int off = 0; off < kGroupBytes; off += 64) prefetch_line((const char*)grp + kPrefetchBytes + off);
+    for (int r = 0; r < R; ++r) {
+      const __m256i row = _mm256_loadu_si256((const __m256i*)(grp + r * 64 + h * 32));
+      __m256i c0 = _mm256_and_si256(row, low), c1 = _mm256_and_si256(_mm256_srli_epi16(row, 4), low);
+      if constexpr (BITS == 5) {
+        uint32_t p0, p1;
+        const uint8_t* planes = grp + 16 * G + r * 16 + h * 4;
+        std::memcpy(&p0, planes, 4);
+        std::memcpy(&p1, planes + 8, 4);
+        c0 = _mm256_or_si256(c0, plane_bits(p0));
+        c1 = _mm256_or_si256(c1, plane_bits(p1));
+      } else if constexpr (BITS == 6) {
+        const uint8_t* pairs = grp + 16 * G + (r / 4) * 128 + h * 32;
+        const __m256i m45 = _mm256_set1_epi8(0x30);
+        const __m256i h0 = pairs_to_bits45_avx2(_mm256_loadu_si256((const __m256i*)pairs), r % 4);
+        const __m256i h1 = pairs_to_bits45_avx2(_mm256_loadu_si256((const __m256i*)(pairs + 64)), r % 4);
+        c0 = _mm256_or_si256(c0, _mm256_and_si256(h0, m45));
+        c1 = _mm256_or_si256(c1, _mm256_and_si256(h1, m45));
+      }
+      _mm256_store_si256(u + (j * R + r) * 2, c0);
+      _mm256_store_si256(u + (j * R + r) * 2 + 1, c1);
+    }
+  }
+}
+
+// Rows m0 .. m0 + MT - 1, half h, of one super-block whose first group is g0, its codes unpacked in u:
+// yacc (MT rows of 32 floats) += the super-block's part of the output.
+template <int BITS, int G, int MT>
+SPECDEC_AVX2_FN inline void avx2_super_rows(const __m256i* u, const Avx2Scales& sc, int64_t gps, int64_t g0,
+                                            const Acts& a, int64_t m0, int h, float* yacc) {
+  constexpr int R = G / 4;
+  constexpr int kSpan = BITS == 4 ? R : BITS == 5 ? 4 : 2;  // as avx2_half
+  const int64_t K = a.K, groups = K / G;
+  const int8_t* xq[MT];
+  for (int i = 0; i < MT; ++i) xq[i] = a.xq + (m0 + i) * K + g0 * G;
+  __m256 aa[MT][2];
+  for (int i = 0; i < MT; ++i) aa[i][0] = aa[i][1] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < gps; ++j) {
+    __m256i dot[MT][2], part[MT][2];
+    for (int i = 0; i < MT; ++i)
+      for (int s = 0; s < 2; ++s) dot[i][s] = part[i][s] = _mm256_setzero_si256();
+    for (int r = 0; r < R; ++r) {
+      const __m256i c0 = _mm256_load_si256(u + (j * R + r) * 2), c1 = _mm256_load_si256(u + (j * R + r) * 2 + 1);
+      for (int i = 0; i < MT; ++i) {
+        int32_t x4;
+        std::memcpy(&x4, xq[i] + j * G + 4 * r, 4);
+        const __m256i xb = _mm256_set1_epi32(x4);
+        part[i][0] = _mm256_add_epi16(part[i][0], _mm256_maddubs_epi16(c0, xb));
+        part[i][1] = _mm256_add_epi16(part[i][1], _mm256_maddubs_epi16(c1, xb));
+        if ((r + 1) % kSpan == 0)
+          for (int s = 0; s < 2; ++s) {
+            dot[i][s] = _mm256_add_epi32(dot[i][s], _mm256_madd_epi16(part[i][s], sc.sc[j][s][h]));
+            part[i][s] = _mm256_setzero_si256();
+          }
+      }
+    }
+    for (int i = 0; i < MT; ++i) {
+      const __m256 dx = _mm256_set1_ps(a.dx[(m0 + i) * (K / kActBlock) + (g0 + j) * G / kActBlock]);
+      for (int s = 0; s < 2; ++s) aa[i][s] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i][s]), dx, aa[i][s]);
+    }
+  }
+  for (int i = 0; i < MT; ++i)
+    for (int s = 0; s < 2; ++s) {
+      __m256 ba = _mm256_setzero_ps();
+      for (int64_t j = 0; j < gps; ++j)
+        ba = _mm256_fmadd_ps(sc.mc[j][s][h], _mm256_set1_ps(a.xs[(m0 + i) * groups + g0 + j]), ba);
+      float* yp = yacc + i * 32 + s * kLanes + h * 8;
+      const __m256 yv = _mm256_fmadd_ps(aa[i][s], sc.d[s][h], _mm256_load_ps(yp));
+      _mm256_store_ps(yp, _mm256_fnmadd_ps(ba, sc.dm[s][h], yv));
+    }
+}
+
+// Blocks [b0, b1) of 2+ rows with avx2_super_rows: up to kChunk rows at a time, each super-block in turn, its
+// scales and each half's codes unpacked once, then 3 rows at a time with 4-bit codes and 2 with 5 or 6 (what 16
+// vector registers hold).
+template <int BITS, int G, typename T>
+SPECDEC_AVX2_FN void gemm_avx2_supers(const Weights& w, const Acts& a, const float* bias, T* y, int64_t b0, int64_t b1) {
+  constexpr int kGroupBytes = group_bytes(BITS, G), kChunk = 32, MT = BITS == 4 ? 3 : 2;
+  const int64_t groups = w.K / G, supers = w.K / w.S, gps = w.S / G;
+  alignas(32) float yacc[kChunk * 32];
+  alignas(32) __m256i u[kMaxGroupsPerSuper * 8 * 2];  // a super-block's half: up to 16 groups of up to 8 rows, 2 sets
+  Avx2Scales sc;
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint8_t* codes = w.codes + b * groups * kGroupBytes;
+    for (int64_t m0 = 0; m0 < a.M; m0 += kChunk) {
+      const int64_t rows = std::min<int64_t>(kChunk, a.M - m0);
+      std::fill(yacc, yacc + rows * 32, 0.f);
+      for (int64_t sb = 0; sb < supers; ++sb) {
+        avx2_scales(w, b, sb, G, sc);
+        for (int h = 0; h < 2; ++h) {
+          avx2_unpack_half<BITS, G>(codes + sb * gps * kGroupBytes, gps, h, h == 0 && m0 == 0, u);
+          int64_t i = 0;
+          for (; i + MT <= rows; i += MT) avx2_super_rows<BITS, G, MT>(u, sc, gps, sb * gps, a, m0 + i, h, yacc + i * 32);
+          if (MT == 3 && i + 2 <= rows) {
+            avx2_super_rows<BITS, G, 2>(u, sc, gps, sb * gps, a, m0 + i, h, yacc + i * 32);
+            i += 2;
+          }
+          if (i < rows) avx2_super_rows<BITS, G, 1>(u, sc, gps, sb * gps, a, m0 + i, h, yacc + i * 32);
+        }
+      }
+      for (int64_t i = 0; i < rows; ++i)
+        for (int c = 0; c < 32; c += 8) {
+          const int64_t n = b * 32 + c;
+          __m256 acc = _mm256_load_ps(yacc + i * 32 + c);
+          if (bias) acc = _mm256_add_ps(acc, _mm256_loadu_ps(bias + n));
+          T* out = y + (m0 + i) * w.N + n;
+          if constexpr (std::is_same_v<T, float>) {
+            _mm256_storeu_ps(out, acc);
+          } else {
+            alignas(32) float tmp[8];
+            _mm256_store_ps(tmp, acc);
+            for (int k = 0; k < 8; ++k) out[k] = (T)tmp[k];
+          }
+        }
+    }
+  }
+}
+
+// Calls of fewer rows stream faster through avx2_half (the 1.5B's step on an AVX2-only EPYC: 1 / 2 / 4 rows
+// 0.96 / 0.75 / 0.92x gemm_avx2_supers' time, 8 / 16 / 128 rows 1.10 / 1.23 / 1.33x).
+constexpr int kAvx2SupersMinRows = 6;
+
+// Every row of blocks [b0, b1): gemm_avx2_supers for kAvx2SupersMinRows+ rows where it applies, else two rows at
+// a time (16 vector registers hold no more), half by half.
 template <int BITS, int G, typename T>
 SPECDEC_AVX2_FN void gemm_avx2(const Weights& w, const Acts& a, const float* bias, T* y, int64_t b0, int64_t b1) {
+  if constexpr (avx2_int_scales<BITS, G>()) {
+    if (a.M >= kAvx2SupersMinRows) return gemm_avx2_supers<BITS, G, T>(w, a, bias, y, b0, b1);
+  }
   for (int64_t b = b0; b < b1; ++b)
     for (int h = 0; h < 2; ++h) {
       int64_t m = 0;
@@ -829,7 +1026,6 @@ void tile_activations(const int8_t* xq, int64_t M, int64_t K, int G, int8_t* xt)
 
 // Groups of one super-block first go through the tiles (their C tiles kept in cbuf), then each
 // row's accumulators take the super-block's groups in order, in registers.
-constexpr int kMaxGroupsPerSuper = 16;  // Q6_K: 256 / 16
 
 template <int BITS, int G, typename T>
 SPECDEC_AMX void gemm_amx(const Weights& w, const Acts& a, const int8_t* xt, const float* bias, T* y, int64_t b0,
@@ -1033,8 +1229,25 @@ at::Tensor blockq_mm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   return y.view(out_sizes);
 }
 
-// Read every byte of `t` once (AVX-512 loads where the CPU has them, all threads) and return an
-// XOR of it, so the reads cannot be optimized away: the memory-bandwidth probe of the benchmarks.
+// Read every byte of `t` once (AVX-512 loads where the CPU has them, else AVX2 ones, all threads) and return
+// an XOR of it, so the reads cannot be optimized away: the memory-bandwidth probe of the benchmarks. (Plain
+// byte loads read ~0.6x the bandwidth of 256-bit ones on an AVX2-only EPYC.)
+SPECDEC_AVX2_FN int64_t read_avx2(const uint8_t* p, int64_t n) {
+  __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+  int64_t i = 0;
+  for (; i + 128 <= n; i += 128) {
+    a0 = _mm256_xor_si256(a0, _mm256_loadu_si256((const __m256i*)(p + i)));
+    a1 = _mm256_xor_si256(a1, _mm256_loadu_si256((const __m256i*)(p + i + 32)));
+    a2 = _mm256_xor_si256(a2, _mm256_loadu_si256((const __m256i*)(p + i + 64)));
+    a3 = _mm256_xor_si256(a3, _mm256_loadu_si256((const __m256i*)(p + i + 96)));
+  }
+  const __m256i a = _mm256_xor_si256(_mm256_xor_si256(a0, a1), _mm256_xor_si256(a2, a3));
+  int64_t x = _mm256_extract_epi64(a, 0) ^ _mm256_extract_epi64(a, 1) ^ _mm256_extract_epi64(a, 2) ^
+              _mm256_extract_epi64(a, 3);
+  for (; i < n; ++i) x ^= p[i];
+  return x;
+}
+
 SPECDEC_AVX512 int64_t read_avx512(const uint8_t* p, int64_t n) {
   __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
   int64_t i = 0;
@@ -1059,6 +1272,8 @@ int64_t read_probe(const at::Tensor& t) {
       const int64_t len = std::min(chunk, n - c * chunk);
       if (has_vnni()) {
         parts[c] = read_avx512(p + c * chunk, len);
+      } else if (has_avx2()) {
+        parts[c] = read_avx2(p + c * chunk, len);
       } else {
         int64_t x = 0;
         for (int64_t i = 0; i < len; ++i) x ^= p[c * chunk + i];

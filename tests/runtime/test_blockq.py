@@ -145,6 +145,40 @@ def test_every_path_gives_the_same_bits(grid, dtype):
 
 
 @needs_kernels
+@pytest.mark.parametrize("grid", list(GRIDS))
+@pytest.mark.parametrize("code", ["max", "alternating"])
+def test_extreme_codes_scales_and_activations_give_the_same_bits_on_every_path(grid, code):
+    """The largest products a format allows (every code at its maximum, scale codes -128 / 127 or 63 where
+    packed, activation codes +-127): the AVX2 path's integer C * sc stays exact, as every other path's
+    float(C) * float(sc), so each path still equals the plain C++ one bit for bit."""
+    bits, G, S, shared, N = GRIDS[grid]
+    K = 512
+    g = torch.Generator().manual_seed(9)
+    q = torch.full((N, K), (1 << bits) - 1, dtype=torch.uint8)
+    if code == "alternating":
+        q[:, 1::2] = 0
+    top = 63 if grid.endswith("_6bit") else 127
+    sc = torch.full((N, K // G), top, dtype=torch.int8)
+    if not grid.endswith("_6bit"):
+        sc[::2] = -128
+    mc = sc if shared else torch.randint(0, 64, (N, K // G), generator=g).to(torch.int8)
+    d, dm = torch.rand(N, K // S, generator=g) * 1e-3, torch.rand(N, K // S, generator=g) * 1e-3
+    m = BlockQuantLinear.from_canonical(q, sc, mc, d, dm, bits, G, S)
+    x = torch.ones(8, K)  # 8 rows and 3: both AVX2 kernels (6+ rows take a super-block at a time)
+    x[1::3] = -1.0
+    x[2::3, 1::2] = -1.0
+    x[3] = torch.randn(K, generator=g)
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows in (8, 3):
+            outs = {isa: cpu_blockq.blockq_mm(x[:rows].to(dtype), m.codes, m.sc, m.mc, m.d, m.dm, None, m.bits,
+                                              m.group_size, m.super_block, m.zero, isa=isa) for isa in cpu_blockq.isas()}
+            for isa, y in outs.items():
+                assert torch.equal(y, outs["generic"]), (isa, dtype, rows)
+    ref = cpu_blockq.blockq_mm_ref(x[:3], m.dequantize(), None)
+    assert float((outs["generic"].float().double() - ref).abs().max() / ref.abs().max()) < 1e-2
+
+
+@needs_kernels
 @pytest.mark.parametrize("grid", ["q4_k_6bit", "q5_k_6bit"])
 def test_six_bit_scale_codes_are_kept_packed_and_read_to_the_same_bits(grid):
     """Scale and min codes that all lie in 0..63 (GGUF's Q4_K and Q5_K) are kept in 6 bits, 48 bytes a
