@@ -170,8 +170,8 @@ def test_extreme_codes_scales_and_activations_give_the_same_bits_on_every_path(g
     x[3] = torch.randn(K, generator=g)
     for dtype in (torch.float32, torch.bfloat16):
         for rows in (8, 3):
-            outs = {isa: cpu_blockq.blockq_mm(x[:rows].to(dtype), m.codes, m.sc, m.mc, m.d, m.dm, None, m.bits,
-                                              m.group_size, m.super_block, m.zero, isa=isa) for isa in cpu_blockq.isas()}
+            args = (m.codes, m.sc, m.mc, m.d, m.dm, None, m.bits, m.group_size, m.super_block, m.zero)
+            outs = {isa: cpu_blockq.blockq_mm(x[:rows].to(dtype), *args, isa=isa) for isa in cpu_blockq.isas()}
             for isa, y in outs.items():
                 assert torch.equal(y, outs["generic"]), (isa, dtype, rows)
     ref = cpu_blockq.blockq_mm_ref(x[:3], m.dequantize(), None)
