@@ -38,8 +38,9 @@ def counts(text: str) -> list[int]:
     return values
 
 
-def other_build(directory: Path):
-    """The ops of the library built in `directory` (a `runtime.kernels.extension` build directory)."""
+def other_build(directory: Path, op: str = "attention_rows"):
+    """The ops of the library built in `directory` (a `runtime.kernels.extension` build directory), which
+    must register `op`."""
     library = directory.expanduser() / LIBRARY
     if not library.is_file():
         raise SystemExit(f"--against: no {LIBRARY} in {directory}; pass a directory under "
@@ -54,8 +55,8 @@ def other_build(directory: Path):
     except OSError as err:
         raise SystemExit(f"--against: cannot load {library}: {err}") from None
     ops = getattr(torch.ops, namespace)
-    if not hasattr(ops, "attention_rows"):
-        raise SystemExit(f"--against: {library} registers no attention_rows in {namespace}")
+    if not hasattr(ops, op):
+        raise SystemExit(f"--against: {library} registers no {op} in {namespace}")
     return ops
 
 

@@ -4,6 +4,7 @@
     python benchmarks/step_ceiling.py --model smollm2-135m-instruct --isa avx2 --json step.json
     python benchmarks/step_ceiling.py --against-8bit          # 6-bit codes (Q6_K) against the same as 8-bit
     python benchmarks/step_ceiling.py --prefill 512,2048      # also prefill tokens/s (llama-bench's pp512, pp2048)
+    python benchmarks/step_ceiling.py --against ~/.cache/specdec/kernels/cpu_blockq-<hash>-<checkout>
 
 Loads the model with `weights="gguf"` and calls every block-quantized linear a decode step runs
 (each layer's fused qkv, output, gate/up and down projections, then the LM head; the embedding is a
@@ -24,8 +25,10 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
+from attention_rows import other_build
 
 import runtime
 from runtime.argtypes import positive_int
@@ -41,13 +44,15 @@ def step_linears(model: torch.nn.Module) -> list[BlockQuantLinear]:
     return [m for name, m in model.named_modules() if isinstance(m, BlockQuantLinear) and not name.startswith("embed")]
 
 
-def time_step(linears: list[BlockQuantLinear], rows: int, isa: str, g: torch.Generator) -> float:
-    """Seconds for one pass over `linears` with `rows` rows of bf16 activations."""
+def time_step(linears: list[BlockQuantLinear], rows: int, isa: str, g: torch.Generator, ops=None) -> float:
+    """Seconds for one pass over `linears` with `rows` rows of bf16 activations (through the op of `ops`,
+    another build's, when given)."""
     xs = {k: torch.randn(rows, k, generator=g).to(torch.bfloat16) for k in {m.in_features for m in linears}}
+    ops = ops or cpu_blockq.ops()
     t = time.perf_counter()
     for m in linears:
-        cpu_blockq.blockq_mm(xs[m.in_features], m.codes, m.sc, m.mc, m.d, m.dm, m.bias, m.bits, m.group_size,
-                             m.super_block, m.zero, isa=isa)
+        ops.blockq_mm(xs[m.in_features], m.codes, m.sc, m.mc, m.d, m.dm, m.bias, m.bits, m.group_size,
+                      m.super_block, m.zero, cpu_blockq.ISAS[isa], cpu_blockq.AMX_MIN_ROWS)
     return time.perf_counter() - t
 
 
@@ -109,12 +114,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prefill", type=row_counts, default=None,
                         help="also time the eager prefill of random prompts of these lengths (tokens/s, median of 3; "
                              "with --against-8bit, alternating)")
+    parser.add_argument("--against", type=Path, default=None,
+                        help="another checkout's kernel build directory (~/.cache/specdec/kernels/cpu_blockq-<hash>-"
+                             "<checkout>): also time the step with its library, alternating, and print this build's "
+                             "time over that one's per row count")
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     if not cpu_blockq.available():
         raise SystemExit(f"the block-quantized kernels are unavailable: {cpu_blockq.unavailable_reason()}")
+    other = other_build(args.against, "blockq_mm") if args.against is not None else None
     rows = args.rows
     model = runtime.load_model(args.model, dtype=torch.bfloat16, weights="gguf")
     linears = step_linears(model)
@@ -130,13 +140,20 @@ def main(argv: list[str] | None = None) -> None:
         time_step(linears, r, args.isa, g)
         if wide:
             time_step(wide, r, args.isa, g)
+        if other:
+            time_step(linears, r, args.isa, g, other)
     times: dict[int, list[float]] = {r: [] for r in rows}
     wide_times: dict[int, list[float]] = {r: [] for r in rows}
+    other_times: dict[int, list[float]] = {r: [] for r in rows}
     for i in range(args.repeats):
         for r in (rows if i % 2 == 0 else rows[::-1]):
+            if other and i % 2:
+                other_times[r].append(time_step(linears, r, args.isa, g, other))
             times[r].append(time_step(linears, r, args.isa, g))
             if wide:
                 wide_times[r].append(time_step(wide, r, args.isa, g))
+            if other and not i % 2:
+                other_times[r].append(time_step(linears, r, args.isa, g, other))
     bw = max(bw_before, cpu_blockq.read_bandwidth(probe))
     ms = {r: statistics.median(t) * 1e3 for r, t in times.items()}
     rate = nbytes / (ms[rows[0]] / 1e3)
@@ -148,12 +165,19 @@ def main(argv: list[str] | None = None) -> None:
     if wide:
         print(f"6-bit codes against 8-bit ones ({sum(m.nbytes() for m in wide) / 1e9:.3f} GB a step), rows "
               f"{'/'.join(map(str, rows))}: {'/'.join(f'{v:.3f}' for v in against.values())}x")
+    against_build = {r: statistics.median(times[r]) / statistics.median(other_times[r]) for r in rows} if other \
+        else None
+    if other:
+        print(f"this build against {args.against.name}, rows {'/'.join(map(str, rows))}: "
+              f"{'/'.join(f'{v:.3f}' for v in against_build.values())}x the time")
     prefill_rates = time_prefills(model, args.prefill, args.against_8bit, g) if args.prefill else None
     if args.json:
         atomic_write_text(args.json, json.dumps({
             "cpu": cpu, "model": args.model, "isa": args.isa, "threads": torch.get_num_threads(), "step_bytes": nbytes,
             "read_bandwidth": bw, "ms": ms, "bandwidth_fraction": rate / bw, "ratios": ratios,
-            "against_8bit": against, "prefill_tokens_per_s": prefill_rates}, indent=2) + "\n")
+            "against_8bit": against,
+            "against_build": against_build and {"build": str(args.against), "ratios": against_build},
+            "prefill_tokens_per_s": prefill_rates}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -54,3 +54,16 @@ def test_as_8bit_keeps_the_weights_and_the_outputs_bit_for_bit(load):
         x = torch.randn(5, 256, generator=g).to(torch.bfloat16)
         assert torch.equal(eight(x), six(x))
     assert script.as_8bit(eight) is eight
+
+
+def test_against_names_a_kernel_build_or_fails_in_one_line(load, tmp_path):
+    """--against takes another checkout's kernel build directory (as attention_rows.py's): a directory
+    without the library, or not named as a build, is one line before any model loads."""
+    script = load("step_ceiling")
+    with pytest.raises(SystemExit, match=r"--against: no specdec_cpu_blockq.so in"):
+        script.main(["--against", str(tmp_path / "cpu_blockq-0123456789abcdef-x")])
+    odd = tmp_path / "elsewhere"
+    odd.mkdir()
+    (odd / "specdec_cpu_blockq.so").write_bytes(b"")
+    with pytest.raises(SystemExit, match="is not a kernel build directory"):
+        script.main(["--against", str(odd)])
