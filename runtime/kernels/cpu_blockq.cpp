@@ -1050,12 +1050,13 @@ SPECDEC_AVX2_FN void gemm_avx2_row(const Weights& w, const Acts& a, const float*
   }
 }
 
-// Calls of fewer rows stream faster through avx2_half (the 1.5B's step on an AVX2-only EPYC: 1 / 2 / 4 rows
-// 0.96 / 0.75 / 0.92x gemm_avx2_supers' time, 8 / 16 / 128 rows 1.10 / 1.23 / 1.33x).
+// Calls of 2-5 rows stream faster through avx2_half: gemm_avx2_supers issues a super-block's prefetches in one burst
+// and few rows then leave the memory idle (the 1.5B's step on an AVX2-only EPYC: 2 / 4 rows 0.75 / 0.92x
+// gemm_avx2_supers' time, 8 / 16 / 128 rows 1.10 / 1.23 / 1.33x).
 constexpr int kAvx2SupersMinRows = 6;
 
-// Every row of blocks [b0, b1): gemm_avx2_supers for kAvx2SupersMinRows+ rows where it applies, else two rows at
-// a time (16 vector registers hold no more), half by half.
+// Every row of blocks [b0, b1): where the scale codes enter the integer product, gemm_avx2_row for one row and
+// gemm_avx2_supers for kAvx2SupersMinRows+; else two rows at a time (16 vector registers hold no more), half by half.
 template <int BITS, int G, typename T>
 SPECDEC_AVX2_FN void gemm_avx2(const Weights& w, const Acts& a, const float* bias, T* y, int64_t b0, int64_t b1) {
   if constexpr (avx2_int_scales<BITS, G>()) {
