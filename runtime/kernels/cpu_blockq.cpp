@@ -663,6 +663,42 @@ SPECDEC_AVX2_FN inline __m256i plane_bits(uint32_t m) {
   return _mm256_and_si256(_mm256_cmpeq_epi8(v, bit), _mm256_set1_epi8(0x10));
 }
 
+// acc (+ bias) into 8 outputs of type T (bf16: round to nearest even, as c10::BFloat16)
+template <typename T>
+SPECDEC_AVX2_FN inline void store8(__m256 acc, const float* bias, T* out) {
+  if (bias) acc = _mm256_add_ps(acc, _mm256_loadu_ps(bias));
+  if constexpr (std::is_same_v<T, float>) {
+    _mm256_storeu_ps(out, acc);
+  } else {
+    alignas(32) float tmp[8];
+    _mm256_store_ps(tmp, acc);
+    for (int c = 0; c < 8; ++c) out[c] = (T)tmp[c];
+  }
+}
+
+// Half h of code row r of a group (4 to 6 bits): the codes of set 0 and of set 1, as bytes below 64
+template <int BITS, int G>
+SPECDEC_AVX2_FN inline void half_row_codes(const uint8_t* grp, int r, int h, __m256i& c0, __m256i& c1) {
+  const __m256i row = _mm256_loadu_si256((const __m256i*)(grp + r * 64 + h * 32)), low = _mm256_set1_epi8(0x0F);
+  c0 = _mm256_and_si256(row, low);
+  c1 = _mm256_and_si256(_mm256_srli_epi16(row, 4), low);
+  if constexpr (BITS == 5) {
+    uint32_t p0, p1;
+    const uint8_t* planes = grp + 16 * G + r * 16 + h * 4;
+    std::memcpy(&p0, planes, 4);
+    std::memcpy(&p1, planes + 8, 4);
+    c0 = _mm256_or_si256(c0, plane_bits(p0));
+    c1 = _mm256_or_si256(c1, plane_bits(p1));
+  } else if constexpr (BITS == 6) {
+    const uint8_t* pairs = grp + 16 * G + (r / 4) * 128 + h * 32;
+    const __m256i m45 = _mm256_set1_epi8(0x30);
+    const __m256i h0 = pairs_to_bits45_avx2(_mm256_loadu_si256((const __m256i*)pairs), r % 4);
+    const __m256i h1 = pairs_to_bits45_avx2(_mm256_loadu_si256((const __m256i*)(pairs + 64)), r % 4);
+    c0 = _mm256_or_si256(c0, _mm256_and_si256(h0, m45));
+    c1 = _mm256_or_si256(c1, _mm256_and_si256(h1, m45));
+  }
+}
+
 // Rows m0 .. m0 + MT - 1 of block b, channels h*8 .. h*8 + 7 of each set (half h of every code row).
 template <int BITS, int G, typename T, int MT, bool PACKED>
 SPECDEC_AVX2_FN void avx2_half(const Weights& w, const Acts& a, int64_t m0, const float* bias, T* y, int64_t b,
@@ -682,7 +718,7 @@ SPECDEC_AVX2_FN void avx2_half(const Weights& w, const Acts& a, int64_t m0, cons
   __m256 ya[MT][S], aa[MT][S], ba[MT][S];
   for (int i = 0; i < MT; ++i)
     for (int s = 0; s < S; ++s) ya[i][s] = aa[i][s] = ba[i][s] = _mm256_setzero_ps();
-  const __m256i low = _mm256_set1_epi8(0x0F), bit7 = _mm256_set1_epi8((char)0x80);
+  const __m256i bit7 = _mm256_set1_epi8((char)0x80);
   int64_t g = 0;
   for (int64_t sb = 0; sb < supers; ++sb) {
     for (int64_t j = 0; j < gps; ++j, ++g) {
@@ -693,29 +729,13 @@ SPECDEC_AVX2_FN void avx2_half(const Weights& w, const Acts& a, int64_t m0, cons
       for (int i = 0; i < MT; ++i)
         for (int s = 0; s < S; ++s) dot[i][s] = part[i][s] = _mm256_setzero_si256();
       for (int r = 0; r < R; ++r) {
-        const __m256i row = _mm256_loadu_si256((const __m256i*)(grp + r * 64 + h * 32));
         __m256i c0, c1;  // 4 to 6 bits: the codes of set 0 and set 1; 8 bits: bits 0-6 and bit 7
         if constexpr (BITS == 8) {
+          const __m256i row = _mm256_loadu_si256((const __m256i*)(grp + r * 64 + h * 32));
           c0 = _mm256_andnot_si256(bit7, row);
           c1 = _mm256_and_si256(bit7, row);
         } else {
-          c0 = _mm256_and_si256(row, low);
-          c1 = _mm256_and_si256(_mm256_srli_epi16(row, 4), low);
-          if constexpr (BITS == 5) {
-            uint32_t p0, p1;
-            const uint8_t* planes = grp + 16 * G + r * 16 + h * 4;
-            std::memcpy(&p0, planes, 4);
-            std::memcpy(&p1, planes + 8, 4);
-            c0 = _mm256_or_si256(c0, plane_bits(p0));
-            c1 = _mm256_or_si256(c1, plane_bits(p1));
-          } else if constexpr (BITS == 6) {
-            const uint8_t* pairs = grp + 16 * G + (r / 4) * 128 + h * 32;
-            const __m256i m45 = _mm256_set1_epi8(0x30);
-            const __m256i h0 = pairs_to_bits45_avx2(_mm256_loadu_si256((const __m256i*)pairs), r % 4);
-            const __m256i h1 = pairs_to_bits45_avx2(_mm256_loadu_si256((const __m256i*)(pairs + 64)), r % 4);
-            c0 = _mm256_or_si256(c0, _mm256_and_si256(h0, m45));
-            c1 = _mm256_or_si256(c1, _mm256_and_si256(h1, m45));
-          }
+          half_row_codes<BITS, G>(grp, r, h, c0, c1);
         }
         for (int i = 0; i < MT; ++i) {
           int32_t x4;
@@ -765,16 +785,7 @@ SPECDEC_AVX2_FN void avx2_half(const Weights& w, const Acts& a, int64_t m0, cons
   for (int i = 0; i < MT; ++i)
     for (int s = 0; s < S; ++s) {
       const int64_t n = b * W + s * kLanes + h * 8;
-      __m256 acc = ya[i][s];
-      if (bias) acc = _mm256_add_ps(acc, _mm256_loadu_ps(bias + n));
-      T* out = y + (m0 + i) * w.N + n;
-      if constexpr (std::is_same_v<T, float>) {
-        _mm256_storeu_ps(out, acc);
-      } else {
-        alignas(32) float tmp[8];
-        _mm256_store_ps(tmp, acc);
-        for (int c = 0; c < 8; ++c) out[c] = (T)tmp[c];
-      }
+      store8(ya[i][s], bias ? bias + n : nullptr, y + (m0 + i) * w.N + n);
     }
 }
 
@@ -844,29 +855,13 @@ SPECDEC_AVX2_FN inline void avx2_scales(const Weights& w, int64_t b, int64_t sb,
 template <int BITS, int G>
 SPECDEC_AVX2_FN inline void avx2_unpack_half(const uint8_t* grp0, int64_t gps, int h, bool prefetch, __m256i* u) {
   constexpr int R = G / 4, kGroupBytes = group_bytes(BITS, G);
-  const __m256i low = _mm256_set1_epi8(0x0F);
   for (int64_t j = 0; j < gps; ++j) {
     const uint8_t* grp = grp0 + j * kGroupBytes;
     if (prefetch)
       for (int off = 0; off < kGroupBytes; off += 64) prefetch_line((const char*)grp + kPrefetchBytes + off);
     for (int r = 0; r < R; ++r) {
-      const __m256i row = _mm256_loadu_si256((const __m256i*)(grp + r * 64 + h * 32));
-      __m256i c0 = _mm256_and_si256(row, low), c1 = _mm256_and_si256(_mm256_srli_epi16(row, 4), low);
-      if constexpr (BITS == 5) {
-        uint32_t p0, p1;
-        const uint8_t* planes = grp + 16 * G + r * 16 + h * 4;
-        std::memcpy(&p0, planes, 4);
-        std::memcpy(&p1, planes + 8, 4);
-        c0 = _mm256_or_si256(c0, plane_bits(p0));
-        c1 = _mm256_or_si256(c1, plane_bits(p1));
-      } else if constexpr (BITS == 6) {
-        const uint8_t* pairs = grp + 16 * G + (r / 4) * 128 + h * 32;
-        const __m256i m45 = _mm256_set1_epi8(0x30);
-        const __m256i h0 = pairs_to_bits45_avx2(_mm256_loadu_si256((const __m256i*)pairs), r % 4);
-        const __m256i h1 = pairs_to_bits45_avx2(_mm256_loadu_si256((const __m256i*)(pairs + 64)), r % 4);
-        c0 = _mm256_or_si256(c0, _mm256_and_si256(h0, m45));
-        c1 = _mm256_or_si256(c1, _mm256_and_si256(h1, m45));
-      }
+      __m256i c0, c1;
+      half_row_codes<BITS, G>(grp, r, h, c0, c1);
       _mm256_store_si256(u + (j * R + r) * 2, c0);
       _mm256_store_si256(u + (j * R + r) * 2 + 1, c1);
     }
@@ -951,16 +946,7 @@ SPECDEC_AVX2_FN void gemm_avx2_supers(const Weights& w, const Acts& a, const flo
       for (int64_t i = 0; i < rows; ++i)
         for (int c = 0; c < 32; c += 8) {
           const int64_t n = b * 32 + c;
-          __m256 acc = _mm256_load_ps(yacc + i * 32 + c);
-          if (bias) acc = _mm256_add_ps(acc, _mm256_loadu_ps(bias + n));
-          T* out = y + (m0 + i) * w.N + n;
-          if constexpr (std::is_same_v<T, float>) {
-            _mm256_storeu_ps(out, acc);
-          } else {
-            alignas(32) float tmp[8];
-            _mm256_store_ps(tmp, acc);
-            for (int k = 0; k < 8; ++k) out[k] = (T)tmp[k];
-          }
+          store8(_mm256_load_ps(yacc + i * 32 + c), bias ? bias + n : nullptr, y + (m0 + i) * w.N + n);
         }
     }
   }
@@ -973,7 +959,6 @@ SPECDEC_AVX2_FN void gemm_avx2_row(const Weights& w, const Acts& a, const float*
   constexpr int R = G / 4, kGroupBytes = group_bytes(BITS, G);
   constexpr int kSpan = BITS == 4 ? R : BITS == 5 ? 4 : 2;  // as avx2_half
   const int64_t groups = w.K / G, supers = w.K / w.S, gps = w.S / G;
-  const __m256i low = _mm256_set1_epi8(0x0F);
   alignas(32) float yacc[32];
   Avx2Scales sc;
   for (int64_t b = b0; b < b1; ++b) {
@@ -995,23 +980,8 @@ SPECDEC_AVX2_FN void gemm_avx2_row(const Weights& w, const Acts& a, const float*
           std::memcpy(&x4, a.xq + g * G + 4 * r, 4);
           const __m256i xb = _mm256_set1_epi32(x4);
           for (int h = 0; h < 2; ++h) {
-            const __m256i row = _mm256_loadu_si256((const __m256i*)(grp + r * 64 + h * 32));
-            __m256i c0 = _mm256_and_si256(row, low), c1 = _mm256_and_si256(_mm256_srli_epi16(row, 4), low);
-            if constexpr (BITS == 5) {
-              uint32_t p0, p1;
-              const uint8_t* planes = grp + 16 * G + r * 16 + h * 4;
-              std::memcpy(&p0, planes, 4);
-              std::memcpy(&p1, planes + 8, 4);
-              c0 = _mm256_or_si256(c0, plane_bits(p0));
-              c1 = _mm256_or_si256(c1, plane_bits(p1));
-            } else if constexpr (BITS == 6) {
-              const uint8_t* pairs = grp + 16 * G + (r / 4) * 128 + h * 32;
-              const __m256i m45 = _mm256_set1_epi8(0x30);
-              const __m256i h0 = pairs_to_bits45_avx2(_mm256_loadu_si256((const __m256i*)pairs), r % 4);
-              const __m256i h1 = pairs_to_bits45_avx2(_mm256_loadu_si256((const __m256i*)(pairs + 64)), r % 4);
-              c0 = _mm256_or_si256(c0, _mm256_and_si256(h0, m45));
-              c1 = _mm256_or_si256(c1, _mm256_and_si256(h1, m45));
-            }
+            __m256i c0, c1;
+            half_row_codes<BITS, G>(grp, r, h, c0, c1);
             part[0][h] = _mm256_add_epi16(part[0][h], _mm256_maddubs_epi16(c0, xb));
             part[1][h] = _mm256_add_epi16(part[1][h], _mm256_maddubs_epi16(c1, xb));
           }
@@ -1037,15 +1007,7 @@ SPECDEC_AVX2_FN void gemm_avx2_row(const Weights& w, const Acts& a, const float*
     }
     for (int c = 0; c < 32; c += 8) {
       const int64_t n = b * 32 + c;
-      __m256 acc = _mm256_load_ps(yacc + c);
-      if (bias) acc = _mm256_add_ps(acc, _mm256_loadu_ps(bias + n));
-      if constexpr (std::is_same_v<T, float>) {
-        _mm256_storeu_ps(y + n, acc);
-      } else {
-        alignas(32) float tmp[8];
-        _mm256_store_ps(tmp, acc);
-        for (int k = 0; k < 8; ++k) y[n + k] = (T)tmp[k];
-      }
+      store8(_mm256_load_ps(yacc + c), bias ? bias + n : nullptr, y + n);
     }
   }
 }
