@@ -13,7 +13,9 @@ parts of a plain bf16 forward on the CPU break it (tests/runtime/test_invariant.
   `attention` runs `attention_rows` (runtime/kernels/cpu_attention.cpp): each query alone, over
   its visible keys in slot order, in one fixed float32 arithmetic.
 
-The block-quantized linears (`runtime.blockq`) are row-invariant by construction. Prefills run
+The block-quantized linears (`runtime.blockq`) are row-invariant by construction, in float32 too:
+a float32 model whose every linear is one (a GGUF's 4-bit model where bf16 is slow) needs only the
+attention kernel, which takes float32. Prefills run
 these kernels too (on this project's CPUs no slower than the batch-dependent GEMMs and SDPA), so a
 token's keys and logits do not depend on how its prompt was split between forwards either: a
 prefix cache (`runtime.prefix_cache`) reuses the keys of one request's prompt in another's. A
@@ -30,16 +32,19 @@ MIN_ROWS = 2  # a 1-row bf16 matmul takes another oneDNN path than 2..MAX_ROWS r
 MAX_ROWS = 32  # beyond this the matmul's reduction order depends on the row count
 
 
-def unsupported_reason(device: torch.device, dtype: torch.dtype) -> str | None:
+def unsupported_reason(device: torch.device, dtype: torch.dtype, dense_linears: bool = True) -> str | None:
     """Why forwards on `device` in `dtype` cannot be row-invariant here (None: they can).
 
-    Supported: bf16 on the CPU with the C++ kernels built (`runtime.kernels.cpu_attention`). float32
-    is not: MKL's sgemm changes a row's bits with the row count below 16 rows, and padding a decode
-    step to 16 rows costs 16x its compute."""
+    Supported: bf16 on the CPU with the C++ kernels built (`runtime.kernels.cpu_attention`), and
+    float32 there when no linear is a dense `nn.Linear` (dense_linears=False: every linear is
+    block-quantized, row-invariant by construction, as a GGUF's 4-bit model on an AVX2 CPU runs).
+    Dense float32 is not: MKL's sgemm changes a row's bits with the row count below 16 rows, and
+    padding a decode step to 16 rows costs 16x its compute."""
     if torch.device(device).type != "cpu":
         return f"row-invariant forwards run on the CPU only, not {device}"
-    if dtype != torch.bfloat16:
-        return f"row-invariant forwards need bfloat16 weights, not {dtype}"
+    if dtype != torch.bfloat16 and not (dtype == torch.float32 and not dense_linears):
+        return (f"row-invariant forwards need bfloat16 weights, or float32 with every linear block-quantized, "
+                f"not {dtype}" + (" with dense linears" if dtype == torch.float32 else ""))
     from runtime.kernels import cpu_attention  # imports torch._dynamo (about a second): only when asked
 
     if not cpu_attention.available():

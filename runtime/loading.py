@@ -182,7 +182,8 @@ def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.bfloat16,
     `quant.save_compressed`, "auto" also moves its INT4 / INT8 modules to those kernels
     (`runtime.blockq.to_block_quant`), "dense" keeps its modules as saved. row_invariant: False
     turns off the row-invariant kernels (`Transformer.row_invariant`, on where supported: bf16 on
-    the CPU), so a row's logits may depend on the rows and tokens sharing its forward.
+    the CPU, and float32 with 4-bit / block-quantized weights), so a row's logits may depend on the
+    rows and tokens sharing its forward.
 
     Nothing is built or run before the checkpoint is checked (`runtime.validate`): a checkpoint
     that asks to run its own code (`auto_map`) or has an unsupported model_type raises

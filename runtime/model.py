@@ -211,10 +211,13 @@ class Transformer(nn.Module):
         """Whether forwards over a filled cache are row-invariant (`runtime.invariant`): each row's
         logits are the same bits whatever the number of tokens, rows and padding in the forward,
         so greedy speculative decoding equals plain decoding token for token. On by default where
-        supported (bf16 on the CPU with the C++ kernels: `runtime.invariant.unsupported_reason`);
-        set `want_row_invariant = False` for the batch-dependent kernels. A constant to
-        `torch.compile` (it guards on the attribute)."""
-        return self.want_row_invariant and unsupported_reason(self.device, self.dtype) is None
+        supported (bf16 on the CPU with the C++ kernels, float32 there when every linear is
+        block-quantized: `runtime.invariant.unsupported_reason`); set `want_row_invariant = False` for
+        the batch-dependent kernels. A constant to `torch.compile` (it guards on the attribute)."""
+        if not self.want_row_invariant:
+            return False
+        dense = self.dtype != torch.float32 or any(type(m) is nn.Linear for m in self.modules())
+        return unsupported_reason(self.device, self.dtype, dense) is None
 
     @property
     def compiled(self) -> bool:

@@ -218,8 +218,9 @@ def run_settings(cfg: EvalConfig, eos: list[int], prompt_format: str) -> dict:
     settings.update({k: getattr(cfg, k) for k in _RESUME_IF_SET if getattr(cfg, k)})
     settings["prompts"] = str(Path(cfg.prompts).resolve()) if cfg.prompts else None
     settings["weights"] = resolve_weights(cfg.weights, cfg.target, cfg.device)  # what the runtime's target holds
+    dense = settings["weights"] not in ("gguf", "blocks")  # else every linear runs the block kernels
     settings["row_invariant"] = (not cfg.no_row_invariant
-                                 and unsupported_reason(torch.device(cfg.device), cfg.torch_dtype) is None)
+                                 and unsupported_reason(torch.device(cfg.device), cfg.torch_dtype, dense) is None)
     settings.update(eos_token_id=eos, prompt_format=prompt_format)
     return settings
 

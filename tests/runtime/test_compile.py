@@ -141,7 +141,9 @@ def test_auto_draft_length_on_a_compiled_target_stays_in_one_program():
     out = specdec.generate(target, rows, draft=same, num_draft_tokens="auto", max_new_tokens=40)
     assert torch.equal(out.sequences[0], want[0])
     assert len(out.stats.per_position_acceptance) == 7  # reached k = 7 and never went past it
-    assert {shape[1] for shape in calls} == {8}  # the 9-token prefill ran eagerly: no 16-token program
+    # the 9-token prefill ran eagerly: no 16-token program. The k chosen from measured costs depends on
+    # timing, so the last step may have room for one token only: the one-token decode program
+    assert {shape[1] for shape in calls[:-1]} == {8} and calls[-1][1] in (1, 8)
 
 
 def test_max_autotune_quantized_model_equals_eager():

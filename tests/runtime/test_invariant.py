@@ -202,3 +202,22 @@ def test_turning_it_off_restores_the_batch_dependent_kernels(model):
         model.want_row_invariant = True
     assert not tiny_model(dtype=torch.float32).row_invariant
     assert "bfloat16" in invariant.unsupported_reason(torch.device("cpu"), torch.float32)
+
+
+def test_a_float32_model_with_block_quantized_linears_is_row_invariant_too():
+    """float32 (the 4-bit default where bf16 is slow): every linear in the block kernels, attention in
+    the row-invariant kernel; one dense linear makes the model batch-dependent again."""
+    import quant
+    from runtime.blockq import to_block_quant
+
+    model = _qwen_widths().float()
+    assert not model.row_invariant  # dense float32 linears: MKL's sgemm depends on the row count
+    quant.quantize_(model, quant.Int4WeightOnly(group_size=32, include_lm_head=True), progress=False)
+    to_block_quant(model)
+    assert model.row_invariant
+    tokens = torch.randint(0, 256, (1, 40), generator=_gen(7))
+    ref = _score(model, tokens, 21, [1] * 8)
+    for chunks in ([8], [3, 5]):
+        assert torch.equal(_score(model, tokens, 21, chunks), ref), chunks
+    assert torch.equal(_score(model, tokens, 21, [8], rows=3), ref)
+    assert invariant.unsupported_reason(torch.device("cpu"), torch.float32, dense_linears=False) is None
