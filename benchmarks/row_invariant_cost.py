@@ -4,6 +4,7 @@ against the batch-dependent ones, alternating per prompt in one process.
     python benchmarks/row_invariant_cost.py --out runs/row_invariant_cost                   # 1.5B bf16, 0.5B draft
     python benchmarks/row_invariant_cost.py --weights gguf --out runs/row_invariant_cost_gguf  # the 4-bit default
     python benchmarks/row_invariant_cost.py --model smollm2-135m-instruct --draft ngram --limit 4 --out runs/ric_quick
+    python benchmarks/row_invariant_cost.py --weights gguf --dtype float32 --draft ngram --out runs/ric_f32  # AVX2's
 
 For each of `--limit` HumanEval prompts (chat template, greedy, `--max-new-tokens`), the four runs
 plain / speculative x row-invariant on / off go in a rotating order; the target and the draft
@@ -47,6 +48,8 @@ def main() -> None:
     p.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct", help="a draft model, or ngram")
     p.add_argument("--num-draft-tokens", default="auto")
     p.add_argument("--weights", default="dense", choices=["dense", "gguf"])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="activations (float32: row-invariant with --weights gguf only)")
     p.add_argument("--limit", type=int, default=10)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
@@ -55,11 +58,12 @@ def main() -> None:
     k = args.num_draft_tokens if args.num_draft_tokens == "auto" else int(args.num_draft_tokens)
 
     print(cpu_summary(), flush=True)
-    target = runtime.load_model(args.model, dtype=torch.bfloat16, weights=args.weights, compile=args.compile)
+    dtype = getattr(torch, args.dtype)
+    target = runtime.load_model(args.model, dtype=dtype, weights=args.weights, compile=args.compile)
     models = [target]
     draft = args.draft
     if draft != "ngram":
-        draft = runtime.load_model(draft, dtype=torch.bfloat16, weights=args.weights, compile=args.compile)
+        draft = runtime.load_model(draft, dtype=dtype, weights=args.weights, compile=args.compile)
         models.append(draft)
     tok = runtime.load_tokenizer(args.model)
     prompts = [torch.tensor(encode(tok, [pr.turns[0]], [], raw=False))
@@ -96,7 +100,7 @@ def main() -> None:
         "spec_matches_plain_off": sum(r["spec-off"]["tokens"] == r["plain-off"]["tokens"] for r in rows),
         "plain_on_equals_off": sum(r["plain-on"]["tokens"] == r["plain-off"]["tokens"] for r in rows),
     }
-    lines = [f"Row-invariant kernels against batch-dependent ones: {args.model} bf16 ({args.weights}), draft "
+    lines = [f"Row-invariant kernels against batch-dependent ones: {args.model} {args.dtype} ({args.weights}), draft "
              f"{args.draft}@{args.num_draft_tokens}, {len(rows)} HumanEval chat prompts, {args.max_new_tokens} "
              f"tokens, {'compiled' if args.compile else 'eager'}; {summary['cpu']}", "",
              "| run | median tok/s |", "|---|---|"]
