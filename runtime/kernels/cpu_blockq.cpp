@@ -65,6 +65,7 @@ constexpr int kActBlock = 32;   // inputs per activation scale
 // 0.98x the time at 4 KB, 1-4 rows 1.00-1.04x slower, 2 KB 1.24x slower at 8-16 rows).
 constexpr int kPrefetchBytes = 4096;
 constexpr int kPrefetchBytesSpans = 8192;
+constexpr int kAvx2AheadBytes = 8192;  // gemm_avx2_supers' prefetch distance
 
 enum Isa : int64_t { kAuto = 0, kGeneric = 1, kVnni = 2, kAmx = 3, kAvx2 = 4 };
 
@@ -853,12 +854,10 @@ SPECDEC_AVX2_FN inline void avx2_scales(const Weights& w, int64_t b, int64_t sb,
 // The codes of half h (channels h*8 .. h*8 + 7 of each set) of one super-block's gps groups, from grp0, as bytes
 // below 64: u[(j R + r) 2 + s] holds row r of group j, set s (unpacked once for every row of a call).
 template <int BITS, int G>
-SPECDEC_AVX2_FN inline void avx2_unpack_half(const uint8_t* grp0, int64_t gps, int h, bool prefetch, __m256i* u) {
+SPECDEC_AVX2_FN inline void avx2_unpack_half(const uint8_t* grp0, int64_t gps, int h, __m256i* u) {
   constexpr int R = G / 4, kGroupBytes = group_bytes(BITS, G);
   for (int64_t j = 0; j < gps; ++j) {
     const uint8_t* grp = grp0 + j * kGroupBytes;
-    if (prefetch)
-      for (int off = 0; off < kGroupBytes; off += 64) prefetch_line((const char*)grp + kPrefetchBytes + off);
     for (int r = 0; r < R; ++r) {
       __m256i c0, c1;
       half_row_codes<BITS, G>(grp, r, h, c0, c1);
@@ -869,11 +868,13 @@ SPECDEC_AVX2_FN inline void avx2_unpack_half(const uint8_t* grp0, int64_t gps, i
 }
 
 // Rows m0 .. m0 + MT - 1, half h, of one super-block whose first group is g0, its codes unpacked in u:
-// yacc (MT rows of 32 floats) += the super-block's part of the output.
-template <int BITS, int G, int MT>
+// yacc (MT rows of 32 floats) += the super-block's part of the output. PF: prefetch the codes at `ahead` (a
+// super-block to come) a line or two per code row as the products go, so that memory stays busy however few rows
+// share the unpacked codes (in one burst per super-block it idled between bursts at 2-5 rows).
+template <int BITS, int G, int MT, bool PF>
 SPECDEC_AVX2_FN inline void avx2_super_rows(const __m256i* u, const Avx2Scales& sc, int64_t gps, int64_t g0,
-                                            const Acts& a, int64_t m0, int h, float* yacc) {
-  constexpr int R = G / 4;
+                                            const Acts& a, int64_t m0, int h, float* yacc, const uint8_t* ahead) {
+  constexpr int R = G / 4, kGroupLines = group_bytes(BITS, G) / 64;
   constexpr int kSpan = BITS == 4 ? R : BITS == 5 ? 4 : 2;  // as avx2_half
   const int64_t K = a.K, groups = K / G;
   const int8_t* xq[MT];
@@ -885,6 +886,9 @@ SPECDEC_AVX2_FN inline void avx2_super_rows(const __m256i* u, const Avx2Scales& 
     for (int i = 0; i < MT; ++i)
       for (int s = 0; s < 2; ++s) dot[i][s] = part[i][s] = _mm256_setzero_si256();
     for (int r = 0; r < R; ++r) {
+      if constexpr (PF)  // lines r L / R .. (r + 1) L / R - 1 of group j's L
+        for (int l = r * kGroupLines / R; l < (r + 1) * kGroupLines / R; ++l)
+          prefetch_line(ahead + (j * kGroupLines + l) * 64);
       const __m256i c0 = _mm256_load_si256(u + (j * R + r) * 2), c1 = _mm256_load_si256(u + (j * R + r) * 2 + 1);
       for (int i = 0; i < MT; ++i) {
         int32_t x4;
@@ -932,15 +936,27 @@ SPECDEC_AVX2_FN void gemm_avx2_supers(const Weights& w, const Acts& a, const flo
       std::fill(yacc, yacc + rows * 32, 0.f);
       for (int64_t sb = 0; sb < supers; ++sb) {
         avx2_scales(w, b, sb, G, sc);
+        const uint8_t* here = codes + sb * gps * kGroupBytes;
         for (int h = 0; h < 2; ++h) {
-          avx2_unpack_half<BITS, G>(codes + sb * gps * kGroupBytes, gps, h, h == 0 && m0 == 0, u);
+          avx2_unpack_half<BITS, G>(here, gps, h, u);
+          // the first row tile of the first half prefetches the codes kAvx2AheadBytes on
+          const uint8_t* ahead = here + kAvx2AheadBytes;
+          const int64_t g0 = sb * gps;
           int64_t i = 0;
-          for (; i + MT <= rows; i += MT) avx2_super_rows<BITS, G, MT>(u, sc, gps, sb * gps, a, m0 + i, h, yacc + i * 32);
+          if (h == 0 && m0 == 0) {
+            const int first = rows >= MT ? MT : rows >= 2 ? 2 : 1;
+            if (first == MT) avx2_super_rows<BITS, G, MT, true>(u, sc, gps, g0, a, m0, h, yacc, ahead);
+            else if (first == 2) avx2_super_rows<BITS, G, 2, true>(u, sc, gps, g0, a, m0, h, yacc, ahead);
+            else avx2_super_rows<BITS, G, 1, true>(u, sc, gps, g0, a, m0, h, yacc, ahead);
+            i = first;
+          }
+          for (; i + MT <= rows; i += MT)
+            avx2_super_rows<BITS, G, MT, false>(u, sc, gps, g0, a, m0 + i, h, yacc + i * 32, ahead);
           if (MT == 3 && i + 2 <= rows) {
-            avx2_super_rows<BITS, G, 2>(u, sc, gps, sb * gps, a, m0 + i, h, yacc + i * 32);
+            avx2_super_rows<BITS, G, 2, false>(u, sc, gps, g0, a, m0 + i, h, yacc + i * 32, ahead);
             i += 2;
           }
-          if (i < rows) avx2_super_rows<BITS, G, 1>(u, sc, gps, sb * gps, a, m0 + i, h, yacc + i * 32);
+          if (i < rows) avx2_super_rows<BITS, G, 1, false>(u, sc, gps, g0, a, m0 + i, h, yacc + i * 32, ahead);
         }
       }
       for (int64_t i = 0; i < rows; ++i)
@@ -1012,10 +1028,10 @@ SPECDEC_AVX2_FN void gemm_avx2_row(const Weights& w, const Acts& a, const float*
   }
 }
 
-// Calls of 2-5 rows stream faster through avx2_half: gemm_avx2_supers issues a super-block's prefetches in one burst
-// and few rows then leave the memory idle (the 1.5B's step on an AVX2-only EPYC: 2 / 4 rows 0.75 / 0.92x
-// gemm_avx2_supers' time, 8 / 16 / 128 rows 1.10 / 1.23 / 1.33x).
-constexpr int kAvx2SupersMinRows = 6;
+// Calls of 2-3 rows stream as fast through avx2_half (the 1.5B's step on an AVX2-only EPYC: gemm_avx2_supers 1.16 /
+// 1.03x its time at 2 / 3 rows, 0.96-0.98 / 0.91-0.96x at 4 / 5, and 0.93 / 0.97x its own time with a burst of
+// prefetches per super-block at 8 / 16 rows).
+constexpr int kAvx2SupersMinRows = 4;
 
 // Every row of blocks [b0, b1): where the scale codes enter the integer product, gemm_avx2_row for one row and
 // gemm_avx2_supers for kAvx2SupersMinRows+; else two rows at a time (16 vector registers hold no more), half by half.
