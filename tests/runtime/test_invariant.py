@@ -221,3 +221,23 @@ def test_a_float32_model_with_block_quantized_linears_is_row_invariant_too():
         assert torch.equal(_score(model, tokens, 21, chunks), ref), chunks
     assert torch.equal(_score(model, tokens, 21, [8], rows=3), ref)
     assert invariant.unsupported_reason(torch.device("cpu"), torch.float32, dense_linears=False) is None
+
+
+def test_the_dense_linear_scan_runs_once_and_follows_module_swaps():
+    """float32 `row_invariant` scans the modules once, not every forward, and rescans after a swap."""
+    import quant
+    from runtime.blockq import to_block_quant
+
+    model = _qwen_widths().float()
+    quant.quantize_(model, quant.Int4WeightOnly(group_size=32, include_lm_head=True), progress=False)
+    to_block_quant(model)
+    assert model.row_invariant
+    scans = []
+    walk = model.modules
+    model.modules = lambda: scans.append(1) or walk()
+    for _ in range(3):
+        assert model.row_invariant
+    assert len(scans) <= 1
+    mlp = model.layers[0].mlp
+    mlp.w2 = nn.Linear(mlp.w2.in_features, mlp.w2.out_features, bias=False)
+    assert not model.row_invariant  # a dense float32 linear again
