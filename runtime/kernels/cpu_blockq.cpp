@@ -882,40 +882,50 @@ SPECDEC_AVX2_FN inline void avx2_super_rows(const __m256i* u, const Avx2Scales& 
   __m256 aa[MT][2];
   for (int i = 0; i < MT; ++i) aa[i][0] = aa[i][1] = _mm256_setzero_ps();
   for (int64_t j = 0; j < gps; ++j) {
-    __m256i dot[MT][2], part[MT][2];
-    for (int i = 0; i < MT; ++i)
-      for (int s = 0; s < 2; ++s) dot[i][s] = part[i][s] = _mm256_setzero_si256();
-    for (int r = 0; r < R; ++r) {
-      if constexpr (PF)  // lines r L / R .. (r + 1) L / R - 1 of group j's L
-        for (int l = r * kGroupLines / R; l < (r + 1) * kGroupLines / R; ++l)
-          prefetch_line(ahead + (j * kGroupLines + l) * 64);
-      const __m256i c0 = _mm256_load_si256(u + (j * R + r) * 2), c1 = _mm256_load_si256(u + (j * R + r) * 2 + 1);
-      for (int i = 0; i < MT; ++i) {
-        int32_t x4;
-        std::memcpy(&x4, xq[i] + j * G + 4 * r, 4);
-        const __m256i xb = _mm256_set1_epi32(x4);
-        part[i][0] = _mm256_add_epi16(part[i][0], _mm256_maddubs_epi16(c0, xb));
-        part[i][1] = _mm256_add_epi16(part[i][1], _mm256_maddubs_epi16(c1, xb));
-        if ((r + 1) % kSpan == 0)
-          for (int s = 0; s < 2; ++s) {
-            dot[i][s] = _mm256_add_epi32(dot[i][s], _mm256_madd_epi16(part[i][s], sc.sc[j][s][h]));
-            part[i][s] = _mm256_setzero_si256();
-          }
+    __m256i dot[MT][2];
+    for (int i = 0; i < MT; ++i) dot[i][0] = dot[i][1] = _mm256_setzero_si256();
+    for (int r0 = 0; r0 < R; r0 += kSpan) {
+      __m256i part[MT][2];
+      for (int i = 0; i < MT; ++i) part[i][0] = part[i][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int r = r0; r < r0 + kSpan; ++r) {
+        if constexpr (PF)  // lines r L / R .. (r + 1) L / R - 1 of group j's L
+          for (int l = r * kGroupLines / R; l < (r + 1) * kGroupLines / R; ++l)
+            prefetch_line(ahead + (j * kGroupLines + l) * 64);
+        const __m256i c0 = _mm256_load_si256(u + (j * R + r) * 2), c1 = _mm256_load_si256(u + (j * R + r) * 2 + 1);
+        for (int i = 0; i < MT; ++i) {
+          int32_t x4;
+          std::memcpy(&x4, xq[i] + j * G + 4 * r, 4);
+          const __m256i xb = _mm256_set1_epi32(x4);
+          part[i][0] = _mm256_add_epi16(part[i][0], _mm256_maddubs_epi16(c0, xb));
+          part[i][1] = _mm256_add_epi16(part[i][1], _mm256_maddubs_epi16(c1, xb));
+          // keep each sum in order: GCC otherwise reassociates the chain, computes every product first and
+          // spills them to the stack (2.6x the instructions at 3 rows, seen in the disassembly)
+          asm("" : "+x"(part[i][0]), "+x"(part[i][1]));
+        }
       }
+      for (int i = 0; i < MT; ++i)
+        for (int s = 0; s < 2; ++s) dot[i][s] = _mm256_add_epi32(dot[i][s], _mm256_madd_epi16(part[i][s], sc.sc[j][s][h]));
     }
     for (int i = 0; i < MT; ++i) {
       const __m256 dx = _mm256_set1_ps(a.dx[(m0 + i) * (K / kActBlock) + (g0 + j) * G / kActBlock]);
       for (int s = 0; s < 2; ++s) aa[i][s] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i][s]), dx, aa[i][s]);
     }
   }
+  // the mins' sums: each (row, set) a chain over the groups in order (the other paths' bits), the 2 MT chains
+  // interleaved (one after the other, each waited on every fused multiply-add: ~15% of a 256-row call)
+  __m256 ba[MT][2];
+  for (int i = 0; i < MT; ++i) ba[i][0] = ba[i][1] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < gps; ++j)
+    for (int i = 0; i < MT; ++i) {
+      const __m256 xs = _mm256_set1_ps(a.xs[(m0 + i) * groups + g0 + j]);
+      for (int s = 0; s < 2; ++s) ba[i][s] = _mm256_fmadd_ps(sc.mc[j][s][h], xs, ba[i][s]);
+    }
   for (int i = 0; i < MT; ++i)
     for (int s = 0; s < 2; ++s) {
-      __m256 ba = _mm256_setzero_ps();
-      for (int64_t j = 0; j < gps; ++j)
-        ba = _mm256_fmadd_ps(sc.mc[j][s][h], _mm256_set1_ps(a.xs[(m0 + i) * groups + g0 + j]), ba);
       float* yp = yacc + i * 32 + s * kLanes + h * 8;
       const __m256 yv = _mm256_fmadd_ps(aa[i][s], sc.d[s][h], _mm256_load_ps(yp));
-      _mm256_store_ps(yp, _mm256_fnmadd_ps(ba, sc.dm[s][h], yv));
+      _mm256_store_ps(yp, _mm256_fnmadd_ps(ba[i][s], sc.dm[s][h], yv));
     }
 }
 
@@ -1028,10 +1038,10 @@ SPECDEC_AVX2_FN void gemm_avx2_row(const Weights& w, const Acts& a, const float*
   }
 }
 
-// Calls of 2-3 rows stream as fast through avx2_half (the 1.5B's step on an AVX2-only EPYC: gemm_avx2_supers 1.16 /
-// 1.03x its time at 2 / 3 rows, 0.96-0.98 / 0.91-0.96x at 4 / 5, and 0.93 / 0.97x its own time with a burst of
-// prefetches per super-block at 8 / 16 rows).
-constexpr int kAvx2SupersMinRows = 4;
+// Calls of 2 rows stream faster through avx2_half (the 1.5B's step on an AVX2-only EPYC: gemm_avx2_supers 1.16x its
+// time at 2 rows, 0.87x at 3, 0.91-0.98x at 4-5 and 0.93 / 0.97x its own time with a burst of prefetches per
+// super-block at 8 / 16 rows).
+constexpr int kAvx2SupersMinRows = 3;
 
 // Every row of blocks [b0, b1): where the scale codes enter the integer product, gemm_avx2_row for one row and
 // gemm_avx2_supers for kAvx2SupersMinRows+; else two rows at a time (16 vector registers hold no more), half by half.
