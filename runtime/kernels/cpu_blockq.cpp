@@ -900,7 +900,7 @@ SPECDEC_AVX2_FN inline void avx2_super_rows(const __m256i* u, const Avx2Scales& 
           part[i][0] = _mm256_add_epi16(part[i][0], _mm256_maddubs_epi16(c0, xb));
           part[i][1] = _mm256_add_epi16(part[i][1], _mm256_maddubs_epi16(c1, xb));
           // keep each sum in order: GCC otherwise reassociates the chain, computes every product first and
-          // spills them to the stack (2.6x the instructions at 3 rows, seen in the disassembly)
+          // spills them to the stack (seen in the disassembly of the 2-row tile)
           asm("" : "+x"(part[i][0]), "+x"(part[i][1]));
         }
       }
