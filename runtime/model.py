@@ -7,6 +7,7 @@ built on the `meta` device and its weights are assigned from safetensors by `run
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -35,6 +36,9 @@ from runtime.rope import Rope, apply_rope, rope_at
 # how many submodules have been registered in this process (any module's attribute set to a module,
 # `add_module`): a module swap anywhere bumps it, so `Transformer._has_dense_linear` knows to rescan
 _module_registrations = 0
+# model -> (module registrations when it was scanned, whether it has a dense nn.Linear); kept off the model so
+# that a forward sets no attribute on it
+_dense_scans: weakref.WeakKeyDictionary[nn.Module, tuple[int, bool]] = weakref.WeakKeyDictionary()
 
 
 def _count_registration(module: nn.Module, name: str, submodule: nn.Module | None) -> None:
@@ -217,7 +221,6 @@ class Transformer(nn.Module):
         self.compiled_step: Step | None = None
         self.row_cost = False  # set by compile_decode
         self.want_row_invariant = True  # see `row_invariant`
-        self._dense_scan: tuple[int, bool] | None = None  # (module registrations seen, any dense nn.Linear)
 
     @property
     def row_invariant(self) -> bool:
@@ -236,9 +239,10 @@ class Transformer(nn.Module):
         """Whether any submodule is a dense `nn.Linear`: scanned once per module-tree version (a scan of
         the 1.5B costs ~0.3 ms, read every forward), rescanned after any module is registered anywhere."""
         version = _module_registrations
-        if self._dense_scan is None or self._dense_scan[0] != version:
-            self._dense_scan = (version, any(type(m) is nn.Linear for m in self.modules()))
-        return self._dense_scan[1]
+        scan = _dense_scans.get(self)
+        if scan is None or scan[0] != version:
+            scan = _dense_scans[self] = (version, any(type(m) is nn.Linear for m in self.modules()))
+        return scan[1]
 
     @property
     def compiled(self) -> bool:
