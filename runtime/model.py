@@ -236,8 +236,8 @@ class Transformer(nn.Module):
         return unsupported_reason(self.device, self.dtype, dense) is None
 
     def _has_dense_linear(self) -> bool:
-        """Whether any submodule is a dense `nn.Linear`: scanned once per module-tree version (a scan of
-        the 1.5B costs ~0.3 ms, read every forward), rescanned after any module is registered anywhere."""
+        """Whether any submodule is a dense `nn.Linear`: scanned once per module-tree version (`row_invariant`
+        is read every forward), rescanned after any module is registered anywhere."""
         version = _module_registrations
         scan = _dense_scans.get(self)
         if scan is None or scan[0] != version:
