@@ -35,8 +35,10 @@ def _lowest_scale_code(grid: str) -> int:
     return 0 if grid.endswith("_6bit") else -20
 
 
-def _module(grid: str, K: int = 512, bias: bool = True, seed: int = 0) -> tuple[BlockQuantLinear, torch.Tensor]:
-    bits, G, S, shared, N = GRIDS[grid]
+def _module(grid: str, K: int = 512, bias: bool = True, seed: int = 0,
+            N: int | None = None) -> tuple[BlockQuantLinear, torch.Tensor]:
+    bits, G, S, shared, grid_n = GRIDS[grid]
+    N = N or grid_n
     g = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 1 << bits, (N, K), generator=g, dtype=torch.uint8)
     sc = torch.randint(_lowest_scale_code(grid), 64, (N, K // G), generator=g).to(torch.int8)
@@ -309,6 +311,28 @@ def test_a_module_call_compiles_into_one_graph(monkeypatch):
         torch._dynamo.reset()
         explained = torch._dynamo.explain(lambda t: module(t) * 2)(x)
         assert (explained.graph_count, explained.graph_break_count) == (1, 0), isa
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_the_threads_and_how_they_split_the_blocks_change_no_bit(rows):
+    """Every path gives the same bits on 1, 2 and 3 threads: the AVX2 path's threads take a contiguous
+    share of the blocks each, then chunks of the rest as they come free (here 37 blocks of 32 channels:
+    both the shares and the chunks run)."""
+    big, _ = _module("q4_k_6bit", N=37 * 32)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(rows, 512, generator=g).to(torch.bfloat16)
+    threads = torch.get_num_threads()
+    try:
+        for isa in cpu_blockq.isas():
+            outs = []
+            for n in (1, 2, 3):
+                torch.set_num_threads(n)
+                outs.append(cpu_blockq.blockq_mm(x, big.codes, big.sc, big.mc, big.d, big.dm, big.bias, big.bits,
+                                                 big.group_size, big.super_block, big.zero, isa=isa))
+            assert all(torch.equal(o, outs[0]) for o in outs[1:]), isa
+    finally:
+        torch.set_num_threads(threads)
 
 
 @needs_kernels
