@@ -1213,11 +1213,11 @@ Kernels<T> kernels_for(int bits, int G) {
 
 // ---------------------------------------------------------------- op
 
-// fn over blocks [0, nb) on every thread: each thread first takes kGuidedShare of an equal share as one contiguous
-// range (the stream the prefetchers follow), then the rest in chunks of kGuidedChunks per thread as threads come
-// free. Equal static ranges finish apart on an AVX2-only EPYC VM (a worker wakes later, the two cores' memory rates
-// differ): there a step's linears took 0.93-0.96x their time this way at 1-16 rows (paired medians over 31 steps;
-// docs/cpu_kernels.md). A block's output never depends on which thread computes it.
+// fn over blocks [0, nb) on every thread: each thread first takes kGuidedSharePercent of an equal share as one
+// contiguous range (the stream the prefetchers follow), then the rest in chunks, about kGuidedChunks a thread, as
+// threads come free. Equal static ranges finished apart on an AVX2-only EPYC VM (a worker wakes later, the two cores'
+// memory rates differ; the measurements are in docs/cpu_kernels.md). A block's output never depends on which thread
+// computes it.
 constexpr int64_t kGuidedSharePercent = 75, kGuidedChunks = 4;
 
 template <typename F>
