@@ -665,16 +665,22 @@ SPECDEC_AVX2_FN inline __m256i plane_bits(uint32_t m) {
   return _mm256_and_si256(_mm256_cmpeq_epi8(v, bit), _mm256_set1_epi8(0x10));
 }
 
-// acc (+ bias) into 8 outputs of type T (bf16: round to nearest even, as c10::BFloat16)
+// acc (+ bias) into 8 outputs of type T. bf16: c10::BFloat16's rounding in vector form (the same bits:
+// NaN -> 0x7FC0, else (u + 0x7FFF + bit 16 of u) >> 16); its scalar conversion, one output at a time, took
+// ~9% of a 512-row call of a 1536-input Q4_K weight.
 template <typename T>
 SPECDEC_AVX2_FN inline void store8(__m256 acc, const float* bias, T* out) {
   if (bias) acc = _mm256_add_ps(acc, _mm256_loadu_ps(bias));
   if constexpr (std::is_same_v<T, float>) {
     _mm256_storeu_ps(out, acc);
   } else {
-    alignas(32) float tmp[8];
-    _mm256_store_ps(tmp, acc);
-    for (int c = 0; c < 8; ++c) out[c] = (T)tmp[c];
+    static_assert(std::is_same_v<T, c10::BFloat16>, "store8 writes float32 or bf16");
+    const __m256i u = _mm256_castps_si256(acc);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(acc, acc, _CMP_UNORD_Q));
+    const __m256i v = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), nan);  // 8 values below 2^16
+    _mm_storeu_si128((__m128i*)out, _mm_packus_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
   }
 }
 
@@ -869,15 +875,17 @@ SPECDEC_AVX2_FN inline void avx2_unpack_half(const uint8_t* grp0, int64_t gps, i
 }
 
 // Rows m0 .. m0 + MT - 1, half h, of one super-block whose first group is g0, its codes unpacked in u:
-// yacc (MT rows of 32 floats) += the super-block's part of the output. PF: prefetch the codes at `ahead` (a
+// yacc (MT rows of 32 floats) += the super-block's part of the output, its mins' sums given in bsum (as
+// avx2_min_sums writes them). PF: prefetch the codes at `ahead` (a
 // super-block to come) a line or two per code row as the products go, so that memory stays busy however few rows
 // share the unpacked codes (in one burst per super-block it idled between bursts at 2-5 rows).
 template <int BITS, int G, int MT, bool PF>
 SPECDEC_AVX2_FN inline void avx2_super_rows(const __m256i* u, const Avx2Scales& sc, int64_t gps, int64_t g0,
-                                            const Acts& a, int64_t m0, int h, float* yacc, const uint8_t* ahead) {
+                                            const Acts& a, int64_t m0, int h, const float* bsum, float* yacc,
+                                            const uint8_t* ahead) {
   constexpr int R = G / 4, kGroupLines = group_bytes(BITS, G) / 64;
   constexpr int kSpan = BITS == 4 ? R : BITS == 5 ? 4 : 2;  // as avx2_half
-  const int64_t K = a.K, groups = K / G;
+  const int64_t K = a.K;
   const int8_t* xq[MT];
   for (int i = 0; i < MT; ++i) xq[i] = a.xq + (m0 + i) * K + g0 * G;
   __m256 aa[MT][2];
@@ -913,8 +921,22 @@ SPECDEC_AVX2_FN inline void avx2_super_rows(const __m256i* u, const Avx2Scales& 
       for (int s = 0; s < 2; ++s) aa[i][s] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i][s]), dx, aa[i][s]);
     }
   }
-  // the mins' sums: each (row, set) a chain over the groups in order (the other paths' bits), the 2 MT chains
-  // interleaved (one after the other, each waited on every fused multiply-add: ~15% of a 256-row call)
+  for (int i = 0; i < MT; ++i)
+    for (int s = 0; s < 2; ++s) {
+      float* yp = yacc + i * 32 + s * kLanes + h * 8;
+      const __m256 yv = _mm256_fmadd_ps(aa[i][s], sc.d[s][h], _mm256_load_ps(yp));
+      _mm256_store_ps(yp, _mm256_fnmadd_ps(_mm256_load_ps(bsum + i * 16 + s * 8), sc.dm[s][h], yv));
+    }
+}
+
+// The mins' sums of rows m0 .. m0 + MT - 1, half h, of one super-block whose first group is g0: bsum[i 16 + s 8 ..]
+// (8 channels of set s) = the sum over its groups, in order, of mc * xs (each (row, set) one chain, the other
+// paths' bits). Taken out of avx2_super_rows, which has no registers left to interleave them with its products:
+// there its 2 x 3 chains waited on each fused multiply-add (~8% of a 512-row call); 4 rows here give 8 chains.
+template <int G, int MT>
+SPECDEC_AVX2_FN inline void avx2_min_sums(const Avx2Scales& sc, int64_t gps, int64_t g0, const Acts& a, int64_t m0,
+                                          int h, float* bsum) {
+  const int64_t groups = a.K / G;
   __m256 ba[MT][2];
   for (int i = 0; i < MT; ++i) ba[i][0] = ba[i][1] = _mm256_setzero_ps();
   for (int64_t j = 0; j < gps; ++j)
@@ -923,21 +945,18 @@ SPECDEC_AVX2_FN inline void avx2_super_rows(const __m256i* u, const Avx2Scales& 
       for (int s = 0; s < 2; ++s) ba[i][s] = _mm256_fmadd_ps(sc.mc[j][s][h], xs, ba[i][s]);
     }
   for (int i = 0; i < MT; ++i)
-    for (int s = 0; s < 2; ++s) {
-      float* yp = yacc + i * 32 + s * kLanes + h * 8;
-      const __m256 yv = _mm256_fmadd_ps(aa[i][s], sc.d[s][h], _mm256_load_ps(yp));
-      _mm256_store_ps(yp, _mm256_fnmadd_ps(ba[i][s], sc.dm[s][h], yv));
-    }
+    for (int s = 0; s < 2; ++s) _mm256_store_ps(bsum + i * 16 + s * 8, ba[i][s]);
 }
 
 // Blocks [b0, b1) of 2+ rows with avx2_super_rows: up to kChunk rows at a time, each super-block in turn, its
-// scales and each half's codes unpacked once, then 3 rows at a time with 4-bit codes and 2 with 5 or 6 (what 16
-// vector registers hold).
+// scales and each half's codes unpacked once, the mins' sums of every row, then 3 rows at a time with 4-bit codes
+// and 2 with 5 or 6 (what 16 vector registers hold). 128-row chunks took 0.90-0.97x the time of 32-row ones in
+// 128- and 512-row calls of the 1.5B's linears (fewer passes over each block's codes), 512-row ones no less.
 template <int BITS, int G, typename T>
 SPECDEC_AVX2_FN void gemm_avx2_supers(const Weights& w, const Acts& a, const float* bias, T* y, int64_t b0, int64_t b1) {
-  constexpr int kGroupBytes = group_bytes(BITS, G), kChunk = 32, MT = BITS == 4 ? 3 : 2;
+  constexpr int kGroupBytes = group_bytes(BITS, G), kChunk = 128, MT = BITS == 4 ? 3 : 2;
   const int64_t groups = w.K / G, supers = w.K / w.S, gps = w.S / G;
-  alignas(32) float yacc[kChunk * 32];
+  alignas(32) float yacc[kChunk * 32], bsum[kChunk * 16];
   alignas(32) __m256i u[kMaxGroupsPerSuper * 8 * 2];  // a super-block's half: up to 16 groups of up to 8 rows, 2 sets
   Avx2Scales sc;
   for (int64_t b = b0; b < b1; ++b) {
@@ -954,20 +973,29 @@ SPECDEC_AVX2_FN void gemm_avx2_supers(const Weights& w, const Acts& a, const flo
           const uint8_t* ahead = here + kAvx2AheadBytes;
           const int64_t g0 = sb * gps;
           int64_t i = 0;
+          for (; i + 4 <= rows; i += 4) avx2_min_sums<G, 4>(sc, gps, g0, a, m0 + i, h, bsum + i * 16);
+          switch (rows - i) {
+            case 3: avx2_min_sums<G, 3>(sc, gps, g0, a, m0 + i, h, bsum + i * 16); break;
+            case 2: avx2_min_sums<G, 2>(sc, gps, g0, a, m0 + i, h, bsum + i * 16); break;
+            case 1: avx2_min_sums<G, 1>(sc, gps, g0, a, m0 + i, h, bsum + i * 16); break;
+            default: break;
+          }
+          i = 0;
           if (h == 0 && m0 == 0) {
             const int first = rows >= MT ? MT : rows >= 2 ? 2 : 1;
-            if (first == MT) avx2_super_rows<BITS, G, MT, true>(u, sc, gps, g0, a, m0, h, yacc, ahead);
-            else if (first == 2) avx2_super_rows<BITS, G, 2, true>(u, sc, gps, g0, a, m0, h, yacc, ahead);
-            else avx2_super_rows<BITS, G, 1, true>(u, sc, gps, g0, a, m0, h, yacc, ahead);
+            if (first == MT) avx2_super_rows<BITS, G, MT, true>(u, sc, gps, g0, a, m0, h, bsum, yacc, ahead);
+            else if (first == 2) avx2_super_rows<BITS, G, 2, true>(u, sc, gps, g0, a, m0, h, bsum, yacc, ahead);
+            else avx2_super_rows<BITS, G, 1, true>(u, sc, gps, g0, a, m0, h, bsum, yacc, ahead);
             i = first;
           }
           for (; i + MT <= rows; i += MT)
-            avx2_super_rows<BITS, G, MT, false>(u, sc, gps, g0, a, m0 + i, h, yacc + i * 32, ahead);
+            avx2_super_rows<BITS, G, MT, false>(u, sc, gps, g0, a, m0 + i, h, bsum + i * 16, yacc + i * 32, ahead);
           if (MT == 3 && i + 2 <= rows) {
-            avx2_super_rows<BITS, G, 2, false>(u, sc, gps, g0, a, m0 + i, h, yacc + i * 32, ahead);
+            avx2_super_rows<BITS, G, 2, false>(u, sc, gps, g0, a, m0 + i, h, bsum + i * 16, yacc + i * 32, ahead);
             i += 2;
           }
-          if (i < rows) avx2_super_rows<BITS, G, 1, false>(u, sc, gps, g0, a, m0 + i, h, yacc + i * 32, ahead);
+          if (i < rows)
+            avx2_super_rows<BITS, G, 1, false>(u, sc, gps, g0, a, m0 + i, h, bsum + i * 16, yacc + i * 32, ahead);
         }
       }
       for (int64_t i = 0; i < rows; ++i)

@@ -133,11 +133,12 @@ def test_kernel_matches_float64_reference(grid, rows):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_path_gives_the_same_bits(grid, dtype):
     """Every path this CPU runs (AVX2 too on AVX-512 CPUs) equals the plain C++ path bit for bit, at
-    every row count a verification block, a tree or a served batch meets (1-17, then up to 64)."""
+    every row count a verification block, a tree or a served batch meets (1-17, then up to 64), and a
+    prefill chunk longer than the AVX2 path's 128 rows a pass."""
     module, _ = _module(grid)
     m = module
     assert "avx2" in cpu_blockq.isas() or "vnni" not in cpu_blockq.isas()  # AVX-512 CPUs test AVX2 too
-    for rows in (*range(1, 18), 23, 31, 33, 48, 64):
+    for rows in (*range(1, 18), 23, 31, 33, 48, 64, 133):
         x = torch.randn(rows, m.in_features, generator=torch.Generator().manual_seed(rows)).to(dtype)
         outs = {isa: cpu_blockq.blockq_mm(x, m.codes, m.sc, m.mc, m.d, m.dm, m.bias, m.bits, m.group_size,
                                           m.super_block, isa=isa) for isa in cpu_blockq.isas()}
@@ -284,19 +285,25 @@ def test_the_isa_switch_runs_a_whole_module_on_the_path_it_names(monkeypatch):
 
 @needs_kernels
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_a_non_finite_input_gives_non_finite_outputs_on_every_path(bad):
+@pytest.mark.parametrize("rows", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_non_finite_input_gives_non_finite_outputs_on_every_path(bad, rows, dtype):
     """NaN / inf activations are not rounded to finite int8 codes: the row's outputs are non-finite
-    (so NonFiniteLogitsError fires), on every path; the other rows are untouched."""
+    (so NonFiniteLogitsError fires), on every path; the other rows are untouched. In bf16 a NaN is
+    stored as c10::BFloat16 stores it (0x7FC0) on every path."""
     module, _ = _module("q4_k")
-    x = torch.randn(3, module.in_features, generator=torch.Generator().manual_seed(4))
+    x = torch.randn(rows, module.in_features, generator=torch.Generator().manual_seed(4)).to(dtype)
     clean = module(x)
-    x[1, 7] = bad
+    x[rows // 2, 7] = bad
     for isa in cpu_blockq.isas():
         m = module
         y = cpu_blockq.blockq_mm(x, m.codes, m.sc, m.mc, m.d, m.dm, m.bias, m.bits, m.group_size, m.super_block,
                                  m.zero, isa=isa)
-        assert not torch.isfinite(y[1]).any(), isa
-        assert torch.equal(y[0], clean[0]) and torch.equal(y[2], clean[2]), isa
+        assert not torch.isfinite(y[rows // 2]).any(), isa
+        others = [i for i in range(rows) if i != rows // 2]
+        assert torch.equal(y[others], clean[others]), isa
+        if dtype == torch.bfloat16 and bad != bad:
+            assert set(y[rows // 2].view(torch.int16).tolist()) == {0x7FC0}, isa
 
 
 @needs_kernels
