@@ -876,9 +876,9 @@ SPECDEC_AVX2_FN inline void avx2_unpack_half(const uint8_t* grp0, int64_t gps, i
 
 // Rows m0 .. m0 + MT - 1, half h, of one super-block whose first group is g0, its codes unpacked in u:
 // yacc (MT rows of 32 floats) += the super-block's part of the output, its mins' sums given in bsum (as
-// avx2_min_sums writes them). PF: prefetch the codes at `ahead` (a
-// super-block to come) a line or two per code row as the products go, so that memory stays busy however few rows
-// share the unpacked codes (in one burst per super-block it idled between bursts at 2-5 rows).
+// avx2_min_sums writes them). PF: prefetch the codes at `ahead` (a super-block to come) a line or two per code row
+// as the products go, so that memory stays busy however few rows share the unpacked codes (in one burst per
+// super-block it idled between bursts at 2-5 rows).
 template <int BITS, int G, int MT, bool PF>
 SPECDEC_AVX2_FN inline void avx2_super_rows(const __m256i* u, const Avx2Scales& sc, int64_t gps, int64_t g0,
                                             const Acts& a, int64_t m0, int h, const float* bsum, float* yacc,
@@ -948,6 +948,20 @@ SPECDEC_AVX2_FN inline void avx2_min_sums(const Avx2Scales& sc, int64_t gps, int
     for (int s = 0; s < 2; ++s) _mm256_store_ps(bsum + i * 16 + s * 8, ba[i][s]);
 }
 
+// avx2_min_sums for `rows` rows from m0, 4 at a time (8 independent chains), then the 1-3 left
+template <int G>
+SPECDEC_AVX2_FN inline void avx2_chunk_min_sums(const Avx2Scales& sc, int64_t gps, int64_t g0, const Acts& a,
+                                                int64_t m0, int64_t rows, int h, float* bsum) {
+  int64_t i = 0;
+  for (; i + 4 <= rows; i += 4) avx2_min_sums<G, 4>(sc, gps, g0, a, m0 + i, h, bsum + i * 16);
+  switch (rows - i) {
+    case 3: return avx2_min_sums<G, 3>(sc, gps, g0, a, m0 + i, h, bsum + i * 16);
+    case 2: return avx2_min_sums<G, 2>(sc, gps, g0, a, m0 + i, h, bsum + i * 16);
+    case 1: return avx2_min_sums<G, 1>(sc, gps, g0, a, m0 + i, h, bsum + i * 16);
+    default: return;
+  }
+}
+
 // Blocks [b0, b1) of 2+ rows with avx2_super_rows: up to kChunk rows at a time, each super-block in turn, its
 // scales and each half's codes unpacked once, the mins' sums of every row, then 3 rows at a time with 4-bit codes
 // and 2 with 5 or 6 (what 16 vector registers hold). 128-row chunks took 0.90-0.97x the time of 32-row ones in
@@ -972,15 +986,8 @@ SPECDEC_AVX2_FN void gemm_avx2_supers(const Weights& w, const Acts& a, const flo
           // the first row tile of the first half prefetches the codes kAvx2AheadBytes on
           const uint8_t* ahead = here + kAvx2AheadBytes;
           const int64_t g0 = sb * gps;
+          avx2_chunk_min_sums<G>(sc, gps, g0, a, m0, rows, h, bsum);
           int64_t i = 0;
-          for (; i + 4 <= rows; i += 4) avx2_min_sums<G, 4>(sc, gps, g0, a, m0 + i, h, bsum + i * 16);
-          switch (rows - i) {
-            case 3: avx2_min_sums<G, 3>(sc, gps, g0, a, m0 + i, h, bsum + i * 16); break;
-            case 2: avx2_min_sums<G, 2>(sc, gps, g0, a, m0 + i, h, bsum + i * 16); break;
-            case 1: avx2_min_sums<G, 1>(sc, gps, g0, a, m0 + i, h, bsum + i * 16); break;
-            default: break;
-          }
-          i = 0;
           if (h == 0 && m0 == 0) {
             const int first = rows >= MT ? MT : rows >= 2 ? 2 : 1;
             if (first == MT) avx2_super_rows<BITS, G, MT, true>(u, sc, gps, g0, a, m0, h, bsum, yacc, ahead);
