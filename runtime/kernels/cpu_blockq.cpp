@@ -1074,18 +1074,87 @@ SPECDEC_AVX2_FN void gemm_avx2_row(const Weights& w, const Acts& a, const float*
   }
 }
 
-// Calls of 2 rows stream faster through avx2_half (the 1.5B's step on an AVX2-only EPYC: gemm_avx2_supers 1.16x its
-// time at 2 rows, 0.87x at 3, 0.91-0.98x at 4-5 and 0.93 / 0.97x its own time with a burst of prefetches per
-// super-block at 8 / 16 rows).
+// Two rows of blocks [b0, b1) with 4-bit codes (one int16 span per group, as avx2_half): each group half by half
+// while its lines are in L1 (the codes read from memory once; avx2_half reads a block twice, once a half), both
+// rows sharing each unpacked code row, a super-block's scales unpacked once and entering the integer product. 16
+// vector registers hold the two rows' float sums of both halves and one half's int16 sums. The 1.5B's 4-bit step
+// linears on an AVX2-only EPYC: 0.86x avx2_half's time at 2 rows (1.08x one row, was 1.19-1.26x); 6-bit codes in
+// groups of 16 (int32 span sums: 4 more registers) were no faster than avx2_half (1.00x), so they keep it.
+template <int G, typename T>
+SPECDEC_AVX2_FN void gemm_avx2_row2(const Weights& w, const Acts& a, const float* bias, T* y, int64_t b0, int64_t b1) {
+  constexpr int R = G / 4, kGroupBytes = group_bytes(4, G);
+  const int64_t groups = w.K / G, supers = w.K / w.S, gps = w.S / G, K = a.K, act_blocks = K / kActBlock;
+  alignas(32) float yacc[2 * 32];
+  Avx2Scales sc;
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint8_t* codes = w.codes + b * groups * kGroupBytes;
+    std::fill(yacc, yacc + 2 * 32, 0.f);
+    for (int64_t sb = 0; sb < supers; ++sb) {
+      avx2_scales(w, b, sb, G, sc);
+      __m256 aa[2][2][2];  // [row][set][half]
+      for (int i = 0; i < 2; ++i)
+        for (int s = 0; s < 2; ++s) aa[i][s][0] = aa[i][s][1] = _mm256_setzero_ps();
+      for (int64_t j = 0; j < gps; ++j) {
+        const int64_t g = sb * gps + j;
+        const uint8_t* grp = codes + g * kGroupBytes;
+        for (int off = 0; off < kGroupBytes; off += 64) prefetch_line((const char*)grp + kPrefetchBytes + off);
+        for (int h = 0; h < 2; ++h) {
+          __m256i part[2][2];
+          for (int i = 0; i < 2; ++i) part[i][0] = part[i][1] = _mm256_setzero_si256();
+          for (int r = 0; r < R; ++r) {
+            __m256i c0, c1;
+            half_row_codes<4, G>(grp, r, h, c0, c1);
+            for (int i = 0; i < 2; ++i) {
+              int32_t x4;
+              std::memcpy(&x4, a.xq + i * K + g * G + 4 * r, 4);
+              const __m256i xb = _mm256_set1_epi32(x4);
+              part[i][0] = _mm256_add_epi16(part[i][0], _mm256_maddubs_epi16(c0, xb));
+              part[i][1] = _mm256_add_epi16(part[i][1], _mm256_maddubs_epi16(c1, xb));
+              asm("" : "+x"(part[i][0]), "+x"(part[i][1]));  // keep each sum in order (as avx2_super_rows)
+            }
+          }
+          for (int i = 0; i < 2; ++i) {
+            const __m256 dx = _mm256_set1_ps(a.dx[i * act_blocks + g * G / kActBlock]);
+            for (int s = 0; s < 2; ++s)
+              aa[i][s][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(part[i][s], sc.sc[j][s][h])), dx,
+                                            aa[i][s][h]);
+          }
+        }
+      }
+      for (int i = 0; i < 2; ++i)
+        for (int s = 0; s < 2; ++s)
+          for (int h = 0; h < 2; ++h) {
+            __m256 ba = _mm256_setzero_ps();
+            for (int64_t j = 0; j < gps; ++j)
+              ba = _mm256_fmadd_ps(sc.mc[j][s][h], _mm256_set1_ps(a.xs[i * groups + sb * gps + j]), ba);
+            float* yp = yacc + i * 32 + s * kLanes + h * 8;
+            const __m256 yv = _mm256_fmadd_ps(aa[i][s][h], sc.d[s][h], _mm256_load_ps(yp));
+            _mm256_store_ps(yp, _mm256_fnmadd_ps(ba, sc.dm[s][h], yv));
+          }
+    }
+    for (int i = 0; i < 2; ++i)
+      for (int c = 0; c < 32; c += 8) {
+        const int64_t n = b * 32 + c;
+        store8(_mm256_load_ps(yacc + i * 32 + c), bias ? bias + n : nullptr, y + i * w.N + n);
+      }
+  }
+}
+
+// Calls of 2 rows stream faster through gemm_avx2_row2 (4-bit codes) or avx2_half (the 1.5B's step on an AVX2-only
+// EPYC: gemm_avx2_supers 1.16x avx2_half's time at 2 rows, 0.87x at 3, 0.91-0.98x at 4-5 and 0.93 / 0.97x its own
+// time with a burst of prefetches per super-block at 8 / 16 rows).
 constexpr int kAvx2SupersMinRows = 3;
 
-// Every row of blocks [b0, b1): where the scale codes enter the integer product, gemm_avx2_row for one row and
-// gemm_avx2_supers for kAvx2SupersMinRows+; else two rows at a time (16 vector registers hold no more), half by half.
+// Every row of blocks [b0, b1): where the scale codes enter the integer product, gemm_avx2_row for one row,
+// gemm_avx2_row2 for two rows of 4-bit codes and gemm_avx2_supers for kAvx2SupersMinRows+; else two rows at a time
+// (16 vector registers hold no more), half by half.
 template <int BITS, int G, typename T>
 SPECDEC_AVX2_FN void gemm_avx2(const Weights& w, const Acts& a, const float* bias, T* y, int64_t b0, int64_t b1) {
   if constexpr (avx2_int_scales<BITS, G>()) {
     if (a.M >= kAvx2SupersMinRows) return gemm_avx2_supers<BITS, G, T>(w, a, bias, y, b0, b1);
     if (a.M == 1) return gemm_avx2_row<BITS, G, T>(w, a, bias, y, b0, b1);
+    if constexpr (BITS == 4)
+      if (a.M == 2) return gemm_avx2_row2<G, T>(w, a, bias, y, b0, b1);
   }
   for (int64_t b = b0; b < b1; ++b)
     for (int h = 0; h < 2; ++h) {

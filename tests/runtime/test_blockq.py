@@ -169,12 +169,12 @@ def test_extreme_codes_scales_and_activations_give_the_same_bits_on_every_path(g
     mc = sc if shared else torch.randint(0, 64, (N, K // G), generator=g).to(torch.int8)
     d, dm = torch.rand(N, K // S, generator=g) * 1e-3, torch.rand(N, K // S, generator=g) * 1e-3
     m = BlockQuantLinear.from_canonical(q, sc, mc, d, dm, bits, G, S)
-    x = torch.ones(8, K)  # 8 rows and 3: both AVX2 kernels (6+ rows take a super-block at a time)
+    x = torch.ones(8, K)  # 8, 2, 1 and 3 rows: each AVX2 kernel (3+ rows take a super-block at a time)
     x[1::3] = -1.0
     x[2::3, 1::2] = -1.0
     x[3] = torch.randn(K, generator=g)
     for dtype in (torch.float32, torch.bfloat16):
-        for rows in (8, 3):
+        for rows in (8, 2, 1, 3):  # 3 last: the reference check below
             args = (m.codes, m.sc, m.mc, m.d, m.dm, None, m.bits, m.group_size, m.super_block, m.zero)
             outs = {isa: cpu_blockq.blockq_mm(x[:rows].to(dtype), *args, isa=isa) for isa in cpu_blockq.isas()}
             for isa, y in outs.items():
