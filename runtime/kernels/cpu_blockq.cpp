@@ -1084,7 +1084,7 @@ template <int G, typename T>
 SPECDEC_AVX2_FN void gemm_avx2_row2(const Weights& w, const Acts& a, const float* bias, T* y, int64_t b0, int64_t b1) {
   constexpr int R = G / 4, kGroupBytes = group_bytes(4, G);
   const int64_t groups = w.K / G, supers = w.K / w.S, gps = w.S / G, K = a.K, act_blocks = K / kActBlock;
-  alignas(32) float yacc[2 * 32];
+  alignas(32) float yacc[2 * 32], bsum[2 * 16];
   Avx2Scales sc;
   for (int64_t b = b0; b < b1; ++b) {
     const uint8_t* codes = w.codes + b * groups * kGroupBytes;
@@ -1121,16 +1121,15 @@ SPECDEC_AVX2_FN void gemm_avx2_row2(const Weights& w, const Acts& a, const float
           }
         }
       }
-      for (int i = 0; i < 2; ++i)
-        for (int s = 0; s < 2; ++s)
-          for (int h = 0; h < 2; ++h) {
-            __m256 ba = _mm256_setzero_ps();
-            for (int64_t j = 0; j < gps; ++j)
-              ba = _mm256_fmadd_ps(sc.mc[j][s][h], _mm256_set1_ps(a.xs[i * groups + sb * gps + j]), ba);
+      for (int h = 0; h < 2; ++h) {
+        avx2_min_sums<G, 2>(sc, gps, sb * gps, a, 0, h, bsum);
+        for (int i = 0; i < 2; ++i)
+          for (int s = 0; s < 2; ++s) {
             float* yp = yacc + i * 32 + s * kLanes + h * 8;
             const __m256 yv = _mm256_fmadd_ps(aa[i][s][h], sc.d[s][h], _mm256_load_ps(yp));
-            _mm256_store_ps(yp, _mm256_fnmadd_ps(ba, sc.dm[s][h], yv));
+            _mm256_store_ps(yp, _mm256_fnmadd_ps(_mm256_load_ps(bsum + i * 16 + s * 8), sc.dm[s][h], yv));
           }
+      }
     }
     for (int i = 0; i < 2; ++i)
       for (int c = 0; c < 32; c += 8) {
