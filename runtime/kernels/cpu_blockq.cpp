@@ -1074,64 +1074,120 @@ SPECDEC_AVX2_FN void gemm_avx2_row(const Weights& w, const Acts& a, const float*
   }
 }
 
-// Two rows of blocks [b0, b1) with 4-bit codes (one int16 span per group, as avx2_half): each group half by half
-// while its lines are in L1 (the codes read from memory once; avx2_half reads a block twice, once a half), both
-// rows sharing each unpacked code row, a super-block's scales unpacked once and entering the integer product. 16
-// vector registers hold the two rows' float sums of both halves and one half's int16 sums. The 1.5B's 4-bit step
-// linears on an AVX2-only EPYC: 0.86x avx2_half's time at 2 rows (1.08x one row, was 1.19-1.26x); 6-bit codes in
-// groups of 16 (int32 span sums: 4 more registers) were no faster than avx2_half (1.00x), so they keep it.
-template <int G, typename T>
-SPECDEC_AVX2_FN void gemm_avx2_row2(const Weights& w, const Acts& a, const float* bias, T* y, int64_t b0, int64_t b1) {
+// q0 / q1 += one code row of sets 0 / 1 (c0, c1) times the 4 activations at x, in int16
+SPECDEC_AVX2_FN inline void avx2_add_row(__m256i& q0, __m256i& q1, __m256i c0, __m256i c1, const int8_t* x) {
+  int32_t x4;
+  std::memcpy(&x4, x, 4);
+  const __m256i xb = _mm256_set1_epi32(x4);
+  q0 = _mm256_add_epi16(q0, _mm256_maddubs_epi16(c0, xb));
+  q1 = _mm256_add_epi16(q1, _mm256_maddubs_epi16(c1, xb));
+  asm("" : "+x"(q0), "+x"(q1));  // keep each sum in order (as avx2_super_rows)
+}
+
+// Rows m0 .. m0 + NR - 1 (NR <= 4) of one super-block of 4-bit codes (one int16 span per group, as avx2_half) whose
+// first group g0 starts at grp0: yacc (NR rows of 32 floats) += the super-block's part of the output. Each group half
+// by half while its lines are in L1 (the codes read from memory once; avx2_half reads a block twice, once a half),
+// every row sharing each unpacked code row, the scale codes entering the integer product; the float sums of the
+// groups wait in aa, in L1 (NR rows x 2 sets x 2 halves: more than 16 vector registers hold beside the int16 sums).
+// PF: prefetch each group's lines kPrefetchBytes on (the first row tile of a call; the others find the super-block in
+// L1). Every sum in the other paths' order (each float chain over the groups in order).
+template <int G, int NR, bool PF>
+SPECDEC_AVX2_FN inline void avx2_stream_rows(const uint8_t* grp0, const Avx2Scales& sc, int64_t gps, int64_t g0,
+                                             const Acts& a, int64_t m0, float* yacc, float* bsum) {
   constexpr int R = G / 4, kGroupBytes = group_bytes(4, G);
-  const int64_t groups = w.K / G, supers = w.K / w.S, gps = w.S / G, K = a.K, act_blocks = K / kActBlock;
-  alignas(32) float yacc[2 * 32], bsum[2 * 16];
+  const int64_t K = a.K, act_blocks = K / kActBlock;
+  // the groups' float sums, [row][set][half]: in registers for 1-2 rows, in L1 for 3-4 (16 vector registers hold
+  // no more beside the int16 sums; in L1 at 2 rows: 1.10x the time)
+  constexpr bool kRegs = NR <= 2;
+  __m256 ar[kRegs ? NR : 1][2][2];
+  alignas(32) float am[kRegs ? 1 : NR][2][2][8];
+  const int8_t* xq[NR];
+  for (int i = 0; i < NR; ++i) xq[i] = a.xq + (m0 + i) * K + g0 * G;
+  for (int i = 0; i < NR; ++i)
+    for (int s = 0; s < 2; ++s)
+      for (int h = 0; h < 2; ++h) {
+        if constexpr (kRegs) ar[i][s][h] = _mm256_setzero_ps();
+        else _mm256_store_ps(am[i][s][h], _mm256_setzero_ps());
+      }
+  for (int64_t j = 0; j < gps; ++j) {
+    const uint8_t* grp = grp0 + j * kGroupBytes;
+    const int64_t g = g0 + j;
+    if constexpr (PF)
+      for (int off = 0; off < kGroupBytes; off += 64) prefetch_line((const char*)grp + kPrefetchBytes + off);
+    for (int h = 0; h < 2; ++h) {
+      // int16 sums of row i's sets 0 and 1 in named variables: as arrays of 8 vectors GCC kept them in memory
+      __m256i s00 = _mm256_setzero_si256(), s01 = s00, s10 = s00, s11 = s00, s20 = s00, s21 = s00, s30 = s00, s31 = s00;
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        __m256i c0, c1;
+        half_row_codes<4, G>(grp, r, h, c0, c1);
+        const int64_t at = j * G + 4 * r;
+        avx2_add_row(s00, s01, c0, c1, xq[0] + at);
+        if constexpr (NR > 1) avx2_add_row(s10, s11, c0, c1, xq[1] + at);
+        if constexpr (NR > 2) avx2_add_row(s20, s21, c0, c1, xq[2] + at);
+        if constexpr (NR > 3) avx2_add_row(s30, s31, c0, c1, xq[3] + at);
+      }
+      const __m256i sums[4][2] = {{s00, s01}, {s10, s11}, {s20, s21}, {s30, s31}};
+      for (int i = 0; i < NR; ++i) {
+        const __m256 dx = _mm256_set1_ps(a.dx[(m0 + i) * act_blocks + g * G / kActBlock]);
+        for (int s = 0; s < 2; ++s) {
+          const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[i][s], sc.sc[j][s][h]));
+          if constexpr (kRegs) ar[i][s][h] = _mm256_fmadd_ps(p, dx, ar[i][s][h]);
+          else _mm256_store_ps(am[i][s][h], _mm256_fmadd_ps(p, dx, _mm256_load_ps(am[i][s][h])));
+        }
+      }
+    }
+  }
+  for (int h = 0; h < 2; ++h) {
+    avx2_min_sums<G, NR>(sc, gps, g0, a, m0, h, bsum);
+    for (int i = 0; i < NR; ++i)
+      for (int s = 0; s < 2; ++s) {
+        float* yp = yacc + i * 32 + s * kLanes + h * 8;
+        __m256 sum;
+        if constexpr (kRegs) sum = ar[i][s][h];
+        else sum = _mm256_load_ps(am[i][s][h]);
+        const __m256 yv = _mm256_fmadd_ps(sum, sc.d[s][h], _mm256_load_ps(yp));
+        _mm256_store_ps(yp, _mm256_fnmadd_ps(_mm256_load_ps(bsum + i * 16 + s * 8), sc.dm[s][h], yv));
+      }
+  }
+}
+
+// avx2_stream_rows for `rows` (<= kAvx2StreamMaxRows) rows from m0, 4 at a time, then the 1-3 left
+template <int G, bool PF>
+SPECDEC_AVX2_FN inline void avx2_stream_tile(const uint8_t* grp0, const Avx2Scales& sc, int64_t gps, int64_t g0,
+                                             const Acts& a, int64_t m0, int rows, float* yacc, float* bsum) {
+  switch (rows) {
+    case 4: return avx2_stream_rows<G, 4, PF>(grp0, sc, gps, g0, a, m0, yacc, bsum);
+    case 3: return avx2_stream_rows<G, 3, PF>(grp0, sc, gps, g0, a, m0, yacc, bsum);
+    case 2: return avx2_stream_rows<G, 2, PF>(grp0, sc, gps, g0, a, m0, yacc, bsum);
+    default: return avx2_stream_rows<G, 1, PF>(grp0, sc, gps, g0, a, m0, yacc, bsum);
+  }
+}
+
+// 2 .. kAvx2StreamMaxRows rows of blocks [b0, b1) with 4-bit codes: each super-block's scales unpacked once, then
+// avx2_stream_rows 4 rows at a time (the first tile streaming the codes from memory, the others reading them in L1).
+// The 1.5B's 4-bit step linears on an AVX2-only EPYC, against gemm_avx2_supers: 0.80 / 0.71-0.75 / 0.80-0.83 /
+// 0.93x the time at 3 / 4 / 8 / 16 rows, the same at 32-64, 1.15-1.19x at 128-512 (a tile unpacks the codes anew).
+constexpr int kAvx2StreamMaxRows = 16;
+template <int G, typename T>
+SPECDEC_AVX2_FN void gemm_avx2_stream(const Weights& w, const Acts& a, const float* bias, T* y, int64_t b0, int64_t b1) {
+  constexpr int kGroupBytes = group_bytes(4, G);
+  const int64_t groups = w.K / G, supers = w.K / w.S, gps = w.S / G;
+  alignas(32) float yacc[kAvx2StreamMaxRows * 32], bsum[4 * 16];
   Avx2Scales sc;
   for (int64_t b = b0; b < b1; ++b) {
     const uint8_t* codes = w.codes + b * groups * kGroupBytes;
-    std::fill(yacc, yacc + 2 * 32, 0.f);
+    std::fill(yacc, yacc + a.M * 32, 0.f);
     for (int64_t sb = 0; sb < supers; ++sb) {
       avx2_scales(w, b, sb, G, sc);
-      __m256 aa[2][2][2];  // [row][set][half]
-      for (int i = 0; i < 2; ++i)
-        for (int s = 0; s < 2; ++s) aa[i][s][0] = aa[i][s][1] = _mm256_setzero_ps();
-      for (int64_t j = 0; j < gps; ++j) {
-        const int64_t g = sb * gps + j;
-        const uint8_t* grp = codes + g * kGroupBytes;
-        for (int off = 0; off < kGroupBytes; off += 64) prefetch_line((const char*)grp + kPrefetchBytes + off);
-        for (int h = 0; h < 2; ++h) {
-          __m256i part[2][2];
-          for (int i = 0; i < 2; ++i) part[i][0] = part[i][1] = _mm256_setzero_si256();
-          for (int r = 0; r < R; ++r) {
-            __m256i c0, c1;
-            half_row_codes<4, G>(grp, r, h, c0, c1);
-            for (int i = 0; i < 2; ++i) {
-              int32_t x4;
-              std::memcpy(&x4, a.xq + i * K + g * G + 4 * r, 4);
-              const __m256i xb = _mm256_set1_epi32(x4);
-              part[i][0] = _mm256_add_epi16(part[i][0], _mm256_maddubs_epi16(c0, xb));
-              part[i][1] = _mm256_add_epi16(part[i][1], _mm256_maddubs_epi16(c1, xb));
-              asm("" : "+x"(part[i][0]), "+x"(part[i][1]));  // keep each sum in order (as avx2_super_rows)
-            }
-          }
-          for (int i = 0; i < 2; ++i) {
-            const __m256 dx = _mm256_set1_ps(a.dx[i * act_blocks + g * G / kActBlock]);
-            for (int s = 0; s < 2; ++s)
-              aa[i][s][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(part[i][s], sc.sc[j][s][h])), dx,
-                                            aa[i][s][h]);
-          }
-        }
-      }
-      for (int h = 0; h < 2; ++h) {
-        avx2_min_sums<G, 2>(sc, gps, sb * gps, a, 0, h, bsum);
-        for (int i = 0; i < 2; ++i)
-          for (int s = 0; s < 2; ++s) {
-            float* yp = yacc + i * 32 + s * kLanes + h * 8;
-            const __m256 yv = _mm256_fmadd_ps(aa[i][s][h], sc.d[s][h], _mm256_load_ps(yp));
-            _mm256_store_ps(yp, _mm256_fnmadd_ps(_mm256_load_ps(bsum + i * 16 + s * 8), sc.dm[s][h], yv));
-          }
-      }
+      const uint8_t* here = codes + sb * gps * kGroupBytes;
+      const int first = (int)std::min<int64_t>(4, a.M);
+      avx2_stream_tile<G, true>(here, sc, gps, sb * gps, a, 0, first, yacc, bsum);
+      for (int64_t m0 = first; m0 < a.M; m0 += 4)
+        avx2_stream_tile<G, false>(here, sc, gps, sb * gps, a, m0, (int)std::min<int64_t>(4, a.M - m0),
+                                   yacc + m0 * 32, bsum);
     }
-    for (int i = 0; i < 2; ++i)
+    for (int64_t i = 0; i < a.M; ++i)
       for (int c = 0; c < 32; c += 8) {
         const int64_t n = b * 32 + c;
         store8(_mm256_load_ps(yacc + i * 32 + c), bias ? bias + n : nullptr, y + i * w.N + n);
@@ -1139,21 +1195,21 @@ SPECDEC_AVX2_FN void gemm_avx2_row2(const Weights& w, const Acts& a, const float
   }
 }
 
-// Calls of 2 rows stream faster through gemm_avx2_row2 (4-bit codes) or avx2_half (the 1.5B's step on an AVX2-only
-// EPYC: gemm_avx2_supers 1.16x avx2_half's time at 2 rows, 0.87x at 3, 0.91-0.98x at 4-5 and 0.93 / 0.97x its own
-// time with a burst of prefetches per super-block at 8 / 16 rows).
+// Calls of 2 rows of 5- and 6-bit codes stream faster through avx2_half (the 1.5B's step on an AVX2-only EPYC:
+// gemm_avx2_supers 1.16x avx2_half's time at 2 rows, 0.87x at 3, 0.91-0.98x at 4-5 and 0.93 / 0.97x its own time with
+// a burst of prefetches per super-block at 8 / 16 rows).
 constexpr int kAvx2SupersMinRows = 3;
 
 // Every row of blocks [b0, b1): where the scale codes enter the integer product, gemm_avx2_row for one row,
-// gemm_avx2_row2 for two rows of 4-bit codes and gemm_avx2_supers for kAvx2SupersMinRows+; else two rows at a time
-// (16 vector registers hold no more), half by half.
+// gemm_avx2_stream for 2 .. kAvx2StreamMaxRows rows of 4-bit codes and gemm_avx2_supers for kAvx2SupersMinRows+;
+// else two rows at a time (16 vector registers hold no more), half by half.
 template <int BITS, int G, typename T>
 SPECDEC_AVX2_FN void gemm_avx2(const Weights& w, const Acts& a, const float* bias, T* y, int64_t b0, int64_t b1) {
   if constexpr (avx2_int_scales<BITS, G>()) {
-    if (a.M >= kAvx2SupersMinRows) return gemm_avx2_supers<BITS, G, T>(w, a, bias, y, b0, b1);
     if (a.M == 1) return gemm_avx2_row<BITS, G, T>(w, a, bias, y, b0, b1);
     if constexpr (BITS == 4)
-      if (a.M == 2) return gemm_avx2_row2<G, T>(w, a, bias, y, b0, b1);
+      if (a.M <= kAvx2StreamMaxRows) return gemm_avx2_stream<G, T>(w, a, bias, y, b0, b1);
+    if (a.M >= kAvx2SupersMinRows) return gemm_avx2_supers<BITS, G, T>(w, a, bias, y, b0, b1);
   }
   for (int64_t b = b0; b < b1; ++b)
     for (int h = 0; h < 2; ++h) {

@@ -169,12 +169,12 @@ def test_extreme_codes_scales_and_activations_give_the_same_bits_on_every_path(g
     mc = sc if shared else torch.randint(0, 64, (N, K // G), generator=g).to(torch.int8)
     d, dm = torch.rand(N, K // S, generator=g) * 1e-3, torch.rand(N, K // S, generator=g) * 1e-3
     m = BlockQuantLinear.from_canonical(q, sc, mc, d, dm, bits, G, S)
-    x = torch.ones(8, K)  # 8, 2, 1 and 3 rows: each AVX2 kernel (3+ rows take a super-block at a time)
+    x = torch.ones(18, K)  # each AVX2 kernel: 1 row, 4-bit codes 4 rows at a time to 16 (and the 1-3 left), 17+
     x[1::3] = -1.0
     x[2::3, 1::2] = -1.0
     x[3] = torch.randn(K, generator=g)
     for dtype in (torch.float32, torch.bfloat16):
-        for rows in (8, 2, 1, 3):  # 3 last: the reference check below
+        for rows in (18, 8, 5, 2, 1, 3):  # 3 last: the reference check below
             args = (m.codes, m.sc, m.mc, m.d, m.dm, None, m.bits, m.group_size, m.super_block, m.zero)
             outs = {isa: cpu_blockq.blockq_mm(x[:rows].to(dtype), *args, isa=isa) for isa in cpu_blockq.isas()}
             for isa, y in outs.items():
@@ -287,7 +287,7 @@ def test_the_isa_switch_runs_a_whole_module_on_the_path_it_names(monkeypatch):
 
 @needs_kernels
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-@pytest.mark.parametrize("rows", [1, 2, 3])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_non_finite_input_gives_non_finite_outputs_on_every_path(bad, rows, dtype):
     """NaN / inf activations are not rounded to finite int8 codes: the row's outputs are non-finite
