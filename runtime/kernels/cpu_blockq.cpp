@@ -1084,20 +1084,29 @@ SPECDEC_AVX2_FN inline void avx2_add_row(__m256i& q0, __m256i& q1, __m256i c0, _
   asm("" : "+x"(q0), "+x"(q1));  // keep each sum in order (as avx2_super_rows)
 }
 
-// Rows m0 .. m0 + NR - 1 (NR <= 4) of one super-block of 4-bit codes (one int16 span per group, as avx2_half) whose
-// first group g0 starts at grp0: yacc (NR rows of 32 floats) += the super-block's part of the output. Each group half
-// by half while its lines are in L1 (the codes read from memory once; avx2_half reads a block twice, once a half),
-// every row sharing each unpacked code row, the scale codes entering the integer product; the float sums of the
-// groups wait in aa, in L1 (NR rows x 2 sets x 2 halves: more than 16 vector registers hold beside the int16 sums).
+// d0 / d1 += the int32 products of a span's int16 sums s0 / s1 with the scale codes sc0 / sc1 (VPMADDWD); s0 = s1 = 0
+// (VPMADDWD is exact and int32 sums in any order are, so 4-bit codes' one span a group and 6-bit codes' two give the
+// other paths' int32 products)
+SPECDEC_AVX2_FN inline void avx2_span_dot(__m256i& d0, __m256i& d1, __m256i& s0, __m256i& s1, __m256i sc0, __m256i sc1) {
+  d0 = _mm256_add_epi32(d0, _mm256_madd_epi16(s0, sc0));
+  d1 = _mm256_add_epi32(d1, _mm256_madd_epi16(s1, sc1));
+  s0 = s1 = _mm256_setzero_si256();
+}
+
+// Rows m0 .. m0 + NR - 1 (NR <= 4) of one super-block whose first group g0 starts at grp0: yacc (NR rows of 32
+// floats) += the super-block's part of the output. Each group half by half while its lines are in L1 (the codes read
+// from memory once; avx2_half reads a block twice, once a half), every row sharing each unpacked code row, the scale
+// codes entering the integer product (int16 sums flushed through VPMADDWD every kSpan code rows, as avx2_half).
 // PF: prefetch each group's lines kPrefetchBytes on (the first row tile of a call; the others find the super-block in
 // L1). Every sum in the other paths' order (each float chain over the groups in order).
-template <int G, int NR, bool PF>
+template <int BITS, int G, int NR, bool PF>
 SPECDEC_AVX2_FN inline void avx2_stream_rows(const uint8_t* grp0, const Avx2Scales& sc, int64_t gps, int64_t g0,
                                              const Acts& a, int64_t m0, float* yacc, float* bsum) {
-  constexpr int R = G / 4, kGroupBytes = group_bytes(4, G);
+  constexpr int R = G / 4, kGroupBytes = group_bytes(BITS, G);
+  constexpr int kSpan = BITS == 4 ? R : BITS == 5 ? 4 : 2;  // as avx2_half
   const int64_t K = a.K, act_blocks = K / kActBlock;
   // the groups' float sums, [row][set][half]: in registers for 1-2 rows, in L1 for 3-4 (16 vector registers hold
-  // no more beside the int16 sums; in L1 at 2 rows: 1.10x the time)
+  // no more beside the integer sums; in L1 at 2 rows: 1.10x the time)
   constexpr bool kRegs = NR <= 2;
   __m256 ar[kRegs ? NR : 1][2][2];
   alignas(32) float am[kRegs ? 1 : NR][2][2][8];
@@ -1115,23 +1124,33 @@ SPECDEC_AVX2_FN inline void avx2_stream_rows(const uint8_t* grp0, const Avx2Scal
     if constexpr (PF)
       for (int off = 0; off < kGroupBytes; off += 64) prefetch_line((const char*)grp + kPrefetchBytes + off);
     for (int h = 0; h < 2; ++h) {
-      // int16 sums of row i's sets 0 and 1 in named variables: as arrays of 8 vectors GCC kept them in memory
-      __m256i s00 = _mm256_setzero_si256(), s01 = s00, s10 = s00, s11 = s00, s20 = s00, s21 = s00, s30 = s00, s31 = s00;
+      // row i's int16 sums of a span (si0, si1: sets 0 and 1) and int32 products with the scale codes (di0, di1), in
+      // named variables: as arrays of 8 vectors GCC kept them on the stack
+      const __m256i zero = _mm256_setzero_si256();
+      __m256i s00 = zero, s01 = zero, s10 = zero, s11 = zero, s20 = zero, s21 = zero, s30 = zero, s31 = zero;
+      __m256i d00 = zero, d01 = zero, d10 = zero, d11 = zero, d20 = zero, d21 = zero, d30 = zero, d31 = zero;
+      const __m256i sc0 = sc.sc[j][0][h], sc1 = sc.sc[j][1][h];
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         __m256i c0, c1;
-        half_row_codes<4, G>(grp, r, h, c0, c1);
+        half_row_codes<BITS, G>(grp, r, h, c0, c1);
         const int64_t at = j * G + 4 * r;
         avx2_add_row(s00, s01, c0, c1, xq[0] + at);
         if constexpr (NR > 1) avx2_add_row(s10, s11, c0, c1, xq[1] + at);
         if constexpr (NR > 2) avx2_add_row(s20, s21, c0, c1, xq[2] + at);
         if constexpr (NR > 3) avx2_add_row(s30, s31, c0, c1, xq[3] + at);
+        if ((r + 1) % kSpan == 0) {
+          avx2_span_dot(d00, d01, s00, s01, sc0, sc1);
+          if constexpr (NR > 1) avx2_span_dot(d10, d11, s10, s11, sc0, sc1);
+          if constexpr (NR > 2) avx2_span_dot(d20, d21, s20, s21, sc0, sc1);
+          if constexpr (NR > 3) avx2_span_dot(d30, d31, s30, s31, sc0, sc1);
+        }
       }
-      const __m256i sums[4][2] = {{s00, s01}, {s10, s11}, {s20, s21}, {s30, s31}};
+      const __m256i dots[4][2] = {{d00, d01}, {d10, d11}, {d20, d21}, {d30, d31}};
       for (int i = 0; i < NR; ++i) {
         const __m256 dx = _mm256_set1_ps(a.dx[(m0 + i) * act_blocks + g * G / kActBlock]);
         for (int s = 0; s < 2; ++s) {
-          const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[i][s], sc.sc[j][s][h]));
+          const __m256 p = _mm256_cvtepi32_ps(dots[i][s]);
           if constexpr (kRegs) ar[i][s][h] = _mm256_fmadd_ps(p, dx, ar[i][s][h]);
           else _mm256_store_ps(am[i][s][h], _mm256_fmadd_ps(p, dx, _mm256_load_ps(am[i][s][h])));
         }
@@ -1152,26 +1171,25 @@ SPECDEC_AVX2_FN inline void avx2_stream_rows(const uint8_t* grp0, const Avx2Scal
   }
 }
 
-// avx2_stream_rows for `rows` (<= kAvx2StreamMaxRows) rows from m0, 4 at a time, then the 1-3 left
-template <int G, bool PF>
+// avx2_stream_rows for 1-4 rows from m0
+template <int BITS, int G, bool PF>
 SPECDEC_AVX2_FN inline void avx2_stream_tile(const uint8_t* grp0, const Avx2Scales& sc, int64_t gps, int64_t g0,
                                              const Acts& a, int64_t m0, int rows, float* yacc, float* bsum) {
   switch (rows) {
-    case 4: return avx2_stream_rows<G, 4, PF>(grp0, sc, gps, g0, a, m0, yacc, bsum);
-    case 3: return avx2_stream_rows<G, 3, PF>(grp0, sc, gps, g0, a, m0, yacc, bsum);
-    case 2: return avx2_stream_rows<G, 2, PF>(grp0, sc, gps, g0, a, m0, yacc, bsum);
-    default: return avx2_stream_rows<G, 1, PF>(grp0, sc, gps, g0, a, m0, yacc, bsum);
+    case 4: return avx2_stream_rows<BITS, G, 4, PF>(grp0, sc, gps, g0, a, m0, yacc, bsum);
+    case 3: return avx2_stream_rows<BITS, G, 3, PF>(grp0, sc, gps, g0, a, m0, yacc, bsum);
+    case 2: return avx2_stream_rows<BITS, G, 2, PF>(grp0, sc, gps, g0, a, m0, yacc, bsum);
+    default: return avx2_stream_rows<BITS, G, 1, PF>(grp0, sc, gps, g0, a, m0, yacc, bsum);
   }
 }
 
-// 2 .. kAvx2StreamMaxRows rows of blocks [b0, b1) with 4-bit codes: each super-block's scales unpacked once, then
-// avx2_stream_rows 4 rows at a time (the first tile streaming the codes from memory, the others reading them in L1).
-// The 1.5B's 4-bit step linears on an AVX2-only EPYC, against gemm_avx2_supers: 0.80 / 0.71-0.75 / 0.80-0.83 /
-// 0.93x the time at 3 / 4 / 8 / 16 rows, the same at 32-64, 1.15-1.19x at 128-512 (a tile unpacks the codes anew).
+// The rows of blocks [b0, b1) (at most kAvx2StreamMaxRows): each super-block's scales unpacked once, then
+// avx2_stream_rows 4 rows at a time, the 1-3 left last (the first tile streaming the codes from memory, the others
+// reading them in L1).
 constexpr int kAvx2StreamMaxRows = 16;
-template <int G, typename T>
+template <int BITS, int G, typename T>
 SPECDEC_AVX2_FN void gemm_avx2_stream(const Weights& w, const Acts& a, const float* bias, T* y, int64_t b0, int64_t b1) {
-  constexpr int kGroupBytes = group_bytes(4, G);
+  constexpr int kGroupBytes = group_bytes(BITS, G), kTile = 4;
   const int64_t groups = w.K / G, supers = w.K / w.S, gps = w.S / G;
   alignas(32) float yacc[kAvx2StreamMaxRows * 32], bsum[4 * 16];
   Avx2Scales sc;
@@ -1181,11 +1199,11 @@ SPECDEC_AVX2_FN void gemm_avx2_stream(const Weights& w, const Acts& a, const flo
     for (int64_t sb = 0; sb < supers; ++sb) {
       avx2_scales(w, b, sb, G, sc);
       const uint8_t* here = codes + sb * gps * kGroupBytes;
-      const int first = (int)std::min<int64_t>(4, a.M);
-      avx2_stream_tile<G, true>(here, sc, gps, sb * gps, a, 0, first, yacc, bsum);
-      for (int64_t m0 = first; m0 < a.M; m0 += 4)
-        avx2_stream_tile<G, false>(here, sc, gps, sb * gps, a, m0, (int)std::min<int64_t>(4, a.M - m0),
-                                   yacc + m0 * 32, bsum);
+      const int first = (int)std::min<int64_t>(kTile, a.M);
+      avx2_stream_tile<BITS, G, true>(here, sc, gps, sb * gps, a, 0, first, yacc, bsum);
+      for (int64_t m0 = first; m0 < a.M; m0 += kTile)
+        avx2_stream_tile<BITS, G, false>(here, sc, gps, sb * gps, a, m0, (int)std::min<int64_t>(kTile, a.M - m0),
+                                         yacc + m0 * 32, bsum);
     }
     for (int64_t i = 0; i < a.M; ++i)
       for (int c = 0; c < 32; c += 8) {
@@ -1195,20 +1213,29 @@ SPECDEC_AVX2_FN void gemm_avx2_stream(const Weights& w, const Acts& a, const flo
   }
 }
 
-// Calls of 2 rows of 5- and 6-bit codes stream faster through avx2_half (the 1.5B's step on an AVX2-only EPYC:
-// gemm_avx2_supers 1.16x avx2_half's time at 2 rows, 0.87x at 3, 0.91-0.98x at 4-5 and 0.93 / 0.97x its own time with
-// a burst of prefetches per super-block at 8 / 16 rows).
+// Whether gemm_avx2_stream takes a call of `rows` rows. The 1.5B's step linears on an AVX2-only EPYC, alternating
+// builds in one process: 4-bit codes 0.80-0.87 / 0.71-0.84 / 0.80-0.91 / 0.93-0.98x gemm_avx2_supers' time at
+// 3 / 4 / 8 / 16 rows, the same as the two-row kernel it replaced at 2, equal at 32-64, 1.15-1.19x at 128-512 (a tile
+// unpacks the codes anew; prefill keeps gemm_avx2_supers); 6-bit codes in groups of 16 0.77-0.87 / 0.86-0.90 / 0.88 /
+// 0.94-0.98 / 0.98-1.00x at 3 / 4 / 5 / 6-7 / 8 rows, 1.02x at 16 and 1.17-1.27x avx2_half's time at 2 rows. Other
+// formats were not measured: they keep avx2_half and gemm_avx2_supers.
+template <int BITS>
+constexpr bool avx2_streams(int64_t rows) {
+  return BITS == 4 ? rows >= 2 && rows <= kAvx2StreamMaxRows : BITS == 6 && rows >= 3 && rows <= 8;
+}
+
+// gemm_avx2_supers from 3 rows on where gemm_avx2_stream does not run; 2 rows of 5- and 6-bit codes stream faster
+// through avx2_half (gemm_avx2_supers 1.16x its time at 2 rows).
 constexpr int kAvx2SupersMinRows = 3;
 
 // Every row of blocks [b0, b1): where the scale codes enter the integer product, gemm_avx2_row for one row,
-// gemm_avx2_stream for 2 .. kAvx2StreamMaxRows rows of 4-bit codes and gemm_avx2_supers for kAvx2SupersMinRows+;
-// else two rows at a time (16 vector registers hold no more), half by half.
+// gemm_avx2_stream where avx2_streams and gemm_avx2_supers for kAvx2SupersMinRows+; else two rows at a time (16
+// vector registers hold no more), half by half.
 template <int BITS, int G, typename T>
 SPECDEC_AVX2_FN void gemm_avx2(const Weights& w, const Acts& a, const float* bias, T* y, int64_t b0, int64_t b1) {
   if constexpr (avx2_int_scales<BITS, G>()) {
     if (a.M == 1) return gemm_avx2_row<BITS, G, T>(w, a, bias, y, b0, b1);
-    if constexpr (BITS == 4)
-      if (a.M <= kAvx2StreamMaxRows) return gemm_avx2_stream<G, T>(w, a, bias, y, b0, b1);
+    if (avx2_streams<BITS>(a.M)) return gemm_avx2_stream<BITS, G, T>(w, a, bias, y, b0, b1);
     if (a.M >= kAvx2SupersMinRows) return gemm_avx2_supers<BITS, G, T>(w, a, bias, y, b0, b1);
   }
   for (int64_t b = b0; b < b1; ++b)

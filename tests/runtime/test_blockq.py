@@ -169,7 +169,7 @@ def test_extreme_codes_scales_and_activations_give_the_same_bits_on_every_path(g
     mc = sc if shared else torch.randint(0, 64, (N, K // G), generator=g).to(torch.int8)
     d, dm = torch.rand(N, K // S, generator=g) * 1e-3, torch.rand(N, K // S, generator=g) * 1e-3
     m = BlockQuantLinear.from_canonical(q, sc, mc, d, dm, bits, G, S)
-    x = torch.ones(18, K)  # each AVX2 kernel: 1 row, 4-bit codes 4 rows at a time to 16 (and the 1-3 left), 17+
+    x = torch.ones(18, K)  # each AVX2 kernel: 1 row, 2 rows, 4 rows a tile and the 1-3 left (to 16), 17+
     x[1::3] = -1.0
     x[2::3, 1::2] = -1.0
     x[3] = torch.randn(K, generator=g)
